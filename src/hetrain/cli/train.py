@@ -1,0 +1,51 @@
+"""`hetrain run` and `hetrain demo`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ..launch import build_launch, run_launch
+
+DEMO_CLUSTER = "a100-80g:1.0,rtx3090:0.67"
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def run(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="the training script (or module, with -m)"),
+    emulate: Optional[str] = typer.Option(
+        None, "--emulate", help="emulated cluster, e.g. a100-80g,rtx3090 or a100-80g:1.0,rtx3090:0.67@1GiB"),
+    module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module name (python -m)"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="process count (default: one per device)"),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="restart the job this many times after a crash"),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
+) -> None:
+    """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
+    launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
+                          nproc=nproc, max_restarts=max_restarts, run_dir=run_dir)
+    typer.echo(launch.describe(), err=True)
+    raise typer.Exit(run_launch(launch))
+
+
+def demo(
+    emulate: str = typer.Option(DEMO_CLUSTER, "--emulate", "--cluster",
+                                help="emulated cluster (default: A100-80G + RTX 3090 at the measured 1 : 0.67)"),
+    steps: int = typer.Option(300, "--steps", help="optimizer steps"),
+    global_batch: int = typer.Option(64, "--global-batch", help="samples per step, all devices together"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the run's figures to this file"),
+) -> None:
+    """Train a small GPT on Python's own docs across an emulated mixed cluster (no GPU needed)."""
+    args = ["--steps", str(steps), "--global-batch", str(global_batch)]
+    if json_path:
+        args += ["--json", json_path]
+    launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,
+                          emulate=emulate)
+    typer.echo(launch.describe(), err=True)
+    raise typer.Exit(run_launch(launch))
+
+
+def register(app: typer.Typer) -> None:
+    app.command(context_settings=_PASSTHROUGH)(run)
+    app.command()(demo)

@@ -1,0 +1,94 @@
+"""Cluster specs: `a100-80g,rtx3090` or `a100-80g:1.0,rtx3090:0.67@1GiB`.
+
+Grammar, one item per device, comma separated:  [COUNTx]NAME[:SPEED][@MEMORY]
+  NAME    a catalog GPU ('a100-80g', '3090', 'NVIDIA GeForce RTX 3090')
+  SPEED   relative training speed (> 0), overriding the catalog's speed index
+  MEMORY  memory cap, e.g. 2GiB or 512MiB (default: the catalog card's memory)
+  COUNTx  that many identical devices, e.g. 2xrtx3090
+
+Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from . import catalog
+from .units import format_bytes, parse_bytes
+
+FORMS = ("NAME", "NAME:SPEED", "NAME@MEMORY", "NAME:SPEED@MEMORY", "COUNTxNAME")
+EXAMPLE = "a100-80g,rtx3090  or  a100-80g:1.0,rtx3090:0.67@1GiB"
+_ITEM = re.compile(r"^(?:(?P<count>\d+)[x*])?(?P<name>[^:@]+?)(?::(?P<speed>[^@]*))?(?:@(?P<mem>.*))?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterDevice:
+    """One device of a cluster spec; `speed` is relative to the spec's fastest device (1.0)."""
+
+    index: int
+    gpu: catalog.GpuSpec
+    speed: float
+    speed_source: str          # 'catalog speed index 0.67' or 'given in --emulate'
+    memory_bytes: int
+    memory_source: str         # 'catalog: 24 GiB card' or 'given cap'
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu.key}#{self.index}"
+
+
+def _bad(item: str, why: str) -> UsageError:
+    return UsageError(
+        f"bad device {item!r} in cluster spec: {why}",
+        f"write devices as {' | '.join(FORMS)}, comma separated, e.g. {EXAMPLE}",
+    )
+
+
+def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
+    """Parse a cluster spec; every problem is a UsageError naming the bad item and the forms."""
+    if not spec or not spec.strip():
+        raise UsageError("the cluster spec is empty", f"give devices, e.g. {EXAMPLE}")
+    raw: list[tuple[catalog.GpuSpec, float | None, int | None]] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            raise _bad(spec, "an empty item (two commas in a row, or a trailing comma)")
+        m = _ITEM.match(item)
+        if not m:
+            raise _bad(item, "not of the accepted forms")
+        try:
+            gpu = catalog.resolve(m["name"].strip())
+        except UsageError as e:
+            raise _bad(item, e.what) from None
+        speed = None
+        if m["speed"] is not None:
+            try:
+                speed = float(m["speed"])
+            except ValueError:
+                raise _bad(item, f"speed {m['speed']!r} is not a number") from None
+            if not speed > 0 or speed != speed or speed == float("inf"):
+                raise _bad(item, f"speed {m['speed']!r} must be a positive number")
+        memory = None
+        if m["mem"] is not None:
+            try:
+                memory = parse_bytes(m["mem"], what="memory")
+            except UsageError as e:
+                raise _bad(item, e.what) from None
+        count = int(m["count"]) if m["count"] else 1
+        if count < 1:
+            raise _bad(item, "the count must be at least 1")
+        raw.extend([(gpu, speed, memory)] * count)
+
+    speeds = [s if s is not None else gpu.speed_index for gpu, s, _ in raw]
+    fastest = max(speeds)
+    return tuple(
+        ClusterDevice(
+            index=i, gpu=gpu, speed=speeds[i] / fastest,
+            speed_source=("given" if s is not None else f"catalog speed index {gpu.speed_index:g}"),
+            memory_bytes=mem if mem is not None else gpu.memory_bytes,
+            memory_source=("given cap" if mem is not None
+                           else f"catalog: {format_bytes(gpu.memory_bytes)} card"),
+        )
+        for i, (gpu, s, mem) in enumerate(raw)
+    )

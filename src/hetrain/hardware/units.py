@@ -1,0 +1,40 @@
+"""Byte sizes as people write them ('2GiB', '512MB', '1.5g') and back."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import UsageError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, *, what: str = "size") -> int:
+    """'2GiB' -> 2147483648. Bare numbers are bytes; k/m/g/t alone are binary (GiB)."""
+    m = _SIZE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(
+            f"cannot read {what} {text!r}",
+            "write a number with a unit, e.g. 512MiB, 2GiB, 24GB",
+        )
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise UsageError(f"{what} {text!r} is zero", "give a positive size, e.g. 2GiB")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """2147483648 -> '2.0 GiB' (binary units, one decimal)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

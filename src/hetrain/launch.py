@@ -1,0 +1,116 @@
+"""`hetrain run`: the torchrun command and environment for a job, built from what is here.
+
+Process launching is torchrun's (torch.distributed.run): we choose its arguments, the process
+count (one per emulated device, else one per visible GPU, else one) and the environment, and say
+why for each. The job's settings reach the workers in one launch file (HETRAIN_LAUNCH), not in a
+spray of environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import HetrainError, UsageError
+from .hardware.cluster import parse_cluster
+from .runtime.config import LAUNCH_ENV
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    argv: tuple[str, ...]
+    env: dict[str, str]                          # only what we set on top of the caller's env
+    reasons: tuple[str, ...] = field(default=())  # one line per choice, for people
+    nproc: int = 1
+
+    def describe(self) -> str:
+        lines = [f"launching {self.nproc} process(es) with torchrun:", "  " + " ".join(self.argv)]
+        lines += [f"  {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool = False,
+                 emulate: str | None = None, nproc: int | None = None, max_restarts: int = 0,
+                 config: dict | None = None, run_dir: str | None = None) -> Launch:
+    """The torchrun argv and environment for running `target` (a script path, or a module)."""
+    if not module and not Path(target).is_file():
+        hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
+        raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
+    reasons: list[str] = []
+    env: dict[str, str] = {}
+    if emulate:
+        cluster = parse_cluster(emulate)
+        count = len(cluster)
+        reasons.append("processes: one per emulated device: "
+                       + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
+        env["OMP_NUM_THREADS"] = "1"
+        reasons.append("OMP_NUM_THREADS=1: an emulated device is one CPU thread, throttled to its speed")
+    else:
+        gpus = _cuda_count()
+        count = gpus or 1
+        if gpus:
+            reasons.append(f"processes: one per visible GPU ({gpus})")
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            reasons.append("CUDA_DEVICE_ORDER=PCI_BUS_ID: GPU indices match nvidia-smi")
+        else:
+            reasons.append("processes: 1 (no GPU and no --emulate; try --emulate a100-80g,rtx3090)")
+    if nproc is not None:
+        if nproc < 1:
+            raise UsageError(f"--nproc {nproc} must be at least 1", "give a positive process count")
+        if emulate and nproc != count:
+            raise UsageError(f"--nproc {nproc} but --emulate names {count} devices",
+                             "drop --nproc: with --emulate there is one process per device")
+        count = nproc
+    if max_restarts:
+        reasons.append(f"--max-restarts={max_restarts}: a crashed worker restarts the job from its last checkpoint")
+
+    run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
+    os.makedirs(run_dir, exist_ok=True)
+    launch_file = os.path.join(run_dir, "launch.json")
+    with open(launch_file, "w") as f:
+        json.dump({"config": {"emulate": emulate, **(config or {})}, "run_dir": run_dir}, f, indent=2)
+    env[LAUNCH_ENV] = launch_file
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={count}", f"--max-restarts={max_restarts}"]
+    argv += (["-m", target] if module else [target]) + list(target_args)
+    return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count)
+
+
+def run_launch(launch: Launch) -> int:
+    """Run torchrun's own launcher in this process, so a failed worker becomes one clear line
+    here instead of the launcher's traceback. Returns the job's exit code: 0, or 2 when the
+    workers stopped on a usage error (they printed it), or raises HetrainError naming the rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.update(launch.env)
+    # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if all(code == 2 for code in codes.values()):
+            return 2
+        rank, first = e.get_first_failure()
+        how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+               else f"exited with code {first.exitcode}")
+        raise HetrainError(
+            f"the job failed: rank {rank} {how} (exit codes by rank: {codes})",
+            "see the rank's error above; for crashes, --max-restarts N restarts from the last checkpoint",
+        ) from None
+    return 0

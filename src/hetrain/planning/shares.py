@@ -1,0 +1,79 @@
+"""Split a global batch across devices in proportion to speed (pure; no torch).
+
+The step time of data parallelism is max_r(b_r / v_r) (v_r: samples/s of device r), so the best
+integer split minimises that maximum: start from floor(B·v_r/Σv), then give each remaining sample
+to the device that would finish it soonest. Every device gets at least one sample (a device too
+slow to help is the planner's call to exclude, not this function's).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from .plan import DevicePlan, Plan
+
+
+def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
+    """Integer shares summing to `global_batch`, each >= 1, minimising max(share / speed)."""
+    n = len(speeds)
+    if n == 0:
+        raise UsageError("no devices to split the batch across", "give at least one device")
+    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+        raise UsageError(f"device speeds must be positive numbers, got {list(speeds)}",
+                         "check the cluster spec or the measured warm-up")
+    if global_batch < n:
+        raise UsageError(
+            f"global batch {global_batch} is smaller than the {n} devices",
+            f"use a global batch of at least {n} (every device needs one sample), or fewer devices",
+        )
+    total = sum(speeds)
+    shares = [max(1, math.floor(global_batch * s / total)) for s in speeds]
+    # Too many after the >= 1 floor: take back from whoever is slowest to finish, keeping >= 1.
+    while sum(shares) > global_batch:
+        r = max((r for r in range(n) if shares[r] > 1), key=lambda r: shares[r] / speeds[r])
+        shares[r] -= 1
+    heap = [((shares[r] + 1) / speeds[r], r) for r in range(n)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - sum(shares)):
+        _, r = heapq.heappop(heap)
+        shares[r] += 1
+        heapq.heappush(heap, ((shares[r] + 1) / speeds[r], r))
+    return tuple(shares)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceCapacity:
+    """What the static split needs to know about one rank's device."""
+
+    device: str
+    speed: float
+    speed_reason: str                 # e.g. 'catalog speed index 0.67 (emulated)'
+    max_micro_batch: int | None       # None: memory does not limit it
+    micro_reason: str                 # e.g. '1 GiB cap, measured 41 MiB/sample'
+    memory_cap_bytes: int | None = None
+    precision: str = "fp32"
+
+
+def static_plan(global_batch: int, devices: Sequence[DeviceCapacity]) -> Plan:
+    """A Plan that splits the global batch by speed and caps micro-batches by memory."""
+    shares = proportional_shares(global_batch, [d.speed for d in devices])
+    total_speed = sum(d.speed for d in devices)
+    plans = []
+    for rank, (d, share) in enumerate(zip(devices, shares)):
+        micro = share if d.max_micro_batch is None else max(1, min(share, d.max_micro_batch))
+        n_micro = math.ceil(share / micro)
+        plans.append(DevicePlan(
+            rank=rank, device=d.device, speed=d.speed, share=share, micro_batch=micro,
+            precision=d.precision, memory_cap_bytes=d.memory_cap_bytes,
+            reasons=(
+                f"share {share}/{global_batch}: speed {d.speed:.3g} of total {total_speed:.3g} "
+                f"({d.speed_reason})",
+                f"micro-batch {micro} x{n_micro}: "
+                + (d.micro_reason if micro < share else f"whole share fits ({d.micro_reason})"),
+            ),
+        ))
+    return Plan(global_batch=global_batch, devices=tuple(plans), note="static split by speed")

@@ -1,0 +1,81 @@
+"""Joining and leaving the process group, reliably, with or without torchrun.
+
+Two measured traps (../shared/TORCH-CPU-FACTS.md) shape this module:
+  * After a torchrun restart, gloo workers read the previous attempt's addresses from the agent's
+    shared TCPStore and fail in connectFullMesh (pytorch#135712). Every attempt therefore gets its
+    own key space: PrefixStore(f"hetrain/attempt{TORCHELASTIC_RESTART_COUNT}", store).
+  * Gloo can abort at interpreter exit ("terminate called without an active exception") while a
+    DDP module is alive. `shutdown` releases the DDP modules first, then barriers and destroys.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    restart: int                  # torchrun restart attempt (0 on the first run)
+    owns_group: bool              # we created the process group (and so destroy it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
+    """Join the job's process group (torchrun env vars), or make a group of one."""
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if use_cuda:
+        # Before anything else touches CUDA, or every rank makes a context on GPU 0.
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+
+    if dist.is_initialized():  # the user made the group; use it as it is
+        return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device,
+                           dist.get_backend(), restart, owns_group=False)
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        store: dist.Store = dist.HashStore()
+    else:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT", 29500)
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(host, port, world_size=world, is_master=(not agent and rank == 0),
+                              timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore(f"hetrain/attempt{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
+    return DistContext(rank, world, local_rank, device, backend, restart, owns_group=True)
+
+
+def shutdown(ctx: DistContext | None) -> None:
+    """Leave the group cleanly. Callers drop their DDP modules before calling this."""
+    gc.collect()
+    if ctx is not None and ctx.owns_group and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,128 @@
+"""Emulated devices: a CPU process that computes like a slower GPU with a smaller memory.
+
+Speed. The fastest device of the cluster runs at the CPU's own pace (one thread per process);
+a device of relative speed s sleeps c·(1/s − 1) after every piece of compute that took c seconds
+of this thread's CPU time, so its compute lasts c/s. CPU time (not wall time) is measured, so
+time spent waiting for peers in a collective is never throttled twice.
+
+Memory. Parameters, gradients and optimizer state are counted from their tensors; activations
+are counted as the forward saves them for backward (`saved_tensors_hooks`). When the total would
+pass the cap, the forward raises `torch.OutOfMemoryError` — the same type a CUDA OOM raises — so
+the recovery code that handles it is the real one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+from ..hardware.cluster import ClusterDevice
+from ..hardware.units import format_bytes
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters + gradients (one per trainable parameter) + optimizer state, as held now."""
+    params = list(model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    state = []
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            state += [v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return tensor_bytes(params) + tensor_bytes(model.buffers()) + grads + tensor_bytes(state)
+
+
+class MemoryMeter:
+    """Counts the bytes a device holds; raises OutOfMemoryError past `cap` (None: count only)."""
+
+    def __init__(self, *, label: str, cap: int | None):
+        self.label = label
+        self.cap = cap
+        self.fixed = 0            # parameters, gradients, optimizer state
+        self.activations = 0      # saved by the forward in flight
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._skip: set[int] = set()  # storages that are already counted as fixed (parameters)
+
+    def set_fixed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.fixed = model_state_bytes(model, optimizer)
+        self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.peak = max(self.peak, self.fixed)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._seen and ptr not in self._skip:
+            self._seen.add(ptr)
+            self.activations += storage.nbytes()
+            total = self.fixed + self.activations
+            self.peak = max(self.peak, total)
+            if self.cap is not None and total > self.cap:
+                raise torch.OutOfMemoryError(
+                    f"{self.label}: out of memory (emulated): needs {format_bytes(total)} "
+                    f"({format_bytes(self.fixed)} model state + {format_bytes(self.activations)} "
+                    f"activations so far), cap {format_bytes(self.cap)}")
+        return t
+
+    @contextmanager
+    def forward(self):
+        """Count one forward's saved activations (they are freed by its backward)."""
+        self._seen.clear()
+        self.activations = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+
+class Throttle:
+    """Makes this thread's compute last c/speed: sleeps after each measured piece of work."""
+
+    def __init__(self, speed: float):
+        if not 0 < speed <= 1:
+            raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
+        self.speed = speed
+        self.cpu_seconds = 0.0      # compute measured (unthrottled)
+        self.slept_seconds = 0.0
+
+    @contextmanager
+    def compute(self):
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.pay(time.thread_time() - t0)
+
+    def pay(self, cpu_seconds: float) -> None:
+        self.cpu_seconds += cpu_seconds
+        if self.speed < 1:
+            pause = cpu_seconds * (1 / self.speed - 1)
+            self.slept_seconds += pause
+            time.sleep(pause)
+
+
+class EmulatedDevice:
+    """This rank's emulated GPU: a throttle and a memory meter."""
+
+    def __init__(self, spec: ClusterDevice):
+        self.spec = spec
+        self.throttle = Throttle(spec.speed)
+        self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.label} (emulated)"

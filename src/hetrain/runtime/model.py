@@ -1,0 +1,48 @@
+"""The model the user gets back from prepare(): their module, run through DDP.
+
+Forward goes through the DistributedDataParallel wrapper (which must see every forward to sync
+the right backward) and, on an emulated device, through the memory meter. state_dict and
+attribute access go to the user's own module, so checkpoints have the user's keys. close() swaps
+the DDP wrapper out, so it is freed before the process group is destroyed (gloo's exit abort).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PreparedModel(nn.Module):
+    def __init__(self, module: nn.Module, forward_module: nn.Module, meter=None):
+        super().__init__()
+        self._forward_module = forward_module
+        object.__setattr__(self, "_hetrain_module", module)   # not registered twice
+        object.__setattr__(self, "_hetrain_meter", meter)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's own model."""
+        return self._hetrain_module
+
+    def forward(self, *args, **kwargs):
+        meter = self._hetrain_meter
+        if meter is not None and torch.is_grad_enabled():
+            with meter.forward():
+                return self._forward_module(*args, **kwargs)
+        return self._forward_module(*args, **kwargs)
+
+    def release_wrapper(self) -> None:
+        """Drop the DDP wrapper; forward then calls the user's module directly."""
+        self._forward_module = self._hetrain_module
+
+    def state_dict(self, *args, **kwargs):
+        return self._hetrain_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._hetrain_module.load_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._hetrain_module, name)

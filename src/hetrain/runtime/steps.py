@@ -1,0 +1,67 @@
+"""The objects of the user's loop: Steps (the run), Step (one global batch), MicroBatch.
+
+    for step in batches:            # Steps: one optimizer step over the whole global batch each
+        for mb in step:             # Step: this rank's share, in micro-batches that fit its memory
+            with mb:                # MicroBatch: the samples, and the scope hetrain watches
+                ...
+                ht.backward(loss)
+        ht.step()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MicroBatch:
+    batch: object              # the collated samples, on this rank's device
+    size: int                  # samples in it
+    index: int                 # position within this rank's micro-batches of the step
+    count: int                 # micro-batches this rank runs in the step
+    indices: tuple[int, ...]   # dataset indices
+    backward_done: bool = False
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def __iter__(self):
+        """`x, y = mb` unpacks the batch."""
+        return iter(self.batch)
+
+    def __enter__(self) -> MicroBatch:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+
+@dataclass
+class Step:
+    """One optimizer step. Iterate it for this rank's micro-batches; after ht.step(), `loss` is the
+    mean loss over the whole global batch (all ranks), the same number on every rank."""
+
+    index: int                       # global step number (0-based, counts across resumes)
+    epoch: int
+    indices: tuple[int, ...]         # this rank's dataset indices in this step
+    _engine: object = field(repr=False)
+    loss: float | None = None
+    samples_per_s: float | None = None
+
+    def __iter__(self):
+        return self._engine._micro_batches(self)
+
+
+class Steps:
+    """The run's steps: `for step in batches` until max_steps or the epochs are done."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __len__(self) -> int:
+        return self._engine.total_steps - self._engine.steps_done
+
+    def __iter__(self):
+        while self._engine.steps_done < self._engine.total_steps:
+            yield self._engine._begin_step()

@@ -1,0 +1,78 @@
+"""Run a function on W real processes joined in a gloo process group on loopback.
+
+Each rank is a fresh `spawn`ed interpreter with the torchrun environment variables set, so the
+code under test joins the group exactly as it does under torchrun. A rank that raises, hangs past
+the deadline, or dies at exit (e.g. gloo's SIGABRT at teardown) fails the test, with every rank's
+error shown side by side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, world: int, port: int, args: tuple, env: dict, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                       "OMP_NUM_THREADS": "1", **env})
+    import torch
+
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pkl"
+    try:
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "error":
+        os._exit(1)
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 180.0, env: dict | None = None) -> list:
+    """fn(rank, world, *args) on `world` processes; returns each rank's return value."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, env or {}, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, problems = [], []
+        for r, p in enumerate(procs):
+            path = Path(out) / f"rank{r}.pkl"
+            status, value = pickle.loads(path.read_bytes()) if path.exists() else ("missing", None)
+            if r in hung:
+                problems.append(f"rank {r}: hung past the {timeout:.0f} s deadline (status {status})")
+            elif status == "error":
+                problems.append(f"rank {r}: raised\n{value}")
+            elif p.exitcode != 0:
+                problems.append(f"rank {r}: exit code {p.exitcode} after returning {status}")
+            results.append(value)
+        if problems:
+            raise AssertionError("distributed run failed:\n" + "\n".join(problems))
+        return results
