@@ -7,6 +7,10 @@ Grammar, one item per device, comma separated:  [COUNTx]NAME[:SPEED][@MEMORY]
   COUNTx  that many identical devices, e.g. 2xrtx3090
 
 Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`.
+
+Speeds are on the catalog's scale (A100-80GB SXM = 1.0), and one CPU thread plays an A100: an
+RTX 3090 (0.67) computes at 0.67 of the thread's pace, alone or beside others. Only a cluster with
+a device faster than 1.0 is rescaled, so that its fastest device runs at the thread's full pace.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _ITEM = re.compile(r"^(?:(?P<count>\d+)[x*])?(?P<name>[^:@]+?)(?::(?P<speed>[^@]
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterDevice:
-    """One device of a cluster spec; `speed` is relative to the spec's fastest device (1.0)."""
+    """One device of a cluster spec; `speed` is the fraction of one CPU thread's pace it runs at."""
 
     index: int
     gpu: catalog.GpuSpec
@@ -41,7 +45,7 @@ class ClusterDevice:
 
 def _bad(item: str, why: str) -> UsageError:
     return UsageError(
-        f"bad device {item!r} in cluster spec: {why}",
+        f"bad device {item!r} in cluster spec: {why}" if item.strip() else why,
         f"write devices as {' | '.join(FORMS)}, comma separated, e.g. {EXAMPLE}",
     )
 
@@ -49,7 +53,7 @@ def _bad(item: str, why: str) -> UsageError:
 def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
     """Parse a cluster spec; every problem is a UsageError naming the bad item and the forms."""
     if not spec or not spec.strip():
-        raise UsageError("the cluster spec is empty", f"give devices, e.g. {EXAMPLE}")
+        raise _bad(spec, "the cluster spec is empty")
     raw: list[tuple[catalog.GpuSpec, float | None, int | None]] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
@@ -81,10 +85,10 @@ def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
         raw.extend([(gpu, speed, memory)] * count)
 
     speeds = [s if s is not None else gpu.speed_index for gpu, s, _ in raw]
-    fastest = max(speeds)
+    scale = max(1.0, max(speeds))
     return tuple(
         ClusterDevice(
-            index=i, gpu=gpu, speed=speeds[i] / fastest,
+            index=i, gpu=gpu, speed=speeds[i] / scale,
             speed_source=("given" if s is not None else f"catalog speed index {gpu.speed_index:g}"),
             memory_bytes=mem if mem is not None else gpu.memory_bytes,
             memory_source=("given cap" if mem is not None

@@ -1,9 +1,9 @@
 """Emulated devices: a CPU process that computes like a slower GPU with a smaller memory.
 
-Speed. The fastest device of the cluster runs at the CPU's own pace (one thread per process);
-a device of relative speed s sleeps c·(1/s − 1) after every piece of compute that took c seconds
-of this thread's CPU time, so its compute lasts c/s. CPU time (not wall time) is measured, so
-time spent waiting for peers in a collective is never throttled twice.
+Speed. One CPU thread plays the fastest device (see hardware/cluster.py); a device of relative
+speed s sleeps c·(1/s − 1) for every piece of compute that took c seconds of this thread's CPU
+time, so its compute lasts c/s. CPU time (not wall time) is measured, so time spent waiting for
+peers in a collective is never throttled. The sleep comes before each backward (Throttle).
 
 Memory. Parameters, gradients and optimizer state are counted from their tensors; activations
 are counted as the forward saves them for backward (`saved_tensors_hooks`). When the total would
@@ -90,7 +90,14 @@ class MemoryMeter:
 
 
 class Throttle:
-    """Makes this thread's compute last c/speed: sleeps after each measured piece of work."""
+    """Makes this thread's compute last c/speed by sleeping c·(1/speed − 1) for c seconds of CPU.
+
+    Where the sleep goes matters as much as how long it is. A real slow GPU hands its gradients
+    to the all-reduce late; a sleep placed after the backward would let the gradient sync start
+    early and then stall the peers at the next collective instead. So the engine sleeps *before*
+    each backward, for the forward just measured plus a prediction of the backward (its learned
+    ratio to the forward), and books the prediction's error as a debt paid at the next sleep.
+    """
 
     def __init__(self, speed: float):
         if not 0 < speed <= 1:
@@ -98,21 +105,45 @@ class Throttle:
         self.speed = speed
         self.cpu_seconds = 0.0      # compute measured (unthrottled)
         self.slept_seconds = 0.0
+        self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
+        self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
+
+    def charge(self, cpu_seconds: float) -> None:
+        """Book compute; its sleep is owed until the next settle()."""
+        self.cpu_seconds += cpu_seconds
+        self.owed += cpu_seconds * (1 / self.speed - 1)
+
+    def settle(self) -> None:
+        if self.owed > 0:
+            self.slept_seconds += self.owed
+            time.sleep(self.owed)
+            self.owed = 0.0
+
+    def pay(self, cpu_seconds: float) -> None:
+        self.charge(cpu_seconds)
+        self.settle()
 
     @contextmanager
     def compute(self):
+        """Throttle a piece of work that has no collective inside (e.g. the optimizer step)."""
         t0 = time.thread_time()
         try:
             yield
         finally:
             self.pay(time.thread_time() - t0)
 
-    def pay(self, cpu_seconds: float) -> None:
-        self.cpu_seconds += cpu_seconds
-        if self.speed < 1:
-            pause = cpu_seconds * (1 / self.speed - 1)
-            self.slept_seconds += pause
-            time.sleep(pause)
+    def before_backward(self, forward_cpu: float) -> float:
+        """Sleep for the forward and the predicted backward; returns the prediction."""
+        guess = self.backward_ratio * forward_cpu
+        self.pay(forward_cpu + guess)
+        return guess
+
+    def after_backward(self, forward_cpu: float, guess: float, backward_cpu: float) -> None:
+        self.cpu_seconds -= guess
+        self.charge(backward_cpu)
+        self.owed -= guess * (1 / self.speed - 1)
+        if forward_cpu > 1e-4:
+            self.backward_ratio = 0.5 * self.backward_ratio + 0.5 * backward_cpu / forward_cpu
 
 
 class EmulatedDevice:

@@ -102,6 +102,10 @@ class Engine:
     def is_main(self) -> bool:
         return self.ctx.is_main
 
+    def _clock(self) -> float:
+        """This rank's compute clock: thread CPU time on CPU (waits in collectives excluded)."""
+        return time.thread_time() if self.device.type == "cpu" else time.perf_counter()
+
     @property
     def device_label(self) -> str:
         if self.emulated is not None:
@@ -252,11 +256,12 @@ class Engine:
         return self._step
 
     def _micro_batches(self, step: Step):
-        if step is not self._step or self._table is not None:
+        if step is not self._step or step.started:
             raise UsageError("a step's micro-batches can be iterated once, before ht.step()",
                              "iterate `for mb in step` once per step")
+        step.started = True
         sizes = self.plan.devices[self.rank].micro_sizes()
-        clock = time.thread_time if self.device.type == "cpu" else time.perf_counter
+        clock = self._clock
         start = 0
         for k, size in enumerate(sizes):
             chunk = step.indices[start:start + size]
@@ -264,13 +269,13 @@ class Engine:
             mb = MicroBatch(batch=self._load(chunk), size=size, index=k, count=len(sizes), indices=chunk)
             self._mb = mb
             sync = contextlib.nullcontext() if mb.last else self._ddp.no_sync()
-            t0 = clock()
+            mb.started_at = clock()
             with sync:
                 yield mb
-            spent = clock() - t0
+            spent = clock() - mb.started_at
             self._compute_s += spent
-            if self.emulated is not None:
-                self.emulated.throttle.pay(spent)
+            if self.emulated is not None:   # what ran after backward(); forward+backward are booked
+                self.emulated.throttle.charge(spent - mb.booked_cpu)
             if not mb.backward_done:
                 raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(loss)",
                                  "call ht.backward(loss) once inside every micro-batch")
@@ -304,7 +309,17 @@ class Engine:
         scaled = loss * factor
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
-        scaled.backward()
+        if self.emulated is None:
+            scaled.backward()
+        else:   # sleep before the backward, so this device's gradients reach the sync late (emulate.py)
+            throttle = self.emulated.throttle
+            forward_cpu = self._clock() - mb.started_at
+            guess = throttle.before_backward(forward_cpu)
+            t0 = self._clock()
+            scaled.backward()
+            backward_cpu = self._clock() - t0
+            throttle.after_backward(forward_cpu, guess, backward_cpu)
+            mb.booked_cpu = forward_cpu + backward_cpu
         mb.backward_done = True
         self._count += units
         self._loss_sum += loss.detach().double() * units

@@ -21,6 +21,8 @@ class MicroBatch:
     count: int                 # micro-batches this rank runs in the step
     indices: tuple[int, ...]   # dataset indices
     backward_done: bool = False
+    started_at: float = 0.0    # compute clock when the user's code got the micro-batch
+    booked_cpu: float = 0.0    # compute already charged to the emulated device's throttle
 
     @property
     def last(self) -> bool:
@@ -48,6 +50,7 @@ class Step:
     _engine: object = field(repr=False)
     loss: float | None = None
     samples_per_s: float | None = None
+    started: bool = field(default=False, repr=False)
 
     def __iter__(self):
         return self._engine._micro_batches(self)

@@ -1,0 +1,204 @@
+"""Heterogeneous data parallelism against what users have today, on an emulated 1 : 0.67 pair.
+
+One run measures, side by side and interleaved in rounds (so machine drift hits every config
+alike), the demo GPT with the same global batch:
+  alone-fast / alone-slow   one process, the whole global batch on that one emulated device
+  ddp-equal  (mixed pair)   plain torch DDP, DistributedSampler, equal split: today's baseline
+  hetrain    (mixed pair)   hetrain's speed-proportional split
+  ddp-equal  (fast pair)    plain DDP on two identical fast devices
+  hetrain    (fast pair)    hetrain on the same identical pair (its overhead where no split helps)
+
+Figures (see --json): efficiency = hetrain / Σ alone (on 2 shared cores two processes slow each
+other, which no split can fix); balance_efficiency = hetrain(mixed) / (ddp(fast pair) × Σs / (n ×
+s_max)), how close the split is to perfect under the same contention and communication;
+speedup_vs_equal = hetrain(mixed) / ddp-equal(mixed); identical_pair_ratio = hetrain(fast pair) /
+ddp(fast pair).
+
+    python benchmarks/hetero_dp.py --json out.json [--rounds 3] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FAST, SLOW = "a100-80g:1.0", "rtx3090:0.67"
+CONFIGS = {   # name: (mode, cluster spec)
+    "alone-fast": ("plain", FAST),
+    "alone-slow": ("plain", SLOW),
+    "ddp-equal-mixed": ("plain", f"{FAST},{SLOW}"),
+    "hetrain-mixed": ("hetrain", f"{FAST},{SLOW}"),
+    "ddp-equal-fast-pair": ("plain", f"{FAST},{FAST}"),
+    "hetrain-fast-pair": ("hetrain", f"{FAST},{FAST}"),
+}
+
+
+# -- inside each worker process ----------------------------------------------------------------
+def _model_and_data(args):
+    import torch
+
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                          n_heads=max(1, args.d_model // 32)))
+    return model, ByteWindows(pydoc_bytes(), args.seq_len)
+
+
+def _loss(model, x, y):
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def worker_plain(args) -> float:
+    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.runtime.emulate import Throttle
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    throttle = Throttle(parse_cluster(args.spec)[rank].speed)
+    dist.init_process_group("gloo")
+    model, data = _model_and_data(args)
+    ddp = DDP(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
+    loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
+    t0 = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        x, y = next(loader)
+        t = time.thread_time()                 # the same emulation as hetrain's engine:
+        loss = _loss(ddp, x, y)
+        forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/emulate.py)
+        guess = throttle.before_backward(forward_cpu)
+        t = time.thread_time()
+        loss.backward()
+        throttle.after_backward(forward_cpu, guess, time.thread_time() - t)
+        with throttle.compute():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    del ddp
+    dist.destroy_process_group()
+    return args.steps * args.global_batch / seconds
+
+
+def worker_hetrain(args) -> float:
+    import torch
+    import torch.distributed as dist
+
+    import hetrain
+
+    ht = hetrain.init(global_batch=args.global_batch, emulate=args.spec, precision="bf16",
+                      max_steps=args.warmup + args.steps, verbose=False)
+    model, data = _model_and_data(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, batches = ht.prepare(model, opt, data)
+    t0 = None
+    for step in batches:
+        if step.index == args.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                with ht.autocast():
+                    loss = _loss(model, x, y)
+                ht.backward(loss)
+        ht.step()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    ht.close()
+    return args.steps * args.global_batch / seconds
+
+
+# -- the driver --------------------------------------------------------------------------------
+def launch(name: str, args) -> float:
+    mode, spec = CONFIGS[name]
+    world = len(spec.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, "--worker", mode, "--spec", spec, "--out", str(out),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
+               "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["samples_per_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker:
+        sps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(args.out).write_text(json.dumps({"samples_per_s": sps}))
+        return
+
+    runs: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for r in range(args.rounds):
+        for name in CONFIGS:
+            runs[name].append(launch(name, args))
+            print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s", flush=True)
+    med = {name: statistics.median(v) for name, v in runs.items()}
+
+    speeds = [1.0, 0.67]
+    figures = {
+        "efficiency": med["hetrain-mixed"] / (med["alone-fast"] + med["alone-slow"]),
+        "balance_efficiency": med["hetrain-mixed"] / (med["ddp-equal-fast-pair"] * sum(speeds) / (2 * max(speeds))),
+        "speedup_vs_equal": med["hetrain-mixed"] / med["ddp-equal-mixed"],
+        "identical_pair_ratio": med["hetrain-fast-pair"] / med["ddp-equal-fast-pair"],
+    }
+    setup = {"model": f"GPT {args.layers} layers d={args.d_model} seq {args.seq_len} bf16 autocast, AdamW",
+             "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
+             "rounds": args.rounds, "cpu_threads_per_device": 1, "host_cores": os.cpu_count()}
+
+    alone = med["alone-fast"]
+    print(f"\n{'config':<36}{'samples/s':>10}{'speedup':>9}   (median of {args.rounds}, vs alone-fast)")
+    rows = [("A100-80G alone (emulated)", "alone-fast"), ("RTX 3090 alone (emulated, 0.67)", "alone-slow"),
+            ("DDP equal split, A100 + 3090", "ddp-equal-mixed"), ("hetrain, A100 + 3090", "hetrain-mixed"),
+            ("DDP, 2x A100", "ddp-equal-fast-pair"), ("hetrain, 2x A100", "hetrain-fast-pair")]
+    for label, name in rows:
+        print(f"{label:<36}{med[name]:>10.1f}{med[name] / alone:>8.2f}x")
+    print()
+    for k, v in figures.items():
+        print(f"{k:<22} {v:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**figures, "samples_per_s": med, "runs": runs, "setup": setup}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""`hetrain run` and `hetrain demo` as a user meets them: bad input is one line with the fix
+(exit 2, no traceback); the demo trains."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from clirun import hetrain
+
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert len(errors) == 1, result.stderr
+    for w in words:
+        assert w in result.stderr, result.stderr
+
+
+def test_malformed_emulate_spec(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    one_line_error(hetrain("run", "--emulate", "a100-80g:fast,3090", str(script)),
+                   "'a100-80g:fast'", "not a number", "NAME:SPEED@MEMORY")
+
+
+def test_unknown_device_suggests_close_names(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    one_line_error(hetrain("run", "--emulate", "a100-80g,rtx-309", str(script)), "did you mean", "rtx3090")
+
+
+def test_missing_script():
+    one_line_error(hetrain("run", "no_such_train.py"), "does not exist", "fix:")
+
+
+WORKER_SCRIPT = textwrap.dedent("""
+    import sys, torch, hetrain
+    batch, n = int(sys.argv[1]), int(sys.argv[2])
+    ht = hetrain.init(global_batch=batch)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 3), torch.randn(n, 1))
+    model = torch.nn.Linear(3, 1)
+    ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    ht.close()
+    print("prepared")
+""")
+
+
+@pytest.mark.parametrize("batch, n, words", [
+    (1, 100, ("global batch 1 is smaller than the 2 devices", "at least 2")),
+    (32, 20, ("20 samples, fewer than one global batch of 32", "at most 20")),
+])
+def test_bad_job_settings_stop_every_rank_with_one_line(tmp_path, batch, n, words):
+    script = tmp_path / "train.py"
+    script.write_text(WORKER_SCRIPT)
+    one_line_error(hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), str(batch), str(n)), *words)
+
+
+def test_a_crashing_script_names_the_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
+    result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script))
+    assert result.returncode == 1
+    assert "rank 1 exited with code 3" in result.stderr
+
+
+def test_demo_trains_and_reports(tmp_path):
+    out = tmp_path / "demo.json"
+    result = hetrain("demo", "--steps", "8", "--global-batch", "16", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plan v0" in result.stdout and "summary" in result.stdout and "emulated" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["steps"] == 8
+    assert figures["last_loss"] < figures["first_loss"] - 0.5      # from ~5.5 (uniform over bytes)
+    assert figures["val_loss"] < 5.0
+    assert [r["peak_bytes"] > 0 for r in figures["ranks"]] == [True, True]
