@@ -31,6 +31,7 @@ class DevicePlan:
     speed: float                         # relative throughput weight the split used
     share: int                           # samples of the global batch this rank computes per step
     micro_batch: int                     # largest micro-batch this rank runs
+    max_micro_batch: int | None = None   # what its memory allows (None: no limit known)
     precision: str = "fp32"              # fp32 | bf16 | fp16
     checkpointing: bool = False          # activation checkpointing on this rank
     memory_cap_bytes: int | None = None  # emulated cap or real device memory

@@ -68,7 +68,7 @@ def static_plan(global_batch: int, devices: Sequence[DeviceCapacity]) -> Plan:
         n_micro = math.ceil(share / micro)
         plans.append(DevicePlan(
             rank=rank, device=d.device, speed=d.speed, share=share, micro_batch=micro,
-            precision=d.precision, memory_cap_bytes=d.memory_cap_bytes,
+            max_micro_batch=d.max_micro_batch, precision=d.precision, memory_cap_bytes=d.memory_cap_bytes,
             reasons=(
                 f"share {share}/{global_batch}: speed {d.speed:.3g} of total {total_speed:.3g} "
                 f"({d.speed_reason})",
@@ -77,3 +77,43 @@ def static_plan(global_batch: int, devices: Sequence[DeviceCapacity]) -> Plan:
             ),
         ))
     return Plan(global_batch=global_batch, devices=tuple(plans), note="static split by speed")
+
+
+def balanced_shares(global_batch: int, per_sample_s: Sequence[float],
+                    fixed_s: Sequence[float] | None = None) -> tuple[int, ...]:
+    """Integer shares (sum = global_batch, each >= 1) minimising max_r(fixed_r + share_r · t_r).
+
+    The measured form of `proportional_shares`: t_r is a device's seconds per sample, fixed_r its
+    seconds per step that do not scale with the share (the optimizer step, say), which a slow
+    device also runs slower. Each remaining sample goes to the device that would finish it first.
+    """
+    n = len(per_sample_s)
+    fixed = list(fixed_s) if fixed_s is not None else [0.0] * n
+    if n == 0 or len(fixed) != n:
+        raise UsageError("per-sample and fixed times must be given for every device", "check the inputs")
+    if any(not (t > 0 and math.isfinite(t)) for t in per_sample_s) or any(not (f >= 0) for f in fixed):
+        raise UsageError(f"device times must be positive, got {list(per_sample_s)} / {fixed}",
+                         "measure at least one step on every device")
+    if global_batch < n:
+        raise UsageError(f"global batch {global_batch} is smaller than the {n} devices",
+                         f"use a global batch of at least {n}")
+    # Water level T with Σ (T - f_r)/t_r = B, then floors, then the rest one by one.
+    speeds = [1 / t for t in per_sample_s]
+    level = (global_batch + sum(f * v for f, v in zip(fixed, speeds))) / sum(speeds)
+    shares = [max(1, math.floor((level - f) * v)) for f, v in zip(fixed, speeds)]
+    while sum(shares) > global_batch:
+        r = max((r for r in range(n) if shares[r] > 1), key=lambda r: fixed[r] + shares[r] * per_sample_s[r])
+        shares[r] -= 1
+    heap = [(fixed[r] + (shares[r] + 1) * per_sample_s[r], r) for r in range(n)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - sum(shares)):
+        _, r = heapq.heappop(heap)
+        shares[r] += 1
+        heapq.heappush(heap, (fixed[r] + (shares[r] + 1) * per_sample_s[r], r))
+    return tuple(shares)
+
+
+def step_time(shares: Sequence[int], per_sample_s: Sequence[float], fixed_s: Sequence[float] | None = None) -> float:
+    """Predicted step time of a split: the slowest device's fixed + share · per-sample time."""
+    fixed = fixed_s if fixed_s is not None else [0.0] * len(shares)
+    return max(f + b * t for b, t, f in zip(shares, per_sample_s, fixed))

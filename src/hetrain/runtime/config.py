@@ -12,6 +12,7 @@ LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes f
 
 LOSS_WEIGHTINGS = ("samples", "tokens")
 PRECISIONS = ("fp32", "bf16", "fp16")
+RESUME_MODES = ("auto", "must", "never")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +32,16 @@ class Config:
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
     verbose: bool = True                 # rank 0 prints the plan and summaries
+    # resilience
+    rebalance: bool = True               # move shares when measured speeds change (rebalance.py)
+    rebalance_threshold: float = 0.05    # ...only for a predicted step-time gain above this
+    oom_recovery: bool = True            # shrink a rank's micro-batch on OOM and redo (recovery.py)
+    checkpoint_dir: str | None = None    # where checkpoints go (None: no checkpoints)
+    checkpoint_every: int = 50           # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 3            # the newest K are kept
+    resume: str = "auto"                 # auto: from the newest whole checkpoint if any | must | never
+    sample_log: str | None = None        # directory: each rank logs the samples of every step
+    faults: str | None = None            # fault injection for tests/demos (faults.py)
 
     def __post_init__(self) -> None:
         def bad(what: str, fix: str) -> UsageError:
@@ -55,6 +66,15 @@ class Config:
             raise bad(f"timeout_s={self.timeout_s}", "use a positive number of seconds")
         if not 0 <= self.memory_margin < 1:
             raise bad(f"memory_margin={self.memory_margin}", "use a fraction in [0, 1)")
+        if self.resume not in RESUME_MODES:
+            raise bad(f"resume={self.resume!r}", f"use one of {RESUME_MODES}")
+        if self.checkpoint_every < 1 or self.keep_checkpoints < 1:
+            raise bad(f"checkpoint_every={self.checkpoint_every}, keep_checkpoints={self.keep_checkpoints}",
+                      "use positive numbers")
+        if self.resume == "must" and not self.checkpoint_dir:
+            raise bad("resume='must' without a checkpoint_dir", "pass checkpoint_dir= (or --run-dir) to resume from")
+        if not 0 <= self.rebalance_threshold:
+            raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.05")
 
     def with_launch_file(self) -> Config:
         """Apply what `hetrain run` put in the launch file: the command line beats the script."""

@@ -13,6 +13,7 @@ the recovery code that handles it is the real one.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -99,19 +100,27 @@ class Throttle:
     ratio to the forward), and books the prediction's error as a debt paid at the next sleep.
     """
 
-    def __init__(self, speed: float):
+    def __init__(self, speed: float, *, seed: int = 0):
         if not 0 < speed <= 1:
             raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
         self.speed = speed
+        self.slowdown = 1.0         # extra multiplier on compute time (fault injection)
+        self.noise = 0.0            # ±amplitude of random timing noise around its mean (faults)
+        self._rng = random.Random(seed)
         self.cpu_seconds = 0.0      # compute measured (unthrottled)
         self.slept_seconds = 0.0
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
 
+    def _stretch(self) -> float:
+        """Emulated seconds per CPU second, beyond the CPU second itself."""
+        noise = 1 + 2 * self.noise * self._rng.random() if self.noise else 1.0
+        return self.slowdown * noise / self.speed - 1
+
     def charge(self, cpu_seconds: float) -> None:
         """Book compute; its sleep is owed until the next settle()."""
         self.cpu_seconds += cpu_seconds
-        self.owed += cpu_seconds * (1 / self.speed - 1)
+        self.owed += cpu_seconds * self._stretch()
 
     def settle(self) -> None:
         if self.owed > 0:
@@ -140,8 +149,8 @@ class Throttle:
 
     def after_backward(self, forward_cpu: float, guess: float, backward_cpu: float) -> None:
         self.cpu_seconds -= guess
+        self.owed -= guess * self._stretch()
         self.charge(backward_cpu)
-        self.owed -= guess * (1 / self.speed - 1)
         if forward_cpu > 1e-4:
             self.backward_ratio = 0.5 * self.backward_ratio + 0.5 * backward_cpu / forward_cpu
 

@@ -1,11 +1,16 @@
 """The runtime verbs: init() / prepare(), then backward(), step() and autocast() in the user's loop.
 
-One Engine per process. It joins the process group, builds (or receives) the Plan, wraps the model
+One Engine per process. It joins the process group, agrees a Plan with its peers, wraps the model
 in DDP, feeds this rank its slice of every global batch in micro-batches, weights each
 micro-batch's loss so the synchronised gradient is the big-batch gradient (reduce.py), and lets
 DDP all-reduce exactly once per step: every micro-batch but the last runs under no_sync(), forward
 included (with backward alone inside no_sync, DDP syncs every micro-batch and unequal counts
 deadlock).
+
+Each step ends with one small all-reduce of a table of every rank's figures (agree.py): loss and
+counts, timings, out-of-memory events, micro-batch sizes. Everything that changes what ranks do
+next — redo a step after an OOM, a new Plan after an OOM or a rebalance, stop together — is
+decided from that table, identically on every rank.
 """
 
 from __future__ import annotations
@@ -20,20 +25,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
-from ..errors import UsageError
+from ..errors import HetrainError, UsageError
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
-from ..planning.plan import Plan
-from ..planning.shares import DeviceCapacity, static_plan
-from . import agree, reduce
+from ..planning.plan import Plan, split_evenly
+from . import agree, persist, recovery, reduce
+from .capacity import agree_plan, check_given_plan, measure_capacity, show_plan
+from .checkpoint import Checkpointer
 from .config import Config
 from .data import GlobalCursorSampler
 from .dist import DistContext, init_distributed, shutdown
 from .emulate import EmulatedDevice
 from .failure import install_excepthook
+from .faults import ENV as FAULTS_ENV
+from .faults import FaultInjector, injected_oom, parse_faults
 from .log import RankLog
 from .model import PreparedModel
-from .probe import default_forward, probe
+from .probe import default_forward
+from .rebalance import Rebalancer
 from .steps import MicroBatch, Step, Steps
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +62,8 @@ class Engine:
     """What `hetrain.init()` returns. All ranks call the same methods in the same order."""
 
     def __init__(self, config: Config, *, plan: Plan | None = None):
+        import os
+
         self.config = config = config.with_launch_file()
         cluster = parse_cluster(config.emulate) if config.emulate else None
         if cluster is not None:
@@ -60,7 +71,7 @@ class Engine:
         use_cuda = cluster is None and torch.cuda.is_available()
         self.ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         self.log = RankLog(rank=self.ctx.rank, verbose=config.verbose)
-        install_excepthook(self.ctx.rank, self.ctx.world_size)
+        install_excepthook(self)
         if cluster is not None and len(cluster) != self.ctx.world_size:
             raise UsageError(
                 f"the cluster spec {config.emulate!r} names {len(cluster)} devices, "
@@ -69,6 +80,10 @@ class Engine:
                 "(one process per emulated device)",
             )
         self.emulated = EmulatedDevice(cluster[self.ctx.rank]) if cluster is not None else None
+        self.faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
+                                    rank=self.ctx.rank, attempt=self.ctx.restart)
+        if self.faults and self.emulated is None:
+            raise UsageError("fault injection needs emulated devices", "add --emulate SPEC (or emulate=...)")
         self.plan: Plan | None = None
         self._given_plan = plan if plan is not None else _plan_from_file(config.plan)
         self.steps_done = 0
@@ -76,13 +91,20 @@ class Engine:
         self._closed = False
         self._model: PreparedModel | None = None
         self._ddp: DDP | None = None
+        self._guard: recovery.SyncGuard | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scaler = (torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None)
+        self._rebalancer: Rebalancer | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._extra_state: dict[str, object] = {}
         self._mb: MicroBatch | None = None
         self._step: Step | None = None
         self._table: agree.Table | None = None
         self._step_started = 0.0
+        self._fixed_s = 0.0            # busy time of the last step outside its micro-batches
         self._history: list[dict] = []
+        self.ooms = 0                  # out-of-memory errors recovered on this rank
+        self.redone_steps = 0          # steps redone by all ranks after an OOM in a gradient sync
         torch.manual_seed(config.seed)
 
     # -- facts --------------------------------------------------------------------------------
@@ -106,6 +128,10 @@ class Engine:
         """This rank's compute clock: thread CPU time on CPU (waits in collectives excluded)."""
         return time.thread_time() if self.device.type == "cpu" else time.perf_counter()
 
+    def _busy(self) -> float:
+        """Compute time as the device experiences it: CPU time plus the emulation's sleeps."""
+        return self._clock() + (self.emulated.throttle.slept_seconds if self.emulated else 0.0)
+
     @property
     def device_label(self) -> str:
         if self.emulated is not None:
@@ -114,6 +140,10 @@ class Engine:
             return f"cuda:{self.device.index} {torch.cuda.get_device_name(self.device)}"
         return f"cpu (rank {self.rank})"
 
+    @property
+    def current_micro_batch(self) -> int | None:
+        return self.plan.devices[self.rank].micro_batch if self.plan else None
+
     def print(self, message: str) -> None:
         """Print once, from rank 0."""
         self.log.info(message)
@@ -121,7 +151,8 @@ class Engine:
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None = None, forward: Callable = default_forward):
-        """Wrap the model for data parallelism, plan the split, and return the steps to iterate.
+        """Wrap the model for data parallelism, plan the split, resume if a checkpoint exists,
+        and return the steps to iterate.
 
         `forward(model, batch)` is how hetrain calls the model when it measures it before training
         (default: model(x) for (x, y) batches); the user's loop calls the model itself.
@@ -135,18 +166,33 @@ class Engine:
         self._sampler = GlobalCursorSampler(len(dataset), cfg.global_batch, seed=cfg.seed,
                                             shuffle=cfg.shuffle, drop_last=cfg.drop_last)
         self.total_steps = self._count_steps()
+        if cfg.checkpoint_dir:
+            self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints,
+                                              rank=self.rank, log=self.log)
         meter = self.emulated.meter if self.emulated is not None else None
         if meter is not None:
             meter.set_fixed(model, optimizer)
         if self._given_plan is not None:
-            self.plan = self._check_given_plan(self._given_plan)
+            self.plan = check_given_plan(self, self._given_plan)
         else:
-            self.plan = self._agree_plan(self._capacity(model, optimizer, forward))
+            self.plan = agree_plan(self, measure_capacity(self, model, forward))
         self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self._model = PreparedModel(model, self._ddp, meter)
+        self._guard = recovery.SyncGuard(self._ddp)
+        self._model = PreparedModel(model, self._ddp, meter, before_forward=self._before_forward)
         self._optimizer = optimizer
-        self._show_plan()
+        if cfg.rebalance and self.world_size > 1:
+            self._rebalancer = Rebalancer(world_size=self.world_size, threshold=cfg.rebalance_threshold)
+        if self._checkpointer is not None:
+            persist.resume(self)
+        show_plan(self.log, self.plan, self.total_steps)
         return self._model, optimizer, Steps(self)
+
+    def register_state(self, name: str, obj) -> None:
+        """Checkpoint `obj` (anything with state_dict/load_state_dict, e.g. an LR scheduler)
+        with the job, and restore it on resume. Call before prepare()."""
+        if self._model is not None:
+            raise UsageError(f"register_state({name!r}) after prepare()", "register state before ht.prepare()")
+        self._extra_state[name] = obj
 
     def _count_steps(self) -> int:
         cfg = self.config
@@ -159,100 +205,26 @@ class Engine:
         items = ds.__getitems__(list(indices)) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return _to_device(self._collate(items), self.device)
 
-    def _capacity(self, model, optimizer, forward) -> DeviceCapacity:
-        """This rank's speed and largest micro-batch, with the reason for each."""
-        cfg, emu = self.config, self.emulated
-        equal = max(1, cfg.global_batch // self.world_size)
-        cap = None
-        if emu is not None:
-            cap = emu.meter.cap
-        elif self.device.type == "cuda":
-            cap = torch.cuda.get_device_properties(self.device).total_memory
-        need_timing = emu is None and self.world_size > 1
-        result = None
-        if cap is not None or need_timing:
-            n = min(equal, 4)
-            batch = self._load(range(n))
-            result = probe(model, batch, samples=n, forward=forward, device=self.device,
-                           timed_runs=2 if need_timing else 0)
-
-        if emu is not None:
-            speed, speed_reason = emu.spec.speed, f"{emu.spec.speed_source}, emulated"
-        elif need_timing:
-            speed = 1.0 / result.seconds_per_sample
-            speed_reason = f"measured {speed:.1f} samples/s in a warm-up"
-        else:
-            speed, speed_reason = 1.0, "single device"
-
-        max_micro, micro_reason = None, "memory not capped"
-        if cap is not None:
-            fixed = emu.meter.fixed if emu is not None else torch.cuda.memory_allocated(self.device)
-            usable = cap * (1 - cfg.memory_margin) - fixed
-            per_sample = max(result.activation_bytes_per_sample, 1.0)
-            max_micro = int(usable // per_sample)
-            micro_reason = (f"{format_bytes(cap)} memory, {format_bytes(fixed)} model state, "
-                            f"measured {format_bytes(per_sample)}/sample, "
-                            f"{cfg.memory_margin:.0%} kept free")
-            if max_micro < 1:
-                raise UsageError(
-                    f"{self.device_label}: one sample needs {format_bytes(per_sample)} of activations "
-                    f"but only {format_bytes(max(usable, 0))} is free after the model state",
-                    "use a device with more memory, a smaller model or sequence, or "
-                    "activation checkpointing",
-                )
-        if cfg.micro_batch is not None and (max_micro is None or cfg.micro_batch < max_micro):
-            max_micro, micro_reason = cfg.micro_batch, "micro_batch set in the config"
-        return DeviceCapacity(device=self.device_label, speed=speed, speed_reason=speed_reason,
-                              max_micro_batch=max_micro, micro_reason=micro_reason,
-                              memory_cap_bytes=cap, precision=cfg.precision)
-
-    def _agree_plan(self, mine: DeviceCapacity) -> Plan:
-        capacities = [mine]
-        if self.world_size > 1:
-            capacities = [None] * self.world_size
-            dist.all_gather_object(capacities, mine)
-        return static_plan(self.config.global_batch, capacities)
-
-    def _check_given_plan(self, plan: Plan) -> Plan:
-        if plan.world_size != self.world_size or plan.global_batch != self.config.global_batch:
-            raise UsageError(
-                f"the given plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "
-                f"this job has {self.world_size} and {self.config.global_batch}",
-                "make a plan for this job (`hetrain plan`), or drop the plan to let hetrain split",
-            )
-        return plan
-
-    def _show_plan(self) -> None:
-        plan = self.plan
-        rows = []
-        for d in plan.devices:
-            sizes = d.micro_sizes()
-            micro = f"{sizes[0]}" + (f" x{len(sizes)}" if len(sizes) > 1 else "")
-            rows.append((d.rank, d.device, f"{d.speed:.3g}", d.share, micro, d.precision))
-        self.log.table(f"plan v{plan.version}: global batch {plan.global_batch} over "
-                       f"{plan.world_size} device(s), {self.total_steps} steps",
-                       ("rank", "device", "speed", "share", "micro-batch", "precision"), rows)
-        for d in plan.devices:
-            for reason in d.reasons:
-                self.log.info(f"  rank {d.rank}: {reason}")
-
     # -- the loop -----------------------------------------------------------------------------
     def _begin_step(self) -> Step:
-        if self._step is not None and self._table is None:
-            raise UsageError(f"step {self._step.index} ended before all its micro-batches ran",
-                             "iterate every micro-batch of a step (for mb in step: ...) before ht.step()")
         if self._step is not None:
             raise UsageError(f"step {self._step.index} has no ht.step() call",
                              "call ht.step() once after each step's micro-batches")
+        self.faults.at_step_start(self.steps_done)
+        escaped = self.faults.oom(self.steps_done, 0, 1, "forward", escape=1) if self.faults else None
+        if escaped is not None:      # as if the user's code ran out of memory outside `with mb:`
+            raise injected_oom(escaped)
+        if self.emulated is not None and self.faults:
+            self.emulated.throttle.slowdown = self.faults.slowdown(self.steps_done)
+            self.emulated.throttle.noise = self.faults.noise(self.steps_done)
         samples = self._sampler.next_step()
         plan = self.plan
-        mine = samples.for_rank(plan.offsets(), plan.shares, self.rank)
+        start = plan.offsets()[self.rank]
+        end = start + plan.shares[self.rank]
         if self._step_started == 0.0:
             self._step_started = time.perf_counter()
-        self._step = Step(index=samples.step, epoch=samples.epoch, indices=mine, _engine=self)
-        self._count = 0.0
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._compute_s = 0.0
+        self._step = Step(index=samples.step, epoch=samples.epoch, indices=samples.indices[start:end],
+                          epochs=samples.epochs[start:end], _engine=self)
         return self._step
 
     def _micro_batches(self, step: Step):
@@ -260,29 +232,102 @@ class Engine:
             raise UsageError("a step's micro-batches can be iterated once, before ht.step()",
                              "iterate `for mb in step` once per step")
         step.started = True
-        sizes = self.plan.devices[self.rank].micro_sizes()
-        clock = self._clock
-        start = 0
-        for k, size in enumerate(sizes):
-            chunk = step.indices[start:start + size]
-            start += size
-            mb = MicroBatch(batch=self._load(chunk), size=size, index=k, count=len(sizes), indices=chunk)
-            self._mb = mb
-            sync = contextlib.nullcontext() if mb.last else self._ddp.no_sync()
-            mb.started_at = clock()
-            with sync:
-                yield mb
-            spent = clock() - mb.started_at
-            self._compute_s += spent
-            if self.emulated is not None:   # what ran after backward(); forward+backward are booked
-                self.emulated.throttle.charge(spent - mb.booked_cpu)
-            if not mb.backward_done:
-                raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(loss)",
-                                 "call ht.backward(loss) once inside every micro-batch")
-        self._mb = None
-        self._table = agree.exchange(
-            {"units": self._count, "loss_sum": float(self._loss_sum), "compute_s": self._compute_s},
+        while True:   # attempts of the step by all ranks together
+            outcome = yield from self._rank_pass(step)
+            table = self._exchange(outcome)
+            if table.any("fatal"):
+                raise HetrainError(_fatal_message(table, self.plan), "reduce the model or sequence size, "
+                                   "enable activation checkpointing, or use a device with more memory")
+            if not table.any("desync"):
+                break
+            # Agreed by all: an OOM broke a gradient sync; discard the step and redo it.
+            self.redone_steps += 1
+            self._optimizer.zero_grad(set_to_none=True)
+            recovery.reset_reducer(self._ddp)
+            self._amend_micro_batches(table, step)
+        self._amend_micro_batches(table, step)
+        self._table = table
+
+    def _rank_pass(self, step: Step):
+        """This rank's micro-batches of the step; an OOM here is handled locally (recovery.py)."""
+        share = self.plan.devices[self.rank].share
+        self._micro = self.plan.devices[self.rank].micro_batch
+        while True:
+            self._count, self._busy_s, self._compute_s = 0.0, 0.0, 0.0
+            self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            sizes = split_evenly(share, math.ceil(share / self._micro))
+            start, failed = 0, None
+            for k, size in enumerate(sizes):
+                chunk = step.indices[start:start + size]
+                start += size
+                mb = MicroBatch(batch=self._load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
+                                catch_oom=self.config.oom_recovery)
+                oom = self.faults.oom(step.index, k, len(sizes), "forward", escape=0) if self.faults else None
+                mb.inject_forward_oom = oom
+                self._mb = mb
+                if mb.last:
+                    self._guard.begin()
+                sync = contextlib.nullcontext() if mb.last else self._ddp.no_sync()
+                busy0 = self._busy()
+                mb.started_at = self._clock()
+                with sync:
+                    yield mb
+                spent = self._clock() - mb.started_at
+                if self.emulated is not None:   # what ran after backward(); forward+backward are booked
+                    self.emulated.throttle.charge(spent - mb.booked_cpu)
+                self._compute_s += spent
+                self._busy_s += self._busy() - busy0
+                if mb.failed is not None:
+                    failed = mb
+                    break
+                if not mb.backward_done:
+                    raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(loss)",
+                                     "call ht.backward(loss) once inside every micro-batch")
+            self._mb = None
+            if failed is None:
+                return "ok"
+            self.ooms += 1
+            smaller = recovery.smaller_micro_batch(self._micro)
+            self.log.warn(f"rank {self.rank} ({self.device_label}): out of memory in micro-batch "
+                          f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {step.index}; "
+                          + (f"micro-batch {self._micro} -> {smaller}, redoing" if smaller else "cannot shrink"))
+            if smaller is None:
+                return "fatal"
+            self._micro = smaller
+            if failed.desynced:
+                return "desync"
+            self._optimizer.zero_grad(set_to_none=True)
+
+    def _exchange(self, outcome: str) -> agree.Table:
+        return agree.exchange(
+            {"units": self._count, "loss_sum": float(self._loss_sum), "compute_s": self._compute_s,
+             "busy_s": self._busy_s, "samples": self.plan.devices[self.rank].share, "fixed_s": self._fixed_s,
+             "micro": self._micro, "desync": outcome == "desync", "fatal": outcome == "fatal",
+             "version": self.plan.version},
             rank=self.rank, world_size=self.world_size, device=self.device)
+
+    def _amend_micro_batches(self, table: agree.Table, step: Step) -> None:
+        """A new Plan version when any rank's micro-batch shrank (the same on every rank)."""
+        versions = set(table.column("version"))
+        if len(versions) != 1:
+            raise HetrainError(f"ranks run different plan versions {table.column('version')}",
+                               "this is a bug in hetrain; please report it with the log")
+        micros = [int(m) for m in table.column("micro")]
+        devices, changes = list(self.plan.devices), []
+        for d, m in zip(self.plan.devices, micros):
+            if m != d.micro_batch:
+                devices[d.rank] = d.__class__(**{**d.__dict__, "micro_batch": m, "max_micro_batch": m})
+                changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
+        if changes:
+            self.plan = self.plan.evolve(
+                note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices))
+            self.log.info(f"plan v{self.plan.version}: {self.plan.note}")
+
+    def _before_forward(self) -> None:
+        mb = self._mb
+        if mb is not None and mb.inject_forward_oom is not None:
+            fault, mb.inject_forward_oom = mb.inject_forward_oom, None
+            raise injected_oom(fault)
 
     def autocast(self):
         """Autocast to this job's precision on this rank's device (a no-op for fp32)."""
@@ -309,27 +354,56 @@ class Engine:
         scaled = loss * factor
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
-        if self.emulated is None:
-            scaled.backward()
-        else:   # sleep before the backward, so this device's gradients reach the sync late (emulate.py)
-            throttle = self.emulated.throttle
-            forward_cpu = self._clock() - mb.started_at
-            guess = throttle.before_backward(forward_cpu)
-            t0 = self._clock()
-            scaled.backward()
-            backward_cpu = self._clock() - t0
-            throttle.after_backward(forward_cpu, guess, backward_cpu)
-            mb.booked_cpu = forward_cpu + backward_cpu
         mb.backward_done = True
-        self._count += units
-        self._loss_sum += loss.detach().double() * units
+        throttle = self.emulated.throttle if self.emulated is not None else None
+        forward_cpu = self._clock() - mb.started_at
+        guess = throttle.before_backward(forward_cpu) if throttle else 0.0  # sleep first: see emulate.py
+        t0 = self._clock()
+        try:
+            with self._backward_fault(mb):
+                scaled.backward()
+        except torch.OutOfMemoryError as e:
+            if not self.config.oom_recovery:
+                raise
+            mb.failed = f"backward: {e}".splitlines()[0][:200]
+            if mb.last:   # peers are inside this step's gradient all-reduces: finish ours (zeros)
+                self._guard.complete_missing()
+                mb.desynced = True
+        backward_cpu = self._clock() - t0
+        if throttle:
+            throttle.after_backward(forward_cpu, guess, backward_cpu)
+        mb.booked_cpu = forward_cpu + backward_cpu
+        if mb.failed is None:
+            self._count += units
+            self._loss_sum += loss.detach().double() * units
+
+    @contextlib.contextmanager
+    def _backward_fault(self, mb: MicroBatch):
+        """An injected OOM fires from a parameter's gradient hook halfway through the model, so
+        part of the gradient sync has already started, as with a real OOM in backward."""
+        fault = self.faults.oom(self._step.index, mb.index, mb.count, "backward", escape=0) if self.faults else None
+        if fault is None:
+            yield
+            return
+        params = [p for p in self._model.module.parameters() if p.requires_grad]
+
+        def boom(grad):
+            raise injected_oom(fault)
+
+        handle = params[len(params) // 2].register_hook(boom)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def step(self) -> Step:
-        """Finish the step: correct token weighting, clip, optimizer step, zero gradients."""
+        """Finish the step: correct token weighting, clip, optimizer step, zero gradients; then
+        rebalance, log samples and checkpoint when due."""
         step, table = self._step, self._table
         if step is None or table is None:
             raise UsageError("ht.step() called before the step's micro-batches all ran",
                              "run `for mb in step: ...` to the end, then call ht.step()")
+        busy0 = self._busy()
         opt, cfg = self._optimizer, self.config
         params = [p for p in self._model.parameters() if p.grad is not None]
         if self._scaler is not None:
@@ -356,9 +430,22 @@ class Engine:
         step.loss = table.sum("loss_sum") / total_units
         step.samples_per_s = cfg.global_batch / elapsed
         self._history.append({"step": step.index, "loss": step.loss, "seconds": elapsed,
-                              "compute_s": table.column("compute_s")})
+                              "compute_s": table.column("compute_s"), "busy_s": table.column("busy_s")})
         self.steps_done += 1
         self._step, self._table = None, None
+        if cfg.sample_log:
+            persist.log_samples(self, step, (list(step.indices), list(step.epochs)))
+        self._fixed_s = self._busy() - busy0
+        if self._rebalancer is not None:
+            self._rebalancer.observe(busy_s=table.column("busy_s"), samples=table.column("samples"),
+                                     fixed_s=table.column("fixed_s"))
+            decision = self._rebalancer.propose(self.plan, step=self.steps_done)
+            if decision is not None:
+                self.plan = decision.plan
+                self.log.info(decision.message)
+        if self._checkpointer is not None and (self.steps_done % cfg.checkpoint_every == 0
+                                               or self.steps_done == self.total_steps):
+            persist.save(self)
         return step
 
     # -- the end ------------------------------------------------------------------------------
@@ -368,8 +455,7 @@ class Engine:
         hist = self._history
         timed = hist[1:] if len(hist) > 1 else hist   # the first step includes warm-up
         seconds = sum(h["seconds"] for h in timed)
-        mine = {"compute_s": sum(h["compute_s"][self.rank] for h in timed),
-                "slept_s": self.emulated.throttle.slept_seconds if self.emulated else 0.0,
+        mine = {"busy_s": sum(h["busy_s"][self.rank] for h in timed), "ooms": self.ooms,
                 "peak_bytes": float(self.emulated.meter.peak) if self.emulated else
                 (float(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else 0.0)}
         table = agree.exchange(mine, rank=self.rank, world_size=self.world_size, device=self.device)
@@ -378,22 +464,24 @@ class Engine:
             "samples_per_s": (len(timed) * self.config.global_batch / seconds) if seconds else None,
             "first_loss": hist[0]["loss"] if hist else None,
             "last_loss": hist[-1]["loss"] if hist else None,
+            "plan_version": self.plan.version if self.plan else None,
+            "shares": list(self.plan.shares) if self.plan else None,
+            "redone_steps": self.redone_steps,
             "ranks": [table.row(r) for r in range(self.world_size)],
         }
         if hist and self.plan is not None:
             rows = []
             for d in self.plan.devices:
                 r = out["ranks"][d.rank]
-                busy = r["compute_s"] + r["slept_s"]
-                rows.append((d.rank, d.device, d.share,
-                             f"{busy / max(len(timed), 1) * 1000:.0f} ms",
-                             f"{busy / seconds:.0%}" if seconds else "-",
-                             format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-"))
+                rows.append((d.rank, d.device, d.share, d.micro_batch,
+                             f"{r['busy_s'] / max(len(timed), 1) * 1000:.0f} ms",
+                             f"{r['busy_s'] / seconds:.0%}" if seconds else "-",
+                             format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-", int(r["ooms"])))
             sps = out["samples_per_s"]
             self.log.table(
                 f"summary: {len(hist)} steps, {sps:.1f} samples/s, loss {out['first_loss']:.4f} -> "
-                f"{out['last_loss']:.4f}" + (" (emulated devices)" if self.emulated else ""),
-                ("rank", "device", "share", "compute/step", "busy", "peak memory"), rows)
+                f"{out['last_loss']:.4f}, plan v{self.plan.version}" + (" (emulated devices)" if self.emulated else ""),
+                ("rank", "device", "share", "micro", "busy/step", "busy", "peak memory", "OOMs"), rows)
         return out
 
     def close(self) -> None:
@@ -401,10 +489,13 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._release()
+        shutdown(self.ctx)
+
+    def _release(self) -> None:
         if self._model is not None:
             self._model.release_wrapper()
-        self._ddp = None
-        shutdown(self.ctx)
+        self._ddp = self._guard = None
 
     def __enter__(self) -> Engine:
         return self
@@ -414,11 +505,15 @@ class Engine:
             self.close()
         else:   # peers may be gone: no barrier, just release what we hold
             self._closed = True
-            if self._model is not None:
-                self._model.release_wrapper()
-            self._ddp = None
+            self._release()
             if self.ctx.owns_group and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _fatal_message(table: agree.Table, plan: Plan) -> str:
+    ranks = [r for r, v in enumerate(table.column("fatal")) if v]
+    who = ", ".join(f"rank {r} ({plan.devices[r].device})" for r in ranks)
+    return f"out of memory with a micro-batch of 1 sample on {who}: the model does not fit there"
 
 
 def _plan_from_file(path: str | None) -> Plan | None:

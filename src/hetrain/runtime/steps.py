@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class MicroBatch:
@@ -21,8 +23,12 @@ class MicroBatch:
     count: int                 # micro-batches this rank runs in the step
     indices: tuple[int, ...]   # dataset indices
     backward_done: bool = False
+    catch_oom: bool = True     # `with mb:` turns an OOM into a recovery (recovery.py)
     started_at: float = 0.0    # compute clock when the user's code got the micro-batch
     booked_cpu: float = 0.0    # compute already charged to the emulated device's throttle
+    failed: str | None = None  # why this micro-batch ran out of memory, if it did
+    desynced: bool = False     # the OOM struck inside the step's gradient sync
+    inject_forward_oom: object = None   # a fault to raise in the next forward (faults.py)
 
     @property
     def last(self) -> bool:
@@ -36,6 +42,12 @@ class MicroBatch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        """An out-of-memory error inside the block is recovered (smaller micro-batch, redo)."""
+        if self.catch_oom and exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError):
+            if self.failed is None:
+                self.failed = f"forward: {exc}".splitlines()[0][:200]
+            self.backward_done = True
+            return True
         return False
 
 
@@ -47,6 +59,7 @@ class Step:
     index: int                       # global step number (0-based, counts across resumes)
     epoch: int
     indices: tuple[int, ...]         # this rank's dataset indices in this step
+    epochs: tuple[int, ...]          # the epoch of each (a step can straddle two)
     _engine: object = field(repr=False)
     loss: float | None = None
     samples_per_s: float | None = None

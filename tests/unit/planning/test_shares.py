@@ -85,3 +85,31 @@ def test_plan_json_round_trip_and_validation():
     bad["schema"] = 99
     with pytest.raises(ValueError, match="schema"):
         Plan.from_json(json.dumps(bad))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 300), data=st.data())
+def test_balanced_shares_are_optimal_with_fixed_costs(batch, data):
+    from hetrain.planning.shares import balanced_shares, step_time
+
+    n = data.draw(st.integers(1, 4))
+    if batch < n:
+        return
+    t = data.draw(st.lists(st.floats(0.01, 1.0), min_size=n, max_size=n))
+    f = data.draw(st.lists(st.floats(0.0, 5.0), min_size=n, max_size=n))
+    shares = list(balanced_shares(batch, t, f))
+    assert sum(shares) == batch and min(shares) >= 1
+    best = step_time(shares, t, f)
+    for a in range(n):
+        for b in range(n):
+            if a != b and shares[a] > 1:
+                moved = shares.copy()
+                moved[a] -= 1
+                moved[b] += 1
+                assert step_time(moved, t, f) >= best - 1e-9
+
+
+def test_balanced_shares_without_fixed_costs_match_proportional():
+    from hetrain.planning.shares import balanced_shares
+
+    assert balanced_shares(64, [1 / 1.0, 1 / 0.67]) == proportional_shares(64, [1.0, 0.67])

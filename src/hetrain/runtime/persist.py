@@ -1,0 +1,153 @@
+"""What the engine saves and restores: the glue between Engine and Checkpointer.
+
+Resume rules:
+  * same world size: the saved Plan (shares after rebalancing, micro-batches after OOMs, its
+    version) is run as it was, so the continued run computes exactly what the uninterrupted
+    one would have;
+  * another world size: a new Plan for the devices present, its version one past the saved one;
+    the sampler's cursor is a position in the global sample stream, so not one sample is lost
+    or repeated either way;
+  * RNG: rank r restores the state rank r saved; a rank that did not exist keeps its fresh seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+from ..errors import UsageError
+from ..planning.plan import Plan
+from . import recovery
+from .checkpoint import Checkpointer, model_signature, rng_state, set_rng_state
+
+
+def gather(engine, obj) -> list:
+    import torch.distributed as dist
+
+    if engine.world_size == 1:
+        return [obj]
+    out = [None] * engine.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save(engine) -> None:
+    """Collective: a checkpoint of the whole job at the current step boundary."""
+    ck: Checkpointer = engine._checkpointer
+    rngs = gather(engine, rng_state())
+    meta = {
+        "step": engine.steps_done,
+        "sampler": engine._sampler.state_dict(),
+        "plan": engine.plan.to_json(),
+        "rebalancer": engine._rebalancer.state_dict() if engine._rebalancer else None,
+        "scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+        "rng": rngs,
+        "extra": {name: obj.state_dict() for name, obj in engine._extra_state.items()},
+        "model_signature": model_signature(engine._model.module),
+        "global_batch": engine.config.global_batch,
+        "world_size": engine.world_size,
+    }
+    path = ck.save(engine.steps_done, model=engine._model.module, optimizer=engine._optimizer, meta=meta)
+    engine.log.info(f"checkpoint {path.name} saved (step {engine.steps_done}, plan v{engine.plan.version})")
+
+
+def resume(engine) -> bool:
+    """Collective: restore the newest whole checkpoint, if any. Returns whether it resumed."""
+    cfg, ck = engine.config, engine._checkpointer
+    path = ck.latest()
+    if path is None:
+        if cfg.resume == "must":
+            raise UsageError(f"resume='must' but {ck.dir} holds no whole checkpoint",
+                             "point checkpoint_dir at a run that saved checkpoints, or use resume='auto'")
+        return False
+    if cfg.resume == "never":
+        raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
+                         "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
+    meta = ck.read_meta(path)
+    signature = model_signature(engine._model.module)
+    if meta["model_signature"] != signature:
+        raise UsageError(f"checkpoint {path} was saved from a different model "
+                         f"(signature {meta['model_signature']}, this model {signature})",
+                         "resume with the same model definition, or use a new checkpoint_dir")
+    if meta["global_batch"] != cfg.global_batch:
+        raise UsageError(f"checkpoint {path} was saved with global batch {meta['global_batch']}, "
+                         f"this run asks for {cfg.global_batch}",
+                         f"run with global_batch={meta['global_batch']}, or start a new run elsewhere")
+    ck.load_model(path, model=engine._model.module, optimizer=engine._optimizer)
+    engine._sampler.load_state_dict(meta["sampler"])
+    engine.steps_done = meta["step"]
+    if engine._scaler is not None and meta["scaler"] is not None:
+        engine._scaler.load_state_dict(meta["scaler"])
+    for name, obj in engine._extra_state.items():
+        if name in meta["extra"]:
+            obj.load_state_dict(meta["extra"][name])
+    if engine.rank < len(meta["rng"]):
+        set_rng_state(meta["rng"][engine.rank])
+    saved_plan = Plan.from_json(meta["plan"])
+    if saved_plan.world_size == engine.world_size:
+        plan = replace(saved_plan, devices=tuple(
+            replace(d, device=now.device) for d, now in zip(saved_plan.devices, engine.plan.devices)))
+        if engine._rebalancer is not None and meta["rebalancer"] is not None:
+            engine._rebalancer.load_state_dict(meta["rebalancer"])
+    else:
+        plan = replace(engine.plan, version=saved_plan.version + 1,
+                       note=f"re-planned for {engine.world_size} devices after resuming from "
+                            f"{saved_plan.world_size}")
+    engine.plan = _apply_escaped_ooms(engine, plan)
+    engine.log.info(f"resumed from {path.name}: step {engine.steps_done}, epoch {engine._sampler.epoch}, "
+                    f"sample cursor {engine._sampler.cursor}, plan v{engine.plan.version}"
+                    + (f" (restart {engine.ctx.restart})" if engine.ctx.restart else ""))
+    return True
+
+
+def _apply_escaped_ooms(engine, plan: Plan) -> Plan:
+    """Halve the micro-batch of every rank whose previous attempt died of an OOM (recovery.py)."""
+    import torch.distributed as dist
+
+    found = recovery.take_escaped_ooms(str(engine._checkpointer.dir), engine.world_size)
+    if engine.world_size > 1:
+        dist.barrier()   # every rank has read the records before rank 0 removes them
+    if not found:
+        return plan
+    devices = list(plan.devices)
+    notes = []
+    for rank, micro in sorted(found.items()):
+        smaller = recovery.smaller_micro_batch(min(micro, devices[rank].micro_batch))
+        if smaller is None:
+            continue
+        devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
+        notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
+    if engine.rank == 0:
+        recovery.clear_escaped_ooms(str(engine._checkpointer.dir), engine.world_size)
+    note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
+    engine.log.warn(note)
+    return plan.evolve(note=note, devices=tuple(devices))
+
+
+def log_samples(engine, step, samples) -> None:
+    """Append this rank's samples of a finished step to its sample log (one JSON line)."""
+    directory = engine.config.sample_log
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"rank{engine.rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step.index, "attempt": engine.ctx.restart, "epochs": samples[1],
+                            "indices": samples[0]}) + "\n")
+
+
+def read_sample_log(directory: str) -> dict[int, list[tuple[int, int]]]:
+    """{step: [(epoch, index), ...] over all ranks}, keeping each rank's latest attempt of a step
+    (steps redone after a restart supersede the lost ones)."""
+    per_rank: dict[tuple[int, int], dict] = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".jsonl"):
+            continue
+        rank = int(name[4:-6])
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    per_rank[(rec["step"], rank)] = rec
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for (step, _), rec in sorted(per_rank.items()):
+        steps.setdefault(step, []).extend(zip(rec["epochs"], rec["indices"]))
+    return steps

@@ -1,0 +1,103 @@
+"""Online rebalancing: new shares from measured step times, the same decision on every rank.
+
+Every step each rank reports (through the step's one small all-reduce, runtime/agree.py) its busy
+time in the micro-batches — compute only, never time spent waiting for peers — and the busy time
+of the rest of its step (optimizer). From these every rank holds the same windows of seconds per
+sample t_r and fixed seconds per step f_r, and computes the same proposal: the split minimising
+max_r(f_r + b_r · t_r) (planning.shares.balanced_shares). The Plan changes only when
+
+  * every rank has at least `min_samples` measurements since the last change of its speed, and
+  * the predicted step time improves by more than `threshold` (default 5%).
+
+Noise does not move shares: estimates are means over up to `window` steps. A real change does,
+quickly: when a rank's last 3 measurements all sit more than `jump` (default 30%) away from its
+earlier mean, the older measurements are dropped, so the estimate moves to the new speed at once
+rather than drifting there over a whole window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..planning.plan import DevicePlan, Plan
+from ..planning.shares import balanced_shares, step_time
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    plan: Plan
+    message: str
+
+
+class Rebalancer:
+    def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.05,
+                 jump: float = 0.30, min_samples: int = 3):
+        self.world_size = world_size
+        self.window = window
+        self.threshold = threshold
+        self.jump = jump
+        self.min_samples = min_samples
+        self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
+        self.fixed: list[list[float]] = [[] for _ in range(world_size)]
+        self.changes = 0
+
+    # -- measurements -------------------------------------------------------------------------
+    def observe(self, *, busy_s: list[float], samples: list[float], fixed_s: list[float]) -> None:
+        for r in range(self.world_size):
+            if samples[r] <= 0 or busy_s[r] <= 0:
+                continue
+            ps, fx = self.per_sample[r], self.fixed[r]
+            ps.append(busy_s[r] / samples[r])
+            fx.append(max(fixed_s[r], 0.0))
+            if len(ps) >= self.min_samples + 3:
+                recent, earlier = ps[-3:], ps[:-3]
+                base = sum(earlier) / len(earlier)
+                if all(v > base * (1 + self.jump) for v in recent) or all(v < base / (1 + self.jump) for v in recent):
+                    del ps[:-3], fx[:-3]           # a new regime: forget the old speed
+            del ps[:-self.window], fx[:-self.window]
+
+    def estimates(self) -> tuple[list[float], list[float]] | None:
+        """Seconds per sample and fixed seconds per step, per rank; None until enough data."""
+        if any(len(ps) < self.min_samples for ps in self.per_sample):
+            return None
+        t = [sum(ps) / len(ps) for ps in self.per_sample]
+        f = [sum(fx) / len(fx) for fx in self.fixed]
+        return t, f
+
+    # -- the decision -------------------------------------------------------------------------
+    def propose(self, plan: Plan, *, step: int) -> Decision | None:
+        est = self.estimates()
+        if est is None or plan.world_size != self.world_size:
+            return None
+        t, f = est
+        old = list(plan.shares)
+        new = list(balanced_shares(plan.global_batch, t, f))
+        before, after = step_time(old, t, f), step_time(new, t, f)
+        gain = before / after - 1
+        if new == old or gain <= self.threshold:
+            return None
+        fastest = min(t)
+        devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank]) for d, s in zip(plan.devices, new))
+        timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
+                            for d in plan.devices)
+        message = (f"rebalanced at step {step} (plan v{plan.version} -> v{plan.version + 1}): shares "
+                   f"{'/'.join(map(str, old))} -> {'/'.join(map(str, new))}; measured {timings}; "
+                   f"predicted step {before * 1e3:.0f} -> {after * 1e3:.0f} ms (+{gain:.0%})")
+        self.changes += 1
+        return Decision(plan=plan.evolve(note=message, devices=devices), message=message)
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"per_sample": self.per_sample, "fixed": self.fixed, "changes": self.changes}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["per_sample"]) == self.world_size:   # another world size: measure afresh
+            self.per_sample = [list(v) for v in state["per_sample"]]
+            self.fixed = [list(v) for v in state["fixed"]]
+        self.changes = int(state["changes"])
+
+
+def _with_share(d: DevicePlan, share: int, per_sample: float, speed: float) -> DevicePlan:
+    micro = share if d.max_micro_batch is None else max(1, min(share, d.max_micro_batch))
+    reasons = (f"share {share}: measured {per_sample * 1e3:.2f} ms/sample (rebalanced)",) + d.reasons[1:]
+    return replace(d, share=share, micro_batch=micro, speed=speed, reasons=reasons)
