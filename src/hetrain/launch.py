@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .errors import HetrainError, UsageError
 from .hardware.cluster import parse_cluster
+from .hardware.doctor import launch_env_fixes
 from .runtime.config import LAUNCH_ENV
 
 
@@ -65,6 +66,12 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             reasons.append(f"processes: one per visible GPU ({gpus})")
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             reasons.append("CUDA_DEVICE_ORDER=PCI_BUS_ID: GPU indices match nvidia-smi")
+            # What `hetrain doctor` recommends for these GPUs (e.g. NCCL_P2P_DISABLE=1 when peer
+            # copies are broken), the same on every rank since all inherit this environment.
+            for fix in launch_env_fixes({**os.environ, **env}):
+                if fix.var not in env:
+                    env[fix.var] = fix.value
+                    reasons.append(fix.reason)
         else:
             reasons.append("processes: 1 (no GPU and no --emulate; try --emulate a100-80g,rtx3090)")
     if nproc is not None:

@@ -22,9 +22,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import train
+    from . import hardware, train
 
-    for module in (train,):
+    for module in (train, hardware):
         module.register(app)
 
 

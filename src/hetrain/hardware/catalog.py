@@ -78,9 +78,19 @@ def _index() -> dict[str, GpuSpec]:
     return index
 
 
+_MIG = re.compile(r"\s+MIG\s+\S+$", re.IGNORECASE)   # 'NVIDIA A100-SXM4-40GB MIG 1g.5gb'
+
+
 def lookup(name: str) -> GpuSpec | None:
-    """The catalog entry for an alias or a driver-reported name, or None when unknown."""
-    return _index().get(normalize(name))
+    """The catalog entry for an alias or a driver-reported name, or None when unknown.
+
+    Matching is exact after normalising ('NVIDIA GeForce RTX 3090 Ti' is not a 3090): a wrong
+    match would give the wrong speed and memory, an unknown GPU only a 'not in catalog' note.
+    A MIG slice's name resolves to its parent card.
+    """
+    if not isinstance(name, str) or not name.strip():
+        return None
+    return _index().get(normalize(name)) or _index().get(normalize(_MIG.sub("", name.strip())))
 
 
 def resolve(name: str) -> GpuSpec:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from . import catalog
+from .devices import Device, from_cluster_device
 from .units import format_bytes, parse_bytes
 
 FORMS = ("NAME", "NAME:SPEED", "NAME@MEMORY", "NAME:SPEED@MEMORY", "COUNTxNAME")
@@ -41,6 +42,10 @@ class ClusterDevice:
     @property
     def label(self) -> str:
         return f"{self.gpu.key}#{self.index}"
+
+    def to_device(self) -> Device:
+        """This emulated device as a `devices.Device` record (kind 'emulated')."""
+        return from_cluster_device(self)
 
 
 def _bad(item: str, why: str) -> UsageError:

@@ -1,0 +1,108 @@
+"""`hetrain doctor` and `hetrain env`: what this machine is, and what will go wrong on it."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+from ..hardware import doctor as doctor_mod
+from ..hardware import envreport, machine, ranks
+from ..hardware.findings import DoctorOptions, parse_psu_watts
+
+_STYLE = {"ok": "green", "warn": "yellow", "error": "bold red", "skipped": "dim"}
+MACHINE_HELP = "check a recorded machine description (from `hetrain env --json`) instead of this machine"
+CLUSTER_HELP = "check a planned or emulated cluster from the catalog, e.g. a100-80g,rtx3090 (no drivers asked)"
+
+
+def _machine(machine_file: str | None, cluster: str | None, measure: bool) -> machine.Machine:
+    if machine_file and cluster:
+        raise UsageError("--machine and --cluster both given", "give one: a recorded machine or a cluster spec")
+    if measure and (machine_file or cluster):
+        raise UsageError("--measure needs this machine's GPUs", "drop --machine/--cluster to measure here")
+    if machine_file:
+        return machine.recorded(machine_file)
+    if cluster:
+        return machine.planned(cluster)
+    return machine.live(measure=measure)
+
+
+def _print_doctor(m: machine.Machine, findings) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:      # piped or captured: wide enough to keep findings readable
+        console = Console(width=120)
+    console.print(f"[bold]hetrain doctor[/bold] — {m.source}")
+    devices = Table("device", "name", "memory", "cc", "catalog", "source", title="devices", title_justify="left")
+    for d in m.devices:
+        summary = d.summary().split(", ")
+        devices.add_row(d.label, d.name, summary[1] if len(summary) > 1 else "-",
+                        "{}.{}".format(*d.compute_capability) if d.compute_capability else "-",
+                        d.spec.key if d.spec else ("-" if d.kind == "cpu" else "not in catalog"), d.source)
+    console.print(devices)
+    table = Table("level", "check", "found (and why it matters)", "fix", title="findings", title_justify="left",
+                  show_lines=True)
+    for f in findings:
+        found = f.message + (f"\n[dim]why: {f.why}[/dim]" if f.why else "")
+        table.add_row(f"[{_STYLE[f.level]}]{f.level}[/]", f.check, found, f.fix or "-")
+    console.print(table)
+    c = doctor_mod.counts(findings)
+    console.print(", ".join(f"[{_STYLE[k]}]{n} {k}[/]" for k, n in c.items()))
+
+
+def doctor(
+    json_out: bool = typer.Option(False, "--json", help="machine-readable output: {devices, findings, ...}"),
+    psu_watts: Optional[str] = typer.Option(None, "--psu-watts", help="your power supply's rating in watts, "
+                                            "to check the seed's 30% headroom over the GPUs' power limits"),
+    precision: str = typer.Option("auto", "--precision",
+                                  help="the job's precision: auto (recommend), bf16, fp16, fp32"),
+    measure: bool = typer.Option(False, "--measure", help="also measure copy bandwidth between GPUs (a few seconds)"),
+    machine_file: Optional[str] = typer.Option(None, "--machine", help=MACHINE_HELP),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help=CLUSTER_HELP),
+) -> None:
+    """Check this machine for multi-GPU traps; each finding says what, why and the exact fix.
+    Exit code 1 when any finding is an error."""
+    options = DoctorOptions(psu_watts=parse_psu_watts(psu_watts), precision=precision)
+    m = _machine(machine_file, cluster, measure)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if not (machine_file or cluster) and ranks.under_torchrun():
+        options = DoctorOptions(psu_watts=options.psu_watts, precision=options.precision,
+                                rank_versions=ranks.gather_rank_versions(m.facts))
+    findings = doctor_mod.run_checks(m, options)
+    if rank == 0:
+        if json_out:
+            typer.echo(json.dumps({
+                "source": m.source, "devices": [d.to_dict() for d in m.devices],
+                "topology": [ln.to_dict() for ln in m.links],
+                "findings": [f.to_dict() for f in findings], "counts": doctor_mod.counts(findings)}, indent=2))
+        else:
+            _print_doctor(m, findings)
+    raise typer.Exit(doctor_mod.exit_code(findings))
+
+
+def env(
+    json_out: bool = typer.Option(False, "--json", help="machine-readable: the machine description, devices, "
+                                  "topology (a file `hetrain doctor --machine` can read)"),
+    measure: bool = typer.Option(False, "--measure", help="also measure copy bandwidth between GPUs"),
+    machine_file: Optional[str] = typer.Option(None, "--machine", help=MACHINE_HELP),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help=CLUSTER_HELP),
+) -> None:
+    """A paste-ready report for bug reports: versions, every GPU, topology, relevant env vars."""
+    m = _machine(machine_file, cluster, measure)
+    per_rank = ranks.gather_rank_versions(m.facts) if not (machine_file or cluster) and ranks.under_torchrun() else None
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return
+    if json_out:
+        typer.echo(json.dumps(envreport.render_json(m, per_rank), indent=2))
+    else:
+        typer.echo(envreport.render_text(m, per_rank), nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(doctor)
+    app.command()(env)
