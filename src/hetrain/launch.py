@@ -99,20 +99,29 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
 
 def run_launch(launch: Launch) -> int:
     """Run torchrun's own launcher in this process, so a failed worker becomes one clear line
-    here instead of the launcher's traceback. Returns the job's exit code: 0, or 2 when the
-    workers stopped on a usage error (they printed it), or raises HetrainError naming the rank."""
+    here instead of the launcher's traceback. Returns 0, or the workers' error's exit code after
+    printing it once (2 for a usage error); otherwise raises HetrainError naming the rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .runtime.failure import read_errors
+
     os.environ.update(launch.env)
+    run_dir = os.path.dirname(launch.env[LAUNCH_ENV])
     # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
     except ChildFailedError as e:
+        errors = read_errors(run_dir)
+        if errors:   # workers stopped on an error hetrain explained: say it once
+            first = errors[0]
+            tag = "" if first["usage"] or launch.nproc == 1 else f" (rank {first['rank']})"
+            print(f"hetrain: error{tag}: {first['what']}", file=sys.stderr)
+            if first["fix"]:
+                print(f"  fix: {first['fix']}", file=sys.stderr)
+            return int(first["exit_code"])
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        if all(code == 2 for code in codes.values()):
-            return 2
         rank, first = e.get_first_failure()
         how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
                else f"exited with code {first.exitcode}")

@@ -35,6 +35,8 @@ class DevicePlan:
     precision: str = "fp32"              # fp32 | bf16 | fp16
     checkpointing: bool = False          # activation checkpointing on this rank
     memory_cap_bytes: int | None = None  # emulated cap or real device memory
+    per_sample_s: float | None = None    # measured: compute seconds per sample on this device...
+    fixed_s: float | None = None         # ...plus these seconds per step that do not scale with it
     reasons: tuple[str, ...] = ()        # why each number was chosen, for people
 
     def __post_init__(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -9,11 +11,11 @@ from ..errors import UsageError
 from ..hardware.units import format_bytes
 from ..planning.plan import Plan
 from ..planning.shares import DeviceCapacity, static_plan
-from .probe import probe
+from .probe import probe, time_sizes
 
 
 def measure_capacity(engine, model, forward) -> DeviceCapacity:
-    """This rank's speed and largest micro-batch, with the reason for each."""
+    """This rank's speed, time model and largest micro-batch, with the reason for each."""
     cfg, emu = engine.config, engine.emulated
     equal = max(1, cfg.global_batch // engine.world_size)
     cap = None
@@ -21,27 +23,14 @@ def measure_capacity(engine, model, forward) -> DeviceCapacity:
         cap = emu.meter.cap
     elif engine.device.type == "cuda":
         cap = torch.cuda.get_device_properties(engine.device).total_memory
-    need_timing = emu is None and engine.world_size > 1
-    result = None
-    if cap is not None or need_timing:
-        n = min(equal, 4)
-        batch = engine._load(range(n))
-        result = probe(model, batch, samples=n, forward=forward, device=engine.device,
-                       timed_runs=2 if need_timing else 0)
-
-    if emu is not None:
-        speed, speed_reason = emu.spec.speed, f"{emu.spec.speed_source}, emulated"
-    elif need_timing:
-        speed = 1.0 / result.seconds_per_sample
-        speed_reason = f"measured {speed:.1f} samples/s in a warm-up"
-    else:
-        speed, speed_reason = 1.0, "single device"
 
     max_micro, micro_reason = None, "memory not capped"
     if cap is not None:
+        n = min(equal, 4)
+        per_sample = max(probe(model, engine._load(range(n)), samples=n, forward=forward,
+                               device=engine.device).activation_bytes_per_sample, 1.0)
         fixed = emu.meter.fixed if emu is not None else torch.cuda.memory_allocated(engine.device)
         usable = cap * (1 - cfg.memory_margin) - fixed
-        per_sample = max(result.activation_bytes_per_sample, 1.0)
         max_micro = int(usable // per_sample)
         micro_reason = (f"{format_bytes(cap)} memory, {format_bytes(fixed)} model state, "
                         f"measured {format_bytes(per_sample)}/sample, {cfg.memory_margin:.0%} kept free")
@@ -53,17 +42,42 @@ def measure_capacity(engine, model, forward) -> DeviceCapacity:
             )
     if cfg.micro_batch is not None and (max_micro is None or cfg.micro_batch < max_micro):
         max_micro, micro_reason = cfg.micro_batch, "micro_batch set in the config"
+
+    per_sample_s = fixed_s = None
+    if engine.world_size > 1:   # the split needs each device's time model
+        hi = min(equal, max_micro or equal)
+        lo = max(1, hi // 4)
+        timing = time_sizes(model, {m: engine._load(range(m)) for m in {lo, hi}}, forward=forward,
+                            device=engine.device)
+        slow = emu.spec.speed if emu is not None else 1.0   # the CPU's time, stretched as emulated
+        per_sample_s, fixed_s = timing.per_sample_s / slow, timing.fixed_s / slow
+    if emu is not None:
+        speed, speed_reason = emu.spec.speed, f"{emu.spec.speed_source}, emulated"
+    elif per_sample_s is not None:
+        speed = equal / (fixed_s + equal * per_sample_s)
+        speed_reason = f"measured {speed:.1f} samples/s at {equal} samples"
+    else:
+        speed, speed_reason = 1.0, "single device"
     return DeviceCapacity(device=engine.device_label, speed=speed, speed_reason=speed_reason,
-                          max_micro_batch=max_micro, micro_reason=micro_reason,
-                          memory_cap_bytes=cap, precision=cfg.precision)
+                          max_micro_batch=max_micro, micro_reason=micro_reason, memory_cap_bytes=cap,
+                          precision=cfg.precision, per_sample_s=per_sample_s, fixed_s=fixed_s)
 
 
 def agree_plan(engine, mine: DeviceCapacity) -> Plan:
-    """Every rank's capacity, gathered; every rank then computes the same Plan from them."""
+    """Every rank's capacity, gathered; every rank then computes the same Plan from them.
+
+    Emulated devices all run on the same kind of CPU thread, so their measured time models differ
+    only by noise and by the emulated speed: the mean model, stretched by each device's speed,
+    gives every run the same split instead of one that wobbles with the noise."""
     capacities = [mine]
     if engine.world_size > 1:
         capacities = [None] * engine.world_size
         dist.all_gather_object(capacities, mine)
+    if engine.emulated is not None and all(c.per_sample_s is not None for c in capacities):
+        per_sample = sum(c.per_sample_s * c.speed for c in capacities) / len(capacities)
+        fixed = sum(c.fixed_s * c.speed for c in capacities) / len(capacities)
+        capacities = [replace(c, per_sample_s=per_sample / c.speed, fixed_s=fixed / c.speed)
+                      for c in capacities]
     return static_plan(engine.config.global_batch, capacities)
 
 

@@ -113,8 +113,10 @@ class Checkpointer:
         return self.dir / f"step-{step:08d}"
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
-        """Collective: every rank calls it with the same step."""
+    def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+             midway=None) -> Path:
+        """Collective: every rank calls it with the same step. `midway()` runs between the data
+        and the manifest (fault injection: a crash there must leave the old checkpoints intact)."""
         final, tmp = self.path(step), self.dir / f"step-{step:08d}.tmp"
         if self.rank == 0:
             for stale in self.dir.glob("step-*.tmp"):
@@ -123,6 +125,8 @@ class Checkpointer:
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if midway is not None:
+            midway()
         if self.rank == 0:
             torch.save(meta, tmp / META)
             files = {}

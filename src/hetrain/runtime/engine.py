@@ -178,7 +178,9 @@ class Engine:
             self.plan = agree_plan(self, measure_capacity(self, model, forward))
         self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._guard = recovery.SyncGuard(self._ddp)
-        self._model = PreparedModel(model, self._ddp, meter, before_forward=self._before_forward)
+        self._model = PreparedModel(model, self._ddp, meter)
+        if self.faults:   # an injected forward OOM strikes inside DDP's forward, as a real one does
+            model.register_forward_pre_hook(lambda module, args: self._before_forward())
         self._optimizer = optimizer
         if cfg.rebalance and self.world_size > 1:
             self._rebalancer = Rebalancer(world_size=self.world_size, threshold=cfg.rebalance_threshold)
@@ -292,6 +294,9 @@ class Engine:
                           f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {step.index}; "
                           + (f"micro-batch {self._micro} -> {smaller}, redoing" if smaller else "cannot shrink"))
             if smaller is None:
+                if not failed.desynced:   # peers are waiting in this step's gradient sync: join it
+                    self._guard.begin()
+                    self._guard.complete_missing()
                 return "fatal"
             self._micro = smaller
             if failed.desynced:
@@ -381,6 +386,8 @@ class Engine:
     def _backward_fault(self, mb: MicroBatch):
         """An injected OOM fires from a parameter's gradient hook halfway through the model, so
         part of the gradient sync has already started, as with a real OOM in backward."""
+        if self.faults and mb.last:
+            self.faults.maybe_die(self._step.index, "backward")
         fault = self.faults.oom(self._step.index, mb.index, mb.count, "backward", escape=0) if self.faults else None
         if fault is None:
             yield
@@ -437,8 +444,7 @@ class Engine:
             persist.log_samples(self, step, (list(step.indices), list(step.epochs)))
         self._fixed_s = self._busy() - busy0
         if self._rebalancer is not None:
-            self._rebalancer.observe(busy_s=table.column("busy_s"), samples=table.column("samples"),
-                                     fixed_s=table.column("fixed_s"))
+            self._rebalancer.observe(self.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))
             decision = self._rebalancer.propose(self.plan, step=self.steps_done)
             if decision is not None:
                 self.plan = decision.plan

@@ -1,7 +1,9 @@
 """How a worker stops on an error hetrain can explain: one line with the fix, no traceback.
 
-Installed by init() in every worker. A UsageError is the same on every rank, so rank 0 alone
-prints it, and the process exits with code 2, which `hetrain run` reads as a usage error.
+Installed by init() in every worker. Under `hetrain run` a worker does not print the error: it
+writes it to the run directory and exits (code 2 for a usage error), and the launcher prints it
+once — whichever ranks got there before torchrun stopped the others. Under plain torchrun, rank 0
+prints a UsageError (it is the same on every rank) and every rank prints any other error.
 An out-of-memory error that escaped the training loop is recorded in the checkpoint directory,
 so the restarted job runs that rank with half the micro-batch (recovery.py).
 Anything else keeps Python's usual traceback, tagged with the rank.
@@ -9,15 +11,39 @@ Anything else keeps Python's usual traceback, tagged with the rank.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 from ..errors import HetrainError, UsageError
+from .config import LAUNCH_ENV
+
+ERROR_FILE = "error-rank{rank}.json"
+
+
+def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
+    path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": rank, "what": exc.what, "fix": exc.fix, "exit_code": exc.exit_code,
+                   "usage": isinstance(exc, UsageError)}, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_errors(run_dir: str) -> list[dict]:
+    """The errors workers wrote, lowest rank first."""
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("error-rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda e: e["rank"])
 
 
 def install_excepthook(engine) -> None:
     previous = sys.excepthook
     rank, world_size = engine.rank, engine.world_size
+    launch = os.environ.get(LAUNCH_ENV)
+    run_dir = os.path.dirname(launch) if launch else None
 
     def hook(exc_type, exc, tb):
         import torch
@@ -28,7 +54,9 @@ def install_excepthook(engine) -> None:
             record_escaped_oom(str(engine._checkpointer.dir), rank=rank, step=engine.steps_done,
                                micro=engine.current_micro_batch or 1)
         if isinstance(exc, HetrainError):
-            if rank == 0 or not isinstance(exc, UsageError):
+            if run_dir is not None:
+                write_error(run_dir, rank, exc)
+            elif rank == 0 or not isinstance(exc, UsageError):
                 tag = f" (rank {rank})" if world_size > 1 and not isinstance(exc, UsageError) else ""
                 print(f"hetrain: error{tag}: {exc.what}", file=sys.stderr)
                 if exc.fix:

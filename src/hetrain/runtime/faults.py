@@ -10,6 +10,8 @@ Spec (config `faults=` or the HETRAIN_FAULTS environment variable), faults separ
     oom:...,escape=1                     raised outside hetrain's recovery (the user's code has no
                                          `with mb:`), so the job restarts from its checkpoint
     die:rank=1,step=7                    SIGKILL rank 1 at the start of step 7
+    die:rank=1,step=7,phase=backward     ... in the middle of its backward (peers are in the sync)
+    die:rank=0,step=8,phase=checkpoint   ... while the checkpoint after step 8 is being written
     stall:rank=0,step=4                  SIGSTOP rank 0 (a hang) at the start of step 4
 rank=-1 means every rank. Every fault but `slow` and `noise` fires once, in restart attempt `attempt` (default 0) of the job, so a
 restarted job replays the step cleanly.
@@ -37,7 +39,7 @@ class Fault:
     rank: int
     step: int
     micro: int = 0             # oom: which micro-batch of the step on that rank (-1: last)
-    phase: str = "forward"     # oom: forward | backward
+    phase: str = "forward"     # oom: forward | backward; die: start | backward | checkpoint
     factor: float = 2.0        # slow: compute time multiplier
     attempt: int = 0           # restart attempt in which it fires (not for slow)
     escape: int = 0            # oom: 1 = outside hetrain's recovery
@@ -68,8 +70,12 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
                                  "e.g. oom:rank=1,step=3,micro=-1,phase=backward") from None
         if "rank" not in fields or "step" not in fields:
             raise UsageError(f"fault {item!r} needs rank= and step=", "e.g. die:rank=1,step=7")
-        if fields.get("phase", "forward") not in ("forward", "backward"):
-            raise UsageError(f"fault phase {fields['phase']!r} in {item!r}", "use phase=forward or phase=backward")
+        phases = {"oom": ("forward", "backward"), "die": ("start", "backward", "checkpoint")}.get(kind)
+        if phases and kind == "die":
+            fields.setdefault("phase", "start")
+        if "phase" in fields and (phases is None or fields["phase"] not in phases):
+            raise UsageError(f"fault phase {fields['phase']!r} in {item!r}",
+                             f"{kind} takes phase=" + " | ".join(phases) if phases else f"{kind} takes no phase")
         faults.append(Fault(kind=kind, **fields))
     return tuple(faults)
 
@@ -106,10 +112,13 @@ class FaultInjector:
         return max((f.factor for f in self.faults if f.kind == "noise" and step >= f.step), default=0.0)
 
     def at_step_start(self, step: int) -> None:
-        if self._take("die", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.maybe_die(step, "start")
         if self._take("stall", step):
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def maybe_die(self, step: int, phase: str) -> None:
+        if self._take("die", step, phase=phase):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def oom(self, step: int, micro: int, count: int, phase: str, *, escape: int) -> Fault | None:
         """An OOM fault for this micro-batch (index `micro` of `count`) and phase, if one is due."""

@@ -13,12 +13,11 @@ from torch import nn
 
 
 class PreparedModel(nn.Module):
-    def __init__(self, module: nn.Module, forward_module: nn.Module, meter=None, before_forward=None):
+    def __init__(self, module: nn.Module, forward_module: nn.Module, meter=None):
         super().__init__()
         self._forward_module = forward_module
         object.__setattr__(self, "_hetrain_module", module)   # not registered twice
         object.__setattr__(self, "_hetrain_meter", meter)
-        object.__setattr__(self, "_hetrain_before_forward", before_forward)
 
     @property
     def module(self) -> nn.Module:
@@ -26,8 +25,6 @@ class PreparedModel(nn.Module):
         return self._hetrain_module
 
     def forward(self, *args, **kwargs):
-        if self._hetrain_before_forward is not None and torch.is_grad_enabled():
-            self._hetrain_before_forward()
         meter = self._hetrain_meter
         if meter is not None and torch.is_grad_enabled():
             with meter.forward():

@@ -48,7 +48,8 @@ def save(engine) -> None:
         "global_batch": engine.config.global_batch,
         "world_size": engine.world_size,
     }
-    path = ck.save(engine.steps_done, model=engine._model.module, optimizer=engine._optimizer, meta=meta)
+    path = ck.save(engine.steps_done, model=engine._model.module, optimizer=engine._optimizer, meta=meta,
+                   midway=lambda: engine.faults.maybe_die(engine.steps_done, "checkpoint"))
     engine.log.info(f"checkpoint {path.name} saved (step {engine.steps_done}, plan v{engine.plan.version})")
 
 

@@ -1,8 +1,9 @@
 """Short measurements of the user's model on this rank's device, before training starts.
 
-One or two forward+backward passes on a few real samples give the activation bytes per sample
-(which caps the micro-batch under a memory limit) and, off emulation, the seconds per sample
-(which sets the device's share). RNG state is restored afterwards so a probed run draws the same
+One forward+backward on a few real samples gives the activation bytes per sample (which caps the
+micro-batch under a memory limit); a few more at two micro-batch sizes give the time as
+fixed + per-sample (which sets the shares: a step that is half fixed overhead should not be split
+in proportion to speed alone). RNG state is restored afterwards so a probed run draws the same
 random numbers as an unprobed one, and gradients are cleared.
 """
 
@@ -20,7 +21,6 @@ from .emulate import MemoryMeter
 class ProbeResult:
     samples: int
     activation_bytes_per_sample: float
-    seconds_per_sample: float | None   # None when timing was not asked for
 
 
 def default_forward(model, batch):
@@ -45,8 +45,8 @@ def _as_scalar(out) -> torch.Tensor:
 
 
 def probe(model: torch.nn.Module, batch, *, samples: int, forward=default_forward,
-          timed_runs: int = 0, device: torch.device) -> ProbeResult:
-    """Activation bytes/sample from one forward; seconds/sample from `timed_runs` more passes."""
+          device: torch.device) -> ProbeResult:
+    """Activation bytes per sample, from one forward on `samples` samples."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
         meter = MemoryMeter(label="probe", cap=None)
@@ -61,14 +61,47 @@ def probe(model: torch.nn.Module, batch, *, samples: int, forward=default_forwar
         if cuda:
             torch.cuda.synchronize(device)
             act = max(act, torch.cuda.max_memory_allocated(device) - base)
-        seconds = None
-        if timed_runs > 0:
-            t0 = time.perf_counter()
-            for _ in range(timed_runs):
-                _as_scalar(forward(model, batch)).backward()
-            if cuda:
-                torch.cuda.synchronize(device)
-            seconds = (time.perf_counter() - t0) / (timed_runs * samples)
         model.zero_grad(set_to_none=True)
-    return ProbeResult(samples=samples, activation_bytes_per_sample=act / samples,
-                       seconds_per_sample=seconds)
+    return ProbeResult(samples=samples, activation_bytes_per_sample=act / samples)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Forward+backward time of one micro-batch of m samples: fixed_s + m · per_sample_s."""
+
+    fixed_s: float
+    per_sample_s: float
+    sizes: tuple[int, ...]
+
+    def __call__(self, m: int) -> float:
+        return self.fixed_s + m * self.per_sample_s
+
+
+def time_sizes(model: torch.nn.Module, batches: dict[int, object], *, forward=default_forward,
+               device: torch.device, runs: int = 3) -> Timing:
+    """Fit fixed + per-sample time from forward+backward passes at two or more micro-batch sizes
+    (after one warm-up pass each; median of `runs`). CPU: this thread's CPU time, so a throttled
+    (emulated) device measures the CPU's own speed; CUDA: synchronised wall time."""
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.thread_time
+    medians = {}
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        for m, batch in sorted(batches.items()):
+            times = []
+            for i in range(runs + 1):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = clock()
+                _as_scalar(forward(model, batch)).backward()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                if i:
+                    times.append(clock() - t0)
+            medians[m] = sorted(times)[len(times) // 2]
+        model.zero_grad(set_to_none=True)
+    sizes = sorted(medians)
+    lo, hi = sizes[0], sizes[-1]
+    per_sample = (medians[hi] - medians[lo]) / (hi - lo) if hi > lo else 0.0
+    if per_sample <= 0:   # noise swamped the difference: call it all per-sample
+        return Timing(fixed_s=0.0, per_sample_s=medians[hi] / hi, sizes=tuple(sizes))
+    return Timing(fixed_s=max(0.0, medians[lo] - lo * per_sample), per_sample_s=per_sample, sizes=tuple(sizes))

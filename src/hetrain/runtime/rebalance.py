@@ -2,12 +2,17 @@
 
 Every step each rank reports (through the step's one small all-reduce, runtime/agree.py) its busy
 time in the micro-batches — compute only, never time spent waiting for peers — and the busy time
-of the rest of its step (optimizer). From these every rank holds the same windows of seconds per
-sample t_r and fixed seconds per step f_r, and computes the same proposal: the split minimising
-max_r(f_r + b_r · t_r) (planning.shares.balanced_shares). The Plan changes only when
+of the rest of its step (optimizer). A device's micro-batch time is k_r · (α_r + b_r): α_r is the
+fixed overhead in sample-equivalents, from the time model measured before training (the model's
+shape, which a speed change does not alter), and k_r the seconds per sample now. From the same
+windows of k_r every rank computes the same proposal: the split minimising
+max_r(f_r + b_r · k_r), f_r = α_r · k_r + the rest of the step (planning.shares.balanced_shares).
+The Plan changes only when
 
   * every rank has at least `min_samples` measurements since the last change of its speed, and
-  * the predicted step time improves by more than `threshold` (default 5%).
+  * the predicted step time improves by more than `threshold` (default 5%) and by more than
+    `min_gain_s` (default 2 ms: below that, a small model's step is dominated by jitter),
+  * in `confirm` (default 2) consecutive steps: one noisy window cannot move shares.
 
 Noise does not move shares: estimates are means over up to `window` steps. A real change does,
 quickly: when a rank's last 3 measurements all sit more than `jump` (default 30%) away from its
@@ -31,23 +36,35 @@ class Decision:
 
 class Rebalancer:
     def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.05,
-                 jump: float = 0.30, min_samples: int = 3):
+                 jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 2):
         self.world_size = world_size
         self.window = window
         self.threshold = threshold
         self.jump = jump
         self.min_samples = min_samples
+        self.min_gain_s = min_gain_s
+        self.confirm = confirm
+        self._streak = 0          # consecutive steps whose proposal cleared the threshold
         self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
         self.fixed: list[list[float]] = [[] for _ in range(world_size)]
+        self.alpha = [0.0] * world_size
         self.changes = 0
 
     # -- measurements -------------------------------------------------------------------------
-    def observe(self, *, busy_s: list[float], samples: list[float], fixed_s: list[float]) -> None:
+    @staticmethod
+    def overhead(d: DevicePlan) -> float:
+        """α: the device's fixed micro-batch time, in samples' worth (0 when not measured)."""
+        return d.fixed_s / d.per_sample_s if d.per_sample_s and d.fixed_s is not None else 0.0
+
+    def observe(self, plan: Plan, *, busy_s: list[float], fixed_s: list[float]) -> None:
+        """One step's figures, measured under `plan`."""
+        self.alpha = [self.overhead(d) for d in plan.devices]
         for r in range(self.world_size):
-            if samples[r] <= 0 or busy_s[r] <= 0:
+            samples = plan.devices[r].share
+            if busy_s[r] <= 0:
                 continue
             ps, fx = self.per_sample[r], self.fixed[r]
-            ps.append(busy_s[r] / samples[r])
+            ps.append(busy_s[r] / (self.alpha[r] + samples))
             fx.append(max(fixed_s[r], 0.0))
             if len(ps) >= self.min_samples + 3:
                 recent, earlier = ps[-3:], ps[:-3]
@@ -61,7 +78,7 @@ class Rebalancer:
         if any(len(ps) < self.min_samples for ps in self.per_sample):
             return None
         t = [sum(ps) / len(ps) for ps in self.per_sample]
-        f = [sum(fx) / len(fx) for fx in self.fixed]
+        f = [sum(fx) / len(fx) + a * k for fx, a, k in zip(self.fixed, self.alpha, t)]
         return t, f
 
     # -- the decision -------------------------------------------------------------------------
@@ -74,10 +91,16 @@ class Rebalancer:
         new = list(balanced_shares(plan.global_batch, t, f))
         before, after = step_time(old, t, f), step_time(new, t, f)
         gain = before / after - 1
-        if new == old or gain <= self.threshold:
+        if new == old or gain <= self.threshold or before - after <= self.min_gain_s:
+            self._streak = 0
             return None
+        self._streak += 1
+        if self._streak < self.confirm:
+            return None
+        self._streak = 0
         fastest = min(t)
-        devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank]) for d, s in zip(plan.devices, new))
+        devices = tuple(_with_share(d, s, t[d.rank], f[d.rank], fastest / t[d.rank])
+                        for d, s in zip(plan.devices, new))
         timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
                             for d in plan.devices)
         message = (f"rebalanced at step {step} (plan v{plan.version} -> v{plan.version + 1}): shares "
@@ -97,7 +120,10 @@ class Rebalancer:
         self.changes = int(state["changes"])
 
 
-def _with_share(d: DevicePlan, share: int, per_sample: float, speed: float) -> DevicePlan:
+def _with_share(d: DevicePlan, share: int, per_sample: float, fixed: float, speed: float) -> DevicePlan:
     micro = share if d.max_micro_batch is None else max(1, min(share, d.max_micro_batch))
-    reasons = (f"share {share}: measured {per_sample * 1e3:.2f} ms/sample (rebalanced)",) + d.reasons[1:]
-    return replace(d, share=share, micro_batch=micro, speed=speed, reasons=reasons)
+    reasons = (f"share {share}: measured {per_sample * 1e3:.3g} ms/sample + {fixed * 1e3:.3g} ms per step "
+               "(rebalanced)",) + d.reasons[1:]
+    fixed_mb = Rebalancer.overhead(d) * per_sample
+    return replace(d, share=share, micro_batch=micro, speed=speed, per_sample_s=per_sample,
+                   fixed_s=fixed_mb, reasons=reasons)

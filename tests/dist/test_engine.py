@@ -1,0 +1,154 @@
+"""The runtime around the math: memory-capped micro-batches, emulated OOM and speed, misuse of
+the verbs, and a clean exit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def tiny_gpt_job(emulate: str, global_batch: int, steps: int, **config):
+    import hetrain
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, **config)
+    model = GPT(GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = ByteWindows(pydoc_bytes()[:200_000], 32)
+    model, opt, batches = ht.prepare(model, opt, data)
+    losses, counts = [], []
+    for step in batches:
+        n = 0
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                with ht.autocast():
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                ht.backward(loss)
+                n += 1
+        ht.step()
+        losses.append(step.loss)
+        counts.append(n)
+    summary = ht.summary()
+    plan = ht.plan
+    ht.close()
+    return {"plan": plan, "losses": losses, "counts": counts, "summary": summary}
+
+
+def capped_worker(rank, world):
+    return tiny_gpt_job("a100-80g,rtx3090@3MiB", 48, 4)
+
+
+def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
+    r0, r1 = run_ranks(capped_worker, 2)
+    plan = r0["plan"]
+    small = plan.devices[1]
+    assert plan == r1["plan"]                                   # every rank runs the same plan
+    assert small.n_micro > 1 and plan.devices[0].n_micro == 1   # the 3 MiB device needs several
+    assert "3.0 MiB memory" in small.reasons[1]
+    assert r1["counts"] == [small.n_micro] * 4
+    assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]
+    peak = r0["summary"]["ranks"][1]["peak_bytes"]
+    assert 0 < peak <= 3 * 1024**2                               # stayed under its cap
+
+
+def oom_worker(rank, world):
+    import hetrain
+    from hetrain.planning.plan import DevicePlan, Plan
+
+    plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="t4", speed=1, share=16, micro_batch=16),))
+    try:
+        tiny_gpt_job("t4@2MiB", 16, 1, plan=plan)
+    except torch.OutOfMemoryError as e:
+        return str(e)
+    return "no OOM"
+
+
+def test_emulated_memory_cap_raises_the_cuda_oom_type():
+    (message,) = run_ranks(oom_worker, 1)
+    assert "out of memory (emulated)" in message and "cap 2.0 MiB" in message
+
+
+def test_throttle_stretches_compute_to_the_emulated_speed():
+    from hetrain.runtime.emulate import Throttle
+
+    throttle = Throttle(0.5)
+    t0 = time.perf_counter()
+    with throttle.compute():
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+    wall = time.perf_counter() - t0
+    assert throttle.slept_seconds == pytest.approx(throttle.cpu_seconds)   # c·(1/0.5 − 1) = c
+    assert wall >= 2 * throttle.cpu_seconds * 0.99
+
+
+def misuse_worker(rank, world):
+    import hetrain
+    from hetrain.errors import UsageError
+
+    ht = hetrain.init(global_batch=8, max_steps=2, verbose=False)
+    model = torch.nn.Linear(3, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
+    model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    errors = []
+    try:
+        ht.backward(model(torch.randn(2, 3)).sum())
+    except UsageError as e:
+        errors.append(("backward outside", e.what))
+    it = iter(batches)
+    step = next(it)
+    try:
+        ht.step()
+    except UsageError as e:
+        errors.append(("step early", e.what))
+    try:
+        for mb in step:
+            pass        # forgot ht.backward(loss)
+    except UsageError as e:
+        errors.append(("no backward", e.what))
+    try:
+        for mb in step:
+            pass
+    except UsageError as e:
+        errors.append(("twice", e.what))
+    try:
+        ht.prepare(model, opt, data)
+    except UsageError as e:
+        errors.append(("prepare twice", e.what))
+    ht.close()
+    return errors
+
+
+def test_misuse_of_the_verbs_is_explained():
+    (errors,) = run_ranks(misuse_worker, 1)
+    kinds = dict(errors)
+    assert "outside a micro-batch" in kinds["backward outside"]
+    assert "before the step's micro-batches" in kinds["step early"]
+    assert "prepare() was already called" in kinds["prepare twice"]
+    assert "without ht.backward(loss)" in kinds["no backward"]
+    assert "iterated once" in kinds["twice"]
+
+
+def wrong_world_worker(rank, world):
+    import hetrain
+    from hetrain.errors import UsageError
+
+    try:
+        hetrain.init(global_batch=8, emulate="a100-80g,rtx3090,t4")
+    except UsageError as e:
+        return e.what + " | " + e.fix
+    return "accepted"
+
+
+def test_emulated_cluster_must_match_the_process_count():
+    a, b = run_ranks(wrong_world_worker, 2)
+    assert "names 3 devices, but 2 process(es)" in a and "hetrain run --emulate" in a

@@ -1,0 +1,149 @@
+"""Resilience inside a running job: out-of-memory recovery without deadlock, and online
+rebalancing that follows a real change of speed but not timing noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from hetrain.planning.shares import proportional_shares
+from hetrain.runtime.persist import read_sample_log
+
+pytestmark = pytest.mark.dist
+
+N, D = 192, 16
+
+
+def data(n=N):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, D, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :1] * 2 + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def model(width=32, hidden=0):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(D, width), torch.nn.Tanh()]
+    for _ in range(hidden):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, **config):
+    import hetrain
+
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, **config)
+    net = model(width, hidden)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net, opt, batches = ht.prepare(net, opt, data(n))
+    shares = []
+    for step in batches:
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                ht.backward(F.mse_loss(net(x), y))
+        shares.append(ht.plan.shares)
+        ht.step()
+    out = {"params": [p.detach().clone() for p in net.parameters()], "shares": shares,
+           "plan": ht.plan, "summary": ht.summary()}
+    ht.close()
+    return out
+
+
+def oom_worker(rank, world, faults, log_dir):
+    return train("a100-80g,rtx3090", 6, micro_batch=8, faults=faults, sample_log=log_dir, rebalance=False)
+
+
+@pytest.fixture(scope="module")
+def clean_params(tmp_path_factory):
+    (r0, _) = run_ranks(oom_worker, 2, None, str(tmp_path_factory.mktemp("clean")))
+    return r0["params"]
+
+
+@pytest.mark.parametrize("rank, micro, phase", [
+    (0, 0, "forward"), (1, 0, "forward"),      # first micro-batch's forward: local redo
+    (0, -1, "backward"), (1, -1, "backward"),  # last micro-batch's backward: inside the gradient sync
+])
+def test_oom_recovers_with_the_same_result_and_every_sample_once(clean_params, tmp_path, rank, micro, phase):
+    faults = f"oom:rank={rank},step=2,micro={micro},phase={phase}"
+    r0, r1 = run_ranks(oom_worker, 2, faults, str(tmp_path))
+    for r in (r0, r1):
+        assert max((a - b).abs().max().item() for a, b in zip(r["params"], clean_params)) <= 1e-5
+    plan = r0["plan"]
+    assert plan == r1["plan"] and plan.version == 1                 # one agreed amendment...
+    assert plan.devices[rank].micro_batch == 4                      # ...halving that rank's micro-batch
+    assert plan.devices[1 - rank].micro_batch == 8
+    assert "out of memory at step 2" in plan.note
+    assert [r["ooms"] for r in r0["summary"]["ranks"]] == [1 if i == rank else 0 for i in range(2)]
+    assert r0["summary"]["redone_steps"] == (1 if phase == "backward" else 0)
+    steps = read_sample_log(str(tmp_path))
+    used = [pair for s in sorted(steps) for pair in steps[s]]          # (epoch, index)
+    assert len(steps) == 6 and len(used) == 6 * 48 and len(set(used)) == len(used)   # 288: epoch 0 + half of 1
+    epoch0 = [i for s in sorted(steps) for e, i in steps[s] if e == 0]
+    assert sorted(epoch0) == list(range(N))
+
+
+def fatal_worker(rank, world):
+    from hetrain.errors import HetrainError
+
+    try:
+        train("a100-80g,rtx3090", 3, micro_batch=1, global_batch=4,
+              faults="oom:rank=1,step=1,micro=0,phase=forward")
+    except HetrainError as e:
+        return e.what
+    return "finished"
+
+
+def test_an_oom_that_cannot_shrink_stops_every_rank_together():
+    a, b = run_ranks(fatal_worker, 2, timeout=120)
+    assert a == b and "micro-batch of 1 sample on rank 1" in a
+
+
+# -- rebalancing ---------------------------------------------------------------------------------
+def efficiency(shares, speeds) -> float:
+    """Throughput of a split relative to the best split, for these true speeds."""
+    def step_time(s):
+        return max(b / v for b, v in zip(s, speeds))
+    return step_time(proportional_shares(sum(shares), speeds)) / step_time(shares)
+
+
+def rebalance_worker(rank, world, faults, steps):
+    """A small GPT, whose step time is nearly all per-sample compute (attention and MLP over 64
+    tokens), so the ideal split is the one proportional to the devices' true speeds."""
+    import hetrain
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    ht = hetrain.init(global_batch=64, max_steps=steps, emulate="a100-80g:1.0,rtx3090:0.67",
+                      verbose=False, faults=faults)
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net, opt, batches = ht.prepare(net, opt, ByteWindows(pydoc_bytes()[:100_000], 64))
+    shares = []
+    for step in batches:
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                ht.backward(F.cross_entropy(net(x).flatten(0, 1), y.flatten()))
+        shares.append(ht.plan.shares)
+        ht.step()
+    out = {"shares": shares, "plan": ht.plan}
+    ht.close()
+    return out
+
+
+def test_rebalancing_follows_a_slowdown_within_ten_steps():
+    slow_at = 8
+    r0, r1 = run_ranks(rebalance_worker, 2, f"slow:rank=0,step={slow_at},factor=2", 26)
+    assert r0["shares"] == r1["shares"]                               # every rank the same plan
+    after = [1.0 / 2, 0.67]                         # the emulated speeds after the slowdown
+    reached = [efficiency(s, after) for s in r0["shares"][slow_at + 10:]]
+    assert min(reached) >= 0.95, (r0["shares"], reached)
+    assert r0["plan"].version >= 1 and "rebalanced" in r0["plan"].note
+
+
+def test_timing_noise_does_not_move_shares():
+    r0, _ = run_ranks(rebalance_worker, 2, "noise:rank=-1,step=0,factor=0.1", 24)
+    assert len(set(r0["shares"])) == 1 and r0["plan"].version == 0, r0["shares"]
