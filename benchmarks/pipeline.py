@@ -32,8 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each split")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--dilate", type=float, default=1.0,
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--dilate", type=float, default=2.0,
                    help="run every emulated device this many times slower, keeping their ratio: each rank "
                         "then sleeps most of the time, so on a shared CPU the ranks rarely compete for a core")
     return p.parse_args(argv)

@@ -85,6 +85,17 @@ def pipeline_worker(rank, world, case, runs):
                         "planned_in_flight": pp.split.stages[rank].in_flight,
                         "bubble": pp.bubble_fraction})
         pp.close()
+    if case == "gpt":   # two steps without zeroing: gradients accumulate as in one process
+        model, batches, loss_fn = make()
+        for x, y in batches:
+            loss_fn(model(x), y).backward()
+        summed = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model, batches, loss_fn = make()
+        pp = pipeline.prepare(ht, model, loss_fn=loss_fn, micro_batches=4, schedule="1f1b", split=[2, 2])
+        for x, y in batches:
+            pp.step(x, y)
+        results.append(max((p.grad - summed[n]).abs().max().item() for n, p in pp.named_parameters()))
+        pp.close()
     if world == 3:   # more stages than blocks: every rank says so (none waits for a peer)
         from hetrain.errors import UsageError
 
@@ -115,6 +126,7 @@ def check(results, world, runs):
 def test_gpt_two_stages_gpipe_and_1f1b_uneven_blocks_and_micro_batches():
     runs = [("gpipe", [3, 1]), ("1f1b", [1, 3])]
     results = run_ranks(pipeline_worker, 2, "gpt", runs)
+    assert all(r[-1] < 1e-6 for r in results)       # accumulated over two steps
     names = check(results, 2, runs)
     # every parameter of the model lives on some stage; the tied weight on both ends
     model = gpt_case()[0]

@@ -29,10 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import UsageError
-from ..planning.pipeline_split import evaluate_hybrid, split_hybrid
+from ..planning.parallelism import evaluate_hybrid, split_hybrid
 from ..planning.plan import split_evenly
-from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, _blank_profile, _check_common, agreed_profile, device_table,
-                       find_parts, param_names, show)
+from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, agreed_profile, check_pipeline_config, device_table,
+                       find_parts, param_names, show, unmeasured_profile)
 
 
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: int,
@@ -48,11 +48,11 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: 
         raise UsageError(f"{w} ranks do not form pipelines of {stages} stages",
                          f"use a stage count that divides {w} (e.g. {_divisors(w)})")
     parts = find_parts(model)
-    m = _check_common(ht, schedule, micro_batches, stages)
+    m = check_pipeline_config(ht, schedule, micro_batches, stages)
     d = w // stages
     devices = device_table(ht)
     profile = agreed_profile(ht, parts, example, speed=1.0 if ht.emulated else devices[ht.rank].speed) \
-        if split is None or example is not None else _blank_profile(parts)
+        if split is None or example is not None else unmeasured_profile(parts)
     common = dict(stages=stages, global_batch=ht.config.global_batch, micro_batches=m, schedule=schedule,
                   state_factor=state_factor, memory_margin=ht.config.memory_margin)
     if split is None and shares is None:

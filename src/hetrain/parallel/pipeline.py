@@ -9,11 +9,9 @@
     ht.close()
 
 What happens, and why:
-  * Splitting. The model is cut between its blocks: an nn.Sequential (its children), an
-    nn.ModuleList, the demo GPT (embeddings on the first stage, ln_f + head on the last), or any
-    model described as `PipelineParts(first=, blocks=, last=)`. Stages are hand-built
-    `PipelineStage`s, not traced: torch's tracer bakes the micro-batch shape into the graph and
-    copies tied weights without syncing them.
+  * Splitting. The model is cut between its blocks (parallel/blocks.py: an nn.Sequential, an
+    nn.ModuleList, the demo GPT with embeddings on the first stage and ln_f + head on the last, or
+    `PipelineParts(first=, blocks=, last=)`). Stages are hand-built `PipelineStage`s, not traced.
   * Sizing. Each block's time and activation memory are measured (`profile_blocks`), every rank's
     speed and memory are exchanged, and `planning.pipeline_split.split_pipeline` gives the slower
     devices fewer blocks, within each device's memory for the schedule's activations in flight.
@@ -41,7 +39,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,159 +52,11 @@ from ..planning.pipeline_split import (SCHEDULES, BlockCost, PipelineProfile, Pi
                                        evaluate_split, split_pipeline)
 from ..planning.plan import split_evenly
 from ..runtime import agree, reduce
+from .blocks import PipelineParts, SavedBytes, StageModule, find_parts, param_storage_ptrs, profile_blocks
+
+__all__ = ["prepare", "Pipeline", "PipelineParts", "find_parts", "profile_blocks", "device_table"]
 
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-# -- what a model's blocks are ----------------------------------------------------------------
-@dataclass(frozen=True)
-class PipelineParts:
-    """A model as `last(blocks[-1](... blocks[0](first(x))))`; pipelines cut between blocks.
-    `first` runs on the first stage, `last` on the last; either may be None."""
-
-    blocks: tuple[nn.Module, ...]
-    first: nn.Module | None = None
-    last: nn.Module | None = None
-
-    def __post_init__(self) -> None:
-        if not self.blocks:
-            raise UsageError("PipelineParts has no blocks", "give the model's list of blocks")
-
-
-class GPTEmbed(nn.Module):
-    """The demo GPT's input side: token + position embeddings."""
-
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding):
-        super().__init__()
-        self.tok, self.pos = tok, pos
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-
-
-class GPTHead(nn.Module):
-    """The demo GPT's output side: final norm and the (tied) head."""
-
-    def __init__(self, ln_f: nn.Module, head: nn.Linear):
-        super().__init__()
-        self.ln_f, self.head = ln_f, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
-def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
-    """The blocks to cut between, or a UsageError saying how to describe them."""
-    from ..demo.gpt import GPT
-
-    if isinstance(model, PipelineParts):
-        return model
-    if isinstance(model, GPT):
-        return PipelineParts(first=GPTEmbed(model.tok, model.pos), blocks=tuple(model.blocks),
-                             last=GPTHead(model.ln_f, model.head))
-    if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return PipelineParts(blocks=tuple(model))
-    if hasattr(model, "pipeline_parts"):
-        return model.pipeline_parts()
-    raise UsageError(
-        f"cannot split a {type(model).__name__} into pipeline stages: hetrain finds the blocks of an "
-        "nn.Sequential, an nn.ModuleList or the demo GPT, and does not trace arbitrary forwards",
-        "pass PipelineParts(first=..., blocks=..., last=...) whose composition is the model's forward "
-        "(or give the model a pipeline_parts() method returning one); or use data parallelism "
-        "(hetrain.init + prepare) with activation checkpointing or sharding if the model fits")
-
-
-class StageModule(nn.Module):
-    """What one stage runs: `first` (stage 0), its slice of blocks, `last` (final stage)."""
-
-    def __init__(self, parts: PipelineParts, start: int, stop: int, *, is_first: bool, is_last: bool):
-        super().__init__()
-        self.first = parts.first if is_first else None
-        self.blocks = nn.ModuleList(parts.blocks[start:stop])
-        self.last = parts.last if is_last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first is not None:
-            x = self.first(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.last(x) if self.last is not None else x
-
-
-# -- measuring the blocks ---------------------------------------------------------------------
-class _SavedBytes:
-    """Bytes of the tensors autograd saves for backward (parameters excluded), deduplicated."""
-
-    def __init__(self, skip: set[int]):
-        self.skip, self.seen, self.bytes = skip, set(), 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.seen and ptr not in self.skip:
-            self.seen.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _param_ptrs(module: nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
-
-
-def _unique_param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())   # parameters() dedupes
-
-
-def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch.device | None = None,
-                   repeats: int = 3, speed: float = 1.0) -> PipelineProfile:
-    """Forward + backward time and saved-activation bytes of each part on `example` (one
-    micro-batch), per sample. Times are this thread's CPU time on CPU (throttling excluded) and
-    synchronised wall time on CUDA, multiplied by this device's `speed` to give speed-1.0 seconds."""
-    device = device or example.device
-    cuda = device.type == "cuda"
-    clock = time.perf_counter if cuda else time.thread_time
-    samples = example.shape[0]
-    named = ([("first", parts.first)] if parts.first is not None else []) + \
-        [(f"block {i}", b) for i, b in enumerate(parts.blocks)] + \
-        ([("last", parts.last)] if parts.last is not None else [])
-    costs, boundary = {}, 0.0
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        x = example.to(device)
-        for name, part in named:
-            home = next(part.parameters(), torch.empty(0)).device
-            part.to(device)        # one part at a time: the whole model need not fit this device
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            counter = _SavedBytes(_param_ptrs(part))
-            with counter.hooks():
-                out = part(inp)
-            grad = torch.ones_like(out)
-            out.backward(grad)
-            if cuda:
-                torch.cuda.synchronize(device)
-            seconds = math.inf
-            for _ in range(repeats):      # the least of a few: preemption only ever adds time
-                t0 = clock()
-                part(inp).backward(grad)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                seconds = min(seconds, clock() - t0)
-            costs[name] = BlockCost(seconds=seconds * speed / samples, activation_bytes=counter.bytes / samples,
-                                    param_bytes=_unique_param_bytes(part), name=name)
-            if name.startswith("block") and not boundary:
-                boundary = out.numel() * out.element_size() / samples
-            x = out.detach()
-            part.zero_grad(set_to_none=True)
-            part.to(home)
-    tied = 0
-    if parts.first is not None and parts.last is not None:
-        firsts = {id(p) for p in parts.first.parameters()}
-        tied = sum(p.numel() * p.element_size() for p in parts.last.parameters() if id(p) in firsts)
-    return PipelineProfile(
-        blocks=tuple(costs[f"block {i}"] for i in range(len(parts.blocks))),
-        first=costs.get("first"), last=costs.get("last"), boundary_bytes=boundary, tied_param_bytes=tied,
-        source=f"measured on {device.type} ({samples} samples, speed {speed:.3g})")
 
 
 # -- the stage: throttled and metered per micro-batch -----------------------------------------
@@ -221,7 +70,7 @@ class _Flight:
         self.peak_count = 0
 
     def forward(self, chunk: int, run: Callable):
-        counter = _SavedBytes(self.skip)
+        counter = SavedBytes(self.skip)
         if self.count_bytes:
             with counter.hooks():
                 out = run()
@@ -291,20 +140,23 @@ class _RowLoss:
 
 
 # -- the pipeline -----------------------------------------------------------------------------
-def _sync_grads(params: Sequence[nn.Parameter], group, *, divide: int = 1) -> None:
-    """Sum (then divide) the gradients of `params` over `group`, in one bucket."""
+def _sync_grads(params: Sequence[nn.Parameter], group, *, divide: int = 1, before=None) -> None:
+    """Sum (then divide) over `group` what this step added to the gradients of `params` (`before`:
+    their gradients before the step, None for none), in one bucket."""
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
+    added = [g if b is None else g - b for g, b in zip(grads, before or [None] * len(grads))]
+    flat = _flatten_dense_tensors(added)
     dist.all_reduce(flat, group=group)
     if divide != 1:
         flat.div_(divide)
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+    for p, g, b in zip(params, _unflatten_dense_tensors(flat, added), before or [None] * len(grads)):
+        total = g if b is None else b + g
         if p.grad is None:
-            p.grad = g.clone()
+            p.grad = total.clone()
         else:
-            p.grad.copy_(g)
+            p.grad.copy_(total)
 
 
 class Pipeline:
@@ -328,7 +180,7 @@ class Pipeline:
         self.module = StageModule(parts, start, stop, is_first=stage_index == 0,
                                   is_last=stage_index == self.num_stages - 1).to(device)
         self._names = names
-        self._flight = _Flight(_param_ptrs(self.module), count_bytes=emulated is not None)
+        self._flight = _Flight(param_storage_ptrs(self.module), count_bytes=emulated is not None)
         self.stage = _MeteredStage(self.module, stage_index, self.num_stages, device, group=pp_group,
                                    throttle=emulated.throttle if emulated is not None else None,
                                    flight=self._flight)
@@ -402,9 +254,13 @@ class Pipeline:
         args = (inputs[start:start + mine][pick].to(self.device),) if self.is_first else ()
         target = rows.to(self.device) if self.is_last else None
         losses: list[torch.Tensor] = []      # the weighted loss of each micro-batch (last stage)
+        # Gradients accumulated over earlier steps are already whole on every holder of a tied
+        # weight: sum only what this step adds. (Across replicas they are equal, so averaging
+        # the total is the same as averaging the increment.)
+        tied_before = [[None if p.grad is None else p.grad.clone() for p in params] for params, _ in self._tied]
         self.schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
-        for params, group in self._tied:
-            _sync_grads(params, group)
+        for (params, group), before in zip(self._tied, tied_before):
+            _sync_grads(params, group, before=before)
         if self.replicas > 1:
             _sync_grads(list(self.module.parameters()), self._dp_group, divide=self.replicas)
         self.steps += 1
@@ -543,13 +399,13 @@ def plan_split(profile: PipelineProfile, devices: Sequence[StageDevice], split, 
 NOT_MEASURED = "not measured (split given without example=)"
 
 
-def _blank_profile(parts: PipelineParts) -> PipelineProfile:
+def unmeasured_profile(parts: PipelineParts) -> PipelineProfile:
     """Equal unit costs: a given split still gets replica shares by device speed."""
     return PipelineProfile(blocks=tuple(BlockCost(seconds=1.0, name=f"block {i}") for i in range(len(parts.blocks))),
                            source=NOT_MEASURED)
 
 
-def _check_common(ht, schedule: str, micro_batches: int | None, stages: int) -> int:
+def check_pipeline_config(ht, schedule: str, micro_batches: int | None, stages: int) -> int:
     if schedule not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
     if ht.config.precision != "fp32" or ht.config.loss_weighting != "samples":
@@ -575,11 +431,11 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_ba
     stage. Every rank calls it with the same arguments (a collective)."""
     parts = find_parts(model)
     p = ht.world_size
-    m = _check_common(ht, schedule, micro_batches, p)
+    m = check_pipeline_config(ht, schedule, micro_batches, p)
     devices = device_table(ht)
     mine = devices[ht.rank].speed
     profile = agreed_profile(ht, parts, example, speed=1.0 if ht.emulated else mine) \
-        if split is None or example is not None else _blank_profile(parts)
+        if split is None or example is not None else unmeasured_profile(parts)
     plan = plan_split(profile, devices, split, micro_batches=m,
                       micro_batch_size=math.ceil(ht.config.global_batch / m), schedule=schedule,
                       state_factor=state_factor, memory_margin=ht.config.memory_margin)

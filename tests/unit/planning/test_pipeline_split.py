@@ -1,8 +1,7 @@
-"""Pipeline partitioning by device speed and memory, and the DP / PP / DP×PP choice (pure)."""
+"""Pipeline partitioning by device speed and memory (pure)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -10,9 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetrain.errors import UsageError
-from hetrain.planning.pipeline_split import (BlockCost, PipelineProfile, StageDevice, bubble_fraction,
-                                             compare_parallelism, evaluate_hybrid, evaluate_split, in_flight,
-                                             split_hybrid, split_pipeline)
+from hetrain.planning.pipeline_split import (BlockCost, PipelineProfile, StageDevice, bubble_fraction, evaluate_split,
+                                             in_flight, split_pipeline)
 
 GIB = 1024**3
 
@@ -142,67 +140,3 @@ def test_tied_weight_counts_once_on_a_single_stage_and_twice_across_stages():
     assert one.stages[0].state_bytes == 100.0
     assert [s.state_bytes for s in two.stages] == [100.0, 100.0]
     assert prof.param_bytes == 100.0
-
-
-def test_hybrid_shares_follow_pipeline_throughput():
-    prof = profile(8)
-    devs = devices(1.0, 1.0, 0.5, 0.5)     # replica 0 fast, replica 1 half as fast
-    h = split_hybrid(prof, devs, stages=2, global_batch=60, micro_batches=4)
-    assert h.sizes == (4, 4)
-    assert h.shares == (40, 20)
-    assert [r.micro_batch_size for r in h.replicas] == [10, 5]
-    assert h.replicas[0].step_seconds == pytest.approx(h.replicas[1].step_seconds)
-    given_shares = evaluate_hybrid(prof, devs, (4, 4), stages=2, global_batch=60, micro_batches=4, shares=(30, 30))
-    assert given_shares.samples_per_s < h.samples_per_s
-    with pytest.raises(UsageError, match="do not form pipelines of 3"):
-        split_hybrid(prof, devs, stages=3, global_batch=60, micro_batches=4)
-    with pytest.raises(UsageError, match="shares"):
-        evaluate_hybrid(prof, devs, (4, 4), stages=2, global_batch=60, micro_batches=4, shares=(59, 1))
-
-
-def test_hybrid_split_is_common_and_best_for_mixed_replicas():
-    prof = profile(6)
-    devs = devices(1.0, 0.5, 0.5, 1.0)      # the replicas are mirror images
-    h = split_hybrid(prof, devs, stages=2, global_batch=40, micro_batches=4)
-    rates = {sizes: evaluate_hybrid(prof, devs, sizes, stages=2, global_batch=40, micro_batches=4).samples_per_s
-             for sizes in compositions(6, 2)}
-    assert h.samples_per_s == pytest.approx(max(rates.values()))
-
-
-def test_compare_picks_dp_when_the_model_fits_and_says_why():
-    prof = profile(8, params=1e6)
-    choice = compare_parallelism(prof, devices(1.0, 0.5, memory=24 * GIB), global_batch=32)
-    assert choice.choice.kind == "dp"
-    assert "samples/s predicted" in choice.reason
-    assert {c.kind for c in choice.candidates} == {"dp", "pp"}
-    assert choice.describe()[0].startswith("parallelism: DP")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        choice.reason = "x"
-
-
-def test_compare_picks_model_parallelism_when_dp_does_not_fit():
-    prof = profile(8, params=1 * GIB, act=1e6)          # 8 GiB of parameters, 32 GiB with Adam
-    devs = devices(1.0, 0.5, 1.0, 0.5, memory=24 * GIB)
-    choice = compare_parallelism(prof, devs, global_batch=32, micro_batches=4)
-    dp = next(c for c in choice.candidates if c.kind == "dp")
-    assert not dp.fits and "whole model" in dp.detail
-    assert choice.choice.kind in ("pp", "dp×pp") and choice.choice.fits
-    assert "DP does not fit memory" in choice.reason
-    names = {c.name for c in choice.candidates}
-    assert {"DP", "DP×PP 2×2", "PP 4 stages"} <= names
-
-
-def test_compare_with_nothing_fitting_is_a_usage_error():
-    prof = profile(2, params=10 * GIB)
-    with pytest.raises(UsageError) as e:
-        compare_parallelism(prof, devices(1.0, 1.0, memory=24 * GIB), global_batch=8)
-    assert "no layout fits memory" in e.value.what and "DP:" in e.value.what
-    assert "FSDP" in e.value.fix
-
-
-def test_compare_prefers_the_simpler_layout_when_close():
-    prof = profile(8, params=1e3, act=1.0)
-    choice = compare_parallelism(prof, devices(1.0, 1.0, 1.0, 1.0), global_batch=64, link_bytes_per_s=None)
-    assert choice.choice.kind == "dp"          # DP is the fastest here (no bubble)
-    fastest = max(c.samples_per_s for c in choice.candidates)
-    assert choice.choice.samples_per_s >= 0.95 * fastest

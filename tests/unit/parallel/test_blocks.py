@@ -7,7 +7,8 @@ import torch
 
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.errors import UsageError
-from hetrain.parallel.pipeline import GPTEmbed, GPTHead, PipelineParts, StageModule, _padded_rows, find_parts, profile_blocks
+from hetrain.parallel.blocks import GPTEmbed, GPTHead, PipelineParts, StageModule, find_parts, profile_blocks
+from hetrain.parallel.pipeline import _padded_rows
 
 
 def gpt():
