@@ -127,10 +127,10 @@ def _unique_param_bytes(module: nn.Module) -> int:
 
 
 def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch.device | None = None,
-                   repeats: int = 5, speed: float = 1.0) -> PipelineProfile:
+                   repeats: int = 5) -> PipelineProfile:
     """Forward + backward time and saved-activation bytes of each part on `example` (one
     micro-batch), per sample. Times are this thread's CPU time on CPU (throttling excluded) and
-    synchronised wall time on CUDA, multiplied by this device's `speed` to give speed-1.0 seconds."""
+    synchronised wall time on CUDA; the least of `repeats` runs (preemption only adds time)."""
     device = device or example.device
     cuda = device.type == "cuda"
     clock = time.perf_counter if cuda else time.thread_time
@@ -153,13 +153,13 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
             if cuda:
                 torch.cuda.synchronize(device)
             seconds = math.inf
-            for _ in range(repeats):      # the least of a few: preemption only ever adds time
+            for _ in range(repeats):
                 t0 = clock()
                 part(inp).backward(grad)
                 if cuda:
                     torch.cuda.synchronize(device)
                 seconds = min(seconds, clock() - t0)
-            costs[name] = BlockCost(seconds=seconds * speed / samples, activation_bytes=counter.bytes / samples,
+            costs[name] = BlockCost(seconds=seconds / samples, activation_bytes=counter.bytes / samples,
                                     param_bytes=_unique_param_bytes(part), name=name)
             if name.startswith("block") and not boundary:
                 boundary = out.numel() * out.element_size() / samples
@@ -173,4 +173,4 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
     return PipelineProfile(
         blocks=tuple(costs[f"block {i}"] for i in range(len(parts.blocks))),
         first=costs.get("first"), last=costs.get("last"), boundary_bytes=boundary, tied_param_bytes=tied,
-        source=f"measured on {device.type} ({samples} samples, speed {speed:.3g})")
+        source=f"measured on {device.type} ({samples} samples)")

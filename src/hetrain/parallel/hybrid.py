@@ -32,7 +32,7 @@ from ..errors import UsageError
 from ..planning.parallelism import evaluate_hybrid, split_hybrid
 from ..planning.plan import split_evenly
 from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, agreed_profile, check_pipeline_config, device_table,
-                       find_parts, param_names, show, unmeasured_profile)
+                       find_parts, param_names, show, unmeasured_profile, warn_if_over)
 
 
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: int,
@@ -51,8 +51,10 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: 
     m = check_pipeline_config(ht, schedule, micro_batches, stages)
     d = w // stages
     devices = device_table(ht)
-    profile = agreed_profile(ht, parts, example, speed=1.0 if ht.emulated else devices[ht.rank].speed) \
-        if split is None or example is not None else unmeasured_profile(parts)
+    if split is None or example is not None:
+        profile, devices = agreed_profile(ht, parts, example, devices)
+    else:
+        profile = unmeasured_profile(parts)
     common = dict(stages=stages, global_batch=ht.config.global_batch, micro_batches=m, schedule=schedule,
                   state_factor=state_factor, memory_margin=ht.config.memory_margin)
     if split is None and shares is None:
@@ -63,6 +65,7 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: 
         elif split == "uniform":
             split = split_evenly(profile.n_blocks, stages) if stages <= profile.n_blocks else (1,) * stages
         plan = evaluate_hybrid(profile, devices, split, shares=shares, **common)
+        warn_if_over(ht, plan.replicas)
 
     mesh = init_device_mesh(ht.device.type, (d, stages), mesh_dim_names=("dp", "pp"))
     replica, stage = divmod(ht.rank, stages)           # the mesh's row-major rank layout

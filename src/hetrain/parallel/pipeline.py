@@ -26,9 +26,9 @@ What happens, and why:
     the big-batch gradient only when the micro-batches are equal. The pipeline's targets are row
     ids into the step's targets (-1 for padding), so the loss knows which rows are real.
   * Emulated speed. `forward_one_chunk` and `backward_one_chunk` (one micro-batch's forward or
-    backward piece, with no communication inside) and the loss are timed in this thread's CPU
-    time and followed by a sleep of c·(1/s − 1): each piece lasts c/s, so the pipeline's timeline
-    (bubbles, waits) is that of devices of those speeds.
+    backward piece, with no communication inside) and the loss are timed and followed by a sleep
+    of c·(1/s − 1): each piece lasts c/s, so the pipeline's timeline (bubbles, waits) is that of
+    devices of those speeds. (Wall time of the piece, see `_MeteredStage._timed`.)
   * Memory. Activations saved by each micro-batch's forward are counted until its backward frees
     them, giving the peak micro-batches and bytes in flight. Over an emulated device's cap, every
     rank raises torch.OutOfMemoryError together after the step (agreed, so no rank is left waiting).
@@ -36,6 +36,7 @@ What happens, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -96,11 +97,15 @@ class _MeteredStage(PipelineStage):
         self.compute_s = 0.0
 
     def _timed(self, run: Callable):
-        t0 = time.thread_time()
+        # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
+        # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
+        # the devices' speed ratio even when a shared CPU slows every process (CPU time would
+        # not: the fast device would slow down while the slow one's sleep stayed the same).
+        t0 = time.perf_counter()
         try:
             return run()
         finally:
-            spent = time.thread_time() - t0
+            spent = time.perf_counter() - t0
             self.compute_s += spent
             if self._throttle is not None:
                 self._throttle.pay(spent)
@@ -228,7 +233,7 @@ class Pipeline:
 
     @property
     def compute_seconds(self) -> float:
-        """CPU seconds of this stage's forward/backward/loss compute, before throttling."""
+        """Seconds of this stage's forward/backward/loss compute pieces, before throttling."""
         return self.stage.compute_s
 
     # -- the verb -----------------------------------------------------------------------------
@@ -355,7 +360,8 @@ def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica:
 
 # -- prepare: measure, agree, split, build ----------------------------------------------------
 def device_table(ht) -> list[StageDevice]:
-    """Every rank's device (speed, memory), agreed: emulated specs, or CUDA memory and catalog speed."""
+    """Every rank's device (speed, memory), agreed: emulated specs, or CUDA memory and catalog
+    speed (replaced by measured speeds when the blocks are profiled)."""
     speed, memory = 1.0, 0.0
     if ht.emulated is not None:
         speed, memory = ht.emulated.spec.speed, float(ht.emulated.spec.memory_bytes)
@@ -374,14 +380,36 @@ def device_table(ht) -> list[StageDevice]:
                         memory_bytes=table.row(r)["memory"] or None) for r in range(ht.world_size)]
 
 
-def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None, *, speed: float) -> PipelineProfile:
-    """Rank 0 measures the blocks; every rank gets its profile (one split for all)."""
+def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None,
+                   devices: list[StageDevice]) -> tuple[PipelineProfile, list[StageDevice]]:
+    """The block costs every rank sizes the split from (rank 0's, at speed 1.0), and the devices.
+
+    Emulated: rank 0's CPU time is the speed-1.0 time and the speeds are the cluster spec's. Real
+    GPUs: every rank measures the blocks on its own device, and a device's speed is the fastest
+    total time over its own (measured, not the catalog's guess)."""
     if example is None:
         raise UsageError("pipeline.prepare needs example= (a micro-batch of inputs) to time the blocks",
                          "pass example=x[:4], or split=[...] blocks per stage, or split='uniform'")
-    box = [profile_blocks(parts, example, device=ht.device, speed=speed) if ht.rank == 0 else None]
+    measure_all = ht.emulated is None and ht.device.type == "cuda"
+    mine = profile_blocks(parts, example, device=ht.device) if (measure_all or ht.rank == 0) else None
+    if measure_all:
+        totals = agree.exchange({"seconds": mine.seconds_per_sample}, rank=ht.rank, world_size=ht.world_size,
+                                device=ht.device).column("seconds")
+        devices = [StageDevice(name=d.name, speed=min(totals) / t, memory_bytes=d.memory_bytes)
+                   for d, t in zip(devices, totals)]
+        if ht.rank == 0:     # rank 0's times, scaled to the fastest device
+            mine = _scaled(mine, devices[0].speed)
+    box = [mine if ht.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return box[0], devices
+
+
+def _scaled(profile: PipelineProfile, speed: float) -> PipelineProfile:
+    def scale(c: BlockCost | None) -> BlockCost | None:
+        return None if c is None else dataclasses.replace(c, seconds=c.seconds * speed)
+
+    return dataclasses.replace(profile, blocks=tuple(scale(b) for b in profile.blocks), first=scale(profile.first),
+                               last=scale(profile.last), source=profile.source + f", scaled to speed 1.0 by {speed:.3g}")
 
 
 def plan_split(profile: PipelineProfile, devices: Sequence[StageDevice], split, **kwargs) -> PipelineSplit:
@@ -433,12 +461,14 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_ba
     p = ht.world_size
     m = check_pipeline_config(ht, schedule, micro_batches, p)
     devices = device_table(ht)
-    mine = devices[ht.rank].speed
-    profile = agreed_profile(ht, parts, example, speed=1.0 if ht.emulated else mine) \
-        if split is None or example is not None else unmeasured_profile(parts)
+    if split is None or example is not None:
+        profile, devices = agreed_profile(ht, parts, example, devices)
+    else:
+        profile = unmeasured_profile(parts)
     plan = plan_split(profile, devices, split, micro_batches=m,
                       micro_batch_size=math.ceil(ht.config.global_batch / m), schedule=schedule,
                       state_factor=state_factor, memory_margin=ht.config.memory_margin)
+    warn_if_over(ht, [plan])
     pp = Pipeline(parts=parts, names=param_names(model), split=plan, stage_index=ht.rank,
                   rank_grid=[list(range(p))], replica=0, shares=(ht.config.global_batch,),
                   global_batch=ht.config.global_batch, loss_fn=loss_fn, device=ht.device, emulated=ht.emulated)
@@ -448,6 +478,18 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_ba
     show(ht, f"pipeline: {p} stages, {schedule}, {m} micro-batches of {plan.micro_batch_size}", [plan],
          plan.reasons, measured=profile.source != NOT_MEASURED)
     return pp
+
+
+def warn_if_over(ht, splits: Sequence[PipelineSplit]) -> None:
+    """A split the user gave that the measured costs say will not fit: say so before running it."""
+    for r, sp in enumerate(splits):
+        for st in sp.stages:
+            if not st.fits:
+                ht.log.warn(f"split {'/'.join(map(str, sp.sizes))}: stage {st.index}"
+                            + (f" of replica {r}" if len(splits) > 1 else "")
+                            + f" ({st.device}) is predicted to need {format_bytes(st.memory_bytes)}, "
+                            f"{format_bytes(st.memory_cap)} usable; leave split=None to size stages by memory, "
+                            "or use 1f1b, smaller micro-batches or activation checkpointing")
 
 
 def show(ht, title: str, splits: Sequence[PipelineSplit], reasons: Sequence[str], *, measured: bool) -> None:

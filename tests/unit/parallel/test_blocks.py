@@ -66,3 +66,13 @@ def test_profile_measures_each_part_and_the_tied_weight():
     assert prof.param_bytes == model.num_params() * 4          # the tied weight counted once
     assert prof.boundary_bytes == 8 * 16 * 4                    # one sample's (seq, d_model) activation
     assert all(p.grad is None for p in model.parameters())      # measuring leaves no gradients behind
+
+
+def test_profile_scaled_to_the_fastest_device():
+    from hetrain.parallel.pipeline import _scaled
+
+    prof = profile_blocks(find_parts(gpt()), torch.randint(0, 32, (2, 8)), repeats=1)
+    half = _scaled(prof, 0.5)      # measured on a device half as fast as the fastest
+    assert half.blocks[1].seconds == pytest.approx(prof.blocks[1].seconds / 2)
+    assert half.last.seconds == pytest.approx(prof.last.seconds / 2)
+    assert half.blocks[1].activation_bytes == prof.blocks[1].activation_bytes
