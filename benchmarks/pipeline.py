@@ -9,11 +9,12 @@ block costs and the devices' speeds. Writes both throughputs and their ratio,
 `speedup_speed_aware_vs_uniform` (target >= 1.2), with the planner's prediction beside it.
 Figures are emulated: ratios mean something, absolute samples/s do not.
 
-Emulation makes the fastest device run at the CPU's own pace and slower ones sleep. On a shared
-CPU that pace is not the CPU's: two ranks computing at once slow each other, while sleeping costs
-nothing, so the fast device loses more than the slow one and the measured gain shrinks. `--dilate
-F` (default 3) runs both devices F times slower, same 1 : 0.5 ratio: each rank then mostly sleeps
-and the ranks rarely compete for a core. On a quiet machine the ratio does not depend on F.
+On a shared CPU, other processes slow every rank's compute. The pipeline's throttle scales each
+compute piece's wall time (parallel/pipeline.py), so that slows both devices alike and keeps their
+ratio; `--dilate F` (default 3) also runs both devices F times slower, same 1 : 0.5 ratio, so
+each rank mostly sleeps and the two ranks rarely compete for a core. Step times are interleaved
+(one step of each split in turn) and the median is reported; on a quiet machine F does not
+change the ratio.
 """
 
 from __future__ import annotations
