@@ -1,0 +1,287 @@
+"""Which layout for a model on a mixed cluster: DP, PP, or DP × PP (pure; no torch).
+
+DP × PP. D pipeline replicas of p stages; replica r holds devices [r·p, (r+1)·p) — the rank layout
+of a (dp, pp) mesh. All replicas use one split of the blocks, because data parallelism averages
+the gradients of the same blocks stage by stage. On a mixed machine the replicas differ in
+speed, so replica r computes a share of each global batch in proportion to its pipeline's
+throughput (1 / its slowest stage): data parallelism's hetero shares, applied to whole pipelines.
+
+The choice. `compare_parallelism` predicts data parallelism (every device holds the whole model,
+shares by speed, plus a ring all-reduce 2(n−1)/n · S/B of the gradients when a link bandwidth is
+given), one pipeline over every device, and every DP×PP layout, and picks the fastest that fits
+memory — or a simpler one within a few percent of it — with the reason.
+
+Tensor parallelism is not a candidate here: it splits every layer evenly, so on mixed devices each
+rank waits for the slowest; it belongs inside a group of equal devices (parallel/tensor.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..hardware.units import format_bytes as _gib
+from .pipeline_split import PipelineProfile, PipelineSplit, StageDevice, evaluate_split, split_pipeline
+from .shares import proportional_shares
+
+_EPS = 1e-12
+
+
+# -- several pipelines: DP × PP ---------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class HybridSplit:
+    """D pipeline replicas of p stages with one common split; replica r computes `shares[r]`
+    samples of each global batch, in proportion to its pipeline's throughput."""
+
+    sizes: tuple[int, ...]
+    replicas: tuple[PipelineSplit, ...]    # each at its own micro-batch size
+    shares: tuple[int, ...]
+    global_batch: int
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def step_seconds(self) -> float:
+        return max(r.step_seconds for r in self.replicas)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / max(self.step_seconds, _EPS)
+
+
+def _replica_groups(devices: Sequence[StageDevice], stages: int) -> list[tuple[StageDevice, ...]]:
+    w = len(devices)
+    if stages < 1 or w % stages:
+        raise UsageError(f"{w} devices do not form pipelines of {stages} stages",
+                         f"use a stage count that divides {w}")
+    return [tuple(devices[r * stages:(r + 1) * stages]) for r in range(w // stages)]
+
+
+def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], sizes: Sequence[int], *,
+                    stages: int, global_batch: int, micro_batches: int, shares: Sequence[int] | None = None,
+                    schedule: str = "1f1b", state_factor: float = 4.0, memory_margin: float = 0.10,
+                    link_bytes_per_s: float | None = None) -> HybridSplit:
+    """DP×PP with a given split: replica r holds devices [r·p, (r+1)·p) (the rank layout of a
+    (dp, pp) mesh) and computes `shares[r]` samples per step — by default in proportion to its
+    pipeline's throughput (1 / its slowest stage), the hetero shares of data parallelism applied
+    to whole pipelines. Each replica runs `micro_batches` micro-batches of ceil(share / m)."""
+    groups = _replica_groups(devices, stages)
+    d = len(groups)
+    common = dict(schedule=schedule, micro_batches=micro_batches, state_factor=state_factor,
+                  memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    if shares is None:
+        if global_batch < d * micro_batches:
+            raise UsageError(f"global batch {global_batch} cannot give {d} replicas {micro_batches} "
+                             "micro-batches each", f"use a global batch of at least {d * micro_batches}, "
+                             "or fewer micro-batches")
+        per_sample = [evaluate_split(profile, g, sizes, micro_batch_size=1, **common) for g in groups]
+        speeds = [1.0 / max(s.bottleneck.seconds_per_micro, _EPS) for s in per_sample]
+        shares = proportional_shares(global_batch, speeds)
+        how = "in proportion to each pipeline's throughput (its slowest stage)"
+    else:
+        shares = tuple(int(b) for b in shares)
+        how = "given"
+    if len(shares) != d or sum(shares) != global_batch or min(shares) < micro_batches:
+        raise UsageError(f"replica shares {list(shares)} for {d} replicas, global batch {global_batch}, "
+                         f"{micro_batches} micro-batches",
+                         f"give {d} shares of at least {micro_batches} that sum to {global_batch}")
+    reps = tuple(evaluate_split(profile, g, sizes, micro_batch_size=math.ceil(b / micro_batches), **common)
+                 for g, b in zip(groups, shares))
+    reasons = (f"{d} replicas × {stages} stages, blocks per stage {'/'.join(map(str, reps[0].sizes))} "
+               "in every replica (data parallelism averages the same blocks stage by stage)",
+               f"replica shares {'/'.join(map(str, shares))} of {global_batch}: {how}")
+    return HybridSplit(sizes=reps[0].sizes, replicas=reps, shares=tuple(shares), global_batch=global_batch,
+                       reasons=reasons)
+
+
+def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, stages: int, global_batch: int,
+                 micro_batches: int, schedule: str = "1f1b", state_factor: float = 4.0,
+                 memory_margin: float = 0.10, link_bytes_per_s: float | None = None,
+                 max_candidates: int = 20_000) -> HybridSplit:
+    """The common split for DP×PP (see `evaluate_hybrid`) that maximises the replicas' total
+    throughput, every stage fitting its device at its replica's micro-batch size. All replicas
+    use one split because data parallelism averages the gradients of the same blocks stage by
+    stage."""
+    groups = _replica_groups(devices, stages)
+    d, n = len(groups), profile.n_blocks
+    common = dict(stages=stages, global_batch=global_batch, micro_batches=micro_batches, schedule=schedule,
+                  state_factor=state_factor, memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    if stages > n:    # says why, and what to try
+        split_pipeline(profile, groups[0], micro_batches=micro_batches, micro_batch_size=1, schedule=schedule)
+    if math.comb(n - 1, stages - 1) <= max_candidates:
+        candidates = _compositions(n, stages)
+    else:   # too many to try: split for the slowest device at each stage position, then evaluate
+        weakest = [StageDevice(name=f"stage {s}", speed=min(g[s].speed for g in groups),
+                               memory_bytes=min((g[s].memory_bytes for g in groups if g[s].memory_bytes),
+                                                default=None)) for s in range(stages)]
+        candidates = [split_pipeline(profile, weakest, micro_batches=micro_batches,
+                                     micro_batch_size=math.ceil(global_batch / d / micro_batches),
+                                     schedule=schedule, state_factor=state_factor, memory_margin=memory_margin,
+                                     link_bytes_per_s=link_bytes_per_s).sizes]
+    best = None
+    for sizes in candidates:
+        h = evaluate_hybrid(profile, devices, sizes, **common)
+        if all(r.fits for r in h.replicas) and (best is None or h.samples_per_s > best.samples_per_s * (1 + 1e-9)):
+            best = h
+    if best is None:
+        micro = math.ceil(global_batch / d / micro_batches)
+        for g in groups:     # a replica that cannot fit on its own explains best
+            try:
+                split_pipeline(profile, g, micro_batches=micro_batches, micro_batch_size=micro, schedule=schedule,
+                               state_factor=state_factor, memory_margin=memory_margin,
+                               link_bytes_per_s=link_bytes_per_s)
+            except UsageError as e:
+                raise UsageError(f"DP×PP {d}×{stages}: {e.what}", e.fix) from None
+        raise UsageError(f"DP×PP {d}×{stages}: no common split fits every replica's memory",
+                         "try more micro-batches, activation checkpointing, or sharding (FSDP)")
+    details = tuple(f"replica {r}: " + line for r, rep in enumerate(best.replicas) for line in rep.describe())
+    return HybridSplit(sizes=best.sizes, replicas=best.replicas, shares=best.shares, global_batch=global_batch,
+                       reasons=best.reasons + details + (f"block costs {profile.source}",))
+
+
+def _compositions(n: int, k: int):
+    """Every way to write n as k positive parts, in order."""
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(1, n - k + 2):
+        for rest in _compositions(n - first, k - 1):
+            yield (first, *rest)
+
+
+# -- DP vs PP vs DP×PP ------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    name: str                          # 'DP', 'PP 4 stages', 'DP×PP 2×2'
+    kind: str                          # 'dp' | 'pp' | 'dp×pp'
+    fits: bool
+    samples_per_s: float               # predicted; 0 when it does not fit
+    detail: str                        # how it would run, or why it does not fit
+    replicas: int = 1
+    stages: int = 1
+    sizes: tuple[int, ...] = ()        # blocks per stage (PP, DP×PP)
+    shares: tuple[int, ...] = ()       # samples per replica (DP: per device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismChoice:
+    """What `compare_parallelism` picked, the reason, and every candidate it weighed."""
+
+    choice: Candidate
+    reason: str
+    candidates: tuple[Candidate, ...]
+
+    def describe(self) -> list[str]:
+        lines = [f"parallelism: {self.choice.name} — {self.reason}"]
+        for c in self.candidates:
+            speed = f"{c.samples_per_s:.1f} samples/s predicted" if c.fits else "does not fit"
+            lines.append(f"  {c.name}: {speed}; {c.detail}")
+        return lines
+
+
+def _allreduce_seconds(nbytes: float, world: int, link_bytes_per_s: float | None) -> float:
+    """Ring all-reduce: 2(n−1)/n · S / B."""
+    if world < 2 or not link_bytes_per_s:
+        return 0.0
+    return 2 * (world - 1) / world * nbytes / link_bytes_per_s
+
+
+def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin, link_bytes_per_s) -> Candidate:
+    state = state_factor * profile.param_bytes
+    act = profile.activation_bytes_per_sample
+    short: dict[str, list[str]] = {}     # usable memory -> devices that lack it
+    for dv in devices:
+        if dv.memory_bytes is not None and state + act > dv.memory_bytes * (1 - memory_margin):
+            short.setdefault(_gib(dv.memory_bytes * (1 - memory_margin)), []).append(dv.name)
+    if short:
+        return Candidate(name="DP", kind="dp", fits=False, samples_per_s=0.0, replicas=len(devices),
+                         detail=f"the whole model and one sample need {_gib(state + act)}; "
+                         + "; ".join(f"{', '.join(names)}: {usable} usable" for usable, names in short.items()))
+    if global_batch < len(devices):
+        return Candidate(name="DP", kind="dp", fits=False, samples_per_s=0.0, replicas=len(devices),
+                         detail=f"global batch {global_batch} < {len(devices)} devices")
+    shares = proportional_shares(global_batch, [dv.speed for dv in devices])
+    compute = max(b * profile.seconds_per_sample / dv.speed for b, dv in zip(shares, devices))
+    sync = _allreduce_seconds(profile.param_bytes, len(devices), link_bytes_per_s)
+    return Candidate(name="DP" if len(devices) > 1 else "one device", kind="dp", fits=True,
+                     samples_per_s=global_batch / max(compute + sync, _EPS), replicas=len(devices),
+                     shares=shares,
+                     detail=f"every device holds the whole model ({_gib(state)} with gradients and optimizer); "
+                            f"shares {'/'.join(map(str, shares))} by speed"
+                            + (f"; gradient all-reduce {sync * 1e3:.3g} ms" if sync else ""))
+
+
+def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice], *, global_batch: int,
+                        micro_batches: int = 8, schedule: str = "1f1b", state_factor: float = 4.0,
+                        memory_margin: float = 0.10, link_bytes_per_s: float | None = None,
+                        prefer_simpler_within: float = 0.05) -> ParallelismChoice:
+    """Predict data parallelism (every device holds the model, hetero shares), one pipeline over all
+    devices, and every DP×PP layout (replicas of p consecutive devices, p dividing the device
+    count), then pick the fastest that fits memory. A simpler layout (DP, then PP, then DP×PP) wins
+    when it is within `prefer_simpler_within` of the fastest: fewer moving parts for the same speed.
+
+    Raises UsageError when nothing fits, with each candidate's reason and what to try."""
+    w = len(devices)
+    if w < 1:
+        raise UsageError("no devices to compare layouts on", "give at least one device")
+    if global_batch < 1:
+        raise UsageError(f"global batch {global_batch}", "use a positive global batch")
+    common = dict(schedule=schedule, state_factor=state_factor, memory_margin=memory_margin,
+                  link_bytes_per_s=link_bytes_per_s)
+    cands = [_dp_candidate(profile, devices, global_batch=global_batch, state_factor=state_factor,
+                           memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)]
+    for stages in range(2, w + 1):
+        if w % stages:
+            continue
+        d = w // stages
+        name = f"PP {stages} stages" if d == 1 else f"DP×PP {d}×{stages}"
+        kind = "pp" if d == 1 else "dp×pp"
+        m = micro_batches if schedule == "gpipe" else max(micro_batches, stages)
+        try:
+            if d == 1:   # one pipeline: the min-max split the runtime uses
+                one = split_pipeline(profile, devices, micro_batches=m,
+                                     micro_batch_size=math.ceil(global_batch / m), **common)
+                h = HybridSplit(sizes=one.sizes, replicas=(one,), shares=(global_batch,),
+                                global_batch=global_batch)
+            else:
+                h = split_hybrid(profile, devices, stages=stages, global_batch=global_batch,
+                                 micro_batches=m, **common)
+        except UsageError as e:
+            cands.append(Candidate(name=name, kind=kind, fits=False, samples_per_s=0.0, detail=e.what,
+                                   replicas=d, stages=stages))
+            continue
+        sync = 0.0
+        if d > 1:
+            sync = _allreduce_seconds(max(st.state_bytes / state_factor for st in h.replicas[0].stages),
+                                      d, link_bytes_per_s)
+        rate = global_batch / max(h.step_seconds + sync, _EPS)
+        rep = h.replicas[0]
+        cands.append(Candidate(
+            name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
+            shares=h.shares,
+            detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
+                    f"{rep.bubble_fraction:.0%}" + (f", replica shares {'/'.join(map(str, h.shares))}" if d > 1 else "")
+                    + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        raise UsageError("no layout fits memory: " + "; ".join(f"{c.name}: {c.detail}" for c in cands),
+                         "try activation checkpointing, sharding parameters and optimizer state (FSDP), "
+                         "smaller micro-batches, or devices with more memory")
+    fastest = max(fitting, key=lambda c: c.samples_per_s)
+    order = {"dp": 0, "pp": 1, "dp×pp": 2}
+    choice = min((c for c in fitting if c.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
+                 key=lambda c: (order[c.kind], c.stages, -c.samples_per_s))
+    others = [c for c in cands if c is not choice]
+    why = [f"{choice.samples_per_s:.1f} samples/s predicted"]
+    if choice is not fastest:
+        why.append(f"within {prefer_simpler_within:.0%} of the fastest ({fastest.name}, "
+                   f"{fastest.samples_per_s:.1f}) and simpler")
+    else:
+        beaten = [f"{c.name} {c.samples_per_s:.1f}" for c in others if c.fits]
+        if beaten:
+            why.append("faster than " + ", ".join(beaten))
+    missing = [c.name for c in others if not c.fits]
+    if missing:
+        why.append(f"{', '.join(missing)} do{'es' if len(missing) == 1 else ''} not fit memory")
+    return ParallelismChoice(choice=choice, reason="; ".join(why), candidates=tuple(cands))

@@ -1,0 +1,415 @@
+"""Pipeline stages sized per device, and the choice between DP, PP and DP×PP (pure; no torch).
+
+Model. A model is a stack of blocks (plus an optional `first` part, e.g. embeddings, pinned to
+the first stage and a `last` part, e.g. final norm + head, pinned to the last). Each part has a
+cost measured on one device and scaled to speed 1.0 (the cluster's fastest device):
+  * `seconds`            forward + backward time per sample,
+  * `activation_bytes`   bytes the forward keeps for the backward, per sample,
+  * `param_bytes`        parameter bytes (the stage holds `state_factor` times that:
+                         parameters, gradients and optimizer state; 4 for Adam in fp32).
+
+A pipeline of p stages runs m micro-batches of µ samples. Stage s (device speed v_s) holding
+blocks [a, b) takes t_s = µ · Σ_{i∈[a,b)} seconds_i / v_s per micro-batch, plus the time to send
+its output on. With fixed per-stage times a fill-drain pipeline lasts Σ_s t_s + (m − 1)·max_s t_s,
+so the slowest stage sets the pace: the split minimises max_s t_s (then Σ_s t_s). On a mixed
+machine a uniform split leaves the fast devices waiting for the slow one; sizing stages by speed
+(a device of speed 0.5 gets about half the blocks of one of speed 1) removes that wait.
+
+Memory. Activations in flight depend on the schedule: GPipe runs every forward before any
+backward, so each stage holds all m micro-batches; 1F1B starts backwards early, so stage s holds
+at most min(m, p − s). Stage memory = state_factor · params + in_flight · µ · Σ activation_bytes
+(+ the received inputs), which must fit the device's memory less a margin.
+
+The bubble fraction (p − 1)/(m + p − 1) is the idle share of a pipeline with equal stages; more
+micro-batches shrink it, at the cost of smaller (less efficient) micro-batches.
+
+Several pipelines side by side (DP × PP), and the choice between DP, PP and DP × PP for a model
+and cluster, are in planning/parallelism.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from ..hardware.units import format_bytes
+from .plan import split_evenly
+
+SCHEDULES = ("gpipe", "1f1b")
+_EPS = 1e-12
+
+
+def _gib(n: float) -> str:
+    return format_bytes(n)
+
+
+# -- inputs -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """One part of the model, per sample, at speed 1.0."""
+
+    seconds: float                 # forward + backward, per sample
+    activation_bytes: float = 0.0  # kept from forward to backward, per sample
+    param_bytes: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for what in ("seconds", "activation_bytes", "param_bytes"):
+            value = getattr(self, what)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UsageError(f"block {self.name or '?'}: {what}={value!r} must be a finite number >= 0",
+                                 "profile the model again, or give non-negative costs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineProfile:
+    """Costs of a model's blocks (and its first/last parts), e.g. from `parallel.pipeline.profile_blocks`."""
+
+    blocks: tuple[BlockCost, ...]
+    first: BlockCost | None = None     # runs before the blocks, on the first stage
+    last: BlockCost | None = None      # runs after the blocks, on the last stage
+    boundary_bytes: float = 0.0        # activation bytes per sample sent from one stage to the next
+    tied_param_bytes: float = 0.0      # parameters the first and last parts share (held twice)
+    source: str = "given"              # e.g. 'measured on rank 0 (speed 1.0), 4 samples'
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise UsageError("the model has no blocks to split into stages",
+                             "give a model with a list of blocks (nn.Sequential, ModuleList, or PipelineParts)")
+
+    @classmethod
+    def uniform(cls, *, n_blocks: int, seconds_per_sample: float, activation_bytes_per_sample: float,
+                param_bytes: float, boundary_bytes: float = 0.0, source: str = "whole-model profile / blocks"
+                ) -> PipelineProfile:
+        """Equal blocks from a whole-model profile (e.g. the planner's per-sample time and memory),
+        for comparing layouts before any block is measured."""
+        if n_blocks < 1:
+            raise UsageError(f"n_blocks={n_blocks}", "give the number of blocks the model stacks (>= 1)")
+        block = BlockCost(seconds=seconds_per_sample / n_blocks,
+                          activation_bytes=activation_bytes_per_sample / n_blocks, param_bytes=param_bytes / n_blocks)
+        return cls(blocks=(block,) * n_blocks, boundary_bytes=boundary_bytes, source=source)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    def parts(self) -> tuple[BlockCost, ...]:
+        return tuple(p for p in (self.first, *self.blocks, self.last) if p is not None)
+
+    @property
+    def seconds_per_sample(self) -> float:
+        return sum(p.seconds for p in self.parts())
+
+    @property
+    def param_bytes(self) -> float:
+        """Parameter bytes of the whole model (the tied weight counted once)."""
+        return sum(p.param_bytes for p in self.parts()) - self.tied_param_bytes
+
+    @property
+    def activation_bytes_per_sample(self) -> float:
+        return sum(p.activation_bytes for p in self.parts())
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageDevice:
+    """A device that can hold a stage: `speed` relative to the fastest (1.0), memory in bytes."""
+
+    name: str
+    speed: float
+    memory_bytes: float | None = None   # None: memory not limited (not checked)
+
+    def __post_init__(self) -> None:
+        if not (self.speed > 0 and math.isfinite(self.speed)):
+            raise UsageError(f"device {self.name}: speed {self.speed!r} must be a positive number",
+                             "check the cluster spec (NAME:SPEED) or the measured speeds")
+
+
+def stage_devices(cluster) -> tuple[StageDevice, ...]:
+    """StageDevices from a parsed cluster spec (`hardware.cluster.parse_cluster`), in rank order."""
+    return tuple(StageDevice(name=d.label, speed=d.speed, memory_bytes=d.memory_bytes) for d in cluster)
+
+
+# -- results ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    index: int
+    device: str
+    speed: float
+    start: int                         # first block (inclusive)
+    stop: int                          # last block (exclusive)
+    seconds_per_micro: float           # compute + send of one micro-batch, forward + backward
+    in_flight: int                     # micro-batches whose activations this stage holds at once
+    state_bytes: float                 # parameters + gradients + optimizer state
+    activation_bytes: float            # in_flight micro-batches of activations (+ received inputs)
+    memory_cap: float | None           # usable bytes (device memory less the margin); None: unlimited
+
+    @property
+    def n_blocks(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_cap is None or self.memory_bytes <= self.memory_cap
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSplit:
+    """A partition of the blocks into stages, with what it predicts."""
+
+    stages: tuple[StagePlan, ...]
+    schedule: str
+    micro_batches: int
+    micro_batch_size: int
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Blocks per stage, e.g. (8, 4)."""
+        return tuple(s.n_blocks for s in self.stages)
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s.start, s.stop) for s in self.stages)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return bubble_fraction(self.n_stages, self.micro_batches)
+
+    @property
+    def bottleneck(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.seconds_per_micro)
+
+    @property
+    def step_seconds(self) -> float:
+        """Fill-drain estimate: Σ_s t_s + (m − 1)·max_s t_s."""
+        t = [s.seconds_per_micro for s in self.stages]
+        return sum(t) + (self.micro_batches - 1) * max(t)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.micro_batches * self.micro_batch_size / max(self.step_seconds, _EPS)
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    def describe(self) -> list[str]:
+        """One line per stage, for people."""
+        lines = []
+        for s in self.stages:
+            cap = f" of {_gib(s.memory_cap)}" if s.memory_cap is not None else ""
+            lines.append(f"stage {s.index} on {s.device} (speed {s.speed:.3g}): blocks {s.start}-{s.stop - 1} "
+                         f"({s.n_blocks}), {s.seconds_per_micro * 1e3:.3g} ms/micro-batch, "
+                         f"{s.in_flight} in flight, {_gib(s.memory_bytes)}{cap}")
+        return lines
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """(p − 1)/(m + p − 1): the idle share of a pipeline of p equal stages over m micro-batches."""
+    if stages < 1 or micro_batches < 1:
+        raise UsageError(f"{stages} stages and {micro_batches} micro-batches", "use at least one of each")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak under `schedule`."""
+    _check_schedule(schedule)
+    if schedule == "gpipe":
+        return micro_batches
+    return min(micro_batches, stages - stage)
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+
+
+# -- one pipeline -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Setup:
+    """Everything a stage's cost depends on, precomputed as prefix sums."""
+
+    profile: PipelineProfile
+    devices: tuple[StageDevice, ...]
+    schedule: str
+    micro_batches: int
+    micro_batch_size: int
+    state_factor: float
+    memory_margin: float
+    link_bytes_per_s: float | None
+    sec: tuple[float, ...] = field(default=())
+    act: tuple[float, ...] = field(default=())
+    par: tuple[float, ...] = field(default=())
+
+    @classmethod
+    def make(cls, profile, devices, *, schedule, micro_batches, micro_batch_size, state_factor,
+             memory_margin, link_bytes_per_s) -> _Setup:
+        _check_schedule(schedule)
+        p, n = len(devices), profile.n_blocks
+        if p < 1:
+            raise UsageError("no devices to hold pipeline stages", "give at least one device")
+        if p > n:
+            raise UsageError(
+                f"cannot cut {n} blocks into {p} pipeline stages (every stage needs at least one block)",
+                f"use at most {n} stages: pipeline over fewer devices, or combine data and pipeline "
+                "parallelism (DP×PP) so each pipeline has fewer stages")
+        if micro_batches < 1 or micro_batch_size < 1:
+            raise UsageError(f"{micro_batches} micro-batches of {micro_batch_size} samples",
+                             "use at least one micro-batch of at least one sample")
+        if schedule == "1f1b" and micro_batches < p:
+            raise UsageError(f"1F1B over {p} stages needs at least {p} micro-batches, got {micro_batches}",
+                             f"use micro_batches >= {p}, or schedule='gpipe'")
+        if not 0 <= memory_margin < 1:
+            raise UsageError(f"memory_margin={memory_margin}", "use a fraction in [0, 1)")
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise UsageError(f"link bandwidth {link_bytes_per_s!r}", "give a positive bytes/s, or None")
+        sec, act, par = [0.0], [0.0], [0.0]
+        for b in profile.blocks:
+            sec.append(sec[-1] + b.seconds)
+            act.append(act[-1] + b.activation_bytes)
+            par.append(par[-1] + b.param_bytes)
+        return cls(profile, tuple(devices), schedule, micro_batches, micro_batch_size, state_factor,
+                   memory_margin, link_bytes_per_s, tuple(sec), tuple(act), tuple(par))
+
+    @property
+    def p(self) -> int:
+        return len(self.devices)
+
+    def stage(self, s: int, a: int, b: int) -> StagePlan:
+        prof, dev, mu, p = self.profile, self.devices[s], self.micro_batch_size, self.p
+        seconds, acts, params = self.sec[b] - self.sec[a], self.act[b] - self.act[a], self.par[b] - self.par[a]
+        for part, here in ((prof.first, s == 0), (prof.last, s == p - 1)):
+            if part is not None and here:
+                seconds += part.seconds
+                acts += part.activation_bytes
+                params += part.param_bytes
+        if p == 1 and prof.first is not None and prof.last is not None:
+            params -= prof.tied_param_bytes      # one stage holds the tied weight once
+        t = mu * seconds / dev.speed
+        if self.link_bytes_per_s and s < p - 1:   # send the activation on, receive its gradient back
+            t += 2 * mu * prof.boundary_bytes / self.link_bytes_per_s
+        flight = in_flight(self.schedule, s, p, self.micro_batches)
+        received = prof.boundary_bytes if s > 0 else 0.0
+        cap = None if dev.memory_bytes is None else dev.memory_bytes * (1 - self.memory_margin)
+        return StagePlan(index=s, device=dev.name, speed=dev.speed, start=a, stop=b, seconds_per_micro=t,
+                         in_flight=flight, state_bytes=self.state_factor * params,
+                         activation_bytes=flight * mu * (acts + received), memory_cap=cap)
+
+    def split(self, sizes: Sequence[int], reasons: tuple[str, ...] = ()) -> PipelineSplit:
+        bounds, a = [], 0
+        for k in sizes:
+            bounds.append((a, a + k))
+            a += k
+        return PipelineSplit(stages=tuple(self.stage(s, x, y) for s, (x, y) in enumerate(bounds)),
+                             schedule=self.schedule, micro_batches=self.micro_batches,
+                             micro_batch_size=self.micro_batch_size, reasons=reasons)
+
+
+def _sizes_from(cuts: list[int], n: int) -> tuple[int, ...]:
+    edges = [*cuts, n]
+    return tuple(edges[i + 1] - edges[i] for i in range(len(cuts)))
+
+
+def _min_max_dp(setup: _Setup, key) -> tuple[tuple[int, ...], tuple] | None:
+    """Contiguous split minimising (max_s key, Σ_s key) over stages that fit (key → None: skip).
+
+    best[s][j]: the best value with stages 0..s−1 covering blocks [0, j). O(p·n²)."""
+    p, n = setup.p, setup.profile.n_blocks
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    back = [[-1] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(p):
+        for j in range(s + 1, n - (p - 1 - s) + 1):          # leave one block per later stage
+            for i in range(s, j):
+                if best[s][i] == inf:
+                    continue
+                v = key(setup.stage(s, i, j))
+                if v is None:
+                    continue
+                cand = (max(best[s][i][0], v), best[s][i][1] + v)
+                if cand < best[s + 1][j]:
+                    best[s + 1][j], back[s + 1][j] = cand, i
+    if best[p][n] == inf:
+        return None
+    cuts, j = [], n
+    for s in range(p, 0, -1):
+        j = back[s][j]
+        cuts.append(j)
+    return _sizes_from(cuts[::-1], n), best[p][n]
+
+
+def split_pipeline(profile: PipelineProfile, devices: Sequence[StageDevice], *, micro_batches: int,
+                   micro_batch_size: int, schedule: str = "1f1b", state_factor: float = 4.0,
+                   memory_margin: float = 0.10, link_bytes_per_s: float | None = None) -> PipelineSplit:
+    """The contiguous split of the blocks over `devices` (stage i on devices[i]) that minimises the
+    slowest stage's time per micro-batch, every stage fitting its device's memory.
+
+    Raises UsageError when no split exists (more stages than blocks) or none fits memory, naming
+    the stage that overflows in the least-memory split and what to try."""
+    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches,
+                        micro_batch_size=micro_batch_size, state_factor=state_factor,
+                        memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    found = _min_max_dp(setup, lambda st: st.seconds_per_micro if st.fits else None)
+    if found is None:
+        raise _no_fit(setup)
+    sizes, _ = found
+    uniform = setup.split(split_evenly(profile.n_blocks, setup.p))
+    chosen = setup.split(sizes)
+    reasons = [f"blocks per stage {'/'.join(map(str, sizes))}: the slowest stage takes "
+               f"{chosen.bottleneck.seconds_per_micro * 1e3:.3g} ms per micro-batch of {micro_batch_size} "
+               f"(stage {chosen.bottleneck.index}, {chosen.bottleneck.device})"]
+    if sizes != uniform.sizes:
+        fit = "" if uniform.fits else ", and does not fit memory"
+        reasons.append(f"a uniform split {'/'.join(map(str, uniform.sizes))} would take "
+                       f"{uniform.bottleneck.seconds_per_micro * 1e3:.3g} ms (predicted "
+                       f"{chosen.samples_per_s / max(uniform.samples_per_s, _EPS):.2f}x slower{fit})")
+    reasons.append(f"{schedule}: {micro_batches} micro-batches, bubble fraction "
+                   f"{chosen.bubble_fraction:.0%} = (p−1)/(m+p−1)")
+    reasons.append(f"block costs {profile.source}")
+    return setup.split(sizes, tuple(reasons))
+
+
+def evaluate_split(profile: PipelineProfile, devices: Sequence[StageDevice], sizes: Sequence[int], *,
+                   micro_batches: int, micro_batch_size: int, schedule: str = "1f1b",
+                   state_factor: float = 4.0, memory_margin: float = 0.10,
+                   link_bytes_per_s: float | None = None) -> PipelineSplit:
+    """What a given split (blocks per stage) predicts; `fits` says whether it fits memory."""
+    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches,
+                        micro_batch_size=micro_batch_size, state_factor=state_factor,
+                        memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    sizes = tuple(int(k) for k in sizes)
+    if len(sizes) != setup.p or any(k < 1 for k in sizes) or sum(sizes) != profile.n_blocks:
+        raise UsageError(f"split {list(sizes)} does not cut {profile.n_blocks} blocks into {setup.p} stages",
+                         f"give {setup.p} positive block counts that sum to {profile.n_blocks}, "
+                         f"e.g. {list(split_evenly(profile.n_blocks, setup.p))}")
+    return setup.split(sizes, (f"split {'/'.join(map(str, sizes))} given",))
+
+
+def _no_fit(setup: _Setup) -> UsageError:
+    """Explain why no split fits: the split needing the least memory, and its worst stage."""
+    least = _min_max_dp(setup, lambda st: st.memory_bytes / st.memory_cap if st.memory_cap else 0.0)
+    worst = max(setup.split(least[0]).stages, key=lambda st: st.memory_bytes / (st.memory_cap or math.inf))
+    what = (f"no split of {setup.profile.n_blocks} blocks over {setup.p} stages fits memory: even the "
+            f"least-memory split {'/'.join(map(str, least[0]))} needs {_gib(worst.memory_bytes)} on stage "
+            f"{worst.index} ({worst.device}: {_gib(worst.state_bytes)} parameters+gradients+optimizer, "
+            f"{_gib(worst.activation_bytes)} activations for {worst.in_flight} micro-batches in flight), "
+            f"{_gib(worst.memory_cap)} usable")
+    tries = []
+    if setup.schedule == "gpipe" and setup.micro_batches > 1:
+        tries.append("schedule='1f1b' (a stage holds at most p−stage micro-batches, not all of them)")
+    if setup.micro_batch_size > 1:
+        tries.append("smaller micro-batches (more of them)")
+    tries += ["activation checkpointing", "sharding parameters and optimizer state (FSDP)",
+              "more stages on more devices, or devices with more memory"]
+    return UsageError(what, "try " + "; ".join(tries))
