@@ -99,6 +99,8 @@ def show_plan(log, plan: Plan, total_steps: int) -> None:
         rows.append((d.rank, d.device, f"{d.speed:.3g}", d.share, micro, d.precision))
     log.table(f"plan v{plan.version}: global batch {plan.global_batch} over {plan.world_size} device(s), "
               f"{total_steps} steps", ("rank", "device", "speed", "share", "micro-batch", "precision"), rows)
+    if plan.note:
+        log.info(f"  plan v{plan.version}: {plan.note}")
     for d in plan.devices:
         for reason in d.reasons:
             log.info(f"  rank {d.rank}: {reason}")

@@ -102,6 +102,7 @@ class Engine:
         self._table: agree.Table | None = None
         self._step_started = 0.0
         self._fixed_s = 0.0            # busy time of the last step outside its micro-batches
+        self._checkpoint_due = False
         self._history: list[dict] = []
         self.ooms = 0                  # out-of-memory errors recovered on this rank
         self.redone_steps = 0          # steps redone by all ranks after an OOM in a gradient sync
@@ -212,6 +213,7 @@ class Engine:
         if self._step is not None:
             raise UsageError(f"step {self._step.index} has no ht.step() call",
                              "call ht.step() once after each step's micro-batches")
+        self._at_boundary()
         self.faults.at_step_start(self.steps_done)
         escaped = self.faults.oom(self.steps_done, 0, 1, "forward", escape=1) if self.faults else None
         if escaped is not None:      # as if the user's code ran out of memory outside `with mb:`
@@ -449,10 +451,16 @@ class Engine:
             if decision is not None:
                 self.plan = decision.plan
                 self.log.info(decision.message)
-        if self._checkpointer is not None and (self.steps_done % cfg.checkpoint_every == 0
-                                               or self.steps_done == self.total_steps):
-            persist.save(self)
+        # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
+        self._checkpoint_due = self._checkpointer is not None and (
+            self.steps_done % cfg.checkpoint_every == 0 or self.steps_done == self.total_steps)
         return step
+
+    def _at_boundary(self) -> None:
+        """Between two steps (and after the last): save the checkpoint if one is due."""
+        if self._checkpoint_due:
+            self._checkpoint_due = False
+            persist.save(self)
 
     # -- the end ------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -81,3 +81,4 @@ class Steps:
     def __iter__(self):
         while self._engine.steps_done < self._engine.total_steps:
             yield self._engine._begin_step()
+        self._engine._at_boundary()

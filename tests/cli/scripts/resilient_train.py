@@ -1,0 +1,41 @@
+"""A small job for the restart tests: trains, checkpoints, logs samples, writes its parameters."""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import hetrain
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--ckpt", required=True)
+p.add_argument("--every", type=int, default=2)
+p.add_argument("--resume", default="auto")
+p.add_argument("--width", type=int, default=32)
+p.add_argument("--timeout", type=float, default=60)
+args = p.parse_args()
+
+ht = hetrain.init(global_batch=16, max_steps=args.steps, checkpoint_dir=args.ckpt, checkpoint_every=args.every,
+                  resume=args.resume, sample_log=f"{args.ckpt}/samples", rebalance=False,
+                  timeout_s=args.timeout, verbose=True)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(40, 8, generator=g)
+data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+ht.register_state("schedule", schedule)
+model, opt, batches = ht.prepare(model, opt, data)
+for step in batches:
+    for mb in step:
+        with mb:
+            xb, yb = mb.batch
+            ht.backward(F.mse_loss(model(xb), yb))
+    ht.step()
+    schedule.step()
+if ht.is_main:
+    torch.save({"params": [p.detach() for p in model.parameters()], "lr": schedule.get_last_lr()}, args.out)
+ht.close()

@@ -1,0 +1,140 @@
+"""Crashes, hangs and resumes through `hetrain run`: the job finishes with the parameters of an
+uninterrupted run, and the sample log holds every sample exactly once per epoch."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from clirun import hetrain
+from hetrain.runtime.persist import read_sample_log
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
+PAIR = "a100-80g,rtx3090"
+N = 40   # samples in the script's dataset
+
+
+def run(tmp: Path, name: str, steps: int, *, emulate=PAIR, faults: str | None = None, restarts=0,
+        ckpt: Path | None = None, extra=(), timeout=300):
+    env_faults = {"HETRAIN_FAULTS": faults} if faults else {}
+    out = tmp / f"{name}.pt"
+    ckpt = ckpt or tmp / f"{name}-ckpt"
+    old = {k: os.environ.get(k) for k in env_faults}
+    os.environ.update(env_faults)
+    try:
+        result = hetrain("run", "--emulate", emulate, "--max-restarts", str(restarts), SCRIPT,
+                         "--steps", str(steps), "--out", str(out), "--ckpt", str(ckpt), *extra, timeout=timeout)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return result, out, ckpt
+
+
+def params(path: Path):
+    return torch.load(path)["params"]
+
+
+def assert_close(a, b, tol=1e-5):
+    assert max((u - v).abs().max().item() for u, v in zip(a, b)) <= tol
+
+
+def assert_each_sample_once_per_epoch(ckpt: Path, steps: int):
+    log = read_sample_log(str(ckpt / "samples"))
+    assert sorted(log) == list(range(steps))
+    pairs = [pair for s in sorted(log) for pair in log[s]]
+    assert len(pairs) == steps * 16 and max(Counter(pairs).values()) == 1
+    per_epoch = Counter(e for e, _ in pairs)
+    for epoch, count in per_epoch.items():
+        if epoch < max(per_epoch):
+            assert count == N
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    result, out, _ = run(tmp, "clean", 10)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return params(out)
+
+
+def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(tmp_path, clean):
+    faults = ("die:rank=1,step=3;"                              # at the start of a step
+              "die:rank=0,step=5,phase=backward,attempt=1;"     # inside the gradient sync
+              "die:rank=1,step=8,phase=checkpoint,attempt=2")   # while a checkpoint is written
+    result, out, ckpt = run(tmp_path, "killed", 10, faults=faults, restarts=3)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("resumed from step-") == 3          # one resume per kill
+    assert_close(params(out), clean)
+    assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])   # the LR schedule resumed too
+    assert_each_sample_once_per_epoch(ckpt, 10)
+
+
+def test_resume_on_fewer_devices_keeps_the_cursor(tmp_path, clean):
+    ckpt = tmp_path / "shared-ckpt"
+    first, _, _ = run(tmp_path, "three", 4, emulate="a100-80g,rtx3090,t4", ckpt=ckpt)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second, out, _ = run(tmp_path, "two", 10, ckpt=ckpt)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step-00000004" in second.stdout and "re-planned for 2 devices" in second.stdout
+    assert_close(params(out), clean)          # big-batch math: the world size does not change it
+    assert_each_sample_once_per_epoch(ckpt, 10)
+
+
+def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, clean):
+    ckpt = tmp_path / "ckpt"
+    first, _, _ = run(tmp_path, "first", 6, ckpt=ckpt)
+    assert first.returncode == 0
+    newest = ckpt / "step-00000006"
+    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    second, out, _ = run(tmp_path, "second", 10, ckpt=ckpt)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step-00000006 is unusable" in second.stdout and "truncated" in second.stdout
+    assert "resumed from step-00000004" in second.stdout
+    assert_close(params(out), clean)
+
+
+def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(tmp_path, clean):
+    result, out, _ = run(tmp_path, "escaped", 10, faults="oom:rank=1,step=5,escape=1", restarts=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "after an out-of-memory error ended the previous attempt: rank 1 micro-batch" in result.stdout
+    assert_close(params(out), clean)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_becomes_an_error_and_a_restart(tmp_path, clean):
+    result, out, ckpt = run(tmp_path, "hung", 10, faults="stall:rank=0,step=4", restarts=1,
+                            extra=("--timeout", "8"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from step-00000004" in result.stdout
+    assert_close(params(out), clean)
+    assert_each_sample_once_per_epoch(ckpt, 10)
+
+
+def one_line(result, *words):
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    assert sum(line.startswith("hetrain: error") for line in result.stderr.splitlines()) == 1
+    for w in words:
+        assert w in result.stderr, result.stderr
+
+
+def test_resume_from_another_model_is_refused_without_touching_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run(tmp_path, "a", 2, ckpt=ckpt)[0].returncode == 0
+    before = sorted(p.name for p in ckpt.iterdir())
+    result, _, _ = run(tmp_path, "b", 4, ckpt=ckpt, extra=("--width", "64"))
+    one_line(result, "different model", "new checkpoint_dir")
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    one_line(run(tmp_path, "x", 2, ckpt=blocker / "ckpt")[0], "not writable")
+    one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
+             "no whole checkpoint", "resume='auto'")
