@@ -13,21 +13,25 @@ Spec (config `faults=` or the HETRAIN_FAULTS environment variable), faults separ
     die:rank=1,step=7,phase=backward     ... in the middle of its backward (peers are in the sync)
     die:rank=0,step=8,phase=checkpoint   ... while the checkpoint after step 8 is being written
     stall:rank=0,step=4                  SIGSTOP rank 0 (a hang) at the start of step 4
-rank=-1 means every rank. Every fault but `slow` and `noise` fires once, in restart attempt `attempt` (default 0) of the job, so a
+rank=-1 means every rank. With HETRAIN_FAULT_LOG set to a file, every fault that fires is appended to it (one JSON line)
+before it acts. Every fault but `slow` and `noise` fires once, in restart attempt `attempt` (default 0) of the job, so a
 restarted job replays the step cleanly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from ..errors import UsageError
 
 ENV = "HETRAIN_FAULTS"
+LOG_ENV = "HETRAIN_FAULT_LOG"
 KINDS = ("slow", "noise", "oom", "die", "stall")
 _FIELDS = {"rank": int, "step": int, "micro": int, "factor": float, "attempt": int,
            "phase": str, "escape": int}
@@ -96,6 +100,7 @@ class FaultInjector:
             if (f.kind == kind and f.step == step and f.attempt == self.attempt and f not in self._fired
                     and all(getattr(f, k) == v for k, v in match.items())):
                 self._fired.add(f)
+                _log_fired(f)
                 return f
         return None
 
@@ -129,6 +134,15 @@ class FaultInjector:
             if f:
                 return f
         return None
+
+
+def _log_fired(fault: Fault) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({**asdict(fault), "time": time.time()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def injected_oom(fault: Fault) -> torch.OutOfMemoryError:
