@@ -72,6 +72,10 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
                 if fix.var not in env:
                     env[fix.var] = fix.value
                     reasons.append(fix.reason)
+            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
+                env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+                reasons.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=3: a hung or failed collective ends the job "
+                               "after the timeout (then --max-restarts) instead of hanging silently")
         else:
             reasons.append("processes: 1 (no GPU and no --emulate; try --emulate a100-80g,rtx3090)")
     if nproc is not None:
@@ -81,14 +85,17 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             raise UsageError(f"--nproc {nproc} but --emulate names {count} devices",
                              "drop --nproc: with --emulate there is one process per device")
         count = nproc
-    if max_restarts:
-        reasons.append(f"--max-restarts={max_restarts}: a crashed worker restarts the job from its last checkpoint")
-
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
     os.makedirs(run_dir, exist_ok=True)
+    defaults = {}
+    if max_restarts:
+        defaults["checkpoint_dir"] = os.path.join(run_dir, "checkpoints")
+        reasons.append(f"--max-restarts={max_restarts}: a crashed or hung worker restarts the job from its last "
+                       f"checkpoint (in {defaults['checkpoint_dir']} unless the script sets checkpoint_dir)")
     launch_file = os.path.join(run_dir, "launch.json")
     with open(launch_file, "w") as f:
-        json.dump({"config": {"emulate": emulate, **(config or {})}, "run_dir": run_dir}, f, indent=2)
+        json.dump({"config": {"emulate": emulate, **(config or {})}, "defaults": defaults, "run_dir": run_dir},
+                  f, indent=2)
     env[LAUNCH_ENV] = launch_file
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -21,10 +21,13 @@ def run(
     nproc: Optional[int] = typer.Option(None, "--nproc", help="process count (default: one per device)"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the job this many times after a crash"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
+    checkpoint_dir: Optional[str] = typer.Option(
+        None, "--checkpoint-dir", help="checkpoint here (overrides the script's checkpoint_dir); resumes from it"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
-                          nproc=nproc, max_restarts=max_restarts, run_dir=run_dir)
+                          nproc=nproc, max_restarts=max_restarts, run_dir=run_dir,
+                          config={"checkpoint_dir": checkpoint_dir})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
 

@@ -77,7 +77,8 @@ class Config:
             raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.05")
 
     def with_launch_file(self) -> Config:
-        """Apply what `hetrain run` put in the launch file: the command line beats the script."""
+        """Apply what `hetrain run` put in the launch file: its `config` (the command line) beats the
+        script; its `defaults` fill only what the script left unset."""
         path = os.environ.get(LAUNCH_ENV)
         if not path:
             return self
@@ -85,7 +86,8 @@ class Config:
             launch = json.load(f)
         known = {f.name for f in fields(self)}
         overrides = {k: v for k, v in launch.get("config", {}).items() if k in known and v is not None}
-        return replace(self, **overrides)
+        defaults = {k: v for k, v in launch.get("defaults", {}).items() if k in known and getattr(self, k) is None}
+        return replace(self, **defaults, **overrides)
 
     def to_dict(self) -> dict:
         return asdict(self)

