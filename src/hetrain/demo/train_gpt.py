@@ -94,12 +94,14 @@ def evaluate(model, data, ht, batches: int) -> float:
 
 
 @torch.no_grad()
-def generate(model, prompt: bytes, n: int, device) -> str:
+def generate(model, prompt: bytes, n: int, device, temperature: float = 0.7) -> str:
     model.eval()
+    g = torch.Generator(device=device).manual_seed(0)
     idx = torch.tensor([list(prompt)], device=device)
     for _ in range(n):
-        logits = model(idx[:, -model.cfg.seq_len:])[:, -1]
-        idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+        logits = model(idx[:, -model.cfg.seq_len:])[:, -1] / temperature
+        nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
+        idx = torch.cat([idx, nxt], dim=1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 

@@ -12,7 +12,9 @@ The Plan changes only when
   * every rank has at least `min_samples` measurements since the last change of its speed, and
   * the predicted step time improves by more than `threshold` (default 5%) and by more than
     `min_gain_s` (default 2 ms: below that, a small model's step is dominated by jitter),
-  * in `confirm` (default 2) consecutive steps: one noisy window cannot move shares.
+  * the same proposal (within one sample per device) comes out of `confirm` (default 2)
+    consecutive steps, so neither one noisy window nor a half-updated estimate moves shares,
+  * and at least `cooldown` steps (default 4) have passed since the last change: no flip-flop.
 
 Noise does not move shares: estimates are means over up to `window` steps. A real change does,
 quickly: when a rank's last 3 measurements all sit more than `jump` (default 30%) away from its
@@ -36,7 +38,8 @@ class Decision:
 
 class Rebalancer:
     def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.05,
-                 jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 2):
+                 jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 2,
+                 cooldown: int = 4):
         self.world_size = world_size
         self.window = window
         self.threshold = threshold
@@ -44,7 +47,10 @@ class Rebalancer:
         self.min_samples = min_samples
         self.min_gain_s = min_gain_s
         self.confirm = confirm
-        self._streak = 0          # consecutive steps whose proposal cleared the threshold
+        self.cooldown = cooldown
+        self._streak = 0          # consecutive steps with (about) the same proposal
+        self._last: list[int] | None = None
+        self._since_change = cooldown
         self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
         self.fixed: list[list[float]] = [[] for _ in range(world_size)]
         self.alpha = [0.0] * world_size
@@ -91,13 +97,16 @@ class Rebalancer:
         new = list(balanced_shares(plan.global_batch, t, f))
         before, after = step_time(old, t, f), step_time(new, t, f)
         gain = before / after - 1
+        self._since_change += 1
         if new == old or gain <= self.threshold or before - after <= self.min_gain_s:
-            self._streak = 0
+            self._streak, self._last = 0, None
             return None
-        self._streak += 1
-        if self._streak < self.confirm:
+        same = self._last is not None and all(abs(a - b) <= 1 for a, b in zip(new, self._last))
+        self._streak = self._streak + 1 if same else 1
+        self._last = new
+        if self._streak < self.confirm or self._since_change < self.cooldown:
             return None
-        self._streak = 0
+        self._streak, self._last, self._since_change = 0, None, 0
         fastest = min(t)
         devices = tuple(_with_share(d, s, t[d.rank], f[d.rank], fastest / t[d.rank])
                         for d, s in zip(plan.devices, new))
