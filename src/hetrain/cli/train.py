@@ -23,11 +23,14 @@ def run(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
     checkpoint_dir: Optional[str] = typer.Option(
         None, "--checkpoint-dir", help="checkpoint here (overrides the script's checkpoint_dir); resumes from it"),
+    allow_fallback: bool = typer.Option(
+        False, "--allow-fallback",
+        help="a device that cannot run the script's precision runs the nearest it can (bf16 -> fp16 on a V100)"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir,
-                          config={"checkpoint_dir": checkpoint_dir})
+                          config={"checkpoint_dir": checkpoint_dir, "allow_fallback": allow_fallback or None})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
 

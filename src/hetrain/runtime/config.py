@@ -11,8 +11,10 @@ from ..errors import UsageError
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 
 LOSS_WEIGHTINGS = ("samples", "tokens")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 RESUME_MODES = ("auto", "must", "never")
+SHARDINGS = ("auto", "none", "zero1", "fsdp", "capacity")
+CHECKPOINTINGS = ("plan", "all", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +24,12 @@ class Config:
     loss_weighting: str = "samples"      # 'samples': mean over samples; 'tokens': pass tokens= to backward()
     drop_last: bool = False              # False: a step may straddle two epochs (nothing dropped)
     shuffle: bool = True
-    precision: str = "fp32"              # fp32 | bf16 | fp16 autocast
+    precision: str = "auto"              # auto (per device: bf16 where real, else fp16) | fp32 | bf16 | fp16
+    allow_fallback: bool = False         # a device that cannot run `precision` runs the nearest it can
+    sharding: str = "auto"               # auto: shard only when the model does not fit | none (DDP) | zero1
+                                         # | fsdp | capacity (optimizer state split by free memory)
+    checkpointing: str = "plan"          # activation checkpointing: where the plan says | all | none
+    checkpoint_blocks: str | None = None # class name of the blocks to checkpoint (None: every ModuleList's)
     micro_batch: int | None = None       # cap on every device's micro-batch (None: from memory)
     max_steps: int | None = None         # stop after this many optimizer steps...
     epochs: float | None = None          # ...or after this many passes over the data (default 1)
@@ -54,6 +61,14 @@ class Config:
             raise bad(f"loss_weighting={self.loss_weighting!r}", f"use one of {LOSS_WEIGHTINGS}")
         if self.precision not in PRECISIONS:
             raise bad(f"precision={self.precision!r}", f"use one of {PRECISIONS}")
+        if self.sharding not in SHARDINGS:
+            raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDINGS}")
+        if self.checkpointing not in CHECKPOINTINGS:
+            raise bad(f"checkpointing={self.checkpointing!r}", f"use one of {CHECKPOINTINGS}")
+        if self.checkpoint_blocks is not None and not (isinstance(self.checkpoint_blocks, str)
+                                                       and self.checkpoint_blocks.isidentifier()):
+            raise bad(f"checkpoint_blocks={self.checkpoint_blocks!r}",
+                      "give the class name of the model's blocks, e.g. checkpoint_blocks='Block'")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise bad(f"micro_batch={self.micro_batch}", "use a positive cap, or None")
         if self.max_steps is not None and self.max_steps < 0:

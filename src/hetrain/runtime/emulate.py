@@ -38,15 +38,35 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters + gradients (one per trainable parameter) + optimizer state, as held now."""
-    params = list(model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer state this rank holds. Sharded optimizers hold only their part:
+    ZeroRedundancyOptimizer keeps it in its local `.optim`; hetrain's capacity sharding lists
+    what it holds in `held_tensors()`."""
+    held = getattr(optimizer, "held_tensors", None)
+    if callable(held):
+        return [_local(t) for t in held()]
+    local = getattr(optimizer, "optim", optimizer)
     state = []
-    if optimizer is not None:
-        for s in optimizer.state.values():
-            state += [v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return tensor_bytes(params) + tensor_bytes(model.buffers()) + grads + tensor_bytes(state)
+    for s in local.state.values():
+        state += [_local(v) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return state
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters + gradients (one per trainable parameter) + optimizer state, as held now
+    (this rank's shards only, under ZeRO/FSDP2)."""
+    params = list(model.parameters())
+    local = [_local(p) for p in params]
+    grads = sum(t.numel() * t.element_size() for p, t in zip(params, local) if p.requires_grad)
+    state = optimizer_state_tensors(optimizer) if optimizer is not None else []
+    return tensor_bytes(local) + tensor_bytes(model.buffers()) + grads + tensor_bytes(state)
 
 
 class MemoryMeter:
@@ -55,21 +75,24 @@ class MemoryMeter:
     def __init__(self, *, label: str, cap: int | None):
         self.label = label
         self.cap = cap
-        self.fixed = 0            # parameters, gradients, optimizer state
+        self.fixed = 0            # parameters, gradients, optimizer state (+ transient)
+        self.transient = 0        # held only while computing: FSDP2's unsharded units (set by the wrapper)
+        self.saved_is_state = None  # predicate: a saved tensor that is model state, not an activation
         self.activations = 0      # saved by the forward in flight
         self.peak = 0
         self._seen: set[int] = set()
         self._skip: set[int] = set()  # storages that are already counted as fixed (parameters)
 
     def set_fixed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.fixed = model_state_bytes(model, optimizer)
-        self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.fixed = model_state_bytes(model, optimizer) + self.transient
+        self._skip = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.peak = max(self.peak, self.fixed)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._seen and ptr not in self._skip:
+        if ptr not in self._seen and ptr not in self._skip and not (
+                self.saved_is_state is not None and self.saved_is_state(ptr)):
             self._seen.add(ptr)
             self.activations += storage.nbytes()
             total = self.fixed + self.activations

@@ -29,7 +29,7 @@ from ..errors import HetrainError, UsageError
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
 from ..planning.plan import Plan, split_evenly
-from . import agree, persist, recovery, reduce
+from . import agree, checkpointing, memory, persist, precision, recovery, reduce
 from .capacity import agree_plan, check_given_plan, measure_capacity, show_plan
 from .checkpoint import Checkpointer
 from .config import Config
@@ -44,9 +44,6 @@ from .model import PreparedModel
 from .probe import default_forward
 from .rebalance import Rebalancer
 from .steps import MicroBatch, Step, Steps
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def _to_device(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
@@ -93,7 +90,10 @@ class Engine:
         self._ddp: DDP | None = None
         self._guard: recovery.SyncGuard | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._scaler = (torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None)
+        # [precision] this rank's choice; prepare() agrees it across ranks (bad input raises there)
+        self._precision = precision.PrecisionPolicy.local(
+            config.precision, device=self.device, emulated=self.emulated, allow_fallback=config.allow_fallback)
+        self._memory_plan: memory.MemoryPlan | None = None
         self._rebalancer: Rebalancer | None = None
         self._checkpointer: Checkpointer | None = None
         self._extra_state: dict[str, object] = {}
@@ -132,6 +132,11 @@ class Engine:
     def _busy(self) -> float:
         """Compute time as the device experiences it: CPU time plus the emulation's sleeps."""
         return self._clock() + (self.emulated.throttle.slept_seconds if self.emulated else 0.0)
+
+    @property
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """The job-wide loss scaler, when any device runs fp16 (runtime/precision.py)."""
+        return self._precision.scaler
 
     @property
     def device_label(self) -> str:
@@ -173,13 +178,23 @@ class Engine:
         meter = self.emulated.meter if self.emulated is not None else None
         if meter is not None:
             meter.set_fixed(model, optimizer)
+        # [precision, checkpointing] agree precisions; checkpoint before the probe when asked everywhere
+        self._precision.agree(rank=self.rank, world_size=self.world_size, device=self.device, log=self.log)
+        if cfg.checkpointing == "all":
+            checkpointing.checkpoint_blocks(model, cfg.checkpoint_blocks)
         if self._given_plan is not None:
             self.plan = check_given_plan(self, self._given_plan)
         else:
             self.plan = agree_plan(self, measure_capacity(self, model, forward))
-        self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self._guard = recovery.SyncGuard(self._ddp)
-        self._model = PreparedModel(model, self._ddp, meter)
+        # [checkpointing, sharding, memory] per-device checkpointing, then the data-parallel wrapper
+        self.plan, _ = checkpointing.apply_from_plan(model, self._precision.record_in(self.plan), self.rank,
+                                                     mode=cfg.checkpointing, block_type=cfg.checkpoint_blocks)
+        wrapped, self._memory_plan = memory.wrap_for_plan(self, model, optimizer, forward)
+        self._ddp = wrapped.sync            # DDP, or FSDP2's adapter: .no_sync() on non-last micro-batches
+        self._guard = wrapped.sync_guard()  # recovery.SyncGuard on DDP; FSDP2's adapter guards itself
+        self._model = PreparedModel(model, wrapped.forward_module, meter)
+        optimizer = wrapped.optimizer
+        memory.show_wrapping(self.log, wrapped)
         if self.faults:   # an injected forward OOM strikes inside DDP's forward, as a real one does
             model.register_forward_pre_hook(lambda module, args: self._before_forward())
         self._optimizer = optimizer
@@ -337,9 +352,8 @@ class Engine:
             raise injected_oom(fault)
 
     def autocast(self):
-        """Autocast to this job's precision on this rank's device (a no-op for fp32)."""
-        dtype = _DTYPES.get(self.config.precision)
-        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+        """Autocast to this rank's precision (runtime/precision.py; a no-op for fp32)."""
+        return self._precision.autocast(self.device.type)      # [precision] this rank's dtype
 
     def backward(self, loss: torch.Tensor, *, tokens: int | float | torch.Tensor | None = None) -> None:
         """Backpropagate one micro-batch's mean loss, weighted so the step's gradient is the
@@ -358,9 +372,7 @@ class Engine:
             units = float(mb.size)
         factor = reduce.loss_factor(units=units, world_size=self.world_size,
                                     global_batch=self.config.global_batch)
-        scaled = loss * factor
-        if self._scaler is not None:
-            scaled = self._scaler.scale(scaled)
+        scaled = self._precision.scale(loss * factor)            # [precision] the job-wide loss scale
         mb.backward_done = True
         throttle = self.emulated.throttle if self.emulated is not None else None
         forward_cpu = self._clock() - mb.started_at
@@ -415,8 +427,7 @@ class Engine:
         busy0 = self._busy()
         opt, cfg = self._optimizer, self.config
         params = [p for p in self._model.parameters() if p.grad is not None]
-        if self._scaler is not None:
-            self._scaler.unscale_(opt)
+        self._precision.unscale_(opt)     # [precision] unscale; found-inf agreed by all ranks
         total_units = table.sum("units")
         if cfg.loss_weighting == "tokens":
             reduce.scale_gradients(params, reduce.token_correction(global_batch=cfg.global_batch,
@@ -425,13 +436,10 @@ class Engine:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         throttle = self.emulated.throttle.compute() if self.emulated else contextlib.nullcontext()
         with throttle:
-            if self._scaler is not None:
-                self._scaler.step(opt)
-                self._scaler.update()
-            else:
-                opt.step()
+            self._precision.step(opt, step_index=step.index, log=self.log)   # [precision] or agreed skip
         opt.zero_grad(set_to_none=True)
-        if self.emulated is not None and self.steps_done == 0:
+        # optimizer state exists after the first step that was not skipped
+        if self.emulated is not None and self.steps_done == len(self._precision.skipped_steps):
             self.emulated.meter.set_fixed(self._model.module, opt)  # optimizer state now exists
 
         now = time.perf_counter()
@@ -496,6 +504,11 @@ class Engine:
                 f"summary: {len(hist)} steps, {sps:.1f} samples/s, loss {out['first_loss']:.4f} -> "
                 f"{out['last_loss']:.4f}, plan v{self.plan.version}" + (" (emulated devices)" if self.emulated else ""),
                 ("rank", "device", "share", "micro", "busy/step", "busy", "peak memory", "OOMs"), rows)
+        out["precision"] = self._precision.summary()                 # [precision] skipped steps
+        self._precision.show_summary(self.log, steps=len(hist))
+        out["memory"] = memory.report(plan=self.plan, memory_plan=self._memory_plan, rank=self.rank,  # [memory]
+                                      world_size=self.world_size, device=self.device,
+                                      emulated=self.emulated, log=self.log)
         return out
 
     def close(self) -> None:

@@ -1,0 +1,181 @@
+"""The largest model an emulated 80 GB + 24 GB pair can train, under six memory strategies.
+
+The pair is scaled 1 GB -> 1 MiB (`a100-80g@80MiB,rtx3090@24MiB`, speeds 1 : 0.67) so each trial
+is seconds on a CPU; emulated devices count parameters, gradients, optimizer state and saved
+activations and raise torch.OutOfMemoryError past their cap, like a GPU. "Trainable" means the
+job ran 3 optimizer steps (AdamW, so its state exists from the second forward on) without any
+rank running out of memory: every model size is *run*, in fresh processes, and a binary search
+over the GPT's width (4 layers, seq 64, vocab 256, global batch 16) finds the largest that trains.
+
+    strategy        plan (shares / micro-batches)                 checkpointing     state sharding
+    ddp             equal 8 / 8, whole shares                     none              none (plain DDP)
+    hetrain-ckpt    by speed 10 / 6, the 3090 in micro-batches of 1  on the 3090 only  none
+    zero1           as hetrain-ckpt                               on the 3090 only  even (ZeroRedundancyOptimizer)
+    fsdp            as hetrain-ckpt                               on the 3090 only  even (FSDP2; a rank that
+                                                                                    accumulates keeps the
+                                                                                    model whole in a step)
+    fsdp-whole      by speed 10 / 6, whole shares                 on the 3090 only  even (FSDP2, full ZeRO-3)
+    capacity        as hetrain-ckpt                               on the 3090 only  proportional to free memory
+
+    python benchmarks/memory.py --json out.json [--max-width 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPEC = "a100-80g@80MiB,rtx3090@24MiB"
+GLOBAL_BATCH, SEQ, VOCAB, LAYERS, HEADS, STEPS = 16, 64, 256, 4, 4, 3
+WIDTH_STEP = 8          # the GPT's width is searched in multiples of this (4 heads of width/4)
+STRATEGIES = {   # name: (shares, micro-batches, checkpointing per rank, sharding)
+    "ddp": ((8, 8), (8, 8), (False, False), "none"),
+    "hetrain-ckpt": ((10, 6), (10, 1), (False, True), "none"),
+    "zero1": ((10, 6), (10, 1), (False, True), "zero1"),
+    "fsdp": ((10, 6), (10, 1), (False, True), "fsdp"),
+    "fsdp-whole": ((10, 6), (10, 6), (False, True), "fsdp"),
+    "capacity": ((10, 6), (10, 1), (False, True), "capacity"),
+}
+
+
+def n_params(width: int) -> int:
+    from hetrain.demo.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS)).num_params()
+
+
+# -- inside each worker process ----------------------------------------------------------------
+def worker(strategy: str, width: int, out_dir: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import hetrain
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.planning.plan import DevicePlan, Plan
+
+    rank = int(os.environ["RANK"])
+    shares, micros, ckpt, sharding = STRATEGIES[strategy]
+    plan = Plan(global_batch=GLOBAL_BATCH, devices=tuple(
+        DevicePlan(rank=r, device=name, speed=speed, share=shares[r], micro_batch=micros[r], checkpointing=ckpt[r])
+        for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=STEPS,
+                      timeout_s=120, verbose=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ), generator=g),
+                                          torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ), generator=g))
+    result = {"rank": rank, "status": "ok"}
+    try:
+        model, opt, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
+        for step in batches:
+            for mb in step:
+                with mb:
+                    x, y = mb.batch
+                    with ht.autocast():
+                        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+                    ht.backward(loss)
+            ht.step()
+        memory = ht.summary()["memory"]
+        result["measured"] = [m["measured"] for m in memory]
+        result["planned"] = [m["planned"] for m in memory]
+        result["caps"] = [m["cap"] for m in memory]
+    except torch.OutOfMemoryError as e:
+        result = {"rank": rank, "status": "oom", "error": str(e)}
+    except RuntimeError as e:     # a peer ran out of memory and left: gloo reports the lost connection
+        result = {"rank": rank, "status": "peer-failed", "error": str(e)[:300]}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    if result["status"] == "ok":
+        ht.close()
+    else:
+        os._exit(3)   # peers may be gone: no teardown barrier
+
+
+# -- the driver --------------------------------------------------------------------------------
+def trial(strategy: str, width: int) -> dict:
+    """Run the job in fresh processes; {'fits': bool, ...}. Raises on anything but success or OOM."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               __file__, "--worker", strategy, "--width", str(width), "--out", tmp]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    statuses = [r["status"] for r in results]
+    if proc.returncode == 0 and statuses == ["ok", "ok"]:
+        return {"fits": True, **results[0]}
+    if "oom" in statuses:
+        oom = [r for r in results if r["status"] == "oom"]
+        return {"fits": False, "oom_rank": oom[0]["rank"], "error": oom[0]["error"]}
+    raise RuntimeError(f"{strategy} width {width}: neither trained nor ran out of memory "
+                       f"(exit {proc.returncode}, {statuses}):\n{proc.stderr[-3000:]}")
+
+
+def largest(strategy: str, lo: int, hi: int, step: int, log) -> tuple[int, dict, int]:
+    """Binary search over widths lo..hi (multiples of `step`): the largest that trains."""
+    trials = 0
+    best, best_result = None, None
+    a, b = lo // step, hi // step
+    while a <= b:
+        mid = (a + b) // 2
+        width = mid * step
+        t0 = time.perf_counter()
+        r = trial(strategy, width)
+        trials += 1
+        log(f"  {strategy:<13} width {width:>4} ({n_params(width) / 1e6:5.2f}M params): "
+            f"{'trains' if r['fits'] else 'out of memory on rank ' + str(r['oom_rank'])}  "
+            f"[{time.perf_counter() - t0:.0f} s]")
+        if r["fits"]:
+            best, best_result, a = width, r, mid + 1
+        else:
+            b = mid - 1
+    if best is None:
+        raise RuntimeError(f"{strategy}: even width {lo} does not train")
+    return best, best_result, trials
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--max-width", type=int, default=1024)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.width, args.out)
+        return
+
+    rows = []
+    t0 = time.perf_counter()
+    for strategy in args.strategies.split(","):
+        width, r, trials = largest(strategy, WIDTH_STEP, args.max_width, WIDTH_STEP, lambda s: print(s, flush=True))
+        shares, micros, ckpt, sharding = STRATEGIES[strategy]
+        rows.append({"strategy": strategy, "max_params": n_params(width), "d_model": width,
+                     "peak_bytes_per_device": r["measured"], "planned_bytes_per_device": r["planned"],
+                     "memory_cap_per_device": r["caps"], "shares": list(shares), "micro_batches": list(micros),
+                     "checkpointing": list(ckpt), "sharding": sharding, "trials": trials})
+    base = rows[0]["max_params"]
+    print(f"\n{'strategy':<14}{'max params':>12}{'vs ddp':>8}   peak per device (A100 80 : 3090 24, in MiB ~ GB)")
+    for row in rows:
+        peaks = " / ".join(f"{b / 2**20:.1f}" for b in row["peak_bytes_per_device"])
+        print(f"{row['strategy']:<14}{row['max_params'] / 1e6:>11.2f}M{row['max_params'] / base:>7.2f}x   {peaks}")
+    setup = {"cluster": SPEC, "scale": "1 GB of the real cards -> 1 MiB emulated",
+             "model": f"GPT {LAYERS} layers, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, width searched in steps of "
+                      f"{WIDTH_STEP}", "global_batch": GLOBAL_BATCH, "optimizer": "AdamW",
+             "precision": "auto (bf16 autocast: both catalog GPUs have compute capability >= 8.0)",
+             "trainable": f"{STEPS} optimizer steps without an emulated OOM on any rank",
+             "seconds": round(time.perf_counter() - t0)}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
