@@ -36,7 +36,8 @@ SHARDINGS = ("none", "zero1", "capacity", "fsdp")   # in the order `choose_shard
 
 # Optimizer state values per parameter (each `state_bytes`, fp32 in torch's optimizers).
 STATE_VALUES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adam-amsgrad": 3, "adamw-amsgrad": 3,
-                "rmsprop": 1, "rmsprop-momentum": 2, "adagrad": 1, "adamax": 2, "nadam": 2, "radam": 2}
+                "rmsprop": 1, "rmsprop-momentum": 2, "adagrad": 1, "adamax": 2, "nadam": 2, "radam": 2,
+                "adadelta": 2}
 
 
 def state_values(optimizer: str) -> int:

@@ -15,23 +15,27 @@ from dataclasses import dataclass
 import torch
 
 from ..hardware.units import format_bytes
-from ..planning.memory import (STATE_VALUES, DeviceMemory, StateBytes, choose_sharding, sharding_options,
+from ..planning.memory import (DeviceMemory, StateBytes, choose_sharding, sharding_options,
                                state_bytes)
 from . import agree
 from .probe import probe
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """The planning model's name for a torch optimizer (None when it does not know it)."""
-    d = optimizer.defaults
-    name = type(optimizer).__name__.lower()
-    if name == "sgd":
+    """The planning model's name for a torch optimizer, subclasses included (None: unknown)."""
+    d, o = optimizer.defaults, torch.optim
+    if isinstance(optimizer, o.SGD):
         return "sgd-momentum" if d.get("momentum", 0) else "sgd"
-    if name in ("adam", "adamw"):
-        return f"{name}-amsgrad" if d.get("amsgrad") else name
-    if name == "rmsprop":
+    if isinstance(optimizer, (o.Adam, o.AdamW)):
+        base = "adamw" if isinstance(optimizer, o.AdamW) else "adam"
+        return base + ("-amsgrad" if d.get("amsgrad") else "")
+    if isinstance(optimizer, o.RMSprop):
         return "rmsprop-momentum" if d.get("momentum", 0) else "rmsprop"
-    return name if name in STATE_VALUES else None
+    for cls, name in ((o.Adagrad, "adagrad"), (o.Adamax, "adamax"), (o.NAdam, "nadam"), (o.RAdam, "radam"),
+                      (o.Adadelta, "adadelta")):
+        if isinstance(optimizer, cls):
+            return name
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
