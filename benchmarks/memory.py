@@ -65,6 +65,7 @@ def worker(strategy: str, width: int, out_dir: str) -> None:
         DevicePlan(rank=r, device=name, speed=speed, share=shares[r], micro_batch=micros[r], checkpointing=ckpt[r])
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
     ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=STEPS,
+                      precision="auto",
                       timeout_s=120, verbose=False)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))

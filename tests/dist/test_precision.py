@@ -53,7 +53,8 @@ def train_worker(rank, world, inject_at, agreed):
     import hetrain
 
     x, y = data()
-    ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, max_steps=3, verbose=False)
+    ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="auto", max_steps=3,
+                      verbose=False)
     warnings = []
     ht.log.warn = warnings.append
     model = model_for()

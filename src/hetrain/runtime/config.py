@@ -24,7 +24,8 @@ class Config:
     loss_weighting: str = "samples"      # 'samples': mean over samples; 'tokens': pass tokens= to backward()
     drop_last: bool = False              # False: a step may straddle two epochs (nothing dropped)
     shuffle: bool = True
-    precision: str = "auto"              # auto (per device: bf16 where real, else fp16) | fp32 | bf16 | fp16
+    precision: str = "fp32"              # fp32 | auto (per device: bf16 where real, else fp16 + one
+                                         # job-wide loss scale) | bf16 | fp16 autocast
     allow_fallback: bool = False         # a device that cannot run `precision` runs the nearest it can
     sharding: str = "auto"               # auto: shard only when the model does not fit | none (DDP) | zero1
                                          # | fsdp | capacity (optimizer state split by free memory)

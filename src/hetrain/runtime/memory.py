@@ -18,7 +18,8 @@ from ..hardware.units import format_bytes
 from ..planning.memory import (DeviceMemory, StateBytes, choose_sharding, sharding_options,
                                state_bytes)
 from . import agree
-from .probe import probe
+from .emulate import MemoryMeter
+from .probe import _as_scalar, default_forward
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -61,14 +62,35 @@ class MemoryPlan:
         return self.state.total + (self.activations or 0.0)
 
 
+def saved_activation_bytes(model, batch, *, forward=default_forward, device, autocast) -> float:
+    """Bytes one forward saves for backward, parameters excluded (a Linear saves its weight: that
+    is model state, already counted), as the CUDA allocator or the meter sees them. RNG restored,
+    gradients cleared."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        meter = MemoryMeter(label="activations", cap=None)
+        meter.set_fixed(model, None)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with meter.forward(), autocast():
+            loss = _as_scalar(forward(model, batch))
+        saved = float(meter.activations)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+            saved = max(saved, float(torch.cuda.max_memory_allocated(device) - base))
+        model.zero_grad(set_to_none=True)
+    return saved
+
+
 def measure_activations(load, *, model, forward, device, autocast, n_max: int) -> tuple[float, float]:
     """Saved-activation bytes of `model` as it will run (checkpointing, autocast), as
     (fixed, per sample): measured on 1 and 2 samples, since some saved tensors (position
     embeddings, masks) do not grow with the batch and one sample alone would overstate the rest."""
     def bytes_for(n):
-        with autocast():
-            return n * probe(model, load(range(n)), samples=n, forward=forward,
-                             device=device).activation_bytes_per_sample
+        return saved_activation_bytes(model, load(range(n)), forward=forward, device=device, autocast=autocast)
     one = bytes_for(1)
     if n_max < 2:
         return 0.0, one

@@ -50,7 +50,6 @@ def probe(model: torch.nn.Module, batch, *, samples: int, forward=default_forwar
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
         meter = MemoryMeter(label="probe", cap=None)
-        meter.set_fixed(model, None)   # weights saved for backward are parameters, not activations
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)

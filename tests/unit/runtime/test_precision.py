@@ -116,7 +116,7 @@ def test_record_in_plan_writes_every_ranks_precision():
 
 def test_config_defaults_and_validation():
     c = Config(global_batch=8)
-    assert c.precision == "auto" and c.sharding == "auto" and c.allow_fallback is False
+    assert c.precision == "fp32" and c.sharding == "auto" and c.allow_fallback is False
     assert c.checkpointing == "plan"
     for bad in ({"precision": "fp8"}, {"sharding": "zero3"}, {"checkpointing": "sometimes"},
                 {"checkpoint_blocks": "not a name"}):
