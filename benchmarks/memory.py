@@ -65,8 +65,8 @@ def worker(strategy: str, width: int, out_dir: str) -> None:
         DevicePlan(rank=r, device=name, speed=speed, share=shares[r], micro_batch=micros[r], checkpointing=ckpt[r])
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
     ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=STEPS,
-                      precision="auto",
-                      timeout_s=120, verbose=False)
+                      precision="auto", timeout_s=120, verbose=False,
+                      oom_recovery=False, rebalance=False)   # each strategy runs exactly its plan
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
     g = torch.Generator().manual_seed(0)
@@ -89,6 +89,10 @@ def worker(strategy: str, width: int, out_dir: str) -> None:
         result["caps"] = [m["cap"] for m in memory]
     except torch.OutOfMemoryError as e:
         result = {"rank": rank, "status": "oom", "error": str(e)}
+    except hetrain.HetrainError as e:
+        if "out of memory" not in e.what:
+            raise
+        result = {"rank": rank, "status": "oom", "error": e.what}
     except RuntimeError as e:     # a peer ran out of memory and left: gloo reports the lost connection
         result = {"rank": rank, "status": "peer-failed", "error": str(e)[:300]}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

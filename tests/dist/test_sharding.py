@@ -65,14 +65,14 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate):
+def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=None):
     import hetrain
     from hetrain.runtime.emulate import optimizer_state_tensors
 
     x, y = data(dtype)
     model = model_for(dtype)
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=strategy, max_steps=steps,
-                      precision="fp32", emulate=emulate, verbose=False)
+                      precision="fp32", emulate=emulate, verbose=False, **(extra or {}))
     warnings = []
     ht.log.warn = warnings.append
     opt = optimizer_for(opt_name, model.parameters())
@@ -93,7 +93,10 @@ def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate):
     record["params"] = [full(p) for p in model.module.parameters()]
     record["state_bytes"] = sum(t.numel() * t.element_size() for t in optimizer_state_tensors(opt))
     record["fraction"] = getattr(opt, "fractions", None)
-    record["memory"] = ht.summary()["memory"]
+    summary = ht.summary()
+    record["memory"], record["redone_steps"] = summary["memory"], summary["redone_steps"]
+    record["ooms"] = [r["ooms"] for r in summary["ranks"]]
+    record["oom_recovery"] = ht.config.oom_recovery
     ht.close()
     return record
 
@@ -181,3 +184,23 @@ def test_auto_shards_only_when_the_model_does_not_fit_and_stays_exact():
     records = run_ranks(worker, 2, "auto", plan, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
     assert [r["optimizer"] for r in records] == ["ZeroRedundancyOptimizer"] * 2
     check_equal_to_reference(records, plan, 2, "sgd", torch.float32, tol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "capacity"])
+def test_sharded_state_survives_oom_recovery_in_the_gradient_sync(strategy):
+    """An OOM in rank 1's only (last) backward, in the middle of DDP's gradient all-reduce: every
+    rank discards the step and redoes it, rank 1 with half its micro-batch. The sharded optimizer
+    state is untouched by the redo, so training still equals one device."""
+    plan = make_plan((24, 40), (8, 40))
+    steps = 3
+    records = run_ranks(worker, 2, strategy, plan, steps, "sgd", torch.float32, "a100-80g,rtx3090",
+                        {"faults": "oom:rank=1,step=1,micro=-1,phase=backward", "rebalance": False})
+    assert records[0]["ooms"] == [0, 1] and records[0]["redone_steps"] == 1
+    assert records[1]["micro_counts"] == [1, 1 + 2, 2]          # the failed pass, then 2 x 20 from then on
+    check_equal_to_reference(records, plan, steps, "sgd", torch.float32, tol=1e-5)
+
+
+def test_fsdp_turns_in_loop_oom_recovery_off_and_says_why():
+    plan = make_plan((24, 40), (8, 40))
+    records = run_ranks(worker, 2, "fsdp", plan, 1, "sgd", torch.float32, None)
+    assert [r["oom_recovery"] for r in records] == [False, False]

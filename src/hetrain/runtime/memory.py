@@ -198,6 +198,14 @@ def wrap_for_plan(engine, model, optimizer, forward):
                          checkpoints=bool(getattr(cfg, "checkpoint_dir", None)))
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
+    if wrapped.strategy == "fsdp" and getattr(cfg, "oom_recovery", False):
+        # One rank cannot replay FSDP2's all-gathers after an OOM mid-step (its peers have moved on),
+        # so an OOM stops the job instead (a restart with --max-restarts resumes from a checkpoint).
+        from dataclasses import replace
+
+        engine.config = replace(cfg, oom_recovery=False)
+        wrapped.lines.append("  in-loop OOM recovery is off under FSDP2 (one rank cannot replay its all-gathers): "
+                             "an out-of-memory error stops the job; --max-restarts resumes from a checkpoint")
     mp = plan_memory(n_params=n_params, param_bytes=param_bytes, optimizer=optimizer, wrapped=wrapped,
                      world_size=engine.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
                      activation_per_sample=act, activation_fixed=act_fixed or 0.0,
