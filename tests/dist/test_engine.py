@@ -66,15 +66,20 @@ def oom_worker(rank, world):
 
     plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="t4", speed=1, share=16, micro_batch=16),))
     try:
-        tiny_gpt_job("t4@2MiB", 16, 1, plan=plan)
+        tiny_gpt_job("t4@2MiB", 16, 1, plan=plan, oom_recovery=False)
     except torch.OutOfMemoryError as e:
-        return str(e)
-    return "no OOM"
+        message = str(e)
+    else:
+        message = "no OOM"
+    recovered = tiny_gpt_job("t4@2MiB", 16, 1, plan=plan)     # the same with recovery on
+    return message, recovered["plan"], recovered["counts"]
 
 
 def test_emulated_memory_cap_raises_the_cuda_oom_type():
-    (message,) = run_ranks(oom_worker, 1)
+    ((message, plan, counts),) = run_ranks(oom_worker, 1)
     assert "out of memory (emulated)" in message and "cap 2.0 MiB" in message
+    # with recovery, the micro-batch halves until it fits, and the new size is in the plan
+    assert plan.version >= 1 and plan.devices[0].micro_batch < 16 and counts[0] == plan.devices[0].n_micro
 
 
 def test_throttle_stretches_compute_to_the_emulated_speed():
