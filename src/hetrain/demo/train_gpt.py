@@ -27,7 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the run's figures here")
     return p.parse_args(argv)

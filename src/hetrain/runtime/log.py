@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 
+def _console() -> Console:
+    """Rich's console; 120 columns when output goes to a file or pipe (not 80), so tables of
+    per-rank figures stay one row per rank in logs."""
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, soft_wrap=True, width=120)
+    return console
+
+
 class RankLog:
     def __init__(self, *, rank: int, verbose: bool = True):
         self.rank = rank
         self.enabled = verbose and rank == 0
-        self.console = Console(highlight=False, soft_wrap=True) if rank == 0 else None
+        self.console = _console() if rank == 0 else None
 
     def info(self, message: str) -> None:
         if self.enabled:
