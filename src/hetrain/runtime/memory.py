@@ -17,7 +17,7 @@ import torch
 from ..hardware.units import format_bytes
 from ..planning.memory import (DeviceMemory, StateBytes, choose_sharding, sharding_options,
                                state_bytes)
-from . import agree
+from . import agree, sharding
 from .emulate import MemoryMeter
 from .probe import _as_scalar, default_forward
 
@@ -173,8 +173,6 @@ def wrap_for_plan(engine, model, optimizer, forward):
     """prepare()'s memory step, after the plan and checkpointing: measure this rank's activations
     as it will run, wrap the model under the configured sharding (a collective), count what the
     emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan)."""
-    from ..parallel import shard
-
     cfg, plan, rank = engine.config, engine.plan, engine.rank
     me = plan.devices[rank]
     params = list(model.parameters())
@@ -192,7 +190,7 @@ def wrap_for_plan(engine, model, optimizer, forward):
     if strategy == "auto":
         strategy = _auto_sharding(engine, model, optimizer, n_params=n_params, param_bytes=param_bytes,
                                   act_bytes=act_bytes)
-    wrapped = shard.wrap(model, optimizer, strategy=strategy, device=engine.device, rank=rank,
+    wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=engine.device, rank=rank,
                          world_size=engine.world_size, free_bytes=_free_for_state(engine, params, act_bytes),
                          block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter,
                          checkpoints=bool(getattr(cfg, "checkpoint_dir", None)))
@@ -238,7 +236,7 @@ def _auto_sharding(engine, model, optimizer, *, n_params: int, param_bytes: int,
         unit_params=[sum(p.numel() for p in b.parameters()) for b in blocks],
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         accumulates=[bool(a) for a in table.column("accumulates")])
-    if getattr(cfg, "checkpoint_dir", None):   # zero1/capacity state is not checkpointed yet (shard.py)
+    if getattr(cfg, "checkpoint_dir", None):   # zero1/capacity state is not checkpointed yet (sharding.py)
         options = [o for o in options if o.strategy in ("none", "fsdp")]
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hetrain.errors import UsageError
-from hetrain.parallel.capacity import CapacityShardedOptimizer, flatten_params
+from hetrain.runtime.capacity_optimizer import CapacityShardedOptimizer, flatten_params
 from hetrain.runtime.memory import optimizer_kind
 
 

@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..errors import HetrainError, UsageError
 from ..hardware.units import format_bytes
 from ..planning.memory import capacity_fractions
-from ..runtime.checkpointing import find_blocks
-from .capacity import CapacityShardedOptimizer, constructor_defaults
+from .checkpointing import find_blocks
+from .capacity_optimizer import CapacityShardedOptimizer, constructor_defaults
 
 SHARDINGS = ("none", "zero1", "fsdp", "capacity")
 
