@@ -44,7 +44,7 @@ def tiny_gpt_job(emulate: str, global_batch: int, steps: int, **config):
 
 
 def capped_worker(rank, world):
-    return tiny_gpt_job("a100-80g,rtx3090@3MiB", 48, 4)
+    return tiny_gpt_job("a100-80g,rtx3090@3MiB", 96, 4, rebalance=False)
 
 
 def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
@@ -52,7 +52,8 @@ def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
     plan = r0["plan"]
     small = plan.devices[1]
     assert plan == r1["plan"]                                   # every rank runs the same plan
-    assert small.n_micro > 1 and plan.devices[0].n_micro == 1   # the 3 MiB device needs several
+    assert small.max_micro_batch < small.share                  # the 3 MiB device cannot take its share
+    assert small.n_micro > 1 and plan.devices[0].n_micro == 1   # at once: it runs several micro-batches
     assert "3.0 MiB memory" in small.reasons[1]
     assert r1["counts"] == [small.n_micro] * 4
     assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]

@@ -15,7 +15,9 @@ decided from that table, identically on every rank.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -107,6 +109,7 @@ class Engine:
         self.ooms = 0                  # out-of-memory errors recovered on this rank
         self.redone_steps = 0          # steps redone by all ranks after an OOM in a gradient sync
         torch.manual_seed(config.seed)
+        atexit.register(self._at_exit)
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -518,6 +521,18 @@ class Engine:
         self._closed = True
         self._release()
         shutdown(self.ctx)
+
+    def _at_exit(self) -> None:
+        """An interpreter exit without close() (an error the script caught, say): free the DDP
+        wrapper before the process group goes, which is what stops gloo aborting at exit (SIGABRT,
+        TORCH-CPU-FACTS). No barrier: peers may be gone."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        gc.collect()
+        if self.ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _release(self) -> None:
         if self._model is not None:
