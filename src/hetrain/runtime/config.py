@@ -42,7 +42,7 @@ class Config:
     verbose: bool = True                 # rank 0 prints the plan and summaries
     # resilience
     rebalance: bool = True               # move shares when measured speeds change (rebalance.py)
-    rebalance_threshold: float = 0.05    # ...only for a predicted step-time gain above this
+    rebalance_threshold: float = 0.08    # ...only for a predicted step-time gain above this
     oom_recovery: bool = True            # shrink a rank's micro-batch on OOM and redo (recovery.py)
     checkpoint_dir: str | None = None    # where checkpoints go (None: no checkpoints)
     checkpoint_every: int = 50           # steps between checkpoints (and one at the end)
@@ -90,7 +90,7 @@ class Config:
         if self.resume == "must" and not self.checkpoint_dir:
             raise bad("resume='must' without a checkpoint_dir", "pass checkpoint_dir= (or --run-dir) to resume from")
         if not 0 <= self.rebalance_threshold:
-            raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.05")
+            raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.08")
 
     def with_launch_file(self) -> Config:
         """Apply what `hetrain run` put in the launch file: its `config` (the command line) beats the

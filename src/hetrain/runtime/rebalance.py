@@ -10,13 +10,14 @@ max_r(f_r + b_r · k_r), f_r = α_r · k_r + the rest of the step (planning.shar
 The Plan changes only when
 
   * every rank has at least `min_samples` measurements since the last change of its speed, and
-  * the predicted step time improves by more than `threshold` (default 5%) and by more than
+  * the predicted step time improves by more than `threshold` (default 8%) and by more than
     `min_gain_s` (default 2 ms: below that, a small model's step is dominated by jitter),
-  * the same proposal (within one sample per device) comes out of `confirm` (default 2)
+  * the same proposal (within one sample per device) comes out of `confirm` (default 3)
     consecutive steps, so neither one noisy window nor a half-updated estimate moves shares,
   * and at least `cooldown` steps (default 4) have passed since the last change: no flip-flop.
 
-Noise does not move shares: estimates are means over up to `window` steps. A real change does,
+Noise does not move shares: estimates are medians over up to `window` steps (a burst of load
+from another process on a shared host moves a median less than a mean). A real change does,
 quickly: when a rank's last 3 measurements all sit more than `jump` (default 30%) away from its
 earlier mean, the older measurements are dropped, so the estimate moves to the new speed at once
 rather than drifting there over a whole window.
@@ -24,6 +25,7 @@ rather than drifting there over a whole window.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from ..planning.plan import DevicePlan, Plan
@@ -37,8 +39,8 @@ class Decision:
 
 
 class Rebalancer:
-    def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.05,
-                 jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 2,
+    def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.08,
+                 jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 3,
                  cooldown: int = 4):
         self.world_size = world_size
         self.window = window
@@ -83,8 +85,8 @@ class Rebalancer:
         """Seconds per sample and fixed seconds per step, per rank; None until enough data."""
         if any(len(ps) < self.min_samples for ps in self.per_sample):
             return None
-        t = [sum(ps) / len(ps) for ps in self.per_sample]
-        f = [sum(fx) / len(fx) + a * k for fx, a, k in zip(self.fixed, self.alpha, t)]
+        t = [statistics.median(ps) for ps in self.per_sample]
+        f = [statistics.median(fx) + a * k for fx, a, k in zip(self.fixed, self.alpha, t)]
         return t, f
 
     # -- the decision -------------------------------------------------------------------------
