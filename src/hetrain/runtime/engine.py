@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -20,11 +21,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
-from ..errors import UsageError
+from ..errors import HetrainError, UsageError
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
-from ..planning.plan import Plan
-from ..planning.shares import DeviceCapacity, static_plan
+from ..planning.cost import FREE_LINK, link_from_measurement
+from ..planning.plan import DevicePlan, Plan
+from ..planning.planner import PlanOptions, make_plan
 from . import agree, reduce
 from .config import Config
 from .data import GlobalCursorSampler
@@ -33,7 +35,8 @@ from .emulate import EmulatedDevice
 from .failure import install_excepthook
 from .log import RankLog
 from .model import PreparedModel
-from .probe import default_forward, probe
+from .probe import default_forward
+from .profiler import MAX_SIZE, cpu_share, profile_device, time_allreduce
 from .steps import MicroBatch, Step, Steps
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,7 +144,7 @@ class Engine:
         if self._given_plan is not None:
             self.plan = self._check_given_plan(self._given_plan)
         else:
-            self.plan = self._agree_plan(self._capacity(model, optimizer, forward))
+            self.plan = self._agree_plan(self._measure(model, optimizer, forward))
         self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._model = PreparedModel(model, self._ddp, meter)
         self._optimizer = optimizer
@@ -159,59 +162,78 @@ class Engine:
         items = ds.__getitems__(list(indices)) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return _to_device(self._collate(items), self.device)
 
-    def _capacity(self, model, optimizer, forward) -> DeviceCapacity:
-        """This rank's speed and largest micro-batch, with the reason for each."""
+    def _measure(self, model, optimizer, forward) -> dict:
+        """This rank's profile (runtime/profiler.py, cached) and one timed gradient-sized
+        all-reduce (the link). Failures are returned, not raised, so that every rank learns of them
+        in the gather that follows instead of waiting for a peer that has left."""
         cfg, emu = self.config, self.emulated
-        equal = max(1, cfg.global_batch // self.world_size)
+        mine: dict = {"profile": None, "cached": False, "allreduce_s": 0.0, "error": None,
+                      "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        mine["grad_bytes"] = grad_bytes
         cap = None
-        if emu is not None:
-            cap = emu.meter.cap
-        elif self.device.type == "cuda":
+        if emu is None and self.device.type == "cuda":
             cap = torch.cuda.get_device_properties(self.device).total_memory
-        need_timing = emu is None and self.world_size > 1
-        result = None
-        if cap is not None or need_timing:
-            n = min(equal, 4)
-            batch = self._load(range(n))
-            result = probe(model, batch, samples=n, forward=forward, device=self.device,
-                           timed_runs=2 if need_timing else 0)
-
-        if emu is not None:
-            speed, speed_reason = emu.spec.speed, f"{emu.spec.speed_source}, emulated"
-        elif need_timing:
-            speed = 1.0 / result.seconds_per_sample
-            speed_reason = f"measured {speed:.1f} samples/s in a warm-up"
-        else:
-            speed, speed_reason = 1.0, "single device"
-
-        max_micro, micro_reason = None, "memory not capped"
-        if cap is not None:
-            fixed = emu.meter.fixed if emu is not None else torch.cuda.memory_allocated(self.device)
-            usable = cap * (1 - cfg.memory_margin) - fixed
-            per_sample = max(result.activation_bytes_per_sample, 1.0)
-            max_micro = int(usable // per_sample)
-            micro_reason = (f"{format_bytes(cap)} memory, {format_bytes(fixed)} model state, "
-                            f"measured {format_bytes(per_sample)}/sample, "
-                            f"{cfg.memory_margin:.0%} kept free")
-            if max_micro < 1:
-                raise UsageError(
-                    f"{self.device_label}: one sample needs {format_bytes(per_sample)} of activations "
-                    f"but only {format_bytes(max(usable, 0))} is free after the model state",
-                    "use a device with more memory, a smaller model or sequence, or "
-                    "activation checkpointing",
-                )
-        if cfg.micro_batch is not None and (max_micro is None or cfg.micro_batch < max_micro):
-            max_micro, micro_reason = cfg.micro_batch, "micro_batch set in the config"
-        return DeviceCapacity(device=self.device_label, speed=speed, speed_reason=speed_reason,
-                              max_micro_batch=max_micro, micro_reason=micro_reason,
-                              memory_cap_bytes=cap, precision=cfg.precision)
-
-    def _agree_plan(self, mine: DeviceCapacity) -> Plan:
-        capacities = [mine]
+        if self.world_size == 1 and emu is None and cap is None:
+            return mine          # one device, memory not limited: nothing to decide or measure
+        n = len(self._dataset)
+        try:
+            mine["profile"], mine["cached"] = profile_device(
+                model, optimizer, lambda m: self._load(range(min(m, n))), device=self.device,
+                label=self.device_label, forward=forward, precision=cfg.precision, memory_bytes=cap,
+                max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu.spec if emu else None)
+        except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
+            mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
+                             isinstance(e, UsageError))
         if self.world_size > 1:
-            capacities = [None] * self.world_size
-            dist.all_gather_object(capacities, mine)
-        return static_plan(self.config.global_batch, capacities)
+            # Up to 64 MiB is timed; a larger gradient is costed at the bandwidth this shows.
+            probe_bytes = min(grad_bytes, 64 * 1024**2)
+            mine["allreduce_s"] = time_allreduce(probe_bytes, self.device) * grad_bytes / max(probe_bytes, 1)
+        if emu is not None:     # emulated devices share this host's cores: how much CPU do we get?
+            mine["cpu_share"] = cpu_share()    # all ranks spin at once, just after the all-reduce
+        return mine
+
+    def _agree_plan(self, mine: dict) -> Plan:
+        """Every rank gathers every rank's measurements and runs the same pure planner on them, so
+        all get the same Plan without a further exchange."""
+        gathered = [mine]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+        for rank, g in enumerate(gathered):
+            if g["error"] is not None:
+                kind, what, fix, usage = g["error"]
+                raise (UsageError if usage else HetrainError)(
+                    f"rank {rank} ({'emulated ' if self.emulated else ''}device) could not be profiled: "
+                    f"{kind}: {what}", fix or "see the error above; pass hetrain.init(plan=...) to skip profiling")
+        cfg = self.config
+        if gathered[0]["profile"] is None:      # a single device with unlimited memory
+            micro = min(cfg.global_batch, cfg.micro_batch or cfg.global_batch)
+            return Plan(global_batch=cfg.global_batch, note="single device: the whole batch", devices=(
+                DevicePlan(rank=0, device=self.device_label, speed=1.0, share=cfg.global_batch,
+                           micro_batch=micro, precision=cfg.precision,
+                           reasons=(f"share {cfg.global_batch}/{cfg.global_batch}: single device",
+                                    f"micro-batch {micro}: " + ("micro_batch set in the config"
+                                                               if micro < cfg.global_batch else
+                                                               "memory not capped"))),))
+        n = self.world_size
+        grad_bytes = gathered[0]["grad_bytes"]
+        slowest = max(g["allreduce_s"] for g in gathered)
+        link = (link_from_measurement(n, grad_bytes, slowest,
+                                      f"measured: a {format_bytes(grad_bytes)} all-reduce took "
+                                      f"{slowest * 1e3:.1f} ms")
+                if n > 1 and grad_bytes else FREE_LINK)
+        options = PlanOptions(
+            global_batch=cfg.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=cfg.memory_margin,
+            micro_batch_cap=cfg.micro_batch,
+            allow_exclusion=False,        # every rank's process is running: each takes >= 1 sample
+            allow_checkpointing=False,    # hook: turn on when the runtime checkpoints activations
+            host_cores=(min(gathered[0]["host_cores"], sum(g.get("cpu_share", 1.0) for g in gathered))
+                        if self.emulated is not None else None))
+        plan = make_plan([g["profile"] for g in gathered], options)
+        cached = sum(bool(g["cached"]) for g in gathered)
+        self.log.info(f"profiles: {cached} of {n} from the cache, {n - cached} measured")
+        return plan
 
     def _check_given_plan(self, plan: Plan) -> Plan:
         if plan.world_size != self.world_size or plan.global_batch != self.config.global_batch:
@@ -235,6 +257,8 @@ class Engine:
         for d in plan.devices:
             for reason in d.reasons:
                 self.log.info(f"  rank {d.rank}: {reason}")
+        for line in filter(None, plan.note.split("; ")):
+            self.log.info(f"  {line}")
 
     # -- the loop -----------------------------------------------------------------------------
     def _begin_step(self) -> Step:
@@ -379,6 +403,8 @@ class Engine:
             "first_loss": hist[0]["loss"] if hist else None,
             "last_loss": hist[-1]["loss"] if hist else None,
             "ranks": [table.row(r) for r in range(self.world_size)],
+            "predicted": dict(self.plan.predicted) if self.plan is not None else {},
+            "shares": list(self.plan.shares) if self.plan is not None else [],
         }
         if hist and self.plan is not None:
             rows = []
