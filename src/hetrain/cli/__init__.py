@@ -22,9 +22,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import train
+    from . import planning, train
 
-    for module in (train,):
+    for module in (train, planning):
         module.register(app)
 
 
