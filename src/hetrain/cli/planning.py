@@ -180,14 +180,17 @@ def simulate(
     single = sim.strategies[0].samples_per_s
     t = Table(title=f"simulated (no processes, catalog estimates): {spec.name} on {cluster}, global batch "
               f"{global_batch}, {precision}", title_justify="left", show_edge=False, pad_edge=False)
-    for c in ("strategy", "samples/s", "× single", "efficiency", "memory per device", "why"):
+    for c in ("strategy", "samples/s", "× single", "efficiency", "memory per device"):
         t.add_column(c, overflow="fold")
     for s in sim.strategies:
         t.add_row(s.name, f"{s.samples_per_s:.1f}" if s.samples_per_s else "-",
                   f"{s.samples_per_s / single:.2f}" if single and s.samples_per_s else "-",
                   f"{s.efficiency:.0%}" if s.samples_per_s else "-",
-                  ", ".join(describe_memory(m) for m in s.memory_per_device), s.why)
+                  ", ".join(describe_memory(m) for m in s.memory_per_device))
     con.print(t)
+    con.print("efficiency: of the sum of every device's standalone samples/s", markup=False)
+    for s in sim.strategies:
+        con.print(f"  {s.name}: {s.why}", markup=False)
     d = Table(title="per device", title_justify="left", show_edge=False, pad_edge=False)
     for c in ("device", "alone samples/s", "DDP share", "hetrain share", "adds", "note"):
         d.add_column(c, overflow="fold")

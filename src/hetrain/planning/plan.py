@@ -38,6 +38,7 @@ class DevicePlan:
     reasons: tuple[str, ...] = ()        # why each number was chosen, for people
     predicted_compute_s: float | None = None    # planner: this rank's compute seconds per step
     predicted_memory_bytes: int | None = None   # planner: this rank's peak memory
+    max_micro_batch: int | None = None   # planner: the largest micro-batch memory allows (None: not limited)
 
     def __post_init__(self) -> None:
         if self.share < 1 or self.micro_batch < 1:

@@ -129,6 +129,7 @@ class _Fit:
     micro: int                # cap on its micro-batch (>= 1), or 0 when it cannot fit one sample
     checkpointing: bool
     memory_reason: str
+    memory_cap: int | None = None   # the cap memory alone sets (None: memory does not limit it)
 
 
 def _fit(p: DeviceProfile, o: PlanOptions) -> _Fit:
@@ -155,7 +156,7 @@ def _fit(p: DeviceProfile, o: PlanOptions) -> _Fit:
     micro = limit if cap is None else min(cap, limit)
     if o.micro_batch_cap is not None and (cap is None or o.micro_batch_cap < cap):
         why = f"micro-batch cap {o.micro_batch_cap} given ({why})"
-    return _Fit(micro=micro, checkpointing=ckpt, memory_reason=why)
+    return _Fit(micro=micro, checkpointing=ckpt, memory_reason=why, memory_cap=cap)
 
 
 def _does_not_fit(p: DeviceProfile, o: PlanOptions) -> tuple[str, str]:
@@ -401,7 +402,7 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
             rank=rank, device=p.device, speed=best_rate[i] / top, share=share, micro_batch=micro,
             precision=p.precision, checkpointing=f.checkpointing, memory_cap_bytes=p.memory_bytes,
             reasons=tuple(reasons), predicted_compute_s=a.compute_s(cost.stretch),
-            predicted_memory_bytes=int(mem)))
+            predicted_memory_bytes=int(mem), max_micro_batch=f.memory_cap))
     ddp_pred = ddp_equal_split(profiles, o)
     ddp, ddp_why = ddp_pred.cost, ddp_pred.why
     link = ring_link([profiles[i] for i in members], o)
@@ -426,8 +427,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
                      + (f": {link.source})" if link.source else ")"))
     if cost.stretch > 1.0:
         notes.append(f"emulated devices share {o.host_cores:.2g} CPU cores: compute stretched ×{cost.stretch:.2f}")
-    notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
-                 else f"plain DDP equal split cannot run: {ddp_why}")
+    if len(profiles) > 1:
+        notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
+                     else f"plain DDP equal split cannot run: {ddp_why}")
     if drag:
         notes.append(next(iter(drag.values())))
     return Plan(global_batch=B, devices=tuple(plans), note="; ".join(notes), predicted=predicted,

@@ -183,7 +183,8 @@ def simulate(profiles: Sequence[DeviceProfile], *, global_batch: int, grad_bytes
         share = next((d.share for d in plan.devices if d.device == q.device), 0)
         note = ""
         if q.device in excluded:
-            note = f"left out: {excluded[q.device].reason} — {excluded[q.device].fix}"
+            note = ("left out: does not fit one sample" if excluded[q.device].kind == "memory"
+                    else "left out: too slow to help")
         rows.append(DeviceRow(device=q.device, standalone_samples_per_s=alone[i], ddp_share=ddp_shares[i],
                               hetrain_share=share, adds_samples_per_s=adds[i], note=note))
 

@@ -405,6 +405,8 @@ class Engine:
             "ranks": [table.row(r) for r in range(self.world_size)],
             "predicted": dict(self.plan.predicted) if self.plan is not None else {},
             "shares": list(self.plan.shares) if self.plan is not None else [],
+            "micro_batches": [d.micro_batch for d in self.plan.devices] if self.plan is not None else [],
+            "max_micro_batches": [d.max_micro_batch for d in self.plan.devices] if self.plan is not None else [],
         }
         if hist and self.plan is not None:
             rows = []

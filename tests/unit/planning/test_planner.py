@@ -264,3 +264,23 @@ def test_predicted_step_matches_the_cost_model():
                                   checkpointing=d.checkpointing) for d in plan.devices],
                       global_batch=200, grad_bytes=1e8, link=Link(bandwidth_gbs=10))
     assert again.step_s == pytest.approx(plan.predicted["step_s"])
+
+
+def test_emulated_devices_on_too_few_cores_plan_with_the_stretched_times():
+    """Three emulated devices (speeds 1, 0.67, 0.5: each keeps a core busy that fraction of its
+    time) want 2.17 cores of 2: compute stretches, and the split is the one for stretched times."""
+    cpu_s = 0.004                                        # CPU seconds per sample on the host
+    profiles = [replace(_profile(f"s{s}", cpu_s / s, overhead=0.001 / s), cpu_share=s) for s in (1.0, 0.67, 0.5)]
+    quiet = make_plan(profiles, options(96, link=FREE_LINK))
+    busy = make_plan(profiles, options(96, link=FREE_LINK, host_cores=2))
+    f = busy.predicted["cpu_stretch"]
+    assert quiet.predicted["cpu_stretch"] == 1.0 and 1.0 < f < 1.2
+    assert busy.predicted["step_s"] > quiet.predicted["step_s"]
+    # The same plan as for devices that are simply that much slower, with no cores to share.
+    stretched = [p.scaled(1 + p.cpu_share * (f - 1), cpu_share=0.0) for p in profiles]
+    assert make_plan(stretched, options(96, link=FREE_LINK)).shares == busy.shares
+    # A stretch of f slows the fastest (always computing) device most: it gives up samples.
+    assert busy.shares[0] <= quiet.shares[0] and busy.shares[2] >= quiet.shares[2]
+    # CPU work of a step fits in 2 cores over the step, just.
+    cpu = sum(d.share * cpu_s + d.n_micro * 0.001 for d in busy.devices)
+    assert cpu == pytest.approx(2 * busy.predicted["step_s"], rel=1e-3)
