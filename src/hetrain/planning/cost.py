@@ -17,9 +17,9 @@ Memory: parameters, gradients and optimizer state (fixed), plus one micro-batch'
 activation checkpointing keeps a fraction of them and recomputes one forward (×4/3 compute).
 
 Emulated devices share the host's CPU cores: a device of speed s computes for a fraction s of its
-busy time, so when the devices together want more than the host's cores, every compute piece
-stretches. `cpu_stretch` finds that factor (processor sharing: the CPU work of a step must fit in
-cores × step time), and the planner plans with the stretched times.
+busy time, so when the devices together (with whatever else the host runs) want more than the
+host's cores, every compute piece stretches. `cpu_stretch` finds that factor (processor sharing),
+and the planner plans with the stretched times.
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ class StepCost:
 
 
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
-              host_cores: float | None = None, stretch: float | None = None) -> StepCost:
+              host_cores: float | None = None, host_load: float = 0.0,
+              stretch: float | None = None) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`)."""
     def at(f: float) -> StepCost:
         compute = tuple(a.compute_s(f) for a in assignments)
@@ -243,23 +244,32 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
         return at(stretch)
     if not host_cores:
         return at(1.0)
-    cpu = sum(a.profile.cpu_share * (a.compute_s() + a.profile.optimizer_s) for a in assignments)
-    return at(cpu_stretch(lambda f: at(f).step_s, cpu, host_cores))
+    cpu = [a.profile.cpu_share * (a.compute_s() + a.profile.optimizer_s) for a in assignments]
+    return at(cpu_stretch(lambda f: at(f).step_s, cpu, host_cores, host_load))
 
 
-def cpu_stretch(step_at: Callable[[float], float], cpu_seconds: float, cores: float) -> float:
-    """Smallest f >= 1 with cpu_seconds <= cores × step_at(f): the CPU work of a step has to fit
-    in the cores over the step (processor sharing)."""
-    if cpu_seconds <= cores * step_at(1.0):
+def cpu_stretch(step_at: Callable[[float], float], cpu_seconds: Sequence[float], cores: float,
+                load: float = 0.0) -> float:
+    """The factor f >= 1 by which host-CPU compute stretches (processor sharing): a running process
+    gets cores / (runnable processes) of a core, so f = (load + K) / cores when that exceeds 1, with
+    K = Σ_r min(1, cpu_r·f / step) the devices computing at a time on average and `load` other
+    runnable processes on the host. With no load this says the step's CPU work must fit in
+    cores × step."""
+    def excess(f: float) -> float:
+        step = step_at(f)
+        busy = sum(min(1.0, c * f / step) for c in cpu_seconds) if step > 0 else 0.0
+        return (load + busy) / cores - f
+
+    if excess(1.0) <= 0:
         return 1.0
     lo, hi = 1.0, 2.0
-    while cpu_seconds > cores * step_at(hi):
+    while excess(hi) > 0:
         hi *= 2
         if hi > 1e6:
             return hi
     for _ in range(50):
         mid = (lo + hi) / 2
-        if cpu_seconds > cores * step_at(mid):
+        if excess(mid) > 0:
             lo = mid
         else:
             hi = mid

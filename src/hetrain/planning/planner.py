@@ -47,6 +47,7 @@ class PlanOptions:
     allow_exclusion: bool = True         # False: every device takes >= 1 sample (its process is running)
     allow_checkpointing: bool = True     # False while the runtime cannot checkpoint activations
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
+    host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -60,6 +61,8 @@ class PlanOptions:
             raise UsageError(f"micro-batch cap {self.micro_batch_cap}", "use a positive cap, or none")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
+        if not self.host_load >= 0:
+            raise UsageError(f"host load {self.host_load}", "give the other runnable processes, >= 0")
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def _assignments(profiles, fits, shares: dict[int, int]) -> list[Assignment]:
 def _cost(profiles, fits, shares, o: PlanOptions, stretch: float | None = None) -> StepCost:
     members = [profiles[i] for i in sorted(shares)]
     return step_cost(_assignments(profiles, fits, shares), global_batch=o.global_batch,
-                     grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
+                     grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores, host_load=o.host_load,
                      stretch=stretch)
 
 
@@ -297,7 +300,7 @@ def ddp_equal_split(profiles: Sequence[DeviceProfile], o: PlanOptions) -> DDPPre
     assignments = tuple(Assignment(profile=p, share=s, micro_batch=min(micro, s), checkpointing=ckpt)
                         for p, s in zip(profiles, shares))
     cost = step_cost(assignments, global_batch=o.global_batch, grad_bytes=o.grad_bytes,
-                     link=ring_link(profiles, o), host_cores=o.host_cores)
+                     link=ring_link(profiles, o), host_cores=o.host_cores, host_load=o.host_load)
     why = (f"{shares[0]} samples per device in micro-batches of {micro} (the smallest device's)"
            + (" with activation checkpointing" if ckpt else "")
            + f", so every step waits for {profiles[cost.bottleneck].device}")
@@ -426,7 +429,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
                      f"overlapped with backward (link {link.bandwidth_gbs:.3g} GB/s"
                      + (f": {link.source})" if link.source else ")"))
     if cost.stretch > 1.0:
-        notes.append(f"emulated devices share {o.host_cores:.2g} CPU cores: compute stretched ×{cost.stretch:.2f}")
+        notes.append(f"emulated devices share {o.host_cores:g} CPU cores"
+                     + (f" with ~{o.host_load:.1f} other busy processes" if o.host_load else "")
+                     + f": compute stretched ×{cost.stretch:.2f}")
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")

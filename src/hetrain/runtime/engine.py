@@ -36,7 +36,7 @@ from .failure import install_excepthook
 from .log import RankLog
 from .model import PreparedModel
 from .probe import default_forward
-from .profiler import MAX_SIZE, cpu_share, profile_device, time_allreduce
+from .profiler import MAX_SIZE, profile_device, time_allreduce
 from .steps import MicroBatch, Step, Steps
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -189,8 +189,6 @@ class Engine:
             # Up to 64 MiB is timed; a larger gradient is costed at the bandwidth this shows.
             probe_bytes = min(grad_bytes, 64 * 1024**2)
             mine["allreduce_s"] = time_allreduce(probe_bytes, self.device) * grad_bytes / max(probe_bytes, 1)
-        if emu is not None:     # emulated devices share this host's cores: how much CPU do we get?
-            mine["cpu_share"] = cpu_share()    # all ranks spin at once, just after the all-reduce
         return mine
 
     def _agree_plan(self, mine: dict) -> Plan:
@@ -228,8 +226,9 @@ class Engine:
             micro_batch_cap=cfg.micro_batch,
             allow_exclusion=False,        # every rank's process is running: each takes >= 1 sample
             allow_checkpointing=False,    # hook: turn on when the runtime checkpoints activations
-            host_cores=(min(gathered[0]["host_cores"], sum(g.get("cpu_share", 1.0) for g in gathered))
-                        if self.emulated is not None else None))
+            # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
+            # work on the host is not modelled: it comes and goes faster than a plan lives.
+            host_cores=gathered[0]["host_cores"] if self.emulated is not None else None)
         plan = make_plan([g["profile"] for g in gathered], options)
         cached = sum(bool(g["cached"]) for g in gathered)
         self.log.info(f"profiles: {cached} of {n} from the cache, {n - cached} measured")
@@ -407,6 +406,7 @@ class Engine:
             "shares": list(self.plan.shares) if self.plan is not None else [],
             "micro_batches": [d.micro_batch for d in self.plan.devices] if self.plan is not None else [],
             "max_micro_batches": [d.max_micro_batch for d in self.plan.devices] if self.plan is not None else [],
+            "predicted_compute_s": [d.predicted_compute_s for d in self.plan.devices] if self.plan is not None else [],
         }
         if hist and self.plan is not None:
             rows = []

@@ -283,17 +283,6 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
                    source=raw.source.replace(f"measured on {key}", f"measured on {label}")), cached
 
 
-def cpu_share(seconds: float = 0.1) -> float:
-    """The fraction of a core this thread gets right now: spin for `seconds` of wall time and
-    compare with the CPU time received. Run on every rank at once, the sum is the CPU the job's
-    processes get together — the host's cores, less whatever else the host is running."""
-    w0, c0 = time.perf_counter(), time.thread_time()
-    x = 0
-    while time.perf_counter() - w0 < seconds:
-        x += 1
-    return min(1.0, (time.thread_time() - c0) / max(time.perf_counter() - w0, 1e-9))
-
-
 def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
     """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
     every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""

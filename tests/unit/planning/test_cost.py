@@ -93,6 +93,17 @@ def test_devices_sharing_too_few_cores_stretch_their_compute():
     assert step_cost(mixed, global_batch=20, grad_bytes=0, link=FREE_LINK, host_cores=2).stretch == 1.0
 
 
+def test_other_work_on_the_host_stretches_compute_too():
+    # One always-busy device beside 3 other runnable processes on 2 cores: each gets half a core.
+    dev = [Assignment(profile=_prof(0.01, cpu_share=1.0), share=10, micro_batch=10)]
+    cost = step_cost(dev, global_batch=10, grad_bytes=0, link=FREE_LINK, host_cores=2, host_load=3)
+    assert cost.stretch == pytest.approx(2.0, rel=1e-6) and cost.step_s == pytest.approx(0.2, rel=1e-6)
+    # A device that sleeps half its time (speed 0.5) stretches less: it is not always runnable.
+    half = [Assignment(profile=_prof(0.02, cpu_share=0.5), share=10, micro_batch=10)]
+    f = step_cost(half, global_batch=10, grad_bytes=0, link=FREE_LINK, host_cores=2, host_load=3).stretch
+    assert 1.5 < f < 2.0 and f == pytest.approx((3 + 0.5 * f / (0.5 * f + 0.5)) / 2, rel=1e-6)
+
+
 def test_bad_links_and_efficiency():
     from hetrain.errors import UsageError
 
