@@ -17,6 +17,7 @@ each run is recorded with it. The CPU seconds of each rank's forward+backward pe
 and measured, check the profile and micro-batch model whatever the load.
 
     python benchmarks/plan_accuracy.py --json out.json [--steps 40] [--rounds 1] [--no-ddp]
+                                       [--max-other-cores 0.2 --retries 5]   # on a shared host
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ CLUSTERS = {        # name: emulated cluster spec
 TARGET = 0.10
 
 
+def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
+    """The cost model's samples/s for what `run` did (its shares and micro-batches, the profiles
+    and link its plan was made from), with the CPU that other work used during it as extra load.
+    On a shared host this separates the model's error from the host's noise; on a quiet one it is
+    the plan's own prediction."""
+    from hetrain.planning.cost import FREE_LINK, Assignment, Link, step_cost
+    from hetrain.planning.profile import DeviceProfile
+
+    profiles = [DeviceProfile.from_dict(p) for p in profiles_of["profiles"]]
+    pred = profiles_of["predicted"]
+    link = (Link(bandwidth_gbs=pred["link_gbs"], latency_s=pred.get("link_latency_s", 0.0))
+            if "link_gbs" in pred else FREE_LINK)
+    work = [Assignment(profile=p, share=s, micro_batch=m)
+            for p, s, m in zip(profiles, run["shares"], run["micro_batches"])]
+    return step_cost(work, global_batch=sum(run["shares"]), grad_bytes=pred["grad_bytes"], link=link,
+                     host_cores=cores, host_load=run["other_work_cores"]).samples_per_s
+
+
 def dilate(spec: str, factor: float) -> str:
     """'a100-80g:1.0,t4:0.35@24MiB' with every speed divided by `factor`."""
     out = []
@@ -57,6 +76,20 @@ def _env(cache: str) -> dict:
 
 
 def run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: str | None = None) -> dict:
+    """`_run_demo`, again while other work on the host used more than --max-other-cores (a shared
+    host: the run is repeated, up to --retries times, until it had the host to itself)."""
+    for attempt in range(args.retries + 1):
+        summary = _run_demo(spec, args, cache, workdir, f"{tag}-a{attempt}", plan_path)
+        if args.max_other_cores is None or summary["other_work_cores"] <= args.max_other_cores:
+            break
+        print(f"{tag}: other work used {summary['other_work_cores']:.2f} cores during the run; again",
+              file=sys.stderr)
+        time.sleep(args.retry_wait)
+    summary["attempts"] = attempt + 1
+    return summary
+
+
+def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: str | None = None) -> dict:
     """One `hetrain run` of the demo job; returns its summary (measured and predicted figures)."""
     sys.path.insert(0, str(REPO / "src"))
     from hetrain.launch import build_launch
@@ -115,6 +148,10 @@ def main(argv=None) -> dict:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="repeat every cluster; the median is kept")
     p.add_argument("--no-ddp", action="store_true", help="skip the equal-split runs")
+    p.add_argument("--max-other-cores", type=float, default=None,
+                   help="on a shared host: repeat a run while other work used more than this many cores")
+    p.add_argument("--retries", type=int, default=5, help="with --max-other-cores: at most this many repeats")
+    p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
     p.add_argument("--dilate", type=float, default=1.0,
                    help="run every emulated device D× slower (speeds / D): on a busy shared host the "
                         "devices then mostly sleep, which keeps other work's contention out of the figures "
@@ -127,6 +164,7 @@ def main(argv=None) -> dict:
     if not args.dilate >= 1:
         raise SystemExit("--dilate must be >= 1")
     clusters = {name: dilate(spec, args.dilate) for name, spec in CLUSTERS.items()}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hetrain-plan-accuracy-") as work:
         cache = os.path.join(work, "cache")
@@ -148,7 +186,11 @@ def main(argv=None) -> dict:
                    "rel_error": abs(pred - got) / got,
                    "predicted_step_s": statistics.median(s["predicted"]["step_s"] for s in runs),
                    "cpu_stretch": statistics.median(s["predicted"]["cpu_stretch"] for s in runs),
-                   "other_work_cores": [round(s["other_work_cores"], 2) for s in runs]}
+                   "other_work_cores": [round(s["other_work_cores"], 2) for s in runs],
+                   "attempts": [s["attempts"] for s in runs]}
+            given_load = statistics.median(predicted_given_load(s, s, cores) for s in runs)
+            row["predicted_given_load_samples_per_s"] = given_load
+            row["rel_error_given_load"] = abs(given_load - got) / got
             # Load-independent check of the profile and micro-batch model: each rank's CPU seconds
             # of forward+backward per step, predicted (device time ÷ its emulated slowdown) and measured.
             speeds = [d.speed for d in parse_cluster(spec)]
@@ -161,6 +203,9 @@ def main(argv=None) -> dict:
             if equal[name]:
                 ddp_got = statistics.median(s["samples_per_s"] for s in equal[name])
                 ddp_pred = statistics.median(s["predicted"]["ddp_samples_per_s"] for s in runs)
+                ddp_given = statistics.median(predicted_given_load(s, e, cores) for s, e in zip(runs, equal[name]))
+                row.update({"ddp_predicted_given_load_samples_per_s": ddp_given,
+                            "ddp_rel_error_given_load": abs(ddp_given - ddp_got) / ddp_got})
                 row.update({"ddp_predicted_samples_per_s": ddp_pred, "ddp_measured_samples_per_s": ddp_got,
                             "ddp_rel_error": abs(ddp_pred - ddp_got) / ddp_got,
                             "measured_speedup_vs_equal": got / ddp_got,
@@ -169,11 +214,12 @@ def main(argv=None) -> dict:
     result = {
         "model": "demo GPT (4 layers, d=128, seq 64, bf16 autocast), AdamW",
         "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds, "dilate": args.dilate,
-        "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "host_cores": cores,
         "target_rel_error": TARGET,
         "max_rel_error": max(r["rel_error"] for r in rows),
         "max_ddp_rel_error": max((r["ddp_rel_error"] for r in rows if "ddp_rel_error" in r), default=None),
         "max_cpu_rel_error": max(r["cpu_rel_error"] for r in rows),
+        "max_rel_error_given_load": max(r["rel_error_given_load"] for r in rows),
         "load_note": ("wall-clock figures assume the host runs nothing else; other_work_cores is the CPU "
                       "the rest of the host used during each run (host busy time minus the run's own), "
                       "in cores: near 0 on a quiet host"),
@@ -185,8 +231,11 @@ def main(argv=None) -> dict:
                  f"{r['ddp_measured_samples_per_s']:.1f}" if "ddp_rel_error" in r else "")
         print(f"{r['cluster']:>20}: shares {r['shares']}, predicted {r['predicted_samples_per_s']:.1f} samples/s, "
               f"measured {r['measured_samples_per_s']:.1f} ({r['rel_error']:.1%} off){extra}; "
-              f"CPU/step within {r['cpu_rel_error']:.1%}; other work on the host {r['other_work_cores']} cores")
-    print(f"max relative error {result['max_rel_error']:.1%} (target {TARGET:.0%})")
+              f"CPU/step within {r['cpu_rel_error']:.1%}; other work on the host {r['other_work_cores']} cores, "
+              f"given which the model predicts {r['predicted_given_load_samples_per_s']:.1f} "
+              f"({r['rel_error_given_load']:.1%} off)")
+    print(f"max relative error {result['max_rel_error']:.1%} (target {TARGET:.0%}); given the measured "
+          f"load of other work {result['max_rel_error_given_load']:.1%}; CPU per step {result['max_cpu_rel_error']:.1%}")
     return result
 
 

@@ -82,6 +82,9 @@ def test_simulate_lists():
     (("plan", "--model-factory", "no_such_file.py:make", "--emulate", "a100-80g", "--global-batch", "8"),
      ("does not exist",)),
     (("plan", "--model-factory", "nocolon", "--global-batch", "8"), ("MODULE:FUNCTION",)),
+    (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g"), ("no --global-batch given",)),
+    (("plan", "--emulate", "a100-80g,rtx3090", "--global-batch", "1", "--model", "resnet50"),
+     ("global batch 1 is smaller than the 2 devices",)),
 ])
 def test_bad_input_is_one_line_with_the_fix(args, words):
     one_line_error(hetrain(*args), *words)

@@ -263,7 +263,8 @@ def plan(
     activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes", help="activation bytes per sample"),
     emulate: Optional[str] = typer.Option(None, "--emulate", help="plan for an emulated cluster, e.g. "
                                           "a100-80g,rtx3090 (default: the GPUs present, else this CPU)"),
-    global_batch: int = typer.Option(..., "--global-batch", help="samples per optimizer step, all devices"),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch",
+                                               help="samples per optimizer step, all devices (required)"),
     precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16 (as the job's init)"),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="cap on every micro-batch"),
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
@@ -281,6 +282,9 @@ def plan(
     """
     from ..planning.planner import PlanOptions, make_plan
 
+    if global_batch is None:
+        raise UsageError("no --global-batch given", "give the samples per optimizer step over all devices, "
+                         "as in hetrain.init(global_batch=N), e.g. --global-batch 64")
     _check_common(global_batch, precision, memory_margin)
     if micro_batch is not None:
         _positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")

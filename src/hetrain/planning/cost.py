@@ -16,16 +16,18 @@ precision, times a stated efficiency (model FLOPs utilisation, default 40%).
 Memory: parameters, gradients and optimizer state (fixed), plus one micro-batch's activations;
 activation checkpointing keeps a fraction of them and recomputes one forward (×4/3 compute).
 
-Emulated devices share the host's CPU cores: a device of speed s computes for a fraction s of its
-busy time, so when the devices together (with whatever else the host runs) want more than the
-host's cores, every compute piece stretches. `cpu_stretch` finds that factor (processor sharing),
-and the planner plans with the stretched times.
+Emulated devices share the host's CPU cores: a device of speed s computes on the CPU for a
+fraction s of its busy time and sleeps the rest, so when more devices (with whatever else the host
+runs) want a core than there are cores, their compute stretches. `shared_cpu_finish` plays a step
+out as the emulator runs it — every device starts together after the previous step's sync, and
+each micro-batch is forward, sleep, backward — with the cores shared equally among the processes
+that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -192,88 +194,114 @@ class Assignment:
     def smallest_micro(self) -> int:
         return self.share // self.n_micro
 
-    def compute_s(self, stretch: float = 1.0) -> float:
-        """n·a + b·share (the sizes differ by at most one, so the sum is exact for t = a + b·m)."""
+    def compute_s(self, factor: float = 1.0) -> float:
+        """n·a + b·share (the sizes differ by at most one, so the sum is exact for t = a + b·m),
+        times `factor` (this device's slowdown from sharing host cores)."""
         p = self.profile
         t = self.n_micro * p.overhead_s + p.per_sample_s * self.share
         if self.checkpointing:
             t *= p.recompute_factor
-        return t * contention(p, stretch)
+        return t * factor
 
     def memory_bytes(self) -> float:
         return self.profile.memory_needed(self.largest_micro, checkpointing=self.checkpointing)
-
-
-def contention(profile: DeviceProfile, stretch: float) -> float:
-    """How much longer this device's compute takes when host CPU pieces stretch by `stretch`."""
-    return 1.0 + profile.cpu_share * (stretch - 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepCost:
     step_s: float
     samples_per_s: float
-    compute_s: tuple[float, ...]     # per device, stretched
-    optimizer_s: float               # the slowest device's optimizer step
+    compute_s: tuple[float, ...]     # per device, contention included
+    optimizer_s: float               # the optimizer phase (the slowest device's)
     comm: CommCost
-    stretch: float                   # CPU contention factor (1.0: none)
+    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: no contention)
     bottleneck: int                  # index of the device whose compute sets the step
 
     @property
     def critical_compute_s(self) -> float:
         return self.compute_s[self.bottleneck]
 
+    @property
+    def stretch(self) -> float:
+        return max(self.stretch_by_device)
+
 
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
-              host_cores: float | None = None, host_load: float = 0.0,
-              stretch: float | None = None) -> StepCost:
-    """Predicted step of these assignments (their shares should sum to `global_batch`)."""
-    def at(f: float) -> StepCost:
-        compute = tuple(a.compute_s(f) for a in assignments)
-        crit = max(range(len(assignments)), key=lambda i: compute[i])
-        last = assignments[crit]
-        window = last.profile.micro_seconds(last.smallest_micro, checkpointing=last.checkpointing) \
-            * contention(last.profile, f) * 2 / 3       # backward ≈ 2/3 of a micro-batch
-        comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
-        opt = max(a.profile.optimizer_s * contention(a.profile, f) for a in assignments)
-        step = compute[crit] + comm.exposed_s + opt
-        return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute,
-                        optimizer_s=opt, comm=comm, stretch=f, bottleneck=crit)
+              host_cores: float | None = None, host_load: float = 0.0) -> StepCost:
+    """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
+    with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes)."""
+    alone = [a.compute_s() for a in assignments]
+    opt_alone = [a.profile.optimizer_s for a in assignments]
+    if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
+        compute = tuple(shared_cpu_finish([_compute_segments(a) for a in assignments], host_cores, host_load))
+        opt = max(shared_cpu_finish([_cpu_then_sleep(a.profile, a.profile.optimizer_s) for a in assignments],
+                                    host_cores, host_load))
+    else:
+        compute, opt = tuple(alone), max(opt_alone)
+    factors = tuple(c / t if t > 0 else 1.0 for c, t in zip(compute, alone))
+    crit = max(range(len(assignments)), key=lambda i: compute[i])
+    last = assignments[crit]
+    window = last.profile.micro_seconds(last.smallest_micro, checkpointing=last.checkpointing) \
+        * factors[crit] * 2 / 3       # backward ≈ 2/3 of a micro-batch
+    comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
+    step = compute[crit] + comm.exposed_s + opt
+    return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
+                    comm=comm, stretch_by_device=factors, bottleneck=crit)
 
-    if stretch is not None:
-        return at(stretch)
-    if not host_cores:
-        return at(1.0)
-    cpu = [a.profile.cpu_share * (a.compute_s() + a.profile.optimizer_s) for a in assignments]
-    return at(cpu_stretch(lambda f: at(f).step_s, cpu, host_cores, host_load))
+
+# -- emulated devices sharing the host's cores ------------------------------------------------
+MAX_SIMULATED_MICRO = 64     # more micro-batches per device are simulated in groups
 
 
-def cpu_stretch(step_at: Callable[[float], float], cpu_seconds: Sequence[float], cores: float,
-                load: float = 0.0) -> float:
-    """The factor f >= 1 by which host-CPU compute stretches (processor sharing): a running process
-    gets cores / (runnable processes) of a core, so f = (load + K) / cores when that exceeds 1, with
-    K = Σ_r min(1, cpu_r·f / step) the devices computing at a time on average and `load` other
-    runnable processes on the host. With no load this says the step's CPU work must fit in
-    cores × step."""
-    def excess(f: float) -> float:
-        step = step_at(f)
-        busy = sum(min(1.0, c * f / step) for c in cpu_seconds) if step > 0 else 0.0
-        return (load + busy) / cores - f
+def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float]]:
+    """A piece of device time as the emulator runs it: CPU (a share s of it), then the sleep."""
+    cpu = device_s * p.cpu_share
+    return [(True, cpu), (False, device_s - cpu)]
 
-    if excess(1.0) <= 0:
-        return 1.0
-    lo, hi = 1.0, 2.0
-    while excess(hi) > 0:
-        hi *= 2
-        if hi > 1e6:
-            return hi
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        if excess(mid) > 0:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+
+def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
+    """This device's micro-batches as the emulator runs them (runtime/emulate.py: the sleep for a
+    micro-batch comes before its backward): forward on the CPU, the sleep, backward on the CPU.
+    Segments are (on_cpu, seconds of CPU work or of sleep)."""
+    p = a.profile
+    sizes = a.micro_sizes
+    group = max(1, math.ceil(len(sizes) / MAX_SIMULATED_MICRO))
+    out: list[tuple[bool, float]] = []
+    for k in range(0, len(sizes), group):
+        dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in sizes[k:k + group])
+        cpu = dev * p.cpu_share
+        fwd = p.forward_fraction
+        out += [(True, cpu * fwd), (False, dev - cpu), (True, cpu * (1 - fwd))]
+    return out
+
+
+def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float,
+                      load: float = 0.0) -> list[float]:
+    """When each job finishes, all starting at 0, if every job's CPU segments share `cores` with
+    `load` other always-runnable processes (processor sharing: each running process gets
+    min(1, cores / runnable) of a core) and its sleep segments take their own time. A fluid
+    simulation: between events the rates are constant."""
+    queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
+    pos = [0] * len(queue)
+    left = [q[0][1] if q else 0.0 for q in queue]
+    finish = [0.0 if not q else math.nan for q in queue]
+    t = 0.0
+    while True:
+        live = [j for j, q in enumerate(queue) if pos[j] < len(q)]
+        if not live:
+            return finish
+        running = [j for j in live if queue[j][pos[j]][0]]
+        rate = min(1.0, cores / (len(running) + load)) if running else 1.0
+        dt = min(left[j] / (rate if queue[j][pos[j]][0] else 1.0) for j in live)
+        t += dt
+        for j in live:
+            left[j] -= dt * (rate if queue[j][pos[j]][0] else 1.0)
+            if left[j] <= 1e-12:
+                pos[j] += 1
+                if pos[j] < len(queue[j]):
+                    left[j] = queue[j][pos[j]][1]
+                else:
+                    finish[j] = t
 
 
 def standalone(profile: DeviceProfile, *, global_batch: int, margin: float, checkpointing: bool = False,

@@ -201,20 +201,25 @@ def _assignments(profiles, fits, shares: dict[int, int]) -> list[Assignment]:
                        checkpointing=fits[i].checkpointing) for i, s in sorted(shares.items())]
 
 
-def _cost(profiles, fits, shares, o: PlanOptions, stretch: float | None = None) -> StepCost:
+def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
     members = [profiles[i] for i in sorted(shares)]
     return step_cost(_assignments(profiles, fits, shares), global_batch=o.global_batch,
-                     grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores, host_load=o.host_load,
-                     stretch=stretch)
+                     grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
+                     host_load=o.host_load)
 
 
-def _devs(profiles, fits, indices, stretch: float) -> list[_Dev]:
+def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
+    """Each member's slowdown from sharing host cores, by device index."""
+    return dict(zip(sorted(shares), cost.stretch_by_device))
+
+
+def _devs(profiles, fits, indices, factors: dict[int, float]) -> list[_Dev]:
     out = []
     for i in indices:
         p, f = profiles[i], fits[i]
-        g = (1.0 + p.cpu_share * (stretch - 1.0)) * (p.recompute_factor if f.checkpointing else 1.0)
-        out.append(_Dev(index=i, a=p.overhead_s * g, b=p.per_sample_s * g, m=f.micro,
-                        opt=p.optimizer_s * (1.0 + p.cpu_share * (stretch - 1.0))))
+        g = factors.get(i, 1.0)
+        k = g * (p.recompute_factor if f.checkpointing else 1.0)
+        out.append(_Dev(index=i, a=p.overhead_s * k, b=p.per_sample_s * k, m=f.micro, opt=p.optimizer_s * g))
     return out
 
 
@@ -251,19 +256,23 @@ def _candidates(devs: list[_Dev], batch: int, forced: bool) -> list[dict[int, in
 
 
 def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict[int, int], StepCost]:
-    """The best share map over `indices`, iterating the CPU-contention stretch to a fixed point."""
-    stretch = 1.0
+    """The best share map over `indices`. With devices sharing host cores, their slowdowns depend
+    on the split: split by the slowdowns of the last candidate, cost the new split, repeat, and
+    keep the fastest seen."""
+    factors: dict[int, float] = {}
     best = None
-    for _ in range(6):
-        devs = _devs(profiles, fits, indices, stretch)
+    for _ in range(6 if o.host_cores else 1):
+        devs = _devs(profiles, fits, indices, factors)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
         cost, shares = min(scored, key=lambda cs: (cs[0].step_s, -len(cs[1])))
-        best = (shares, cost)
-        if abs(cost.stretch - stretch) < 1e-3:
+        if best is None or cost.step_s < best[1].step_s:
+            best = (shares, cost)
+        new = _factors(shares, cost)
+        if all(abs(new.get(i, 1.0) - factors.get(i, 1.0)) < 1e-3 for i in indices):
             break
-        stretch = cost.stretch
+        factors = new
     if best is None:
         raise UsageError(f"cannot split a global batch of {o.global_batch} over {len(indices)} device(s)",
                          f"use a global batch of at least {len(indices)}")
@@ -352,11 +361,11 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    with_it = _solve(_devs(profiles, fits, sorted([*shares, i]), cost.stretch), o.global_batch, forced=True) \
-        if replan else None
+    with_it = _solve(_devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost)), o.global_batch,
+                     forced=True) if replan else None
     t1 = p.micro_seconds(1, checkpointing=fits[i].checkpointing)
     if with_it:
-        c = _cost(profiles, fits, with_it, o, stretch=cost.stretch)
+        c = _cost(profiles, fits, with_it, o)
         reason = (f"too slow to help: with it the step is {c.step_s * 1e3:.1f} ms ({c.samples_per_s:.1f} "
                   f"samples/s), without it {cost.step_s * 1e3:.1f} ms ({cost.samples_per_s:.1f} samples/s)")
     else:
@@ -386,10 +395,11 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         p, f, share = profiles[i], fits[i], shares[i]
         a = Assignment(profile=p, share=share, micro_batch=min(f.micro, share), checkpointing=f.checkpointing)
         micro, n_micro = a.micro_batch, a.n_micro
+        compute, slowdown = cost.compute_s[rank], cost.stretch_by_device[rank]
         reasons = [
             f"share {share}/{B}: {best_rate[i]:.1f} samples/s at micro-batch {micro} "
-            f"({p.source}); compute {a.compute_s(cost.stretch) * 1e3:.1f} ms of a "
-            f"{cost.critical_compute_s * 1e3:.1f} ms step",
+            f"({p.source}); compute {compute * 1e3:.1f} ms of a {cost.critical_compute_s * 1e3:.1f} ms step"
+            + (f" (×{slowdown:.2f}: sharing the host's cores)" if slowdown > 1.0005 else ""),
             f"micro-batch {micro} x{n_micro}: "
             + (f.memory_reason if micro < share else f"whole share fits ({f.memory_reason})"),
         ]
@@ -404,7 +414,7 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         plans.append(DevicePlan(
             rank=rank, device=p.device, speed=best_rate[i] / top, share=share, micro_batch=micro,
             precision=p.precision, checkpointing=f.checkpointing, memory_cap_bytes=p.memory_bytes,
-            reasons=tuple(reasons), predicted_compute_s=a.compute_s(cost.stretch),
+            reasons=tuple(reasons), predicted_compute_s=compute,
             predicted_memory_bytes=int(mem), max_micro_batch=f.memory_cap))
     ddp_pred = ddp_equal_split(profiles, o)
     ddp, ddp_why = ddp_pred.cost, ddp_pred.why
@@ -420,7 +430,11 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         "ddp_step_s": ddp.step_s if ddp else 0.0,
         "ddp_samples_per_s": ddp.samples_per_s if ddp else 0.0,
         "ddp_efficiency": (ddp.samples_per_s / standalone_sum) if ddp and standalone_sum else 0.0,
+        "grad_bytes": float(o.grad_bytes),
     }
+    if math.isfinite(link.bandwidth_gbs):
+        predicted["link_gbs"] = link.bandwidth_gbs
+        predicted["link_latency_s"] = link.latency_s
     notes = [f"planned: {cost.samples_per_s:.1f} samples/s predicted (step {cost.step_s * 1e3:.1f} ms = "
              f"compute {cost.critical_compute_s * 1e3:.1f} + exposed sync {cost.comm.exposed_s * 1e3:.1f} "
              f"+ optimizer {cost.optimizer_s * 1e3:.1f}), compute set by {profiles[members[cost.bottleneck]].device}"]
@@ -431,7 +445,7 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
     if cost.stretch > 1.0:
         notes.append(f"emulated devices share {o.host_cores:g} CPU cores"
                      + (f" with ~{o.host_load:.1f} other busy processes" if o.host_load else "")
-                     + f": compute stretched ×{cost.stretch:.2f}")
+                     + f": compute stretched up to ×{cost.stretch:.2f}")
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")

@@ -75,6 +75,7 @@ class DeviceProfile:
     checkpoint_fraction: float = 0.25        # activations kept under activation checkpointing
     recompute_factor: float = 4 / 3          # compute multiplier under checkpointing (one more forward)
     cpu_share: float = 0.0                   # fraction of its compute time that occupies a host core
+    forward_fraction: float = 1 / 3          # of a micro-batch's compute, the forward (backward ≈ 2×)
     gpu: str | None = None                   # catalog key, when known
     link_gbs: float | None = None            # this device's link to its peers (GB/s), when known
     sizes: tuple[int, ...] = ()              # the micro-batch sizes measured…
@@ -95,6 +96,8 @@ class DeviceProfile:
         if not 0 < self.checkpoint_fraction <= 1 or not self.recompute_factor >= 1:
             raise UsageError(f"{self.device}: checkpoint fraction {self.checkpoint_fraction} / recompute "
                              f"factor {self.recompute_factor}", "use a fraction in (0, 1] and a factor >= 1")
+        if not 0 < self.forward_fraction < 1:
+            raise UsageError(f"{self.device}: forward fraction {self.forward_fraction}", "use a fraction in (0, 1)")
         if not 0 <= self.cpu_share <= 1:
             raise UsageError(f"{self.device}: cpu share {self.cpu_share}", "use a fraction in [0, 1]")
         if len(self.sizes) != len(self.seconds):
@@ -165,15 +168,15 @@ class DeviceProfile:
 
 
 def fit_linear(sizes: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
-    """Fit values ≈ a + b·size with a >= 0, b > 0, minimising the *relative* squared error (so a
-    1-sample micro-batch counts as much as a 64-sample one). One point: a = 0."""
+    """Fit values ≈ a + b·size with a >= 0, b > 0, minimising Σ (a + b·s − v)² / v: between the
+    absolute error (which would let the large sizes decide a alone) and the relative one (which
+    would let a noisy 1-sample timing move b). One point: a = 0."""
     if len(sizes) != len(values) or not sizes:
         raise ValueError("need as many values as sizes, at least one")
     if len(set(sizes)) == 1:
         b = sum(v / s for s, v in zip(sizes, values)) / len(sizes)
         return 0.0, max(b, 1e-12)
-    # Weighted least squares, weights 1/v²: minimise Σ ((a + b·s − v)/v)².
-    w = [1.0 / max(v, 1e-12) ** 2 for v in values]
+    w = [1.0 / max(v, 1e-12) for v in values]
     sw = sum(w)
     sx = sum(wi * s for wi, s in zip(w, sizes))
     sy = sum(wi * v for wi, v in zip(w, values))

@@ -36,7 +36,7 @@ from .failure import install_excepthook
 from .log import RankLog
 from .model import PreparedModel
 from .probe import default_forward
-from .profiler import MAX_SIZE, profile_device, time_allreduce
+from .profiler import MAX_SIZE, pool_emulated, profile_device, time_allreduce
 from .steps import MicroBatch, Step, Steps
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,6 +73,7 @@ class Engine:
             )
         self.emulated = EmulatedDevice(cluster[self.ctx.rank]) if cluster is not None else None
         self.plan: Plan | None = None
+        self.profiles: tuple | None = None       # every rank's DeviceProfile, when this job measured them
         self._given_plan = plan if plan is not None else _plan_from_file(config.plan)
         self.steps_done = 0
         self.total_steps = 0
@@ -229,7 +230,11 @@ class Engine:
             # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
             # work on the host is not modelled: it comes and goes faster than a plan lives.
             host_cores=gathered[0]["host_cores"] if self.emulated is not None else None)
-        plan = make_plan([g["profile"] for g in gathered], options)
+        profiles = [g["profile"] for g in gathered]
+        if self.emulated is not None and n > 1:    # one CPU, measured by every rank: pool them
+            profiles = pool_emulated(profiles, list(parse_cluster(cfg.emulate)))
+        self.profiles = tuple(profiles)           # every rank's, for rebalancing and reports
+        plan = make_plan(list(self.profiles), options)
         cached = sum(bool(g["cached"]) for g in gathered)
         self.log.info(f"profiles: {cached} of {n} from the cache, {n - cached} measured")
         return plan
@@ -407,6 +412,7 @@ class Engine:
             "micro_batches": [d.micro_batch for d in self.plan.devices] if self.plan is not None else [],
             "max_micro_batches": [d.max_micro_batch for d in self.plan.devices] if self.plan is not None else [],
             "predicted_compute_s": [d.predicted_compute_s for d in self.plan.devices] if self.plan is not None else [],
+            "profiles": [p.to_dict() for p in self.profiles] if self.profiles else [],
         }
         if hist and self.plan is not None:
             rows = []

@@ -40,8 +40,8 @@ from .probe import _as_scalar, default_forward, probe
 
 PROFILER_VERSION = 1
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
-MIN_TIMED_S = 0.06             # time each size for at least this long…
-MAX_RUNS = 4                   # …in at most this many runs
+MIN_TIMED_S = 0.1              # time each size for at least this long…
+MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -185,23 +185,27 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         act_fixed, act_per = fit_linear([1, sizes[-1]], [per_one, activations(sizes[-1])]) \
             if sizes[-1] > 1 else (0.0, per_one)
 
-        timed_sizes, seconds = [], []
-        for i, m in enumerate(sizes):
+        timed_sizes, seconds, forward_parts = [], [], []
+        for m in sizes:
             batch = load(m)
             runs = []
-            for k in range(MAX_RUNS + (1 if i == 0 else 0)):
+            for k in range(MAX_RUNS + 1):
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = clock()
                 with meter.forward():       # the emulated meter's hooks are part of the real cost
                     loss = _as_scalar(fwd(model, batch))
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t1 = clock()
                 loss.backward()
                 if cuda:
                     torch.cuda.synchronize(device)
                 spent = clock() - t0
-                if i == 0 and k == 0:
-                    continue                 # warm-up
+                if k == 0:
+                    continue                 # warm-up: a new size allocates (and faults in) new memory
                 runs.append(spent)
+                forward_parts.append((t1 - t0) / max(spent, 1e-12))
                 if sum(runs) >= MIN_TIMED_S:
                     break
             timed_sizes.append(m)
@@ -219,7 +223,7 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
         overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed,
         activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
-        memory_bytes=memory_bytes, precision=precision,
+        memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
         sizes=tuple(timed_sizes), seconds=tuple(seconds))
 
 
@@ -257,6 +261,22 @@ def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
     return raw.scaled(1.0 / s, device=f"{spec.label} (emulated)", cpu_share=s, gpu=spec.gpu.key,
                       memory_bytes=spec.memory_bytes,
                       source=f"measured on this CPU, ×1/{s:.3g} for the emulated speed ({spec.speed_source})")
+
+
+def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
+    """Emulated devices are all this host's CPU, measured once per rank: average the CPU figures
+    over the ranks (less noise than any one of them) and convert back to each device's speed."""
+    raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
+    n = len(raw)
+
+    def mean(field: str) -> float:
+        return sum(getattr(r, field) for r in raw) / n
+
+    pooled = {f: mean(f) for f in ("overhead_s", "per_sample_s", "optimizer_s", "forward_fraction")}
+    return [replace(p, overhead_s=pooled["overhead_s"] / spec.speed, per_sample_s=pooled["per_sample_s"] / spec.speed,
+                    optimizer_s=pooled["optimizer_s"] / spec.speed, forward_fraction=pooled["forward_fraction"],
+                    source=p.source + f", averaged over the {n} ranks' measurements of this CPU")
+            for p, spec in zip(profiles, specs)]
 
 
 def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,

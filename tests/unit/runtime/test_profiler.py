@@ -106,3 +106,15 @@ def test_emulated_devices_convert_cpu_time_by_their_speed():
     via_cache, _ = profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
                                   emulate=slow)
     assert via_cache.cpu_share == 0.5 and via_cache.memory_bytes == 1024**3
+
+
+def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
+    fast, slow = parse_cluster("a100-80g:1.0,rtx3090:0.5")
+    noisy = raw.scaled(1.2)                               # the other rank measured 20% slower
+    a, b = profiler.pool_emulated([emulated(raw, fast), emulated(noisy, slow)], [fast, slow])
+    assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)
+    assert b.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s) and b.cpu_share == 0.5
+    assert "averaged over the 2 ranks" in a.source
