@@ -7,6 +7,11 @@ the planner, and the plan's predicted samples/s is compared with the samples/s t
 (every device the same share and micro-batch) from a plan file, to check the planner's prediction
 for plain DDP as well.
 
+What the prediction rests on: each rank's profile (CPU time of forward+backward at 1…64 samples,
+fitted a + b·m; the optimizer step), pooled over the ranks (one CPU), divided by each device's
+emulated speed; the gradient sync as the job measured it through DDP before training (a synced
+backward against a no_sync one); and the host's core count.
+
 CPU contention: an emulated device of speed s keeps one core busy a fraction s of its time, so a
 1 : 0.67 : 0.5 cluster wants 2.17 cores of a 2-core host. The cost model knows the host's core
 count and stretches the host-CPU part of each device's compute until the devices computing at a
@@ -15,6 +20,11 @@ Other work on the host is not modelled (it comes and goes faster than a plan liv
 wall-clock figures are only meaningful on a quiet host: the CPU the rest of the host used during
 each run is recorded with it. The CPU seconds of each rank's forward+backward per step, predicted
 and measured, check the profile and micro-batch model whatever the load.
+
+Known gaps (emulation only): a device that sleeps between its forward and backward finds its
+caches cold afterwards (~1.5 ms more CPU per micro-batch here, not in the profile: it shows on a
+capped device running many micro-batches), and the emulator settles a wrong guess of the backward's
+length after the gradient sync, which lengthens the step a little.
 
     python benchmarks/plan_accuracy.py --json out.json [--steps 40] [--rounds 1] [--no-ddp]
                                        [--max-other-cores 0.2 --retries 5]   # on a shared host
@@ -57,7 +67,7 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
     work = [Assignment(profile=p, share=s, micro_batch=m)
             for p, s, m in zip(profiles, run["shares"], run["micro_batches"])]
     return step_cost(work, global_batch=sum(run["shares"]), grad_bytes=pred["grad_bytes"], link=link,
-                     host_cores=cores, host_load=run["other_work_cores"]).samples_per_s
+                     host_cores=cores, host_load=run["other_work_cores"], sync_s=pred.get("sync_s")).samples_per_s
 
 
 def dilate(spec: str, factor: float) -> str:

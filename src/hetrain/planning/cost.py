@@ -227,9 +227,11 @@ class StepCost:
 
 
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
-              host_cores: float | None = None, host_load: float = 0.0) -> StepCost:
+              host_cores: float | None = None, host_load: float = 0.0,
+              sync_s: float | None = None) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
-    with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes)."""
+    with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
+    `sync_s`: the exposed gradient sync as measured (instead of the ring model's)."""
     alone = [a.compute_s() for a in assignments]
     opt_alone = [a.profile.optimizer_s for a in assignments]
     if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
@@ -243,7 +245,10 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
     last = assignments[crit]
     window = last.profile.micro_seconds(last.smallest_micro, checkpointing=last.checkpointing) \
         * factors[crit] * 2 / 3       # backward ≈ 2/3 of a micro-batch
-    comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
+    if sync_s is not None:
+        comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
+    else:
+        comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
     step = compute[crit] + comm.exposed_s + opt
     return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
                     comm=comm, stretch_by_device=factors, bottleneck=crit)

@@ -46,6 +46,7 @@ class PlanOptions:
     micro_batch_cap: int | None = None   # cap on every micro-batch
     allow_exclusion: bool = True         # False: every device takes >= 1 sample (its process is running)
     allow_checkpointing: bool = True     # False while the runtime cannot checkpoint activations
+    sync_s: float | None = None          # measured exposed gradient sync per step (replaces the ring model)
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
 
@@ -59,6 +60,8 @@ class PlanOptions:
             raise UsageError(f"memory margin {self.memory_margin!r}", "use a fraction in [0, 1), e.g. 0.1")
         if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
             raise UsageError(f"micro-batch cap {self.micro_batch_cap}", "use a positive cap, or none")
+        if self.sync_s is not None and not (self.sync_s >= 0 and math.isfinite(self.sync_s)):
+            raise UsageError(f"sync seconds {self.sync_s!r}", "give the measured exposed sync, >= 0, or none")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
         if not self.host_load >= 0:
@@ -205,7 +208,7 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
     members = [profiles[i] for i in sorted(shares)]
     return step_cost(_assignments(profiles, fits, shares), global_batch=o.global_batch,
                      grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
-                     host_load=o.host_load)
+                     host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -309,7 +312,8 @@ def ddp_equal_split(profiles: Sequence[DeviceProfile], o: PlanOptions) -> DDPPre
     assignments = tuple(Assignment(profile=p, share=s, micro_batch=min(micro, s), checkpointing=ckpt)
                         for p, s in zip(profiles, shares))
     cost = step_cost(assignments, global_batch=o.global_batch, grad_bytes=o.grad_bytes,
-                     link=ring_link(profiles, o), host_cores=o.host_cores, host_load=o.host_load)
+                     link=ring_link(profiles, o), host_cores=o.host_cores, host_load=o.host_load,
+                     sync_s=o.sync_s if n > 1 else None)
     why = (f"{shares[0]} samples per device in micro-batches of {micro} (the smallest device's)"
            + (" with activation checkpointing" if ckpt else "")
            + f", so every step waits for {profiles[cost.bottleneck].device}")
@@ -432,13 +436,18 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         "ddp_efficiency": (ddp.samples_per_s / standalone_sum) if ddp and standalone_sum else 0.0,
         "grad_bytes": float(o.grad_bytes),
     }
+    if o.sync_s is not None and len(members) > 1:
+        predicted["sync_s"] = o.sync_s
     if math.isfinite(link.bandwidth_gbs):
         predicted["link_gbs"] = link.bandwidth_gbs
         predicted["link_latency_s"] = link.latency_s
     notes = [f"planned: {cost.samples_per_s:.1f} samples/s predicted (step {cost.step_s * 1e3:.1f} ms = "
              f"compute {cost.critical_compute_s * 1e3:.1f} + exposed sync {cost.comm.exposed_s * 1e3:.1f} "
              f"+ optimizer {cost.optimizer_s * 1e3:.1f}), compute set by {profiles[members[cost.bottleneck]].device}"]
-    if cost.comm.total_s:
+    if o.sync_s is not None and len(members) > 1:
+        notes.append(f"gradient sync: {o.sync_s * 1e3:.1f} ms exposed, measured through DDP at the start "
+                     f"(a {link.bandwidth_gbs:.3g} GB/s all-reduce: {link.source})")
+    elif cost.comm.total_s:
         notes.append(f"gradient sync {cost.comm.total_s * 1e3:.1f} ms, {cost.comm.overlapped_s * 1e3:.1f} "
                      f"overlapped with backward (link {link.bandwidth_gbs:.3g} GB/s"
                      + (f": {link.source})" if link.source else ")"))

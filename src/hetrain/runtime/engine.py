@@ -36,7 +36,7 @@ from .failure import install_excepthook
 from .log import RankLog
 from .model import PreparedModel
 from .probe import default_forward
-from .profiler import MAX_SIZE, pool_emulated, profile_device, time_allreduce
+from .profiler import MAX_SIZE, pool_emulated, profile_device, time_allreduce, time_gradient_sync
 from .steps import MicroBatch, Step, Steps
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,11 +142,12 @@ class Engine:
         meter = self.emulated.meter if self.emulated is not None else None
         if meter is not None:
             meter.set_fixed(model, optimizer)
+        # DDP first (it does not depend on the plan): planning times a real gradient sync through it.
+        self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self._given_plan is not None:
             self.plan = self._check_given_plan(self._given_plan)
         else:
             self.plan = self._agree_plan(self._measure(model, optimizer, forward))
-        self._ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._model = PreparedModel(model, self._ddp, meter)
         self._optimizer = optimizer
         self._show_plan()
@@ -164,14 +165,13 @@ class Engine:
         return _to_device(self._collate(items), self.device)
 
     def _measure(self, model, optimizer, forward) -> dict:
-        """This rank's profile (runtime/profiler.py, cached) and one timed gradient-sized
-        all-reduce (the link). Failures are returned, not raised, so that every rank learns of them
-        in the gather that follows instead of waiting for a peer that has left."""
+        """This rank's profile (runtime/profiler.py, cached). Local: no collective. A failure is
+        returned, not raised, so that every rank learns of it in the gather that follows instead
+        of waiting for a peer that has left."""
         cfg, emu = self.config, self.emulated
-        mine: dict = {"profile": None, "cached": False, "allreduce_s": 0.0, "error": None,
-                      "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        mine["grad_bytes"] = grad_bytes
+        mine: dict = {"profile": None, "cached": False, "error": None, "forward": forward,
+                      "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                      "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
         cap = None
         if emu is None and self.device.type == "cuda":
             cap = torch.cuda.get_device_properties(self.device).total_memory
@@ -186,15 +186,27 @@ class Engine:
         except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
             mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
                              isinstance(e, UsageError))
-        if self.world_size > 1:
-            # Up to 64 MiB is timed; a larger gradient is costed at the bandwidth this shows.
-            probe_bytes = min(grad_bytes, 64 * 1024**2)
-            mine["allreduce_s"] = time_allreduce(probe_bytes, self.device) * grad_bytes / max(probe_bytes, 1)
         return mine
+
+    def _measure_sync(self, profiles, forward) -> dict[str, float]:
+        """Collectives, once every rank is known to be profiled: one gradient-sized all-reduce (the
+        link) and a real synchronised backward through DDP against one under no_sync (the sync
+        this job leaves exposed), every rank on the same micro-batch size: about an equal share,
+        at most half of what the smallest device holds."""
+        cfg, n = self.config, len(self._dataset)
+        grad_bytes = sum(p.numel() * p.element_size() for p in self._ddp.module.parameters() if p.requires_grad)
+        probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
+        allreduce_s = time_allreduce(probe_bytes, self.device) * grad_bytes / max(probe_bytes, 1)
+        caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
+        m = min([cfg.global_batch // self.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
+        sync_s = time_gradient_sync(self._ddp, lambda: self._load(range(max(1, m))), forward=forward,
+                                    device=self.device, precision=cfg.precision)
+        return {"allreduce_s": allreduce_s, "sync_s": sync_s}
 
     def _agree_plan(self, mine: dict) -> Plan:
         """Every rank gathers every rank's measurements and runs the same pure planner on them, so
         all get the same Plan without a further exchange."""
+        forward = mine.pop("forward")
         gathered = [mine]
         if self.world_size > 1:
             gathered = [None] * self.world_size
@@ -217,14 +229,20 @@ class Engine:
                                                                "memory not capped"))),))
         n = self.world_size
         grad_bytes = gathered[0]["grad_bytes"]
-        slowest = max(g["allreduce_s"] for g in gathered)
-        link = (link_from_measurement(n, grad_bytes, slowest,
-                                      f"measured: a {format_bytes(grad_bytes)} all-reduce took "
-                                      f"{slowest * 1e3:.1f} ms")
-                if n > 1 and grad_bytes else FREE_LINK)
+        link, sync_s = FREE_LINK, None
+        if n > 1:
+            table = agree.exchange(self._measure_sync([g["profile"] for g in gathered], forward),
+                                   rank=self.rank, world_size=n, device=self.device)
+            slowest = max(table.column("allreduce_s"))
+            # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
+            # for it (on a shared host, whoever the scheduler left behind): the least is the sync.
+            sync_s = min(table.column("sync_s"))
+            if grad_bytes:
+                link = link_from_measurement(n, grad_bytes, slowest, f"measured: a {format_bytes(grad_bytes)} "
+                                                                     f"all-reduce took {slowest * 1e3:.1f} ms")
         options = PlanOptions(
             global_batch=cfg.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=cfg.memory_margin,
-            micro_batch_cap=cfg.micro_batch,
+            sync_s=sync_s, micro_batch_cap=cfg.micro_batch,
             allow_exclusion=False,        # every rank's process is running: each takes >= 1 sample
             allow_checkpointing=False,    # hook: turn on when the runtime checkpoints activations
             # Emulated devices are threads of this host: they contend for its cores (cost.py). Other

@@ -303,6 +303,42 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
                    source=raw.source.replace(f"measured on {key}", f"measured on {label}")), cached
 
 
+def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
+                       device: torch.device, precision: str = "fp32", runs: int = 3) -> float:
+    """Seconds a synchronised backward through `ddp` takes beyond one under no_sync(), for the
+    micro-batch `load()` returns: the gradient sync DDP leaves exposed after the backward, as this
+    job's devices, link and (on an emulated host) shared cores give it. A collective: every rank
+    calls it. Gradients, buffers and RNG are left as found."""
+    import torch.distributed as dist
+
+    module = ddp.module
+    dtype = _AUTOCAST.get(precision)
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    batch = load()
+
+    def once(sync: bool) -> float:
+        dist.barrier()                        # start together, as ranks do after a step's sync
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss = _as_scalar(forward(ddp, batch))
+            loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        once(True)                            # the first sync also rebuilds DDP's buckets
+        gaps = [once(True) - once(False) for _ in range(runs)]
+    module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+    return max(0.0, statistics.median(gaps))
+
+
 def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
     """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
     every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""
