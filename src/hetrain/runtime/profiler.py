@@ -2,7 +2,7 @@
 
 For a few micro-batch sizes (1, 2, 4, … up to the largest that memory and the global batch allow)
 it times forward + backward and fits t(m) = a + b·m; it counts the activation bytes at two sizes
-(saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` on CUDA, via probe.py) and
+(saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` over the forward on CUDA) and
 fits c + d·m; it times one optimizer step on a copy of the optimizer (the model is never stepped)
 and reads the fixed memory — parameters, gradients, optimizer state — off that copy. No
 torch.distributed here: every rank measures its own device alone.
@@ -36,7 +36,7 @@ import torch
 from ..hardware.cluster import ClusterDevice
 from ..planning.profile import DeviceProfile, fit_linear
 from .emulate import MemoryMeter, model_state_bytes
-from .probe import _as_scalar, default_forward, probe
+from .probe import _as_scalar, default_forward
 
 PROFILER_VERSION = 1
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
@@ -166,13 +166,23 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         meter.set_fixed(model, None)
 
         def activations(m: int) -> float:
-            """Bytes the forward of m samples keeps for backward."""
+            """Bytes the forward of m samples keeps for backward: on CUDA the allocator's peak over
+            the forward (what the forward left allocated, plus its temporaries); elsewhere the
+            saved tensors the emulator's meter counts."""
+            batch = load(m)
             if cuda:
-                return probe(model, load(m), samples=m, forward=fwd, device=device).activation_bytes_per_sample * m
-            with meter.forward():
-                loss = _as_scalar(fwd(model, load(m)))
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                loss = _as_scalar(fwd(model, batch))
+                torch.cuda.synchronize(device)
+                used = torch.cuda.max_memory_allocated(device) - base
+            else:
+                with meter.forward():
+                    loss = _as_scalar(fwd(model, batch))
+                used = meter.activations
             loss.backward()
-            return float(meter.activations)
+            return float(used)
 
         # Activation bytes at two sizes: c + d·m (autocast's low-precision weight copies are the c).
         per_one = activations(1)
@@ -228,8 +238,8 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
 
 
 def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
-    """Seconds of one optimizer step (+ zero_grad), timed on a copy of the optimizer over copies of
-    the parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
+    """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
+    parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
     if optimizer is None:
         return 0.0, model_state_bytes(model, None)
     params = [p for g in optimizer.param_groups for p in g["params"]]
