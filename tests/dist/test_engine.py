@@ -62,7 +62,6 @@ def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
 
 
 def oom_worker(rank, world):
-    import hetrain
     from hetrain.planning.plan import DevicePlan, Plan
 
     plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="t4", speed=1, share=16, micro_batch=16),))

@@ -22,9 +22,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import hardware, train
+    from . import hardware, planning, train
 
-    for module in (train, hardware):
+    for module in (train, planning, hardware):
         module.register(app)
 
 

@@ -11,7 +11,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)   # 2 added predicted per-device figures and excluded devices (all optional)
 
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:
@@ -38,6 +39,8 @@ class DevicePlan:
     per_sample_s: float | None = None    # measured: compute seconds per sample on this device...
     fixed_s: float | None = None         # ...plus these seconds per step that do not scale with it
     reasons: tuple[str, ...] = ()        # why each number was chosen, for people
+    predicted_compute_s: float | None = None    # planner: this rank's compute seconds per step
+    predicted_memory_bytes: int | None = None   # planner: this rank's peak memory
 
     def __post_init__(self) -> None:
         if self.share < 1 or self.micro_batch < 1:
@@ -54,12 +57,23 @@ class DevicePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExcludedDevice:
+    """A device the planner leaves out, why, and what would bring it in."""
+
+    device: str
+    reason: str                          # e.g. 'too slow to help: ...' or 'does not fit one sample: ...'
+    fix: str                             # what would make it take part
+    kind: str = "slow"                   # 'slow' | 'memory'
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     global_batch: int
     devices: tuple[DevicePlan, ...]
     version: int = 0
     note: str = ""                                   # why this plan (e.g. 'rebalanced: ...')
     predicted: dict[str, float] = field(default_factory=dict)  # planner estimates, if any
+    excluded: tuple[ExcludedDevice, ...] = ()        # devices left out, with the reason
 
     def __post_init__(self) -> None:
         total = sum(d.share for d in self.devices)
@@ -98,8 +112,9 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         schema = data.pop("schema", None)
-        if schema != SCHEMA:
+        if schema not in READABLE_SCHEMAS:
             raise ValueError(f"plan schema {schema} is not {SCHEMA}: re-plan with this hetrain")
         devices = tuple(DevicePlan(**{**d, "reasons": tuple(d.get("reasons", ()))})
                         for d in data.pop("devices"))
-        return cls(devices=devices, **data)
+        excluded = tuple(ExcludedDevice(**e) for e in data.pop("excluded", ()))
+        return cls(devices=devices, excluded=excluded, **data)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..errors import UsageError
-from .plan import DevicePlan, Plan
 
 
 def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
@@ -43,50 +41,6 @@ def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int
         shares[r] += 1
         heapq.heappush(heap, ((shares[r] + 1) / speeds[r], r))
     return tuple(shares)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceCapacity:
-    """What the static split needs to know about one rank's device."""
-
-    device: str
-    speed: float
-    speed_reason: str                 # e.g. 'catalog speed index 0.67 (emulated)'
-    max_micro_batch: int | None       # None: memory does not limit it
-    micro_reason: str                 # e.g. '1 GiB cap, measured 41 MiB/sample'
-    memory_cap_bytes: int | None = None
-    precision: str = "fp32"
-    per_sample_s: float | None = None     # measured time model of a step on this device:
-    fixed_s: float | None = None          # fixed_s + share · per_sample_s
-
-
-def static_plan(global_batch: int, devices: Sequence[DeviceCapacity]) -> Plan:
-    """A Plan that splits the global batch by measured time (fixed + per-sample) where every
-    device has one, else by speed, and caps micro-batches by memory."""
-    timed = all(d.per_sample_s is not None and d.fixed_s is not None for d in devices)
-    if timed:
-        shares = balanced_shares(global_batch, [d.per_sample_s for d in devices], [d.fixed_s for d in devices])
-    else:
-        shares = proportional_shares(global_batch, [d.speed for d in devices])
-    total_speed = sum(d.speed for d in devices)
-    plans = []
-    for rank, (d, share) in enumerate(zip(devices, shares)):
-        micro = share if d.max_micro_batch is None else max(1, min(share, d.max_micro_batch))
-        n_micro = math.ceil(share / micro)
-        if timed:
-            why = (f"share {share}/{global_batch}: {d.per_sample_s * 1e3:.3g} ms/sample + {d.fixed_s * 1e3:.3g} ms "
-                   f"per step ({d.speed_reason}); predicted {(d.fixed_s + share * d.per_sample_s) * 1e3:.0f} ms")
-        else:
-            why = f"share {share}/{global_batch}: speed {d.speed:.3g} of total {total_speed:.3g} ({d.speed_reason})"
-        plans.append(DevicePlan(
-            rank=rank, device=d.device, speed=d.speed, share=share, micro_batch=micro,
-            max_micro_batch=d.max_micro_batch, precision=d.precision, memory_cap_bytes=d.memory_cap_bytes,
-            per_sample_s=d.per_sample_s, fixed_s=d.fixed_s,
-            reasons=(why, f"micro-batch {micro} x{n_micro}: "
-                     + (d.micro_reason if micro < share else f"whole share fits ({d.micro_reason})")),
-        ))
-    return Plan(global_batch=global_batch, devices=tuple(plans),
-                note="static split by measured time" if timed else "static split by speed")
 
 
 def balanced_shares(global_batch: int, per_sample_s: Sequence[float],

@@ -32,7 +32,7 @@ from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
 from ..planning.plan import Plan, split_evenly
 from . import agree, checkpointing, memory, persist, precision, recovery, reduce
-from .capacity import agree_plan, check_given_plan, measure_capacity, show_plan
+from .joint_plan import agree_plan, check_given_plan, measure, show_plan
 from .checkpoint import Checkpointer
 from .config import Config
 from .data import GlobalCursorSampler
@@ -84,6 +84,7 @@ class Engine:
         if self.faults and self.emulated is None:
             raise UsageError("fault injection needs emulated devices", "add --emulate SPEC (or emulate=...)")
         self.plan: Plan | None = None
+        self.profiles: tuple | None = None   # every rank's DeviceProfile, when this job measured them
         self._given_plan = plan if plan is not None else _plan_from_file(config.plan)
         self.steps_done = 0
         self.total_steps = 0
@@ -188,7 +189,7 @@ class Engine:
         if self._given_plan is not None:
             self.plan = check_given_plan(self, self._given_plan)
         else:
-            self.plan = agree_plan(self, measure_capacity(self, model, forward))
+            self.plan = agree_plan(self, model, measure(self, model, optimizer, forward), forward)
         # [checkpointing, sharding, memory] per-device checkpointing, then the data-parallel wrapper
         self.plan, _ = checkpointing.apply_from_plan(model, self._precision.record_in(self.plan), self.rank,
                                                      mode=cfg.checkpointing, block_type=cfg.checkpoint_blocks)
@@ -490,7 +491,12 @@ class Engine:
             "first_loss": hist[0]["loss"] if hist else None,
             "last_loss": hist[-1]["loss"] if hist else None,
             "plan_version": self.plan.version if self.plan else None,
-            "shares": list(self.plan.shares) if self.plan else None,
+            "shares": list(self.plan.shares) if self.plan else [],
+            "micro_batches": [d.micro_batch for d in self.plan.devices] if self.plan else [],
+            "max_micro_batches": [d.max_micro_batch for d in self.plan.devices] if self.plan else [],
+            "predicted": dict(self.plan.predicted) if self.plan else {},
+            "predicted_compute_s": [d.predicted_compute_s for d in self.plan.devices] if self.plan else [],
+            "profiles": [p.to_dict() for p in self.profiles] if self.profiles else [],
             "redone_steps": self.redone_steps,
             "ranks": [table.row(r) for r in range(self.world_size)],
         }

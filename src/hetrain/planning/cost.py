@@ -1,0 +1,322 @@
+"""The cost model: how long a step takes and how much memory it needs, for a given split. Pure.
+
+Step time of data parallelism with per-device shares (one optimizer step over the global batch):
+
+    step = max_r compute_r  +  exposed gradient sync  +  max_r optimizer_r
+    compute_r = n_r·a_r + b_r·share_r        (n_r micro-batches; t(m) = a + b·m per micro-batch)
+
+Gradient sync is a ring all-reduce of the gradients, S bytes over n devices, limited by the slowest
+link B: 2(n−1)/n · S/B + 2(n−1)·latency. DDP all-reduces bucket by bucket while the last
+micro-batch's backward still runs on the slowest device, so that part of the sync is hidden
+(overlapped); what is left after the backward ends — at least the last bucket — is exposed.
+
+Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
+precision, times a stated efficiency (model FLOPs utilisation, default 40%).
+
+Memory: parameters, gradients and optimizer state (fixed), plus one micro-batch's activations;
+activation checkpointing keeps a fraction of them and recomputes one forward (×4/3 compute).
+
+Emulated devices share the host's CPU cores: a device of speed s computes on the CPU for a
+fraction s of its busy time and sleeps the rest, so when more devices (with whatever else the host
+runs) want a core than there are cores, their compute stretches. `shared_cpu_finish` plays a step
+out as the emulator runs it — every device starts together after the previous step's sync, and
+each micro-batch is forward, sleep, backward — with the cores shared equally among the processes
+that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..hardware.catalog import GpuSpec
+from .plan import split_evenly
+from .profile import DeviceProfile, ModelSpec
+
+DEFAULT_EFFICIENCY = 0.40            # model FLOPs utilisation assumed for catalog estimates
+DDP_BUCKET_BYTES = 25 * 1024**2      # torch DDP's default bucket_cap_mb
+RING_HOP_LATENCY_S = 10e-6           # per ring step on NVLink/PCIe (NCCL, order of magnitude)
+MICRO_OVERHEAD_S = 2e-3              # per micro-batch launch/Python cost assumed without a profile
+# Effective all-reduce bus bandwidth of a PCIe x16 slot, GB/s (~75% of the 16/32/64 GB/s link).
+PCIE_GBS = {3: 12.0, 4: 24.0, 5: 48.0}
+NVLINK_EFFICIENCY = 0.4              # NCCL bus bandwidth / catalog NVLink figure (A100: ~240 of 600)
+BYTES_PER_PARAM = {                  # fp32 weights + fp32 gradients + optimizer state, per parameter
+    "adamw": 16, "adam": 16, "sgd-momentum": 12, "sgd": 8,
+}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRAD_ELEMENT_BYTES = 4               # DDP all-reduces fp32 gradients (autocast keeps fp32 weights)
+
+
+# -- links and communication ------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """The slowest link of the ring: effective bus bandwidth and per-hop latency."""
+
+    bandwidth_gbs: float
+    latency_s: float = RING_HOP_LATENCY_S
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gbs > 0 or not self.latency_s >= 0:
+            raise UsageError(f"link bandwidth {self.bandwidth_gbs} GB/s, latency {self.latency_s} s",
+                             "give a positive bandwidth, e.g. --link-gbs 24")
+
+
+FREE_LINK = Link(bandwidth_gbs=math.inf, latency_s=0.0, source="communication not modelled")
+
+
+def allreduce_seconds(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-reduce: 2(n−1)/n · S/B + 2(n−1) hops of latency; 0 for one device."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (link.bandwidth_gbs * 1e9) + 2 * (n - 1) * link.latency_s
+
+
+def link_from_measurement(n: int, nbytes: float, seconds: float, source: str) -> Link:
+    """The bus bandwidth that explains one measured all-reduce of `nbytes` over n devices."""
+    seconds = max(seconds, 1e-9)
+    return Link(bandwidth_gbs=2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else math.inf,
+                latency_s=0.0, source=source)
+
+
+def catalog_link(gpus: Sequence[GpuSpec]) -> Link:
+    """The slowest link of a ring over these cards, from the catalog: NVLink only when every card is
+    the same NVLink model (mixed models cannot bridge), else PCIe at the oldest generation."""
+    keys = {g.key for g in gpus}
+    if len(keys) == 1 and gpus[0].nvlink_gbs > 0 and (gpus[0].datacenter or len(gpus) == 2):
+        g = gpus[0]
+        return Link(bandwidth_gbs=g.nvlink_gbs * NVLINK_EFFICIENCY,
+                    source=f"NVLink between {g.key} cards: {NVLINK_EFFICIENCY:.0%} of {g.nvlink_gbs:g} GB/s")
+    gen = min(g.pcie_gen for g in gpus)
+    bw = PCIE_GBS.get(gen, PCIE_GBS[3])
+    why = "mixed models cannot share NVLink" if len(keys) > 1 else "no NVLink"
+    return Link(bandwidth_gbs=bw, source=f"PCIe {gen}.0 x16 ≈ {bw:g} GB/s effective ({why}; "
+                                         "P2P assumed on — without it traffic goes through the CPU)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommCost:
+    total_s: float           # the whole gradient all-reduce
+    overlapped_s: float      # hidden under the last micro-batch's backward
+    exposed_s: float         # added to the step
+
+    @staticmethod
+    def none() -> CommCost:
+        return CommCost(total_s=0.0, overlapped_s=0.0, exposed_s=0.0)
+
+
+def gradient_sync(n: int, grad_bytes: float, link: Link, *, backward_window_s: float) -> CommCost:
+    """All-reduce of the gradients, split into the part DDP overlaps with the last backward and
+    the exposed rest (never less than the last bucket, which is ready only when backward ends)."""
+    total = allreduce_seconds(n, grad_bytes, link)
+    if total == 0.0:
+        return CommCost.none()
+    last_bucket = allreduce_seconds(n, min(grad_bytes, DDP_BUCKET_BYTES), link)
+    exposed = max(last_bucket, total - max(backward_window_s, 0.0))
+    exposed = min(exposed, total)
+    return CommCost(total_s=total, overlapped_s=total - exposed, exposed_s=exposed)
+
+
+# -- compute from the catalog -----------------------------------------------------------------
+def peak_flops(gpu: GpuSpec, precision: str) -> tuple[float, str]:
+    """Dense peak FLOP/s of `gpu` at `precision`, and where the number came from."""
+    if precision == "fp32":
+        return gpu.fp32_tflops * 1e12, f"{gpu.fp32_tflops:g} TFLOPS fp32"
+    tflops = gpu.bf16_tflops if precision == "bf16" else gpu.fp16_tflops
+    if tflops <= 0:
+        return gpu.fp32_tflops * 1e12, (f"{gpu.fp32_tflops:g} TFLOPS fp32 ({gpu.key} has no {precision} "
+                                        "tensor cores; use fp16 on it)")
+    return tflops * 1e12, f"{tflops:g} TFLOPS {precision}"
+
+
+def fixed_bytes(params: int, optimizer: str = "adamw") -> int:
+    """Parameters + gradients + optimizer state (fp32 master weights, as torch autocast keeps them)."""
+    try:
+        return params * BYTES_PER_PARAM[optimizer]
+    except KeyError:
+        raise UsageError(f"unknown optimizer {optimizer!r}", f"use one of {tuple(BYTES_PER_PARAM)}") from None
+
+
+def estimate_profile(model: ModelSpec, gpu: GpuSpec, *, label: str, precision: str = "bf16",
+                     efficiency: float = DEFAULT_EFFICIENCY, flops_per_s: float | None = None,
+                     flops_reason: str | None = None, memory_bytes: int | None = None,
+                     optimizer: str = "adamw") -> DeviceProfile:
+    """A profile from datasheet facts: seconds per sample = FLOPs / (peak × efficiency), unless
+    `flops_per_s` (effective, efficiency included) is given; optimizer step = reading and writing
+    the fixed state once at the card's memory bandwidth."""
+    if not 0 < efficiency <= 1:
+        raise UsageError(f"efficiency {efficiency} is not a fraction", "give --efficiency in (0, 1], e.g. 0.4")
+    if flops_per_s is None:
+        peak, why = peak_flops(gpu, precision)
+        flops_per_s = peak * efficiency
+        flops_reason = f"{efficiency:.0%} of {why}"
+    state = fixed_bytes(model.params, optimizer)
+    act_scale = ELEMENT_BYTES[precision] / ELEMENT_BYTES[model.activation_precision]
+    return DeviceProfile(
+        device=label, gpu=gpu.key, precision=precision,
+        source=f"catalog estimate: {model.flops_per_sample:.3g} FLOPs/sample at {flops_reason}",
+        overhead_s=MICRO_OVERHEAD_S, per_sample_s=model.flops_per_sample / flops_per_s,
+        optimizer_s=2 * state / (gpu.bandwidth_gbs * 1e9),
+        fixed_bytes=state,
+        # autocast keeps a low-precision copy of the weights while the forward's graph lives
+        activation_fixed_bytes=(2 * model.params if precision != "fp32" else 0.0),
+        activation_bytes_per_sample=model.activation_bytes_per_sample * act_scale,
+        memory_bytes=memory_bytes if memory_bytes is not None else gpu.memory_bytes,
+        checkpoint_fraction=model.checkpoint_fraction,
+    )
+
+
+# -- one step ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """What one device does in a step: its share, micro-batch cap and checkpointing."""
+
+    profile: DeviceProfile
+    share: int
+    micro_batch: int
+    checkpointing: bool = False
+
+    @property
+    def n_micro(self) -> int:
+        return math.ceil(self.share / self.micro_batch)
+
+    @property
+    def micro_sizes(self) -> tuple[int, ...]:
+        return split_evenly(self.share, self.n_micro)
+
+    @property
+    def largest_micro(self) -> int:
+        return math.ceil(self.share / self.n_micro)
+
+    @property
+    def smallest_micro(self) -> int:
+        return self.share // self.n_micro
+
+    def compute_s(self, factor: float = 1.0) -> float:
+        """n·a + b·share (the sizes differ by at most one, so the sum is exact for t = a + b·m),
+        times `factor` (this device's slowdown from sharing host cores)."""
+        p = self.profile
+        t = self.n_micro * p.overhead_s + p.per_sample_s * self.share
+        if self.checkpointing:
+            t *= p.recompute_factor
+        return t * factor
+
+    def memory_bytes(self) -> float:
+        return self.profile.memory_needed(self.largest_micro, checkpointing=self.checkpointing)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    step_s: float
+    samples_per_s: float
+    compute_s: tuple[float, ...]     # per device, contention included
+    optimizer_s: float               # the optimizer phase (the slowest device's)
+    comm: CommCost
+    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: no contention)
+    bottleneck: int                  # index of the device whose compute sets the step
+
+    @property
+    def critical_compute_s(self) -> float:
+        return self.compute_s[self.bottleneck]
+
+    @property
+    def stretch(self) -> float:
+        return max(self.stretch_by_device)
+
+
+def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
+              host_cores: float | None = None, host_load: float = 0.0,
+              sync_s: float | None = None) -> StepCost:
+    """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
+    with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
+    `sync_s`: the exposed gradient sync as measured (instead of the ring model's)."""
+    alone = [a.compute_s() for a in assignments]
+    opt_alone = [a.profile.optimizer_s for a in assignments]
+    if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
+        compute = tuple(shared_cpu_finish([_compute_segments(a) for a in assignments], host_cores, host_load))
+        opt = max(shared_cpu_finish([_cpu_then_sleep(a.profile, a.profile.optimizer_s) for a in assignments],
+                                    host_cores, host_load))
+    else:
+        compute, opt = tuple(alone), max(opt_alone)
+    factors = tuple(c / t if t > 0 else 1.0 for c, t in zip(compute, alone))
+    crit = max(range(len(assignments)), key=lambda i: compute[i])
+    last = assignments[crit]
+    window = last.profile.micro_seconds(last.smallest_micro, checkpointing=last.checkpointing) \
+        * factors[crit] * 2 / 3       # backward ≈ 2/3 of a micro-batch
+    if sync_s is not None:
+        comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
+    else:
+        comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
+    step = compute[crit] + comm.exposed_s + opt
+    return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
+                    comm=comm, stretch_by_device=factors, bottleneck=crit)
+
+
+# -- emulated devices sharing the host's cores ------------------------------------------------
+MAX_SIMULATED_MICRO = 64     # more micro-batches per device are simulated in groups
+
+
+def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float]]:
+    """A piece of device time as the emulator runs it: CPU (a share s of it), then the sleep."""
+    cpu = device_s * p.cpu_share
+    return [(True, cpu), (False, device_s - cpu)]
+
+
+def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
+    """This device's micro-batches as the emulator runs them (runtime/emulate.py: the sleep for a
+    micro-batch comes before its backward): forward on the CPU, the sleep, backward on the CPU.
+    Segments are (on_cpu, seconds of CPU work or of sleep)."""
+    p = a.profile
+    sizes = a.micro_sizes
+    group = max(1, math.ceil(len(sizes) / MAX_SIMULATED_MICRO))
+    out: list[tuple[bool, float]] = []
+    for k in range(0, len(sizes), group):
+        dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in sizes[k:k + group])
+        cpu = dev * p.cpu_share
+        fwd = p.forward_fraction
+        out += [(True, cpu * fwd), (False, dev - cpu), (True, cpu * (1 - fwd))]
+    return out
+
+
+def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float,
+                      load: float = 0.0) -> list[float]:
+    """When each job finishes, all starting at 0, if every job's CPU segments share `cores` with
+    `load` other always-runnable processes (processor sharing: each running process gets
+    min(1, cores / runnable) of a core) and its sleep segments take their own time. A fluid
+    simulation: between events the rates are constant."""
+    queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
+    pos = [0] * len(queue)
+    left = [q[0][1] if q else 0.0 for q in queue]
+    finish = [0.0 if not q else math.nan for q in queue]
+    t = 0.0
+    while True:
+        live = [j for j, q in enumerate(queue) if pos[j] < len(q)]
+        if not live:
+            return finish
+        running = [j for j in live if queue[j][pos[j]][0]]
+        rate = min(1.0, cores / (len(running) + load)) if running else 1.0
+        dt = min(left[j] / (rate if queue[j][pos[j]][0] else 1.0) for j in live)
+        t += dt
+        for j in live:
+            left[j] -= dt * (rate if queue[j][pos[j]][0] else 1.0)
+            if left[j] <= 1e-12:
+                pos[j] += 1
+                if pos[j] < len(queue[j]):
+                    left[j] = queue[j][pos[j]][1]
+                else:
+                    finish[j] = t
+
+
+def standalone(profile: DeviceProfile, *, global_batch: int, margin: float, checkpointing: bool = False,
+               micro_cap: int | None = None) -> float:
+    """Samples/s of this device training alone on the whole global batch (0 if it cannot fit one)."""
+    cap = profile.max_micro_batch(margin=margin, checkpointing=checkpointing)
+    if cap == 0:
+        return 0.0
+    micro = global_batch if cap is None else min(cap, global_batch)
+    if micro_cap is not None:
+        micro = min(micro, micro_cap)
+    a = Assignment(profile=profile, share=global_batch, micro_batch=micro, checkpointing=checkpointing)
+    return global_batch / (a.compute_s() + profile.optimizer_s)

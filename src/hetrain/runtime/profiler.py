@@ -1,0 +1,368 @@
+"""The profiler: measures the user's model on this rank's device, before training, in bounded time.
+
+For a few micro-batch sizes (1, 2, 4, … up to the largest that memory and the global batch allow)
+it times forward + backward and fits t(m) = a + b·m; it counts the activation bytes at two sizes
+(saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` over the forward on CUDA) and
+fits c + d·m; it times one optimizer step on a copy of the optimizer (the model is never stepped)
+and reads the fixed memory — parameters, gradients, optimizer state — off that copy. No
+torch.distributed here: every rank measures its own device alone.
+
+Results are cached by model signature (architecture, parameter and batch shapes, optimizer type,
+precision, torch version) and device (CUDA name, or CPU model and thread count) under
+$HETRAIN_CACHE/profiles (default ~/.cache/hetrain/profiles; HETRAIN_CACHE=off disables it), so a
+restart does not measure again.
+
+Emulated devices. Each one is a single CPU thread, so what is measured is this thread's CPU time
+(as the emulator's throttle does), and the profile is converted by the emulated speed s: the
+emulator sleeps c·(1/s − 1) after each compute piece of c CPU-seconds, so the device's seconds are
+c/s, of which a fraction s occupies a host core (`cpu_share`, which the cost model uses to account
+for devices contending for the host's cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..hardware.cluster import ClusterDevice
+from ..planning.profile import DeviceProfile, fit_linear
+from .emulate import MemoryMeter, model_state_bytes
+from .probe import _as_scalar, default_forward
+
+PROFILER_VERSION = 1
+MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
+MIN_TIMED_S = 0.1              # time each size for at least this long…
+MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- cache ------------------------------------------------------------------------------------
+def cache_dir() -> Path | None:
+    """Where profiles are kept, or None when caching is off."""
+    root = os.environ.get("HETRAIN_CACHE")
+    if root is not None and root.strip().lower() in ("", "0", "off", "none", "no"):
+        return None
+    base = Path(root) if root else Path.home() / ".cache" / "hetrain"
+    return base / "profiles"
+
+
+def model_signature(model: torch.nn.Module, optimizer, sample, *, precision: str, max_size: int) -> str:
+    """Changes when anything that changes the measurement changes."""
+    h = hashlib.sha256()
+    cls = type(model)
+    parts = [f"v{PROFILER_VERSION}", torch.__version__, f"{cls.__module__}.{cls.__qualname__}", precision,
+             str(max_size), type(optimizer).__name__ if optimizer is not None else "none"]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in model.named_buffers()]
+    parts += [str(type(m).__name__) for m in model.modules()]
+
+    def shapes(obj):
+        if isinstance(obj, torch.Tensor):
+            return f"T{tuple(obj.shape[1:])}{obj.dtype}"
+        if isinstance(obj, (tuple, list)):
+            return "(" + ",".join(shapes(o) for o in obj) + ")"
+        if isinstance(obj, dict):
+            return "{" + ",".join(f"{k}:{shapes(v)}" for k, v in sorted(obj.items())) + "}"
+        return type(obj).__name__
+
+    parts.append(shapes(sample))
+    h.update("\n".join(parts).encode())
+    return h.hexdigest()[:20]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def device_key(device: torch.device) -> str:
+    """What the measurement depends on besides the model: the device (and CPU threads)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda {props.name} cc{props.major}.{props.minor} cuda{torch.version.cuda}"
+    return f"cpu {_cpu_name()} x{torch.get_num_threads()} threads"
+
+
+def _cache_path(signature: str, key: str) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    slug = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return root / f"{signature}-{slug}.json"
+
+
+def _read_cache(path: Path | None) -> DeviceProfile | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return DeviceProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None          # unreadable or from another version: measure again
+
+
+def _write_cache(path: Path | None, profile: DeviceProfile) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(profile.to_json())
+        os.replace(tmp, path)   # atomic: ranks writing the same file never leave half of one
+    except OSError:
+        pass                    # a read-only home is not a reason to fail a run
+
+
+# -- measuring --------------------------------------------------------------------------------
+def _sizes(limit: int) -> list[int]:
+    sizes, m = [], 1
+    while m < limit:
+        sizes.append(m)
+        m *= 2
+    sizes.append(limit)
+    return sorted(set(sizes))
+
+
+def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
+            label: str, forward: Callable = default_forward, precision: str = "fp32",
+            memory_bytes: int | None = None, max_size: int = MAX_SIZE, cpu_clock: bool = False,
+            budget_s: float = 5.0) -> DeviceProfile:
+    """Measure this device; the model's parameters, gradients, buffers and RNG are left as found.
+
+    `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
+    time (emulated devices) instead of the wall clock."""
+    cuda = device.type == "cuda"
+    dtype = _AUTOCAST.get(precision)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def fwd(m, b):
+        with autocast():
+            return forward(m, b)
+
+    clock = time.thread_time if cpu_clock and not cuda else time.perf_counter
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        # The emulator's meter, as training uses it: parameters are model state, not activations.
+        meter = MemoryMeter(label="profile", cap=None)
+        meter.set_fixed(model, None)
+
+        def activations(m: int) -> float:
+            """Bytes the forward of m samples keeps for backward: on CUDA the allocator's peak over
+            the forward (what the forward left allocated, plus its temporaries); elsewhere the
+            saved tensors the emulator's meter counts."""
+            batch = load(m)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                loss = _as_scalar(fwd(model, batch))
+                torch.cuda.synchronize(device)
+                used = torch.cuda.max_memory_allocated(device) - base
+            else:
+                with meter.forward():
+                    loss = _as_scalar(fwd(model, batch))
+                used = meter.activations
+            loss.backward()
+            return float(used)
+
+        # Activation bytes at two sizes: c + d·m (autocast's low-precision weight copies are the c).
+        per_one = activations(1)
+        state_guess = model_state_bytes(model, optimizer)
+        limit = max(1, max_size)
+        if memory_bytes is not None:
+            room = (memory_bytes - state_guess) / max(per_one, 1.0)
+            limit = max(1, min(limit, int(room // 2)))
+        sizes = _sizes(limit)
+        act_fixed, act_per = fit_linear([1, sizes[-1]], [per_one, activations(sizes[-1])]) \
+            if sizes[-1] > 1 else (0.0, per_one)
+
+        timed_sizes, seconds, forward_parts = [], [], []
+        for m in sizes:
+            batch = load(m)
+            runs = []
+            for k in range(MAX_RUNS + 1):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = clock()
+                with meter.forward():       # the emulated meter's hooks are part of the real cost
+                    loss = _as_scalar(fwd(model, batch))
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t1 = clock()
+                loss.backward()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                spent = clock() - t0
+                if k == 0:
+                    continue                 # warm-up: a new size allocates (and faults in) new memory
+                runs.append(spent)
+                forward_parts.append((t1 - t0) / max(spent, 1e-12))
+                if sum(runs) >= MIN_TIMED_S:
+                    break
+            timed_sizes.append(m)
+            seconds.append(statistics.median(runs))
+            if time.perf_counter() - started > budget_s and len(timed_sizes) >= 2:
+                break                        # bounded: fit what was measured
+        optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda)
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    a, b = fit_linear(timed_sizes, seconds)
+    what = "CPU time of one thread" if clock is time.thread_time else "wall time"
+    return DeviceProfile(
+        device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
+        overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed,
+        activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
+        memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
+        sizes=tuple(timed_sizes), seconds=tuple(seconds))
+
+
+def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
+    """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
+    parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
+    if optimizer is None:
+        return 0.0, model_state_bytes(model, None)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    need = sum(p.numel() * p.element_size() for p in params) * 4
+    if cuda and torch.cuda.mem_get_info(device)[0] < 2 * need:
+        # No room for a copy: state as AdamW would hold it, time unknown (bandwidth-bound, small).
+        return 0.0, model_state_bytes(model, optimizer) + 2 * sum(p.numel() * p.element_size() for p in params)
+    twin = copy.deepcopy(optimizer)
+    for original, clone in zip(params, (p for g in twin.param_groups for p in g["params"])):
+        clone.grad = original.grad.detach().clone() if original.grad is not None else torch.zeros_like(clone)
+    runs = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = clock()
+        twin.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        runs.append(clock() - t0)
+    state = [v for s in twin.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    fixed = model_state_bytes(model, None) + sum(t.numel() * t.element_size() for t in state)
+    del twin
+    return min(runs[1:]), fixed       # the first step allocates the state
+
+
+def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
+    """A CPU measurement as the emulated device `spec` runs it: c/s seconds, a fraction s on a core."""
+    s = spec.speed
+    return raw.scaled(1.0 / s, device=f"{spec.label} (emulated)", cpu_share=s, gpu=spec.gpu.key,
+                      memory_bytes=spec.memory_bytes,
+                      source=f"measured on this CPU, ×1/{s:.3g} for the emulated speed ({spec.speed_source})")
+
+
+def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
+    """Emulated devices are all this host's CPU, measured once per rank: average the CPU figures
+    over the ranks (less noise than any one of them) and convert back to each device's speed."""
+    raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
+    n = len(raw)
+
+    def mean(field: str) -> float:
+        return sum(getattr(r, field) for r in raw) / n
+
+    pooled = {f: mean(f) for f in ("overhead_s", "per_sample_s", "optimizer_s", "forward_fraction")}
+    return [replace(p, overhead_s=pooled["overhead_s"] / spec.speed, per_sample_s=pooled["per_sample_s"] / spec.speed,
+                    optimizer_s=pooled["optimizer_s"] / spec.speed, forward_fraction=pooled["forward_fraction"],
+                    source=p.source + f", averaged over the {n} ranks' measurements of this CPU")
+            for p, spec in zip(profiles, specs)]
+
+
+def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
+                   label: str, forward: Callable = default_forward, precision: str = "fp32",
+                   memory_bytes: int | None = None, max_size: int = MAX_SIZE,
+                   emulate: ClusterDevice | None = None) -> tuple[DeviceProfile, bool]:
+    """This device's profile, from the cache when this model was measured on this device before.
+    Returns (profile, came_from_cache)."""
+    sample = load(1)
+    if emulate is not None:
+        memory_bytes = emulate.memory_bytes
+    signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
+    key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
+    path = _cache_path(signature, key)
+    raw = _read_cache(path)
+    cached = raw is not None
+    if raw is None:
+        raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
+                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None)
+        _write_cache(path, raw)
+    if emulate is not None:
+        return emulated(raw, emulate), cached
+    return replace(raw, device=label, memory_bytes=memory_bytes,
+                   source=raw.source.replace(f"measured on {key}", f"measured on {label}")), cached
+
+
+def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
+                       device: torch.device, precision: str = "fp32", runs: int = 3) -> float:
+    """Seconds a synchronised backward through `ddp` takes beyond one under no_sync(), for the
+    micro-batch `load()` returns: the gradient sync DDP leaves exposed after the backward, as this
+    job's devices, link and (on an emulated host) shared cores give it. A collective: every rank
+    calls it. Gradients, buffers and RNG are left as found."""
+    import torch.distributed as dist
+
+    module = ddp.module
+    dtype = _AUTOCAST.get(precision)
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    batch = load()
+
+    def once(sync: bool) -> float:
+        dist.barrier()                        # start together, as ranks do after a step's sync
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss = _as_scalar(forward(ddp, batch))
+            loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        once(True)                            # the first sync also rebuilds DDP's buckets
+        gaps = [once(True) - once(False) for _ in range(runs)]
+    module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+    return max(0.0, statistics.median(gaps))
+
+
+def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
+    """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
+    every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    times = []
+    for k in range(runs + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,167 @@
+"""`hetrain simulate` and `hetrain plan` as a user meets them: the answers, the JSON, a plan that
+`hetrain.init(plan=...)` runs, and bad input as one line with the fix (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from clirun import hetrain
+from hetrain.planning.plan import Plan
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert len(errors) == 1, result.stderr
+    assert "fix:" in result.stderr, result.stderr
+    for w in words:
+        assert w in result.stderr, result.stderr
+
+
+def test_simulate_answers_what_a_3090_buys_and_which_card_is_the_bottleneck():
+    r = hetrain("simulate", "--cluster", "a100-80g,rtx3090", "--model", "gpt2-124m", "--global-batch", "128")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for words in ("fastest single device", "plain DDP equal split", "hetrain", "samples/s", "efficiency",
+                  "adding rtx3090#1 to a100-80g#0: hetrain ×1.6", "bottleneck under plain DDP: rtx3090#1",
+                  "no processes"):
+        assert words in out, out
+
+
+def test_simulate_json():
+    r = hetrain("simulate", "--cluster", "a100-80g,rtx3090,t4", "--params", "124e6", "--flops-per-sample",
+                "8.8e11", "--activation-bytes", "600MiB", "--global-batch", "96", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    names = [s["name"] for s in data["strategies"]]
+    assert names == ["fastest single device", "plain DDP equal split", "hetrain"]
+    for s in data["strategies"]:
+        assert s["samples_per_s"] > 0 and 0 < s["efficiency"] <= 1.0 + 1e-9
+        assert [m["device"] for m in s["memory_per_device"]] == ["a100-80g#0", "rtx3090#1", "t4#2"]
+    single, ddp, het = data["strategies"]
+    assert het["samples_per_s"] > ddp["samples_per_s"] and het["samples_per_s"] > single["samples_per_s"]
+    assert data["model"]["params"] == 124_000_000 and data["answers"]
+
+
+def test_simulate_lists():
+    r = hetrain("simulate", "--list-gpus", "--list-presets")
+    assert r.returncode == 0 and "rtx3090" in r.stdout and "llama-1b" in r.stdout and "resnet50" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (("simulate", "--cluster", "a100-80g,rtx3090,t4", "--model", "gpt2-124m", "--global-batch", "2"),
+     ("global batch 2 is smaller than the 3 devices", "at least 3")),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b"),
+     ("fits on no device", "shard")),
+    (("simulate", "--cluster", "a100-80g", "--params", "0", "--flops-per-sample", "1e9", "--activation-bytes", "1e6"),
+     ("--params '0' must be a positive number",)),
+    (("simulate", "--cluster", "a100-80g", "--params", "1e6", "--flops-per-sample", "-3", "--activation-bytes", "1e6"),
+     ("--flops-per-sample '-3' must be a positive number",)),
+    (("simulate", "--cluster", "a100-80g", "--params", "1e6", "--flops-per-sample", "1e9", "--activation-bytes", "0"),
+     ("--activation-bytes '0'",)),
+    (("simulate", "--cluster", "a100-80g", "--params", "1e6"), ("without --flops-per-sample and --activation-bytes",)),
+    (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "0"), ("--global-batch 0",)),
+    (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "-5"), ("--global-batch -5",)),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "gpt2-125m"),
+     ("unknown model preset 'gpt2-125m'", "did you mean: gpt2-124m")),
+    (("simulate", "--cluster", "a100-80g,rtx-309", "--model", "gpt2-124m"), ("did you mean", "rtx3090")),
+    (("simulate", "--model", "gpt2-124m"), ("no cluster given",)),
+    (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--efficiency", "2"), ("--efficiency 2",)),
+    (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,rtx3090", "--global-batch", "0"), ("--global-batch 0",)),
+    (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,rtx3090", "--global-batch", "8", "--micro-batch", "0"),
+     ("--micro-batch 0",)),
+    (("plan", "--model-factory", "no_such_file.py:make", "--emulate", "a100-80g", "--global-batch", "8"),
+     ("does not exist",)),
+    (("plan", "--model-factory", "nocolon", "--global-batch", "8"), ("MODULE:FUNCTION",)),
+    (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g"), ("no --global-batch given",)),
+    (("plan", "--emulate", "a100-80g,rtx3090", "--global-batch", "1", "--model", "resnet50"),
+     ("global batch 1 is smaller than the 2 devices",)),
+])
+def test_bad_input_is_one_line_with_the_fix(args, words):
+    one_line_error(hetrain(*args), *words)
+
+
+FACTORY = textwrap.dedent("""
+    import torch
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2))
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3), ByteWindows(pydoc_bytes()[:50_000], 32)
+
+    if __name__ == "__main__":
+        raise SystemExit("training would start here; `hetrain plan` must not run it")
+""")
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch.nn.functional as F
+    import hetrain
+    sys.path.insert(0, os.path.dirname(__file__))
+    from factory import make
+
+    plan_path, out = sys.argv[1], sys.argv[2]
+    ht = hetrain.init(global_batch=24, plan=plan_path, max_steps=2, verbose=False)
+    model, opt, data = make()
+    model, opt, batches = ht.prepare(model, opt, data)
+    local = []
+    for step in batches:
+        n = 0
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                n += len(x)
+                ht.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+        ht.step()
+        local.append(n)
+    with open(f"{out}.{ht.rank}", "w") as f:
+        json.dump({"local": local, "shares": list(ht.plan.shares)}, f)
+    ht.close()
+""")
+
+
+def test_plan_measures_a_factory_and_the_runtime_runs_the_written_plan(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    (tmp_path / "worker.py").write_text(WORKER)
+    spec = "a100-80g:1.0,rtx3090:0.5"
+    plan_file = tmp_path / "plan.json"
+    r = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:make", "--emulate", spec,
+                "--global-batch", "24", "--out", str(plan_file))
+    assert r.returncode == 0, r.stderr
+    assert "rank 1: share" in r.stdout and f"wrote {plan_file}" in r.stdout and "plain DDP" in r.stdout
+    plan = Plan.from_json(plan_file.read_text())
+    assert plan.world_size == 2 and plan.global_batch == 24 and plan.shares[0] > plan.shares[1]
+    assert plan.predicted["samples_per_s"] > 0
+
+    again = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:make", "--emulate", spec,
+                    "--global-batch", "24", "--json")
+    assert again.returncode == 0 and "cached" in again.stderr   # measured once, reused
+    assert Plan.from_json(again.stdout).shares == plan.shares
+
+    out = tmp_path / "ran"
+    run = hetrain("run", "--emulate", spec, str(tmp_path / "worker.py"), str(plan_file), str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"ran.{rank}").read_text())
+        assert got["shares"] == list(plan.shares) and got["local"] == [plan.shares[rank]] * 2
+
+
+def test_plan_from_a_preset_without_measuring(tmp_path):
+    r = hetrain("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@512MiB", "--global-batch", "64",
+                "--allow-exclusion", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    plan = Plan.from_json((tmp_path / "p.json").read_text())
+    assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"]
+    assert plan.excluded[0].device == "t4#2" and "left out t4#2" in r.stdout
+    assert "launch it on the devices kept" in r.stdout

@@ -1,0 +1,124 @@
+"""The cost model: ring all-reduce, overlap, catalog compute and memory, CPU contention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetrain.hardware import catalog
+from hetrain.planning.cost import (DDP_BUCKET_BYTES, FREE_LINK, Assignment, Link, allreduce_seconds, catalog_link,
+                                   estimate_profile, fixed_bytes, gradient_sync, link_from_measurement, peak_flops,
+                                   shared_cpu_finish, step_cost)
+from hetrain.planning.presets import preset
+from hetrain.planning.profile import DeviceProfile
+
+GB = 1e9
+
+
+def test_ring_allreduce_is_2_n_minus_1_over_n_times_size_over_bandwidth():
+    link = Link(bandwidth_gbs=10.0, latency_s=0.0)
+    assert allreduce_seconds(1, 4 * GB, link) == 0.0
+    assert allreduce_seconds(2, 4 * GB, link) == pytest.approx(0.4)          # 2·1/2 · 4/10
+    assert allreduce_seconds(4, 4 * GB, link) == pytest.approx(0.6)          # 2·3/4 · 4/10
+    lat = Link(bandwidth_gbs=10.0, latency_s=1e-3)
+    assert allreduce_seconds(4, 0, lat) == pytest.approx(6e-3)               # 2(n−1) hops
+    measured = link_from_measurement(4, 4 * GB, 0.6, "test")
+    assert measured.bandwidth_gbs == pytest.approx(10.0)
+
+
+def test_overlap_hides_the_sync_under_backward_but_never_the_last_bucket():
+    link = Link(bandwidth_gbs=10.0, latency_s=0.0)
+    total = allreduce_seconds(2, 1 * GB, link)
+    last = allreduce_seconds(2, DDP_BUCKET_BYTES, link)
+    hidden = gradient_sync(2, 1 * GB, link, backward_window_s=10.0)
+    assert hidden.total_s == pytest.approx(total) and hidden.exposed_s == pytest.approx(last)
+    assert hidden.overlapped_s + hidden.exposed_s == pytest.approx(total)
+    none = gradient_sync(2, 1 * GB, link, backward_window_s=0.0)
+    assert none.exposed_s == pytest.approx(total) and none.overlapped_s == 0.0
+    part = gradient_sync(2, 1 * GB, link, backward_window_s=0.03)
+    assert part.exposed_s == pytest.approx(total - 0.03)
+    assert gradient_sync(1, 1 * GB, link, backward_window_s=0).total_s == 0.0
+
+
+def test_catalog_links():
+    a100, r3090, t4 = (catalog.resolve(n) for n in ("a100-80g", "rtx3090", "t4"))
+    assert catalog_link([a100, a100]).source.startswith("NVLink")
+    assert catalog_link([a100, a100]).bandwidth_gbs == pytest.approx(0.4 * 600)
+    mixed = catalog_link([a100, r3090])
+    assert "PCIe 4.0" in mixed.source and "mixed" in mixed.source
+    assert catalog_link([a100, t4]).bandwidth_gbs < mixed.bandwidth_gbs   # PCIe 3 is the slowest link
+
+
+def test_compute_from_flops_and_the_catalog_peak():
+    a100 = catalog.resolve("a100-80g")
+    gpt2 = preset("gpt2-124m")
+    p = estimate_profile(gpt2, a100, label="a100", precision="bf16", efficiency=0.4)
+    assert p.per_sample_s == pytest.approx(gpt2.flops_per_sample / (312e12 * 0.4))
+    fp32 = estimate_profile(gpt2, a100, label="a100", precision="fp32", efficiency=0.4)
+    assert fp32.per_sample_s == pytest.approx(gpt2.flops_per_sample / (19.5e12 * 0.4))
+    assert fp32.activation_bytes_per_sample == pytest.approx(2 * p.activation_bytes_per_sample)
+    assert p.fixed_bytes == fixed_bytes(gpt2.params, "adamw") == 16 * gpt2.params
+    peak, why = peak_flops(catalog.resolve("t4"), "bf16")        # no bf16 tensor cores
+    assert peak == 8.1e12 and "no bf16" in why
+
+
+def _prof(per_sample, cpu_share=0.0, overhead=0.0, opt=0.0):
+    return DeviceProfile(device=f"d{per_sample}", source="t", overhead_s=overhead, per_sample_s=per_sample,
+                         optimizer_s=opt, fixed_bytes=0, activation_bytes_per_sample=0, cpu_share=cpu_share)
+
+
+def test_step_is_slowest_compute_plus_exposed_sync_plus_optimizer():
+    a = Assignment(profile=_prof(0.01, overhead=0.002, opt=0.005), share=40, micro_batch=16)   # 3 micro-batches
+    b = Assignment(profile=_prof(0.02, opt=0.009), share=20, micro_batch=20)
+    cost = step_cost([a, b], global_batch=60, grad_bytes=0, link=FREE_LINK)
+    assert cost.compute_s[0] == pytest.approx(3 * 0.002 + 0.4)
+    assert cost.step_s == pytest.approx(0.406 + 0.009)
+    assert cost.samples_per_s == pytest.approx(60 / 0.415) and cost.bottleneck == 0
+
+
+def test_devices_sharing_too_few_cores_stretch_their_compute():
+    # Three emulated devices that each keep a core busy all the time, on two cores: ×1.5.
+    devs = [Assignment(profile=_prof(0.01, cpu_share=1.0), share=10, micro_batch=10) for _ in range(3)]
+    cost = step_cost(devs, global_batch=30, grad_bytes=0, link=FREE_LINK, host_cores=2)
+    assert cost.stretch == pytest.approx(1.5, rel=1e-9) and cost.step_s == pytest.approx(0.15, rel=1e-9)
+    # Enough cores, or real GPUs (no host CPU share): no stretch.
+    assert step_cost(devs, global_batch=30, grad_bytes=0, link=FREE_LINK, host_cores=3).stretch == 1.0
+    gpus = [Assignment(profile=_prof(0.01), share=10, micro_batch=10) for _ in range(3)]
+    assert step_cost(gpus, global_batch=30, grad_bytes=0, link=FREE_LINK, host_cores=2).stretch == 1.0
+
+
+def test_the_emulators_forward_sleep_backward_on_one_core_by_hand():
+    """A (speed 1): forward 10 ms, backward 20 ms of CPU. B (speed 0.5): forward 10, sleep 30,
+    backward 20. On one core both forwards share it (done at 20 ms); A's backward runs alone (40);
+    B wakes at 50 and runs its backward alone (70)."""
+    a = Assignment(profile=_prof(0.003, cpu_share=1.0), share=10, micro_batch=10)
+    b = Assignment(profile=_prof(0.006, cpu_share=0.5), share=10, micro_batch=10)
+    assert shared_cpu_finish([[(True, 0.01), (True, 0.02)], [(True, 0.01), (False, 0.03), (True, 0.02)]], 1) \
+        == pytest.approx([0.04, 0.07])
+    cost = step_cost([a, b], global_batch=20, grad_bytes=0, link=FREE_LINK, host_cores=1)
+    assert cost.compute_s == pytest.approx((0.04, 0.07))
+    assert cost.stretch_by_device == pytest.approx((4 / 3, 7 / 6)) and cost.bottleneck == 1
+
+
+def test_other_work_on_the_host_stretches_compute_too():
+    # One always-busy device beside 3 other runnable processes on 2 cores: each gets half a core.
+    dev = [Assignment(profile=_prof(0.01, cpu_share=1.0), share=10, micro_batch=10)]
+    cost = step_cost(dev, global_batch=10, grad_bytes=0, link=FREE_LINK, host_cores=2, host_load=3)
+    assert cost.stretch == pytest.approx(2.0, rel=1e-9) and cost.step_s == pytest.approx(0.2, rel=1e-9)
+    # Speed 0.5: 100 ms of CPU at half a core (200 ms) plus its 100 ms of sleep: ×1.5.
+    half = [Assignment(profile=_prof(0.02, cpu_share=0.5), share=10, micro_batch=10)]
+    f = step_cost(half, global_batch=10, grad_bytes=0, link=FREE_LINK, host_cores=2, host_load=3).stretch
+    assert f == pytest.approx(1.5, rel=1e-9)
+
+
+def test_bad_links_and_efficiency():
+    from hetrain.errors import UsageError
+
+    with pytest.raises(UsageError):
+        Link(bandwidth_gbs=0)
+    with pytest.raises(UsageError, match="efficiency"):
+        estimate_profile(preset("resnet50"), catalog.resolve("t4"), label="t4", efficiency=1.5)
+    with pytest.raises(UsageError, match="optimizer"):
+        fixed_bytes(10, "lion")
+    assert math.isinf(FREE_LINK.bandwidth_gbs)

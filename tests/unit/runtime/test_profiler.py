@@ -1,0 +1,120 @@
+"""The profiler on this CPU: what it counts, what it leaves untouched, its cache and its bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hetrain.hardware.cluster import parse_cluster
+from hetrain.runtime import profiler
+from hetrain.runtime.profiler import emulated, measure, profile_device
+
+D_IN, D_HIDDEN, D_OUT = 32, 64, 8
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.ReLU(), nn.Linear(D_HIDDEN, D_OUT))
+
+
+def loader(m):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(m, D_IN, generator=g), torch.randn(m, D_OUT, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_counts_activations_state_and_time_and_leaves_the_model_as_found():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=16, cpu_clock=True)
+    # Saved for backward, per sample: the first Linear's input (32 floats) and the ReLU output,
+    # which the second Linear also saves (one storage, 64 floats).
+    assert p.activation_bytes_per_sample == pytest.approx((D_IN + D_HIDDEN) * 4, rel=1e-6)
+    params = sum(q.numel() for q in model.parameters())
+    assert p.fixed_bytes == 16 * params                      # weights, grads, Adam's two moments (fp32)
+    assert p.per_sample_s > 0 and p.overhead_s >= 0 and p.optimizer_s > 0
+    assert p.sizes == (1, 2, 4, 8, 16) and len(p.seconds) == 5
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(q.grad is None for q in model.parameters()) and not opt.state
+    assert torch.equal(torch.rand(3), expected_draw)         # RNG as if nothing had run
+
+
+def test_memory_limits_the_sizes_measured():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = sum(q.numel() * 4 for q in model.parameters()) * 2
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=64,
+                memory_bytes=state + 8 * (D_IN + D_HIDDEN) * 4, cpu_clock=True)
+    assert max(p.sizes) <= 4        # half of the 8 samples that fit
+
+
+def test_time_is_bounded():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.perf_counter()
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=64, budget_s=0.0)
+    assert len(p.sizes) == 2 and time.perf_counter() - t0 < 30
+
+
+def test_cached_by_model_and_device(cache):
+    cpu = torch.device("cpu")
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    first, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert not hit and len(list((cache / "profiles").glob("*.json"))) == 1
+    again, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert hit and again == first
+    other = nn.Sequential(nn.Linear(D_IN, 2 * D_HIDDEN), nn.ReLU(), nn.Linear(2 * D_HIDDEN, D_OUT))
+    _, hit = profile_device(other, torch.optim.AdamW(other.parameters()), loader, device=cpu, label="cpu0",
+                            max_size=8)
+    assert not hit and len(list((cache / "profiles").glob("*.json"))) == 2
+    (cache / "profiles" / next((cache / "profiles").iterdir()).name).write_text("{not json")
+    profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)   # unreadable: measured again
+
+
+def test_caching_can_be_turned_off(monkeypatch, cache):
+    monkeypatch.setenv("HETRAIN_CACHE", "off")
+    assert profiler.cache_dir() is None
+    model = mlp()
+    _, hit = profile_device(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                            device=torch.device("cpu"), label="cpu", max_size=4)
+    assert not hit and not (cache / "profiles").exists()
+
+
+def test_emulated_devices_convert_cpu_time_by_their_speed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
+    (slow,) = parse_cluster("rtx3090:0.5@1GiB")
+    dev = emulated(raw, slow)
+    assert dev.per_sample_s == pytest.approx(2 * raw.per_sample_s)
+    assert dev.overhead_s == pytest.approx(2 * raw.overhead_s)
+    assert dev.optimizer_s == pytest.approx(2 * raw.optimizer_s)
+    assert dev.cpu_share == 0.5 and dev.memory_bytes == 1024**3 and "emulated" in dev.device
+    via_cache, _ = profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
+                                  emulate=slow)
+    assert via_cache.cpu_share == 0.5 and via_cache.memory_bytes == 1024**3
+
+
+def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
+    fast, slow = parse_cluster("a100-80g:1.0,rtx3090:0.5")
+    noisy = raw.scaled(1.2)                               # the other rank measured 20% slower
+    a, b = profiler.pool_emulated([emulated(raw, fast), emulated(noisy, slow)], [fast, slow])
+    assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)
+    assert b.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s) and b.cpu_share == 0.5
+    assert "averaged over the 2 ranks" in a.source
