@@ -165,3 +165,20 @@ def test_plan_from_a_preset_without_measuring(tmp_path):
     assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"]
     assert plan.excluded[0].device == "t4#2" and "left out t4#2" in r.stdout
     assert "launch it on the devices kept" in r.stdout
+
+
+def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():
+    """Four devices, a 12-layer model: DP, PP over 4 stages and DP×PP 2×2 are each predicted and
+    one is picked with the reason; a model too big for any one device leaves DP out."""
+    result = hetrain("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,a100-80g,rtx3090,rtx3090",
+                     "--global-batch", "32")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "parallelism: " in out
+    for layout in ("DP:", "PP 4 stages:", "DP×PP 2×2:"):
+        assert layout in out, out
+    result = hetrain("plan", "--params", "20e9", "--flops-per-sample", "1e13", "--activation-bytes", "1GiB",
+                     "--blocks", "40", "--emulate", "a100-80g,a100-80g", "--global-batch", "8")
+    # 20B parameters with AdamW state do not fit one 80 GB card: whatever the plan says, DP cannot be it
+    text = result.stdout + result.stderr
+    assert "does not fit" in text or "fits nowhere" in text or "no device" in text, text

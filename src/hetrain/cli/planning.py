@@ -273,6 +273,8 @@ def plan(
                                          "too slow to help (then launch without them)"),
     out: Optional[str] = typer.Option(None, "--out", help="write the plan here (hetrain.init(plan=PATH) runs it)"),
     json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    blocks: Optional[int] = typer.Option(None, "--blocks", help="blocks (layers) a pipeline could cut between, "
+                                         "to compare DP, PP and DP×PP (default: from the model or preset)"),
 ) -> None:
     """Plan a job: each device's share, micro-batches and predicted throughput, with the reasons.
 
@@ -293,24 +295,93 @@ def plan(
     link = _link(link_gbs)
     cluster = parse_cluster(emulate) if emulate else None
     host_cores = None
+    if blocks is not None:
+        _positive_int(blocks, "--blocks", "give the number of layers the model stacks")
     if model_factory:
-        profiles, grad_bytes, default_link = _measure_factory(model_factory, cluster, precision, global_batch)
+        profiles, grad_bytes, default_link, found = _measure_factory(model_factory, cluster, precision, global_batch)
+        blocks = blocks or found
         if cluster is not None:
             host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     else:
         spec = _model_spec(model, params, flops_per_sample, activation_bytes)
+        blocks = blocks or spec.blocks
         profiles, default_link = _estimate(spec, cluster, precision)
         grad_bytes = spec.params * GRAD_ELEMENT_BYTES
     options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, link=link or default_link,
                           memory_margin=memory_margin, micro_batch_cap=micro_batch,
                           allow_exclusion=allow_exclusion, allow_checkpointing=False, host_cores=host_cores)
-    result = make_plan(profiles, options)
+    try:
+        result = make_plan(profiles, options)
+    except UsageError as e:
+        if len(profiles) > 1 and all(p.memory_bytes for p in profiles):
+            fix = _show_sharding(profiles, grad_bytes, memory_margin)
+            _show_layouts(profiles, blocks, grad_bytes, global_batch, link or default_link, memory_margin)
+            if fix:
+                raise UsageError(e.what, fix) from None
+        raise
     if out:
         Path(out).write_text(result.to_json())
     if json_out:
         typer.echo(result.to_json())
         return
     _show_plan(result, out, emulate, cluster)
+    _show_layouts(profiles, blocks, grad_bytes, global_batch, link or default_link, memory_margin)
+
+
+def _show_sharding(profiles, grad_bytes: int, margin: float) -> str | None:
+    """When the model state does not fit plain data parallelism: memory per device under each
+    sharding (planning/memory.py), and the one the runtime's sharding='auto' would take."""
+    from ..planning.memory import DeviceMemory, choose_sharding, sharding_options
+
+    devices = [DeviceMemory(label=p.device, capacity=p.memory_bytes * (1 - margin),
+                            activations=p.activation_fixed_bytes + p.activation_bytes_per_sample) for p in profiles]
+    options = sharding_options(max(1, grad_bytes // 4), devices)
+    con = _console()
+    t = Table(title="memory per device by sharding (model state + one sample's activations)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    t.add_column("sharding")
+    for d in devices:
+        t.add_column(f"{d.label} ({format_bytes(d.capacity)} usable)", overflow="fold")
+    t.add_column("fits")
+    for o in options:
+        t.add_row(o.strategy, *(format_bytes(b) for b in o.peak), "yes" if o.fits(devices) else "no")
+    con.print(t)
+    try:
+        option, why = choose_sharding(options, devices)
+    except UsageError:
+        return None
+    return (f"shard it: hetrain.init(sharding={option.strategy!r}) fits ({why}); the default sharding='auto' "
+            "chooses it at run time")
+
+
+def _show_layouts(profiles, blocks: int | None, grad_bytes: int, global_batch: int, link, margin: float) -> None:
+    """Data parallelism against pipelines and DP×PP for these devices (planning/parallelism.py),
+    the choice with its reason. Blocks are taken as equal, from the whole-model profile."""
+    from ..planning.parallelism import compare_parallelism
+    from ..planning.pipeline_split import PipelineProfile, StageDevice
+
+    con = _console()
+    if len(profiles) < 2:
+        return
+    if not blocks:
+        con.print("  parallelism: data parallel (pipelines not compared: the model's block count is "
+                  "unknown; pass --blocks N)", markup=False)
+        return
+    fastest = min(profiles, key=lambda p: p.per_sample_s)
+    layer = PipelineProfile.uniform(
+        n_blocks=blocks, seconds_per_sample=fastest.per_sample_s,
+        activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=grad_bytes,
+        source=f"{blocks} equal blocks from {fastest.device}'s whole-model profile")
+    devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
+               for p in profiles]
+    try:
+        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin,
+                                     link_bytes_per_s=link.bandwidth_gbs * 1e9 if link else None)
+    except UsageError as e:
+        con.print(f"  parallelism: {e.what}; {e.fix}", markup=False)
+        return
+    for line in choice.describe():
+        con.print(line, markup=False)
 
 
 def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
@@ -335,6 +406,12 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
 
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     max_size = max(1, min(MAX_SIZE, global_batch, n))
+    try:
+        from ..parallel.blocks import find_parts
+
+        found = len(find_parts(model).blocks)
+    except UsageError:
+        found = None
     con = Console(stderr=True, highlight=False, soft_wrap=True)     # stdout stays the plan (--json)
     if cluster is not None:
         torch.set_num_threads(1)           # one emulated device = one CPU thread
@@ -346,7 +423,7 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
             profiles.append(p)
         con.print(f"profiled on this CPU ({'cached' if cached else 'measured'}), converted to each emulated speed",
                   markup=False)
-        return profiles, grad_bytes, Link(bandwidth_gbs=LOOPBACK_GBS, source="gloo on loopback (emulation)")
+        return profiles, grad_bytes, Link(bandwidth_gbs=LOOPBACK_GBS, source="gloo on loopback (emulation)"), found
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         profiles, gpus = [], []
         for i in range(torch.cuda.device_count()):
@@ -367,11 +444,11 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
         model.to("cpu")
         known = [g for g in gpus if g is not None]
         link = catalog_link(known) if len(known) == len(gpus) else None
-        return profiles, grad_bytes, link
+        return profiles, grad_bytes, link, found
     cpu = torch.device("cpu")
     p, cached = profile_device(model, opt, loader(cpu), device=cpu, label="cpu", forward=default_forward,
                                precision=precision, max_size=max_size)
-    return [p], grad_bytes, None
+    return [p], grad_bytes, None, found
 
 
 def _to(obj, device):

@@ -33,7 +33,7 @@ def transformer(name: str, *, params: int, layers: int, d_model: int, seq_len: i
     kept = 2 * T * d * L + per_layer + logits + 2 * T * d
     return ModelSpec(
         name=name, params=params, flops_per_sample=float(flops), activation_bytes_per_sample=float(act),
-        activation_precision="bf16", checkpoint_fraction=min(1.0, kept / act),
+        activation_precision="bf16", checkpoint_fraction=min(1.0, kept / act), blocks=L,
         assumptions=(f"{L} layers, d={d}, {T} tokens/sample, vocabulary {vocab}; FLOPs T·(6N + 12·L·d·T); "
                      f"activations {k:g}·T·d bytes per layer at bf16 with flash/SDPA attention + logits"
                      + (f"; {note}" if note else "")))

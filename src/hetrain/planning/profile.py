@@ -43,6 +43,7 @@ class ModelSpec:
     activation_precision: str = "bf16"       # the precision the activation figure is for
     checkpoint_fraction: float = 0.25        # activations kept under activation checkpointing
     assumptions: str = ""                    # how the numbers were obtained, for people
+    blocks: int | None = None                # equal blocks (layers) a pipeline can cut between, if any
 
     def __post_init__(self) -> None:
         fix = "give positive sizes, e.g. --params 124e6 --flops-per-sample 8.8e11 --activation-bytes 6.3e8"
