@@ -111,10 +111,11 @@ def run_launch(launch: Launch) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .runtime.failure import read_errors
+    from .runtime.failure import clear_errors, read_errors
 
     os.environ.update(launch.env)
     run_dir = os.path.dirname(launch.env[LAUNCH_ENV])
+    clear_errors(run_dir)
     # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:

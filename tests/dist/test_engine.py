@@ -1,9 +1,7 @@
-"""The runtime around the math: memory-capped micro-batches, emulated OOM and speed, misuse of
-the verbs, and a clean exit."""
+"""The runtime around the math: memory-capped micro-batches, the emulated OOM, misuse of the
+verbs. (Every multi-process test also checks each rank's exit code: a gloo abort at exit fails it.)"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -80,20 +78,6 @@ def test_emulated_memory_cap_raises_the_cuda_oom_type():
     assert "out of memory (emulated)" in message and "cap 2.0 MiB" in message
     # with recovery, the micro-batch halves until it fits, and the new size is in the plan
     assert plan.version >= 1 and plan.devices[0].micro_batch < 16 and counts[0] == plan.devices[0].n_micro
-
-
-def test_throttle_stretches_compute_to_the_emulated_speed():
-    from hetrain.runtime.emulate import Throttle
-
-    throttle = Throttle(0.5)
-    t0 = time.perf_counter()
-    with throttle.compute():
-        end = time.thread_time() + 0.05
-        while time.thread_time() < end:
-            pass
-    wall = time.perf_counter() - t0
-    assert throttle.slept_seconds == pytest.approx(throttle.cpu_seconds)   # c·(1/0.5 − 1) = c
-    assert wall >= 2 * throttle.cpu_seconds * 0.99
 
 
 def misuse_worker(rank, world):

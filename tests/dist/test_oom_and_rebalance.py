@@ -147,3 +147,29 @@ def test_rebalancing_follows_a_slowdown_within_ten_steps():
 def test_timing_noise_does_not_move_shares():
     r0, _ = run_ranks(rebalance_worker, 2, "noise:rank=-1,step=0,factor=0.1", 24)
     assert len(set(r0["shares"])) == 1 and r0["plan"].version == 0, r0["shares"]
+
+
+def buffered_worker(rank, world, micro_batch):
+    """A model with buffers (BatchNorm): DDP broadcasts them in a step's first forward."""
+    import hetrain
+
+    ht = hetrain.init(global_batch=48, max_steps=4, emulate="a100-80g,rtx3090", verbose=False, rebalance=False,
+                      micro_batch=micro_batch, faults="oom:rank=1,step=2,micro=0,phase=forward")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    net, opt, batches = ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05), data())
+    for step in batches:
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                ht.backward(F.mse_loss(net(x), y))
+        ht.step()
+    out = {"steps": ht.steps_done, "ooms": ht.ooms}
+    ht.close()
+    return out
+
+
+@pytest.mark.parametrize("micro_batch", [8, None])   # several micro-batches; one (the synced forward)
+def test_oom_redo_with_buffers_does_not_repeat_the_buffer_broadcast(micro_batch):
+    r0, r1 = run_ranks(buffered_worker, 2, micro_batch, timeout=120)   # a repeated broadcast hangs
+    assert r0["steps"] == r1["steps"] == 4 and r1["ooms"] == 1

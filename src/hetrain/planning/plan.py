@@ -37,7 +37,7 @@ class DevicePlan:
     checkpointing: bool = False          # activation checkpointing on this rank
     memory_cap_bytes: int | None = None  # emulated cap or real device memory
     per_sample_s: float | None = None    # measured: compute seconds per sample on this device...
-    fixed_s: float | None = None         # ...plus these seconds per step that do not scale with it
+    fixed_s: float | None = None         # ...plus these per micro-batch, whatever its size
     reasons: tuple[str, ...] = ()        # why each number was chosen, for people
     predicted_compute_s: float | None = None    # planner: this rank's compute seconds per step
     predicted_memory_bytes: int | None = None   # planner: this rank's peak memory

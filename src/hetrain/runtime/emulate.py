@@ -123,7 +123,7 @@ class Throttle:
     ratio to the forward), and books the prediction's error as a debt paid at the next sleep.
     """
 
-    def __init__(self, speed: float, *, seed: int = 0):
+    def __init__(self, speed: float, *, seed: int = 0):   # seed: differs by rank (noise is per device)
         if not 0 < speed <= 1:
             raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
         self.speed = speed
@@ -167,13 +167,16 @@ class Throttle:
     def before_backward(self, forward_cpu: float) -> float:
         """Sleep for the forward and the predicted backward; returns the prediction."""
         guess = self.backward_ratio * forward_cpu
-        self.pay(forward_cpu + guess)
+        self._last_stretch = self._stretch()
+        self.cpu_seconds += forward_cpu + guess
+        self.owed += (forward_cpu + guess) * self._last_stretch
+        self.settle()
         return guess
 
     def after_backward(self, forward_cpu: float, guess: float, backward_cpu: float) -> None:
-        self.cpu_seconds -= guess
-        self.owed -= guess * self._stretch()
-        self.charge(backward_cpu)
+        """Book the backward's real CPU time in place of the guess (the same noise draw)."""
+        self.cpu_seconds += backward_cpu - guess
+        self.owed += (backward_cpu - guess) * self._last_stretch
         if forward_cpu > 1e-4:
             self.backward_ratio = 0.5 * self.backward_ratio + 0.5 * backward_cpu / forward_cpu
 
@@ -183,7 +186,7 @@ class EmulatedDevice:
 
     def __init__(self, spec: ClusterDevice):
         self.spec = spec
-        self.throttle = Throttle(spec.speed)
+        self.throttle = Throttle(spec.speed, seed=1000 + spec.index)
         self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
 
     @property

@@ -20,6 +20,7 @@ import contextlib
 import gc
 import math
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 import torch
@@ -106,7 +107,8 @@ class Engine:
         self._step_started = 0.0
         self._fixed_s = 0.0            # busy time of the last step outside its micro-batches
         self._checkpoint_due = False
-        self._history: list[dict] = []
+        self._stats = _RunStats(self.ctx.world_size)
+        self._state_counted = False    # the emulated meter counts optimizer state once it exists
         self.ooms = 0                  # out-of-memory errors recovered on this rank
         self.redone_steps = 0          # steps redone by all ranks after an OOM in a gradient sync
         torch.manual_seed(config.seed)
@@ -190,12 +192,19 @@ class Engine:
             self.plan = check_given_plan(self, self._given_plan)
         else:
             self.plan = agree_plan(self, model, measure(self, model, optimizer, forward), forward)
+        # A checkpoint's Plan (rebalanced shares, shrunk micro-batches) is adopted before the model
+        # is set up for it: checkpointing and sharding follow the plan that will run.
+        resume_from = persist.find_checkpoint(self, model) if self._checkpointer is not None else None
+        if self._checkpointer is not None:
+            self.plan = persist.adopt_plan(self, resume_from)
         # [checkpointing, sharding, memory] per-device checkpointing, then the data-parallel wrapper
         self.plan, _ = checkpointing.apply_from_plan(model, self._precision.record_in(self.plan), self.rank,
                                                      mode=cfg.checkpointing, block_type=cfg.checkpoint_blocks)
         wrapped, self._memory_plan = memory.wrap_for_plan(self, model, optimizer, forward)
         self._ddp = wrapped.sync            # DDP, or FSDP2's adapter: .no_sync() on non-last micro-batches
-        self._guard = wrapped.sync_guard()  # recovery.SyncGuard on DDP; FSDP2's adapter guards itself
+        # recovery.SyncGuard on DDP (FSDP2's adapter guards itself): a comm hook that records the
+        # buckets a backward launched. Only when OOM recovery needs it: else DDP's own C++ all-reduce.
+        self._guard = wrapped.sync_guard() if cfg.oom_recovery and self.world_size > 1 else None
         self._model = PreparedModel(model, wrapped.forward_module, meter)
         optimizer = wrapped.optimizer
         memory.show_wrapping(self.log, wrapped)
@@ -203,9 +212,10 @@ class Engine:
             model.register_forward_pre_hook(lambda module, args: self._before_forward())
         self._optimizer = optimizer
         if cfg.rebalance and self.world_size > 1:
-            self._rebalancer = Rebalancer(world_size=self.world_size, threshold=cfg.rebalance_threshold)
-        if self._checkpointer is not None:
-            persist.resume(self)
+            self._rebalancer = Rebalancer(world_size=self.world_size, threshold=cfg.rebalance_threshold,
+                                          micro_batch_cap=cfg.micro_batch)
+        if resume_from is not None:
+            persist.restore(self, resume_from)
         show_plan(self.log, self.plan, self.total_steps)
         return self._model, optimizer, Steps(self)
 
@@ -259,16 +269,16 @@ class Engine:
             outcome = yield from self._rank_pass(step)
             table = self._exchange(outcome)
             if table.any("fatal"):
-                raise HetrainError(_fatal_message(table, self.plan), "reduce the model or sequence size, "
-                                   "enable activation checkpointing, or use a device with more memory")
+                raise HetrainError(_fatal_message(table, self.plan),
+                                   "hetrain.init(checkpointing='all') (activation checkpointing), "
+                                   "sharding='fsdp', a smaller model or sequence, or a device with more memory")
+            self._amend_micro_batches(table, step)
             if not table.any("desync"):
                 break
             # Agreed by all: an OOM broke a gradient sync; discard the step and redo it.
             self.redone_steps += 1
             self._optimizer.zero_grad(set_to_none=True)
             recovery.reset_reducer(self._ddp)
-            self._amend_micro_batches(table, step)
-        self._amend_micro_batches(table, step)
         self._table = table
 
     def _rank_pass(self, step: Step):
@@ -276,8 +286,10 @@ class Engine:
         share = self.plan.devices[self.rank].share
         self._micro = self.plan.devices[self.rank].micro_batch
         while True:
-            self._count, self._busy_s, self._compute_s = 0.0, 0.0, 0.0
+            self._busy_s, self._compute_s = 0.0, 0.0
+            self._count = torch.zeros((), dtype=torch.float64, device=self.device)
             self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._cuda_times = []    # (start, before backward, after backward) events, CUDA only
             sizes = split_evenly(share, math.ceil(share / self._micro))
             start, failed = 0, None
             for k, size in enumerate(sizes):
@@ -288,11 +300,12 @@ class Engine:
                 oom = self.faults.oom(step.index, k, len(sizes), "forward", escape=0) if self.faults else None
                 mb.inject_forward_oom = oom
                 self._mb = mb
-                if mb.last:
+                if mb.last and self._guard is not None:
                     self._guard.begin()
                 sync = contextlib.nullcontext() if mb.last else self._ddp.no_sync()
                 busy0 = self._busy()
                 mb.started_at = self._clock()
+                mb.events = self._cuda_event()
                 with sync:
                     yield mb
                 spent = self._clock() - mb.started_at
@@ -323,14 +336,45 @@ class Engine:
             if failed.desynced:
                 return "desync"
             self._optimizer.zero_grad(set_to_none=True)
+            # The failed forward may have run DDP's pre-forward buffer broadcast (it does, in a
+            # step's first forward) without its post-forward: the redo must not broadcast again,
+            # or this rank would be one collective ahead of its peers.
+            if hasattr(self._ddp, "require_forward_param_sync"):
+                self._ddp.require_forward_param_sync = False
 
     def _exchange(self, outcome: str) -> agree.Table:
+        loss_sum, units = float(self._loss_sum), float(self._count)    # one device sync per step
         return agree.exchange(
-            {"units": self._count, "loss_sum": float(self._loss_sum), "compute_s": self._compute_s,
-             "busy_s": self._busy_s, "samples": self.plan.devices[self.rank].share, "fixed_s": self._fixed_s,
+            {"units": units, "loss_sum": loss_sum, "compute_s": self._compute_s,
+             "busy_s": self._cuda_busy() if self._cuda_times else self._busy_s, "fixed_s": self._fixed_s,
              "micro": self._micro, "desync": outcome == "desync", "fatal": outcome == "fatal",
              "version": self.plan.version},
             rank=self.rank, world_size=self.world_size, device=self.device)
+
+    # -- compute time on CUDA: events, read after the step's sync (none added per micro-batch) --
+    def _cuda_event(self):
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return [ev]
+
+    def _cuda_mark(self, mb: MicroBatch) -> None:
+        if mb.events is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            mb.events.append(ev)
+            if len(mb.events) == 3:
+                self._cuda_times.append((mb.last, mb.events))
+
+    def _cuda_busy(self) -> float:
+        """GPU seconds in forward + backward. The last micro-batch's backward also waits for the
+        gradient sync, so its backward is taken as its forward times the backward/forward ratio of
+        the other micro-batches (2 when there are none)."""
+        ms = [(last, s.elapsed_time(f), f.elapsed_time(b)) for last, (s, f, b) in self._cuda_times]
+        ratios = [bwd / fwd for last, fwd, bwd in ms if not last and fwd > 0]
+        ratio = sum(ratios) / len(ratios) if ratios else 2.0
+        return sum(fwd + (fwd * ratio if last else bwd) for last, fwd, bwd in ms) / 1e3
 
     def _amend_micro_batches(self, table: agree.Table, step: Step) -> None:
         """A new Plan version when any rank's micro-batch shrank (the same on every rank)."""
@@ -342,7 +386,7 @@ class Engine:
         devices, changes = list(self.plan.devices), []
         for d, m in zip(self.plan.devices, micros):
             if m != d.micro_batch:
-                devices[d.rank] = d.__class__(**{**d.__dict__, "micro_batch": m, "max_micro_batch": m})
+                devices[d.rank] = replace(d, micro_batch=m, max_micro_batch=m)
                 changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
         if changes:
             self.plan = self.plan.evolve(
@@ -371,7 +415,8 @@ class Engine:
             if tokens is None:
                 raise UsageError("loss_weighting='tokens' needs the token count of each micro-batch",
                                  "call ht.backward(loss, tokens=n) with the tokens the loss averaged over")
-            units = float(tokens)
+            # a tensor stays on the device (no sync per micro-batch); it is read at the step's end
+            units = tokens.detach().double() if isinstance(tokens, torch.Tensor) else float(tokens)
         else:
             units = float(mb.size)
         factor = reduce.loss_factor(units=units, world_size=self.world_size,
@@ -381,17 +426,19 @@ class Engine:
         throttle = self.emulated.throttle if self.emulated is not None else None
         forward_cpu = self._clock() - mb.started_at
         guess = throttle.before_backward(forward_cpu) if throttle else 0.0  # sleep first: see emulate.py
+        self._cuda_mark(mb)
         t0 = self._clock()
         try:
-            with self._backward_fault(mb):
+            with (self._backward_fault(mb) if self.faults else contextlib.nullcontext()):
                 scaled.backward()
         except torch.OutOfMemoryError as e:
             if not self.config.oom_recovery:
                 raise
             mb.failed = f"backward: {e}".splitlines()[0][:200]
-            if mb.last:   # peers are inside this step's gradient all-reduces: finish ours (zeros)
-                self._guard.complete_missing()
+            if mb.last and self._guard is not None:   # peers are inside this step's gradient
+                self._guard.complete_missing()          # all-reduces: finish ours, with zeros
                 mb.desynced = True
+        self._cuda_mark(mb)
         backward_cpu = self._clock() - t0
         if throttle:
             throttle.after_backward(forward_cpu, guess, backward_cpu)
@@ -402,18 +449,19 @@ class Engine:
 
     @contextlib.contextmanager
     def _backward_fault(self, mb: MicroBatch):
-        """An injected OOM fires from a parameter's gradient hook halfway through the model, so
-        part of the gradient sync has already started, as with a real OOM in backward."""
-        if self.faults and mb.last:
-            self.faults.maybe_die(self._step.index, "backward")
-        fault = self.faults.oom(self._step.index, mb.index, mb.count, "backward", escape=0) if self.faults else None
-        if fault is None:
+        """Injected faults strike from a parameter's gradient hook halfway through the model, so
+        part of the gradient sync has already started, as with a real OOM or crash in backward."""
+        oom = self.faults.oom(self._step.index, mb.index, mb.count, "backward", escape=0)
+        die = mb.last and self.faults.due("die", self._step.index, phase="backward")
+        if oom is None and not die:
             yield
             return
         params = [p for p in self._model.module.parameters() if p.requires_grad]
 
         def boom(grad):
-            raise injected_oom(fault)
+            if die:
+                self.faults.maybe_die(self._step.index, "backward")
+            raise injected_oom(oom)
 
         handle = params[len(params) // 2].register_hook(boom)
         try:
@@ -430,32 +478,32 @@ class Engine:
                              "run `for mb in step: ...` to the end, then call ht.step()")
         busy0 = self._busy()
         opt, cfg = self._optimizer, self.config
-        params = [p for p in self._model.parameters() if p.grad is not None]
         self._precision.unscale_(opt)     # [precision] unscale; found-inf agreed by all ranks
         total_units = table.sum("units")
         if cfg.loss_weighting == "tokens":
-            reduce.scale_gradients(params, reduce.token_correction(global_batch=cfg.global_batch,
-                                                                   total_units=total_units))
+            reduce.scale_gradients(self._model.parameters(), reduce.token_correction(
+                global_batch=cfg.global_batch, total_units=total_units))
         if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in self._model.parameters() if p.grad is not None],
+                                           cfg.grad_clip)
         throttle = self.emulated.throttle.compute() if self.emulated else contextlib.nullcontext()
         with throttle:
             self._precision.step(opt, step_index=step.index, log=self.log)   # [precision] or agreed skip
         opt.zero_grad(set_to_none=True)
-        # optimizer state exists after the first step that was not skipped
-        if self.emulated is not None and self.steps_done == len(self._precision.skipped_steps):
+        if self.emulated is not None and not self._state_counted and _has_state(opt):
             self.emulated.meter.set_fixed(self._model.module, opt)  # optimizer state now exists
+            self._state_counted = True
 
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
         step.loss = table.sum("loss_sum") / total_units
         step.samples_per_s = cfg.global_batch / elapsed
-        self._history.append({"step": step.index, "loss": step.loss, "seconds": elapsed,
-                              "compute_s": table.column("compute_s"), "busy_s": table.column("busy_s")})
+        self._stats.add(loss=step.loss, seconds=elapsed, busy=table.column("busy_s"),
+                        compute=table.column("compute_s"))
         self.steps_done += 1
         self._step, self._table = None, None
         if cfg.sample_log:
-            persist.log_samples(self, step, (list(step.indices), list(step.epochs)))
+            persist.log_samples(self, step)
         self._fixed_s = self._busy() - busy0
         if self._rebalancer is not None:
             self._rebalancer.observe(self.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))
@@ -478,18 +526,17 @@ class Engine:
     def summary(self) -> dict:
         """Run figures (same on every rank); rank 0 prints them with every rank side by side.
         A collective: every rank calls it."""
-        hist = self._history
-        timed = hist[1:] if len(hist) > 1 else hist   # the first step includes warm-up
-        seconds = sum(h["seconds"] for h in timed)
-        mine = {"busy_s": sum(h["busy_s"][self.rank] for h in timed), "ooms": self.ooms,
+        st = self._stats
+        timed, seconds, busy, compute = st.timed()
+        mine = {"busy_s": busy[self.rank], "compute_s": compute[self.rank], "ooms": self.ooms,
                 "peak_bytes": float(self.emulated.meter.peak) if self.emulated else
                 (float(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else 0.0)}
         table = agree.exchange(mine, rank=self.rank, world_size=self.world_size, device=self.device)
         out = {
-            "steps": len(hist),
-            "samples_per_s": (len(timed) * self.config.global_batch / seconds) if seconds else None,
-            "first_loss": hist[0]["loss"] if hist else None,
-            "last_loss": hist[-1]["loss"] if hist else None,
+            "steps": st.steps,
+            "samples_per_s": (timed * self.config.global_batch / seconds) if seconds else None,
+            "first_loss": st.first_loss,
+            "last_loss": st.last_loss,
             "plan_version": self.plan.version if self.plan else None,
             "shares": list(self.plan.shares) if self.plan else [],
             "micro_batches": [d.micro_batch for d in self.plan.devices] if self.plan else [],
@@ -500,21 +547,21 @@ class Engine:
             "redone_steps": self.redone_steps,
             "ranks": [table.row(r) for r in range(self.world_size)],
         }
-        if hist and self.plan is not None:
+        if st.steps and self.plan is not None:
             rows = []
             for d in self.plan.devices:
                 r = out["ranks"][d.rank]
                 rows.append((d.rank, d.device, d.share, d.micro_batch,
-                             f"{r['busy_s'] / max(len(timed), 1) * 1000:.0f} ms",
+                             f"{r['busy_s'] / max(timed, 1) * 1000:.0f} ms",
                              f"{r['busy_s'] / seconds:.0%}" if seconds else "-",
                              format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "-", int(r["ooms"])))
-            sps = out["samples_per_s"]
+            sps = f"{out['samples_per_s']:.1f}" if out["samples_per_s"] else "-"
             self.log.table(
-                f"summary: {len(hist)} steps, {sps:.1f} samples/s, loss {out['first_loss']:.4f} -> "
+                f"summary: {st.steps} steps, {sps} samples/s, loss {out['first_loss']:.4f} -> "
                 f"{out['last_loss']:.4f}, plan v{self.plan.version}" + (" (emulated devices)" if self.emulated else ""),
                 ("rank", "device", "share", "micro", "busy/step", "busy", "peak memory", "OOMs"), rows)
         out["precision"] = self._precision.summary()                 # [precision] skipped steps
-        self._precision.show_summary(self.log, steps=len(hist))
+        self._precision.show_summary(self.log, steps=st.steps)
         out["memory"] = memory.report(plan=self.plan, memory_plan=self._memory_plan, rank=self.rank,  # [memory]
                                       world_size=self.world_size, device=self.device,
                                       emulated=self.emulated, log=self.log)
@@ -524,6 +571,7 @@ class Engine:
         """Leave the process group cleanly (a collective: every rank calls it)."""
         if self._closed:
             return
+        self._at_boundary()     # a checkpoint due after the last step taken (the loop may have broken off)
         self._closed = True
         self._release()
         shutdown(self.ctx)
@@ -552,10 +600,46 @@ class Engine:
         if exc_type is None:
             self.close()
         else:   # peers may be gone: no barrier, just release what we hold
-            self._closed = True
-            self._release()
-            if self.ctx.owns_group and dist.is_initialized():
-                dist.destroy_process_group()
+            self._at_exit()
+
+
+class _RunStats:
+    """What the summary needs, kept as running sums (not a per-step history)."""
+
+    def __init__(self, world_size: int):
+        self.steps = 0
+        self.timed_steps = 0            # steps after the first (which includes warm-up)
+        self.seconds = 0.0
+        self.busy = [0.0] * world_size
+        self.compute = [0.0] * world_size
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self._first: tuple[float, list[float], list[float]] | None = None
+
+    def add(self, *, loss: float, seconds: float, busy: list[float], compute: list[float]) -> None:
+        self.steps += 1
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.last_loss = loss
+        if self.steps == 1:             # kept aside: used only when it is the only step
+            self._first = (seconds, list(busy), list(compute))
+            return
+        self.timed_steps += 1
+        self.seconds += seconds
+        self.busy = [a + b for a, b in zip(self.busy, busy)]
+        self.compute = [a + b for a, b in zip(self.compute, compute)]
+
+    def timed(self) -> tuple[int, float, list[float], list[float]]:
+        """(steps, seconds, busy, compute) over the steps after the first, or the first alone."""
+        if self.timed_steps == 0 and self._first is not None:
+            return (1, *self._first)
+        return self.timed_steps, self.seconds, self.busy, self.compute
+
+
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer holds state yet (wrappers such as ZeRO keep it in `.optim`)."""
+    inner = getattr(optimizer, "optim", None)
+    return bool(optimizer.state) or (isinstance(inner, torch.optim.Optimizer) and bool(inner.state))
 
 
 def _fatal_message(table: agree.Table, plan: Plan) -> str:

@@ -23,20 +23,29 @@ ERROR_FILE = "error-rank{rank}.json"
 
 def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
     path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "what": exc.what, "fix": exc.fix, "exit_code": exc.exit_code,
-                   "usage": isinstance(exc, UsageError)}, f)
+        json.dump({"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
+                   "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError)}, f)
     os.replace(path + ".tmp", path)
 
 
 def read_errors(run_dir: str) -> list[dict]:
-    """The errors workers wrote, lowest rank first."""
+    """The errors workers wrote in the job's latest attempt, lowest rank first."""
     out = []
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("error-rank") and name.endswith(".json"):
             with open(os.path.join(run_dir, name)) as f:
                 out.append(json.load(f))
-    return sorted(out, key=lambda e: e["rank"])
+    latest = max((e.get("attempt", 0) for e in out), default=0)
+    return sorted((e for e in out if e.get("attempt", 0) == latest), key=lambda e: e["rank"])
+
+
+def clear_errors(run_dir: str) -> None:
+    """Before a launch: errors of an earlier job in the same run directory are not this one's."""
+    for name in os.listdir(run_dir):
+        if name.startswith("error-rank") and name.endswith(".json"):
+            os.remove(os.path.join(run_dir, name))
 
 
 def install_excepthook(engine) -> None:

@@ -10,7 +10,8 @@ Spec (config `faults=` or the HETRAIN_FAULTS environment variable), faults separ
     oom:...,escape=1                     raised outside hetrain's recovery (the user's code has no
                                          `with mb:`), so the job restarts from its checkpoint
     die:rank=1,step=7                    SIGKILL rank 1 at the start of step 7
-    die:rank=1,step=7,phase=backward     ... in the middle of its backward (peers are in the sync)
+    die:rank=1,step=7,phase=backward     ... halfway through its last micro-batch's backward, when part
+                                         of the gradient sync has started (peers are inside it)
     die:rank=0,step=8,phase=checkpoint   ... while the checkpoint after step 8 is being written
     stall:rank=0,step=4                  SIGSTOP rank 0 (a hang) at the start of step 4
 rank=-1 means every rank. With HETRAIN_FAULT_LOG set to a file, every fault that fires is appended to it (one JSON line)
@@ -120,6 +121,11 @@ class FaultInjector:
         self.maybe_die(step, "start")
         if self._take("stall", step):
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def due(self, kind: str, step: int, **match) -> bool:
+        """Whether a fault would fire here, without firing it."""
+        return any(f.kind == kind and f.step == step and f.attempt == self.attempt and f not in self._fired
+                   and all(getattr(f, k) == v for k, v in match.items()) for f in self.faults)
 
     def maybe_die(self, step: int, phase: str) -> None:
         if self._take("die", step, phase=phase):

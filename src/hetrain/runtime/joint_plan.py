@@ -49,13 +49,12 @@ def measure(engine, model, optimizer, forward) -> dict:
     return mine
 
 
-def _measure_sync(engine, model, profiles, forward) -> dict[str, float]:
+def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, float]:
     """Collectives, once every rank is known to be profiled: one gradient-sized all-reduce (the
     link) and a synchronised backward through DDP against one under no_sync (the sync this job
     leaves exposed), every rank on the same micro-batch size. The DDP used for it is temporary:
     the real wrapper (runtime/sharding.py) is chosen after the plan."""
     cfg, n = engine.config, len(engine._dataset)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, engine.device) * grad_bytes / max(probe_bytes, 1)
     caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
@@ -67,7 +66,7 @@ def _measure_sync(engine, model, profiles, forward) -> dict[str, float]:
     finally:
         del ddp
         gc.collect()
-    return {"allreduce_s": allreduce_s, "sync_s": sync_s}
+    return {"allreduce_s": allreduce_s, "sync_s": sync_s, "failed": 0.0}
 
 
 def agree_plan(engine, model, mine: dict, forward) -> Plan:
@@ -96,8 +95,16 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     grad_bytes = gathered[0]["grad_bytes"]
     link, sync_s = FREE_LINK, None
     if n > 1:
-        table = agree.exchange(_measure_sync(engine, model, profiles, forward),
-                               rank=engine.rank, world_size=n, device=engine.device)
+        try:
+            mine_sync = _measure_sync(engine, model, grad_bytes, profiles, forward)
+        except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
+            engine.log.warn(f"rank {engine.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
+            mine_sync = {"allreduce_s": 0.0, "sync_s": 0.0, "failed": 1.0}
+        table = agree.exchange(mine_sync, rank=engine.rank, world_size=n, device=engine.device)
+        if table.any("failed"):
+            failed = [r for r, v in enumerate(table.column("failed")) if v]
+            raise HetrainError(f"measuring the gradient sync failed on rank(s) {failed} (see the warning above)",
+                               "pass hetrain.init(plan=...) to run a saved plan without measuring")
         slowest = max(table.column("allreduce_s"))
         # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
         # for it (on a shared host, whoever the scheduler left behind): the least is the sync.
@@ -119,9 +126,9 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     plan = make_plan(list(profiles), options)
     cached = sum(bool(g["cached"]) for g in gathered)
     engine.log.info(f"profiles: {cached} of {n} from the cache, {n - cached} measured")
-    # The rebalancer's time model of each rank: fixed micro-batch overheads + per-sample seconds.
+    # The rebalancer's time model of each rank: fixed seconds per micro-batch + seconds per sample.
     return replace(plan, devices=tuple(
-        replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s * d.n_micro)
+        replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
         for d, p in zip(plan.devices, profiles)))
 
 

@@ -91,11 +91,16 @@ def measure_activations(load, *, model, forward, device, autocast, n_max: int) -
     embeddings, masks) do not grow with the batch and one sample alone would overstate the rest."""
     def bytes_for(n):
         return saved_activation_bytes(model, load(range(n)), forward=forward, device=device, autocast=autocast)
-    one = bytes_for(1)
-    if n_max < 2:
-        return 0.0, one
-    per = max(bytes_for(2) - one, 0.0)
-    return max(one - per, 0.0), per
+    lo = 1
+    try:
+        at_lo = bytes_for(1)
+    except ValueError:       # a model that cannot train on one sample (BatchNorm): 2 and 4
+        lo = 2
+        at_lo = bytes_for(2)
+    if n_max < 2 * lo:
+        return 0.0, at_lo / lo
+    per = max((bytes_for(2 * lo) - at_lo) / lo, 0.0)
+    return max(at_lo - per * lo, 0.0), per
 
 
 def plan_memory(*, n_params: int, param_bytes: int, optimizer: torch.optim.Optimizer, wrapped, world_size: int,

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import HetrainError, UsageError
 from ..planning.plan import Plan
 from . import recovery
 from .checkpoint import Checkpointer, model_signature, rng_state, set_rng_state
@@ -53,20 +54,27 @@ def save(engine) -> None:
     engine.log.info(f"checkpoint {path.name} saved (step {engine.steps_done}, plan v{engine.plan.version})")
 
 
-def resume(engine) -> bool:
-    """Collective: restore the newest whole checkpoint, if any. Returns whether it resumed."""
+@dataclass(frozen=True)
+class Found:
+    path: Path
+    meta: dict
+
+
+def find_checkpoint(engine, model) -> Found | None:
+    """Collective: the newest whole checkpoint, checked against this job before anything of it is
+    used (a checkpoint of another model or global batch is refused, and nothing is written)."""
     cfg, ck = engine.config, engine._checkpointer
     path = ck.latest()
     if path is None:
         if cfg.resume == "must":
             raise UsageError(f"resume='must' but {ck.dir} holds no whole checkpoint",
                              "point checkpoint_dir at a run that saved checkpoints, or use resume='auto'")
-        return False
+        return None
     if cfg.resume == "never":
         raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
                          "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
     meta = ck.read_meta(path)
-    signature = model_signature(engine._model.module)
+    signature = model_signature(model)
     if meta["model_signature"] != signature:
         raise UsageError(f"checkpoint {path} was saved from a different model "
                          f"(signature {meta['model_signature']}, this model {signature})",
@@ -75,7 +83,28 @@ def resume(engine) -> bool:
         raise UsageError(f"checkpoint {path} was saved with global batch {meta['global_batch']}, "
                          f"this run asks for {cfg.global_batch}",
                          f"run with global_batch={meta['global_batch']}, or start a new run elsewhere")
-    ck.load_model(path, model=engine._model.module, optimizer=engine._optimizer)
+    return Found(path, meta)
+
+
+def adopt_plan(engine, found: Found | None) -> Plan:
+    """The Plan to run: the checkpoint's own on the same world size, else the fresh one (its
+    version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
+    plan = engine.plan
+    if found is not None:
+        saved = Plan.from_json(found.meta["plan"])
+        if saved.world_size == engine.world_size:
+            plan = replace(saved, devices=tuple(
+                replace(d, device=now.device) for d, now in zip(saved.devices, engine.plan.devices)))
+        else:
+            plan = replace(engine.plan, version=saved.version + 1,
+                           note=f"re-planned for {engine.world_size} devices after resuming from {saved.world_size}")
+    return _apply_escaped_ooms(engine, plan)
+
+
+def restore(engine, found: Found) -> None:
+    """Collective: load the checkpoint's state into the prepared job."""
+    meta, ck = found.meta, engine._checkpointer
+    ck.load_model(found.path, model=engine._model.module, optimizer=engine._optimizer)
     engine._sampler.load_state_dict(meta["sampler"])
     engine.steps_done = meta["step"]
     if engine._scaler is not None and meta["scaler"] is not None:
@@ -85,38 +114,35 @@ def resume(engine) -> bool:
             obj.load_state_dict(meta["extra"][name])
     if engine.rank < len(meta["rng"]):
         set_rng_state(meta["rng"][engine.rank])
-    saved_plan = Plan.from_json(meta["plan"])
-    if saved_plan.world_size == engine.world_size:
-        plan = replace(saved_plan, devices=tuple(
-            replace(d, device=now.device) for d, now in zip(saved_plan.devices, engine.plan.devices)))
-        if engine._rebalancer is not None and meta["rebalancer"] is not None:
-            engine._rebalancer.load_state_dict(meta["rebalancer"])
-    else:
-        plan = replace(engine.plan, version=saved_plan.version + 1,
-                       note=f"re-planned for {engine.world_size} devices after resuming from "
-                            f"{saved_plan.world_size}")
-    engine.plan = _apply_escaped_ooms(engine, plan)
-    engine.log.info(f"resumed from {path.name}: step {engine.steps_done}, epoch {engine._sampler.epoch}, "
+    if engine._rebalancer is not None and meta["rebalancer"] is not None:
+        engine._rebalancer.load_state_dict(meta["rebalancer"])
+    if engine.emulated is not None and engine._optimizer.state:   # restored optimizer state is held too
+        engine.emulated.meter.set_fixed(engine._model.module, engine._optimizer)
+        engine._state_counted = True
+    engine.log.info(f"resumed from {found.path.name}: step {engine.steps_done}, epoch {engine._sampler.epoch}, "
                     f"sample cursor {engine._sampler.cursor}, plan v{engine.plan.version}"
                     + (f" (restart {engine.ctx.restart})" if engine.ctx.restart else ""))
-    return True
 
 
 def _apply_escaped_ooms(engine, plan: Plan) -> Plan:
-    """Halve the micro-batch of every rank whose previous attempt died of an OOM (recovery.py)."""
+    """Halve the micro-batch of every rank whose previous attempt died of an OOM (recovery.py);
+    with a checkpoint or without (an OOM before the first one)."""
     import torch.distributed as dist
 
     found = recovery.take_escaped_ooms(str(engine._checkpointer.dir), engine.world_size)
     if engine.world_size > 1:
         dist.barrier()   # every rank has read the records before rank 0 removes them
-    if not found:
+    if not found or plan.world_size != engine.world_size:
         return plan
     devices = list(plan.devices)
     notes = []
     for rank, micro in sorted(found.items()):
         smaller = recovery.smaller_micro_batch(min(micro, devices[rank].micro_batch))
-        if smaller is None:
-            continue
+        if smaller is None:   # every rank read the same record: all stop here together
+            raise HetrainError(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
+                               "1 sample in the previous attempt: the model does not fit there",
+                               "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
+                               "or a device with more memory")
         devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
         notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
     if engine.rank == 0:
@@ -126,13 +152,13 @@ def _apply_escaped_ooms(engine, plan: Plan) -> Plan:
     return plan.evolve(note=note, devices=tuple(devices))
 
 
-def log_samples(engine, step, samples) -> None:
+def log_samples(engine, step) -> None:
     """Append this rank's samples of a finished step to its sample log (one JSON line)."""
     directory = engine.config.sample_log
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"rank{engine.rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step.index, "attempt": engine.ctx.restart, "epochs": samples[1],
-                            "indices": samples[0]}) + "\n")
+        f.write(json.dumps({"step": step.index, "attempt": engine.ctx.restart, "epochs": list(step.epochs),
+                            "indices": list(step.indices)}) + "\n")
 
 
 def read_sample_log(directory: str) -> dict[int, list[tuple[int, int]]]:

@@ -185,15 +185,21 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             return float(used)
 
         # Activation bytes at two sizes: c + d·m (autocast's low-precision weight copies are the c).
-        per_one = activations(1)
+        # A model that cannot train on one sample (BatchNorm needs two) starts at two.
+        first = 1
+        try:
+            at_first = activations(1)
+        except ValueError:
+            first = 2
+            at_first = activations(2)
         state_guess = model_state_bytes(model, optimizer)
-        limit = max(1, max_size)
+        limit = max(first, max_size)
         if memory_bytes is not None:
-            room = (memory_bytes - state_guess) / max(per_one, 1.0)
-            limit = max(1, min(limit, int(room // 2)))
-        sizes = _sizes(limit)
-        act_fixed, act_per = fit_linear([1, sizes[-1]], [per_one, activations(sizes[-1])]) \
-            if sizes[-1] > 1 else (0.0, per_one)
+            room = (memory_bytes - state_guess) / max(at_first / first, 1.0)
+            limit = max(first, min(limit, int(room // 2)))
+        sizes = [m for m in _sizes(limit) if m >= first]
+        act_fixed, act_per = fit_linear([first, sizes[-1]], [at_first, activations(sizes[-1])]) \
+            if sizes[-1] > first else (0.0, at_first / first)
 
         timed_sizes, seconds, forward_parts = [], [], []
         for m in sizes:

@@ -41,8 +41,9 @@ class Decision:
 class Rebalancer:
     def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.08,
                  jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 3,
-                 cooldown: int = 4):
+                 cooldown: int = 4, micro_batch_cap: int | None = None):
         self.world_size = world_size
+        self.micro_batch_cap = micro_batch_cap   # the user's micro_batch= cap, kept under any split
         self.window = window
         self.threshold = threshold
         self.jump = jump
@@ -56,13 +57,13 @@ class Rebalancer:
         self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
         self.fixed: list[list[float]] = [[] for _ in range(world_size)]
         self.alpha = [0.0] * world_size
-        self.changes = 0
 
     # -- measurements -------------------------------------------------------------------------
     @staticmethod
     def overhead(d: DevicePlan) -> float:
-        """α: the device's fixed micro-batch time, in samples' worth (0 when not measured)."""
-        return d.fixed_s / d.per_sample_s if d.per_sample_s and d.fixed_s is not None else 0.0
+        """α: the device's fixed time per step — its micro-batches' fixed costs — in samples'
+        worth (0 when not measured). Follows the micro-batch count of the plan in force."""
+        return d.fixed_s * d.n_micro / d.per_sample_s if d.per_sample_s and d.fixed_s is not None else 0.0
 
     def observe(self, plan: Plan, *, busy_s: list[float], fixed_s: list[float]) -> None:
         """One step's figures, measured under `plan`."""
@@ -110,31 +111,35 @@ class Rebalancer:
             return None
         self._streak, self._last, self._since_change = 0, None, 0
         fastest = min(t)
-        devices = tuple(_with_share(d, s, t[d.rank], f[d.rank], fastest / t[d.rank])
+        devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank], self.micro_batch_cap)
                         for d, s in zip(plan.devices, new))
         timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
                             for d in plan.devices)
         message = (f"rebalanced at step {step} (plan v{plan.version} -> v{plan.version + 1}): shares "
                    f"{'/'.join(map(str, old))} -> {'/'.join(map(str, new))}; measured {timings}; "
                    f"predicted step {before * 1e3:.0f} -> {after * 1e3:.0f} ms (+{gain:.0%})")
-        self.changes += 1
         return Decision(plan=plan.evolve(note=message, devices=devices), message=message)
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"per_sample": self.per_sample, "fixed": self.fixed, "changes": self.changes}
+        return {"per_sample": self.per_sample, "fixed": self.fixed, "streak": self._streak,
+                "last": self._last, "since_change": self._since_change}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["per_sample"]) == self.world_size:   # another world size: measure afresh
+        """Resume exactly where it was (same world size), so a resumed run rebalances at the same
+        step as an uninterrupted one; on another world size, measure afresh."""
+        if len(state["per_sample"]) == self.world_size:
             self.per_sample = [list(v) for v in state["per_sample"]]
             self.fixed = [list(v) for v in state["fixed"]]
-        self.changes = int(state["changes"])
+            self._streak, self._last, self._since_change = state["streak"], state["last"], state["since_change"]
 
 
-def _with_share(d: DevicePlan, share: int, per_sample: float, fixed: float, speed: float) -> DevicePlan:
-    micro = share if d.max_micro_batch is None else max(1, min(share, d.max_micro_batch))
-    reasons = (f"share {share}: measured {per_sample * 1e3:.3g} ms/sample + {fixed * 1e3:.3g} ms per step "
-               "(rebalanced)",) + d.reasons[1:]
-    fixed_mb = Rebalancer.overhead(d) * per_sample
-    return replace(d, share=share, micro_batch=micro, speed=speed, per_sample_s=per_sample,
-                   fixed_s=fixed_mb, reasons=reasons)
+def _with_share(d: DevicePlan, share: int, per_sample: float, speed: float, cap: int | None) -> DevicePlan:
+    limits = [share] + [c for c in (d.max_micro_batch, cap) if c is not None]
+    micro = max(1, min(limits))
+    fixed_mb = d.fixed_s / d.per_sample_s * per_sample if d.per_sample_s and d.fixed_s is not None else None
+    reasons = (f"share {share}: measured {per_sample * 1e3:.3g} ms/sample"
+               + (f" + {fixed_mb * 1e3:.3g} ms per micro-batch" if fixed_mb is not None else "")
+               + " (rebalanced)",) + d.reasons[1:]
+    return replace(d, share=share, micro_batch=micro, speed=speed, per_sample_s=per_sample, fixed_s=fixed_mb,
+                   reasons=reasons)

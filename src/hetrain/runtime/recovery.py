@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -67,10 +66,6 @@ def smaller_micro_batch(micro: int) -> int | None:
     return None if micro <= 1 else max(1, micro // 2)
 
 
-def is_oom(exc: BaseException | None) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError)
-
-
 # -- an OOM that escaped the loop: recorded now, applied when the job resumes ----------------------
 def record_escaped_oom(directory: str, *, rank: int, micro: int, step: int) -> None:
     path = os.path.join(directory, OOM_RECORD.format(rank=rank))
@@ -80,8 +75,8 @@ def record_escaped_oom(directory: str, *, rank: int, micro: int, step: int) -> N
 
 
 def take_escaped_ooms(directory: str, world_size: int) -> dict[int, int]:
-    """{rank: micro-batch it ran out of memory with} from the previous attempt (files removed
-    by the caller once the new plan is agreed)."""
+    """{rank: micro-batch it ran out of memory with} from the previous attempt (every rank reads
+    them; rank 0 removes them once all have)."""
     found = {}
     for rank in range(world_size):
         path = os.path.join(directory, OOM_RECORD.format(rank=rank))

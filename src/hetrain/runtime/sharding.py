@@ -79,9 +79,10 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Paramet
 
 class FSDPSync:
     """`no_sync()` for FSDP2: no gradient reduction and no resharding on non-last micro-batches.
-    Also stands in for OOM recovery's sync guard: an OOM in a non-last micro-batch is recovered as
-    under DDP (no collective in flight), one in the last backward cannot be (peers are inside
-    FSDP2's reduce-scatters, which have no bucket record to complete), so it stops the rank."""
+    Also stands in for OOM recovery's sync guard, for an OOM in the last backward: that one cannot
+    be recovered (peers are inside FSDP2's reduce-scatters, which have no bucket record to
+    complete), so it stops the rank. In practice in-loop OOM recovery is off under FSDP2 altogether
+    (runtime/memory.py says why): a redo cannot replay FSDP2's all-gathers on one rank alone."""
 
     def __init__(self, root: nn.Module, units: list[nn.Module]):
         self.root, self.units = root, units

@@ -29,6 +29,7 @@ class MicroBatch:
     failed: str | None = None  # why this micro-batch ran out of memory, if it did
     desynced: bool = False     # the OOM struck inside the step's gradient sync
     inject_forward_oom: object = None   # a fault to raise in the next forward (faults.py)
+    events: list | None = None # CUDA timing events: start, before backward, after backward
 
     @property
     def last(self) -> bool:
