@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ class Launch:
     env: dict[str, str]                          # only what we set on top of the caller's env
     reasons: tuple[str, ...] = field(default=())  # one line per choice, for people
     nproc: int = 1
+    temporary_dir: bool = False                  # the run dir is ours to remove after the run
 
     def describe(self) -> str:
         lines = [f"launching {self.nproc} process(es) with torchrun:", "  " + " ".join(self.argv)]
@@ -85,6 +87,7 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             raise UsageError(f"--nproc {nproc} but --emulate names {count} devices",
                              "drop --nproc: with --emulate there is one process per device")
         count = nproc
+    temporary_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
     os.makedirs(run_dir, exist_ok=True)
     defaults = {}
@@ -101,20 +104,41 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={count}", f"--max-restarts={max_restarts}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
-    return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count)
+    return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir)
 
 
 def run_launch(launch: Launch) -> int:
     """Run torchrun's own launcher in this process, so a failed worker becomes one clear line
     here instead of the launcher's traceback. Returns 0, or the workers' error's exit code after
-    printing it once (2 for a usage error); otherwise raises HetrainError naming the rank."""
+    printing it once (2 for a usage error); otherwise raises HetrainError naming the rank.
+    A run dir made here in the temp folder is removed afterwards (its checkpoints stay after a failure)."""
+    run_dir = os.path.dirname(launch.env[LAUNCH_ENV])
+    code = None
+    try:
+        code = _run_in_process(launch, run_dir)
+        return code
+    finally:
+        if launch.temporary_dir:
+            _remove_run_dir(run_dir, keep_checkpoints=code != 0)
+
+
+def _remove_run_dir(run_dir: str, *, keep_checkpoints: bool) -> None:
+    """A run dir we made in the temp folder goes; after a failure its checkpoints stay to resume from."""
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if keep_checkpoints and os.path.isdir(checkpoints) and os.listdir(checkpoints):
+        print(f"hetrain: checkpoints kept in {checkpoints} (resume with --checkpoint-dir {checkpoints})",
+              file=sys.stderr)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_in_process(launch: Launch, run_dir: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     from .runtime.failure import clear_errors, read_errors
 
     os.environ.update(launch.env)
-    run_dir = os.path.dirname(launch.env[LAUNCH_ENV])
     clear_errors(run_dir)
     # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

@@ -10,8 +10,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def hetrain(*args: str, timeout: float = 240, cwd: str | None = None) -> subprocess.CompletedProcess:
+def hetrain(*args: str, timeout: float = 240, cwd: str | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "COLUMNS": "120"}
+           "COLUMNS": "120", **(env or {})}
     return subprocess.run([sys.executable, "-m", "hetrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)

@@ -62,9 +62,27 @@ def test_bad_job_settings_stop_every_rank_with_one_line(tmp_path, batch, n, word
 def test_a_crashing_script_names_the_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
-    result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), env={"TMPDIR": str(temp)})
     assert result.returncode == 1
     assert "rank 1 exited with code 3" in result.stderr
+    assert not list(temp.glob("hetrain-*"))        # the launch's own run dir is gone, failed or not
+
+
+def test_a_run_leaves_no_run_dir_behind_unless_asked(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os, json\nprint('rank', os.environ['RANK'], 'launch', os.environ['HETRAIN_LAUNCH'])\n")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), env={"TMPDIR": str(temp)})
+    assert result.returncode == 0, result.stderr
+    assert f"launch {temp}" in result.stdout                # the workers saw a run dir in TMPDIR ...
+    assert not list(temp.glob("hetrain-*"))                 # ... and it went with the run
+    kept = tmp_path / "run"
+    result = hetrain("run", "--run-dir", str(kept), str(script))
+    assert result.returncode == 0, result.stderr
+    assert (kept / "launch.json").is_file()                 # a dir the user named stays
 
 
 def test_demo_trains_and_reports(tmp_path):

@@ -390,6 +390,7 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
 
     from ..runtime.probe import default_forward
     from ..runtime.profiler import MAX_SIZE, profile_device
+    from ..runtime.data import to_device
     from ..planning.cost import catalog_link
 
     fn = _load_factory(spec)
@@ -401,7 +402,7 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
         def load(m):
             items = [dataset[i] for i in range(min(m, n))]
             batch = collate(items)
-            return _to(batch, device)
+            return to_device(batch, device)
         return load
 
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -451,16 +452,6 @@ def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
     return [p], grad_bytes, None, found
 
 
-def _to(obj, device):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _estimate(spec: ModelSpec, cluster, precision: str):

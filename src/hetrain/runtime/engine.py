@@ -36,7 +36,7 @@ from . import agree, checkpointing, memory, persist, precision, recovery, reduce
 from .joint_plan import agree_plan, check_given_plan, measure, show_plan
 from .checkpoint import Checkpointer
 from .config import Config
-from .data import GlobalCursorSampler
+from .data import GlobalCursorSampler, to_device
 from .dist import DistContext, init_distributed, shutdown
 from .emulate import EmulatedDevice
 from .failure import install_excepthook
@@ -47,15 +47,6 @@ from .model import PreparedModel
 from .probe import default_forward
 from .rebalance import Rebalancer
 from .steps import MicroBatch, Step, Steps
-
-def _to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 class Engine:
@@ -235,7 +226,7 @@ class Engine:
     def _load(self, indices) -> object:
         ds = self._dataset
         items = ds.__getitems__(list(indices)) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
-        return _to_device(self._collate(items), self.device)
+        return to_device(self._collate(items), self.device)
 
     # -- the loop -----------------------------------------------------------------------------
     def _begin_step(self) -> Step:
