@@ -21,6 +21,10 @@ wall-clock figures are only meaningful on a quiet host: the CPU the rest of the 
 each run is recorded with it. The CPU seconds of each rank's forward+backward per step, predicted
 and measured, check the profile and micro-batch model whatever the load.
 
+Precision: fp32 on every device by default. `auto` would give the T4 and the V100 fp16, which this
+CPU runs many times slower than bf16 (no fast fp16 kernels), so those emulated devices would run
+far below their catalog speed and the clusters would not have the ratios their names say.
+
 Known gaps (emulation only): a device that sleeps between its forward and backward finds its
 caches cold afterwards (~1.5 ms more CPU per micro-batch here, not in the profile: it shows on a
 capped device running many micro-batches), and the emulator settles a wrong guess of the backward's
@@ -107,7 +111,7 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
     out = os.path.join(workdir, f"{tag}.json")
     launch = build_launch(target="hetrain.demo.train_gpt", module=True, emulate=spec,
                           target_args=("--steps", str(args.steps), "--global-batch", str(args.global_batch),
-                                       "--json", out),
+                                       "--precision", args.precision, "--json", out),
                           config={"plan": plan_path} if plan_path else None,
                           run_dir=os.path.join(workdir, tag))
     busy0, ours0, t0 = _host_busy_s(), _children_cpu_s(), time.perf_counter()
@@ -162,6 +166,9 @@ def main(argv=None) -> dict:
                    help="on a shared host: repeat a run while other work used more than this many cores")
     p.add_argument("--retries", type=int, default=5, help="with --max-other-cores: at most this many repeats")
     p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "auto"],
+                   help="fp32 (default) on every device; auto gives the T4 and V100 fp16, which a CPU "
+                        "runs many times slower than bf16, so their emulated speeds would not be the catalog's")
     p.add_argument("--dilate", type=float, default=1.0,
                    help="run every emulated device D× slower (speeds / D): on a busy shared host the "
                         "devices then mostly sleep, which keeps other work's contention out of the figures "
@@ -222,7 +229,7 @@ def main(argv=None) -> dict:
                             "predicted_speedup_vs_equal": pred / ddp_pred})
             rows.append(row)
     result = {
-        "model": "demo GPT (4 layers, d=128, seq 64, bf16 autocast), AdamW",
+        "model": f"demo GPT (4 layers, d=128, seq 64, precision {args.precision}), AdamW",
         "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds, "dilate": args.dilate,
         "host_cores": cores,
         "target_rel_error": TARGET,

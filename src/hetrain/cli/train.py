@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import UsageError
 from ..launch import build_launch, run_launch
 
 DEMO_CLUSTER = "a100-80g:1.0,rtx3090:0.67"
@@ -40,10 +41,15 @@ def demo(
                                 help="emulated cluster (default: A100-80G + RTX 3090 at the measured 1 : 0.67)"),
     steps: int = typer.Option(300, "--steps", help="optimizer steps"),
     global_batch: int = typer.Option(64, "--global-batch", help="samples per step, all devices together"),
+    precision: str = typer.Option("auto", "--precision",
+                                  help="auto (each device's own: bf16 where the catalog GPU has it, else fp16), "
+                                       "fp32, bf16 or fp16"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the run's figures to this file"),
 ) -> None:
     """Train a small GPT on Python's own docs across an emulated mixed cluster (no GPU needed)."""
-    args = ["--steps", str(steps), "--global-batch", str(global_batch)]
+    if precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise UsageError(f"--precision {precision!r} is not one of auto, fp32, bf16, fp16", "pick one of those")
+    args = ["--steps", str(steps), "--global-batch", str(global_batch), "--precision", precision]
     if json_path:
         args += ["--json", json_path]
     launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,

@@ -121,7 +121,9 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
         # work on the host is not modelled: it comes and goes faster than a plan lives.
         host_cores=gathered[0]["host_cores"] if engine.emulated is not None else None)
     if engine.emulated is not None and n > 1:    # one CPU, measured by every rank: pool them
-        profiles = pool_emulated(profiles, list(parse_cluster(cfg.emulate)))
+        specs = list(parse_cluster(cfg.emulate))
+        profiles = pool_emulated(profiles, specs)
+        _warn_slow_cpu_precision(engine.log.warn, profiles, specs)
     engine.profiles = tuple(profiles)            # every rank's, for rebalancing and reports
     plan = make_plan(list(profiles), options)
     cached = sum(bool(g["cached"]) for g in gathered)
@@ -130,6 +132,23 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     return replace(plan, devices=tuple(
         replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
         for d, p in zip(plan.devices, profiles)))
+
+
+def _warn_slow_cpu_precision(warn, profiles, specs) -> None:
+    """fp16 on a CPU has no fast kernels: an emulated fp16 device runs far below its catalog speed.
+    The plan is still right (it splits by what was measured), but the cluster is not the one named."""
+    cpu = {}      # precision -> CPU seconds per sample, the emulated speed taken out
+    for p, spec in zip(profiles, specs):
+        cpu.setdefault(p.precision, p.per_sample_s * spec.speed)
+    if "fp16" not in cpu or len(cpu) < 2:
+        return
+    base = min(v for k, v in cpu.items() if k != "fp16")
+    slow = [spec.label for p, spec in zip(profiles, specs) if p.precision == "fp16"]
+    they = "it is" if len(slow) == 1 else "they are"
+    warn(f"{', '.join(slow)} (emulated): fp16, which this CPU computes {cpu['fp16'] / base:.0f}x slower than "
+         f"the other ranks' precision (no fast fp16 kernels), so {they} slower than the catalog speed and "
+         f"the plan gives {'it a smaller share' if len(slow) == 1 else 'them smaller shares'}; "
+         f"precision='fp32' (the demo: --precision fp32) keeps the emulated speeds true")
 
 
 def check_given_plan(engine, plan: Plan) -> Plan:

@@ -281,18 +281,24 @@ def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
 
 def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
     """Emulated devices are all this host's CPU, measured once per rank: average the CPU figures
-    over the ranks (less noise than any one of them) and convert back to each device's speed."""
+    over the ranks that ran the same precision (less noise than any one of them; fp16 on a CPU is
+    many times slower than bf16, so ranks of different precisions are never pooled) and convert
+    back to each device's speed."""
     raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
-    n = len(raw)
-
-    def mean(field: str) -> float:
-        return sum(getattr(r, field) for r in raw) / n
-
-    pooled = {f: mean(f) for f in ("overhead_s", "per_sample_s", "optimizer_s", "forward_fraction")}
-    return [replace(p, overhead_s=pooled["overhead_s"] / spec.speed, per_sample_s=pooled["per_sample_s"] / spec.speed,
-                    optimizer_s=pooled["optimizer_s"] / spec.speed, forward_fraction=pooled["forward_fraction"],
-                    source=p.source + f", averaged over the {n} ranks' measurements of this CPU")
-            for p, spec in zip(profiles, specs)]
+    out = []
+    for p, spec in zip(profiles, specs):
+        alike = [r for r in raw if r.precision == p.precision]
+        n = len(alike)
+        if n < 2:
+            out.append(p)
+            continue
+        pooled = {f: sum(getattr(r, f) for r in alike) / n
+                  for f in ("overhead_s", "per_sample_s", "optimizer_s", "forward_fraction")}
+        out.append(replace(p, overhead_s=pooled["overhead_s"] / spec.speed,
+                           per_sample_s=pooled["per_sample_s"] / spec.speed,
+                           optimizer_s=pooled["optimizer_s"] / spec.speed, forward_fraction=pooled["forward_fraction"],
+                           source=p.source + f", averaged over the {n} {p.precision} ranks' measurements of this CPU"))
+    return out
 
 
 def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,

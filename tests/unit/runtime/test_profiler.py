@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -117,4 +118,22 @@ def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
     a, b = profiler.pool_emulated([emulated(raw, fast), emulated(noisy, slow)], [fast, slow])
     assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)
     assert b.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s) and b.cpu_share == 0.5
-    assert "averaged over the 2 ranks" in a.source
+    assert "averaged over the 2 fp32 ranks" in a.source
+
+
+def test_emulated_ranks_of_different_precisions_are_not_pooled():
+    """fp16 on a CPU is many times slower than bf16: averaging the two would slow the bf16 device
+    down and speed the fp16 one up in the plan (seen as a 63 : 1 split on an A100 + T4 pair)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
+    fast, slow, third = parse_cluster("a100-80g:1.0,t4:0.5,rtx3090:0.5")
+    bf16 = dataclasses.replace(raw, precision="bf16")
+    fp16 = dataclasses.replace(raw.scaled(30.0), precision="fp16")
+    other = dataclasses.replace(raw.scaled(1.2), precision="bf16")
+    a, b, c = profiler.pool_emulated([emulated(bf16, fast), emulated(fp16, slow), emulated(other, third)],
+                                     [fast, slow, third])
+    assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)           # the two bf16 ranks only
+    assert c.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s)
+    assert b.per_sample_s == pytest.approx(2 * 30.0 * raw.per_sample_s)      # its own measurement
+    assert "averaged" not in b.source and "averaged over the 2 bf16 ranks" in a.source
