@@ -280,24 +280,31 @@ def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
 
 
 def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
-    """Emulated devices are all this host's CPU, measured once per rank: average the CPU figures
-    over the ranks that ran the same precision (less noise than any one of them; fp16 on a CPU is
-    many times slower than bf16, so ranks of different precisions are never pooled) and convert
-    back to each device's speed."""
+    """Emulated devices are all this host's CPU, measured once per rank: pool the measurements
+    (less noise than any one rank's) and convert back to each device's speed. Only ranks of the
+    same precision pool (fp16 on a CPU is many times slower than bf16), and each device refits
+    t(m) = a + b·m on the pooled points within its own measured sizes: a memory-capped device
+    measured 1…4 samples, and a line through 1…64 would misstate its small micro-batches (and
+    its few points would bend the large device's line)."""
     raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
     out = []
     for p, spec in zip(profiles, specs):
         alike = [r for r in raw if r.precision == p.precision]
-        n = len(alike)
-        if n < 2:
+        if len(alike) < 2:
             out.append(p)
             continue
-        pooled = {f: sum(getattr(r, f) for r in alike) / n
-                  for f in ("overhead_s", "per_sample_s", "optimizer_s", "forward_fraction")}
-        out.append(replace(p, overhead_s=pooled["overhead_s"] / spec.speed,
-                           per_sample_s=pooled["per_sample_s"] / spec.speed,
-                           optimizer_s=pooled["optimizer_s"] / spec.speed, forward_fraction=pooled["forward_fraction"],
-                           source=p.source + f", averaged over the {n} {p.precision} ranks' measurements of this CPU"))
+        mean = {f: sum(getattr(r, f) for r in alike) / len(alike) for f in ("optimizer_s", "forward_fraction")}
+        top = max(p.sizes, default=0)
+        points = [(m, t) for r in alike for m, t in zip(r.sizes, r.seconds) if m <= top]
+        if len({m for m, _ in points}) >= 2:
+            a, b = fit_linear([m for m, _ in points], [t for _, t in points])
+        else:       # no points recorded (an older cached profile): average the fitted lines
+            a = sum(r.overhead_s for r in alike) / len(alike)
+            b = sum(r.per_sample_s for r in alike) / len(alike)
+        out.append(replace(p, overhead_s=a / spec.speed, per_sample_s=b / spec.speed,
+                           optimizer_s=mean["optimizer_s"] / spec.speed, forward_fraction=mean["forward_fraction"],
+                           source=p.source + f", pooled with the {len(alike)} {p.precision} ranks' "
+                                             f"measurements of this CPU up to {top} samples"))
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from torch import nn
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.runtime import profiler
+from hetrain.planning.profile import DeviceProfile, fit_linear
 from hetrain.runtime.profiler import emulated, measure, profile_device
 
 D_IN, D_HIDDEN, D_OUT = 32, 64, 8
@@ -109,31 +109,57 @@ def test_emulated_devices_convert_cpu_time_by_their_speed():
     assert via_cache.cpu_share == 0.5 and via_cache.memory_bytes == 1024**3
 
 
+def cpu_profile(sizes, seconds_of, *, precision="fp32") -> DeviceProfile:
+    """A CPU measurement with the given timings (what `measure` records), fitted as measure fits."""
+    seconds = [seconds_of(m) for m in sizes]
+    a, b = fit_linear(list(sizes), seconds)
+    return DeviceProfile(device="cpu", source="measured on cpu", overhead_s=a, per_sample_s=b, fixed_bytes=0,
+                         activation_bytes_per_sample=0.0, precision=precision, sizes=tuple(sizes),
+                         seconds=tuple(seconds))
+
+
+def line(a, b):
+    return lambda m: a + b * m
+
+
 def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
     fast, slow = parse_cluster("a100-80g:1.0,rtx3090:0.5")
-    noisy = raw.scaled(1.2)                               # the other rank measured 20% slower
-    a, b = profiler.pool_emulated([emulated(raw, fast), emulated(noisy, slow)], [fast, slow])
-    assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)
-    assert b.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s) and b.cpu_share == 0.5
-    assert "averaged over the 2 fp32 ranks" in a.source
+    sizes = (1, 2, 4, 8, 16)
+    same = cpu_profile(sizes, line(0.002, 0.001))
+    x, y = profiler.pool_emulated([emulated(same, fast), emulated(same, slow)], [fast, slow])
+    assert (x.overhead_s, x.per_sample_s) == pytest.approx((0.002, 0.001))
+    assert (y.overhead_s, y.per_sample_s) == pytest.approx((0.004, 0.002)) and y.cpu_share == 0.5
+    noisy = cpu_profile(sizes, line(0.0024, 0.0012))            # the other rank measured 20% slower
+    a, b = profiler.pool_emulated([emulated(same, fast), emulated(noisy, slow)], [fast, slow])
+    assert 1.05 < a.per_sample_s / 0.001 < 1.15 and 1.05 < a.overhead_s / 0.002 < 1.15   # in between
+    assert b.per_sample_s == pytest.approx(2 * a.per_sample_s) and b.overhead_s == pytest.approx(2 * a.overhead_s)
+    assert "pooled with the 2 fp32 ranks" in a.source
+
+
+def test_a_capped_device_fits_the_pooled_points_within_its_own_sizes():
+    """The capped device measured up to 4 samples: its line comes from the points up to 4 (its own
+    and the big device's), not from a line bent by the big device's 64-sample timings."""
+    fast, capped = parse_cluster("a100-80g:1.0,t4:0.5@24MiB")
+    small = line(0.002, 0.001)
+    bent = lambda m: small(m) * (1 + max(0, m - 8) / 40)          # slower per sample past 8 (caches)
+    big = cpu_profile((1, 2, 4, 8, 16, 32, 64), bent)
+    little = cpu_profile((1, 2, 4), small)
+    a, b = profiler.pool_emulated([emulated(big, fast), emulated(little, capped)], [fast, capped])
+    assert (b.overhead_s, b.per_sample_s) == pytest.approx((2 * 0.002, 2 * 0.001), rel=1e-6)
+    assert a.per_sample_s > 1.2 * 0.001          # the big device keeps its large sizes' cost
+    assert "up to 4 samples" in b.source and "up to 64 samples" in a.source
 
 
 def test_emulated_ranks_of_different_precisions_are_not_pooled():
-    """fp16 on a CPU is many times slower than bf16: averaging the two would slow the bf16 device
+    """fp16 on a CPU is many times slower than bf16: pooling the two would slow the bf16 device
     down and speed the fp16 one up in the plan (seen as a 63 : 1 split on an A100 + T4 pair)."""
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
     fast, slow, third = parse_cluster("a100-80g:1.0,t4:0.5,rtx3090:0.5")
-    bf16 = dataclasses.replace(raw, precision="bf16")
-    fp16 = dataclasses.replace(raw.scaled(30.0), precision="fp16")
-    other = dataclasses.replace(raw.scaled(1.2), precision="bf16")
+    sizes = (1, 2, 4, 8)
+    bf16 = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
+    fp16 = cpu_profile(sizes, line(0.06, 0.03), precision="fp16")
+    other = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
     a, b, c = profiler.pool_emulated([emulated(bf16, fast), emulated(fp16, slow), emulated(other, third)],
                                      [fast, slow, third])
-    assert a.per_sample_s == pytest.approx(1.1 * raw.per_sample_s)           # the two bf16 ranks only
-    assert c.per_sample_s == pytest.approx(2 * 1.1 * raw.per_sample_s)
-    assert b.per_sample_s == pytest.approx(2 * 30.0 * raw.per_sample_s)      # its own measurement
-    assert "averaged" not in b.source and "averaged over the 2 bf16 ranks" in a.source
+    assert a.per_sample_s == pytest.approx(0.001) and c.per_sample_s == pytest.approx(2 * 0.001)
+    assert b.per_sample_s == pytest.approx(2 * 0.03)                           # its own measurement
+    assert "pooled" not in b.source and "pooled with the 2 bf16 ranks" in a.source
