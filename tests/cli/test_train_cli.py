@@ -59,22 +59,26 @@ def test_bad_job_settings_stop_every_rank_with_one_line(tmp_path, batch, n, word
     one_line_error(hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), str(batch), str(n)), *words)
 
 
-def test_a_crashing_script_names_the_rank(tmp_path):
+@pytest.fixture
+def temp(tmp_path):
+    """A TMPDIR of the test's own, to see what a run leaves in the temp folder."""
+    path = tmp_path / "tmp"
+    path.mkdir()
+    return path
+
+
+def test_a_crashing_script_names_the_rank(tmp_path, temp):
     script = tmp_path / "train.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
-    temp = tmp_path / "tmp"
-    temp.mkdir()
     result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), env={"TMPDIR": str(temp)})
     assert result.returncode == 1
     assert "rank 1 exited with code 3" in result.stderr
     assert not list(temp.glob("hetrain-*"))        # the launch's own run dir is gone, failed or not
 
 
-def test_a_run_leaves_no_run_dir_behind_unless_asked(tmp_path):
+def test_a_run_leaves_no_run_dir_behind_unless_asked(tmp_path, temp):
     script = tmp_path / "train.py"
-    script.write_text("import os, json\nprint('rank', os.environ['RANK'], 'launch', os.environ['HETRAIN_LAUNCH'])\n")
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'launch', os.environ['HETRAIN_LAUNCH'])\n")
     result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), env={"TMPDIR": str(temp)})
     assert result.returncode == 0, result.stderr
     assert f"launch {temp}" in result.stdout                # the workers saw a run dir in TMPDIR ...

@@ -158,6 +158,7 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             return forward(m, b)
 
     clock = time.thread_time if cpu_clock and not cuda else time.perf_counter
+    now = _synced(clock, device)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if cuda else []):
@@ -206,18 +207,12 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             batch = load(m)
             runs = []
             for k in range(MAX_RUNS + 1):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t0 = clock()
+                t0 = now()
                 with meter.forward():       # the emulated meter's hooks are part of the real cost
                     loss = _as_scalar(fwd(model, batch))
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t1 = clock()
+                t1 = now()
                 loss.backward()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                spent = clock() - t0
+                spent = now() - t0
                 if k == 0:
                     continue                 # warm-up: a new size allocates (and faults in) new memory
                 runs.append(spent)
@@ -243,6 +238,17 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         sizes=tuple(timed_sizes), seconds=tuple(seconds))
 
 
+def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:
+    """The clock, read after the device has finished its queued work (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return clock
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return clock()
+    return now
+
+
 def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
     """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
     parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
@@ -257,14 +263,11 @@ def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
     for original, clone in zip(params, (p for g in twin.param_groups for p in g["params"])):
         clone.grad = original.grad.detach().clone() if original.grad is not None else torch.zeros_like(clone)
     runs = []
+    now = _synced(clock, device)
     for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = clock()
+        t0 = now()
         twin.step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        runs.append(clock() - t0)
+        runs.append(now() - t0)
     state = [v for s in twin.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     fixed = model_state_bytes(model, None) + sum(t.numel() * t.element_size() for t in state)
     del twin

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
 from hetrain.errors import UsageError
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.planning.parallelism import compare_parallelism, evaluate_hybrid, split_hybrid
-from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice, stage_devices
+from hetrain.planning.pipeline_split import PipelineProfile, stage_devices
+
+from pipeline_cases import compositions, devices, profile
 
 GIB = 1024**3
-
-
-def profile(n=12, seconds=1e-3, act=1e6, params=4e6):
-    return PipelineProfile(blocks=tuple(BlockCost(seconds=seconds, activation_bytes=act, param_bytes=params)
-                                        for _ in range(n)))
-
-
-def devices(*speeds, memory=None):
-    return [StageDevice(name=f"d{i}", speed=s, memory_bytes=memory) for i, s in enumerate(speeds)]
-
-
-def compositions(n, k):
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        edges = (0, *cuts, n)
-        yield tuple(edges[i + 1] - edges[i] for i in range(k))
 
 
 def test_hybrid_shares_follow_pipeline_throughput():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -12,22 +11,9 @@ from hetrain.errors import UsageError
 from hetrain.planning.pipeline_split import (BlockCost, PipelineProfile, StageDevice, bubble_fraction, evaluate_split,
                                              in_flight, split_pipeline)
 
+from pipeline_cases import compositions, devices, profile
+
 GIB = 1024**3
-
-
-def profile(n=12, seconds=1e-3, act=1e6, params=4e6, first=None, last=None, tied=0.0):
-    return PipelineProfile(blocks=tuple(BlockCost(seconds=seconds, activation_bytes=act, param_bytes=params)
-                                        for _ in range(n)), first=first, last=last, tied_param_bytes=tied)
-
-
-def devices(*speeds, memory=None):
-    return [StageDevice(name=f"d{i}", speed=s, memory_bytes=memory) for i, s in enumerate(speeds)]
-
-
-def compositions(n, k):
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        edges = (0, *cuts, n)
-        yield tuple(edges[i + 1] - edges[i] for i in range(k))
 
 
 def test_bubble_fraction_and_activations_in_flight():
