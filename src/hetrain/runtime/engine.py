@@ -208,6 +208,13 @@ class Engine:
         if resume_from is not None:
             persist.restore(self, resume_from)
         show_plan(self.log, self.plan, self.total_steps)
+        # Python's full (generation-2) collection scans every live object: after the imports,
+        # profiling and planning that is a large heap, and one pass took ~140 ms in the middle of
+        # training here (a step is ~110 ms). Collect once now and freeze what is alive, so the
+        # collections during training look only at objects made during training (as torchtitan
+        # controls GC in its loop). _release() unfreezes, so the wrapper can be freed at the end.
+        gc.collect()
+        gc.freeze()
         return self._model, optimizer, Steps(self)
 
     def register_state(self, name: str, obj) -> None:
@@ -580,6 +587,7 @@ class Engine:
             dist.destroy_process_group()
 
     def _release(self) -> None:
+        gc.unfreeze()
         if self._model is not None:
             self._model.release_wrapper()
         self._ddp = self._guard = None
