@@ -30,12 +30,12 @@ def model(width=32, hidden=0):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, **config):
+def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None, momentum=0.9, **config):
     import hetrain
 
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, **config)
-    net = model(width, hidden)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net = net if net is not None else model(width, hidden)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=momentum)
     net, opt, batches = ht.prepare(net, opt, data(n))
     shares = []
     for step in batches:
@@ -153,27 +153,19 @@ def buffered_worker(rank, world, micro_batch):
     """A model with buffers (BatchNorm): DDP broadcasts them in a step's first forward. The split is
     given (28 : 20), so the redo's halved micro-batch is never a single sample, which BatchNorm
     cannot train on (a measured split of this tiny model can give the 3090 only a few samples)."""
-    import hetrain
     from hetrain.planning.plan import DevicePlan, Plan
 
     micro = micro_batch or 48
     plan = Plan(global_batch=48, devices=(
         DevicePlan(rank=0, device="a100-80g", speed=1.0, share=28, micro_batch=min(micro, 28)),
         DevicePlan(rank=1, device="rtx3090", speed=0.67, share=20, micro_batch=min(micro, 20))))
-    ht = hetrain.init(global_batch=48, max_steps=4, emulate="a100-80g,rtx3090", verbose=False, rebalance=False,
-                      plan=plan, faults="oom:rank=1,step=2,micro=0,phase=forward")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    net, opt, batches = ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05), data())
-    for step in batches:
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                ht.backward(F.mse_loss(net(x), y))
-        ht.step()
-    out = {"steps": ht.steps_done, "ooms": ht.ooms, "micro": ht.plan.devices[1].micro_batch}
-    ht.close()
-    return out
+    out = train("a100-80g,rtx3090", 4, net=net, momentum=0.0, rebalance=False, plan=plan,
+                faults="oom:rank=1,step=2,micro=0,phase=forward")
+    summary = out["summary"]
+    return {"steps": summary["steps"], "ooms": summary["ranks"][rank]["ooms"],
+            "micro": out["plan"].devices[1].micro_batch}
 
 
 @pytest.mark.parametrize("micro_batch", [8, None])   # several micro-batches; one (the synced forward)
