@@ -5,12 +5,13 @@ every rank profiles its device (cached after the first run), the ranks gather th
 the planner, and the plan's predicted samples/s is compared with the samples/s the run measured
 (steady state: the first step is left out). The same cluster then runs the plain equal split
 (every device the same share and micro-batch) from a plan file, to check the planner's prediction
-for plain DDP as well.
+for plain DDP as well. Rebalancing is off in every run, so each runs the split it is compared with.
 
 What the prediction rests on: each rank's profile (CPU time of forward+backward at 1…64 samples,
 fitted a + b·m; the optimizer step), pooled over the ranks (one CPU), divided by each device's
-emulated speed; the gradient sync as the job measured it through DDP before training (a synced
-backward against a no_sync one); and the host's core count.
+emulated speed; the gradient sync as the job measured it through DDP before training (the tail
+of a synced backward after its last bucket is launched) and the step's agreement all-reduce; and
+the host's core count; how far the last rank trailed the others in that probe (stragglers).
 
 CPU contention: an emulated device of speed s keeps one core busy a fraction s of its time, so a
 1 : 0.67 : 0.5 cluster wants 2.17 cores of a 2-core host. The cost model knows the host's core
@@ -71,7 +72,9 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
     work = [Assignment(profile=p, share=s, micro_batch=m)
             for p, s, m in zip(profiles, run["shares"], run["micro_batches"])]
     return step_cost(work, global_batch=sum(run["shares"]), grad_bytes=pred["grad_bytes"], link=link,
-                     host_cores=cores, host_load=run["other_work_cores"], sync_s=pred.get("sync_s")).samples_per_s
+                     host_cores=cores, host_load=run["other_work_cores"], sync_s=pred.get("sync_s"),
+                     agree_s=pred.get("agree_s", 0.0),   # both runs are hetrain's, with its agreement
+                     straggle=pred.get("straggle", 0.0), straggle_stretch=pred.get("straggle_stretch", 1.0)).samples_per_s
 
 
 def dilate(spec: str, factor: float) -> str:
@@ -112,7 +115,9 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
     launch = build_launch(target="hetrain.demo.train_gpt", module=True, emulate=spec,
                           target_args=("--steps", str(args.steps), "--global-batch", str(args.global_batch),
                                        "--precision", args.precision, "--json", out),
-                          config={"plan": plan_path} if plan_path else None,
+                          # Rebalancing off: the run keeps the split whose prediction it is compared
+                          # with (with it on, the equal-split runs drifted to hetrain's own split).
+                          config={"rebalance": False, **({"plan": plan_path} if plan_path else {})},
                           run_dir=os.path.join(workdir, tag))
     busy0, ours0, t0 = _host_busy_s(), _children_cpu_s(), time.perf_counter()
     proc = subprocess.run(list(launch.argv), env={**_env(cache), **launch.env}, capture_output=True, text=True,

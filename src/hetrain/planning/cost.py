@@ -2,13 +2,22 @@
 
 Step time of data parallelism with per-device shares (one optimizer step over the global batch):
 
-    step = max_r compute_r  +  exposed gradient sync  +  max_r optimizer_r
+    step = max_r compute_r · (1 + straggle)  +  exposed gradient sync  +  agreement  +  max_r optimizer_r
     compute_r = n_r·a_r + b_r·share_r        (n_r micro-batches; t(m) = a + b·m per micro-batch)
 
 Gradient sync is a ring all-reduce of the gradients, S bytes over n devices, limited by the slowest
 link B: 2(n−1)/n · S/B + 2(n−1)·latency. DDP all-reduces bucket by bucket while the last
 micro-batch's backward still runs on the slowest device, so that part of the sync is hidden
 (overlapped); what is left after the backward ends — at least the last bucket — is exposed.
+The agreement is hetrain's one small all-reduce per step (runtime/agree.py), measured at the
+start of a job (0 when not measured, and for plain DDP, which has none).
+
+Stragglers: every step waits for its last device, and which device is last changes from step to
+step (on a shared host, whichever process the scheduler left behind), so the step is longer than
+the slowest device's average. A job measures this at its start: all ranks run the same backward
+at once, and `straggle` is how far the last one trails their average. That probe runs every
+device flat out (contention `straggle_stretch`); a step whose devices sleep part of the time
+contends less, and trails in proportion to its own stretch beyond 1 (`straggle_at`).
 
 Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
 precision, times a stated efficiency (model FLOPs utilisation, default 40%).
@@ -216,6 +225,8 @@ class StepCost:
     comm: CommCost
     stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: no contention)
     bottleneck: int                  # index of the device whose compute sets the step
+    agree_s: float = 0.0             # hetrain's per-step agreement all-reduce
+    straggle_s: float = 0.0          # the step's wait for whichever device is last this time
 
     @property
     def critical_compute_s(self) -> float:
@@ -228,10 +239,13 @@ class StepCost:
 
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
               host_cores: float | None = None, host_load: float = 0.0,
-              sync_s: float | None = None) -> StepCost:
+              sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
+              straggle_stretch: float = 1.0) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
     with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
-    `sync_s`: the exposed gradient sync as measured (instead of the ring model's)."""
+    `sync_s`: the exposed gradient sync as measured (instead of the ring model's); `agree_s`:
+    the per-step agreement all-reduce (hetrain's; plain DDP has none); `straggle`, measured at
+    contention `straggle_stretch`: see the module docstring."""
     alone = [a.compute_s() for a in assignments]
     opt_alone = [a.profile.optimizer_s for a in assignments]
     if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
@@ -249,9 +263,19 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
         comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
     else:
         comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
-    step = compute[crit] + comm.exposed_s + opt
+    straggle_s = compute[crit] * straggle_at(straggle, straggle_stretch, max(factors)) if len(compute) > 1 else 0.0
+    step = compute[crit] + straggle_s + comm.exposed_s + agree_s + opt
     return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
-                    comm=comm, stretch_by_device=factors, bottleneck=crit)
+                    comm=comm, stretch_by_device=factors, bottleneck=crit, agree_s=agree_s,
+                    straggle_s=straggle_s)
+
+
+def straggle_at(straggle: float, measured_stretch: float, stretch: float) -> float:
+    """The straggle of a step with contention `stretch`, from one measured at `measured_stretch`
+    (as a fraction of the step's compute). Measured without contention: as measured."""
+    if measured_stretch <= 1.0:
+        return straggle
+    return straggle * min(1.0, max(0.0, (stretch - 1.0) / (measured_stretch - 1.0)))
 
 
 # -- emulated devices sharing the host's cores ------------------------------------------------

@@ -47,6 +47,9 @@ class PlanOptions:
     allow_exclusion: bool = True         # False: every device takes >= 1 sample (its process is running)
     allow_checkpointing: bool = True     # False while the runtime cannot checkpoint activations
     sync_s: float | None = None          # measured exposed gradient sync per step (replaces the ring model)
+    agree_s: float = 0.0                 # hetrain's per-step agreement all-reduce, measured (not plain DDP's)
+    straggle: float = 0.0                # how far the last device trails the average, measured (cost.py)
+    straggle_stretch: float = 1.0        # the host-core contention `straggle` was measured under
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
 
@@ -62,6 +65,11 @@ class PlanOptions:
             raise UsageError(f"micro-batch cap {self.micro_batch_cap}", "use a positive cap, or none")
         if self.sync_s is not None and not (self.sync_s >= 0 and math.isfinite(self.sync_s)):
             raise UsageError(f"sync seconds {self.sync_s!r}", "give the measured exposed sync, >= 0, or none")
+        if not (self.agree_s >= 0 and math.isfinite(self.agree_s)):
+            raise UsageError(f"agreement seconds {self.agree_s!r}", "give the measured per-step agreement, >= 0")
+        if not (0 <= self.straggle < 10) or not self.straggle_stretch >= 1:
+            raise UsageError(f"straggle {self.straggle!r} at contention {self.straggle_stretch!r}",
+                             "give a measured fraction >= 0 and a contention >= 1 (or leave both out)")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
         if not self.host_load >= 0:
@@ -208,7 +216,9 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
     members = [profiles[i] for i in sorted(shares)]
     return step_cost(_assignments(profiles, fits, shares), global_batch=o.global_batch,
                      grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
-                     host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None)
+                     host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
+                     agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
+                     straggle_stretch=o.straggle_stretch)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -313,7 +323,7 @@ def ddp_equal_split(profiles: Sequence[DeviceProfile], o: PlanOptions) -> DDPPre
                         for p, s in zip(profiles, shares))
     cost = step_cost(assignments, global_batch=o.global_batch, grad_bytes=o.grad_bytes,
                      link=ring_link(profiles, o), host_cores=o.host_cores, host_load=o.host_load,
-                     sync_s=o.sync_s if n > 1 else None)
+                     sync_s=o.sync_s if n > 1 else None, straggle=o.straggle, straggle_stretch=o.straggle_stretch)
     why = (f"{shares[0]} samples per device in micro-batches of {micro} (the smallest device's)"
            + (" with activation checkpointing" if ckpt else "")
            + f", so every step waits for {profiles[cost.bottleneck].device}")
@@ -438,12 +448,19 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
     }
     if o.sync_s is not None and len(members) > 1:
         predicted["sync_s"] = o.sync_s
+    if cost.agree_s:
+        predicted["agree_s"] = cost.agree_s
+    if o.straggle:
+        predicted.update(straggle=o.straggle, straggle_stretch=o.straggle_stretch, straggle_s=cost.straggle_s)
     if math.isfinite(link.bandwidth_gbs):
         predicted["link_gbs"] = link.bandwidth_gbs
         predicted["link_latency_s"] = link.latency_s
     notes = [f"planned: {cost.samples_per_s:.1f} samples/s predicted (step {cost.step_s * 1e3:.1f} ms = "
-             f"compute {cost.critical_compute_s * 1e3:.1f} + exposed sync {cost.comm.exposed_s * 1e3:.1f} "
-             f"+ optimizer {cost.optimizer_s * 1e3:.1f}), compute set by {profiles[members[cost.bottleneck]].device}"]
+             f"compute {cost.critical_compute_s * 1e3:.1f} "
+             + (f"+ stragglers {cost.straggle_s * 1e3:.1f} " if cost.straggle_s else "")
+             + f"+ exposed sync {cost.comm.exposed_s * 1e3:.1f} "
+             + (f"+ agreement {cost.agree_s * 1e3:.1f} " if cost.agree_s else "")
+             + f"+ optimizer {cost.optimizer_s * 1e3:.1f}), compute set by {profiles[members[cost.bottleneck]].device}"]
     if o.sync_s is not None and len(members) > 1:
         notes.append(f"gradient sync: {o.sync_s * 1e3:.1f} ms exposed, measured through DDP at the start "
                      f"(a {link.bandwidth_gbs:.3g} GB/s all-reduce: {link.source})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 from dataclasses import replace
 
 import torch
@@ -23,7 +24,7 @@ from ..planning.cost import FREE_LINK, link_from_measurement
 from ..planning.plan import DevicePlan, Plan
 from ..planning.planner import PlanOptions, make_plan
 from . import agree
-from .profiler import MAX_SIZE, pool_emulated, profile_device, time_allreduce, time_gradient_sync
+from .profiler import MAX_SIZE, pool_emulated, profile_device, time_agreement, time_allreduce, time_gradient_sync
 
 
 def measure(engine, model, optimizer, forward) -> dict:
@@ -49,11 +50,14 @@ def measure(engine, model, optimizer, forward) -> dict:
     return mine
 
 
+SYNC_RUNS = 5
+
+
 def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, float]:
     """Collectives, once every rank is known to be profiled: one gradient-sized all-reduce (the
-    link) and a synchronised backward through DDP against one under no_sync (the sync this job
-    leaves exposed), every rank on the same micro-batch size. The DDP used for it is temporary:
-    the real wrapper (runtime/sharding.py) is chosen after the plan."""
+    link), SYNC_RUNS synchronised backwards through DDP (the sync this job leaves exposed; every
+    rank on the same micro-batch size) and the step's small agreement all-reduce. The DDP used for
+    it is temporary: the real wrapper (runtime/sharding.py) is chosen after the plan."""
     cfg, n = engine.config, len(engine._dataset)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, engine.device) * grad_bytes / max(probe_bytes, 1)
@@ -61,12 +65,29 @@ def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, flo
     m = min([cfg.global_batch // engine.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
     ddp = DDP(model, device_ids=[engine.device.index] if engine.device.type == "cuda" else None)
     try:
-        sync_s = time_gradient_sync(ddp, lambda: engine._load(range(max(1, m))), forward=forward,
-                                    device=engine.device, precision=engine._precision.name)
+        syncs, computes = time_gradient_sync(ddp, lambda: engine._load(range(max(1, m))), forward=forward,
+                                             device=engine.device, precision=engine._precision.name,
+                                             runs=SYNC_RUNS)
     finally:
         del ddp
         gc.collect()
-    return {"allreduce_s": allreduce_s, "sync_s": sync_s, "failed": 0.0}
+    agree_s = time_agreement(engine.device)
+    return {"allreduce_s": allreduce_s, "agree_s": agree_s, "failed": 0.0,
+            **{f"sync_{k}": v for k, v in enumerate(syncs)},
+            **{f"compute_{k}": v for k, v in enumerate(computes or [0.0] * SYNC_RUNS)}}
+
+
+def _straggle(table: agree.Table) -> float:
+    """How far the last rank to finish a backward trails the ranks' average, as a fraction,
+    when all start together on the same micro-batch size (median over the runs; 0 when the
+    probe could not time compute, as on a GPU)."""
+    fractions = []
+    for k in range(SYNC_RUNS):
+        times = table.column(f"compute_{k}")
+        mean = sum(times) / len(times)
+        if mean > 0:
+            fractions.append(max(times) / mean - 1)
+    return statistics.median(fractions) if fractions else 0.0
 
 
 def agree_plan(engine, model, mine: dict, forward) -> Plan:
@@ -93,13 +114,15 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     n = engine.world_size
     profiles = [g["profile"] for g in gathered]
     grad_bytes = gathered[0]["grad_bytes"]
-    link, sync_s = FREE_LINK, None
+    link, sync_s, agree_s, straggle, straggle_stretch = FREE_LINK, None, 0.0, 0.0, 1.0
     if n > 1:
         try:
             mine_sync = _measure_sync(engine, model, grad_bytes, profiles, forward)
         except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
             engine.log.warn(f"rank {engine.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
-            mine_sync = {"allreduce_s": 0.0, "sync_s": 0.0, "failed": 1.0}
+            mine_sync = {"allreduce_s": 0.0, "agree_s": 0.0, "failed": 1.0,
+                         **{f"sync_{k}": 0.0 for k in range(SYNC_RUNS)},
+                         **{f"compute_{k}": 0.0 for k in range(SYNC_RUNS)}}
         table = agree.exchange(mine_sync, rank=engine.rank, world_size=n, device=engine.device)
         if table.any("failed"):
             failed = [r for r, v in enumerate(table.column("failed")) if v]
@@ -107,14 +130,20 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
                                "pass hetrain.init(plan=...) to run a saved plan without measuring")
         slowest = max(table.column("allreduce_s"))
         # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
-        # for it (on a shared host, whoever the scheduler left behind): the least is the sync.
-        sync_s = min(table.column("sync_s"))
+        # for it (on a shared host, whoever the scheduler left behind): in each run the least is
+        # the sync; the median run is kept.
+        sync_s = statistics.median(min(table.column(f"sync_{k}")) for k in range(SYNC_RUNS))
+        agree_s = min(table.column("agree_s"))
+        straggle = _straggle(table)
+        if engine.emulated is not None:     # the probe ran every device at full speed at once
+            straggle_stretch = max(1.0, n / gathered[0]["host_cores"])
         if grad_bytes:
             link = link_from_measurement(n, grad_bytes, slowest, f"measured: a {format_bytes(grad_bytes)} "
                                                                  f"all-reduce took {slowest * 1e3:.1f} ms")
     options = PlanOptions(
         global_batch=cfg.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=cfg.memory_margin,
-        sync_s=sync_s, micro_batch_cap=cfg.micro_batch,
+        sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
+        micro_batch_cap=cfg.micro_batch,
         allow_exclusion=False,        # every rank's process is running: each takes >= 1 sample
         allow_checkpointing=cfg.checkpointing != "none",
         # Emulated devices are threads of this host: they contend for its cores (cost.py). Other

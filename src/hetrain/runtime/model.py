@@ -27,7 +27,7 @@ class PreparedModel(nn.Module):
     def forward(self, *args, **kwargs):
         meter = self._hetrain_meter
         if meter is not None and torch.is_grad_enabled():
-            with meter.forward():
+            with meter.forward(_signature(args, kwargs, self._hetrain_module.training)):
                 return self._forward_module(*args, **kwargs)
         return self._forward_module(*args, **kwargs)
 
@@ -46,3 +46,20 @@ class PreparedModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._hetrain_module, name)
+
+
+def _signature(args, kwargs, training: bool) -> tuple:
+    """What decides the bytes a forward saves, for the emulated meter (emulate.MemoryMeter):
+    every tensor input's shape and dtype (in nested lists, tuples and dicts too), other inputs by
+    value or type, train/eval mode and the autocast modes."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape), x.dtype, x.requires_grad)
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__, *map(walk, x))
+        if isinstance(x, dict):
+            return ("dict", *((k, walk(v)) for k, v in x.items()))
+        if isinstance(x, (int, float, bool, str, type(None))):
+            return x
+        return type(x).__name__
+    return (walk(args), walk(kwargs), training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))

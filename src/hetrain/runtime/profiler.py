@@ -38,7 +38,7 @@ from ..planning.profile import DeviceProfile, fit_linear
 from .emulate import MemoryMeter, model_state_bytes
 from .probe import _as_scalar, default_forward
 
-PROFILER_VERSION = 1
+PROFILER_VERSION = 2             # 2: times forwards without the emulated meter's hooks (training looks them up)
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -208,8 +208,9 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             runs = []
             for k in range(MAX_RUNS + 1):
                 t0 = now()
-                with meter.forward():       # the emulated meter's hooks are part of the real cost
-                    loss = _as_scalar(fwd(model, batch))
+                # Without the emulated meter's hooks: training counts a forward's activations once
+                # and then looks them up (emulate.MemoryMeter), so the hooks are not its cost.
+                loss = _as_scalar(fwd(model, batch))
                 t1 = now()
                 loss.backward()
                 spent = now() - t0
@@ -336,39 +337,86 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
 
 
 def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
-                       device: torch.device, precision: str = "fp32", runs: int = 3) -> float:
-    """Seconds a synchronised backward through `ddp` takes beyond one under no_sync(), for the
-    micro-batch `load()` returns: the gradient sync DDP leaves exposed after the backward, as this
-    job's devices, link and (on an emulated host) shared cores give it. A collective: every rank
-    calls it. Gradients, buffers and RNG are left as found."""
+                       device: torch.device, precision: str = "fp32",
+                       runs: int = 5) -> tuple[list[float], list[float] | None]:
+    """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
+    micro-batch `load()` returns, as this job's devices, link and (on an emulated host) shared cores
+    give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
+    start together, so the ranks' spread measures straggling). A collective: every rank calls it
+    (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
+
+    On a GPU: a synchronised backward's wall time beyond one under no_sync(). On the CPU that
+    difference of two runs is mostly the noise of processes sharing cores (6–26 ms measured for one
+    job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
+    backward's compute is done) to the moment backward() returns with every gradient reduced."""
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     module = ddp.module
     dtype = _AUTOCAST.get(precision)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     batch = load()
+    cuda = device.type == "cuda"
+    last_launch: list[float] = []
+    if not cuda:
+        def hook(state, bucket):
+            if bucket.is_last():
+                last_launch.append(time.perf_counter())
+            return default_hooks.allreduce_hook(None, bucket)
+        ddp.register_comm_hook(None, hook)
 
-    def once(sync: bool) -> float:
+    def once(sync: bool) -> tuple[float, float]:
+        """(seconds to the last bucket's launch, seconds from there to the end); on CUDA
+        (0, the whole forward+backward)."""
         dist.barrier()                        # start together, as ranks do after a step's sync
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        last_launch.clear()
         with (contextlib.nullcontext() if sync else ddp.no_sync()):
             with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
                 loss = _as_scalar(forward(ddp, batch))
             loss.backward()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
+        end = time.perf_counter()
+        launched = last_launch[-1] if sync and last_launch else t0
+        return launched - t0, end - launched
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if cuda else []):
         once(True)                            # the first sync also rebuilds DDP's buckets
-        gaps = [once(True) - once(False) for _ in range(runs)]
+        if cuda:
+            exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
+        else:
+            exposed, compute = [], []
+            for _ in range(runs):
+                c, e = once(True)
+                compute.append(c)
+                exposed.append(e)
     module.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in module.named_buffers():
             b.copy_(buffers[n])
-    return max(0.0, statistics.median(gaps))
+    return [max(0.0, x) for x in exposed], compute
+
+
+def time_agreement(device: torch.device, *, keys: int = 9, runs: int = 5) -> float:
+    """Seconds of the small all-reduce hetrain adds to every step (agree.exchange; `keys` values per
+    rank, as the step's exchange in engine.py sends), with the ranks arriving together as they do
+    after the gradient sync: median of `runs`. A collective."""
+    import torch.distributed as dist
+
+    from .agree import exchange
+
+    times = []
+    for k in range(runs + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        exchange({f"v{i}": 0.0 for i in range(keys)}, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                 device=device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:

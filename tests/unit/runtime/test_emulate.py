@@ -48,3 +48,37 @@ def test_meter_counts_saved_activations_and_raises_the_cuda_oom_type():
     with pytest.raises(torch.OutOfMemoryError, match="out of memory \\(emulated\\)"):
         with tight.forward():
             torch.tanh(lin(torch.randn(32, 64)))
+
+
+def test_meter_looks_up_a_forward_it_has_counted_and_still_raises_inside_the_forward():
+    from hetrain.runtime import emulate
+    from hetrain.runtime.emulate import MemoryMeter
+    from hetrain.runtime.model import PreparedModel
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+    meter = MemoryMeter(label="t", cap=None)
+    meter.set_fixed(net, None)
+    model = PreparedModel(net, net, meter)
+
+    def run(n):
+        model(torch.randn(n, 64)).sum().backward()
+        return meter.activations
+
+    first = run(32)
+    assert first >= 2 * 32 * 64 * 4                          # the linear's input and the tanh's output
+    assert [run(32) for _ in range(5)] == [first] * 5        # the same bytes, looked up
+    assert meter.hooked_forwards == 1
+    assert run(16) < first and meter.hooked_forwards == 2    # a new shape is counted
+    for _ in range(emulate.RECOUNT_EVERY):
+        run(32)
+    assert meter.hooked_forwards == 3                        # counted again after RECOUNT_EVERY
+    assert meter.peak == meter.fixed + first
+
+    # A cap the known total does not fit: the forward is counted for real and raises inside it,
+    # at the tensor that crosses the cap (the tanh's output, after the linear has run).
+    meter.cap = meter.fixed + first - 1
+    reached = []
+    net[0].register_forward_hook(lambda *a: reached.append("linear"))
+    with pytest.raises(torch.OutOfMemoryError):
+        run(32)
+    assert reached == ["linear"] and meter.hooked_forwards == 4
