@@ -9,7 +9,7 @@ import pytest
 from hetrain.hardware import catalog
 from hetrain.planning.cost import (DDP_BUCKET_BYTES, FREE_LINK, Assignment, Link, allreduce_seconds, catalog_link,
                                    estimate_profile, fixed_bytes, gradient_sync, link_from_measurement, peak_flops,
-                                   shared_cpu_finish, step_cost)
+                                   shared_cpu_finish, step_cost, straggle_at)
 from hetrain.planning.presets import preset
 from hetrain.planning.profile import DeviceProfile
 
@@ -75,6 +75,24 @@ def test_step_is_slowest_compute_plus_exposed_sync_plus_optimizer():
     assert cost.compute_s[0] == pytest.approx(3 * 0.002 + 0.4)
     assert cost.step_s == pytest.approx(0.406 + 0.009)
     assert cost.samples_per_s == pytest.approx(60 / 0.415) and cost.bottleneck == 0
+
+
+def test_stragglers_and_the_agreement_lengthen_the_step():
+    a = Assignment(profile=_prof(0.01, opt=0.005), share=40, micro_batch=40)
+    b = Assignment(profile=_prof(0.02, opt=0.004), share=20, micro_batch=20)
+    base = step_cost([a, b], global_batch=60, grad_bytes=0, link=FREE_LINK)
+    cost = step_cost([a, b], global_batch=60, grad_bytes=0, link=FREE_LINK, agree_s=0.002, straggle=0.1)
+    assert cost.straggle_s == pytest.approx(0.1 * 0.4) and cost.agree_s == 0.002
+    assert cost.step_s == pytest.approx(base.step_s + 0.04 + 0.002)
+    # One device has no peer to wait for.
+    assert step_cost([a], global_batch=40, grad_bytes=0, link=FREE_LINK, straggle=0.1).straggle_s == 0.0
+
+
+def test_straggling_measured_under_contention_scales_with_the_steps_own_contention():
+    assert straggle_at(0.03, 1.0, 1.0) == 0.03            # measured without contention: as measured
+    assert straggle_at(0.15, 1.5, 1.25) == pytest.approx(0.075)
+    assert straggle_at(0.15, 1.5, 1.0) == 0.0             # a step that fits the cores: none
+    assert straggle_at(0.15, 1.5, 2.0) == 0.15            # never more than was measured
 
 
 def test_devices_sharing_too_few_cores_stretch_their_compute():

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.planning.profile import DeviceProfile
-from hetrain.runtime.joint_plan import _warn_slow_cpu_precision
+import pytest
+import torch
+
+from hetrain.runtime.agree import Table
+from hetrain.runtime.joint_plan import SYNC_RUNS, _straggle, _warn_slow_cpu_precision
 
 
 def profile(precision: str, cpu_per_sample: float, speed: float) -> DeviceProfile:
@@ -26,3 +30,14 @@ def test_one_precision_everywhere_says_nothing():
     said = []
     _warn_slow_cpu_precision(said.append, [profile("bf16", 0.003, 1.0), profile("bf16", 0.003, 0.67)], specs)
     assert said == []
+
+
+def test_straggle_is_the_median_run_of_how_far_the_last_rank_trails_the_mean():
+    keys = [f"compute_{k}" for k in range(SYNC_RUNS)]
+    # Three ranks; rank 2 is last in every run, by a different amount each time.
+    rows = [[1.0] * SYNC_RUNS, [1.0] * SYNC_RUNS, [1.0 + 0.3 * k / (1 - 0.1 * k) for k in range(SYNC_RUNS)]]
+    table = Table(keys, torch.tensor(rows, dtype=torch.float64))
+    trails = sorted(max(col) / (sum(col) / 3) - 1 for col in zip(*rows))
+    assert _straggle(table) == pytest.approx(trails[SYNC_RUNS // 2])
+    zeros = Table(keys, torch.zeros(3, SYNC_RUNS, dtype=torch.float64))     # not timed (a GPU)
+    assert _straggle(zeros) == 0.0
