@@ -29,7 +29,7 @@ Emulated devices share the host's CPU cores: a device of speed s computes on the
 fraction s of its busy time and sleeps the rest, so when more devices (with whatever else the host
 runs) want a core than there are cores, their compute stretches. `shared_cpu_finish` plays a step
 out as the emulator runs it — every device starts together after the previous step's sync, and
-each micro-batch is forward, sleep, backward — with the cores shared equally among the processes
+computes its step, sleeping once before its last backward — with the cores shared equally among the processes
 that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
 """
 
@@ -279,7 +279,6 @@ def straggle_at(straggle: float, measured_stretch: float, stretch: float) -> flo
 
 
 # -- emulated devices sharing the host's cores ------------------------------------------------
-MAX_SIMULATED_MICRO = 64     # more micro-batches per device are simulated in groups
 
 
 def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float]]:
@@ -289,19 +288,16 @@ def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float
 
 
 def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
-    """This device's micro-batches as the emulator runs them (runtime/emulate.py: the sleep for a
-    micro-batch comes before its backward): forward on the CPU, the sleep, backward on the CPU.
-    Segments are (on_cpu, seconds of CPU work or of sleep)."""
+    """This device's step as the emulator runs it (runtime/emulate.py: one sleep, for the whole
+    step's compute, before the last micro-batch's backward): the earlier micro-batches and the last
+    forward on the CPU, the sleep, the last backward on the CPU. Segments are (on_cpu, seconds of
+    CPU work or of sleep)."""
     p = a.profile
-    sizes = a.micro_sizes
-    group = max(1, math.ceil(len(sizes) / MAX_SIMULATED_MICRO))
-    out: list[tuple[bool, float]] = []
-    for k in range(0, len(sizes), group):
-        dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in sizes[k:k + group])
-        cpu = dev * p.cpu_share
-        fwd = p.forward_fraction
-        out += [(True, cpu * fwd), (False, dev - cpu), (True, cpu * (1 - fwd))]
-    return out
+    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes)
+    last_cpu = p.micro_seconds(a.micro_sizes[-1], checkpointing=a.checkpointing) * p.cpu_share
+    cpu = dev * p.cpu_share
+    before = cpu - last_cpu * (1 - p.forward_fraction)
+    return [(True, before), (False, dev - cpu), (True, cpu - before)]
 
 
 def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float,

@@ -3,7 +3,8 @@
 Speed. One CPU thread plays the fastest device (see hardware/cluster.py); a device of relative
 speed s sleeps c·(1/s − 1) for every piece of compute that took c seconds of this thread's CPU
 time, so its compute lasts c/s. CPU time (not wall time) is measured, so time spent waiting for
-peers in a collective is never throttled. The sleep comes before each backward (Throttle).
+peers in a collective is never throttled. The sleep comes before the backward of a step's last
+micro-batch, for all the step's compute (Throttle).
 
 Memory. Parameters, gradients and optimizer state are counted from their tensors; activations
 are counted as the forward saves them for backward (`saved_tensors_hooks`). When the total would
@@ -143,8 +144,12 @@ class Throttle:
     Where the sleep goes matters as much as how long it is. A real slow GPU hands its gradients
     to the all-reduce late; a sleep placed after the backward would let the gradient sync start
     early and then stall the peers at the next collective instead. So the engine sleeps *before*
-    each backward, for the forward just measured plus a prediction of the backward (its learned
-    ratio to the forward), and books the prediction's error as a debt paid at the next sleep.
+    the backward of the step's last micro-batch (the one whose backward syncs), for everything the
+    step computed so far plus a prediction of that backward (its learned ratio to the forward),
+    and books the prediction's error as a debt paid at the next sleep. Earlier micro-batches only
+    book their time: a sleep between every forward and backward left the next compute on cold
+    caches (+1–5 ms of CPU per micro-batch here, times 1/speed in emulated time), which no GPU
+    has; with no collective inside a step before its last backward, peers cannot tell the difference.
     """
 
     def __init__(self, speed: float, *, seed: int = 0):   # seed: differs by rank (noise is per device)
@@ -188,13 +193,15 @@ class Throttle:
         finally:
             self.pay(time.thread_time() - t0)
 
-    def before_backward(self, forward_cpu: float) -> float:
-        """Sleep for the forward and the predicted backward; returns the prediction."""
+    def before_backward(self, forward_cpu: float, *, settle: bool = True) -> float:
+        """Book the forward and the predicted backward, and sleep for all that is owed (unless
+        `settle` is False: a micro-batch whose backward does not sync); returns the prediction."""
         guess = self.backward_ratio * forward_cpu
         self._last_stretch = self._stretch()
         self.cpu_seconds += forward_cpu + guess
         self.owed += (forward_cpu + guess) * self._last_stretch
-        self.settle()
+        if settle:
+            self.settle()
         return guess
 
     def after_backward(self, forward_cpu: float, guess: float, backward_cpu: float) -> None:

@@ -423,7 +423,8 @@ class Engine:
         mb.backward_done = True
         throttle = self.emulated.throttle if self.emulated is not None else None
         forward_cpu = self._clock() - mb.started_at
-        guess = throttle.before_backward(forward_cpu) if throttle else 0.0  # sleep first: see emulate.py
+        # sleep first, once per step, before the backward that syncs: see emulate.Throttle
+        guess = throttle.before_backward(forward_cpu, settle=mb.last) if throttle else 0.0
         self._cuda_mark(mb)
         t0 = self._clock()
         try:
