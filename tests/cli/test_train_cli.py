@@ -78,7 +78,9 @@ def test_a_crashing_script_names_the_rank(tmp_path, temp):
 
 def test_a_run_leaves_no_run_dir_behind_unless_asked(tmp_path, temp):
     script = tmp_path / "train.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'launch', os.environ['HETRAIN_LAUNCH'])\n")
+    # One write per rank (a pipe keeps a write this small whole): print() writes its pieces
+    # separately, and two ranks' pieces interleaved ("rankrank  10 launchlaunch ...").
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']} launch {os.environ['HETRAIN_LAUNCH']}\\n\".encode())\n")
     result = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), env={"TMPDIR": str(temp)})
     assert result.returncode == 0, result.stderr
     assert f"launch {temp}" in result.stdout                # the workers saw a run dir in TMPDIR ...

@@ -9,7 +9,7 @@ import pytest
 from hetrain.hardware import catalog
 from hetrain.planning.cost import (DDP_BUCKET_BYTES, FREE_LINK, Assignment, Link, allreduce_seconds, catalog_link,
                                    estimate_profile, fixed_bytes, gradient_sync, link_from_measurement, peak_flops,
-                                   shared_cpu_finish, step_cost, straggle_at)
+                                   _compute_segments, shared_cpu_finish, step_cost, straggle_at)
 from hetrain.planning.presets import preset
 from hetrain.planning.profile import DeviceProfile
 
@@ -140,3 +140,15 @@ def test_bad_links_and_efficiency():
     with pytest.raises(UsageError, match="optimizer"):
         fixed_bytes(10, "lion")
     assert math.isinf(FREE_LINK.bandwidth_gbs)
+
+
+def test_an_emulated_device_computes_its_micro_batches_then_sleeps_once_before_the_last_backward():
+    # Speed 0.5, 3 micro-batches of 10 ms device time each (5 ms of CPU), forward a third of it.
+    p = DeviceProfile(device="d", source="t", overhead_s=0.0, per_sample_s=0.001, fixed_bytes=0,
+                      activation_bytes_per_sample=0, cpu_share=0.5, forward_fraction=1 / 3)
+    segs = _compute_segments(Assignment(profile=p, share=30, micro_batch=10))
+    assert [on for on, _ in segs] == [True, False, True]
+    cpu_before, sleep, cpu_after = (d for _, d in segs)
+    assert cpu_after == pytest.approx(0.005 * 2 / 3)           # the last backward
+    assert cpu_before == pytest.approx(0.015 - 0.005 * 2 / 3)  # everything else on the CPU first
+    assert sleep == pytest.approx(0.015)                       # then one sleep for the whole step

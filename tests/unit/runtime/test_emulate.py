@@ -82,3 +82,15 @@ def test_meter_looks_up_a_forward_it_has_counted_and_still_raises_inside_the_for
     with pytest.raises(torch.OutOfMemoryError):
         run(32)
     assert reached == ["linear"] and meter.hooked_forwards == 4
+
+
+def test_throttle_sleeps_once_per_step_before_the_backward_that_syncs():
+    from hetrain.runtime.emulate import Throttle
+
+    throttle = Throttle(0.5)
+    throttle.backward_ratio = 2.0
+    guess = throttle.before_backward(0.01, settle=False)      # an earlier micro-batch: booked only
+    assert throttle.slept_seconds == 0.0 and throttle.owed == pytest.approx(0.03)
+    throttle.after_backward(0.01, guess, 0.02)                 # its backward took as guessed
+    throttle.before_backward(0.01, settle=True)                # the last micro-batch: sleeps for both
+    assert throttle.slept_seconds == pytest.approx(0.06) and throttle.owed == 0.0
