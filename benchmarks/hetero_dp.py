@@ -151,7 +151,8 @@ def launch(name: str, args) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="interleaved repetitions, every other one in reverse order; medians are reported")
     p.add_argument("--steps", type=int, default=30, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--global-batch", type=int, default=64)

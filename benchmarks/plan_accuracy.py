@@ -26,10 +26,12 @@ Precision: fp32 on every device by default. `auto` would give the T4 and the V10
 CPU runs many times slower than bf16 (no fast fp16 kernels), so those emulated devices would run
 far below their catalog speed and the clusters would not have the ratios their names say.
 
-Known gaps (emulation only): a device that sleeps between its forward and backward finds its
-caches cold afterwards (~1.5 ms more CPU per micro-batch here, not in the profile: it shows on a
-capped device running many micro-batches), and the emulator settles a wrong guess of the backward's
-length after the gradient sync, which lengthens the step a little.
+The equal-split runs are hetrain running an equal split, so they pay hetrain's agreement
+all-reduce; their predicted figure is the planner's plain-DDP step plus that agreement (the plan's
+own plain-DDP figure, without it, is kept as ddp_plain_predicted_samples_per_s).
+
+Known gap (emulation only): the emulator settles a wrong guess of the last backward's length
+after the gradient sync, which lengthens the step a little.
 
     python benchmarks/plan_accuracy.py --json out.json [--steps 40] [--rounds 1] [--no-ddp]
                                        [--max-other-cores 0.2 --retries 5]   # on a shared host
@@ -224,7 +226,10 @@ def main(argv=None) -> dict:
             row["cpu_rel_error"] = max(abs(p - g) / g for p, g in zip(cpu_pred, cpu_got))
             if equal[name]:
                 ddp_got = statistics.median(s["samples_per_s"] for s in equal[name])
-                ddp_pred = statistics.median(s["predicted"]["ddp_samples_per_s"] for s in runs)
+                plain = statistics.median(s["predicted"]["ddp_samples_per_s"] for s in runs)
+                agree_s = statistics.median(s["predicted"].get("agree_s", 0.0) for s in runs)
+                ddp_pred = args.global_batch / (args.global_batch / plain + agree_s)
+                row["ddp_plain_predicted_samples_per_s"] = plain
                 ddp_given = statistics.median(predicted_given_load(s, e, cores) for s, e in zip(runs, equal[name]))
                 row.update({"ddp_predicted_given_load_samples_per_s": ddp_given,
                             "ddp_rel_error_given_load": abs(ddp_given - ddp_got) / ddp_got})

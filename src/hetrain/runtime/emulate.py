@@ -14,9 +14,10 @@ the recovery code that handles it is the real one.
 Counting costs: a Python hook on every saved tensor (and its unpack in the backward) made a
 forward+backward of the demo GPT 3.7% slower on the CPU, a cost no GPU has. So a forward whose
 inputs have shapes the meter has seen is counted once and then looked up (`forward(signature)`):
-the same graph saves the same bytes. It is counted again every RECOUNT_EVERY forwards (a graph
-that varies with the data is caught), and whenever the looked-up total would not fit, so an OOM
-is still raised from inside the forward, at the tensor that crossed the cap.
+the same graph saves the same bytes. It is counted again every RECOUNT_EVERY forwards, keeping
+the largest count (a graph that varies with the data is caught within that many forwards), and
+whenever the looked-up total would not fit, so an OOM is still raised from inside the forward, at
+the tensor that crossed the cap. Inputs the signature cannot describe are always counted.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..hardware.cluster import ClusterDevice
 from ..hardware.units import format_bytes
 
 RECOUNT_EVERY = 50     # forwards of one input signature between two counts of their activations
+MAX_SIGNATURES = 64    # signatures remembered (inputs that differ every time are simply counted)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -122,20 +124,21 @@ class MemoryMeter:
         `signature` (hashable: the inputs' shapes, dtypes, grad and autocast modes), a forward
         seen before is looked up instead while it fits (see the module's docstring)."""
         known = self._counted.get(signature) if signature is not None else None
-        if known is not None and known[1] < RECOUNT_EVERY and (
+        if known is not None and known[1] + 1 < RECOUNT_EVERY and (
                 self.cap is None or self.fixed + known[0] <= self.cap):
             known[1] += 1
             self.activations = known[0]
-            self.peak = max(self.peak, self.fixed + known[0])
             yield self
+            self.peak = max(self.peak, self.fixed + known[0])
             return
         self._seen.clear()
         self.activations = 0
         self.hooked_forwards += 1
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
-        if signature is not None:       # completed: remember what this graph saves
-            self._counted[signature] = [self.activations, 0]
+        if signature is not None and (known is not None or len(self._counted) < MAX_SIGNATURES):
+            # completed: remember what this graph saves (the most any count of it found)
+            self._counted[signature] = [max(self.activations, known[0] if known else 0), 0]
 
 
 class Throttle:
@@ -149,7 +152,10 @@ class Throttle:
     and books the prediction's error as a debt paid at the next sleep. Earlier micro-batches only
     book their time: a sleep between every forward and backward left the next compute on cold
     caches (+1–5 ms of CPU per micro-batch here, times 1/speed in emulated time), which no GPU
-    has; with no collective inside a step before its last backward, peers cannot tell the difference.
+    has. Peers see no difference as long as no collective runs between a step's start and its
+    last backward (DDP's buffer broadcast and FSDP2's gathers in the first forward come before any
+    sleep is owed; a model with a collective in every forward, such as SyncBatchNorm, would see
+    the slow device's delay at its last forward instead of spread over its micro-batches).
     """
 
     def __init__(self, speed: float, *, seed: int = 0):   # seed: differs by rank (noise is per device)

@@ -321,6 +321,8 @@ class Engine:
             if failed is None:
                 return "ok"
             self.ooms += 1
+            if self.emulated is not None:   # the failed attempt's sleep belongs to it, not to the redo
+                self.emulated.throttle.settle()
             smaller = recovery.smaller_micro_batch(self._micro)
             self.log.warn(f"rank {self.rank} ({self.device_label}): out of memory in micro-batch "
                           f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {step.index}; "

@@ -55,9 +55,9 @@ SYNC_RUNS = 5
 
 def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, float]:
     """Collectives, once every rank is known to be profiled: one gradient-sized all-reduce (the
-    link), SYNC_RUNS synchronised backwards through DDP (the sync this job leaves exposed; every
-    rank on the same micro-batch size) and the step's small agreement all-reduce. The DDP used for
-    it is temporary: the real wrapper (runtime/sharding.py) is chosen after the plan."""
+    link) and SYNC_RUNS synchronised backwards through DDP (the sync this job leaves exposed, and
+    each rank's compute before it; every rank on the same micro-batch size). The DDP used for it
+    is temporary: the real wrapper (runtime/sharding.py) is chosen after the plan."""
     cfg, n = engine.config, len(engine._dataset)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, engine.device) * grad_bytes / max(probe_bytes, 1)
@@ -71,8 +71,7 @@ def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, flo
     finally:
         del ddp
         gc.collect()
-    agree_s = time_agreement(engine.device)
-    return {"allreduce_s": allreduce_s, "agree_s": agree_s, "failed": 0.0,
+    return {"allreduce_s": allreduce_s, "failed": 0.0,
             **{f"sync_{k}": v for k, v in enumerate(syncs)},
             **{f"compute_{k}": v for k, v in enumerate(computes or [0.0] * SYNC_RUNS)}}
 
@@ -84,10 +83,9 @@ def _straggle(table: agree.Table) -> float:
     fractions = []
     for k in range(SYNC_RUNS):
         times = table.column(f"compute_{k}")
-        mean = sum(times) / len(times)
-        if mean > 0:
-            fractions.append(max(times) / mean - 1)
-    return statistics.median(fractions) if fractions else 0.0
+        if min(times) > 0:             # a run some rank could not time says nothing
+            fractions.append(max(times) / (sum(times) / len(times)) - 1)
+    return min(1.0, statistics.median(fractions)) if fractions else 0.0
 
 
 def agree_plan(engine, model, mine: dict, forward) -> Plan:
@@ -120,7 +118,7 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
             mine_sync = _measure_sync(engine, model, grad_bytes, profiles, forward)
         except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
             engine.log.warn(f"rank {engine.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
-            mine_sync = {"allreduce_s": 0.0, "agree_s": 0.0, "failed": 1.0,
+            mine_sync = {"allreduce_s": 0.0, "failed": 1.0,
                          **{f"sync_{k}": 0.0 for k in range(SYNC_RUNS)},
                          **{f"compute_{k}": 0.0 for k in range(SYNC_RUNS)}}
         table = agree.exchange(mine_sync, rank=engine.rank, world_size=n, device=engine.device)
@@ -133,7 +131,9 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
         # for it (on a shared host, whoever the scheduler left behind): in each run the least is
         # the sync; the median run is kept.
         sync_s = statistics.median(min(table.column(f"sync_{k}")) for k in range(SYNC_RUNS))
-        agree_s = min(table.column("agree_s"))
+        # Every rank is known to be here (none failed): the step's agreement all-reduce, timed.
+        agree_s = min(agree.exchange({"agree_s": time_agreement(engine.device)}, rank=engine.rank,
+                                     world_size=n, device=engine.device).column("agree_s"))
         straggle = _straggle(table)
         if engine.emulated is not None:     # the probe ran every device at full speed at once
             straggle_stretch = max(1.0, n / gathered[0]["host_cores"])

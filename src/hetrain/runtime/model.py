@@ -8,6 +8,8 @@ the DDP wrapper out, so it is freed before the process group is destroyed (gloo'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -48,18 +50,29 @@ class PreparedModel(nn.Module):
             return getattr(self._hetrain_module, name)
 
 
-def _signature(args, kwargs, training: bool) -> tuple:
+class _Unknown(Exception):
+    """An input the signature cannot describe: the forward is counted, not looked up."""
+
+
+def _signature(args, kwargs, training: bool) -> tuple | None:
     """What decides the bytes a forward saves, for the emulated meter (emulate.MemoryMeter):
-    every tensor input's shape and dtype (in nested lists, tuples and dicts too), other inputs by
-    value or type, train/eval mode and the autocast modes."""
+    every tensor input's shape and dtype (in nested sequences and mappings too), plain values,
+    train/eval mode and the autocast modes. None (always counted) for an input of any other kind:
+    a batch object whose sizes the signature cannot see must not share one entry."""
     def walk(x):
         if isinstance(x, torch.Tensor):
+            if x.is_nested:
+                raise _Unknown
             return (tuple(x.shape), x.dtype, x.requires_grad)
         if isinstance(x, (list, tuple)):
             return (type(x).__name__, *map(walk, x))
-        if isinstance(x, dict):
-            return ("dict", *((k, walk(v)) for k, v in x.items()))
-        if isinstance(x, (int, float, bool, str, type(None))):
+        if isinstance(x, Mapping):
+            return (type(x).__name__, *((k, walk(v)) for k, v in x.items()))
+        if isinstance(x, (bool, int, str, type(None))) or (isinstance(x, float) and x == x):
             return x
-        return type(x).__name__
-    return (walk(args), walk(kwargs), training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+        raise _Unknown
+    try:
+        return (walk(args), walk(kwargs), training, torch.is_autocast_enabled("cpu"),
+                torch.is_autocast_enabled("cuda"))
+    except _Unknown:
+        return None

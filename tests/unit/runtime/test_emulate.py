@@ -94,3 +94,44 @@ def test_throttle_sleeps_once_per_step_before_the_backward_that_syncs():
     throttle.after_backward(0.01, guess, 0.02)                 # its backward took as guessed
     throttle.before_backward(0.01, settle=True)                # the last micro-batch: sleeps for both
     assert throttle.slept_seconds == pytest.approx(0.06) and throttle.owed == 0.0
+
+
+def test_a_forward_whose_inputs_the_signature_cannot_describe_is_always_counted():
+    from hetrain.runtime.model import _signature
+
+    x = torch.zeros(4, 3)
+    assert _signature((x,), {"mask": None}, True) == _signature((torch.ones(4, 3),), {"mask": None}, True)
+    assert _signature((x,), {}, True) != _signature((torch.zeros(5, 3),), {}, True)
+    assert _signature(({"ids": x},), {}, True) != _signature(({"ids": torch.zeros(2, 3)},), {}, True)
+
+    class Batch:          # a batch object: its sizes are invisible to the signature
+        pass
+    assert _signature((Batch(),), {}, True) is None
+    assert _signature((x, float("nan")), {}, True) is None
+
+
+def test_a_recount_keeps_the_most_a_data_dependent_graph_saved():
+    from hetrain.runtime import emulate
+    from hetrain.runtime.emulate import MemoryMeter
+    from hetrain.runtime.model import PreparedModel
+
+    class Positive(torch.nn.Module):     # saves as much as its input has positive entries
+        def forward(self, x):
+            return torch.tanh(x[x > 0]).sum()
+
+    net = Positive()
+    meter = MemoryMeter(label="t", cap=None)
+    model = PreparedModel(net, net, meter)
+    few = torch.full((64,), -1.0)
+    few[:4] = 1.0
+    many = torch.ones(64)
+    model(few.requires_grad_())
+    small = meter.activations
+    for _ in range(emulate.RECOUNT_EVERY - 1):
+        model(many.requires_grad_())                 # looked up: still the small count
+    assert meter.activations == small
+    model(many.requires_grad_())                     # counted again: more
+    large = meter.activations
+    assert large > small
+    model(few.requires_grad_())                      # looked up: the most found, not the last
+    assert meter.activations == large
