@@ -14,6 +14,10 @@ import torch
 import torch.distributed as dist
 
 
+# The values every rank sends at the end of each step (engine.py), in this order.
+STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version")
+
+
 class Table:
     """Every rank's values for the same keys, as a W×K table of floats."""
 

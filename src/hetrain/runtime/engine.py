@@ -344,12 +344,10 @@ class Engine:
 
     def _exchange(self, outcome: str) -> agree.Table:
         loss_sum, units = float(self._loss_sum), float(self._count)    # one device sync per step
-        return agree.exchange(
-            {"units": units, "loss_sum": loss_sum, "compute_s": self._compute_s,
-             "busy_s": self._cuda_busy() if self._cuda_times else self._busy_s, "fixed_s": self._fixed_s,
-             "micro": self._micro, "desync": outcome == "desync", "fatal": outcome == "fatal",
-             "version": self.plan.version},
-            rank=self.rank, world_size=self.world_size, device=self.device)
+        values = (units, loss_sum, self._compute_s, self._cuda_busy() if self._cuda_times else self._busy_s,
+                  self._fixed_s, self._micro, outcome == "desync", outcome == "fatal", self.plan.version)
+        return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
+                              rank=self.rank, world_size=self.world_size, device=self.device)
 
     # -- compute time on CUDA: events, read after the step's sync (none added per micro-batch) --
     def _cuda_event(self):

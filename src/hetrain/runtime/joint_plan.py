@@ -71,9 +71,14 @@ def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, flo
     finally:
         del ddp
         gc.collect()
-    return {"allreduce_s": allreduce_s, "failed": 0.0,
+    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS)
+
+
+def _sync_row(allreduce_s: float, syncs, computes, *, failed: bool = False) -> dict[str, float]:
+    """This rank's row of the sync probe's table (the same keys whether it worked or failed)."""
+    return {"allreduce_s": allreduce_s, "failed": float(failed),
             **{f"sync_{k}": v for k, v in enumerate(syncs)},
-            **{f"compute_{k}": v for k, v in enumerate(computes or [0.0] * SYNC_RUNS)}}
+            **{f"compute_{k}": v for k, v in enumerate(computes)}}
 
 
 def _straggle(table: agree.Table) -> float:
@@ -118,9 +123,7 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
             mine_sync = _measure_sync(engine, model, grad_bytes, profiles, forward)
         except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
             engine.log.warn(f"rank {engine.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
-            mine_sync = {"allreduce_s": 0.0, "failed": 1.0,
-                         **{f"sync_{k}": 0.0 for k in range(SYNC_RUNS)},
-                         **{f"compute_{k}": 0.0 for k in range(SYNC_RUNS)}}
+            mine_sync = _sync_row(0.0, [0.0] * SYNC_RUNS, [0.0] * SYNC_RUNS, failed=True)
         table = agree.exchange(mine_sync, rank=engine.rank, world_size=n, device=engine.device)
         if table.any("failed"):
             failed = [r for r, v in enumerate(table.column("failed")) if v]

@@ -380,7 +380,7 @@ def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = d
         if cuda:
             torch.cuda.synchronize(device)
         end = time.perf_counter()
-        launched = last_launch[-1] if sync and last_launch else t0
+        launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
         return launched - t0, end - launched
 
     with torch.random.fork_rng(devices=[device] if cuda else []):
@@ -388,11 +388,7 @@ def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = d
         if cuda:
             exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
         else:
-            exposed, compute = [], []
-            for _ in range(runs):
-                c, e = once(True)
-                compute.append(c)
-                exposed.append(e)
+            compute, exposed = map(list, zip(*(once(True) for _ in range(runs))))
     module.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in module.named_buffers():
@@ -400,23 +396,17 @@ def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = d
     return [max(0.0, x) for x in exposed], compute
 
 
-def time_agreement(device: torch.device, *, keys: int = 9, runs: int = 5) -> float:
-    """Seconds of the small all-reduce hetrain adds to every step (agree.exchange; `keys` values per
-    rank, as the step's exchange in engine.py sends), with the ranks arriving together as they do
-    after the gradient sync: median of `runs`. A collective."""
+def time_agreement(device: torch.device, *, runs: int = 5) -> float:
+    """Seconds of the small all-reduce hetrain adds to every step (agree.exchange of the step's
+    values, agree.STEP_KEYS), with the ranks arriving together as they do after the gradient
+    sync: median of `runs`. A collective."""
     import torch.distributed as dist
 
-    from .agree import exchange
+    from .agree import STEP_KEYS, exchange
 
-    times = []
-    for k in range(runs + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        exchange({f"v{i}": 0.0 for i in range(keys)}, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                 device=device)
-        if k:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    values = dict.fromkeys(STEP_KEYS, 0.0)
+    return _median_seconds(lambda: exchange(values, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                            device=device), device, runs=runs, barrier=True)
 
 
 def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
@@ -425,12 +415,23 @@ def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float
     import torch.distributed as dist
 
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    return _median_seconds(lambda: dist.all_reduce(buf), device, runs=runs)
+
+
+def _median_seconds(collective: Callable[[], object], device: torch.device, *, runs: int,
+                    barrier: bool = False) -> float:
+    """Median seconds of `runs` calls of `collective`, after one warm-up call; with `barrier`,
+    the ranks start each call together."""
+    import torch.distributed as dist
+
     times = []
     for k in range(runs + 1):
+        if barrier:
+            dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        collective()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if k:
