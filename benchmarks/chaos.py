@@ -36,7 +36,7 @@ def worker(args) -> None:
 
     ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=args.steps, checkpoint_dir=args.ckpt,
                       checkpoint_every=args.every, sample_log=f"{args.ckpt}/samples", rebalance=False,
-                      micro_batch=MICRO, timeout_s=args.timeout, verbose=True)
+                      micro_batch=MICRO, timeout_s=args.timeout, verbose=True, precision=args.precision)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(DATASET, 16, generator=g)
     data = torch.utils.data.TensorDataset(x, torch.sin(x[:, :4]).sum(1, keepdim=True))
@@ -100,7 +100,7 @@ def launch(tmp: Path, name: str, args, faults: list[str] | None) -> tuple[float,
         env["HETRAIN_FAULTS"] = ";".join(faults)
     cmd = [sys.executable, "-m", "hetrain", "run", "--emulate", PAIR, "--max-restarts", str(args.faults + 2),
            __file__, "--worker", "--steps", str(args.steps), "--every", str(args.every),
-           "--timeout", str(args.timeout), "--ckpt", str(ckpt), "--out", str(out)]
+           "--timeout", str(args.timeout), "--ckpt", str(ckpt), "--out", str(out), "--precision", args.precision]
     t0 = time.perf_counter()
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--timeout", type=float, default=10, help="collective timeout: a hang becomes an error")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: each card's own, computed in fp32 where this CPU runs it slowly")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -159,7 +161,10 @@ def main() -> None:
     for key in ("injected", "survived", "restarts", "seconds_lost", "final_equal", "samples_exactly_once", "by_kind"):
         print(f"{key:<22} {figures[key]}")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        from hetrain.hardware.host import host_facts
+
+        Path(args.json).write_text(json.dumps({**figures, "precision": args.precision,
+                                               "host": host_facts().to_dict()}, indent=2))
 
 
 if __name__ == "__main__":

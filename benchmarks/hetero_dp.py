@@ -15,7 +15,12 @@ s_max)), how close the split is to perfect under the same contention and communi
 speedup_vs_equal = hetrain(mixed) / ddp-equal(mixed); identical_pair_ratio = hetrain(fast pair) /
 ddp(fast pair).
 
-    python benchmarks/hetero_dp.py --json out.json [--rounds 3] [--steps 30]
+Precision: --precision auto (the default) is what a user of these cards would pick: each card's
+own (bf16 on both, compute capability >= 8.0), computed in fp32 on a host whose CPU runs bf16
+slowly (hetrain.planning.precision's emulation rule), so the emulated speeds stay true. The plain
+DDP baseline uses the same rule and the same autocast, so both sides compute alike on any host.
+
+    python benchmarks/hetero_dp.py --json out.json [--rounds 3] [--steps 30] [--precision auto]
 """
 
 from __future__ import annotations
@@ -55,11 +60,29 @@ def _model_and_data(args):
 
 
 def _loss(model, x, y):
-    import torch
     import torch.nn.functional as F
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _autocast(args, rank: int):
+    """What a careful user runs on that card, by hetrain's rule: autocast to the card's precision
+    (or the precision asked for), computed in fp32 where this host's CPU runs it slowly."""
+    import contextlib
+
+    import torch
+
+    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.hardware.host import host_facts
+    from hetrain.runtime.emulate import EmulatedDevice
+    from hetrain.runtime.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.local(args.precision, device=torch.device("cpu"), host=host_facts(),
+                                   emulated=EmulatedDevice(parse_cluster(args.spec)[rank]))
+    if policy.error is not None:
+        raise policy.error
+    dtype = policy.dtype
+    return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
 
 def worker_plain(args) -> float:
@@ -78,6 +101,7 @@ def worker_plain(args) -> float:
     dist.init_process_group("gloo")
     model, data = _model_and_data(args)
     ddp = DDP(model) if world > 1 else model
+    autocast = _autocast(args, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
     loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
@@ -88,7 +112,8 @@ def worker_plain(args) -> float:
             t0 = time.perf_counter()
         x, y = next(loader)
         t = time.thread_time()                 # the same emulation as hetrain's engine:
-        loss = _loss(ddp, x, y)
+        with autocast():
+            loss = _loss(ddp, x, y)
         forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/emulate.py)
         guess = throttle.before_backward(forward_cpu)
         t = time.thread_time()
@@ -110,7 +135,7 @@ def worker_hetrain(args) -> float:
 
     import hetrain
 
-    ht = hetrain.init(global_batch=args.global_batch, emulate=args.spec, precision="bf16",
+    ht = hetrain.init(global_batch=args.global_batch, emulate=args.spec, precision=args.precision,
                       max_steps=args.warmup + args.steps, verbose=False)
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -142,7 +167,8 @@ def launch(name: str, args) -> float:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", mode, "--spec", spec, "--out", str(out),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-               "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers)]
+               "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
+               "--precision", args.precision]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["samples_per_s"]
@@ -159,6 +185,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: each card's own, computed in fp32 where this CPU runs it slowly")
     p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -186,7 +214,18 @@ def main() -> None:
         "speedup_vs_equal": med["hetrain-mixed"] / med["ddp-equal-mixed"],
         "identical_pair_ratio": med["hetrain-fast-pair"] / med["ddp-equal-fast-pair"],
     }
-    setup = {"model": f"GPT {args.layers} layers d={args.d_model} seq {args.seq_len} bf16 autocast, AdamW",
+    from hetrain.hardware.host import host_facts
+    from hetrain.runtime.precision import PrecisionPolicy
+    from hetrain.runtime.emulate import EmulatedDevice
+    from hetrain.hardware.cluster import parse_cluster
+    import torch
+
+    host = host_facts()
+    policy = PrecisionPolicy.local(args.precision, device=torch.device("cpu"), host=host,
+                                   emulated=EmulatedDevice(parse_cluster(FAST)[0]))
+    setup = {"model": f"GPT {args.layers} layers d={args.d_model} seq {args.seq_len}, AdamW",
+             "precision": {"requested": args.precision, "card": policy.name, "computed": policy.compute,
+                           "why": policy.choice.reason if policy.choice else ""},
              "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
              "rounds": args.rounds, "cpu_threads_per_device": 1, "host_cores": os.cpu_count()}
 
@@ -201,7 +240,10 @@ def main() -> None:
     for k, v in figures.items():
         print(f"{k:<22} {v:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "samples_per_s": med, "runs": runs, "setup": setup}, indent=2))
+        Path(args.json).write_text(json.dumps({**figures, "samples_per_s": med, "runs": runs, "setup": setup,
+                                               "host": host.to_dict()}, indent=2))
+    print(f"host: {host.describe()}; precision {args.precision}: the cards run {policy.name}, "
+          f"computed in {policy.compute}")
 
 
 if __name__ == "__main__":

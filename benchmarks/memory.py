@@ -51,7 +51,7 @@ def n_params(width: int) -> int:
 
 
 # -- inside each worker process ----------------------------------------------------------------
-def worker(strategy: str, width: int, out_dir: str) -> None:
+def worker(strategy: str, width: int, out_dir: str, precision: str = "auto") -> None:
     import torch
     import torch.nn.functional as F
 
@@ -65,7 +65,7 @@ def worker(strategy: str, width: int, out_dir: str) -> None:
         DevicePlan(rank=r, device=name, speed=speed, share=shares[r], micro_batch=micros[r], checkpointing=ckpt[r])
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
     ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=STEPS,
-                      precision="auto", timeout_s=120, verbose=False,
+                      precision=precision, timeout_s=120, verbose=False,
                       oom_recovery=False, rebalance=False)   # each strategy runs exactly its plan
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
@@ -104,11 +104,11 @@ def worker(strategy: str, width: int, out_dir: str) -> None:
 
 
 # -- the driver --------------------------------------------------------------------------------
-def trial(strategy: str, width: int) -> dict:
+def trial(strategy: str, width: int, precision: str = "auto") -> dict:
     """Run the job in fresh processes; {'fits': bool, ...}. Raises on anything but success or OOM."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               __file__, "--worker", strategy, "--width", str(width), "--out", tmp]
+               __file__, "--worker", strategy, "--width", str(width), "--out", tmp, "--precision", precision]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
@@ -122,7 +122,7 @@ def trial(strategy: str, width: int) -> dict:
                        f"(exit {proc.returncode}, {statuses}):\n{proc.stderr[-3000:]}")
 
 
-def largest(strategy: str, lo: int, hi: int, step: int, log) -> tuple[int, dict, int]:
+def largest(strategy: str, lo: int, hi: int, step: int, log, precision: str = "auto") -> tuple[int, dict, int]:
     """Binary search over widths lo..hi (multiples of `step`): the largest that trains."""
     trials = 0
     best, best_result = None, None
@@ -131,7 +131,7 @@ def largest(strategy: str, lo: int, hi: int, step: int, log) -> tuple[int, dict,
         mid = (a + b) // 2
         width = mid * step
         t0 = time.perf_counter()
-        r = trial(strategy, width)
+        r = trial(strategy, width, precision)
         trials += 1
         log(f"  {strategy:<13} width {width:>4} ({n_params(width) / 1e6:5.2f}M params): "
             f"{'trains' if r['fits'] else 'out of memory on rank ' + str(r['oom_rank'])}  "
@@ -150,18 +150,22 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--max-width", type=int, default=1024)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: each card's own in the plan, computed in fp32 where this CPU runs it slowly "
+                        "(then activations are counted at fp32 size: an upper bound)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.width, args.out)
+        worker(args.worker, args.width, args.out, args.precision)
         return
 
     rows = []
     t0 = time.perf_counter()
     for strategy in args.strategies.split(","):
-        width, r, trials = largest(strategy, WIDTH_STEP, args.max_width, WIDTH_STEP, lambda s: print(s, flush=True))
+        width, r, trials = largest(strategy, WIDTH_STEP, args.max_width, WIDTH_STEP, lambda s: print(s, flush=True),
+                                  args.precision)
         shares, micros, ckpt, sharding = STRATEGIES[strategy]
         rows.append({"strategy": strategy, "max_params": n_params(width), "d_model": width,
                      "peak_bytes_per_device": r["measured"], "planned_bytes_per_device": r["planned"],
@@ -175,11 +179,15 @@ def main() -> None:
     setup = {"cluster": SPEC, "scale": "1 GB of the real cards -> 1 MiB emulated",
              "model": f"GPT {LAYERS} layers, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, width searched in steps of "
                       f"{WIDTH_STEP}", "global_batch": GLOBAL_BATCH, "optimizer": "AdamW",
-             "precision": "auto (bf16 autocast: both catalog GPUs have compute capability >= 8.0)",
+             "precision": f"{args.precision} (auto: bf16 on both cards, compute capability >= 8.0; computed in "
+                          "fp32 where this CPU runs bf16 slowly, see host)",
              "trainable": f"{STEPS} optimizer steps without an emulated OOM on any rank",
              "seconds": round(time.perf_counter() - t0)}
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=2))
+        from hetrain.hardware.host import host_facts
+
+        Path(args.json).write_text(json.dumps({"rows": rows, "setup": setup, "host": host_facts().to_dict()},
+                                              indent=2))
 
 
 if __name__ == "__main__":

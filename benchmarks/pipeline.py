@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--rounds", type=int, default=6, help="alternating rounds of each split")
     p.add_argument("--steps", type=int, default=1, help="timed steps per round")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32"],
+                   help="pipeline layouts compute fp32 today (per-stage precision comes with the layouts' "
+                        "joining); auto records what the cards would run")
     p.add_argument("--dilate", type=float, default=3.0,
                    help="run every emulated device this many times slower, keeping their ratio: each rank "
                         "then sleeps most of the time, so on a shared CPU the ranks rarely compete for a core")
@@ -95,7 +98,10 @@ def worker(args) -> None:
                 run["times"].append(seconds)
                 run["losses"].append(loss)
 
+    from hetrain.hardware.host import host_facts
+
     out = {"cluster": args.cluster, "emulated": True, "dilate": args.dilate, "schedule": args.schedule,
+           "precision": {"requested": args.precision, "computed": "fp32"}, "host": host_facts().to_dict(),
            "global_batch": args.global_batch, "micro_batches": args.micro_batches,
            "model": {"kind": "demo GPT", "layers": cfg.n_layers, "d_model": cfg.d_model, "seq_len": cfg.seq_len,
                      "params": GPT(cfg).num_params()}}

@@ -22,9 +22,10 @@ wall-clock figures are only meaningful on a quiet host: the CPU the rest of the 
 each run is recorded with it. The CPU seconds of each rank's forward+backward per step, predicted
 and measured, check the profile and micro-batch model whatever the load.
 
-Precision: fp32 on every device by default. `auto` would give the T4 and the V100 fp16, which this
-CPU runs many times slower than bf16 (no fast fp16 kernels), so those emulated devices would run
-far below their catalog speed and the clusters would not have the ratios their names say.
+Precision: `auto` by default, hetrain's rule: each card's own precision in the plan (bf16 on the
+A100 and 3090, fp16 on the T4 and V100), computed in fp32 on a host whose CPU runs that dtype
+slowly (most CPUs for fp16; those without avx512_bf16/AMX for bf16 too), so every emulated device
+keeps its catalog speed on any host. The host's facts are recorded in the JSON.
 
 The equal-split runs are hetrain running an equal split, so they pay hetrain's agreement
 all-reduce; their predicted figure is the planner's plain-DDP step plus that agreement (the plan's
@@ -173,9 +174,8 @@ def main(argv=None) -> dict:
                    help="on a shared host: repeat a run while other work used more than this many cores")
     p.add_argument("--retries", type=int, default=5, help="with --max-other-cores: at most this many repeats")
     p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "auto"],
-                   help="fp32 (default) on every device; auto gives the T4 and V100 fp16, which a CPU "
-                        "runs many times slower than bf16, so their emulated speeds would not be the catalog's")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default): each card's own, computed in fp32 where this CPU runs it slowly")
     p.add_argument("--dilate", type=float, default=1.0,
                    help="run every emulated device D× slower (speeds / D): on a busy shared host the "
                         "devices then mostly sleep, which keeps other work's contention out of the figures "
@@ -238,8 +238,12 @@ def main(argv=None) -> dict:
                             "measured_speedup_vs_equal": got / ddp_got,
                             "predicted_speedup_vs_equal": pred / ddp_pred})
             rows.append(row)
+    from hetrain.hardware.host import host_facts
+
+    host = host_facts()
     result = {
         "model": f"demo GPT (4 layers, d=128, seq 64, precision {args.precision}), AdamW",
+        "host": host.to_dict(), "host_summary": host.describe(),
         "global_batch": args.global_batch, "steps": args.steps, "rounds": args.rounds, "dilate": args.dilate,
         "host_cores": cores,
         "target_rel_error": TARGET,

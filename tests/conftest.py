@@ -16,3 +16,20 @@ def _profile_cache():
             os.environ.pop("HETRAIN_CACHE", None)
         else:
             os.environ["HETRAIN_CACHE"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _recorded_host():
+    """Every test sees the same host: an AVX2-only CPU (bf16/fp16 ~40x slower than fp32), recorded.
+    So under precision='auto' emulated devices compute in fp32 whatever CPU runs the tests, and no
+    result depends on this host's bf16 speed (tests of the measurement itself unset it)."""
+    from hetrain.hardware.host import HOST_FACTS_ENV
+
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "hosts", "epyc-zen3-avx2.json")
+    old = os.environ.get(HOST_FACTS_ENV)
+    os.environ[HOST_FACTS_ENV] = path        # inherited by every spawned rank and CLI run
+    yield
+    if old is None:
+        os.environ.pop(HOST_FACTS_ENV, None)
+    else:
+        os.environ[HOST_FACTS_ENV] = old

@@ -61,6 +61,14 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
                        + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
         env["OMP_NUM_THREADS"] = "1"
         reasons.append("OMP_NUM_THREADS=1: an emulated device is one CPU thread, throttled to its speed")
+        # Measured here, once per host (then cached), before any worker computes: how fast this
+        # CPU runs bf16/fp16 decides what the emulated devices compute in (planning/precision.py).
+        from .hardware.host import host_facts
+
+        host = host_facts()
+        reasons.append(f"host CPU: {host.describe()}: {host.emulation_meaning()}")
+        if host.note:
+            reasons.append(host.note)
     else:
         gpus = _cuda_count()
         count = gpus or 1

@@ -39,3 +39,30 @@ def test_bf16_on_a_v100_is_one_line_then_runs_with_allow_fallback(tmp_path):
     out = ran.stdout + ran.stderr
     assert "bf16 -> fp16" in out and "job-wide" in out
     assert "memory per device" in out and "steps skipped" in out
+
+
+def test_an_unknown_precision_is_one_line_listing_the_values_for_demo_run_and_plan(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    for args, accepted in ((("demo", "--precision", "fp8"), "auto, fp32, bf16, fp16"),
+                           (("run", "--precision", "fp8", "--emulate", "a100-80g", str(script)), "auto, fp32, bf16, fp16"),
+                           (("plan", "--precision", "fp8", "--global-batch", "8", "--model", "gpt2-124m",
+                             "--emulate", "a100-80g"), "fp32, bf16, fp16")):
+        r = hetrain(*args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "'fp8'" in lines[0] and accepted in lines[0]
+
+
+def test_auto_on_a_slow_bf16_host_keeps_bf16_in_the_plan_and_computes_fp32_and_says_so(tmp_path):
+    """The tests' recorded host is an AVX2 CPU (bf16 ~39x slower than fp32): under auto the
+    emulated A100 and 3090 run bf16 on the real cards, fp32 here, and every output says so."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    r = hetrain("run", "--precision", "auto", "--emulate", "a100-80g,rtx3090", str(script))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "host CPU: AMD EPYC" in out and "compute in fp32 here" in out           # the launcher's line
+    assert "bf16 (computes fp32)" in out                                            # the precision table
+    assert "bf16 on the real card" in out and "--precision bf16 forces bf16" in out

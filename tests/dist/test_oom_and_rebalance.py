@@ -108,15 +108,20 @@ def efficiency(shares, speeds) -> float:
     return step_time(proportional_shares(sum(shares), speeds)) / step_time(shares)
 
 
+SAMPLE_S = 0.003     # the controlled clock: 3 ms per sample at speed 1 (the CPU needs well under 1)
+
+
 def rebalance_worker(rank, world, faults, steps):
-    """A small GPT, whose step time is nearly all per-sample compute (attention and MLP over 64
-    tokens), so the ideal split is the one proportional to the devices' true speeds."""
+    """A small GPT on the controlled clock (emulate_sample_s): a micro-batch of m samples lasts
+    m·3 ms/speed whatever the host's CPU took or how busy the host is, so the ideal split is the
+    one proportional to the devices' speeds on any host. (The CPU still computes every step; the
+    real-clock path is what the demo and the benchmarks run.)"""
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 
     ht = hetrain.init(global_batch=64, max_steps=steps, emulate="a100-80g:1.0,rtx3090:0.67",
-                      verbose=False, faults=faults)
+                      verbose=False, faults=faults, emulate_sample_s=SAMPLE_S)
     torch.manual_seed(0)
     net = GPT(GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)

@@ -29,7 +29,8 @@ from ..hardware.units import format_bytes, parse_bytes
 from ..planning.cost import BYTES_PER_PARAM, DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, Link
 from ..planning.plan import Plan
 from ..planning.presets import PRESETS, preset
-from ..planning.profile import PRECISIONS, ModelSpec
+from ..planning.profile import ModelSpec
+from ..vocabulary import PRECISIONS, check_choice
 
 # Gloo all-reduce between processes on one host (loopback), for `plan --emulate` (no processes
 # are started to measure it; the runtime measures the real one when it plans for itself).
@@ -63,8 +64,7 @@ def _positive_int(value: int, what: str, fix: str) -> int:
 
 def _check_common(global_batch: int, precision: str, memory_margin: float) -> None:
     _positive_int(global_batch, "--global-batch", "give the samples per optimizer step, e.g. --global-batch 256")
-    if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    check_choice(precision, PRECISIONS, "--precision")
     if not 0 <= memory_margin < 1:
         raise UsageError(f"--memory-margin {memory_margin}", "give the fraction of memory kept free, in [0, 1)")
 

@@ -17,6 +17,7 @@ import hetrain
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
 from hetrain.report import StepProgress, write_json
+from hetrain.vocabulary import PRECISION_REQUESTS
 
 
 def parse_args(argv=None):
@@ -27,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="auto", choices=list(PRECISION_REQUESTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the run's figures here")
     return p.parse_args(argv)
@@ -76,7 +77,12 @@ def main(argv=None) -> dict:
         ht.print(f"validation loss {summary['val_loss']:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
         ht.print("sample: " + repr(generate(model.module, b"def ", 80, ht.device)))
         if args.json:
-            write_json(args.json, summary)
+            predicted = summary["predicted"].get("samples_per_s")
+            write_json(args.json, {
+                "samples_per_s": summary["samples_per_s"], "predicted_samples_per_s": predicted,
+                "prediction_error": (predicted / summary["samples_per_s"] - 1) if predicted and summary["samples_per_s"] else None,
+                "rebalances": summary["rebalances"], "final_loss": summary["last_loss"],
+                "val_loss": summary["val_loss"], "host": summary["host"], "summary": summary})
     ht.close()
     return summary
 

@@ -48,10 +48,30 @@ def check_gpus(m: Machine, o: DoctorOptions) -> list[Finding]:
     return out
 
 
+def _cpu_precision_finding(recorded: dict | None) -> Finding:
+    """No GPU: what this CPU does with bf16/fp16 (hardware/host.py), and what that means for emulation."""
+    from .host import HostFacts
+
+    try:
+        host = HostFacts.from_dict(recorded) if recorded else None
+    except (ValueError, TypeError, KeyError):
+        host = None
+    if host is None:
+        why = recorded.get("error", "not recorded") if isinstance(recorded, dict) else "not recorded"
+        return skipped("precision", f"{NO_GPU}; this CPU's bf16/fp16 speed is unknown ({why})",
+                       fix="run `hetrain doctor` on the machine itself to measure it")
+    slow = [p for p in ("bf16", "fp16") if not host.keeps_speed(p)]
+    return Finding(level="ok", check="precision",
+                   message=f"{NO_GPU}: the CPU computes; {host.describe()}",
+                   why=host.emulation_meaning(),
+                   fix="" if not slow else "nothing to do: keep precision='auto' for emulation "
+                                           "(precision='fp32' on the CPU itself)")
+
+
 def check_precision(m: Machine, o: DoctorOptions) -> list[Finding]:
     gpus = [d for d in m.gpus if d.compute_capability]
     if not gpus:
-        return [skipped("precision", f"{NO_GPU}: CPU autocast supports bf16 if the CPU does")]
+        return [_cpu_precision_finding(m.facts.get("cpu_precision"))]
     lacking = [d for d in gpus if not d.real_bf16]
     cc = lambda d: "cc {}.{}".format(*d.compute_capability)   # noqa: E731
     if o.precision == "bf16" and lacking:

@@ -367,7 +367,19 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
         import pynvml
 
         _call(pynvml.nvmlShutdown)
+    if not gpus:       # no GPU: the CPU is the device (and what emulated devices run on)
+        facts["cpu_precision"] = _cpu_precision()
     return facts
+
+
+def _cpu_precision() -> dict | None:
+    """This CPU's native bf16/fp16 and measured slowdowns (hardware/host.py; cached per host)."""
+    from .host import host_facts
+
+    try:
+        return host_facts().to_dict()
+    except Exception as e:   # noqa: BLE001 — a report must not fail on one part
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def query_machine_in_subprocess(*, environ: dict | None = None, timeout_s: float = 120.0) -> dict:

@@ -39,6 +39,24 @@ def _gpu_lines(d) -> list[str]:
     return lines
 
 
+def _cpu_precision_lines(recorded: dict | None) -> list[str]:
+    """The CPU as a compute device (no GPU): native bf16/fp16 and the measured slowdowns."""
+    from .host import HostFacts
+
+    if not recorded:
+        return []
+    try:
+        host = HostFacts.from_dict(recorded)
+    except (ValueError, TypeError, KeyError):
+        return [f"- CPU precision: unknown ({recorded.get('error', 'unreadable record')})"]
+    return [f"- CPU precision: {host.describe()}; flags: {' '.join(host.flags) or 'none of ' + 'avx2/avx512'}",
+            f"  one thread, ms fp32/bf16/fp16: block "
+            + "/".join(f"{host.block_ms.get(p, 0):.1f}" for p in ("fp32", "bf16", "fp16"))
+            + ", matmul " + "/".join(f"{host.matmul_ms.get(p, 0):.2f}" for p in ("fp32", "bf16", "fp16"))
+            + f" [{host.source}]",
+            f"  emulation: {host.emulation_meaning()}"]
+
+
 def render_text(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> str:
     """The report; `rank_versions` (under torchrun) adds every rank's versions side by side."""
     f = m.facts
@@ -54,6 +72,7 @@ def render_text(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> st
             f"{_val(v.get('torch_cuda')) if t.get('built_with_cuda') else 'no'}; "
             f"CUDA usable: {'yes' if t.get('available') else 'no'}" + (f" ({t['error']})" if t.get("error") else ""),
             f"- torch arch list: {' '.join(t.get('arch_list') or []) or 'none'}",
+            *_cpu_precision_lines(f.get("cpu_precision")),
             f"- cuDNN: {_val(v.get('cudnn'))}; NCCL: {_val(v.get('nccl'))}",
             f"- NVIDIA driver: {_val(v.get('driver'))} (supports CUDA {_val(v.get('driver_cuda'))}); "
             f"NVML: {_val(v.get('nvml')) if nvml.get('ok') else 'unavailable: ' + _val(nvml.get('error'))}",

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from ..vocabulary import PRECISION_REQUESTS, check_choice
 
 LEVELS = ("ok", "warn", "error", "skipped")      # skipped: the check could not run (reason in message)
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PSU_HEADROOM = 0.30     # the seed's rule: the PSU should carry the GPUs' power limits + 30%
 
 
@@ -45,9 +45,7 @@ class DoctorOptions:
                                                and math.isfinite(self.psu_watts) and self.psu_watts > 0):
             raise UsageError(f"--psu-watts {self.psu_watts!r} is not a positive number of watts",
                              "give the power supply's rating, e.g. --psu-watts 1600")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}",
-                             "use --precision auto (recommend one), bf16, fp16 or fp32")
+        check_choice(self.precision, PRECISION_REQUESTS, "--precision")
 
 
 def parse_psu_watts(text: str | None) -> float | None:

@@ -6,8 +6,13 @@ The rule (`precision='auto'`):
   * an older GPU (V100 7.0, T4 7.5) runs fp16 autocast with loss scaling: torch accepts bf16
     there but emulates it slowly (`is_bf16_supported()` says True by default, pytorch PR#148322),
     and cuDNN has no bf16 convolutions below 8.0;
-  * an emulated device takes the precision of the catalog GPU it stands for (autocast bf16 and
-    fp16 both run for real on the CPU);
+  * an emulated device takes the precision of the catalog GPU it stands for, in the plan; it
+    *computes* in that precision only when this host's CPU runs it about as fast as fp32
+    (hardware/host.py measures it). Otherwise it computes in fp32, so that its emulated speed
+    stays true (a CPU without avx512_bf16/AMX runs bf16 4-40x slower than fp32, which no GPU
+    does), and says so. An explicit precision='bf16' or 'fp16' is honoured: it computes in that
+    dtype, and the measured slowdown is named in a warning (the profile measures it, so the
+    plan predicts it);
   * a plain CPU (no GPU, no emulation) stays fp32: such runs check correctness against fp32
     references, and fp16 autocast on a CPU is ~30x slower. bf16 autocast is real on CPUs with
     AVX512-BF16/AMX; ask for it with precision='bf16'.
@@ -18,11 +23,12 @@ scaling is harmless for bf16 and keeps every rank's gradients on the same scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UsageError
+from ..vocabulary import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+SLOW_ON_HOST = 1.5     # a dtype this many times slower than fp32 on the host breaks an emulated speed
 VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -33,6 +39,12 @@ class DeviceFacts:
     label: str                                  # for messages, e.g. 'v100-32g#1 (emulated)'
     kind: str                                   # 'cuda' | 'emulated' | 'cpu'
     capability: tuple[int, int] | None = None   # compute capability (CUDA, or the catalog GPU)
+    # emulated devices: this host's CPU time in bf16/fp16 over fp32 (hardware/host.py), and its name
+    host_slowdown: tuple[tuple[str, float], ...] = ()
+    host: str = "this CPU"
+
+    def slowdown(self, precision: str) -> float:
+        return dict(self.host_slowdown).get(precision, 1.0)
 
     @property
     def real_bf16(self) -> bool:
@@ -50,14 +62,45 @@ class PrecisionChoice:
     precision: str            # what this device runs: fp32 | bf16 | fp16
     reason: str               # why, for people
     fallback: str | None = None   # set when the device could not run what was asked
+    compute: str = ""             # the dtype this process computes in ('' = precision); differs
+                                  # only on an emulated device whose host runs `precision` slowly
+    warning: str | None = None    # an emulated device forced to a dtype its host runs slowly
+
+    def __post_init__(self) -> None:
+        if not self.compute:
+            object.__setattr__(self, "compute", self.precision)
 
     @property
     def needs_loss_scaling(self) -> bool:
         return self.precision == "fp16"
 
 
+def _times(x: float) -> str:
+    return f"{x:.1f}x" if x < 10 else f"{x:.0f}x"
+
+
+def _on_host(choice: PrecisionChoice, facts: DeviceFacts, *, forced: bool) -> PrecisionChoice:
+    """What an emulated device computes in for `choice` on this host (see the module docstring)."""
+    p = choice.precision
+    slow = facts.slowdown(p)
+    if facts.kind != "emulated" or p == "fp32" or slow <= SLOW_ON_HOST:
+        return choice
+    if forced:
+        return replace(choice, warning=(
+            f"{facts.label}: {p} forced; {facts.host} runs {p} {_times(slow)} slower than fp32, so this "
+            f"device computes about {_times(slow)} below its catalog speed (measured: the plan predicts it); "
+            "--precision auto keeps emulated speeds true"))
+    return replace(choice, compute="fp32", reason=(
+        f"{choice.reason}; {p} on the real card; {facts.host} runs {p} {_times(slow)} slower than fp32, "
+        f"so the emulation computes in fp32 (--precision {p} forces {p})"))
+
+
 def auto_precision(facts: DeviceFacts) -> PrecisionChoice:
     """The 'auto' rule for one device (see the module docstring)."""
+    return _on_host(_card_rule(facts), facts, forced=False)
+
+
+def _card_rule(facts: DeviceFacts) -> PrecisionChoice:
     if facts.kind == "cpu":
         return PrecisionChoice(
             requested="auto", precision="fp32",
@@ -87,21 +130,22 @@ def choose_precision(requested: str, facts: DeviceFacts, *, allow_fallback: bool
     if requested == "fp32":
         return PrecisionChoice(requested="fp32", precision="fp32", reason="fp32 asked for")
     if requested == "fp16":
-        slow = " (slow on a CPU: ~30x fp32)" if facts.kind in ("cpu", "emulated") else ""
-        return PrecisionChoice(requested="fp16", precision="fp16",
-                               reason=f"fp16 asked for, with the job-wide loss scale{slow}")
+        slow = " (slow on a CPU: ~30x fp32)" if facts.kind == "cpu" else ""
+        return _on_host(PrecisionChoice(requested="fp16", precision="fp16",
+                                        reason=f"fp16 asked for, with the job-wide loss scale{slow}"), facts, forced=True)
     # bf16
     if facts.real_bf16:
-        return PrecisionChoice(requested="bf16", precision="bf16", reason="bf16 asked for"
-                               + ("" if facts.kind == "cpu" else f" (compute capability {facts.cc})"))
+        return _on_host(PrecisionChoice(requested="bf16", precision="bf16", reason="bf16 asked for"
+                                        + ("" if facts.kind == "cpu" else f" (compute capability {facts.cc})")),
+                        facts, forced=True)
     why = (f"{facts.label}: precision='bf16' but compute capability {facts.cc} has no bf16 hardware "
            "(torch would emulate it slowly; cuDNN has no bf16 convolutions below 8.0)")
     if not allow_fallback:
         raise UsageError(why, "use precision='auto' (bf16 where real, fp16 + loss scaling elsewhere) or "
                               "'fp16', or allow the fallback: allow_fallback=True / "
                               "`hetrain run --allow-fallback`")
-    return PrecisionChoice(requested="bf16", precision="fp16",
-                           reason=f"bf16 asked for; compute capability {facts.cc} < 8.0 runs fp16 "
-                                  "with the job-wide loss scale",
-                           fallback=f"{facts.label}: bf16 -> fp16 (fallback allowed; no bf16 hardware "
-                                    f"at compute capability {facts.cc})")
+    return _on_host(PrecisionChoice(requested="bf16", precision="fp16",
+                                    reason=f"bf16 asked for; compute capability {facts.cc} < 8.0 runs fp16 "
+                                           "with the job-wide loss scale",
+                                    fallback=f"{facts.label}: bf16 -> fp16 (fallback allowed; no bf16 hardware "
+                                             f"at compute capability {facts.cc})"), facts, forced=True)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UsageError
+from ..vocabulary import PRECISIONS
 
 PROFILE_SCHEMA = 1
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _positive(name: str, value: float, fix: str) -> None:

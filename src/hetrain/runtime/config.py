@@ -7,11 +7,11 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UsageError
+from ..vocabulary import PRECISION_REQUESTS
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 
 LOSS_WEIGHTINGS = ("samples", "tokens")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 RESUME_MODES = ("auto", "must", "never")
 SHARDINGS = ("auto", "none", "zero1", "fsdp", "capacity")
 CHECKPOINTINGS = ("plan", "all", "none")
@@ -36,6 +36,8 @@ class Config:
     epochs: float | None = None          # ...or after this many passes over the data (default 1)
     grad_clip: float | None = None       # clip the global gradient norm to this
     emulate: str | None = None           # cluster spec: one emulated device per rank
+    emulate_sample_s: float | None = None  # a clock tests control: an emulated micro-batch of m samples
+                                         # lasts m·this/speed, whatever its CPU took (None: CPU time)
     plan: str | None = None              # path of a saved Plan (JSON) to run instead of splitting
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
@@ -60,8 +62,8 @@ class Config:
                       "pass global_batch=N, the samples per optimizer step over all devices")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise bad(f"loss_weighting={self.loss_weighting!r}", f"use one of {LOSS_WEIGHTINGS}")
-        if self.precision not in PRECISIONS:
-            raise bad(f"precision={self.precision!r}", f"use one of {PRECISIONS}")
+        if self.precision not in PRECISION_REQUESTS:
+            raise bad(f"precision={self.precision!r}", f"use one of {PRECISION_REQUESTS}")
         if self.sharding not in SHARDINGS:
             raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDINGS}")
         if self.checkpointing not in CHECKPOINTINGS:
@@ -78,6 +80,10 @@ class Config:
             raise bad(f"epochs={self.epochs}", "use a positive number of epochs, or None")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad(f"grad_clip={self.grad_clip}", "use a positive max norm, or None")
+        if self.emulate_sample_s is not None and not (isinstance(self.emulate_sample_s, (int, float))
+                                                      and 0 < self.emulate_sample_s <= 10):
+            raise bad(f"emulate_sample_s={self.emulate_sample_s!r}",
+                      "give the controlled clock's seconds per sample, e.g. 0.002, or None for CPU time")
         if not self.timeout_s > 0:
             raise bad(f"timeout_s={self.timeout_s}", "use a positive number of seconds")
         if not 0 <= self.memory_margin < 1:

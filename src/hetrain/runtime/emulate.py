@@ -156,12 +156,20 @@ class Throttle:
     last backward (DDP's buffer broadcast and FSDP2's gathers in the first forward come before any
     sleep is owed; a model with a collective in every forward, such as SyncBatchNorm, would see
     the slow device's delay at its last forward instead of spread over its micro-batches).
+
+    A controlled clock (`sample_s`, for tests that need a timing relation to hold on any host and
+    under load): a micro-batch of m samples then lasts m·sample_s·slowdown/speed, whatever its
+    CPU took; the CPU still computes it for real, and the sleep makes up the difference (a CPU
+    slower than the clock shows as a device slower than asked, never as a negative sleep).
     """
 
-    def __init__(self, speed: float, *, seed: int = 0):   # seed: differs by rank (noise is per device)
+    def __init__(self, speed: float, *, seed: int = 0, sample_s: float | None = None):   # seed: per device
         if not 0 < speed <= 1:
             raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
+        if sample_s is not None and not sample_s > 0:
+            raise ValueError(f"the controlled clock's seconds per sample must be positive, got {sample_s}")
         self.speed = speed
+        self.sample_s = sample_s
         self.slowdown = 1.0         # extra multiplier on compute time (fault injection)
         self.noise = 0.0            # ±amplitude of random timing noise around its mean (faults)
         self._rng = random.Random(seed)
@@ -199,13 +207,17 @@ class Throttle:
         finally:
             self.pay(time.thread_time() - t0)
 
-    def before_backward(self, forward_cpu: float, *, settle: bool = True) -> float:
+    def before_backward(self, forward_cpu: float, *, settle: bool = True, samples: int = 1) -> float:
         """Book the forward and the predicted backward, and sleep for all that is owed (unless
         `settle` is False: a micro-batch whose backward does not sync); returns the prediction."""
         guess = self.backward_ratio * forward_cpu
         self._last_stretch = self._stretch()
         self.cpu_seconds += forward_cpu + guess
-        self.owed += (forward_cpu + guess) * self._last_stretch
+        if self.sample_s is not None:    # the controlled clock: the micro-batch lasts what it says
+            self.owed += samples * self.sample_s * (self._last_stretch + 1) - (forward_cpu + guess)
+            self._last_stretch = -1.0    # the backward's real CPU is already inside that length
+        else:
+            self.owed += (forward_cpu + guess) * self._last_stretch
         if settle:
             self.settle()
         return guess
@@ -221,11 +233,32 @@ class Throttle:
 class EmulatedDevice:
     """This rank's emulated GPU: a throttle and a memory meter."""
 
-    def __init__(self, spec: ClusterDevice):
+    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None):
         self.spec = spec
-        self.throttle = Throttle(spec.speed, seed=1000 + spec.index)
+        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s)
         self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
 
     @property
     def label(self) -> str:
         return f"{self.spec.label} (emulated)"
+
+
+def agree_host_facts(*, rank: int, world_size: int):
+    """This host's CPU facts (hardware/host.py), the same on every rank: rank 0 reads or measures
+    them (one thread, nothing else computing yet) and hands them to all. An error there (a bad
+    $HETRAIN_HOST_FACTS file) is raised on every rank, not on rank 0 alone."""
+    import torch.distributed as dist
+
+    from ..hardware.host import host_facts
+
+    result: list = [None]
+    if rank == 0:
+        try:
+            result = [host_facts()]
+        except Exception as e:   # noqa: BLE001 — raised below, on every rank
+            result = [e]
+    if world_size > 1:
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]

@@ -38,7 +38,7 @@ from .checkpoint import Checkpointer
 from .config import Config
 from .data import GlobalCursorSampler, to_device
 from .dist import DistContext, init_distributed, shutdown
-from .emulate import EmulatedDevice
+from .emulate import EmulatedDevice, agree_host_facts
 from .failure import install_excepthook
 from .faults import ENV as FAULTS_ENV
 from .faults import FaultInjector, injected_oom, parse_faults
@@ -70,7 +70,15 @@ class Engine:
                 f"launch with `hetrain run --emulate {config.emulate} script.py` "
                 "(one process per emulated device)",
             )
-        self.emulated = EmulatedDevice(cluster[self.ctx.rank]) if cluster is not None else None
+        self.emulated = (EmulatedDevice(cluster[self.ctx.rank], sample_s=config.emulate_sample_s)
+                         if cluster is not None else None)
+        # [emulation] how fast this CPU computes bf16/fp16: decides what an emulated device computes in
+        self.host = agree_host_facts(rank=self.rank, world_size=self.world_size) if cluster is not None else None
+        if self.host is not None:
+            self.log.info(f"host CPU: {self.host.describe()}; {self.host.emulation_meaning()} "
+                          f"[{self.host.source}]")
+            if self.host.note:
+                self.log.warn(self.host.note)
         self.faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
                                     rank=self.ctx.rank, attempt=self.ctx.restart)
         if self.faults and self.emulated is None:
@@ -87,7 +95,8 @@ class Engine:
         self._optimizer: torch.optim.Optimizer | None = None
         # [precision] this rank's choice; prepare() agrees it across ranks (bad input raises there)
         self._precision = precision.PrecisionPolicy.local(
-            config.precision, device=self.device, emulated=self.emulated, allow_fallback=config.allow_fallback)
+            config.precision, device=self.device, emulated=self.emulated, host=self.host,
+            allow_fallback=config.allow_fallback)
         self._memory_plan: memory.MemoryPlan | None = None
         self._rebalancer: Rebalancer | None = None
         self._checkpointer: Checkpointer | None = None
@@ -102,6 +111,7 @@ class Engine:
         self._state_counted = False    # the emulated meter counts optimizer state once it exists
         self.ooms = 0                  # out-of-memory errors recovered on this rank
         self.redone_steps = 0          # steps redone by all ranks after an OOM in a gradient sync
+        self.rebalances = 0            # share changes made by the rebalancer
         torch.manual_seed(config.seed)
         atexit.register(self._at_exit)
 
@@ -424,7 +434,7 @@ class Engine:
         throttle = self.emulated.throttle if self.emulated is not None else None
         forward_cpu = self._clock() - mb.started_at
         # sleep first, once per step, before the backward that syncs: see emulate.Throttle
-        guess = throttle.before_backward(forward_cpu, settle=mb.last) if throttle else 0.0
+        guess = throttle.before_backward(forward_cpu, settle=mb.last, samples=mb.size) if throttle else 0.0
         self._cuda_mark(mb)
         t0 = self._clock()
         try:
@@ -509,6 +519,7 @@ class Engine:
             decision = self._rebalancer.propose(self.plan, step=self.steps_done)
             if decision is not None:
                 self.plan = decision.plan
+                self.rebalances += 1
                 self.log.info(decision.message)
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
         self._checkpoint_due = self._checkpointer is not None and (
@@ -544,6 +555,7 @@ class Engine:
             "predicted_compute_s": [d.predicted_compute_s for d in self.plan.devices] if self.plan else [],
             "profiles": [p.to_dict() for p in self.profiles] if self.profiles else [],
             "redone_steps": self.redone_steps,
+            "rebalances": self.rebalances,
             "ranks": [table.row(r) for r in range(self.world_size)],
         }
         if st.steps and self.plan is not None:
@@ -560,6 +572,7 @@ class Engine:
                 f"{out['last_loss']:.4f}, plan v{self.plan.version}" + (" (emulated devices)" if self.emulated else ""),
                 ("rank", "device", "share", "micro", "busy/step", "busy", "peak memory", "OOMs"), rows)
         out["precision"] = self._precision.summary()                 # [precision] skipped steps
+        out["host"] = self.host.to_dict() if self.host is not None else None
         self._precision.show_summary(self.log, steps=st.steps)
         out["memory"] = memory.report(plan=self.plan, memory_plan=self._memory_plan, rank=self.rank,  # [memory]
                                       world_size=self.world_size, device=self.device,

@@ -42,7 +42,7 @@ def measure(engine, model, optimizer, forward) -> dict:
     try:
         mine["profile"], mine["cached"] = profile_device(
             model, optimizer, lambda m: engine._load(range(min(m, n))), device=engine.device,
-            label=engine.device_label, forward=forward, precision=engine._precision.name, memory_bytes=cap,
+            label=engine.device_label, forward=forward, precision=engine._precision.compute, memory_bytes=cap,
             max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu.spec if emu else None)
     except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
         mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
@@ -66,7 +66,7 @@ def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, flo
     ddp = DDP(model, device_ids=[engine.device.index] if engine.device.type == "cuda" else None)
     try:
         syncs, computes = time_gradient_sync(ddp, lambda: engine._load(range(max(1, m))), forward=forward,
-                                             device=engine.device, precision=engine._precision.name,
+                                             device=engine.device, precision=engine._precision.compute,
                                              runs=SYNC_RUNS)
     finally:
         del ddp
@@ -155,7 +155,9 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     if engine.emulated is not None and n > 1:    # one CPU, measured by every rank: pool them
         specs = list(parse_cluster(cfg.emulate))
         profiles = pool_emulated(profiles, specs)
-        _warn_slow_cpu_precision(engine.log.warn, profiles, specs)
+    if engine.emulated is not None and cfg.emulate_sample_s is not None:
+        profiles = [on_controlled_clock(p, spec, cfg.emulate_sample_s)
+                    for p, spec in zip(profiles, parse_cluster(cfg.emulate))]
     engine.profiles = tuple(profiles)            # every rank's, for rebalancing and reports
     plan = make_plan(list(profiles), options)
     cached = sum(bool(g["cached"]) for g in gathered)
@@ -166,21 +168,13 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
         for d, p in zip(plan.devices, profiles)))
 
 
-def _warn_slow_cpu_precision(warn, profiles, specs) -> None:
-    """fp16 on a CPU has no fast kernels: an emulated fp16 device runs far below its catalog speed.
-    The plan is still right (it splits by what was measured), but the cluster is not the one named."""
-    cpu = {}      # precision -> CPU seconds per sample, the emulated speed taken out
-    for p, spec in zip(profiles, specs):
-        cpu.setdefault(p.precision, p.per_sample_s * spec.speed)
-    if "fp16" not in cpu or len(cpu) < 2:
-        return
-    base = min(v for k, v in cpu.items() if k != "fp16")
-    slow = [spec.label for p, spec in zip(profiles, specs) if p.precision == "fp16"]
-    they = "it is" if len(slow) == 1 else "they are"
-    warn(f"{', '.join(slow)} (emulated): fp16, which this CPU computes {cpu['fp16'] / base:.0f}x slower than "
-         f"the other ranks' precision (no fast fp16 kernels), so {they} slower than the catalog speed and "
-         f"the plan gives {'it a smaller share' if len(slow) == 1 else 'them smaller shares'}; "
-         f"precision='fp32' (the demo: --precision fp32) keeps the emulated speeds true")
+def on_controlled_clock(p, spec, sample_s: float):
+    """A profile on the controlled clock (emulate_sample_s): a micro-batch of m samples lasts
+    m·sample_s/speed, no fixed part; the host CPU it occupies stays what was measured."""
+    device_s = sample_s / spec.speed
+    return replace(p, overhead_s=0.0, per_sample_s=device_s,
+                   cpu_share=min(1.0, p.per_sample_s * p.cpu_share / device_s),
+                   source=p.source + f"; on the controlled clock: {sample_s * 1e3:g} ms/sample at speed 1")
 
 
 def check_given_plan(engine, plan: Plan) -> Plan:

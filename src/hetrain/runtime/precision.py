@@ -29,11 +29,14 @@ from ..planning.precision import DeviceFacts, PrecisionChoice, choose_precision
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def device_facts(device: torch.device, emulated=None) -> DeviceFacts:
-    """This rank's device, as the precision rule sees it."""
+def device_facts(device: torch.device, emulated=None, host=None) -> DeviceFacts:
+    """This rank's device, as the precision rule sees it (`host`: hardware.host.HostFacts, for an
+    emulated device: how fast this CPU computes bf16 and fp16)."""
     if emulated is not None:
+        slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
         return DeviceFacts(label=emulated.label, kind="emulated",
-                           capability=tuple(emulated.spec.gpu.compute_capability))
+                           capability=tuple(emulated.spec.gpu.compute_capability),
+                           host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
     if device.type == "cuda":
         return DeviceFacts(label=f"cuda:{device.index} {torch.cuda.get_device_name(device)}", kind="cuda",
                            capability=tuple(torch.cuda.get_device_capability(device)))
@@ -88,12 +91,12 @@ class PrecisionPolicy:
     agreed: bool = False
 
     @classmethod
-    def local(cls, requested: str, *, device: torch.device, emulated=None,
+    def local(cls, requested: str, *, device: torch.device, emulated=None, host=None,
               allow_fallback: bool = False) -> PrecisionPolicy:
         """This rank's choice. Errors are kept, not raised: `agree` raises them on every rank.
         'auto' is decided by the device rule, also with a given plan (whose `precision` fields
         then record what ran): a planner applies the same rule (planning/precision.py)."""
-        facts = device_facts(device, emulated)
+        facts = device_facts(device, emulated, host)
         try:
             choice = choose_precision(requested, facts, allow_fallback=allow_fallback)
         except UsageError as e:
@@ -104,6 +107,8 @@ class PrecisionPolicy:
     def agree(self, *, rank: int, world_size: int, device: torch.device, log=None) -> None:
         mine = {"rank": rank, "device": self.facts.label,
                 "precision": self.choice.precision if self.choice else None,
+                "compute": self.choice.compute if self.choice else None,
+                "warning": self.choice.warning if self.choice else None,
                 "reason": self.choice.reason if self.choice else "",
                 "fallback": self.choice.fallback if self.choice else None,
                 "math": self.math.reason,
@@ -131,8 +136,9 @@ class PrecisionPolicy:
     def _show(self, log) -> None:
         scaled = self.scaler is not None
         mixed = len({e["precision"] for e in self.all_choices}) > 1
-        rows = [(e["rank"], e["device"], e["precision"], "job-wide" if scaled else "-", e["reason"])
-                for e in self.all_choices]
+        rows = [(e["rank"], e["device"], e["precision"] + ("" if e["compute"] == e["precision"]
+                                                           else f" (computes {e['compute']})"),
+                 "job-wide" if scaled else "-", e["reason"]) for e in self.all_choices]
         title = "precision per device"
         if scaled:
             title += (": one loss scale for the whole job (fp16 on "
@@ -142,16 +148,25 @@ class PrecisionPolicy:
         for e in self.all_choices:
             if e["fallback"]:
                 log.warn(f"rank {e['rank']}: {e['fallback']}")
+            if e["warning"]:
+                log.warn(f"rank {e['rank']}: {e['warning']}")
             log.info(f"  rank {e['rank']}: {e['math']}")
 
     # -- facts ---------------------------------------------------------------------------------
     @property
     def name(self) -> str:
+        """The device's precision, as the plan records it (the real card's, when emulated)."""
         return self.choice.precision if self.choice else "fp32"
 
     @property
+    def compute(self) -> str:
+        """The dtype this process computes in: `name`, or fp32 for an emulated device whose host
+        runs `name` slowly (planning/precision.py). What autocast and the profiler use."""
+        return self.choice.compute if self.choice else "fp32"
+
+    @property
     def dtype(self) -> torch.dtype | None:
-        return DTYPES.get(self.name)
+        return DTYPES.get(self.compute)
 
     def record_in(self, plan: Plan) -> Plan:
         """The plan with every rank's agreed precision (same plan, same version: a record)."""
@@ -203,6 +218,7 @@ class PrecisionPolicy:
                      f"job-wide loss scale now {self.loss_scale:g}")
 
     def summary(self) -> dict:
-        return {"precision": self.name, "loss_scale": self.loss_scale,
+        return {"precision": self.name, "compute": self.compute, "loss_scale": self.loss_scale,
                 "skipped_steps": len(self.skipped_steps), "skipped_at": list(self.skipped_steps),
-                "per_rank": [e["precision"] for e in self.all_choices]}
+                "per_rank": [e["precision"] for e in self.all_choices],
+                "per_rank_compute": [e["compute"] for e in self.all_choices]}

@@ -16,6 +16,11 @@ The Plan changes only when
     consecutive steps, so neither one noisy window nor a half-updated estimate moves shares,
   * and at least `cooldown` steps (default 4) have passed since the last change: no flip-flop.
 
+After a change every window starts afresh: the next proposal, a move back included, rests only on
+steps measured at the new shares. A time model is never exact (a device's time per sample can
+differ at 41 samples from what 38 predicted), and timings from before the move, mixed into the
+median, made shares swing back and forth (38/26 -> 41/23 -> 36/28 -> 39/25 on a quiet host).
+
 Noise does not move shares: estimates are medians over up to `window` steps (a burst of load
 from another process on a shared host moves a median less than a mean). A real change does,
 quickly: when a rank's last 3 measurements all sit more than `jump` (default 30%) away from its
@@ -110,6 +115,8 @@ class Rebalancer:
         if self._streak < self.confirm or self._since_change < self.cooldown:
             return None
         self._streak, self._last, self._since_change = 0, None, 0
+        self.per_sample = [[] for _ in range(self.world_size)]   # evidence at the new shares only
+        self.fixed = [[] for _ in range(self.world_size)]
         fastest = min(t)
         devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank], self.micro_batch_cap)
                         for d, s in zip(plan.devices, new))

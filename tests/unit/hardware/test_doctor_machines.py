@@ -161,3 +161,20 @@ def test_power_fix_limits_fit_the_psu():
     assert "at least 845 W" in p.fix
     # suggested limits keep 30% headroom: 300*700/845 = 248, 350*700/845 = 289
     assert "-i 1 -pl 248" in p.fix and "-i 0 -pl 289" in p.fix
+
+
+def test_a_cpu_host_says_whether_it_has_bf16_and_fp16_and_what_that_means_for_emulation(tmp_path):
+    import json
+
+    hosts = MACHINES.parent / "hosts"
+    facts = json.loads((MACHINES / "cpu_only.json").read_text())
+    for host, native, meaning in (("epyc-zen3-avx2", "bf16: no avx512_bf16/amx_bf16", "compute in fp32 here"),
+                                  ("xeon-avx512-bf16", "bf16: in hardware", "fp16 compute in fp32 here")):
+        facts["cpu_precision"] = json.loads((hosts / f"{host}.json").read_text())
+        path = tmp_path / f"{host}.json"
+        path.write_text(json.dumps(facts))
+        f = one(doctor.run_checks(machine.recorded(str(path)), DoctorOptions()), "precision")
+        assert f.level == "ok" and native in f.message and "slower than fp32" in f.message
+        assert meaning in f.why
+    unmeasured = one(findings_of("cpu_only"), "precision")          # recorded before hosts were measured
+    assert unmeasured.level == "skipped" and "unknown" in unmeasured.message and unmeasured.fix

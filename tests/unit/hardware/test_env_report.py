@@ -61,3 +61,16 @@ def test_report_lists_every_rank_under_torchrun():
     text = envreport.render_text(m, rows)
     assert "Ranks (2):" in text and "rank 1: host b; torch 2.4.1" in text and "GPUs none" in text
     assert envreport.render_json(m, rows)["ranks"][0]["hostname"] == "a"
+
+
+def test_report_on_a_cpu_host_gives_its_bf16_fp16_speeds_and_what_emulation_does(tmp_path):
+    import json
+
+    facts = json.loads((MACHINES / "cpu_only.json").read_text())
+    facts["cpu_precision"] = json.loads((MACHINES.parent / "hosts" / "epyc-zen3-avx2.json").read_text())
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(facts))
+    text = envreport.render_text(machine.recorded(str(path)))
+    line = next(ln for ln in text.splitlines() if ln.startswith("- CPU precision:"))
+    assert "no avx512_bf16/amx_bf16" in line and "39x slower than fp32" in line and "flags: avx2" in line
+    assert "block 9.5/372.0/365.0" in text and "emulation: under precision='auto'" in text
