@@ -101,3 +101,7 @@ def test_demo_trains_and_reports(tmp_path):
     assert figures["last_loss"] < figures["first_loss"] - 0.5      # from ~5.5 (uniform over bytes)
     assert figures["val_loss"] < 5.0
     assert [r["peak_bytes"] > 0 for r in figures["ranks"]] == [True, True]
+    # the demo's headline figures, by name
+    assert 0 < figures["wall_s"] < 600 and figures["samples_per_s"] > 0 and figures["predicted_samples_per_s"] > 0
+    assert figures["final_loss"] == figures["last_loss"] and figures["rebalances"] >= 0
+    assert figures["host"]["cpu"] and "block_ms" in figures["host"]
