@@ -49,8 +49,8 @@ def _cpu_precision_lines(recorded: dict | None) -> list[str]:
         host = HostFacts.from_dict(recorded)
     except (ValueError, TypeError, KeyError):
         return [f"- CPU precision: unknown ({recorded.get('error', 'unreadable record')})"]
-    return [f"- CPU precision: {host.describe()}; flags: {' '.join(host.flags) or 'none of ' + 'avx2/avx512'}",
-            f"  one thread, ms fp32/bf16/fp16: block "
+    return [f"- CPU precision: {host.describe()}; flags: {' '.join(host.flags) or 'none of the SIMD ones'}",
+            "  one thread, ms fp32/bf16/fp16: block "
             + "/".join(f"{host.block_ms.get(p, 0):.1f}" for p in ("fp32", "bf16", "fp16"))
             + ", matmul " + "/".join(f"{host.matmul_ms.get(p, 0):.2f}" for p in ("fp32", "bf16", "fp16"))
             + f" [{host.source}]",
