@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from .files import write_json_atomic
 
 
 class StepProgress:
@@ -42,7 +41,4 @@ class StepProgress:
 
 def write_json(path: str, data: dict) -> None:
     """Write aside, then rename: a crash never leaves a half-written file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, data)

@@ -56,12 +56,12 @@ def train_worker(rank, world, inject_at, agreed):
     ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="auto", max_steps=3,
                       verbose=False)
     warnings = []
-    ht.log.warn = warnings.append
+    ht.log.warn = ht.log.warn_job = warnings.append
     model = model_for()
     opt = RecordingSGD(model.parameters(), lr=0.1)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))
     if not agreed:   # the guard: a per-rank scaler that does not agree on overflows
-        ht._precision.scaler = torch.amp.GradScaler("cpu")
+        ht.job.precision.scaler = torch.amp.GradScaler("cpu")
     out = {"indices": [], "params": [], "scales": [], "warnings": warnings}
     for step in batches:
         for mb in step:
@@ -76,7 +76,7 @@ def train_worker(rank, world, inject_at, agreed):
         ht.step()
         out["indices"].append(list(step.indices))
         out["params"].append([p.detach().clone() for p in model.module.parameters()])
-        out["scales"].append(ht._precision.scaler.get_scale())
+        out["scales"].append(ht.job.precision.scaler.get_scale())
     out["applied"] = opt.applied
     out["summary"] = ht.summary()["precision"]
     out["plan_precisions"] = [d.precision for d in ht.plan.devices]
@@ -138,8 +138,12 @@ def bad_precision_worker(rank, world):
     # the same job with the fallback allowed (joins the same process group)
     ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="bf16",
                       allow_fallback=True, max_steps=1, verbose=False)
-    warnings = []
-    ht.log.warn = warnings.append
+    import io
+
+    from rich.console import Console
+
+    if ht.rank == 0:                  # what rank 0 prints: every rank's warnings, once, rank named
+        ht.log.console = Console(file=io.StringIO(), width=400)
     model = model_for()
     model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                      torch.utils.data.TensorDataset(x, y))
@@ -150,6 +154,7 @@ def bad_precision_worker(rank, world):
                     ht.backward(F.mse_loss(model(mb.batch[0]).float(), mb.batch[1]))
         ht.step()
     summary = ht.summary()["precision"]
+    warnings = ht.log.console.file.getvalue().splitlines() if ht.rank == 0 else []
     ht.close()
     first.close()
     return refused, warnings, summary
@@ -162,4 +167,5 @@ def test_bf16_forced_on_a_v100_is_one_agreed_error_or_a_named_fallback():
     assert "rank 1" in what and "v100" in what and "compute capability 7.0" in what and "rank 0" not in what
     assert "allow_fallback=True" in fix and "--allow-fallback" in fix
     assert summary0["per_rank"] == ["bf16", "fp16"]
-    assert any("bf16 -> fp16" in w and "v100" in w for w in warn0), warn0
+    # rank 1's own warning, printed by rank 0 with the rank named
+    assert any(w.startswith("warning (rank 1)") and "bf16 -> fp16" in w and "v100" in w for w in warn0), warn0

@@ -74,7 +74,7 @@ def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=N
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=strategy, max_steps=steps,
                       precision="fp32", emulate=emulate, verbose=False, **(extra or {}))
     warnings = []
-    ht.log.warn = warnings.append
+    ht.log.warn = ht.log.warn_job = warnings.append
     opt = optimizer_for(opt_name, model.parameters())
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))
     record = {"indices": [], "grads": [], "micro_counts": [], "warnings": warnings,

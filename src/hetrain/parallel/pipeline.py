@@ -28,7 +28,7 @@ What happens, and why:
   * Emulated speed. `forward_one_chunk` and `backward_one_chunk` (one micro-batch's forward or
     backward piece, with no communication inside) and the loss are timed and followed by a sleep
     of c·(1/s − 1): each piece lasts c/s, so the pipeline's timeline (bubbles, waits) is that of
-    devices of those speeds. (Wall time of the piece, see `_MeteredStage._timed`.)
+    devices of those speeds. (Wall time of the piece, see `_MeteredStage.timed`.)
   * Memory. Activations saved by each micro-batch's forward are counted until its backward frees
     them, giving the peak micro-batches and bytes in flight. Over an emulated device's cap, every
     rank raises torch.OutOfMemoryError together after the step (agreed, so no rank is left waiting).
@@ -96,7 +96,7 @@ class _MeteredStage(PipelineStage):
         self._flight = flight
         self.compute_s = 0.0
 
-    def _timed(self, run: Callable):
+    def timed(self, run: Callable):
         # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
         # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
         # the devices' speed ratio even when a shared CPU slows every process (CPU time would
@@ -112,12 +112,12 @@ class _MeteredStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         parent = super().forward_one_chunk
-        return self._timed(lambda: self._flight.forward(
+        return self.timed(lambda: self._flight.forward(
             fwd_chunk_id, lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output)))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         parent = super().backward_one_chunk
-        out = self._timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
+        out = self.timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward))
         self._flight.backward_done(bwd_chunk_id)
         return out
@@ -189,7 +189,7 @@ class Pipeline:
         self.stage = _MeteredStage(self.module, stage_index, self.num_stages, device, group=pp_group,
                                    throttle=emulated.throttle if emulated is not None else None,
                                    flight=self._flight)
-        self._loss = _RowLoss(loss_fn, replicas=self.replicas, timed=self.stage._timed)
+        self._loss = _RowLoss(loss_fn, replicas=self.replicas, timed=self.stage.timed)
         self.schedule = _SCHEDULE_CLASSES[split.schedule](self.stage, self.micro_batches, loss_fn=self._loss,
                                                           scale_grads=False)
         self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index)
@@ -485,7 +485,7 @@ def warn_if_over(ht, splits: Sequence[PipelineSplit]) -> None:
     for r, sp in enumerate(splits):
         for st in sp.stages:
             if not st.fits:
-                ht.log.warn(f"split {'/'.join(map(str, sp.sizes))}: stage {st.index}"
+                ht.log.warn_job(f"split {'/'.join(map(str, sp.sizes))}: stage {st.index}"
                             + (f" of replica {r}" if len(splits) > 1 else "")
                             + f" ({st.device}) is predicted to need {format_bytes(st.memory_bytes)}, "
                             f"{format_bytes(st.memory_cap)} usable; leave split=None to size stages by memory, "

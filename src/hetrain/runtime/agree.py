@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 
 # The values every rank sends at the end of each step (engine.py), in this order.
-STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version")
+# "warnings": how many warnings the rank holds for rank 0 to print (log.py).
+STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version",
+             "warnings")
 
 
 class Table:

@@ -161,17 +161,13 @@ class CapacityShardedOptimizer(torch.optim.Optimizer):
                                    if self.group is not None else r, group=self.group)
         return None
 
-    # -- checkpoints: this rank's slice, with the partition it belongs to ----------------------
+    # -- checkpoints: refused until the layouts' checkpoint work lands (persist/checkpoint refuse
+    # capacity sharding with a checkpoint_dir); the base class's state_dict would silently save
+    # only this rank's slice under the whole model's parameter ids.
     def state_dict(self):
-        return {"hetrain_capacity": {"bounds": [list(b) for b in self._bounds], "rank": self.rank},
-                "local": self.optim.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+        raise UsageError("a capacity-sharded optimizer's state cannot be saved yet",
+                         "use sharding='fsdp' or 'none' with checkpoint_dir")
 
     def load_state_dict(self, state_dict):
-        meta = state_dict.get("hetrain_capacity", {})
-        if [list(b) for b in self._bounds] != meta.get("bounds") or meta.get("rank") != self.rank:
-            raise UsageError("this capacity-sharded optimizer state was saved with another partition",
-                             "resume with the same devices, or re-create the optimizer state")
-        self.optim.load_state_dict(state_dict["local"])
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
-            g.update(saved)
+        raise UsageError("a capacity-sharded optimizer's state cannot be loaded yet",
+                         "use sharding='fsdp' or 'none' with checkpoint_dir")

@@ -155,7 +155,7 @@ class Checkpointer:
                 if problem is None:
                     choice = str(self.path(step))
                     break
-                self.log.warn(f"checkpoint {self.path(step).name} is unusable: {problem}; trying the previous one")
+                self.log.warn_job(f"checkpoint {self.path(step).name} is unusable: {problem}; trying the previous one")
         choice = _broadcast(choice)
         return Path(choice) if choice else None
 

@@ -33,9 +33,11 @@ class StepSamples:
     indices: tuple[int, ...]    # length = global batch
     epochs: tuple[int, ...]     # epoch of each index (differs only when a step straddles epochs)
 
-    def for_rank(self, offsets: tuple[int, ...], shares: tuple[int, ...], rank: int) -> tuple[int, ...]:
-        start = offsets[rank]
-        return self.indices[start:start + shares[rank]]
+    def for_rank(self, offsets: tuple[int, ...], shares: tuple[int, ...],
+                 rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rank `rank`'s contiguous slice of the step, by the plan's shares: (indices, epochs)."""
+        start, end = offsets[rank], offsets[rank] + shares[rank]
+        return self.indices[start:end], self.epochs[start:end]
 
 
 class GlobalCursorSampler:

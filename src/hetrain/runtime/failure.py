@@ -16,6 +16,7 @@ import os
 import sys
 
 from ..errors import HetrainError, UsageError
+from ..files import write_json_atomic
 from .config import LAUNCH_ENV
 
 ERROR_FILE = "error-rank{rank}.json"
@@ -24,10 +25,8 @@ ERROR_FILE = "error-rank{rank}.json"
 def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
     path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
-                   "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError)}, f)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(path, {"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
+                             "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError)})
 
 
 def read_errors(run_dir: str) -> list[dict]:
@@ -48,9 +47,11 @@ def clear_errors(run_dir: str) -> None:
             os.remove(os.path.join(run_dir, name))
 
 
-def install_excepthook(engine) -> None:
+def install_excepthook(rank: int, world_size: int, job_of) -> None:
+    """Installed as soon as the rank knows who it is, before anything else can fail. `job_of()`
+    gives the job record (job.py) once it exists, read when an error arrives: its checkpoint dir,
+    step and micro-batch for an escaped OOM, and the warnings its log still holds."""
     previous = sys.excepthook
-    rank, world_size = engine.rank, engine.world_size
     launch = os.environ.get(LAUNCH_ENV)
     run_dir = os.path.dirname(launch) if launch else None
 
@@ -59,9 +60,12 @@ def install_excepthook(engine) -> None:
 
         from .recovery import record_escaped_oom
 
-        if isinstance(exc, torch.OutOfMemoryError) and engine._checkpointer is not None:
-            record_escaped_oom(str(engine._checkpointer.dir), rank=rank, step=engine.steps_done,
-                               micro=engine.current_micro_batch or 1)
+        job = job_of()
+        if job is not None:
+            job.log.flush_alone()   # this rank's warnings that rank 0 has not printed yet
+        if isinstance(exc, torch.OutOfMemoryError) and job is not None and job.checkpointer is not None:
+            record_escaped_oom(str(job.checkpointer.dir), rank=rank, step=job.steps_done,
+                               micro=job.micro_batch or 1)
         if isinstance(exc, HetrainError):
             if run_dir is not None:
                 write_error(run_dir, rank, exc)

@@ -38,11 +38,11 @@ def measure(engine, model, optimizer, forward) -> dict:
         cap = torch.cuda.get_device_properties(engine.device).total_memory
     if engine.world_size == 1 and emu is None and cap is None:
         return mine          # one device, memory not limited: nothing to decide or measure
-    n = len(engine._dataset)
+    n = len(engine.dataset)
     try:
         mine["profile"], mine["cached"] = profile_device(
-            model, optimizer, lambda m: engine._load(range(min(m, n))), device=engine.device,
-            label=engine.device_label, forward=forward, precision=engine._precision.compute, memory_bytes=cap,
+            model, optimizer, lambda m: engine.load(range(min(m, n))), device=engine.device,
+            label=engine.device_label, forward=forward, precision=engine.precision.compute, memory_bytes=cap,
             max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu.spec if emu else None)
     except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
         mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
@@ -58,15 +58,15 @@ def _measure_sync(engine, model, grad_bytes, profiles, forward) -> dict[str, flo
     link) and SYNC_RUNS synchronised backwards through DDP (the sync this job leaves exposed, and
     each rank's compute before it; every rank on the same micro-batch size). The DDP used for it
     is temporary: the real wrapper (runtime/sharding.py) is chosen after the plan."""
-    cfg, n = engine.config, len(engine._dataset)
+    cfg, n = engine.config, len(engine.dataset)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, engine.device) * grad_bytes / max(probe_bytes, 1)
     caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
     m = min([cfg.global_batch // engine.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
     ddp = DDP(model, device_ids=[engine.device.index] if engine.device.type == "cuda" else None)
     try:
-        syncs, computes = time_gradient_sync(ddp, lambda: engine._load(range(max(1, m))), forward=forward,
-                                             device=engine.device, precision=engine._precision.compute,
+        syncs, computes = time_gradient_sync(ddp, lambda: engine.load(range(max(1, m))), forward=forward,
+                                             device=engine.device, precision=engine.precision.compute,
                                              runs=SYNC_RUNS)
     finally:
         del ddp
@@ -93,8 +93,9 @@ def _straggle(table: agree.Table) -> float:
     return min(1.0, statistics.median(fractions)) if fractions else 0.0
 
 
-def agree_plan(engine, model, mine: dict, forward) -> Plan:
-    """Every rank gathers every rank's profile and runs the same planner on them."""
+def agree_plan(engine, model, mine: dict, forward) -> tuple[Plan, tuple | None]:
+    """Every rank gathers every rank's profile and runs the same planner on them. Returns the
+    Plan and every rank's profile (None when nothing was measured). `engine`: the job record."""
     cfg = engine.config
     gathered = [mine]
     if engine.world_size > 1:
@@ -110,10 +111,10 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
         micro = min(cfg.global_batch, cfg.micro_batch or cfg.global_batch)
         return Plan(global_batch=cfg.global_batch, note="single device: the whole batch", devices=(
             DevicePlan(rank=0, device=engine.device_label, speed=1.0, share=cfg.global_batch,
-                       micro_batch=micro, precision=engine._precision.name,
+                       micro_batch=micro, precision=engine.precision.name,
                        reasons=(f"share {cfg.global_batch}/{cfg.global_batch}: single device",
                                 f"micro-batch {micro}: " + ("micro_batch set in the config"
-                                                           if micro < cfg.global_batch else "memory not capped"))),))
+                                                           if micro < cfg.global_batch else "memory not capped"))),)), None
     n = engine.world_size
     profiles = [g["profile"] for g in gathered]
     grad_bytes = gathered[0]["grad_bytes"]
@@ -158,14 +159,13 @@ def agree_plan(engine, model, mine: dict, forward) -> Plan:
     if engine.emulated is not None and cfg.emulate_sample_s is not None:
         profiles = [on_controlled_clock(p, spec, cfg.emulate_sample_s)
                     for p, spec in zip(profiles, parse_cluster(cfg.emulate))]
-    engine.profiles = tuple(profiles)            # every rank's, for rebalancing and reports
     plan = make_plan(list(profiles), options)
     cached = sum(bool(g["cached"]) for g in gathered)
     engine.log.info(f"profiles: {cached} of {n} from the cache, {n - cached} measured")
     # The rebalancer's time model of each rank: fixed seconds per micro-batch + seconds per sample.
     return replace(plan, devices=tuple(
         replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
-        for d, p in zip(plan.devices, profiles)))
+        for d, p in zip(plan.devices, profiles))), tuple(profiles)
 
 
 def on_controlled_clock(p, spec, sample_s: float):

@@ -161,10 +161,10 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
     return out
 
 
-def _free_for_state(engine, params, act_bytes: float | None) -> float | None:
+def _free_for_state(job, params, act_bytes: float | None) -> float | None:
     """Bytes this rank has left for sharded optimizer state: its memory (less the margin) minus
     parameters, gradients and its micro-batch's activations. None when nothing caps memory."""
-    cfg, emu, device = engine.config, engine.emulated, engine.device
+    cfg, emu, device = job.config, job.emulated, job.device
     if emu is not None and emu.meter.cap is not None:
         return emu.meter.cap * (1 - cfg.memory_margin) - emu.meter.fixed - (act_bytes or 0.0)
     if device.type == "cuda":
@@ -174,63 +174,63 @@ def _free_for_state(engine, params, act_bytes: float | None) -> float | None:
     return None
 
 
-def wrap_for_plan(engine, model, optimizer, forward):
+def wrap_for_plan(job, model, optimizer, forward):
     """prepare()'s memory step, after the plan and checkpointing: measure this rank's activations
     as it will run, wrap the model under the configured sharding (a collective), count what the
-    emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan)."""
-    cfg, plan, rank = engine.config, engine.plan, engine.rank
+    emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan, whether
+    in-loop OOM recovery can stay on under this wrapper)."""
+    cfg, plan, rank = job.config, job.plan, job.rank
     me = plan.devices[rank]
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     param_bytes = params[0].element_size() if params else 4
     act = act_fixed = None
-    if engine.emulated is not None or engine.device.type == "cuda":
+    if job.emulated is not None or job.device.type == "cuda":
         act_fixed, act = measure_activations(
-            engine._load, model=model, forward=forward, device=engine.device,
-            autocast=lambda: engine._precision.autocast(engine.device.type),
-            n_max=min(me.micro_batch, len(engine._dataset)))
+            job.load, model=model, forward=forward, device=job.device,
+            autocast=lambda: job.precision.autocast(job.device.type),
+            n_max=min(me.micro_batch, len(job.dataset)))
     act_bytes = None if act is None else act_fixed + act * me.micro_batch
-    meter = engine.emulated.meter if engine.emulated is not None else None
+    meter = job.emulated.meter if job.emulated is not None else None
     strategy = cfg.sharding
     if strategy == "auto":
-        strategy = _auto_sharding(engine, model, optimizer, n_params=n_params, param_bytes=param_bytes,
+        strategy = _auto_sharding(job, model, optimizer, n_params=n_params, param_bytes=param_bytes,
                                   act_bytes=act_bytes)
-    wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=engine.device, rank=rank,
-                         world_size=engine.world_size, free_bytes=_free_for_state(engine, params, act_bytes),
+    wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
+                         world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
                          block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter,
                          checkpoints=bool(getattr(cfg, "checkpoint_dir", None)))
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
-    if wrapped.strategy == "fsdp" and getattr(cfg, "oom_recovery", False):
+    oom_recovery = cfg.oom_recovery
+    if wrapped.strategy == "fsdp" and oom_recovery:
         # One rank cannot replay FSDP2's all-gathers after an OOM mid-step (its peers have moved on),
         # so an OOM stops the job instead (a restart with --max-restarts resumes from a checkpoint).
-        from dataclasses import replace
-
-        engine.config = replace(cfg, oom_recovery=False)
+        oom_recovery = False
         wrapped.lines.append("  in-loop OOM recovery is off under FSDP2 (one rank cannot replay its all-gathers): "
                              "an out-of-memory error stops the job; --max-restarts resumes from a checkpoint")
     mp = plan_memory(n_params=n_params, param_bytes=param_bytes, optimizer=optimizer, wrapped=wrapped,
-                     world_size=engine.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
+                     world_size=job.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
                      activation_per_sample=act, activation_fixed=act_fixed or 0.0,
                      checkpointing=me.checkpointing)
-    return wrapped, mp
+    return wrapped, mp, oom_recovery
 
 
-def _auto_sharding(engine, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None) -> str:
+def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None) -> str:
     """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
     from .checkpointing import find_blocks
 
-    cfg, emu, device, plan = engine.config, engine.emulated, engine.device, engine.plan
+    cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
     cap = emu.meter.cap if emu is not None else (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
-    me = plan.devices[engine.rank]
+    me = plan.devices[job.rank]
     table = agree.exchange({"usable": cap * (1 - cfg.memory_margin) if cap else -1.0, "act": act_bytes or 0.0,
                             "accumulates": float(me.n_micro > 1)},
-                           rank=engine.rank, world_size=engine.world_size, device=device)
+                           rank=job.rank, world_size=job.world_size, device=device)
     usable = table.column("usable")
-    if engine.world_size == 1 or any(u < 0 for u in usable):
+    if job.world_size == 1 or any(u < 0 for u in usable):
         return "none"          # nothing to shard across, or memory not capped: nothing to decide
     devices = [DeviceMemory(label=d.device, capacity=u, activations=a)
                for d, u, a in zip(plan.devices, usable, table.column("act"))]
@@ -245,19 +245,19 @@ def _auto_sharding(engine, model, optimizer, *, n_params: int, param_bytes: int,
         options = [o for o in options if o.strategy in ("none", "fsdp")]
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":
-        engine.log.table(
+        job.log.table(
             "sharding options: model state + activations per device (usable memory: "
             + ", ".join(f"{d.label} {format_bytes(d.capacity)}" for d in devices) + ")",
             ("sharding", *[d.label for d in devices], "fits"),
             [(o.strategy, *[format_bytes(p) for p in o.peak], "yes" if o.fits(devices) else "no")
              for o in options])
-        engine.log.info(f"sharding=auto chose {chosen.strategy}: {why}")
+        job.log.info(f"sharding=auto chose {chosen.strategy}: {why}")
     return chosen.strategy
 
 
 def show_wrapping(log, wrapped) -> None:
     for line in wrapped.lines:
         if wrapped.strategy == "none":      # sharding asked for but not possible: say so, loudly
-            log.warn(line)
+            log.warn_job(line)
         else:
             log.info(line)

@@ -1,4 +1,4 @@
-"""What the engine saves and restores: the glue between Engine and Checkpointer.
+"""What a job saves and restores: the glue between the job record (job.py) and Checkpointer.
 
 Resume rules:
   * same world size: the saved Plan (shares after rebalancing, micro-batches after OOMs, its
@@ -23,35 +23,35 @@ from . import recovery
 from .checkpoint import Checkpointer, model_signature, rng_state, set_rng_state
 
 
-def gather(engine, obj) -> list:
+def gather(job, obj) -> list:
     import torch.distributed as dist
 
-    if engine.world_size == 1:
+    if job.world_size == 1:
         return [obj]
-    out = [None] * engine.world_size
+    out = [None] * job.world_size
     dist.all_gather_object(out, obj)
     return out
 
 
-def save(engine) -> None:
+def save(job) -> None:
     """Collective: a checkpoint of the whole job at the current step boundary."""
-    ck: Checkpointer = engine._checkpointer
-    rngs = gather(engine, rng_state())
+    ck: Checkpointer = job.checkpointer
+    rngs = gather(job, rng_state())
     meta = {
-        "step": engine.steps_done,
-        "sampler": engine._sampler.state_dict(),
-        "plan": engine.plan.to_json(),
-        "rebalancer": engine._rebalancer.state_dict() if engine._rebalancer else None,
-        "scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+        "step": job.steps_done,
+        "sampler": job.sampler.state_dict(),
+        "plan": job.plan.to_json(),
+        "rebalancer": job.rebalancer.state_dict() if job.rebalancer else None,
+        "scaler": job.scaler.state_dict() if job.scaler is not None else None,
         "rng": rngs,
-        "extra": {name: obj.state_dict() for name, obj in engine._extra_state.items()},
-        "model_signature": model_signature(engine._model.module),
-        "global_batch": engine.config.global_batch,
-        "world_size": engine.world_size,
+        "extra": {name: obj.state_dict() for name, obj in job.extra_state.items()},
+        "model_signature": model_signature(job.model.module),
+        "global_batch": job.config.global_batch,
+        "world_size": job.world_size,
     }
-    path = ck.save(engine.steps_done, model=engine._model.module, optimizer=engine._optimizer, meta=meta,
-                   midway=lambda: engine.faults.maybe_die(engine.steps_done, "checkpoint"))
-    engine.log.info(f"checkpoint {path.name} saved (step {engine.steps_done}, plan v{engine.plan.version})")
+    path = ck.save(job.steps_done, model=job.model.module, optimizer=job.optimizer, meta=meta,
+                   midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"))
+    job.log.info(f"checkpoint {path.name} saved (step {job.steps_done}, plan v{job.plan.version})")
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ class Found:
     meta: dict
 
 
-def find_checkpoint(engine, model) -> Found | None:
+def find_checkpoint(job, model) -> Found | None:
     """Collective: the newest whole checkpoint, checked against this job before anything of it is
     used (a checkpoint of another model or global batch is refused, and nothing is written)."""
-    cfg, ck = engine.config, engine._checkpointer
+    cfg, ck = job.config, job.checkpointer
     path = ck.latest()
     if path is None:
         if cfg.resume == "must":
@@ -86,53 +86,51 @@ def find_checkpoint(engine, model) -> Found | None:
     return Found(path, meta)
 
 
-def adopt_plan(engine, found: Found | None) -> Plan:
+def adopt_plan(job, found: Found | None) -> Plan:
     """The Plan to run: the checkpoint's own on the same world size, else the fresh one (its
     version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
-    plan = engine.plan
+    plan = job.plan
     if found is not None:
         saved = Plan.from_json(found.meta["plan"])
-        if saved.world_size == engine.world_size:
+        if saved.world_size == job.world_size:
             plan = replace(saved, devices=tuple(
-                replace(d, device=now.device) for d, now in zip(saved.devices, engine.plan.devices)))
+                replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
-            plan = replace(engine.plan, version=saved.version + 1,
-                           note=f"re-planned for {engine.world_size} devices after resuming from {saved.world_size}")
-    return _apply_escaped_ooms(engine, plan)
+            plan = replace(job.plan, version=saved.version + 1,
+                           note=f"re-planned for {job.world_size} devices after resuming from {saved.world_size}")
+    return _apply_escaped_ooms(job, plan)
 
 
-def restore(engine, found: Found) -> None:
+def restore(job, found: Found) -> None:
     """Collective: load the checkpoint's state into the prepared job."""
-    meta, ck = found.meta, engine._checkpointer
-    ck.load_model(found.path, model=engine._model.module, optimizer=engine._optimizer)
-    engine._sampler.load_state_dict(meta["sampler"])
-    engine.steps_done = meta["step"]
-    if engine._scaler is not None and meta["scaler"] is not None:
-        engine._scaler.load_state_dict(meta["scaler"])
-    for name, obj in engine._extra_state.items():
+    meta, ck = found.meta, job.checkpointer
+    ck.load_model(found.path, model=job.model.module, optimizer=job.optimizer)
+    job.sampler.load_state_dict(meta["sampler"])
+    job.steps_done = meta["step"]
+    if job.scaler is not None and meta["scaler"] is not None:
+        job.scaler.load_state_dict(meta["scaler"])
+    for name, obj in job.extra_state.items():
         if name in meta["extra"]:
             obj.load_state_dict(meta["extra"][name])
-    if engine.rank < len(meta["rng"]):
-        set_rng_state(meta["rng"][engine.rank])
-    if engine._rebalancer is not None and meta["rebalancer"] is not None:
-        engine._rebalancer.load_state_dict(meta["rebalancer"])
-    if engine.emulated is not None and engine._optimizer.state:   # restored optimizer state is held too
-        engine.emulated.meter.set_fixed(engine._model.module, engine._optimizer)
-        engine._state_counted = True
-    engine.log.info(f"resumed from {found.path.name}: step {engine.steps_done}, epoch {engine._sampler.epoch}, "
-                    f"sample cursor {engine._sampler.cursor}, plan v{engine.plan.version}"
-                    + (f" (restart {engine.ctx.restart})" if engine.ctx.restart else ""))
+    if job.rank < len(meta["rng"]):
+        set_rng_state(meta["rng"][job.rank])
+    if job.rebalancer is not None and meta["rebalancer"] is not None:
+        job.rebalancer.load_state_dict(meta["rebalancer"])
+    job.hooks.state_restored(job.model.module, job.optimizer)     # an emulated device holds it too
+    job.log.info(f"resumed from {found.path.name}: step {job.steps_done}, epoch {job.sampler.epoch}, "
+                    f"sample cursor {job.sampler.cursor}, plan v{job.plan.version}"
+                    + (f" (restart {job.ctx.restart})" if job.ctx.restart else ""))
 
 
-def _apply_escaped_ooms(engine, plan: Plan) -> Plan:
+def _apply_escaped_ooms(job, plan: Plan) -> Plan:
     """Halve the micro-batch of every rank whose previous attempt died of an OOM (recovery.py);
     with a checkpoint or without (an OOM before the first one)."""
     import torch.distributed as dist
 
-    found = recovery.take_escaped_ooms(str(engine._checkpointer.dir), engine.world_size)
-    if engine.world_size > 1:
+    found = recovery.take_escaped_ooms(str(job.checkpointer.dir), job.world_size)
+    if job.world_size > 1:
         dist.barrier()   # every rank has read the records before rank 0 removes them
-    if not found or plan.world_size != engine.world_size:
+    if not found or plan.world_size != job.world_size:
         return plan
     devices = list(plan.devices)
     notes = []
@@ -145,19 +143,19 @@ def _apply_escaped_ooms(engine, plan: Plan) -> Plan:
                                "or a device with more memory")
         devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
         notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
-    if engine.rank == 0:
-        recovery.clear_escaped_ooms(str(engine._checkpointer.dir), engine.world_size)
+    if job.rank == 0:
+        recovery.clear_escaped_ooms(str(job.checkpointer.dir), job.world_size)
     note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
-    engine.log.warn(note)
+    job.log.warn_job(note)
     return plan.evolve(note=note, devices=tuple(devices))
 
 
-def log_samples(engine, step) -> None:
+def log_samples(job, step) -> None:
     """Append this rank's samples of a finished step to its sample log (one JSON line)."""
-    directory = engine.config.sample_log
+    directory = job.config.sample_log
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"rank{engine.rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step.index, "attempt": engine.ctx.restart, "epochs": list(step.epochs),
+    with open(os.path.join(directory, f"rank{job.rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step.index, "attempt": job.ctx.restart, "epochs": list(step.epochs),
                             "indices": list(step.indices)}) + "\n")
 
 

@@ -88,7 +88,6 @@ class PrecisionPolicy:
     all_choices: list[dict] = field(default_factory=list)   # every rank's, after agree()
     scaler: torch.amp.GradScaler | None = None
     skipped_steps: list[int] = field(default_factory=list)
-    agreed: bool = False
 
     @classmethod
     def local(cls, requested: str, *, device: torch.device, emulated=None, host=None,
@@ -129,7 +128,6 @@ class PrecisionPolicy:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
-        self.agreed = True
         if log is not None:
             self._show(log)
 
@@ -145,11 +143,11 @@ class PrecisionPolicy:
                       + ", ".join(str(e["rank"]) for e in self.all_choices if e["precision"] == "fp16")
                       + ("; bf16/fp32 ranks scale too" if mixed else "") + ")")
         log.table(title, ("rank", "device", "precision", "loss scale", "why"), rows)
-        for e in self.all_choices:
-            if e["fallback"]:
-                log.warn(f"rank {e['rank']}: {e['fallback']}")
-            if e["warning"]:
-                log.warn(f"rank {e['rank']}: {e['warning']}")
+        for e in self.all_choices:   # each rank warns of its own device (log.py names the rank)
+            if e["rank"] == log.rank and e["fallback"]:
+                log.warn(e["fallback"])
+            if e["rank"] == log.rank and e["warning"]:
+                log.warn(e["warning"])
             log.info(f"  rank {e['rank']}: {e['math']}")
 
     # -- facts ---------------------------------------------------------------------------------
@@ -202,7 +200,7 @@ class PrecisionPolicy:
         if after < before:   # the scaler backs off exactly when it skipped
             self.skipped_steps.append(step_index)
             if log is not None:
-                log.warn(f"step {step_index}: inf/NaN gradients (fp16 overflow) on some rank: step "
+                log.warn_job(f"step {step_index}: inf/NaN gradients (fp16 overflow) on some rank: step "
                          f"skipped on every rank, loss scale {before:g} -> {after:g}")
             return False
         return True

@@ -4,8 +4,10 @@ For a few micro-batch sizes (1, 2, 4, … up to the largest that memory and the 
 it times forward + backward and fits t(m) = a + b·m; it counts the activation bytes at two sizes
 (saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` over the forward on CUDA) and
 fits c + d·m; it times one optimizer step on a copy of the optimizer (the model is never stepped)
-and reads the fixed memory — parameters, gradients, optimizer state — off that copy. No
-torch.distributed here: every rank measures its own device alone.
+and reads the fixed memory — parameters, gradients, optimizer state — off that copy. Profiling
+itself is local (every rank measures its own device alone); the probes at the end of this module
+(`time_gradient_sync`, `time_agreement`, `time_allreduce`) are collectives, run once every rank
+is known to have profiled.
 
 Results are cached by model signature (architecture, parameter and batch shapes, optimizer type,
 precision, torch version) and device (CUDA name, or CPU model and thread count) under
@@ -24,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .. import files
+from ..files import write_text_atomic
 from ..hardware.cluster import ClusterDevice
 from ..planning.profile import DeviceProfile, fit_linear
 from .emulate import MemoryMeter, model_state_bytes
@@ -48,11 +51,7 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # -- cache ------------------------------------------------------------------------------------
 def cache_dir() -> Path | None:
     """Where profiles are kept, or None when caching is off."""
-    root = os.environ.get("HETRAIN_CACHE")
-    if root is not None and root.strip().lower() in ("", "0", "off", "none", "no"):
-        return None
-    base = Path(root) if root else Path.home() / ".cache" / "hetrain"
-    return base / "profiles"
+    return files.cache_dir("profiles")
 
 
 def model_signature(model: torch.nn.Module, optimizer, sample, *, precision: str, max_size: int) -> str:
@@ -122,9 +121,7 @@ def _write_cache(path: Path | None, profile: DeviceProfile) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(profile.to_json())
-        os.replace(tmp, path)   # atomic: ranks writing the same file never leave half of one
+        write_text_atomic(path, profile.to_json())   # ranks writing the same file never leave half of one
     except OSError:
         pass                    # a read-only home is not a reason to fail a run
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..files import write_json_atomic
+
 OOM_RECORD = "oom-rank{rank}.json"
 
 
@@ -37,10 +39,10 @@ class SyncGuard:
     def __init__(self, ddp: DDP):
         self.ddp = ddp
         self.launched: list[int] = []
-        ddp.register_comm_hook(self, SyncGuard._hook)
+        ddp.register_comm_hook(self, SyncGuard.hook)
 
     @staticmethod
-    def _hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
+    def hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
         self.launched.append(bucket.index())
         return default_hooks.allreduce_hook(None, bucket)
 
@@ -68,10 +70,8 @@ def smaller_micro_batch(micro: int) -> int | None:
 
 # -- an OOM that escaped the loop: recorded now, applied when the job resumes ----------------------
 def record_escaped_oom(directory: str, *, rank: int, micro: int, step: int) -> None:
-    path = os.path.join(directory, OOM_RECORD.format(rank=rank))
-    with open(path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "micro": micro, "step": step}, f)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(os.path.join(directory, OOM_RECORD.format(rank=rank)),
+                      {"rank": rank, "micro": micro, "step": step})
 
 
 def take_escaped_ooms(directory: str, world_size: int) -> dict[int, int]:

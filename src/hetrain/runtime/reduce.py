@@ -35,6 +35,19 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
+
+
+def units(weighting: str, *, size: int, tokens) -> float | torch.Tensor:
+    """n_rk: the micro-batch's samples, or the tokens its loss averaged over (a tensor stays on
+    the device: no sync per micro-batch; it is read at the step's end)."""
+    if weighting != "tokens":
+        return float(size)
+    if tokens is None:
+        raise UsageError("loss_weighting='tokens' needs the token count of each micro-batch",
+                         "call ht.backward(loss, tokens=n) with the tokens the loss averaged over")
+    return tokens.detach().double() if isinstance(tokens, torch.Tensor) else float(tokens)
+
 
 def loss_factor(*, units: float, world_size: int, global_batch: int) -> float:
     """c_rk of (3), with N = global_batch (exact for samples, provisional for tokens)."""

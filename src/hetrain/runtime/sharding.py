@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import HetrainError, UsageError
+from ..errors import UsageError
 from ..hardware.units import format_bytes
 from ..planning.memory import capacity_fractions
 from .checkpointing import find_blocks
@@ -55,12 +55,12 @@ class Wrapped:
 
     def sync_guard(self):
         """What OOM recovery uses to complete a gradient sync an OOM interrupted: DDP's
-        `recovery.SyncGuard`, or the FSDP2 adapter (which cannot, and says so)."""
+        `recovery.SyncGuard`; None under FSDP2, where in-loop OOM recovery is off (memory.py)."""
         if isinstance(self.sync, DDP):
             from ..runtime.recovery import SyncGuard
 
             return SyncGuard(self.sync)
-        return self.sync
+        return None
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Parameter, nn.Parameter]):
@@ -79,23 +79,11 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Paramet
 
 class FSDPSync:
     """`no_sync()` for FSDP2: no gradient reduction and no resharding on non-last micro-batches.
-    Also stands in for OOM recovery's sync guard, for an OOM in the last backward: that one cannot
-    be recovered (peers are inside FSDP2's reduce-scatters, which have no bucket record to
-    complete), so it stops the rank. In practice in-loop OOM recovery is off under FSDP2 altogether
-    (runtime/memory.py says why): a redo cannot replay FSDP2's all-gathers on one rank alone."""
+    In-loop OOM recovery is off under FSDP2 (memory.py says why: a redo cannot replay FSDP2's
+    all-gathers on one rank alone), so there is no sync guard to stand in for."""
 
     def __init__(self, root: nn.Module, units: list[nn.Module]):
         self.root, self.units = root, units
-
-    def begin(self) -> None:
-        pass
-
-    def complete_missing(self) -> int:
-        raise HetrainError(
-            "out of memory in the last backward of a step under sharding='fsdp': the peers are inside "
-            "FSDP2's gradient reduce-scatters, which hetrain cannot complete for this rank",
-            "give this device a smaller micro-batch (a plan, or micro_batch=...), activation "
-            "checkpointing, or --max-restarts to restart from the last checkpoint")
 
     @contextlib.contextmanager
     def no_sync(self):

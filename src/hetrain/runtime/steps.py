@@ -24,12 +24,8 @@ class MicroBatch:
     indices: tuple[int, ...]   # dataset indices
     backward_done: bool = False
     catch_oom: bool = True     # `with mb:` turns an OOM into a recovery (recovery.py)
-    started_at: float = 0.0    # compute clock when the user's code got the micro-batch
-    booked_cpu: float = 0.0    # compute already charged to the emulated device's throttle
     failed: str | None = None  # why this micro-batch ran out of memory, if it did
     desynced: bool = False     # the OOM struck inside the step's gradient sync
-    inject_forward_oom: object = None   # a fault to raise in the next forward (faults.py)
-    events: list | None = None # CUDA timing events: start, before backward, after backward
 
     @property
     def last(self) -> bool:
@@ -61,25 +57,27 @@ class Step:
     epoch: int
     indices: tuple[int, ...]         # this rank's dataset indices in this step
     epochs: tuple[int, ...]          # the epoch of each (a step can straddle two)
-    _engine: object = field(repr=False)
+    loop: object = field(repr=False)  # stepping.StepLoop
     loss: float | None = None
     samples_per_s: float | None = None
     started: bool = field(default=False, repr=False)
 
     def __iter__(self):
-        return self._engine._micro_batches(self)
+        return self.loop.micro_batches(self)
 
 
 class Steps:
     """The run's steps: `for step in batches` until max_steps or the epochs are done."""
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, loop):
+        self.loop = loop             # stepping.StepLoop
 
     def __len__(self) -> int:
-        return self._engine.total_steps - self._engine.steps_done
+        job = self.loop.job
+        return job.total_steps - job.steps_done
 
     def __iter__(self):
-        while self._engine.steps_done < self._engine.total_steps:
-            yield self._engine._begin_step()
-        self._engine._at_boundary()
+        job = self.loop.job
+        while job.steps_done < job.total_steps:
+            yield self.loop.begin_step()
+        self.loop.at_boundary()

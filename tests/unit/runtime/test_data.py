@@ -20,9 +20,8 @@ def take(sampler: GlobalCursorSampler, shares: tuple[int, ...]) -> list[tuple[in
     offsets = [sum(shares[:r]) for r in range(len(shares))]
     out = []
     for r in range(len(shares)):
-        mine = s.for_rank(tuple(offsets), shares, r)
-        start = offsets[r]
-        out += [(s.epochs[start + i], idx) for i, idx in enumerate(mine)]
+        indices, epochs = s.for_rank(tuple(offsets), shares, r)     # what the step loop hands rank r
+        out += list(zip(epochs, indices))
     return out
 
 
