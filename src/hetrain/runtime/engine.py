@@ -33,7 +33,8 @@ from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
 from ..planning.plan import Plan, split_evenly
 from . import agree, checkpointing, memory, persist, precision, recovery, reduce
-from .joint_plan import agree_plan, check_given_plan, measure, show_plan
+from .joint_plan import RankFacts, check_given_plan, measure_job, show_plan
+from .measurements import plan_from_measurements
 from .checkpoint import Checkpointer
 from .config import Config
 from .data import GlobalCursorSampler, to_device
@@ -192,7 +193,11 @@ class Engine:
         if self._given_plan is not None:
             self.plan = check_given_plan(self, self._given_plan)
         else:
-            self.plan = agree_plan(self, model, measure(self, model, optimizer, forward), forward)
+            job = RankFacts(rank=self.rank, world_size=self.world_size, device=self.device, label=self.device_label,
+                            emulated=self.emulated.spec if self.emulated is not None else None,
+                            compute=self._precision.compute, precision=self._precision.name,
+                            load=lambda m: self._load(range(m)), samples=len(dataset), config=cfg, log=self.log)
+            self.plan, self.profiles = plan_from_measurements(measure_job(job, model, optimizer, forward), cfg)
         # A checkpoint's Plan (rebalanced shares, shrunk micro-batches) is adopted before the model
         # is set up for it: checkpointing and sharding follow the plan that will run.
         resume_from = persist.find_checkpoint(self, model) if self._checkpointer is not None else None
