@@ -10,6 +10,8 @@ import pytest
 
 from clirun import hetrain
 from hetrain.planning.plan import Plan
+from hetrain.runtime.config import Config
+from hetrain.runtime.measurements import Measurements, plan_from_measurements
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +102,9 @@ FACTORY = textwrap.dedent("""
         model = GPT(GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2))
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3), ByteWindows(pydoc_bytes()[:50_000], 32)
 
+    def not_a_factory():
+        return "a model"
+
     if __name__ == "__main__":
         raise SystemExit("training would start here; `hetrain plan` must not run it")
 """)
@@ -131,23 +136,33 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_plan_measures_a_factory_and_the_runtime_runs_the_written_plan(tmp_path):
+def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
+    """`hetrain plan` measures in the job's processes as the runtime does; the plan it writes is,
+    field for field, the one the runtime's planner makes from those measurements under the config
+    `hetrain.init(global_batch=24)` gets from `hetrain run --emulate SPEC`; the runtime runs it."""
     (tmp_path / "factory.py").write_text(FACTORY)
     (tmp_path / "worker.py").write_text(WORKER)
     spec = "a100-80g:1.0,rtx3090:0.5"
-    plan_file = tmp_path / "plan.json"
+    plan_file, measured_file = tmp_path / "plan.json", tmp_path / "measured.json"
     r = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:make", "--emulate", spec,
-                "--global-batch", "24", "--out", str(plan_file))
+                "--global-batch", "24", "--out", str(plan_file), "--measurements", str(measured_file))
     assert r.returncode == 0, r.stderr
     assert "rank 1: share" in r.stdout and f"wrote {plan_file}" in r.stdout and "plain DDP" in r.stdout
+    assert "launching 2 process(es)" in r.stderr and "0 of 2 from the cache" in r.stderr
     plan = Plan.from_json(plan_file.read_text())
     assert plan.world_size == 2 and plan.global_batch == 24 and plan.shares[0] > plan.shares[1]
     assert plan.predicted["samples_per_s"] > 0
+    measured = Measurements.from_json(measured_file.read_text())
+    assert measured.world_size == 2 and len(measured.sync_s) == 2 and measured.agree_s   # the probes ran
+    runtime_plan, _ = plan_from_measurements(measured, Config(global_batch=24, emulate=spec))
+    assert plan == runtime_plan                               # every field, every device's
+    assert all(d.per_sample_s and d.fixed_s is not None for d in plan.devices)   # the rebalancer's model too
 
     again = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:make", "--emulate", spec,
-                    "--global-batch", "24", "--json")
-    assert again.returncode == 0 and "cached" in again.stderr   # measured once, reused
-    assert Plan.from_json(again.stdout).shares == plan.shares
+                    "--global-batch", "24", "--json", "--measurements", str(tmp_path / "again.json"))
+    assert again.returncode == 0 and "2 of 2 from the cache" in again.stderr   # measured once, reused
+    assert Measurements.from_json((tmp_path / "again.json").read_text()).profiles == measured.profiles
+    assert Plan.from_json(again.stdout).world_size == 2        # stdout is the plan alone
 
     out = tmp_path / "ran"
     run = hetrain("run", "--emulate", spec, str(tmp_path / "worker.py"), str(plan_file), str(out))
@@ -157,14 +172,40 @@ def test_plan_measures_a_factory_and_the_runtime_runs_the_written_plan(tmp_path)
         assert got["shares"] == list(plan.shares) and got["local"] == [plan.shares[rank]] * 2
 
 
+@pytest.mark.parametrize("factory, extra, words, launched", [
+    ("make", ("--out", "{tmp}/missing/plan.json"), ("--out", "does not exist"), False),
+    ("nomake", (), ("has no function 'nomake'",), False),
+    ("make", ("--measurements", "{tmp}/missing/m.json"), ("--measurements", "does not exist"), False),
+    ("not_a_factory", (), ("returned str",), True),        # found in the worker: one line all the same
+])
+def test_a_bad_factory_or_path_is_one_line(tmp_path, factory, extra, words, launched):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    r = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:{factory}", "--emulate", "a100-80g",
+                "--global-batch", "8", *(e.format(tmp=tmp_path) for e in extra))
+    one_line_error(r, *words)
+    assert ("launching" in r.stderr) == launched              # paths and the factory are checked first
+
+
 def test_plan_from_a_preset_without_measuring(tmp_path):
-    r = hetrain("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@512MiB", "--global-batch", "64",
+    # 400 MiB, 10% kept free, holds less than resnet50's 390 MiB of model state: no sample fits
+    r = hetrain("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@400MiB", "--global-batch", "64",
                 "--allow-exclusion", "--out", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
     plan = Plan.from_json((tmp_path / "p.json").read_text())
     assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"]
     assert plan.excluded[0].device == "t4#2" and "left out t4#2" in r.stdout
     assert "launch it on the devices kept" in r.stdout
+
+
+def test_plan_checkpoints_where_one_sample_needs_it_as_the_runtime_may(tmp_path):
+    """512 MiB holds the model state and one sample only with activation checkpointing: the
+    config's default (checkpointing='plan') lets the plan turn it on; 'none' does not."""
+    args = ("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@512MiB", "--global-batch", "64",
+            "--allow-exclusion", "--json")
+    plan = Plan.from_json(hetrain(*args).stdout)
+    assert [d.checkpointing for d in plan.devices] == [False, False, True] and not plan.excluded
+    plan = Plan.from_json(hetrain(*args, "--checkpointing", "none").stdout)
+    assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"] and plan.excluded[0].kind == "memory"
 
 
 def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():

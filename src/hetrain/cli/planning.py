@@ -1,21 +1,20 @@
 """`hetrain plan` and `hetrain simulate`.
 
 plan      measures the user's model (a factory function: `module:function` or `script.py:function`
-          returning (model, optimizer, dataset[, collate_fn])) on the devices present — or on an
-          emulated cluster — and writes a Plan that `hetrain.init(plan="plan.json")` runs.
+          returning (model, optimizer, dataset[, collate_fn])) in the job's own processes on the
+          devices present — or on an emulated cluster — as the runtime does, and writes the Plan
+          the runtime would make from those measurements (`hetrain.init(plan="plan.json")` runs it);
+          or estimates one from the catalog for a preset or given numbers.
 simulate  predicts, without processes, three strategies on a cluster spec from catalog facts and a
           model given by preset or by parameters, FLOPs and activation bytes per sample.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
 import os
-import sys
-from pathlib import Path
+import tempfile
 from typing import Optional
 
 import typer
@@ -23,19 +22,16 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import UsageError
+from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes, parse_bytes
 from ..planning.cost import BYTES_PER_PARAM, DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, Link
-from ..planning.plan import Plan
 from ..planning.presets import PRESETS, preset
 from ..planning.profile import ModelSpec
-from ..vocabulary import PRECISIONS, check_choice
-
-# Gloo all-reduce between processes on one host (loopback), for `plan --emulate` (no processes
-# are started to measure it; the runtime measures the real one when it plans for itself).
-LOOPBACK_GBS = 1.0
-
+from ..runtime.config import CHECKPOINTINGS, Config
+from ..vocabulary import PRECISION_REQUESTS, PRECISIONS, check_choice
+from .plan_show import show_layouts, show_plan, show_sharding
 
 def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
@@ -62,9 +58,9 @@ def _positive_int(value: int, what: str, fix: str) -> int:
     return value
 
 
-def _check_common(global_batch: int, precision: str, memory_margin: float) -> None:
+def _check_common(global_batch: int, precision: str, memory_margin: float, *, precisions=PRECISIONS) -> None:
     _positive_int(global_batch, "--global-batch", "give the samples per optimizer step, e.g. --global-batch 256")
-    check_choice(precision, PRECISIONS, "--precision")
+    check_choice(precision, precisions, "--precision")
     if not 0 <= memory_margin < 1:
         raise UsageError(f"--memory-margin {memory_margin}", "give the fraction of memory kept free, in [0, 1)")
 
@@ -207,56 +203,10 @@ def simulate(
 
 
 # -- plan -------------------------------------------------------------------------------------
-def _load_factory(spec: str):
-    """'pkg.module:function' or 'path/to/script.py:function' -> the function."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise UsageError(f"--model-factory {spec!r} is not MODULE:FUNCTION or SCRIPT.py:FUNCTION",
-                         "e.g. --model-factory train.py:make or --model-factory mypkg.models:make")
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise UsageError(f"--model-factory: {target!r} does not exist", "check the path to your script")
-            sys.path.insert(0, str(path.resolve().parent))
-            mod_spec = importlib.util.spec_from_file_location(f"_hetrain_factory_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)     # `if __name__ == "__main__":` keeps training out
-        else:
-            module = importlib.import_module(target)
-    except ImportError as e:
-        raise UsageError(f"--model-factory: cannot import {target!r}: {e}",
-                         "check the module name and PYTHONPATH, or give a script path") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UsageError(f"--model-factory: {target!r} has no function {name!r}",
-                         "define it: def make(): return model, optimizer, dataset")
-    return fn
-
-
-def _call_factory(fn, spec: str):
-    import torch
-
-    made = fn()
-    if not isinstance(made, (tuple, list)) or len(made) not in (3, 4):
-        raise UsageError(f"--model-factory {spec!r} returned {type(made).__name__}",
-                         "return (model, optimizer, dataset) or (model, optimizer, dataset, collate_fn)")
-    model, opt, dataset = made[:3]
-    if not isinstance(model, torch.nn.Module) or not isinstance(opt, torch.optim.Optimizer):
-        raise UsageError(f"--model-factory {spec!r}: expected (nn.Module, Optimizer, dataset, …), got "
-                         f"({type(model).__name__}, {type(opt).__name__}, …)",
-                         "return (model, optimizer, dataset) as you would pass them to ht.prepare")
-    if not hasattr(dataset, "__len__") or len(dataset) < 1:
-        raise UsageError(f"--model-factory {spec!r}: the dataset is empty or has no length",
-                         "return a map-style dataset with at least one sample")
-    collate = made[3] if len(made) == 4 else None
-    return model, opt, dataset, collate
-
-
 def plan(
     model_factory: Optional[str] = typer.Option(None, "--model-factory", help="MODULE:FUNCTION or "
                                                 "SCRIPT.py:FUNCTION returning (model, optimizer, dataset"
-                                                "[, collate_fn]) — measured on each device"),
+                                                "[, collate_fn]) — measured on each device, as the runtime does"),
     model: Optional[str] = typer.Option(None, "--model", help="or a preset (catalog estimate, no measuring)"),
     params: Optional[str] = typer.Option(None, "--params", help="or the model's parameters (with the next two)"),
     flops_per_sample: Optional[str] = typer.Option(None, "--flops-per-sample", help="training FLOPs per sample"),
@@ -265,193 +215,115 @@ def plan(
                                           "a100-80g,rtx3090 (default: the GPUs present, else this CPU)"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch",
                                                help="samples per optimizer step, all devices (required)"),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16 (as the job's init)"),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16, or auto with "
+                                  "--model-factory (as the job's init)"),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="cap on every micro-batch"),
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
-    link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s"),
+    checkpointing: str = typer.Option("plan", "--checkpointing", help="activation checkpointing, as the "
+                                      "job's init: plan (where one sample needs it) | all | none"),
+    link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (replaces the "
+                                             "measured or catalog one)"),
     allow_exclusion: bool = typer.Option(False, "--allow-exclusion", help="let the plan leave out devices "
                                          "too slow to help (then launch without them)"),
     out: Optional[str] = typer.Option(None, "--out", help="write the plan here (hetrain.init(plan=PATH) runs it)"),
+    measurements: Optional[str] = typer.Option(None, "--measurements", help="with --model-factory: also write "
+                                               "what the ranks measured, the plan's input, here (JSON)"),
     json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"),
     blocks: Optional[int] = typer.Option(None, "--blocks", help="blocks (layers) a pipeline could cut between, "
                                          "to compare DP, PP and DP×PP (default: from the model or preset)"),
 ) -> None:
     """Plan a job: each device's share, micro-batches and predicted throughput, with the reasons.
 
-    With --model-factory the model is measured on each device (cached by model and device); with
-    --model/--params it is estimated from the catalog. Every device takes part unless
-    --allow-exclusion; the written plan runs with hetrain.init(global_batch=N, plan="plan.json").
+    With --model-factory the job's processes are started as `hetrain run` starts them and measure
+    the model as the runtime does before training (profiles cached by model and device); the plan
+    is the one the runtime would make from those measurements. With --model/--params it is
+    estimated from the catalog. Every device takes part unless --allow-exclusion; the written plan
+    runs with hetrain.init(global_batch=N, plan="plan.json").
     """
-    from ..planning.planner import PlanOptions, make_plan
+    from ..planning.planner import make_plan
+    from ..runtime.measurements import plan_options
 
     if global_batch is None:
         raise UsageError("no --global-batch given", "give the samples per optimizer step over all devices, "
                          "as in hetrain.init(global_batch=N), e.g. --global-batch 64")
-    _check_common(global_batch, precision, memory_margin)
+    _check_common(global_batch, precision, memory_margin,
+                  precisions=PRECISION_REQUESTS if model_factory else PRECISIONS)
+    check_choice(checkpointing, CHECKPOINTINGS, "--checkpointing")
     if micro_batch is not None:
         _positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")
     if model_factory and (model or params):
         raise UsageError("--model-factory and a --model/--params estimate both given", "give one of them")
+    if measurements and not model_factory:
+        raise UsageError("--measurements without --model-factory", "an estimate measures nothing: drop it")
     link = _link(link_gbs)
     cluster = parse_cluster(emulate) if emulate else None
-    host_cores = None
     if blocks is not None:
         _positive_int(blocks, "--blocks", "give the number of layers the model stacks")
+    for path, flag in ((out, "--out"), (measurements, "--measurements")):
+        if path:
+            check_writable(path, flag)          # before measuring, not after it
+    config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
+                    memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate)
     if model_factory:
-        profiles, grad_bytes, default_link, found = _measure_factory(model_factory, cluster, precision, global_batch)
+        from ..runtime.measurements import options_from_measurements, plan_from_measurements, planning_profiles
+
+        measured, config, found = _measure_in_job(model_factory, config)
         blocks = blocks or found
-        if cluster is not None:
-            host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        grad_bytes, profiles = measured.grad_bytes, list(planning_profiles(measured, config))
+        used_link = options_from_measurements(measured, config, link=link).link
+        if measurements:
+            write_text_atomic(measurements, measured.to_json())
+
+        def make():
+            return plan_from_measurements(measured, config, allow_exclusion=allow_exclusion, link=link)[0]
     else:
         spec = _model_spec(model, params, flops_per_sample, activation_bytes)
         blocks = blocks or spec.blocks
         profiles, default_link = _estimate(spec, cluster, precision)
-        grad_bytes = spec.params * GRAD_ELEMENT_BYTES
-    options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, link=link or default_link,
-                          memory_margin=memory_margin, micro_batch_cap=micro_batch,
-                          allow_exclusion=allow_exclusion, allow_checkpointing=False, host_cores=host_cores)
+        grad_bytes, used_link = spec.params * GRAD_ELEMENT_BYTES, link or default_link
+
+        def make():
+            return make_plan(profiles, plan_options(config, grad_bytes=grad_bytes, link=used_link,
+                                                    allow_exclusion=allow_exclusion))
     try:
-        result = make_plan(profiles, options)
+        result = make()
     except UsageError as e:
         if len(profiles) > 1 and all(p.memory_bytes for p in profiles):
-            fix = _show_sharding(profiles, grad_bytes, memory_margin)
-            _show_layouts(profiles, blocks, grad_bytes, global_batch, link or default_link, memory_margin)
+            fix = show_sharding(profiles, grad_bytes, memory_margin)
+            show_layouts(profiles, blocks, grad_bytes, global_batch, used_link, memory_margin)
             if fix:
                 raise UsageError(e.what, fix) from None
         raise
     if out:
-        Path(out).write_text(result.to_json())
+        write_text_atomic(out, result.to_json())
     if json_out:
         typer.echo(result.to_json())
         return
-    _show_plan(result, out, emulate, cluster)
-    _show_layouts(profiles, blocks, grad_bytes, global_batch, link or default_link, memory_margin)
+    show_plan(result, out, emulate, cluster)
+    show_layouts(profiles, blocks, grad_bytes, global_batch, used_link, memory_margin)
 
 
-def _show_sharding(profiles, grad_bytes: int, margin: float) -> str | None:
-    """When the model state does not fit plain data parallelism: memory per device under each
-    sharding (planning/memory.py), and the one the runtime's sharding='auto' would take."""
-    from ..planning.memory import DeviceMemory, choose_sharding, sharding_options
+def _measure_in_job(factory: str, config: Config):
+    """The runtime's own measurements of the factory's model, taken in the job's processes
+    (runtime/plan_only.py under the launcher `hetrain run` uses). Returns the measurements, the
+    config the ranks ran with, and the model's block count (None: not known)."""
+    from ..launch import build_launch, run_launch
+    from ..runtime.factory import absolute, load_factory
+    from ..runtime.measurements import Measurements
 
-    devices = [DeviceMemory(label=p.device, capacity=p.memory_bytes * (1 - margin),
-                            activations=p.activation_fixed_bytes + p.activation_bytes_per_sample) for p in profiles]
-    options = sharding_options(max(1, grad_bytes // 4), devices)
-    con = _console()
-    t = Table(title="memory per device by sharding (model state + one sample's activations)",
-              title_justify="left", show_edge=False, pad_edge=False)
-    t.add_column("sharding")
-    for d in devices:
-        t.add_column(f"{d.label} ({format_bytes(d.capacity)} usable)", overflow="fold")
-    t.add_column("fits")
-    for o in options:
-        t.add_row(o.strategy, *(format_bytes(b) for b in o.peak), "yes" if o.fits(devices) else "no")
-    con.print(t)
-    try:
-        option, why = choose_sharding(options, devices)
-    except UsageError:
-        return None
-    return (f"shard it: hetrain.init(sharding={option.strategy!r}) fits ({why}); the default sharding='auto' "
-            "chooses it at run time")
-
-
-def _show_layouts(profiles, blocks: int | None, grad_bytes: int, global_batch: int, link, margin: float) -> None:
-    """Data parallelism against pipelines and DP×PP for these devices (planning/parallelism.py),
-    the choice with its reason. Blocks are taken as equal, from the whole-model profile."""
-    from ..planning.parallelism import compare_parallelism
-    from ..planning.pipeline_split import PipelineProfile, StageDevice
-
-    con = _console()
-    if len(profiles) < 2:
-        return
-    if not blocks:
-        con.print("  parallelism: data parallel (pipelines not compared: the model's block count is "
-                  "unknown; pass --blocks N)", markup=False)
-        return
-    fastest = min(profiles, key=lambda p: p.per_sample_s)
-    layer = PipelineProfile.uniform(
-        n_blocks=blocks, seconds_per_sample=fastest.per_sample_s,
-        activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=grad_bytes,
-        source=f"{blocks} equal blocks from {fastest.device}'s whole-model profile")
-    devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
-               for p in profiles]
-    try:
-        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin,
-                                     link_bytes_per_s=link.bandwidth_gbs * 1e9 if link else None)
-    except UsageError as e:
-        con.print(f"  parallelism: {e.what}; {e.fix}", markup=False)
-        return
-    for line in choice.describe():
-        con.print(line, markup=False)
-
-
-def _measure_factory(spec: str, cluster, precision: str, global_batch: int):
-    import torch
-    from torch.utils.data import default_collate
-
-    from ..runtime.probe import default_forward
-    from ..runtime.profiler import MAX_SIZE, profile_device
-    from ..runtime.data import to_device
-    from ..planning.cost import catalog_link
-
-    fn = _load_factory(spec)
-    model, opt, dataset, collate = _call_factory(fn, spec)
-    collate = collate or default_collate
-    n = len(dataset)
-
-    def loader(device):
-        def load(m):
-            items = [dataset[i] for i in range(min(m, n))]
-            batch = collate(items)
-            return to_device(batch, device)
-        return load
-
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    max_size = max(1, min(MAX_SIZE, global_batch, n))
-    try:
-        from ..parallel.blocks import find_parts
-
-        found = len(find_parts(model).blocks)
-    except UsageError:
-        found = None
-    con = Console(stderr=True, highlight=False, soft_wrap=True)     # stdout stays the plan (--json)
-    if cluster is not None:
-        torch.set_num_threads(1)           # one emulated device = one CPU thread
-        cpu = torch.device("cpu")
-        profiles = []
-        for d in cluster:
-            p, cached = profile_device(model, opt, loader(cpu), device=cpu, label=d.label, forward=default_forward,
-                                       precision=precision, max_size=max_size, emulate=d)
-            profiles.append(p)
-        con.print(f"profiled on this CPU ({'cached' if cached else 'measured'}), converted to each emulated speed",
-                  markup=False)
-        return profiles, grad_bytes, Link(bandwidth_gbs=LOOPBACK_GBS, source="gloo on loopback (emulation)"), found
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        profiles, gpus = [], []
-        for i in range(torch.cuda.device_count()):
-            dev = torch.device("cuda", i)
-            model.to(dev)
-            for state in opt.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        state[k] = v.to(dev)
-            name = torch.cuda.get_device_name(dev)
-            cap = torch.cuda.get_device_properties(dev).total_memory
-            p, cached = profile_device(model, opt, loader(dev), device=dev, label=f"cuda:{i} {name}",
-                                       forward=default_forward, precision=precision, memory_bytes=cap,
-                                       max_size=max_size)
-            profiles.append(p)
-            gpus.append(catalog.lookup(name))
-            con.print(f"cuda:{i} {name}: {'from the cache' if cached else 'measured'}", markup=False)
-        model.to("cpu")
-        known = [g for g in gpus if g is not None]
-        link = catalog_link(known) if len(known) == len(gpus) else None
-        return profiles, grad_bytes, link, found
-    cpu = torch.device("cpu")
-    p, cached = profile_device(model, opt, loader(cpu), device=cpu, label="cpu", forward=default_forward,
-                               precision=precision, max_size=max_size)
-    return [p], grad_bytes, None, found
-
-
+    load_factory(factory)       # a bad spec or a missing function: one line now, before any process
+    with tempfile.TemporaryDirectory(prefix="hetrain-plan-") as run_dir:
+        job, result = os.path.join(run_dir, "job.json"), os.path.join(run_dir, "measured.json")
+        write_json_atomic(job, {"factory": absolute(factory), "config": config.to_dict(), "out": result})
+        launch = build_launch(target="hetrain.runtime.plan_only", target_args=(job,), module=True,
+                              emulate=config.emulate, run_dir=run_dir)
+        typer.echo(launch.describe(), err=True)
+        code = run_launch(launch)
+        if code:
+            raise typer.Exit(code)      # the workers' error, printed once by the launcher
+        with open(result) as f:
+            measured = json.load(f)
+    return Measurements.from_dict(measured["measurements"]), Config(**measured["config"]), measured["blocks"]
 
 
 def _estimate(spec: ModelSpec, cluster, precision: str):
@@ -468,35 +340,6 @@ def _estimate(spec: ModelSpec, cluster, precision: str):
                              "`hetrain simulate --cluster SPEC`; --model-factory measures this CPU")
         cluster = parse_cluster(",".join(catalog.resolve(n).key for n in names))
     return cluster_profiles(cluster, spec, precision=precision), catalog_link([d.gpu for d in cluster])
-
-
-def _show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:
-    con = _console()
-    t = Table(title=f"plan: global batch {result.global_batch} over {result.world_size} device(s)",
-              title_justify="left", show_edge=False, pad_edge=False)
-    for c in ("rank", "device", "share", "micro-batch", "precision", "checkpointing", "compute/step", "memory"):
-        t.add_column(c, overflow="fold")
-    for d in result.devices:
-        t.add_row(str(d.rank), d.device, str(d.share), f"{d.micro_batch} x{d.n_micro}", d.precision,
-                  "on" if d.checkpointing else "off",
-                  f"{(d.predicted_compute_s or 0) * 1e3:.1f} ms",
-                  format_bytes(d.predicted_memory_bytes) if d.predicted_memory_bytes else "-")
-    con.print(t)
-    for d in result.devices:
-        for r in d.reasons:
-            con.print(f"  rank {d.rank}: {r}", markup=False)
-    for line in filter(None, result.note.split("; ")):
-        con.print(f"  {line}", markup=False)
-    for e in result.excluded:
-        con.print(f"  left out {e.device}: {e.reason}; {e.fix}", markup=False)
-    if result.excluded and cluster is not None:
-        kept = [d for d in cluster if any(p.device.split(" ")[0] == d.label for p in result.devices)]
-        spec = ",".join(f"{d.gpu.key}:{d.speed:g}@{d.memory_bytes}B" for d in kept)
-        con.print(f"  launch it on the devices kept: hetrain run --emulate {spec} …", markup=False)
-    if out:
-        con.print(f"wrote {out}: run it with hetrain.init(global_batch={result.global_batch}, plan={out!r})"
-                  + (f" under `hetrain run --emulate {emulate} …`" if emulate and not result.excluded else ""),
-                  markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -19,23 +19,17 @@ from .checkpoint import Checkpointer
 from .config import Config
 from .data import GlobalCursorSampler
 from .job import Job
-from .joint_plan import agree_plan, check_given_plan, measure, show_plan
+from .joint_plan import RankFacts, check_given_plan, measure_job, show_plan
+from .measurements import plan_from_measurements
 from .model import PreparedModel
 from .rebalance import Rebalancer
 
 
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None, forward: Callable, given_plan: Plan | None) -> None:
-    cfg = job.config
-    model.to(job.device)
-    job.dataset, job.collate = dataset, collate_fn or default_collate
-    job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
-    job.checkpointer = open_checkpoints(cfg, job.rank, job.log)
-    count_model_state(job, model, optimizer)          # the emulated meter holds the model from here
-    job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
-    if cfg.checkpointing == "all":                    # before the probe: measure what will run
-        checkpointing.checkpoint_blocks(model, cfg.checkpoint_blocks)
+    prepare_to_measure(job, model, optimizer, dataset, collate_fn)                                 # (collective)
     job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan)                 # (collective)
+    cfg = job.config
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches) is adopted before the model is
     # set up for it: activation checkpointing and sharding follow the plan that will run.
     resume_from = persist.find_checkpoint(job, model) if job.checkpointer is not None else None    # (collective)
@@ -58,6 +52,19 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     show_plan(job.log, job.plan, job.total_steps)
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
     freeze_heap()
+
+
+def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:
+    """What measuring needs, in order; `hetrain plan`'s worker (plan_only.py) stops after it."""
+    cfg = job.config
+    model.to(job.device)
+    job.dataset, job.collate = dataset, collate_fn or default_collate
+    job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
+    job.checkpointer = open_checkpoints(cfg, job.rank, job.log)
+    count_model_state(job, model, optimizer)          # the emulated meter holds the model from here
+    job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
+    if cfg.checkpointing == "all":                    # before the probe: measure what will run
+        checkpointing.checkpoint_blocks(model, cfg.checkpoint_blocks)
 
 
 def make_sampler(cfg: Config, n: int) -> tuple[GlobalCursorSampler, int]:
@@ -84,7 +91,15 @@ def plan_split(job: Job, model, optimizer, forward, given: Plan | None) -> tuple
     same pure planner (joint_plan.py). Returns the plan and the profiles it was made from."""
     if given is not None:
         return check_given_plan(job, given), None
-    return agree_plan(job, model, measure(job, model, optimizer, forward), forward)
+    return plan_from_measurements(measure_job(rank_facts(job), model, optimizer, forward), job.config)
+
+
+def rank_facts(job: Job) -> RankFacts:
+    """What measuring needs to know of this rank (joint_plan.py)."""
+    return RankFacts(rank=job.rank, world_size=job.world_size, device=job.device, label=job.device_label,
+                     emulated=job.emulated.spec if job.emulated is not None else None,
+                     compute=job.precision.compute, precision=job.precision.name,
+                     load=lambda m: job.load(range(m)), samples=len(job.dataset), config=job.config, log=job.log)
 
 
 def checkpoint_per_plan(job: Job, model) -> Plan:
