@@ -26,7 +26,9 @@ from ..errors import UsageError
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes, parse_bytes
-from ..planning.cost import BYTES_PER_PARAM, DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, Link
+from ..planning.collectives import Link
+from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
+from ..planning.memory import STATE_VALUES
 from ..planning.plan import Plan
 from ..planning.presets import PRESETS, preset
 from ..planning.profile import ModelSpec
@@ -136,7 +138,7 @@ def simulate(
     ratios: str = typer.Option("spec", "--ratios", help="speed ratios between devices: 'spec' (the cluster "
                                "spec's speeds, i.e. the catalog speed index unless given) or 'peak' (peak FLOPS)"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (default: catalog PCIe/NVLink)"),
-    optimizer: str = typer.Option("adamw", "--optimizer", help=f"optimizer state: {', '.join(BYTES_PER_PARAM)}"),
+    optimizer: str = typer.Option("adamw", "--optimizer", help=f"optimizer state: {', '.join(STATE_VALUES)}"),
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object (strategies, devices, answers)"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the GPU catalog and exit"),
@@ -203,7 +205,7 @@ def simulate(
         con.print(f"• {line}", markup=False)
     con.print(f"assumptions: {spec.assumptions}; compute: {profiles[0].source}; link: "
               f"{sim.link.bandwidth_gbs:.3g} GB/s ({sim.link.source}); optimizer {optimizer} "
-              f"({BYTES_PER_PARAM[optimizer]} bytes/parameter)", markup=False)
+              f"({fixed_bytes(1, optimizer)} bytes/parameter)", markup=False)
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -335,7 +337,7 @@ def _show_sharding(profiles, grad_bytes: int, margin: float) -> str | None:
 
     devices = [DeviceMemory(label=p.device, capacity=p.memory_bytes * (1 - margin),
                             activations=p.activation_fixed_bytes + p.activation_bytes_per_sample) for p in profiles]
-    options = sharding_options(max(1, grad_bytes // 4), devices)
+    options = sharding_options(max(1, grad_bytes // GRAD_ELEMENT_BYTES), devices)   # parameters
     con = _console()
     t = Table(title="memory per device by sharding (model state + one sample's activations)",
               title_justify="left", show_edge=False, pad_edge=False)
@@ -375,8 +377,7 @@ def _show_layouts(profiles, blocks: int | None, grad_bytes: int, global_batch: i
     devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
                for p in profiles]
     try:
-        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin,
-                                     link_bytes_per_s=link.bandwidth_gbs * 1e9 if link else None)
+        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin, link=link)
     except UsageError as e:
         con.print(f"  parallelism: {e.what}; {e.fix}", markup=False)
         return

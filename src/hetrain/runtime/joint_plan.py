@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..errors import HetrainError, UsageError
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
-from ..planning.cost import FREE_LINK, link_from_measurement
+from ..planning.collectives import FREE_LINK, link_from_measurement
 from ..planning.plan import DevicePlan, Plan
 from ..planning.planner import PlanOptions, make_plan
 from . import agree
