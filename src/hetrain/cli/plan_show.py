@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import UsageError
 from ..hardware.units import format_bytes
+from ..planning.cost import GRAD_ELEMENT_BYTES
 from ..planning.plan import Plan
 
 
@@ -25,7 +26,7 @@ def show_sharding(profiles, grad_bytes: int, margin: float) -> str | None:
 
     devices = [DeviceMemory(label=p.device, capacity=p.memory_bytes * (1 - margin),
                             activations=p.activation_fixed_bytes + p.activation_bytes_per_sample) for p in profiles]
-    options = sharding_options(max(1, grad_bytes // 4), devices)
+    options = sharding_options(max(1, grad_bytes // GRAD_ELEMENT_BYTES), devices)   # parameters
     con = _console()
     t = Table(title="memory per device by sharding (model state + one sample's activations)",
               title_justify="left", show_edge=False, pad_edge=False)
@@ -65,8 +66,7 @@ def show_layouts(profiles, blocks: int | None, grad_bytes: int, global_batch: in
     devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
                for p in profiles]
     try:
-        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin,
-                                     link_bytes_per_s=link.bandwidth_gbs * 1e9 if link else None)
+        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin, link=link)
     except UsageError as e:
         con.print(f"  parallelism: {e.what}; {e.fix}", markup=False)
         return

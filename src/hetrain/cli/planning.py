@@ -26,7 +26,9 @@ from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes, parse_bytes
-from ..planning.cost import BYTES_PER_PARAM, DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, Link
+from ..planning.collectives import Link
+from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
+from ..planning.memory import STATE_VALUES
 from ..planning.presets import PRESETS, preset
 from ..planning.profile import ModelSpec
 from ..runtime.config import CHECKPOINTINGS, Config
@@ -132,7 +134,7 @@ def simulate(
     ratios: str = typer.Option("spec", "--ratios", help="speed ratios between devices: 'spec' (the cluster "
                                "spec's speeds, i.e. the catalog speed index unless given) or 'peak' (peak FLOPS)"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (default: catalog PCIe/NVLink)"),
-    optimizer: str = typer.Option("adamw", "--optimizer", help=f"optimizer state: {', '.join(BYTES_PER_PARAM)}"),
+    optimizer: str = typer.Option("adamw", "--optimizer", help=f"optimizer state: {', '.join(STATE_VALUES)}"),
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object (strategies, devices, answers)"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the GPU catalog and exit"),
@@ -199,7 +201,7 @@ def simulate(
         con.print(f"• {line}", markup=False)
     con.print(f"assumptions: {spec.assumptions}; compute: {profiles[0].source}; link: "
               f"{sim.link.bandwidth_gbs:.3g} GB/s ({sim.link.source}); optimizer {optimizer} "
-              f"({BYTES_PER_PARAM[optimizer]} bytes/parameter)", markup=False)
+              f"({fixed_bytes(1, optimizer)} bytes/parameter)", markup=False)
 
 
 # -- plan -------------------------------------------------------------------------------------

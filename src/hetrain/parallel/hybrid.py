@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import UsageError
+from ..planning.memory import ADAMW_STATE_FACTOR
 from ..planning.parallelism import evaluate_hybrid, split_hybrid
 from ..planning.plan import split_evenly
 from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, agreed_profile, check_pipeline_config, device_table,
@@ -38,7 +39,7 @@ from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, agreed_profile, ch
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: int,
             micro_batches: int | None = None, schedule: str = "1f1b", example: torch.Tensor | None = None,
             split: Sequence[int] | str | None = None, shares: Sequence[int] | None = None,
-            state_factor: float = 4.0) -> Pipeline:
+            state_factor: float = ADAMW_STATE_FACTOR) -> Pipeline:
     """Run `model` as W/stages pipeline replicas of `stages` stages each, and return this rank's
     stage. `split`: None (measure the blocks on `example`; the split maximising total throughput),
     'uniform', or blocks per stage. `shares`: samples per replica (default: by throughput).

@@ -49,6 +49,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..errors import UsageError
 from ..hardware.units import format_bytes
+from ..planning.memory import ADAMW_STATE_FACTOR
 from ..planning.pipeline_split import (SCHEDULES, BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
 from ..planning.plan import split_evenly
@@ -452,7 +453,7 @@ def param_names(model) -> dict[int, str]:
 
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_batches: int | None = None,
             schedule: str = "1f1b", example: torch.Tensor | None = None,
-            split: Sequence[int] | str | None = None, state_factor: float = 4.0) -> Pipeline:
+            split: Sequence[int] | str | None = None, state_factor: float = ADAMW_STATE_FACTOR) -> Pipeline:
     """Cut `model` into one stage per rank (rank r runs stage r), sized by each device's speed and
     memory, and return this rank's Pipeline. `loss_fn(output, target)` is a mean over samples.
     `split`: None (measure the blocks on `example` and size by speed), 'uniform', or blocks per

@@ -6,9 +6,9 @@ Step time of data parallelism with per-device shares (one optimizer step over th
     compute_r = n_r·a_r + b_r·share_r        (n_r micro-batches; t(m) = a + b·m per micro-batch)
 
 Gradient sync is a ring all-reduce of the gradients, S bytes over n devices, limited by the slowest
-link B: 2(n−1)/n · S/B + 2(n−1)·latency. DDP all-reduces bucket by bucket while the last
-micro-batch's backward still runs on the slowest device, so that part of the sync is hidden
-(overlapped); what is left after the backward ends — at least the last bucket — is exposed.
+link B: 2(n−1)/n · S/B + 2(n−1)·latency (collectives.py). DDP all-reduces bucket by bucket while
+the last micro-batch's backward still runs on the slowest device, so that part of the sync is
+hidden (overlapped); what is left after the backward ends — at least the last bucket — is exposed.
 The agreement is hetrain's one small all-reduce per step (runtime/agree.py), measured at the
 start of a job (0 when not measured, and for plain DDP, which has none).
 
@@ -22,8 +22,9 @@ contends less, and trails in proportion to its own stretch beyond 1 (`straggle_a
 Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
 precision, times a stated efficiency (model FLOPs utilisation, default 40%).
 
-Memory: parameters, gradients and optimizer state (fixed), plus one micro-batch's activations;
-activation checkpointing keeps a fraction of them and recomputes one forward (×4/3 compute).
+Memory: parameters, gradients and optimizer state (fixed; memory.state_bytes), plus one
+micro-batch's activations; activation checkpointing keeps a fraction of them and recomputes one
+forward (×4/3 compute).
 
 Emulated devices share the host's CPU cores: a device of speed s computes on the CPU for a
 fraction s of its busy time and sleeps the rest, so when more devices (with whatever else the host
@@ -41,55 +42,23 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hardware.catalog import GpuSpec
+# FREE_LINK and link_from_measurement only re-exported: tests and benchmarks import them from here.
+from .collectives import FREE_LINK, Link, allreduce_seconds, link_from_measurement  # noqa: F401
+from .memory import state_bytes
 from .plan import split_evenly
 from .profile import DeviceProfile, ModelSpec
 
 DEFAULT_EFFICIENCY = 0.40            # model FLOPs utilisation assumed for catalog estimates
 DDP_BUCKET_BYTES = 25 * 1024**2      # torch DDP's default bucket_cap_mb
-RING_HOP_LATENCY_S = 10e-6           # per ring step on NVLink/PCIe (NCCL, order of magnitude)
 MICRO_OVERHEAD_S = 2e-3              # per micro-batch launch/Python cost assumed without a profile
 # Effective all-reduce bus bandwidth of a PCIe x16 slot, GB/s (~75% of the 16/32/64 GB/s link).
 PCIE_GBS = {3: 12.0, 4: 24.0, 5: 48.0}
 NVLINK_EFFICIENCY = 0.4              # NCCL bus bandwidth / catalog NVLink figure (A100: ~240 of 600)
-BYTES_PER_PARAM = {                  # fp32 weights + fp32 gradients + optimizer state, per parameter
-    "adamw": 16, "adam": 16, "sgd-momentum": 12, "sgd": 8,
-}
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_ELEMENT_BYTES = 4               # DDP all-reduces fp32 gradients (autocast keeps fp32 weights)
 
 
-# -- links and communication ------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Link:
-    """The slowest link of the ring: effective bus bandwidth and per-hop latency."""
-
-    bandwidth_gbs: float
-    latency_s: float = RING_HOP_LATENCY_S
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_gbs > 0 or not self.latency_s >= 0:
-            raise UsageError(f"link bandwidth {self.bandwidth_gbs} GB/s, latency {self.latency_s} s",
-                             "give a positive bandwidth, e.g. --link-gbs 24")
-
-
-FREE_LINK = Link(bandwidth_gbs=math.inf, latency_s=0.0, source="communication not modelled")
-
-
-def allreduce_seconds(n: int, nbytes: float, link: Link) -> float:
-    """Ring all-reduce: 2(n−1)/n · S/B + 2(n−1) hops of latency; 0 for one device."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / (link.bandwidth_gbs * 1e9) + 2 * (n - 1) * link.latency_s
-
-
-def link_from_measurement(n: int, nbytes: float, seconds: float, source: str) -> Link:
-    """The bus bandwidth that explains one measured all-reduce of `nbytes` over n devices."""
-    seconds = max(seconds, 1e-9)
-    return Link(bandwidth_gbs=2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else math.inf,
-                latency_s=0.0, source=source)
-
-
+# -- links and communication (the formulas: collectives.py) ------------------------------------
 def catalog_link(gpus: Sequence[GpuSpec]) -> Link:
     """The slowest link of a ring over these cards, from the catalog: NVLink only when every card is
     the same NVLink model (mixed models cannot bridge), else PCIe at the oldest generation."""
@@ -141,11 +110,9 @@ def peak_flops(gpu: GpuSpec, precision: str) -> tuple[float, str]:
 
 
 def fixed_bytes(params: int, optimizer: str = "adamw") -> int:
-    """Parameters + gradients + optimizer state (fp32 master weights, as torch autocast keeps them)."""
-    try:
-        return params * BYTES_PER_PARAM[optimizer]
-    except KeyError:
-        raise UsageError(f"unknown optimizer {optimizer!r}", f"use one of {tuple(BYTES_PER_PARAM)}") from None
+    """Parameters + gradients + optimizer state, unsharded and fp32 (torch autocast keeps fp32
+    master weights): memory.state_bytes."""
+    return int(state_bytes(params, optimizer=optimizer).total)
 
 
 def estimate_profile(model: ModelSpec, gpu: GpuSpec, *, label: str, precision: str = "bf16",

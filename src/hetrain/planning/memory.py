@@ -9,6 +9,10 @@ Model state of a data-parallel rank, for P parameters of `param_bytes` each:
     capacity   P              P              k·P · f_r                f_r ∝ free memory of rank r
     fsdp       P / W          P / W          k·P / W                  + transient unsharded units
 
+This is the one model of it (`state_bytes`): the catalog estimate (cost.fixed_bytes), the bytes
+a pipeline stage holds per byte of its parameters (`state_factor`) and the runtime's memory
+check all come from it.
+
 FSDP2 (ZeRO-3) all-gathers one unit (block) at a time: it adds the unsharded root parameters plus
 two units (the one computing and the one prefetched). When a rank accumulates several
 micro-batches it keeps the whole model unsharded through the step (no communication between
@@ -91,6 +95,16 @@ def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, f
         transient = (root_params + 2 * largest) * param_bytes
     return StateBytes(params=p / world_size, grads=p / world_size, optimizer=opt / world_size,
                       transient=min(transient, 2 * p))
+
+
+def state_factor(optimizer: str = "adamw", *, param_bytes: int = 4, state_bytes_per_value: int = 4) -> float:
+    """Unsharded model-state bytes per byte of parameters, (2·param_bytes + k·state_bytes) /
+    param_bytes: for pipeline stages, whose blocks are profiled in parameter bytes, not counts."""
+    one = state_bytes(1, optimizer=optimizer, param_bytes=param_bytes, state_bytes_per_value=state_bytes_per_value)
+    return one.total / param_bytes
+
+
+ADAMW_STATE_FACTOR = state_factor("adamw")     # 4.0: fp32 parameters, gradients and AdamW's two moments
 
 
 def capacity_fractions(free_bytes: Sequence[float]) -> tuple[float, ...]:

@@ -7,8 +7,8 @@ speed, so replica r computes a share of each global batch in proportion to its p
 throughput (1 / its slowest stage): data parallelism's hetero shares, applied to whole pipelines.
 
 The choice. `compare_parallelism` predicts data parallelism (every device holds the whole model,
-shares by speed, plus a ring all-reduce 2(n−1)/n · S/B of the gradients when a link bandwidth is
-given), one pipeline over every device, and every DP×PP layout, and picks the fastest that fits
+shares by speed, plus a ring all-reduce of the gradients when a link is given: collectives.py),
+one pipeline over every device, and every DP×PP layout, and picks the fastest that fits
 memory — or a simpler one within a few percent of it — with the reason.
 
 Tensor parallelism is not a candidate here: it splits every layer evenly, so on mixed devices each
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hardware.units import format_bytes as _gib
+from .collectives import FREE_LINK, Link, allreduce_seconds
+from .memory import ADAMW_STATE_FACTOR
 from .pipeline_split import PipelineProfile, PipelineSplit, StageDevice, evaluate_split, split_pipeline
 from .shares import proportional_shares
 
@@ -60,8 +62,8 @@ def _replica_groups(devices: Sequence[StageDevice], stages: int) -> list[tuple[S
 
 def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], sizes: Sequence[int], *,
                     stages: int, global_batch: int, micro_batches: int, shares: Sequence[int] | None = None,
-                    schedule: str = "1f1b", state_factor: float = 4.0, memory_margin: float = 0.10,
-                    link_bytes_per_s: float | None = None) -> HybridSplit:
+                    schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR, memory_margin: float = 0.10,
+                    link: Link | None = None) -> HybridSplit:
     """DP×PP with a given split: replica r holds devices [r·p, (r+1)·p) (the rank layout of a
     (dp, pp) mesh) and computes `shares[r]` samples per step — by default in proportion to its
     pipeline's throughput (1 / its slowest stage), the hetero shares of data parallelism applied
@@ -69,7 +71,7 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
     groups = _replica_groups(devices, stages)
     d = len(groups)
     common = dict(schedule=schedule, micro_batches=micro_batches, state_factor=state_factor,
-                  memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+                  memory_margin=memory_margin, link=link)
     if shares is None:
         if global_batch < d * micro_batches:
             raise UsageError(f"global batch {global_batch} cannot give {d} replicas {micro_batches} "
@@ -96,8 +98,8 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
 
 
 def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, stages: int, global_batch: int,
-                 micro_batches: int, schedule: str = "1f1b", state_factor: float = 4.0,
-                 memory_margin: float = 0.10, link_bytes_per_s: float | None = None,
+                 micro_batches: int, schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR,
+                 memory_margin: float = 0.10, link: Link | None = None,
                  max_candidates: int = 20_000) -> HybridSplit:
     """The common split for DP×PP (see `evaluate_hybrid`) that maximises the replicas' total
     throughput, every stage fitting its device at its replica's micro-batch size. All replicas
@@ -106,7 +108,7 @@ def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, st
     groups = _replica_groups(devices, stages)
     d, n = len(groups), profile.n_blocks
     common = dict(stages=stages, global_batch=global_batch, micro_batches=micro_batches, schedule=schedule,
-                  state_factor=state_factor, memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+                  state_factor=state_factor, memory_margin=memory_margin, link=link)
     if stages > n:    # says why, and what to try
         split_pipeline(profile, groups[0], micro_batches=micro_batches, micro_batch_size=1, schedule=schedule)
     if math.comb(n - 1, stages - 1) <= max_candidates:
@@ -118,7 +120,7 @@ def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, st
         candidates = [split_pipeline(profile, weakest, micro_batches=micro_batches,
                                      micro_batch_size=math.ceil(global_batch / d / micro_batches),
                                      schedule=schedule, state_factor=state_factor, memory_margin=memory_margin,
-                                     link_bytes_per_s=link_bytes_per_s).sizes]
+                                     link=link).sizes]
     best = None
     for sizes in candidates:
         h = evaluate_hybrid(profile, devices, sizes, **common)
@@ -129,8 +131,7 @@ def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, st
         for g in groups:     # a replica that cannot fit on its own explains best
             try:
                 split_pipeline(profile, g, micro_batches=micro_batches, micro_batch_size=micro, schedule=schedule,
-                               state_factor=state_factor, memory_margin=memory_margin,
-                               link_bytes_per_s=link_bytes_per_s)
+                               state_factor=state_factor, memory_margin=memory_margin, link=link)
             except UsageError as e:
                 raise UsageError(f"DP×PP {d}×{stages}: {e.what}", e.fix) from None
         raise UsageError(f"DP×PP {d}×{stages}: no common split fits every replica's memory",
@@ -180,14 +181,7 @@ class ParallelismChoice:
         return lines
 
 
-def _allreduce_seconds(nbytes: float, world: int, link_bytes_per_s: float | None) -> float:
-    """Ring all-reduce: 2(n−1)/n · S / B."""
-    if world < 2 or not link_bytes_per_s:
-        return 0.0
-    return 2 * (world - 1) / world * nbytes / link_bytes_per_s
-
-
-def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin, link_bytes_per_s) -> Candidate:
+def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin, link: Link) -> Candidate:
     state = state_factor * profile.param_bytes
     act = profile.activation_bytes_per_sample
     short: dict[str, list[str]] = {}     # usable memory -> devices that lack it
@@ -203,7 +197,7 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
                          detail=f"global batch {global_batch} < {len(devices)} devices")
     shares = proportional_shares(global_batch, [dv.speed for dv in devices])
     compute = max(b * profile.seconds_per_sample / dv.speed for b, dv in zip(shares, devices))
-    sync = _allreduce_seconds(profile.param_bytes, len(devices), link_bytes_per_s)
+    sync = allreduce_seconds(len(devices), profile.param_bytes, link)
     return Candidate(name="DP" if len(devices) > 1 else "one device", kind="dp", fits=True,
                      samples_per_s=global_batch / max(compute + sync, _EPS), replicas=len(devices),
                      shares=shares,
@@ -213,8 +207,8 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
 
 
 def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice], *, global_batch: int,
-                        micro_batches: int = 8, schedule: str = "1f1b", state_factor: float = 4.0,
-                        memory_margin: float = 0.10, link_bytes_per_s: float | None = None,
+                        micro_batches: int = 8, schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR,
+                        memory_margin: float = 0.10, link: Link | None = None,
                         prefer_simpler_within: float = 0.05) -> ParallelismChoice:
     """Predict data parallelism (every device holds the model, hetero shares), one pipeline over all
     devices, and every DP×PP layout (replicas of p consecutive devices, p dividing the device
@@ -227,10 +221,10 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         raise UsageError("no devices to compare layouts on", "give at least one device")
     if global_batch < 1:
         raise UsageError(f"global batch {global_batch}", "use a positive global batch")
-    common = dict(schedule=schedule, state_factor=state_factor, memory_margin=memory_margin,
-                  link_bytes_per_s=link_bytes_per_s)
+    link = FREE_LINK if link is None else link
+    common = dict(schedule=schedule, state_factor=state_factor, memory_margin=memory_margin, link=link)
     cands = [_dp_candidate(profile, devices, global_batch=global_batch, state_factor=state_factor,
-                           memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)]
+                           memory_margin=memory_margin, link=link)]
     for stages in range(2, w + 1):
         if w % stages:
             continue
@@ -251,10 +245,8 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
             cands.append(Candidate(name=name, kind=kind, fits=False, samples_per_s=0.0, detail=e.what,
                                    replicas=d, stages=stages))
             continue
-        sync = 0.0
-        if d > 1:
-            sync = _allreduce_seconds(max(st.state_bytes / state_factor for st in h.replicas[0].stages),
-                                      d, link_bytes_per_s)
+        # Each stage all-reduces its gradients (as many bytes as its parameters) over the d replicas.
+        sync = allreduce_seconds(d, max(st.param_bytes for st in h.replicas[0].stages), link)
         rate = global_batch / max(h.step_seconds + sync, _EPS)
         rep = h.replicas[0]
         cands.append(Candidate(

@@ -1,4 +1,5 @@
-"""Pipeline stages sized per device, and the choice between DP, PP and DP×PP (pure; no torch).
+"""Pipeline stages sized per device (pure; no torch). DP × PP, and the choice between DP, PP and
+DP × PP for a model and cluster, are in planning/parallelism.py.
 
 Model. A model is a stack of blocks (plus an optional `first` part, e.g. embeddings, pinned to
 the first stage and a `last` part, e.g. final norm + head, pinned to the last). Each part has a
@@ -6,14 +7,16 @@ cost measured on one device and scaled to speed 1.0 (the cluster's fastest devic
   * `seconds`            forward + backward time per sample,
   * `activation_bytes`   bytes the forward keeps for the backward, per sample,
   * `param_bytes`        parameter bytes (the stage holds `state_factor` times that:
-                         parameters, gradients and optimizer state; 4 for Adam in fp32).
+                         parameters, gradients and optimizer state, memory.state_factor;
+                         4 for AdamW in fp32).
 
 A pipeline of p stages runs m micro-batches of µ samples. Stage s (device speed v_s) holding
-blocks [a, b) takes t_s = µ · Σ_{i∈[a,b)} seconds_i / v_s per micro-batch, plus the time to send
-its output on. With fixed per-stage times a fill-drain pipeline lasts Σ_s t_s + (m − 1)·max_s t_s,
-so the slowest stage sets the pace: the split minimises max_s t_s (then Σ_s t_s). On a mixed
-machine a uniform split leaves the fast devices waiting for the slow one; sizing stages by speed
-(a device of speed 0.5 gets about half the blocks of one of speed 1) removes that wait.
+blocks [a, b) takes t_s = µ · Σ_{i∈[a,b)} seconds_i / v_s per micro-batch, plus two sends over the
+link, when one is given (its output on, that output's gradient back: collectives.send_seconds).
+With fixed per-stage times a fill-drain pipeline lasts Σ_s t_s + (m − 1)·max_s t_s, so the
+slowest stage sets the pace: the split minimises max_s t_s (then Σ_s t_s). On a mixed machine a
+uniform split leaves the fast devices waiting for the slow one; sizing stages by speed (a device
+of speed 0.5 gets about half the blocks of one of speed 1) removes that wait.
 
 Memory. Activations in flight depend on the schedule: GPipe runs every forward before any
 backward, so each stage holds all m micro-batches; 1F1B starts backwards early, so stage s holds
@@ -22,27 +25,23 @@ at most min(m, p − s). Stage memory = state_factor · params + in_flight · µ
 
 The bubble fraction (p − 1)/(m + p − 1) is the idle share of a pipeline with equal stages; more
 micro-batches shrink it, at the cost of smaller (less efficient) micro-batches.
-
-Several pipelines side by side (DP × PP), and the choice between DP, PP and DP × PP for a model
-and cluster, are in planning/parallelism.py.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from ..hardware.units import format_bytes
+from ..hardware.units import format_bytes as _gib
+from .collectives import FREE_LINK, Link, send_seconds
+from .memory import ADAMW_STATE_FACTOR
 from .plan import split_evenly
 
 SCHEDULES = ("gpipe", "1f1b")
 _EPS = 1e-12
-
-
-def _gib(n: float) -> str:
-    return format_bytes(n)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -141,6 +140,7 @@ class StagePlan:
     stop: int                          # last block (exclusive)
     seconds_per_micro: float           # compute + send of one micro-batch, forward + backward
     in_flight: int                     # micro-batches whose activations this stage holds at once
+    param_bytes: float                 # its parameters (as many gradient bytes to all-reduce, DP×PP)
     state_bytes: float                 # parameters + gradients + optimizer state
     activation_bytes: float            # in_flight micro-batches of activations (+ received inputs)
     memory_cap: float | None           # usable bytes (device memory less the margin); None: unlimited
@@ -224,9 +224,7 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
 def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at its peak under `schedule`."""
     _check_schedule(schedule)
-    if schedule == "gpipe":
-        return micro_batches
-    return min(micro_batches, stages - stage)
+    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
 
 
 def _check_schedule(schedule: str) -> None:
@@ -246,14 +244,14 @@ class _Setup:
     micro_batch_size: int
     state_factor: float
     memory_margin: float
-    link_bytes_per_s: float | None
+    link: Link
     sec: tuple[float, ...] = field(default=())
     act: tuple[float, ...] = field(default=())
     par: tuple[float, ...] = field(default=())
 
     @classmethod
     def make(cls, profile, devices, *, schedule, micro_batches, micro_batch_size, state_factor,
-             memory_margin, link_bytes_per_s) -> _Setup:
+             memory_margin, link: Link | None) -> _Setup:
         _check_schedule(schedule)
         p, n = len(devices), profile.n_blocks
         if p < 1:
@@ -271,15 +269,10 @@ class _Setup:
                              f"use micro_batches >= {p}, or schedule='gpipe'")
         if not 0 <= memory_margin < 1:
             raise UsageError(f"memory_margin={memory_margin}", "use a fraction in [0, 1)")
-        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
-            raise UsageError(f"link bandwidth {link_bytes_per_s!r}", "give a positive bytes/s, or None")
-        sec, act, par = [0.0], [0.0], [0.0]
-        for b in profile.blocks:
-            sec.append(sec[-1] + b.seconds)
-            act.append(act[-1] + b.activation_bytes)
-            par.append(par[-1] + b.param_bytes)
+        sec, act, par = ((0.0, *itertools.accumulate(getattr(b, what) for b in profile.blocks))
+                         for what in ("seconds", "activation_bytes", "param_bytes"))
         return cls(profile, tuple(devices), schedule, micro_batches, micro_batch_size, state_factor,
-                   memory_margin, link_bytes_per_s, tuple(sec), tuple(act), tuple(par))
+                   memory_margin, FREE_LINK if link is None else link, sec, act, par)
 
     @property
     def p(self) -> int:
@@ -296,28 +289,20 @@ class _Setup:
         if p == 1 and prof.first is not None and prof.last is not None:
             params -= prof.tied_param_bytes      # one stage holds the tied weight once
         t = mu * seconds / dev.speed
-        if self.link_bytes_per_s and s < p - 1:   # send the activation on, receive its gradient back
-            t += 2 * mu * prof.boundary_bytes / self.link_bytes_per_s
+        if s < p - 1:   # send the activation on, receive its gradient back
+            t += 2 * send_seconds(mu * prof.boundary_bytes, self.link)
         flight = in_flight(self.schedule, s, p, self.micro_batches)
         received = prof.boundary_bytes if s > 0 else 0.0
         cap = None if dev.memory_bytes is None else dev.memory_bytes * (1 - self.memory_margin)
         return StagePlan(index=s, device=dev.name, speed=dev.speed, start=a, stop=b, seconds_per_micro=t,
-                         in_flight=flight, state_bytes=self.state_factor * params,
+                         in_flight=flight, param_bytes=params, state_bytes=self.state_factor * params,
                          activation_bytes=flight * mu * (acts + received), memory_cap=cap)
 
     def split(self, sizes: Sequence[int], reasons: tuple[str, ...] = ()) -> PipelineSplit:
-        bounds, a = [], 0
-        for k in sizes:
-            bounds.append((a, a + k))
-            a += k
-        return PipelineSplit(stages=tuple(self.stage(s, x, y) for s, (x, y) in enumerate(bounds)),
+        edges = (0, *itertools.accumulate(sizes))
+        return PipelineSplit(stages=tuple(self.stage(s, edges[s], edges[s + 1]) for s in range(len(sizes))),
                              schedule=self.schedule, micro_batches=self.micro_batches,
                              micro_batch_size=self.micro_batch_size, reasons=reasons)
-
-
-def _sizes_from(cuts: list[int], n: int) -> tuple[int, ...]:
-    edges = [*cuts, n]
-    return tuple(edges[i + 1] - edges[i] for i in range(len(cuts)))
 
 
 def _min_max_dp(setup: _Setup, key) -> tuple[tuple[int, ...], tuple] | None:
@@ -342,24 +327,24 @@ def _min_max_dp(setup: _Setup, key) -> tuple[tuple[int, ...], tuple] | None:
                     best[s + 1][j], back[s + 1][j] = cand, i
     if best[p][n] == inf:
         return None
-    cuts, j = [], n
+    edges, j = [n], n
     for s in range(p, 0, -1):
         j = back[s][j]
-        cuts.append(j)
-    return _sizes_from(cuts[::-1], n), best[p][n]
+        edges.append(j)
+    edges.reverse()              # 0, the first block of stage 1, …, n
+    return tuple(b - a for a, b in zip(edges, edges[1:])), best[p][n]
 
 
 def split_pipeline(profile: PipelineProfile, devices: Sequence[StageDevice], *, micro_batches: int,
-                   micro_batch_size: int, schedule: str = "1f1b", state_factor: float = 4.0,
-                   memory_margin: float = 0.10, link_bytes_per_s: float | None = None) -> PipelineSplit:
+                   micro_batch_size: int, schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR,
+                   memory_margin: float = 0.10, link: Link | None = None) -> PipelineSplit:
     """The contiguous split of the blocks over `devices` (stage i on devices[i]) that minimises the
     slowest stage's time per micro-batch, every stage fitting its device's memory.
 
     Raises UsageError when no split exists (more stages than blocks) or none fits memory, naming
     the stage that overflows in the least-memory split and what to try."""
-    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches,
-                        micro_batch_size=micro_batch_size, state_factor=state_factor,
-                        memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
+                        micro_batch_size=micro_batch_size, state_factor=state_factor, memory_margin=memory_margin)
     found = _min_max_dp(setup, lambda st: st.seconds_per_micro if st.fits else None)
     if found is None:
         raise _no_fit(setup)
@@ -382,12 +367,11 @@ def split_pipeline(profile: PipelineProfile, devices: Sequence[StageDevice], *, 
 
 def evaluate_split(profile: PipelineProfile, devices: Sequence[StageDevice], sizes: Sequence[int], *,
                    micro_batches: int, micro_batch_size: int, schedule: str = "1f1b",
-                   state_factor: float = 4.0, memory_margin: float = 0.10,
-                   link_bytes_per_s: float | None = None) -> PipelineSplit:
+                   state_factor: float = ADAMW_STATE_FACTOR, memory_margin: float = 0.10,
+                   link: Link | None = None) -> PipelineSplit:
     """What a given split (blocks per stage) predicts; `fits` says whether it fits memory."""
-    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches,
-                        micro_batch_size=micro_batch_size, state_factor=state_factor,
-                        memory_margin=memory_margin, link_bytes_per_s=link_bytes_per_s)
+    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
+                        micro_batch_size=micro_batch_size, state_factor=state_factor, memory_margin=memory_margin)
     sizes = tuple(int(k) for k in sizes)
     if len(sizes) != setup.p or any(k < 1 for k in sizes) or sum(sizes) != profile.n_blocks:
         raise UsageError(f"split {list(sizes)} does not cut {profile.n_blocks} blocks into {setup.p} stages",

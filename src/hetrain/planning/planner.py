@@ -8,28 +8,28 @@ time and throughput of the plan and of plain equal-split DDP on the same devices
 
 How. With t_r(s) the compute seconds of device r for a share of s samples (micro-batches of at
 most m_r samples: ⌈s/m_r⌉·a_r + b_r·s), the compute part of a step is max_r t_r(s_r). Its minimum
-over integer shares is found exactly: the smallest T at which the devices can together take the
-batch, Σ_r cap_r(T) ≥ B with cap_r(T) = max{s : t_r(s) ≤ T} (a closed form), found by bisection,
-then trimmed to exactly B from the devices that finish last. When devices may be left out, a
-device takes part iff one sample fits under T (adding it can then only help); the optimizer step
-(max over devices) is handled by sweeping the threshold on optimizer time, and communication by
-also trying the fastest k devices (k = 1, 2, 4, …): each candidate set is costed in full (cost.py)
-and the fastest kept. Without communication this is the exact optimum over all subsets, so more
-devices are never predicted slower than fewer.
+over integer shares is found exactly by the share solver (shares.py: a water level by bisection,
+then trimmed to exactly B from the devices that finish last). When devices may be left out, a
+device takes part iff its first sample ends by then (adding it can then only help); the
+optimizer step (max over devices) is handled by sweeping the threshold on optimizer time, and
+communication by also trying the fastest k devices (k = 1, 2, 4, …): each candidate set is
+costed in full (cost.py) and the fastest kept. Without communication this is the exact optimum
+over all subsets, so more devices are never predicted slower than fewer.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hardware.units import format_bytes
-from .cost import FREE_LINK, Assignment, Link, StepCost, standalone, step_cost
+from .collectives import FREE_LINK, Link
+from .cost import Assignment, StepCost, standalone, step_cost
 from .plan import DevicePlan, ExcludedDevice, Plan, split_evenly
 from .profile import DeviceProfile
+from .shares import StepTime, solve_shares
 
 MAX_OPT_LEVELS = 24        # optimizer-time thresholds tried exactly; more are sampled
 MAX_EXPLAINED = 8          # left-out devices whose reason is costed in full (one re-plan each)
@@ -81,59 +81,19 @@ class _Dev:
     """One device as the share solver sees it: stretched, checkpointing applied."""
 
     index: int
-    a: float          # seconds per micro-batch
-    b: float          # seconds per sample
-    m: int            # micro-batch cap
+    time: StepTime    # compute seconds for a share
     opt: float        # optimizer seconds
 
     def t(self, s: int) -> float:
-        return -(-s // self.m) * self.a + self.b * s if s > 0 else 0.0
-
-    def cap(self, T: float, limit: int) -> int:
-        """Largest s with t(s) <= T (0 if not even one sample); T is widened by a relative 1e-12
-        so that T = t(s) itself, computed in another order, still admits s."""
-        T = T * (1 + 1e-12)
-        full = self.a + self.b * self.m
-        if T < self.a + self.b:
-            return 0
-        k = int(T // full)
-        rest = T - k * full
-        extra = int((rest - self.a) // self.b) if rest >= self.a + self.b else 0
-        return min(limit, k * self.m + min(max(extra, 0), self.m - 1))
+        return self.time.seconds(s)
 
 
 def _solve(devs: Sequence[_Dev], batch: int, *, forced: bool) -> dict[int, int] | None:
-    """Integer shares minimising max t_r(s_r), summing to `batch`. forced: every device >= 1;
-    else a device takes part only if that helps. None if impossible."""
-    if not devs or (forced and batch < len(devs)):
-        return None
-    lo = max(d.t(1) for d in devs) if forced else min(d.t(1) for d in devs)
-    hi = max(lo, min(d.t(batch) for d in devs))
-    while sum(d.cap(hi, batch) for d in devs) < batch:
-        hi *= 2
-    if sum(d.cap(lo, batch) for d in devs) >= batch:
-        hi = lo
-    for _ in range(200):
-        if hi - lo <= 1e-13 * hi:
-            break
-        mid = (lo + hi) / 2
-        if sum(d.cap(mid, batch) for d in devs) >= batch:
-            hi = mid
-        else:
-            lo = mid
-    shares = {d.index: d.cap(hi, batch) for d in devs}
-    floor = 1 if forced else 0
-    excess = sum(shares.values()) - batch
-    # Take back from whoever finishes last; ties to the later device (deterministic).
-    heap = [(-d.t(shares[d.index]), -d.index, d) for d in devs if shares[d.index] > floor]
-    heapq.heapify(heap)
-    while excess > 0:
-        _, _, d = heapq.heappop(heap)
-        shares[d.index] -= 1
-        excess -= 1
-        if shares[d.index] > floor:
-            heapq.heappush(heap, (-d.t(shares[d.index]), -d.index, d))
-    return {i: s for i, s in shares.items() if s > 0}
+    """Integer shares minimising max t_r(s_r), summing to `batch`, of the devices taking part.
+    forced: every device >= 1; else a device takes part only if that helps. None if impossible."""
+    devs = sorted(devs, key=lambda d: d.index)      # ties go to the lower device index, not list order
+    shares = solve_shares(batch, [d.time for d in devs], minimum=1 if forced else 0)
+    return None if shares is None else {d.index: s for d, s in zip(devs, shares) if s > 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +192,8 @@ def _devs(profiles, fits, indices, factors: dict[int, float]) -> list[_Dev]:
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
         k = g * (p.recompute_factor if f.checkpointing else 1.0)
-        out.append(_Dev(index=i, a=p.overhead_s * k, b=p.per_sample_s * k, m=f.micro, opt=p.optimizer_s * g))
+        time = StepTime(per_sample=p.per_sample_s * k, per_micro=p.overhead_s * k, micro=f.micro)
+        out.append(_Dev(index=i, time=time, opt=p.optimizer_s * g))
     return out
 
 

@@ -1,9 +1,24 @@
-"""Split a global batch across devices in proportion to speed (pure; no torch).
+"""Integer shares of a global batch: the one share solver (pure; no torch).
 
-The step time of data parallelism is max_r(b_r / v_r) (v_r: samples/s of device r), so the best
-integer split minimises that maximum: start from floor(B·v_r/Σv), then give each remaining sample
-to the device that would finish it soonest. Every device gets at least one sample (a device too
-slow to help is the planner's call to exclude, not this function's).
+Device r takes T_r(s) seconds for a share of s samples (`StepTime`), 0 for none and otherwise
+
+    T_r(s) = fixed_r + ⌈s / m_r⌉ · per_micro_r + s · per_sample_r       (m_r: largest micro-batch)
+
+— the planner's devices (micro-batches of at most m_r, a fixed cost each), the rebalancer's
+measured ones (fixed + s·t) and devices known only by a speed v (s · 1/v) are all of this form.
+`solve_shares` finds the integer shares that sum to the batch B, each at least `minimum` (1:
+every device takes part; 0: a device may be left out), minimising the step, max_r T_r(s_r).
+
+Why it is exact: the k-th sample on device r ends at T_r(k), non-decreasing in k, so a split
+ends when its latest sample does, and the B samples that end soonest over all devices (each
+device's first `minimum` taken regardless) make the best split. Ties go to the lower device
+index, so the answer is one split, whichever way it is reached.
+
+How: a water level T at which the devices can together take the batch, Σ_r max(minimum,
+cap_r(T)) ≥ B with cap_r(T) = max{s : T_r(s) ≤ T} (a closed form), by bisection down towards the
+smallest such T; then, from those caps, one sample at a time with a heap, back from whoever
+finishes last until the shares sum to B (ties: the higher index gives back first). The caps hold
+every sample ending by T, so any such level gives the same answer; a lower one, fewer steps.
 """
 
 from __future__ import annotations
@@ -11,12 +26,98 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import UsageError
 
+_BISECTIONS = 200
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One device's seconds for a share: fixed + ⌈s / micro⌉ · per_micro + s · per_sample
+    (micro None: one micro-batch, whatever the share), 0 for no share."""
+
+    per_sample: float             # seconds per sample, > 0
+    per_micro: float = 0.0        # seconds per micro-batch, whatever its size
+    micro: int | None = None      # the largest micro-batch
+    fixed: float = 0.0            # seconds per step whatever the share (the optimizer step, say)
+
+    def seconds(self, share: int) -> float:
+        if share <= 0:
+            return 0.0
+        n_micro = 1 if self.micro is None else -(-share // self.micro)
+        return self.fixed + n_micro * self.per_micro + self.per_sample * share
+
+    def share_within(self, seconds: float, limit: int) -> int:
+        """The largest share, at most `limit`, finished within `seconds` (0 if not even one)."""
+        rest, one = seconds - self.fixed, self.per_micro + self.per_sample
+        if rest < one:
+            s = 0
+        elif self.micro is None:
+            s = int((rest - self.per_micro) // self.per_sample)
+        else:
+            full = self.per_micro + self.per_sample * self.micro
+            k = int(rest // full)
+            left = rest - k * full
+            extra = int((left - self.per_micro) // self.per_sample) if left >= one else 0
+            s = k * self.micro + min(max(extra, 0), self.micro - 1)
+        s = min(limit, s)
+        # The closed form rounds otherwise than `seconds`: settle on what `seconds` says, so
+        # that every device's cap counts exactly the samples ending by then.
+        while s > 0 and self.seconds(s) > seconds:
+            s -= 1
+        while s < limit and self.seconds(s + 1) <= seconds:
+            s += 1
+        return s
+
+
+def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> tuple[int, ...] | None:
+    """Integer shares summing to `batch`, each >= `minimum`, minimising max_r times[r].seconds(share_r);
+    None when there is no device or `batch` < minimum × devices. See the module docstring."""
+    n = len(times)
+    if n == 0 or batch < n * minimum:
+        return None
+
+    def count(level: float) -> int:
+        return sum(max(minimum, t.share_within(level, batch)) for t in times)
+
+    # Below lo not every device can take its minimum (with minimum 0: no device one sample).
+    lo = max(t.seconds(minimum) for t in times) if minimum else min(t.seconds(1) for t in times)
+    # At hi the device quickest at the whole batch takes all of it, so count(hi) >= batch.
+    hi = max(lo, min(t.seconds(batch) for t in times))
+    over = count(lo) - batch
+    if over >= 0:
+        hi = lo
+    else:
+        over = count(hi) - batch
+        for _ in range(_BISECTIONS):
+            # Any level with count >= batch gives the same answer: stop once few are over.
+            if over <= n or hi - lo <= 1e-13 * hi:
+                break
+            mid = (lo + hi) / 2
+            c = count(mid) - batch
+            if c >= 0:
+                hi, over = mid, c
+            else:
+                lo = mid
+    shares = [max(minimum, t.share_within(hi, batch)) for t in times]
+    # Back from whoever finishes last; ties: the higher index first (the lower keeps its sample).
+    heap = [(-t.seconds(s), -r) for r, (t, s) in enumerate(zip(times, shares)) if s > minimum]
+    heapq.heapify(heap)
+    for _ in range(sum(shares) - batch):
+        _, r = heapq.heappop(heap)
+        r = -r
+        shares[r] -= 1
+        if shares[r] > minimum:
+            heapq.heappush(heap, (-times[r].seconds(shares[r]), -r))
+    return tuple(shares)
+
 
 def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
-    """Integer shares summing to `global_batch`, each >= 1, minimising max(share / speed)."""
+    """Integer shares summing to `global_batch`, each >= 1, minimising max(share / speed) (v_r:
+    samples/s of device r): `solve_shares` with T_r(s) = s · 1/v_r. Every device gets at least
+    one sample (a device too slow to help is the planner's call to exclude, not this function's)."""
     n = len(speeds)
     if n == 0:
         raise UsageError("no devices to split the batch across", "give at least one device")
@@ -28,29 +129,20 @@ def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int
             f"global batch {global_batch} is smaller than the {n} devices",
             f"use a global batch of at least {n} (every device needs one sample), or fewer devices",
         )
-    total = sum(speeds)
-    shares = [max(1, math.floor(global_batch * s / total)) for s in speeds]
-    # Too many after the >= 1 floor: take back from whoever is slowest to finish, keeping >= 1.
-    while sum(shares) > global_batch:
-        r = max((r for r in range(n) if shares[r] > 1), key=lambda r: shares[r] / speeds[r])
-        shares[r] -= 1
-    heap = [((shares[r] + 1) / speeds[r], r) for r in range(n)]
-    heapq.heapify(heap)
-    for _ in range(global_batch - sum(shares)):
-        _, r = heapq.heappop(heap)
-        shares[r] += 1
-        heapq.heappush(heap, ((shares[r] + 1) / speeds[r], r))
-    return tuple(shares)
+    return solve_shares(global_batch, [StepTime(per_sample=1 / s) for s in speeds])
+
+
+def _linear(per_sample_s: Sequence[float], fixed_s: Sequence[float] | None) -> list[StepTime]:
+    fixed = list(fixed_s) if fixed_s is not None else [0.0] * len(per_sample_s)
+    return [StepTime(per_sample=t, fixed=f) for t, f in zip(per_sample_s, fixed)]
 
 
 def balanced_shares(global_batch: int, per_sample_s: Sequence[float],
                     fixed_s: Sequence[float] | None = None) -> tuple[int, ...]:
-    """Integer shares (sum = global_batch, each >= 1) minimising max_r(fixed_r + share_r · t_r).
-
-    The measured form of `proportional_shares`: t_r is a device's seconds per sample, fixed_r its
-    seconds per step that do not scale with the share (the optimizer step, say), which a slow
-    device also runs slower. Each remaining sample goes to the device that would finish it first.
-    """
+    """Integer shares (sum = global_batch, each >= 1) minimising max_r(fixed_r + share_r · t_r):
+    `solve_shares` with measured times. t_r is a device's seconds per sample, fixed_r its seconds
+    per step that do not scale with the share (the optimizer step, say), which a slow device also
+    runs slower."""
     n = len(per_sample_s)
     fixed = list(fixed_s) if fixed_s is not None else [0.0] * n
     if n == 0 or len(fixed) != n:
@@ -61,23 +153,10 @@ def balanced_shares(global_batch: int, per_sample_s: Sequence[float],
     if global_batch < n:
         raise UsageError(f"global batch {global_batch} is smaller than the {n} devices",
                          f"use a global batch of at least {n}")
-    # Water level T with Σ (T - f_r)/t_r = B, then floors, then the rest one by one.
-    speeds = [1 / t for t in per_sample_s]
-    level = (global_batch + sum(f * v for f, v in zip(fixed, speeds))) / sum(speeds)
-    shares = [max(1, math.floor((level - f) * v)) for f, v in zip(fixed, speeds)]
-    while sum(shares) > global_batch:
-        r = max((r for r in range(n) if shares[r] > 1), key=lambda r: fixed[r] + shares[r] * per_sample_s[r])
-        shares[r] -= 1
-    heap = [(fixed[r] + (shares[r] + 1) * per_sample_s[r], r) for r in range(n)]
-    heapq.heapify(heap)
-    for _ in range(global_batch - sum(shares)):
-        _, r = heapq.heappop(heap)
-        shares[r] += 1
-        heapq.heappush(heap, (fixed[r] + (shares[r] + 1) * per_sample_s[r], r))
-    return tuple(shares)
+    return solve_shares(global_batch, _linear(per_sample_s, fixed))
 
 
 def step_time(shares: Sequence[int], per_sample_s: Sequence[float], fixed_s: Sequence[float] | None = None) -> float:
-    """Predicted step time of a split: the slowest device's fixed + share · per-sample time."""
-    fixed = fixed_s if fixed_s is not None else [0.0] * len(shares)
-    return max(f + b * t for b, t, f in zip(shares, per_sample_s, fixed))
+    """Predicted step time of a split: the slowest device's fixed + share · per-sample time (a
+    device with no share: 0)."""
+    return max(t.seconds(s) for t, s in zip(_linear(per_sample_s, fixed_s), shares))

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 from ..hardware.cluster import ClusterDevice
 from ..hardware.units import format_bytes
-from .cost import (DEFAULT_EFFICIENCY, PCIE_GBS, Assignment, Link, catalog_link, estimate_profile, peak_flops,
-                   standalone)
+from .collectives import Link
+from .cost import DEFAULT_EFFICIENCY, PCIE_GBS, Assignment, catalog_link, estimate_profile, peak_flops, standalone
 from .plan import Plan
 from .planner import PlanOptions, ddp_equal_split, make_plan, ring_link
 from .profile import DeviceProfile, ModelSpec

@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetrain.errors import UsageError
-from hetrain.planning.memory import (DeviceMemory, capacity_fractions, choose_sharding, partition_bounds,
-                                     sharding_options, state_bytes)
+from hetrain.planning.cost import fixed_bytes
+from hetrain.planning.memory import (ADAMW_STATE_FACTOR, DeviceMemory, capacity_fractions, choose_sharding,
+                                     partition_bounds, sharding_options, state_bytes, state_factor)
 
 GB = 1e9
 
@@ -85,3 +86,12 @@ def test_fsdp_when_only_sharding_parameters_fits():
     opt, why = choose_sharding(sharding_options(3_000_000_000, four), four)   # 48 GB of state / 4
     assert opt.strategy == "fsdp" and "zero1" in why and "capacity" in why
     assert all(p == pytest.approx(14 * GB) for p in opt.peak)
+
+
+def test_the_catalog_estimate_and_pipeline_stages_use_this_model_state():
+    # parameters + gradients + optimizer values, fp32: AdamW 4 + 4 + 8, SGD with momentum 4 + 4 + 4
+    assert fixed_bytes(1_000_000, "adamw") == 16_000_000
+    assert fixed_bytes(1_000_000, "sgd-momentum") == 12_000_000 and fixed_bytes(1_000_000, "sgd") == 8_000_000
+    assert ADAMW_STATE_FACTOR == 4.0 == state_factor("adam")
+    assert state_factor("sgd") == 2.0
+    assert state_factor("adamw", param_bytes=2) == 6.0      # bf16 parameters and gradients, fp32 moments

@@ -74,7 +74,7 @@ def test_compare_with_nothing_fitting_is_a_usage_error():
 
 def test_compare_prefers_the_simpler_layout_when_close():
     prof = profile(8, params=1e3, act=1.0)
-    choice = compare_parallelism(prof, devices(1.0, 1.0, 1.0, 1.0), global_batch=64, link_bytes_per_s=None)
+    choice = compare_parallelism(prof, devices(1.0, 1.0, 1.0, 1.0), global_batch=64, link=None)
     assert choice.choice.kind == "dp"          # DP is the fastest here (no bubble)
     fastest = max(c.samples_per_s for c in choice.candidates)
     assert choice.choice.samples_per_s >= 0.95 * fastest
