@@ -65,7 +65,8 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
     and link its plan was made from), with the CPU that other work used during it as extra load.
     On a shared host this separates the model's error from the host's noise; on a quiet one it is
     the plan's own prediction."""
-    from hetrain.planning.cost import FREE_LINK, Assignment, Link, step_cost
+    from hetrain.planning.collectives import FREE_LINK, Link
+    from hetrain.planning.cost import Assignment, step_cost
     from hetrain.planning.profile import DeviceProfile
 
     profiles = [DeviceProfile.from_dict(p) for p in profiles_of["profiles"]]

@@ -68,7 +68,7 @@ def test_ranks_plan_alike_and_run_the_plan_and_a_restart_reuses_the_profiles(tmp
 
 
 def test_a_plan_from_the_pure_planner_runs_as_given(tmp_path):
-    from hetrain.planning.cost import FREE_LINK
+    from hetrain.planning.collectives import FREE_LINK
     from hetrain.planning.planner import PlanOptions, make_plan
     from hetrain.planning.profile import DeviceProfile
 

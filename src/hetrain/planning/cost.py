@@ -42,8 +42,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hardware.catalog import GpuSpec
-# FREE_LINK and link_from_measurement only re-exported: tests and benchmarks import them from here.
-from .collectives import FREE_LINK, Link, allreduce_seconds, link_from_measurement  # noqa: F401
+from .collectives import Link, allreduce_seconds
 from .memory import state_bytes
 from .plan import split_evenly
 from .profile import DeviceProfile, ModelSpec

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..hardware.cluster import parse_cluster
 from ..hardware.units import format_bytes
-from ..planning.cost import FREE_LINK, Link, link_from_measurement
+from ..planning.collectives import FREE_LINK, Link, link_from_measurement
 from ..planning.plan import DevicePlan, Plan
 from ..planning.planner import PlanOptions, make_plan
 from ..planning.profile import DeviceProfile

@@ -7,9 +7,10 @@ import math
 import pytest
 
 from hetrain.hardware import catalog
-from hetrain.planning.cost import (DDP_BUCKET_BYTES, FREE_LINK, Assignment, Link, allreduce_seconds, catalog_link,
-                                   estimate_profile, fixed_bytes, gradient_sync, link_from_measurement, peak_flops,
-                                   _compute_segments, shared_cpu_finish, step_cost, straggle_at)
+from hetrain.planning.collectives import FREE_LINK, Link, allreduce_seconds, link_from_measurement
+from hetrain.planning.cost import (DDP_BUCKET_BYTES, Assignment, catalog_link, estimate_profile, fixed_bytes,
+                                   gradient_sync, peak_flops, _compute_segments, shared_cpu_finish, step_cost,
+                                   straggle_at)
 from hetrain.planning.presets import preset
 from hetrain.planning.profile import DeviceProfile
 

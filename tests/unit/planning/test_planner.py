@@ -13,7 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hetrain.errors import UsageError
-from hetrain.planning.cost import FREE_LINK, Assignment, Link, step_cost
+from hetrain.planning.collectives import FREE_LINK, Link
+from hetrain.planning.cost import Assignment, step_cost
 from hetrain.planning.plan import Plan
 from hetrain.planning.planner import PlanOptions, make_plan
 from hetrain.planning.profile import DeviceProfile
