@@ -1,7 +1,7 @@
 """Chaos: N random faults (kills, out-of-memory errors, hangs) thrown at one emulated training run.
 
 Runs the same job twice through `hetrain run --max-restarts`: once clean, once with a seeded
-random schedule of faults (runtime/faults.py), and reports how many faults were injected and
+random schedule of faults (runtime/devices/faults.py), and reports how many faults were injected and
 survived, how many restarts they caused, the wall time lost, whether the final parameters equal
 the clean run's, and whether every sample was used exactly once per epoch.
 
@@ -128,7 +128,7 @@ def main() -> None:
 
     import torch
 
-    from hetrain.runtime.persist import read_sample_log
+    from hetrain.runtime.resilience.resume import read_sample_log
 
     faults = schedule(args.faults, args.steps, args.every, args.seed)
     with tempfile.TemporaryDirectory() as tmp:

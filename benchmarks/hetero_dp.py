@@ -74,8 +74,8 @@ def _autocast(args, rank: int):
 
     from hetrain.hardware.cluster import parse_cluster
     from hetrain.hardware.host import host_facts
-    from hetrain.runtime.emulate import EmulatedDevice
-    from hetrain.runtime.precision import PrecisionPolicy
+    from hetrain.runtime.devices.emulation import EmulatedDevice
+    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
     policy = PrecisionPolicy.local(args.precision, device=torch.device("cpu"), host=host_facts(),
                                    emulated=EmulatedDevice(parse_cluster(args.spec)[rank]))
@@ -93,7 +93,7 @@ def worker_plain(args) -> float:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hetrain.hardware.cluster import parse_cluster
-    from hetrain.runtime.emulate import Throttle
+    from hetrain.runtime.devices.emulation import Throttle
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -114,7 +114,7 @@ def worker_plain(args) -> float:
         t = time.thread_time()                 # the same emulation as hetrain's engine:
         with autocast():
             loss = _loss(ddp, x, y)
-        forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/emulate.py)
+        forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/devices/emulation.py)
         guess = throttle.before_backward(forward_cpu)
         t = time.thread_time()
         loss.backward()
@@ -215,8 +215,8 @@ def main() -> None:
         "identical_pair_ratio": med["hetrain-fast-pair"] / med["ddp-equal-fast-pair"],
     }
     from hetrain.hardware.host import host_facts
-    from hetrain.runtime.precision import PrecisionPolicy
-    from hetrain.runtime.emulate import EmulatedDevice
+    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
+    from hetrain.runtime.devices.emulation import EmulatedDevice
     from hetrain.hardware.cluster import parse_cluster
     import torch
 

@@ -14,7 +14,7 @@ import hetrain
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
 from hetrain.parallel import pipeline
-from hetrain.runtime.data import GlobalCursorSampler
+from hetrain.runtime.loop.sampler import GlobalCursorSampler
 
 GLOBAL_BATCH, STEPS = 32, 40
 

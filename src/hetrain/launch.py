@@ -144,7 +144,7 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .runtime.failure import clear_errors, read_errors
+    from .runtime.resilience.worker_errors import clear_errors, read_errors
 
     os.environ.update(launch.env)
     clear_errors(run_dir)

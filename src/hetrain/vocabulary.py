@@ -1,5 +1,5 @@
 """The words a job is configured with, defined once: every module that checks or lists them
-imports them from here."""
+imports them from here (the lowest layer: it imports nothing of hetrain but its errors)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from .errors import UsageError
 
 PRECISIONS = ("fp32", "bf16", "fp16")                 # what a device computes in
 PRECISION_REQUESTS = ("auto",) + PRECISIONS           # what a user may ask for
+# Data-parallel sharding of the model state. Ordered as planning prefers them when several fit
+# (planning/memory.choose_sharding): least communication first.
+SHARDINGS = ("none", "zero1", "capacity", "fsdp")
+SHARDING_REQUESTS = ("auto",) + SHARDINGS             # auto: shard only when the model does not fit
+CHECKPOINTINGS = ("plan", "all", "none")              # activation checkpointing: where the plan says | all | none
+LOSS_WEIGHTINGS = ("samples", "tokens")
+RESUME_MODES = ("auto", "must", "never")
+SCHEDULES = ("gpipe", "1f1b")                         # pipeline schedules (torch.distributed.pipelining)
+LAYOUTS = ("dp", "pp", "dp-pp", "tp")                 # how a model is spread over the devices
 
 
 def check_choice(value: object, allowed: Sequence[str], where: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 from clirun import hetrain
 from hetrain.planning.plan import Plan
 from hetrain.runtime.config import Config
-from hetrain.runtime.measurements import Measurements, plan_from_measurements
+from hetrain.runtime.measure.measurements import Measurements, plan_from_measurements
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clirun import hetrain
-from hetrain.runtime.persist import read_sample_log
+from hetrain.runtime.resilience.resume import read_sample_log
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 PAIR = "a100-80g,rtx3090"

@@ -41,7 +41,7 @@ def loss_of(model, x, y):
 
 def worker(rank, world, steps):
     import hetrain
-    from hetrain.runtime.checkpointing import is_checkpointed
+    from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
 
     x, y = data()
     ht = hetrain.init(global_batch=20, plan=make_plan(), emulate="a100-80g,rtx3090", precision="fp32",

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.shares import proportional_shares
-from hetrain.runtime.persist import read_sample_log
+from hetrain.runtime.resilience.resume import read_sample_log
 
 pytestmark = pytest.mark.dist
 

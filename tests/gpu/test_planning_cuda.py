@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hetrain.planning.plan import Plan
-from hetrain.runtime.profiler import measure, profile_device
+from hetrain.runtime.measure.profiler import measure, profile_device
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the profiler's CUDA path")]

@@ -20,7 +20,7 @@ def facts_worker(rank, world):
     import torch.distributed as dist
 
     from hetrain.errors import UsageError
-    from hetrain.runtime.precision import PrecisionPolicy
+    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     device = torch.device("cuda", 0)

@@ -31,8 +31,8 @@ from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
 from ..planning.memory import STATE_VALUES
 from ..planning.presets import PRESETS, preset
 from ..planning.profile import ModelSpec
-from ..runtime.config import CHECKPOINTINGS, Config
-from ..vocabulary import PRECISION_REQUESTS, PRECISIONS, check_choice
+from ..runtime.config import Config
+from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
 from .plan_show import show_layouts, show_plan, show_sharding
 
 def _console() -> Console:
@@ -243,7 +243,7 @@ def plan(
     runs with hetrain.init(global_batch=N, plan="plan.json").
     """
     from ..planning.planner import make_plan
-    from ..runtime.measurements import plan_options
+    from ..runtime.measure.measurements import plan_options
 
     if global_batch is None:
         raise UsageError("no --global-batch given", "give the samples per optimizer step over all devices, "
@@ -267,7 +267,7 @@ def plan(
     config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
                     memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate)
     if model_factory:
-        from ..runtime.measurements import options_from_measurements, plan_from_measurements, planning_profiles
+        from ..runtime.measure.measurements import options_from_measurements, plan_from_measurements, planning_profiles
 
         measured, config, found = _measure_in_job(model_factory, config)
         blocks = blocks or found
@@ -307,17 +307,17 @@ def plan(
 
 def _measure_in_job(factory: str, config: Config):
     """The runtime's own measurements of the factory's model, taken in the job's processes
-    (runtime/plan_only.py under the launcher `hetrain run` uses). Returns the measurements, the
+    (runtime/measure/plan_only.py under the launcher `hetrain run` uses). Returns the measurements, the
     config the ranks ran with, and the model's block count (None: not known)."""
     from ..launch import build_launch, run_launch
-    from ..runtime.factory import absolute, load_factory
-    from ..runtime.measurements import Measurements
+    from ..runtime.measure.factory import absolute, load_factory
+    from ..runtime.measure.measurements import Measurements
 
     load_factory(factory)       # a bad spec or a missing function: one line now, before any process
     with tempfile.TemporaryDirectory(prefix="hetrain-plan-") as run_dir:
         job, result = os.path.join(run_dir, "job.json"), os.path.join(run_dir, "measured.json")
         write_json_atomic(job, {"factory": absolute(factory), "config": config.to_dict(), "out": result})
-        launch = build_launch(target="hetrain.runtime.plan_only", target_args=(job,), module=True,
+        launch = build_launch(target="hetrain.runtime.measure.plan_only", target_args=(job,), module=True,
                               emulate=config.emulate, run_dir=run_dir)
         typer.echo(launch.describe(), err=True)
         code = run_launch(launch)

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import hetrain
-from hetrain.demo.gpt import GPT, GPTConfig
-from hetrain.demo.text import ByteWindows, pydoc_bytes, split
-from hetrain.report import StepProgress, write_json
-from hetrain.vocabulary import PRECISION_REQUESTS
+from .gpt import GPT, GPTConfig
+from .text import ByteWindows, pydoc_bytes, split
+from ..report import StepProgress, write_json
+from ..vocabulary import PRECISION_REQUESTS
 
 
 def parse_args(argv=None):

@@ -14,7 +14,7 @@ so they get different shares of the global batch, in proportion to each pipeline
 replica uses one split of the blocks (the dp all-reduce averages the same parameters stage by
 stage); the planner picks the split that maximises the replicas' total throughput.
 
-The math is runtime/reduce.py's: micro-batch k of replica r (n_rk real rows of the step's N)
+The math is runtime/loop/reduce.py's: micro-batch k of replica r (n_rk real rows of the step's N)
 weights its mean loss by loss_factor = D·n_rk/N, and the dp all-reduce sums and divides by D,
 so every stage's gradient is Σ_rk (n_rk/N)∇L_rk, the big-batch gradient. A tied weight is first
 summed over its stages within the replica, then averaged over replicas.

@@ -48,12 +48,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..errors import UsageError
+from ..vocabulary import SCHEDULES
 from ..hardware.units import format_bytes
 from ..planning.memory import ADAMW_STATE_FACTOR
-from ..planning.pipeline_split import (SCHEDULES, BlockCost, PipelineProfile, PipelineSplit, StageDevice,
+from ..planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
 from ..planning.plan import split_evenly
-from ..runtime import agree, reduce
+from ..runtime.ranks import agree
+from ..runtime.loop import reduce
 from .blocks import PipelineParts, SavedBytes, StageModule, find_parts, param_storage_ptrs, profile_blocks
 
 __all__ = ["prepare", "Pipeline", "PipelineParts", "find_parts", "profile_blocks", "device_table"]

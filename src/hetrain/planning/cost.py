@@ -9,7 +9,7 @@ Gradient sync is a ring all-reduce of the gradients, S bytes over n devices, lim
 link B: 2(n−1)/n · S/B + 2(n−1)·latency (collectives.py). DDP all-reduces bucket by bucket while
 the last micro-batch's backward still runs on the slowest device, so that part of the sync is
 hidden (overlapped); what is left after the backward ends — at least the last bucket — is exposed.
-The agreement is hetrain's one small all-reduce per step (runtime/agree.py), measured at the
+The agreement is hetrain's one small all-reduce per step (runtime/ranks/agree.py), measured at the
 start of a job (0 when not measured, and for plain DDP, which has none).
 
 Stragglers: every step waits for its last device, and which device is last changes from step to
@@ -254,7 +254,7 @@ def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float
 
 
 def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
-    """This device's step as the emulator runs it (runtime/emulate.py: one sleep, for the whole
+    """This device's step as the emulator runs it (runtime/devices/emulation.py: one sleep, for the whole
     step's compute, before the last micro-batch's backward): the earlier micro-batches and the last
     forward on the CPU, the sleep, the last backward on the CPU. Segments are (on_cpu, seconds of
     CPU work or of sleep)."""

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..vocabulary import SHARDINGS
 
-SHARDINGS = ("none", "zero1", "capacity", "fsdp")   # in the order `choose_sharding` prefers them
 
 # Optimizer state values per parameter (each `state_bytes`, fp32 in torch's optimizers).
 STATE_VALUES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adam-amsgrad": 3, "adamw-amsgrad": 3,

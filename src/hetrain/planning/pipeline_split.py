@@ -35,12 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from ..vocabulary import SCHEDULES
 from ..hardware.units import format_bytes as _gib
 from .collectives import FREE_LINK, Link, send_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .plan import split_evenly
 
-SCHEDULES = ("gpipe", "1f1b")
 _EPS = 1e-12
 
 

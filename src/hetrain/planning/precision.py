@@ -17,7 +17,7 @@ The rule (`precision='auto'`):
     references, and fp16 autocast on a CPU is ~30x slower. bf16 autocast is real on CPUs with
     AVX512-BF16/AMX; ask for it with precision='bf16'.
 
-A job mixing bf16 and fp16 devices keeps ONE loss scale for the whole job (runtime/precision.py):
+A job mixing bf16 and fp16 devices keeps ONE loss scale for the whole job (runtime/devices/precision_policy.py):
 scaling is harmless for bf16 and keeps every rank's gradients on the same scale.
 """
 

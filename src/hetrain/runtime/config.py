@@ -7,14 +7,10 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UsageError
-from ..vocabulary import PRECISION_REQUESTS
+from ..vocabulary import CHECKPOINTINGS, LOSS_WEIGHTINGS, PRECISION_REQUESTS, RESUME_MODES, SHARDING_REQUESTS
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 
-LOSS_WEIGHTINGS = ("samples", "tokens")
-RESUME_MODES = ("auto", "must", "never")
-SHARDINGS = ("auto", "none", "zero1", "fsdp", "capacity")
-CHECKPOINTINGS = ("plan", "all", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,15 +39,15 @@ class Config:
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
     verbose: bool = True                 # rank 0 prints the plan and summaries
     # resilience
-    rebalance: bool = True               # move shares when measured speeds change (rebalance.py)
+    rebalance: bool = True               # move shares when measured speeds change (runtime/resilience/rebalance.py)
     rebalance_threshold: float = 0.08    # ...only for a predicted step-time gain above this
-    oom_recovery: bool = True            # shrink a rank's micro-batch on OOM and redo (recovery.py)
+    oom_recovery: bool = True            # shrink a rank's micro-batch on OOM and redo (runtime/resilience/oom.py)
     checkpoint_dir: str | None = None    # where checkpoints go (None: no checkpoints)
     checkpoint_every: int = 50           # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3            # the newest K are kept
     resume: str = "auto"                 # auto: from the newest whole checkpoint if any | must | never
     sample_log: str | None = None        # directory: each rank logs the samples of every step
-    faults: str | None = None            # fault injection for tests/demos (faults.py)
+    faults: str | None = None            # fault injection for tests/demos (runtime/devices/faults.py)
 
     def __post_init__(self) -> None:
         def bad(what: str, fix: str) -> UsageError:
@@ -64,8 +60,8 @@ class Config:
             raise bad(f"loss_weighting={self.loss_weighting!r}", f"use one of {LOSS_WEIGHTINGS}")
         if self.precision not in PRECISION_REQUESTS:
             raise bad(f"precision={self.precision!r}", f"use one of {PRECISION_REQUESTS}")
-        if self.sharding not in SHARDINGS:
-            raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDINGS}")
+        if self.sharding not in SHARDING_REQUESTS:
+            raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDING_REQUESTS}")
         if self.checkpointing not in CHECKPOINTINGS:
             raise bad(f"checkpointing={self.checkpointing!r}", f"use one of {CHECKPOINTINGS}")
         if self.checkpoint_blocks is not None and not (isinstance(self.checkpoint_blocks, str)

@@ -3,9 +3,9 @@
 One Engine per process. It coordinates; the work is elsewhere:
   job.py        the job record: what this rank knows and holds
   setup.py      prepare(), as one ordered list of small functions
-  stepping.py   a step: micro-batches, weighted backward, agreement, optimizer step, rebalancing
-  hooks.py      what the device adds (clock; on emulated devices throttle, memory meter, faults)
-  summary.py    the figures at the end
+  runtime/loop/stepping.py   a step: micro-batches, weighted backward, agreement, optimizer step, rebalancing
+  runtime/devices/hooks.py      what the device adds (clock; on emulated devices throttle, memory meter, faults)
+  runtime/loop/summary.py    the figures at the end
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ from ..errors import UsageError
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from .config import Config
-from .dist import DistContext, init_distributed, shutdown
-from .emulate import EmulatedDevice, agree_host_facts
-from .failure import install_excepthook
-from .faults import ENV as FAULTS_ENV
-from .faults import FaultInjector, parse_faults
-from .hooks import make_hooks
+from .ranks.dist import DistContext, init_distributed, shutdown
+from .devices.emulation import EmulatedDevice, agree_host_facts
+from .resilience.worker_errors import install_excepthook
+from .devices.faults import ENV as FAULTS_ENV
+from .devices.faults import FaultInjector, parse_faults
+from .devices.hooks import make_hooks
 from .job import Job
-from .log import RankLog
-from .precision import PrecisionPolicy
-from .probe import default_forward
+from .ranks.log import RankLog
+from .devices.precision_policy import PrecisionPolicy
+from .measure.probe import default_forward
 from .setup import prepare_job
-from .stepping import StepLoop
-from .steps import Step, Steps
-from .summary import RunStats, summarize
+from .loop.stepping import StepLoop
+from .loop.steps import Step, Steps
+from .loop.summary import RunStats, summarize
 
 
 class Engine:
@@ -130,7 +130,7 @@ class Engine:
 
     # -- the verbs ----------------------------------------------------------------------------
     def autocast(self):
-        """Autocast to this rank's compute precision (precision.py; a no-op for fp32)."""
+        """Autocast to this rank's compute precision (runtime/devices/precision_policy.py; a no-op for fp32)."""
         return self.job.precision.autocast(self.device.type)
 
     def backward(self, loss: torch.Tensor, *, tokens: int | float | torch.Tensor | None = None) -> None:

@@ -1,5 +1,5 @@
 """The job record: what one rank knows and holds, built by init() and prepare() (setup.py), read
-by the loop (stepping.py), the checkpoint glue (persist.py) and the summary (summary.py).
+by the loop (runtime/loop/stepping.py), the checkpoint glue (runtime/resilience/resume.py) and the summary (runtime/loop/summary.py).
 
 Its fields are public on purpose: every module that needs a thing takes it from here, by name,
 instead of reaching into the Engine's private attributes.
@@ -14,12 +14,12 @@ import torch
 
 from ..planning.plan import Plan
 from .config import Config
-from .data import to_device
-from .dist import DistContext
-from .faults import FaultInjector
-from .hooks import DeviceHooks
-from .log import RankLog
-from .precision import PrecisionPolicy
+from .loop.sampler import to_device
+from .ranks.dist import DistContext
+from .devices.faults import FaultInjector
+from .devices.hooks import DeviceHooks
+from .ranks.log import RankLog
+from .devices.precision_policy import PrecisionPolicy
 
 
 @dataclass(eq=False)
@@ -75,7 +75,7 @@ class Job:
 
     @property
     def scaler(self):
-        """The job-wide loss scaler, when any device runs fp16 (precision.py)."""
+        """The job-wide loss scaler, when any device runs fp16 (runtime/devices/precision_policy.py)."""
         return self.precision.scaler
 
     @property

@@ -14,15 +14,17 @@ import torch
 from torch.utils.data import default_collate
 
 from ..planning.plan import Plan
-from . import checkpointing, memory, persist
-from .checkpoint import Checkpointer
+from .memory import activation_checkpointing as checkpointing
+from .memory import device_memory as memory
+from .resilience import resume as persist
+from .resilience.store import Checkpointer
 from .config import Config
-from .data import GlobalCursorSampler
+from .loop.sampler import GlobalCursorSampler
 from .job import Job
-from .joint_plan import RankFacts, check_given_plan, measure_job, show_plan
-from .measurements import plan_from_measurements
+from .measure.joint import RankFacts, check_given_plan, measure_job, show_plan
+from .measure.measurements import plan_from_measurements
 from .model import PreparedModel
-from .rebalance import Rebalancer
+from .resilience.rebalance import Rebalancer
 
 
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
@@ -37,7 +39,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)
     job.plan = checkpoint_per_plan(job, model)
     wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward)  # (collective)
-    if oom_recovery != cfg.oom_recovery:              # FSDP2: an OOM stops the job instead (memory.py)
+    if oom_recovery != cfg.oom_recovery:              # FSDP2: an OOM stops the job instead (runtime/memory/device_memory.py)
         job.config = cfg = replace(cfg, oom_recovery=oom_recovery)
     job.sync = wrapped.sync                           # DDP, or FSDP2's adapter
     job.guard = make_sync_guard(cfg, job.world_size, wrapped)
@@ -55,7 +57,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:
-    """What measuring needs, in order; `hetrain plan`'s worker (plan_only.py) stops after it."""
+    """What measuring needs, in order; `hetrain plan`'s worker (runtime/measure/plan_only.py) stops after it."""
     cfg = job.config
     model.to(job.device)
     job.dataset, job.collate = dataset, collate_fn or default_collate
@@ -88,14 +90,14 @@ def count_model_state(job: Job, model, optimizer) -> None:
 
 def plan_split(job: Job, model, optimizer, forward, given: Plan | None) -> tuple[Plan, tuple | None]:
     """The given plan (checked against this job), or every rank's measured profiles through the
-    same pure planner (joint_plan.py). Returns the plan and the profiles it was made from."""
+    same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
     if given is not None:
         return check_given_plan(job, given), None
     return plan_from_measurements(measure_job(rank_facts(job), model, optimizer, forward), job.config)
 
 
 def rank_facts(job: Job) -> RankFacts:
-    """What measuring needs to know of this rank (joint_plan.py)."""
+    """What measuring needs to know of this rank (runtime/measure/joint.py)."""
     return RankFacts(rank=job.rank, world_size=job.world_size, device=job.device, label=job.device_label,
                      emulated=job.emulated.spec if job.emulated is not None else None,
                      compute=job.precision.compute, precision=job.precision.name,

@@ -4,7 +4,6 @@ reads it (planning/precision.py): recorded hosts of both kinds, the cache, and o
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from hetrain.hardware import host as hostmod
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.hardware.host import HOST_FACTS_ENV, HostFacts, host_facts, recorded
 from hetrain.planning.precision import DeviceFacts, choose_precision
-from hetrain.runtime.emulate import EmulatedDevice
-from hetrain.runtime.precision import PrecisionPolicy, device_facts
+from hetrain.runtime.devices.emulation import EmulatedDevice
+from hetrain.runtime.devices.precision_policy import PrecisionPolicy, device_facts
 
 HOSTS = Path(__file__).parents[2] / "fixtures" / "hosts"
 CPU = torch.device("cpu")

@@ -1,0 +1,264 @@
+"""Emulated devices: a CPU process that computes like a slower GPU with a smaller memory.
+
+Speed. One CPU thread plays the fastest device (see hardware/cluster.py); a device of relative
+speed s sleeps c·(1/s − 1) for every piece of compute that took c seconds of this thread's CPU
+time, so its compute lasts c/s. CPU time (not wall time) is measured, so time spent waiting for
+peers in a collective is never throttled. The sleep comes before the backward of a step's last
+micro-batch, for all the step's compute (Throttle).
+
+Memory. Parameters, gradients and optimizer state are counted from their tensors; activations
+are counted as the forward saves them for backward (`saved_tensors_hooks`). When the total would
+pass the cap, the forward raises `torch.OutOfMemoryError` — the same type a CUDA OOM raises — so
+the recovery code that handles it is the real one.
+
+Counting costs: a Python hook on every saved tensor (and its unpack in the backward) made a
+forward+backward of the demo GPT 3.7% slower on the CPU, a cost no GPU has. So a forward whose
+inputs have shapes the meter has seen is counted once and then looked up (`forward(signature)`):
+the same graph saves the same bytes. It is counted again every RECOUNT_EVERY forwards, keeping
+the largest count (a graph that varies with the data is caught within that many forwards), and
+whenever the looked-up total would not fit, so an OOM is still raised from inside the forward, at
+the tensor that crossed the cap. Inputs the signature cannot describe are always counted.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+from ...hardware.cluster import ClusterDevice
+from ...hardware.units import format_bytes
+
+RECOUNT_EVERY = 50     # forwards of one input signature between two counts of their activations
+MAX_SIGNATURES = 64    # signatures remembered (inputs that differ every time are simply counted)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer state this rank holds. Sharded optimizers hold only their part:
+    ZeroRedundancyOptimizer keeps it in its local `.optim`; hetrain's capacity sharding lists
+    what it holds in `held_tensors()`."""
+    held = getattr(optimizer, "held_tensors", None)
+    if callable(held):
+        return [_local(t) for t in held()]
+    local = getattr(optimizer, "optim", optimizer)
+    state = []
+    for s in local.state.values():
+        state += [_local(v) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return state
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters + gradients (one per trainable parameter) + optimizer state, as held now
+    (this rank's shards only, under ZeRO/FSDP2)."""
+    params = list(model.parameters())
+    local = [_local(p) for p in params]
+    grads = sum(t.numel() * t.element_size() for p, t in zip(params, local) if p.requires_grad)
+    state = optimizer_state_tensors(optimizer) if optimizer is not None else []
+    return tensor_bytes(local) + tensor_bytes(model.buffers()) + grads + tensor_bytes(state)
+
+
+class MemoryMeter:
+    """Counts the bytes a device holds; raises OutOfMemoryError past `cap` (None: count only)."""
+
+    def __init__(self, *, label: str, cap: int | None):
+        self.label = label
+        self.cap = cap
+        self.fixed = 0            # parameters, gradients, optimizer state (+ transient)
+        self.transient = 0        # held only while computing: FSDP2's unsharded units (set by the wrapper)
+        self.saved_is_state = None  # predicate: a saved tensor that is model state, not an activation
+        self.activations = 0      # saved by the forward in flight
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._skip: set[int] = set()  # storages that are already counted as fixed (parameters)
+        self._counted: dict[object, list[int]] = {}   # signature: [activation bytes, forwards since]
+        self.hooked_forwards = 0      # forwards counted tensor by tensor (the rest were looked up)
+
+    def set_fixed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.fixed = model_state_bytes(model, optimizer) + self.transient
+        self._skip = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.peak = max(self.peak, self.fixed)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._seen and ptr not in self._skip and not (
+                self.saved_is_state is not None and self.saved_is_state(ptr)):
+            self._seen.add(ptr)
+            self.activations += storage.nbytes()
+            total = self.fixed + self.activations
+            self.peak = max(self.peak, total)
+            if self.cap is not None and total > self.cap:
+                raise torch.OutOfMemoryError(
+                    f"{self.label}: out of memory (emulated): needs {format_bytes(total)} "
+                    f"({format_bytes(self.fixed)} model state + {format_bytes(self.activations)} "
+                    f"activations so far), cap {format_bytes(self.cap)}")
+        return t
+
+    @contextmanager
+    def forward(self, signature: object = None):
+        """Count one forward's saved activations (they are freed by its backward). With a
+        `signature` (hashable: the inputs' shapes, dtypes, grad and autocast modes), a forward
+        seen before is looked up instead while it fits (see the module's docstring)."""
+        known = self._counted.get(signature) if signature is not None else None
+        if known is not None and known[1] + 1 < RECOUNT_EVERY and (
+                self.cap is None or self.fixed + known[0] <= self.cap):
+            known[1] += 1
+            self.activations = known[0]
+            yield self
+            self.peak = max(self.peak, self.fixed + known[0])
+            return
+        self._seen.clear()
+        self.activations = 0
+        self.hooked_forwards += 1
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+        if signature is not None and (known is not None or len(self._counted) < MAX_SIGNATURES):
+            # completed: remember what this graph saves (the most any count of it found)
+            self._counted[signature] = [max(self.activations, known[0] if known else 0), 0]
+
+
+class Throttle:
+    """Makes this thread's compute last c/speed by sleeping c·(1/speed − 1) for c seconds of CPU.
+
+    Where the sleep goes matters as much as how long it is. A real slow GPU hands its gradients
+    to the all-reduce late; a sleep placed after the backward would let the gradient sync start
+    early and then stall the peers at the next collective instead. So the engine sleeps *before*
+    the backward of the step's last micro-batch (the one whose backward syncs), for everything the
+    step computed so far plus a prediction of that backward (its learned ratio to the forward),
+    and books the prediction's error as a debt paid at the next sleep. Earlier micro-batches only
+    book their time: a sleep between every forward and backward left the next compute on cold
+    caches (+1–5 ms of CPU per micro-batch here, times 1/speed in emulated time), which no GPU
+    has. Peers see no difference as long as no collective runs between a step's start and its
+    last backward (DDP's buffer broadcast and FSDP2's gathers in the first forward come before any
+    sleep is owed; a model with a collective in every forward, such as SyncBatchNorm, would see
+    the slow device's delay at its last forward instead of spread over its micro-batches).
+
+    A controlled clock (`sample_s`, for tests that need a timing relation to hold on any host and
+    under load): a micro-batch of m samples then lasts m·sample_s·slowdown/speed, whatever its
+    CPU took; the CPU still computes it for real, and the sleep makes up the difference (a CPU
+    slower than the clock shows as a device slower than asked, never as a negative sleep).
+    """
+
+    def __init__(self, speed: float, *, seed: int = 0, sample_s: float | None = None):   # seed: per device
+        if not 0 < speed <= 1:
+            raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
+        if sample_s is not None and not sample_s > 0:
+            raise ValueError(f"the controlled clock's seconds per sample must be positive, got {sample_s}")
+        self.speed = speed
+        self.sample_s = sample_s
+        self.slowdown = 1.0         # extra multiplier on compute time (fault injection)
+        self.noise = 0.0            # ±amplitude of random timing noise around its mean (faults)
+        self._rng = random.Random(seed)
+        self.cpu_seconds = 0.0      # compute measured (unthrottled)
+        self.slept_seconds = 0.0
+        self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
+        self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
+
+    def _stretch(self) -> float:
+        """Emulated seconds per CPU second, beyond the CPU second itself."""
+        noise = 1 + 2 * self.noise * self._rng.random() if self.noise else 1.0
+        return self.slowdown * noise / self.speed - 1
+
+    def charge(self, cpu_seconds: float) -> None:
+        """Book compute; its sleep is owed until the next settle()."""
+        self.cpu_seconds += cpu_seconds
+        self.owed += cpu_seconds * self._stretch()
+
+    def settle(self) -> None:
+        if self.owed > 0:
+            self.slept_seconds += self.owed
+            time.sleep(self.owed)
+            self.owed = 0.0
+
+    def pay(self, cpu_seconds: float) -> None:
+        self.charge(cpu_seconds)
+        self.settle()
+
+    @contextmanager
+    def compute(self):
+        """Throttle a piece of work that has no collective inside (e.g. the optimizer step)."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.pay(time.thread_time() - t0)
+
+    def before_backward(self, forward_cpu: float, *, settle: bool = True, samples: int = 1) -> float:
+        """Book the forward and the predicted backward, and sleep for all that is owed (unless
+        `settle` is False: a micro-batch whose backward does not sync); returns the prediction."""
+        guess = self.backward_ratio * forward_cpu
+        self._last_stretch = self._stretch()
+        self.cpu_seconds += forward_cpu + guess
+        if self.sample_s is not None:    # the controlled clock: the micro-batch lasts what it says
+            self.owed += samples * self.sample_s * (self._last_stretch + 1) - (forward_cpu + guess)
+            self._last_stretch = -1.0    # the backward's real CPU is already inside that length
+        else:
+            self.owed += (forward_cpu + guess) * self._last_stretch
+        if settle:
+            self.settle()
+        return guess
+
+    def after_backward(self, forward_cpu: float, guess: float, backward_cpu: float) -> None:
+        """Book the backward's real CPU time in place of the guess (the same noise draw)."""
+        self.cpu_seconds += backward_cpu - guess
+        self.owed += (backward_cpu - guess) * self._last_stretch
+        if forward_cpu > 1e-4:
+            self.backward_ratio = 0.5 * self.backward_ratio + 0.5 * backward_cpu / forward_cpu
+
+
+class EmulatedDevice:
+    """This rank's emulated GPU: a throttle and a memory meter."""
+
+    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None):
+        self.spec = spec
+        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s)
+        self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.label} (emulated)"
+
+
+def agree_host_facts(*, rank: int, world_size: int):
+    """This host's CPU facts (hardware/host.py), the same on every rank: rank 0 reads or measures
+    them (one thread, nothing else computing yet) and hands them to all. An error there (a bad
+    $HETRAIN_HOST_FACTS file) is raised on every rank, not on rank 0 alone."""
+    import torch.distributed as dist
+
+    from ...hardware.host import host_facts
+
+    result: list = [None]
+    if rank == 0:
+        try:
+            result = [host_facts()]
+        except Exception as e:   # noqa: BLE001 — raised below, on every rank
+            result = [e]
+    if world_size > 1:
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]

@@ -1,0 +1,241 @@
+"""What a device adds to the training loop: its clock, and on emulated devices the throttle, the
+memory meter and injected faults. The loop (runtime/loop/stepping.py, engine.py) calls the same hooks on every
+device; `DeviceHooks` itself does nothing but keep time, so on a real GPU without faults the hot
+path is: forward, weighted backward, gradient sync, agreement, optimizer step.
+
+  DeviceHooks     a plain CPU (thread CPU time) or the base of the others
+  CudaHooks       a GPU: compute time from CUDA events, read once per step after the sync
+  EmulatedHooks   a CPU thread playing a GPU: throttle + memory meter (runtime/devices/emulation.py) + runtime/devices/faults.py
+
+Busy time is what the rebalancer and the summary see: compute as the device experiences it, never
+time spent waiting for peers (CPU time, plus the emulation's sleeps; GPU event time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .faults import FaultInjector, injected_oom
+
+
+class DeviceHooks:
+    """No emulation, no faults: a clock and nothing else."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        # CPU: this thread's CPU time, so waits in collectives are not counted as compute
+        self.clock = time.perf_counter if cuda else time.thread_time
+        self.compute_s = 0.0       # this attempt of the step: forward + backward, unthrottled
+        self.busy_s = 0.0          # ... as the device experiences it
+        # the micro-batch in flight (one at a time): when it started, its forward, what is booked
+        self._busy0 = self._started = self._forward_s = self._booked = 0.0
+
+    # -- the clock ------------------------------------------------------------------------------
+    def busy(self) -> float:
+        return self.clock()
+
+    def attempt_start(self) -> None:
+        self.compute_s, self.busy_s = 0.0, 0.0
+
+    def attempt_busy_s(self) -> float:
+        """The busy time of the step's micro-batches, for the step's agreement table."""
+        return self.busy_s
+
+    # -- a micro-batch --------------------------------------------------------------------------
+    def micro_batch_start(self, mb, step_index: int) -> None:
+        self._busy0 = self.busy()
+        self._started = self.clock()
+        self._booked = 0.0
+
+    def micro_batch_end(self, mb) -> None:
+        self.compute_s += self.clock() - self._started
+        self.busy_s += self.busy() - self._busy0
+
+    def before_backward(self, mb) -> None:
+        self._forward_s = self.clock() - self._started
+
+    def backward_scope(self, mb, step_index: int, module):
+        return contextlib.nullcontext()
+
+    def after_backward(self, mb, backward_s: float) -> None:
+        self._booked = self._forward_s + backward_s
+
+    def attempt_failed(self) -> None:
+        """A micro-batch ran out of memory; its attempt of the step is over."""
+
+    # -- the rest of the step -------------------------------------------------------------------
+    def step_start(self, step_index: int) -> None:
+        """Before the step's first micro-batch (faults set the slowdown in force, or strike)."""
+
+    def optimizer(self):
+        return contextlib.nullcontext()
+
+    def after_optimizer(self, module, optimizer) -> None:
+        """After the optimizer step (the emulated meter counts optimizer state once it exists)."""
+
+    def state_restored(self, module, optimizer) -> None:
+        """A checkpoint's optimizer state was loaded (the emulated meter counts it from now on)."""
+
+    def peak_bytes(self) -> float:
+        return 0.0
+
+
+class CudaHooks(DeviceHooks):
+    """Compute time from CUDA events: start, before backward, after backward of every micro-batch,
+    read after the step's sync (no synchronisation added per micro-batch)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.device = device
+        self._times: list = []
+        self._events: list = []
+
+    def attempt_start(self) -> None:
+        super().attempt_start()
+        self._times = []
+
+    def _mark(self, mb) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._events.append(ev)
+        if len(self._events) == 3:
+            self._times.append((mb.last, self._events))
+
+    def micro_batch_start(self, mb, step_index: int) -> None:
+        super().micro_batch_start(mb, step_index)
+        self._events = []
+        self._mark(mb)
+
+    def before_backward(self, mb) -> None:
+        super().before_backward(mb)
+        self._mark(mb)
+
+    def after_backward(self, mb, backward_s: float) -> None:
+        super().after_backward(mb, backward_s)
+        self._mark(mb)
+
+    def attempt_busy_s(self) -> float:
+        """GPU seconds in forward + backward. The last micro-batch's backward also waits for the
+        gradient sync, so its backward is taken as its forward times the backward/forward ratio of
+        the other micro-batches (2 when there are none)."""
+        if not self._times:
+            return self.busy_s
+        ms = [(last, s.elapsed_time(f), f.elapsed_time(b)) for last, (s, f, b) in self._times]
+        ratios = [bwd / fwd for last, fwd, bwd in ms if not last and fwd > 0]
+        ratio = sum(ratios) / len(ratios) if ratios else 2.0
+        return sum(fwd + (fwd * ratio if last else bwd) for last, fwd, bwd in ms) / 1e3
+
+    def peak_bytes(self) -> float:
+        return float(torch.cuda.max_memory_allocated(self.device))
+
+
+class EmulatedHooks(DeviceHooks):
+    """A CPU thread playing a GPU: its throttle and memory meter (runtime/devices/emulation.py), and injected faults."""
+
+    def __init__(self, device: torch.device, emulated, faults: FaultInjector):
+        super().__init__(device)
+        self.emulated = emulated
+        self.throttle = emulated.throttle
+        self.meter = emulated.meter
+        self.faults = faults
+        self._state_counted = False
+        self._guess = 0.0              # the throttle's prediction of the micro-batch's backward
+        self._forward_oom = None       # a fault to raise in the next forward
+
+    def busy(self) -> float:
+        return self.clock() + self.throttle.slept_seconds
+
+    def step_start(self, step_index: int) -> None:
+        faults = self.faults
+        if not faults:
+            return
+        faults.at_step_start(step_index)
+        escaped = faults.oom(step_index, 0, 1, "forward", escape=1)
+        if escaped is not None:      # as if the user's code ran out of memory outside `with mb:`
+            raise injected_oom(escaped)
+        self.throttle.slowdown = faults.slowdown(step_index)
+        self.throttle.noise = faults.noise(step_index)
+
+    def micro_batch_start(self, mb, step_index: int) -> None:
+        self._forward_oom = self.faults.oom(step_index, mb.index, mb.count, "forward", escape=0) if self.faults else None
+        super().micro_batch_start(mb, step_index)
+
+    def before_forward(self) -> None:
+        """From a forward pre-hook on the model: an injected OOM strikes inside the forward."""
+        if self._forward_oom is not None:
+            fault, self._forward_oom = self._forward_oom, None
+            raise injected_oom(fault)
+
+    def micro_batch_end(self, mb) -> None:
+        # what ran after backward() (forward and backward are booked already) is throttled too
+        self.throttle.charge(self.clock() - self._started - self._booked)
+        super().micro_batch_end(mb)
+
+    def before_backward(self, mb) -> None:
+        super().before_backward(mb)
+        # sleep first, once per step, before the backward that syncs: see emulate.Throttle
+        self._guess = self.throttle.before_backward(self._forward_s, settle=mb.last, samples=mb.size)
+
+    def after_backward(self, mb, backward_s: float) -> None:
+        self.throttle.after_backward(self._forward_s, self._guess, backward_s)
+        super().after_backward(mb, backward_s)
+
+    def attempt_failed(self) -> None:
+        self.throttle.settle()      # the failed attempt's sleep belongs to it, not to the redo
+
+    @contextlib.contextmanager
+    def backward_scope(self, mb, step_index: int, module):
+        """Injected faults strike from a parameter's gradient hook halfway through the model, so
+        part of the gradient sync has already started, as with a real OOM or crash in backward."""
+        faults = self.faults
+        oom = faults.oom(step_index, mb.index, mb.count, "backward", escape=0) if faults else None
+        die = bool(faults) and mb.last and faults.due("die", step_index, phase="backward")
+        if oom is None and not die:
+            yield
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def boom(grad):
+            if die:
+                faults.maybe_die(step_index, "backward")
+            raise injected_oom(oom)
+
+        handle = params[len(params) // 2].register_hook(boom)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def optimizer(self):
+        return self.throttle.compute()
+
+    def after_optimizer(self, module, optimizer) -> None:
+        if not self._state_counted and has_state(optimizer):
+            self.meter.set_fixed(module, optimizer)       # optimizer state now exists
+            self._state_counted = True
+
+    def state_restored(self, module, optimizer) -> None:
+        """A resumed optimizer's state is held from the start."""
+        if has_state(optimizer):
+            self.meter.set_fixed(module, optimizer)
+            self._state_counted = True
+
+    def peak_bytes(self) -> float:
+        return float(self.meter.peak)
+
+
+def has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer holds state yet (wrappers such as ZeRO keep it in `.optim`)."""
+    inner = getattr(optimizer, "optim", None)
+    return bool(optimizer.state) or (isinstance(inner, torch.optim.Optimizer) and bool(inner.state))
+
+
+def make_hooks(device: torch.device, emulated, faults: FaultInjector) -> DeviceHooks:
+    if emulated is not None:
+        return EmulatedHooks(device, emulated, faults)
+    if device.type == "cuda":
+        return CudaHooks(device)
+    return DeviceHooks(device)

@@ -1,0 +1,270 @@
+"""One optimizer step, as the user's loop drives it: this rank's micro-batches, the weighted
+backward, the step's agreement, the optimizer step, then rebalancing and checkpoints.
+
+    begin_step()      the step's global batch, and this rank's slice of it by the plan
+    micro_batches()   this rank's share in micro-batches that fit; the last one syncs gradients
+                      (DDP all-reduces exactly once per step: every micro-batch but the last runs
+                      under no_sync(), forward included — with backward alone inside no_sync,
+                      DDP syncs every micro-batch and unequal counts deadlock)
+    backward()        weighted so the step's gradient is the big-batch gradient (runtime/loop/reduce.py)
+    finish()          agreement done: clip, optimizer step (or the agreed skip), rebalance
+
+Each step ends with one small all-reduce of a table of every rank's figures (runtime/ranks/agree.py): loss and
+counts, timings, out-of-memory events, micro-batch sizes. Everything that changes what ranks do
+next — redo a step after an OOM, a new Plan after an OOM or a rebalance, stop together — is
+decided from that table, identically on every rank. An OOM is handled as runtime/resilience/oom.py describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ...errors import HetrainError, UsageError
+from ...planning.plan import split_evenly
+from ..ranks import agree
+from ..resilience import resume as persist
+from ..resilience import oom as recovery
+from . import reduce
+from ..job import Job
+from .steps import MicroBatch, Step
+
+FATAL_FIX = ("hetrain.init(checkpointing='all') (activation checkpointing), sharding='fsdp', a smaller "
+             "model or sequence, or a device with more memory")
+
+
+@dataclass
+class StepState:
+    """What one step accumulates on this rank, made afresh for each attempt of the step."""
+
+    step: Step
+    micro: int                                       # this rank's micro-batch size in this attempt
+    count: torch.Tensor = None                       # samples (or tokens) of the successful micro-batches
+    loss_sum: torch.Tensor = None                    # Σ loss · units, on the device (read once per step)
+    mb: MicroBatch | None = None                     # the micro-batch in the user's hands
+    table: agree.Table | None = None                 # the step's agreement, once every rank has reported
+
+
+class StepLoop:
+    """The loop's machinery for one rank; Steps/Step (runtime/loop/steps.py) call it, the Engine's verbs too."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.state: StepState | None = None
+        self.step_started = 0.0        # wall clock at the end of the previous step
+        self.fixed_s = 0.0             # busy time of the last step outside its micro-batches
+        self.checkpoint_due = False
+        self.on_step = None            # called with (step, table, elapsed) once a step is done
+
+    # -- the step -------------------------------------------------------------------------------
+    def begin_step(self) -> Step:
+        job = self.job
+        if self.state is not None:
+            raise UsageError(f"step {self.state.step.index} has no ht.step() call",
+                             "call ht.step() once after each step's micro-batches")
+        self.at_boundary()
+        job.hooks.step_start(job.steps_done)
+        samples = job.sampler.next_step()
+        if self.step_started == 0.0:
+            self.step_started = time.perf_counter()
+        indices, epochs = samples.for_rank(job.plan.offsets(), job.plan.shares, job.rank)
+        step = Step(index=samples.step, epoch=samples.epoch, indices=indices, epochs=epochs, loop=self)
+        self.state = StepState(step=step, micro=job.plan.devices[job.rank].micro_batch)
+        return step
+
+    def micro_batches(self, step: Step):
+        job, state = self.job, self.state
+        if state is None or step is not state.step or step.started:
+            raise UsageError("a step's micro-batches can be iterated once, before ht.step()",
+                             "iterate `for mb in step` once per step")
+        step.started = True
+        while True:   # attempts of the step by all ranks together
+            outcome = yield from self._rank_pass(state)
+            table = self._exchange(state, outcome)
+            if table.any("fatal"):
+                raise HetrainError(_fatal_message(table, job.plan), FATAL_FIX)
+            self._amend_micro_batches(table, step)
+            job.log.flush_if(table)
+            if not table.any("desync"):
+                break
+            # Agreed by all: an OOM broke a gradient sync; discard the step and redo it.
+            job.redone_steps += 1
+            job.optimizer.zero_grad(set_to_none=True)
+            recovery.reset_reducer(job.sync)
+        state.table = table
+
+    def _rank_pass(self, state: StepState):
+        """This rank's micro-batches of the step; an OOM here is handled locally (runtime/resilience/oom.py)."""
+        job, hooks, step = self.job, self.job.hooks, state.step
+        share = job.plan.devices[job.rank].share
+        while True:
+            hooks.attempt_start()
+            state.count = torch.zeros((), dtype=torch.float64, device=job.device)
+            state.loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+            sizes = split_evenly(share, math.ceil(share / state.micro))
+            start, failed = 0, None
+            for k, size in enumerate(sizes):
+                chunk = step.indices[start:start + size]
+                start += size
+                mb = MicroBatch(batch=job.load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
+                                catch_oom=job.config.oom_recovery)
+                state.mb = mb
+                if mb.last and job.guard is not None:
+                    job.guard.begin()
+                sync = contextlib.nullcontext() if mb.last else job.sync.no_sync()
+                hooks.micro_batch_start(mb, step.index)
+                with sync:
+                    yield mb
+                hooks.micro_batch_end(mb)
+                if mb.failed is not None:
+                    failed = mb
+                    break
+                if not mb.backward_done:
+                    raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(loss)",
+                                     "call ht.backward(loss) once inside every micro-batch")
+            state.mb = None
+            if failed is None:
+                return "ok"
+            outcome = self._after_oom(state, failed)
+            if outcome is not None:
+                return outcome
+
+    def _after_oom(self, state: StepState, failed: MicroBatch) -> str | None:
+        """This rank ran out of memory: 'fatal', 'desync' (agreed next), or None (redo locally)."""
+        job = self.job
+        job.ooms += 1
+        job.hooks.attempt_failed()
+        smaller = recovery.smaller_micro_batch(state.micro)
+        job.log.warn(f"{job.device_label}: out of memory in micro-batch "
+                     f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {state.step.index}; "
+                     + (f"micro-batch {state.micro} -> {smaller}, redoing" if smaller else "cannot shrink"))
+        if smaller is None:
+            if not failed.desynced and job.guard is not None:   # peers wait in this step's sync: join it
+                job.guard.begin()
+                job.guard.complete_missing()
+            return "fatal"
+        state.micro = smaller
+        if failed.desynced:
+            return "desync"
+        job.optimizer.zero_grad(set_to_none=True)
+        # The failed forward may have run DDP's pre-forward buffer broadcast (it does, in a
+        # step's first forward) without its post-forward: the redo must not broadcast again,
+        # or this rank would be one collective ahead of its peers.
+        if hasattr(job.sync, "require_forward_param_sync"):
+            job.sync.require_forward_param_sync = False
+        return None
+
+    def _exchange(self, state: StepState, outcome: str) -> agree.Table:
+        job = self.job
+        loss_sum, units = float(state.loss_sum), float(state.count)    # one device sync per step
+        values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
+                  state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending)
+        return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
+                              rank=job.rank, world_size=job.world_size, device=job.device)
+
+    def _amend_micro_batches(self, table: agree.Table, step: Step) -> None:
+        """A new Plan version when any rank's micro-batch shrank (the same on every rank)."""
+        job = self.job
+        if len(set(table.column("version"))) != 1:
+            raise HetrainError(f"ranks run different plan versions {table.column('version')}",
+                               "this is a bug in hetrain; please report it with the log")
+        micros = [int(m) for m in table.column("micro")]
+        devices, changes = list(job.plan.devices), []
+        for d, m in zip(job.plan.devices, micros):
+            if m != d.micro_batch:
+                devices[d.rank] = replace(d, micro_batch=m, max_micro_batch=m)
+                changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
+        if changes:
+            job.plan = job.plan.evolve(
+                note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices))
+            job.log.info(f"plan v{job.plan.version}: {job.plan.note}")
+
+    # -- backward -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, tokens) -> None:
+        job, state = self.job, self.state
+        mb = state.mb if state is not None else None
+        if mb is None or mb.backward_done:
+            raise UsageError("ht.backward() called outside a micro-batch, or twice for one",
+                             "call ht.backward(loss) once inside each `for mb in step` iteration")
+        units = reduce.units(job.config.loss_weighting, size=mb.size, tokens=tokens)
+        factor = reduce.loss_factor(units=units, world_size=job.world_size, global_batch=job.config.global_batch)
+        scaled = job.precision.scale(loss * factor)               # the job-wide loss scale (fp16)
+        mb.backward_done = True
+        job.hooks.before_backward(mb)
+        t0 = job.hooks.clock()
+        try:
+            with job.hooks.backward_scope(mb, state.step.index, job.model.module):
+                scaled.backward()
+        except torch.OutOfMemoryError as e:
+            if not job.config.oom_recovery:
+                raise
+            mb.failed = f"backward: {e}".splitlines()[0][:200]
+            if mb.last and job.guard is not None:    # peers are inside this step's gradient
+                job.guard.complete_missing()           # all-reduces: finish ours, with zeros
+                mb.desynced = True
+        job.hooks.after_backward(mb, job.hooks.clock() - t0)
+        if mb.failed is None:
+            state.count += units
+            state.loss_sum += loss.detach().double() * units
+
+    # -- the end of the step --------------------------------------------------------------------
+    def finish(self) -> Step:
+        """Token correction, clip, optimizer step (or the agreed skip), zero gradients; then
+        rebalance, log samples and mark a checkpoint due."""
+        job, state = self.job, self.state
+        if state is None or state.table is None:
+            raise UsageError("ht.step() called before the step's micro-batches all ran",
+                             "run `for mb in step: ...` to the end, then call ht.step()")
+        step, table, cfg, opt = state.step, state.table, job.config, job.optimizer
+        busy0 = job.hooks.busy()
+        job.precision.unscale_(opt)            # unscale; found-inf agreed by all ranks
+        total_units = table.sum("units")
+        if cfg.loss_weighting == "tokens":
+            reduce.scale_gradients(job.model.parameters(), reduce.token_correction(
+                global_batch=cfg.global_batch, total_units=total_units))
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in job.model.parameters() if p.grad is not None], cfg.grad_clip)
+        with job.hooks.optimizer():
+            job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
+        opt.zero_grad(set_to_none=True)
+        job.hooks.after_optimizer(job.model.module, opt)
+
+        now = time.perf_counter()
+        elapsed, self.step_started = now - self.step_started, now
+        step.loss = table.sum("loss_sum") / total_units
+        step.samples_per_s = cfg.global_batch / elapsed
+        if self.on_step is not None:
+            self.on_step(step, table, elapsed)
+        job.steps_done += 1
+        self.state = None
+        if cfg.sample_log:
+            persist.log_samples(job, step)
+        self.fixed_s = job.hooks.busy() - busy0
+        if job.rebalancer is not None:
+            job.rebalancer.observe(job.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))
+            decision = job.rebalancer.propose(job.plan, step=job.steps_done)
+            if decision is not None:
+                job.plan = decision.plan
+                job.rebalances += 1
+                job.log.info(decision.message)
+        # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
+        self.checkpoint_due = job.checkpointer is not None and (
+            job.steps_done % cfg.checkpoint_every == 0 or job.steps_done == job.total_steps)
+        return step
+
+    def at_boundary(self) -> None:
+        """Between two steps (and after the last): save the checkpoint if one is due."""
+        if self.checkpoint_due:
+            self.checkpoint_due = False
+            persist.save(self.job)
+
+
+
+def _fatal_message(table: agree.Table, plan) -> str:
+    ranks = [r for r, v in enumerate(table.column("fatal")) if v]
+    who = ", ".join(f"rank {r} ({plan.devices[r].device})" for r in ranks)
+    return f"out of memory with a micro-batch of 1 sample on {who}: the model does not fit there"

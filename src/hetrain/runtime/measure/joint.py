@@ -1,0 +1,174 @@
+"""What every rank measures before the job is planned, gathered so that all ranks hold all of it.
+
+Each rank profiles its own device (runtime/measure/profiler.py, cached); all gather the profiles; with
+more than one rank they then time the gradient sync and the per-step agreement together. The
+result (runtime/measure/measurements.py's Measurements) is the same on every rank, and every rank turns it
+into the same Plan with the pure `plan_from_measurements`, without a further exchange.
+
+What a rank's part of the job is comes in one explicit record (RankFacts), from Engine.prepare or
+from `hetrain plan`'s worker (runtime/measure/plan_only.py), so both measure alike.
+
+Profiling is local and never raises: a rank that fails returns its error, which every rank then
+sees in the gather and raises together, instead of one rank leaving while its peers wait.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...errors import HetrainError, UsageError
+from ...hardware.cluster import ClusterDevice
+from ...planning.plan import Plan
+from ..ranks import agree
+from ..config import Config
+from ..ranks.log import RankLog
+from .measurements import Measurements, profiles_come_from
+from .profiler import MAX_SIZE, profile_device, time_agreement, time_allreduce, time_gradient_sync
+
+SYNC_RUNS = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFacts:
+    """What measuring needs to know about this rank's part of the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    label: str                           # this rank's device, as the plan names it
+    emulated: ClusterDevice | None       # the emulated device this rank is, if any
+    compute: str                         # the precision this rank computes in (autocast)...
+    precision: str                       # ...and the one the plan records for it
+    load: Callable[[int], object]        # load(m): a batch of the dataset's first m samples, on `device`
+    samples: int                         # the dataset's length
+    config: Config
+    log: RankLog                         # rank 0 prints; warnings on rank 0 even when quiet
+
+
+def measure_job(job: RankFacts, model, optimizer, forward) -> Measurements:
+    """Every rank's measurements, the same on every rank. A collective: every rank calls it."""
+    mine = _profile(job, model, optimizer, forward)
+    gathered = [mine]
+    if job.world_size > 1:
+        gathered = [None] * job.world_size
+        dist.all_gather_object(gathered, mine)
+    for rank, g in enumerate(gathered):
+        if g["error"] is not None:
+            kind, what, fix, usage = g["error"]
+            raise (UsageError if usage else HetrainError)(
+                f"rank {rank} ({'emulated ' if job.emulated else ''}device) could not be profiled: "
+                f"{kind}: {what}", fix or "see the error above; pass hetrain.init(plan=...) to skip profiling")
+    facts = {"labels": tuple(g["label"] for g in gathered), "precisions": tuple(g["precision"] for g in gathered),
+             "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"]}
+    if gathered[0]["profile"] is None:      # a single device with unlimited memory
+        return Measurements(profiles=None, **facts)
+    profiles = tuple(g["profile"] for g in gathered)
+    probes = _probe(job, model, facts["grad_bytes"], profiles, forward) if job.world_size > 1 else {}
+    measured = Measurements(profiles=profiles, cached=tuple(bool(g["cached"]) for g in gathered),
+                            **facts, **probes)
+    job.log.info(profiles_come_from(measured))
+    return measured
+
+
+def _profile(job: RankFacts, model, optimizer, forward) -> dict:
+    """This rank's profile (runtime/measure/profiler.py, cached). Local: no collective."""
+    cfg, emu = job.config, job.emulated
+    mine: dict = {"profile": None, "cached": False, "error": None, "label": job.label, "precision": job.precision,
+                  "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
+    cap = None
+    if emu is None and job.device.type == "cuda":
+        cap = torch.cuda.get_device_properties(job.device).total_memory
+    if job.world_size == 1 and emu is None and cap is None:
+        return mine          # one device, memory not limited: nothing to decide or measure
+    n = job.samples
+    try:
+        mine["profile"], mine["cached"] = profile_device(
+            model, optimizer, lambda m: job.load(min(m, n)), device=job.device, label=job.label,
+            forward=forward, precision=job.compute, memory_bytes=cap,
+            max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu)
+    except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
+        mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
+                         isinstance(e, UsageError))
+    return mine
+
+
+def _probe(job: RankFacts, model, grad_bytes: int, profiles, forward) -> dict:
+    """The sync probe's table and the agreement probe, once every rank is known to be profiled."""
+    try:
+        mine = _measure_sync(job, model, grad_bytes, profiles, forward)
+    except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
+        job.log.warn(f"rank {job.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
+        mine = _sync_row(0.0, [0.0] * SYNC_RUNS, [0.0] * SYNC_RUNS, failed=True)
+    table = agree.exchange(mine, rank=job.rank, world_size=job.world_size, device=job.device)
+    if table.any("failed"):
+        failed = [r for r, v in enumerate(table.column("failed")) if v]
+        raise HetrainError(f"measuring the gradient sync failed on rank(s) {failed} (see the warning above)",
+                           "pass hetrain.init(plan=...) to run a saved plan without measuring")
+    # Every rank is known to be here (none failed): the step's agreement all-reduce, timed.
+    agreement = agree.exchange({"agree_s": time_agreement(job.device)}, rank=job.rank,
+                               world_size=job.world_size, device=job.device)
+    rows = [table.row(r) for r in range(job.world_size)]
+    return {"allreduce_s": tuple(table.column("allreduce_s")),
+            "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(SYNC_RUNS)) for row in rows),
+            "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(SYNC_RUNS)) for row in rows),
+            "agree_s": tuple(agreement.column("agree_s"))}
+
+
+def _measure_sync(job: RankFacts, model, grad_bytes, profiles, forward) -> dict[str, float]:
+    """Collectives: one gradient-sized all-reduce (the link) and SYNC_RUNS synchronised backwards
+    through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
+    on the same micro-batch size). The DDP used for it is temporary: the real wrapper
+    (runtime/sharding/wrap.py) is chosen after the plan."""
+    cfg, n = job.config, job.samples
+    probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
+    allreduce_s = time_allreduce(probe_bytes, job.device) * grad_bytes / max(probe_bytes, 1)
+    caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
+    m = min([cfg.global_batch // job.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
+    ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
+    try:
+        syncs, computes = time_gradient_sync(ddp, lambda: job.load(max(1, m)), forward=forward,
+                                             device=job.device, precision=job.compute, runs=SYNC_RUNS)
+    finally:
+        del ddp
+        gc.collect()
+    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS)
+
+
+def _sync_row(allreduce_s: float, syncs, computes, *, failed: bool = False) -> dict[str, float]:
+    """This rank's row of the sync probe's table (the same keys whether it worked or failed)."""
+    return {"allreduce_s": allreduce_s, "failed": float(failed),
+            **{f"sync_{k}": v for k, v in enumerate(syncs)},
+            **{f"compute_{k}": v for k, v in enumerate(computes)}}
+
+
+def check_given_plan(engine, plan: Plan) -> Plan:
+    if plan.world_size != engine.world_size or plan.global_batch != engine.config.global_batch:
+        raise UsageError(
+            f"the given plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "
+            f"this job has {engine.world_size} and {engine.config.global_batch}",
+            "make a plan for this job (`hetrain plan`), or drop the plan to let hetrain split",
+        )
+    return plan
+
+
+def show_plan(log, plan: Plan, total_steps: int) -> None:
+    rows = []
+    for d in plan.devices:
+        sizes = d.micro_sizes()
+        micro = f"{sizes[0]}" + (f" x{len(sizes)}" if len(sizes) > 1 else "")
+        rows.append((d.rank, d.device, f"{d.speed:.3g}", d.share, micro, d.precision))
+    log.table(f"plan v{plan.version}: global batch {plan.global_batch} over {plan.world_size} device(s), "
+              f"{total_steps} steps", ("rank", "device", "speed", "share", "micro-batch", "precision"), rows)
+    for d in plan.devices:
+        for reason in d.reasons:
+            log.info(f"  rank {d.rank}: {reason}")
+    for line in filter(None, plan.note.split("; ")):
+        log.info(f"  plan v{plan.version}: {line}")

@@ -1,0 +1,188 @@
+"""From what a job's ranks measured to the Plan they run. Pure: no torch.distributed, no processes.
+
+runtime/measure/joint.py gathers the measurements (each rank's profile, the sync and agreement
+probes) in the job's processes; `plan_from_measurements` turns them into the Plan. The runtime
+(Engine.prepare) and `hetrain plan --model-factory` (runtime/measure/plan_only.py, then cli/planning.py)
+both call it, so the plan `hetrain plan` writes is the one the runtime would make from the same
+measurements. `plan_options` is the one place the planner's options are read off the job's
+Config; the catalog-estimate path of `hetrain plan` builds its options with it too.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, replace
+
+from ...hardware.cluster import parse_cluster
+from ...hardware.units import format_bytes
+from ...planning.collectives import FREE_LINK, Link, link_from_measurement
+from ...planning.plan import DevicePlan, Plan
+from ...planning.planner import PlanOptions, make_plan
+from ...planning.profile import DeviceProfile
+from ..config import Config
+
+MEASUREMENTS_SCHEMA = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Everything the ranks measured before planning, in rank order; JSON round trip.
+
+    `profiles` is None when there was nothing to measure (one device, memory not limited). The
+    probe fields are empty for one device; with W > 1 they hold each rank's row of the sync probe
+    (SYNC_RUNS runs each) and of the agreement probe."""
+
+    labels: tuple[str, ...]                          # each rank's device
+    precisions: tuple[str, ...]                      # each rank's precision, as the plan records it
+    profiles: tuple[DeviceProfile, ...] | None       # each rank's own profile (at its emulated speed)
+    cached: tuple[bool, ...] = ()                    # which profiles came from the cache
+    grad_bytes: int = 0                              # rank 0's trainable gradient bytes
+    host_cores: int = 1                              # CPU cores rank 0 may run on
+    allreduce_s: tuple[float, ...] = ()              # a gradient-sized all-reduce, seconds
+    sync_s: tuple[tuple[float, ...], ...] = ()       # exposed gradient sync, per run
+    compute_s: tuple[tuple[float, ...], ...] = ()    # forward+backward before it, per run (0: untimed)
+    agree_s: tuple[float, ...] = ()                  # the per-step agreement all-reduce
+
+    @property
+    def world_size(self) -> int:
+        return len(self.labels)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["profiles"] = None if self.profiles is None else [p.to_dict() for p in self.profiles]
+        return {"schema": MEASUREMENTS_SCHEMA, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Measurements:
+        data = dict(data)
+        if data.pop("schema", None) != MEASUREMENTS_SCHEMA:
+            raise ValueError(f"measurements schema is not {MEASUREMENTS_SCHEMA}: measure again")
+        profiles = data.pop("profiles")
+        rows = ("sync_s", "compute_s")
+        return cls(profiles=None if profiles is None else tuple(DeviceProfile.from_dict(p) for p in profiles),
+                   **{k: tuple(tuple(r) for r in v) if k in rows else tuple(v) if isinstance(v, list) else v
+                      for k, v in data.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> Measurements:
+        return cls.from_dict(json.loads(text))
+
+
+def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_exclusion: bool = False,
+                 sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
+                 straggle_stretch: float = 1.0, host_cores: float | None = None) -> PlanOptions:
+    """The planner's options for a job with this Config: what the config decides (batch, memory
+    margin, micro-batch cap, whether activation checkpointing may be planned) and what was
+    measured or estimated (the rest)."""
+    return PlanOptions(
+        global_batch=config.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=config.memory_margin,
+        micro_batch_cap=config.micro_batch, allow_exclusion=allow_exclusion,
+        allow_checkpointing=config.checkpointing != "none",
+        sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
+        host_cores=host_cores)
+
+
+def straggle(compute_s) -> float:
+    """How far the last rank to finish a backward trails the ranks' average, as a fraction, when
+    all start together on the same micro-batch size: `compute_s[rank][run]`, median over the runs;
+    0 when the probe could not time compute (as on a GPU)."""
+    fractions = []
+    for times in zip(*compute_s):          # one run: every rank's seconds
+        if min(times) > 0:                 # a run some rank could not time says nothing
+            fractions.append(max(times) / (sum(times) / len(times)) - 1)
+    return min(1.0, statistics.median(fractions)) if fractions else 0.0
+
+
+def on_controlled_clock(p: DeviceProfile, spec, sample_s: float) -> DeviceProfile:
+    """A profile on the controlled clock (emulate_sample_s): a micro-batch of m samples lasts
+    m·sample_s/speed, no fixed part; the host CPU it occupies stays what was measured."""
+    device_s = sample_s / spec.speed
+    return replace(p, overhead_s=0.0, per_sample_s=device_s,
+                   cpu_share=min(1.0, p.per_sample_s * p.cpu_share / device_s),
+                   source=p.source + f"; on the controlled clock: {sample_s * 1e3:g} ms/sample at speed 1")
+
+
+def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, ...]:
+    """The profiles the planner is given: on an emulated cluster every rank measured the same CPU,
+    so the measurements are pooled (less noise than any one rank's), and put on the controlled
+    clock when the config asks for one."""
+    from .profiler import pool_emulated      # here, not at the top: profiler imports torch
+
+    profiles = list(m.profiles or ())
+    if config.emulate and profiles:
+        specs = list(parse_cluster(config.emulate))
+        if len(profiles) > 1:
+            profiles = pool_emulated(profiles, specs)
+        if config.emulate_sample_s is not None:
+            profiles = [on_controlled_clock(p, s, config.emulate_sample_s) for p, s in zip(profiles, specs)]
+    return tuple(profiles)
+
+
+def options_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
+                              link: Link | None = None) -> PlanOptions:
+    """The planner's options for these measurements (W > 1: the probes' figures; see below)."""
+    n = m.world_size
+    measured_link, sync_s, agree_s, lag, stretch = FREE_LINK, None, 0.0, 0.0, 1.0
+    if n > 1 and m.profiles is not None:
+        # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
+        # for it (on a shared host, whoever the scheduler left behind): in each run the least is
+        # the sync; the median run is kept.
+        sync_s = statistics.median(min(run) for run in zip(*m.sync_s))
+        agree_s = min(m.agree_s)
+        lag = straggle(m.compute_s)
+        if config.emulate:                   # the probe ran every device at full speed at once
+            stretch = max(1.0, n / m.host_cores)
+        slowest = max(m.allreduce_s)
+        if m.grad_bytes:
+            measured_link = link_from_measurement(
+                n, m.grad_bytes, slowest,
+                f"measured: a {format_bytes(m.grad_bytes)} all-reduce took {slowest * 1e3:.1f} ms")
+    return plan_options(
+        config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
+        sync_s=sync_s, agree_s=agree_s, straggle=lag, straggle_stretch=stretch,
+        # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
+        # work on the host is not modelled: it comes and goes faster than a plan lives.
+        host_cores=m.host_cores if config.emulate else None)
+
+
+def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
+                           link: Link | None = None) -> tuple[Plan, tuple[DeviceProfile, ...]]:
+    """The Plan a job with this Config runs on these measurements, and the profiles it was made
+    from (the runtime keeps them for rebalancing and reports). Every rank of a job calls it on the
+    same gathered measurements, so all hold the same Plan without a further exchange.
+
+    The runtime leaves both keywords as they are: every rank's process is running, so each takes
+    at least one sample, and the link is the one measured. `hetrain plan` passes
+    --allow-exclusion and --link-gbs through them."""
+    if m.profiles is None:                   # a single device with unlimited memory
+        return _single_device(m, config), ()
+    options = options_from_measurements(m, config, allow_exclusion=allow_exclusion, link=link)
+    profiles = planning_profiles(m, config)
+    plan = make_plan(list(profiles), options)
+    # The rebalancer's time model of each rank: fixed seconds per micro-batch + seconds per sample.
+    # The plan's devices are the profiles kept, in order (all of them unless exclusion is allowed).
+    left_out = {e.device for e in plan.excluded}
+    kept = [p for p in profiles if p.device not in left_out]
+    return replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
+                                       for d, p in zip(plan.devices, kept))), profiles
+
+
+def _single_device(m: Measurements, config: Config) -> Plan:
+    micro = min(config.global_batch, config.micro_batch or config.global_batch)
+    return Plan(global_batch=config.global_batch, note="single device: the whole batch", devices=(
+        DevicePlan(rank=0, device=m.labels[0], speed=1.0, share=config.global_batch, micro_batch=micro,
+                   precision=m.precisions[0],
+                   reasons=(f"share {config.global_batch}/{config.global_batch}: single device",
+                            f"micro-batch {micro}: " + ("micro_batch set in the config"
+                                                       if micro < config.global_batch else "memory not capped"))),))
+
+
+def profiles_come_from(m: Measurements) -> str:
+    """For people: how many profiles were measured and how many reused."""
+    cached = sum(m.cached)
+    return f"profiles: {cached} of {m.world_size} from the cache, {m.world_size - cached} measured"
+

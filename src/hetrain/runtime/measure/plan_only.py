@@ -1,0 +1,56 @@
+"""`hetrain plan --model-factory`'s worker: the runtime's own measurements, in the job's processes.
+
+`hetrain plan` launches this module as `hetrain run` launches a script (launch.py: torchrun, one
+process per GPU or emulated device), so every rank joins the job as hetrain.init() does and
+measures what Engine.prepare measures before it plans: the same RankFacts, the same
+joint_plan.measure_job (profiles, all-gather, sync and agreement probes). Rank 0 then writes the
+measurements and the job's config; the CLI turns them into the Plan with the same pure
+plan_from_measurements the runtime calls. No training step is taken.
+
+    python -m hetrain.runtime.measure.plan_only JOB.json
+    JOB.json: {"factory": "script.py:make", "config": {hetrain.init keywords}, "out": "result.json"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> None:
+    # The command's stdout is the plan (`hetrain plan --json`); what the ranks print goes to stderr.
+    os.dup2(2, 1)
+    with open(argv[0]) as f:
+        job = json.load(f)
+
+    from ...errors import UsageError
+    from ...files import write_json_atomic
+    from ..engine import init
+    from .factory import call_factory, load_factory
+    from .joint import measure_job
+    from .probe import default_forward
+    from ..setup import prepare_to_measure, rank_facts
+
+    ht = init(**job["config"])          # from here on, an explained error is one line from the launcher
+    spec = job["factory"]
+    model, optimizer, dataset, collate = call_factory(load_factory(spec), spec)
+    # Engine.prepare's own first steps (precision agreed by all ranks, blocks checkpointed when the
+    # job checkpoints all of them), then its measurements: the same functions, in the same order.
+    prepare_to_measure(ht.job, model, optimizer, dataset, collate)
+    cfg = ht.config
+    measured = measure_job(rank_facts(ht.job), model, optimizer, default_forward)
+    if ht.is_main:
+        try:
+            from ...parallel.blocks import find_parts
+
+            blocks = len(find_parts(model).blocks)
+        except UsageError:
+            blocks = None                     # pipelines are not compared; --blocks can say
+        write_json_atomic(job["out"], {"config": cfg.to_dict(), "measurements": measured.to_dict(),
+                                       "blocks": blocks})
+    ht.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

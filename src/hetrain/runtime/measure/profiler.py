@@ -1,0 +1,436 @@
+"""The profiler: measures the user's model on this rank's device, before training, in bounded time.
+
+For a few micro-batch sizes (1, 2, 4, … up to the largest that memory and the global batch allow)
+it times forward + backward and fits t(m) = a + b·m; it counts the activation bytes at two sizes
+(saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` over the forward on CUDA) and
+fits c + d·m; it times one optimizer step on a copy of the optimizer (the model is never stepped)
+and reads the fixed memory — parameters, gradients, optimizer state — off that copy. Profiling
+itself is local (every rank measures its own device alone); the probes at the end of this module
+(`time_gradient_sync`, `time_agreement`, `time_allreduce`) are collectives, run once every rank
+is known to have profiled.
+
+Results are cached by model signature (architecture, parameter and batch shapes, optimizer type,
+precision, torch version) and device (CUDA name, or CPU model and thread count) under
+$HETRAIN_CACHE/profiles (default ~/.cache/hetrain/profiles; HETRAIN_CACHE=off disables it), so a
+restart does not measure again.
+
+Emulated devices. Each one is a single CPU thread, so what is measured is this thread's CPU time
+(as the emulator's throttle does), and the profile is converted by the emulated speed s: the
+emulator sleeps c·(1/s − 1) after each compute piece of c CPU-seconds, so the device's seconds are
+c/s, of which a fraction s occupies a host core (`cpu_share`, which the cost model uses to account
+for devices contending for the host's cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ... import files
+from ...files import write_text_atomic
+from ...hardware.cluster import ClusterDevice
+from ...planning.profile import DeviceProfile, fit_linear
+from ..devices.emulation import MemoryMeter, model_state_bytes
+from .probe import _as_scalar, default_forward
+
+PROFILER_VERSION = 2             # 2: times forwards without the emulated meter's hooks (training looks them up)
+MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
+MIN_TIMED_S = 0.1              # time each size for at least this long…
+MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- cache ------------------------------------------------------------------------------------
+def cache_dir() -> Path | None:
+    """Where profiles are kept, or None when caching is off."""
+    return files.cache_dir("profiles")
+
+
+def model_signature(model: torch.nn.Module, optimizer, sample, *, precision: str, max_size: int) -> str:
+    """Changes when anything that changes the measurement changes."""
+    h = hashlib.sha256()
+    cls = type(model)
+    parts = [f"v{PROFILER_VERSION}", torch.__version__, f"{cls.__module__}.{cls.__qualname__}", precision,
+             str(max_size), type(optimizer).__name__ if optimizer is not None else "none"]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in model.named_buffers()]
+    parts += [str(type(m).__name__) for m in model.modules()]
+
+    def shapes(obj):
+        if isinstance(obj, torch.Tensor):
+            return f"T{tuple(obj.shape[1:])}{obj.dtype}"
+        if isinstance(obj, (tuple, list)):
+            return "(" + ",".join(shapes(o) for o in obj) + ")"
+        if isinstance(obj, dict):
+            return "{" + ",".join(f"{k}:{shapes(v)}" for k, v in sorted(obj.items())) + "}"
+        return type(obj).__name__
+
+    parts.append(shapes(sample))
+    h.update("\n".join(parts).encode())
+    return h.hexdigest()[:20]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def device_key(device: torch.device) -> str:
+    """What the measurement depends on besides the model: the device (and CPU threads)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda {props.name} cc{props.major}.{props.minor} cuda{torch.version.cuda}"
+    return f"cpu {_cpu_name()} x{torch.get_num_threads()} threads"
+
+
+def _cache_path(signature: str, key: str) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    slug = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return root / f"{signature}-{slug}.json"
+
+
+def _read_cache(path: Path | None) -> DeviceProfile | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return DeviceProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None          # unreadable or from another version: measure again
+
+
+def _write_cache(path: Path | None, profile: DeviceProfile) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, profile.to_json())   # ranks writing the same file never leave half of one
+    except OSError:
+        pass                    # a read-only home is not a reason to fail a run
+
+
+# -- measuring --------------------------------------------------------------------------------
+def _sizes(limit: int) -> list[int]:
+    sizes, m = [], 1
+    while m < limit:
+        sizes.append(m)
+        m *= 2
+    sizes.append(limit)
+    return sorted(set(sizes))
+
+
+def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
+            label: str, forward: Callable = default_forward, precision: str = "fp32",
+            memory_bytes: int | None = None, max_size: int = MAX_SIZE, cpu_clock: bool = False,
+            budget_s: float = 5.0) -> DeviceProfile:
+    """Measure this device; the model's parameters, gradients, buffers and RNG are left as found.
+
+    `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
+    time (emulated devices) instead of the wall clock."""
+    cuda = device.type == "cuda"
+    dtype = _AUTOCAST.get(precision)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def fwd(m, b):
+        with autocast():
+            return forward(m, b)
+
+    clock = time.thread_time if cpu_clock and not cuda else time.perf_counter
+    now = _synced(clock, device)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        # The emulator's meter, as training uses it: parameters are model state, not activations.
+        meter = MemoryMeter(label="profile", cap=None)
+        meter.set_fixed(model, None)
+
+        def activations(m: int) -> float:
+            """Bytes the forward of m samples keeps for backward: on CUDA the allocator's peak over
+            the forward (what the forward left allocated, plus its temporaries); elsewhere the
+            saved tensors the emulator's meter counts."""
+            batch = load(m)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                loss = _as_scalar(fwd(model, batch))
+                torch.cuda.synchronize(device)
+                used = torch.cuda.max_memory_allocated(device) - base
+            else:
+                with meter.forward():
+                    loss = _as_scalar(fwd(model, batch))
+                used = meter.activations
+            loss.backward()
+            return float(used)
+
+        # Activation bytes at two sizes: c + d·m (autocast's low-precision weight copies are the c).
+        # A model that cannot train on one sample (BatchNorm needs two) starts at two.
+        first = 1
+        try:
+            at_first = activations(1)
+        except ValueError:
+            first = 2
+            at_first = activations(2)
+        state_guess = model_state_bytes(model, optimizer)
+        limit = max(first, max_size)
+        if memory_bytes is not None:
+            room = (memory_bytes - state_guess) / max(at_first / first, 1.0)
+            limit = max(first, min(limit, int(room // 2)))
+        sizes = [m for m in _sizes(limit) if m >= first]
+        act_fixed, act_per = fit_linear([first, sizes[-1]], [at_first, activations(sizes[-1])]) \
+            if sizes[-1] > first else (0.0, at_first / first)
+
+        timed_sizes, seconds, forward_parts = [], [], []
+        for m in sizes:
+            batch = load(m)
+            runs = []
+            for k in range(MAX_RUNS + 1):
+                t0 = now()
+                # Without the emulated meter's hooks: training counts a forward's activations once
+                # and then looks them up (emulate.MemoryMeter), so the hooks are not its cost.
+                loss = _as_scalar(fwd(model, batch))
+                t1 = now()
+                loss.backward()
+                spent = now() - t0
+                if k == 0:
+                    continue                 # warm-up: a new size allocates (and faults in) new memory
+                runs.append(spent)
+                forward_parts.append((t1 - t0) / max(spent, 1e-12))
+                if sum(runs) >= MIN_TIMED_S:
+                    break
+            timed_sizes.append(m)
+            seconds.append(statistics.median(runs))
+            if time.perf_counter() - started > budget_s and len(timed_sizes) >= 2:
+                break                        # bounded: fit what was measured
+        optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda)
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    a, b = fit_linear(timed_sizes, seconds)
+    what = "CPU time of one thread" if clock is time.thread_time else "wall time"
+    return DeviceProfile(
+        device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
+        overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed,
+        activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
+        memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
+        sizes=tuple(timed_sizes), seconds=tuple(seconds))
+
+
+def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:
+    """The clock, read after the device has finished its queued work (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return clock
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return clock()
+    return now
+
+
+def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
+    """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
+    parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
+    if optimizer is None:
+        return 0.0, model_state_bytes(model, None)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    need = sum(p.numel() * p.element_size() for p in params) * 4
+    if cuda and torch.cuda.mem_get_info(device)[0] < 2 * need:
+        # No room for a copy: state as AdamW would hold it, time unknown (bandwidth-bound, small).
+        return 0.0, model_state_bytes(model, optimizer) + 2 * sum(p.numel() * p.element_size() for p in params)
+    twin = copy.deepcopy(optimizer)
+    for original, clone in zip(params, (p for g in twin.param_groups for p in g["params"])):
+        clone.grad = original.grad.detach().clone() if original.grad is not None else torch.zeros_like(clone)
+    runs = []
+    now = _synced(clock, device)
+    for _ in range(3):
+        t0 = now()
+        twin.step()
+        runs.append(now() - t0)
+    state = [v for s in twin.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    fixed = model_state_bytes(model, None) + sum(t.numel() * t.element_size() for t in state)
+    del twin
+    return min(runs[1:]), fixed       # the first step allocates the state
+
+
+def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
+    """A CPU measurement as the emulated device `spec` runs it: c/s seconds, a fraction s on a core."""
+    s = spec.speed
+    return raw.scaled(1.0 / s, device=f"{spec.label} (emulated)", cpu_share=s, gpu=spec.gpu.key,
+                      memory_bytes=spec.memory_bytes,
+                      source=f"measured on this CPU, ×1/{s:.3g} for the emulated speed ({spec.speed_source})")
+
+
+def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
+    """Emulated devices are all this host's CPU, measured once per rank: pool the measurements
+    (less noise than any one rank's) and convert back to each device's speed. Only ranks of the
+    same precision pool (fp16 on a CPU is many times slower than bf16), and each device refits
+    t(m) = a + b·m on the pooled points within its own measured sizes: a memory-capped device
+    measured 1…4 samples, and a line through 1…64 would misstate its small micro-batches (and
+    its few points would bend the large device's line)."""
+    raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
+    out = []
+    for p, spec in zip(profiles, specs):
+        alike = [r for r in raw if r.precision == p.precision]
+        if len(alike) < 2:
+            out.append(p)
+            continue
+        mean = {f: sum(getattr(r, f) for r in alike) / len(alike) for f in ("optimizer_s", "forward_fraction")}
+        top = max(p.sizes, default=0)
+        points = [(m, t) for r in alike for m, t in zip(r.sizes, r.seconds) if m <= top]
+        if len({m for m, _ in points}) >= 2:
+            a, b = fit_linear([m for m, _ in points], [t for _, t in points])
+        else:       # no points recorded (an older cached profile): average the fitted lines
+            a = sum(r.overhead_s for r in alike) / len(alike)
+            b = sum(r.per_sample_s for r in alike) / len(alike)
+        out.append(replace(p, overhead_s=a / spec.speed, per_sample_s=b / spec.speed,
+                           optimizer_s=mean["optimizer_s"] / spec.speed, forward_fraction=mean["forward_fraction"],
+                           source=p.source + f", pooled with the {len(alike)} {p.precision} ranks' "
+                                             f"measurements of this CPU up to {top} samples"))
+    return out
+
+
+def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
+                   label: str, forward: Callable = default_forward, precision: str = "fp32",
+                   memory_bytes: int | None = None, max_size: int = MAX_SIZE,
+                   emulate: ClusterDevice | None = None) -> tuple[DeviceProfile, bool]:
+    """This device's profile, from the cache when this model was measured on this device before.
+    Returns (profile, came_from_cache)."""
+    sample = load(1)
+    if emulate is not None:
+        memory_bytes = emulate.memory_bytes
+    signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
+    key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
+    path = _cache_path(signature, key)
+    raw = _read_cache(path)
+    cached = raw is not None
+    if raw is None:
+        raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
+                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None)
+        _write_cache(path, raw)
+    if emulate is not None:
+        return emulated(raw, emulate), cached
+    return replace(raw, device=label, memory_bytes=memory_bytes,
+                   source=raw.source.replace(f"measured on {key}", f"measured on {label}")), cached
+
+
+def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
+                       device: torch.device, precision: str = "fp32",
+                       runs: int = 5) -> tuple[list[float], list[float] | None]:
+    """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
+    micro-batch `load()` returns, as this job's devices, link and (on an emulated host) shared cores
+    give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
+    start together, so the ranks' spread measures straggling). A collective: every rank calls it
+    (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
+
+    On a GPU: a synchronised backward's wall time beyond one under no_sync(). On the CPU that
+    difference of two runs is mostly the noise of processes sharing cores (6–26 ms measured for one
+    job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
+    backward's compute is done) to the moment backward() returns with every gradient reduced."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module = ddp.module
+    dtype = _AUTOCAST.get(precision)
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    batch = load()
+    cuda = device.type == "cuda"
+    last_launch: list[float] = []
+    if not cuda:
+        def hook(state, bucket):
+            if bucket.is_last():
+                last_launch.append(time.perf_counter())
+            return default_hooks.allreduce_hook(None, bucket)
+        ddp.register_comm_hook(None, hook)
+
+    def once(sync: bool) -> tuple[float, float]:
+        """(seconds to the last bucket's launch, seconds from there to the end); on CUDA
+        (0, the whole forward+backward)."""
+        dist.barrier()                        # start together, as ranks do after a step's sync
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        last_launch.clear()
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss = _as_scalar(forward(ddp, batch))
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
+        return launched - t0, end - launched
+
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        once(True)                            # the first sync also rebuilds DDP's buckets
+        if cuda:
+            exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
+        else:
+            compute, exposed = map(list, zip(*(once(True) for _ in range(runs))))
+    module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+    return [max(0.0, x) for x in exposed], compute
+
+
+def time_agreement(device: torch.device, *, runs: int = 5) -> float:
+    """Seconds of the small all-reduce hetrain adds to every step (agree.exchange of the step's
+    values, agree.STEP_KEYS), with the ranks arriving together as they do after the gradient
+    sync: median of `runs`. A collective."""
+    import torch.distributed as dist
+
+    from ..ranks.agree import STEP_KEYS, exchange
+
+    values = dict.fromkeys(STEP_KEYS, 0.0)
+    return _median_seconds(lambda: exchange(values, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                            device=device), device, runs=runs, barrier=True)
+
+
+def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
+    """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
+    every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    return _median_seconds(lambda: dist.all_reduce(buf), device, runs=runs)
+
+
+def _median_seconds(collective: Callable[[], object], device: torch.device, *, runs: int,
+                    barrier: bool = False) -> float:
+    """Median seconds of `runs` calls of `collective`, after one warm-up call; with `barrier`,
+    the ranks start each call together."""
+    import torch.distributed as dist
+
+    times = []
+    for k in range(runs + 1):
+        if barrier:
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        collective()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,87 @@
+"""Activation checkpointing per block, on the devices that need it.
+
+A block's forward runs under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: only
+the block's input is kept for backward, and its inside is recomputed there. Gradients are
+unchanged (the recomputation replays the same ops, RNG state included); the saved activations
+drop from every block's inside to one tensor per block (measured on the demo GPT: 7x fewer bytes).
+
+Blocks are the modules of the model's ModuleLists (the GPT's `blocks`; the outermost lists only),
+or every module of a class the user names (`checkpoint_blocks='Block'`). The forward is replaced
+on the block instance, not by wrapping the module, so parameter names, state_dict keys and
+`model.blocks[i]` stay as they were, and DDP/FSDP2 wrap the model exactly as without it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ...errors import UsageError
+from ...planning.plan import Plan
+
+_MARK = "_hetrain_checkpointed"
+
+
+def find_blocks(model: nn.Module, block_type: str | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the blocks to checkpoint, in model order."""
+    if block_type is not None:
+        return [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type and m is not model]
+    found, inside = [], set()
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue   # a list inside a block we already take: the outer block is the unit
+        if isinstance(m, nn.ModuleList):
+            for i, child in enumerate(m):
+                found.append((f"{name}.{i}" if name else str(i), child))
+                inside.add(f"{name}.{i}" if name else str(i))
+    return found
+
+
+def _checkpointed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():      # evaluation: nothing is saved, nothing to recompute
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model: nn.Module, block_type: str | None = None) -> list[str]:
+    """Checkpoint every block of `model` (idempotent). Returns the blocks' names."""
+    blocks = find_blocks(model, block_type)
+    if not blocks:
+        raise UsageError(
+            "activation checkpointing was asked for, but the model has no blocks to checkpoint "
+            + (f"(no module of class {block_type!r})" if block_type else "(no nn.ModuleList of blocks)"),
+            "keep the repeated layers in an nn.ModuleList, or name their class: checkpoint_blocks='Block'")
+    for _, block in blocks:
+        if not getattr(block, _MARK, False):
+            block.forward = functools.partial(_checkpointed, block.forward)
+            object.__setattr__(block, _MARK, True)
+    return [n for n, _ in blocks]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return bool(getattr(module, _MARK, False))
+
+
+def apply_from_plan(model: nn.Module, plan: Plan, rank: int, *, mode: str = "plan",
+                    block_type: str | None = None) -> tuple[Plan, list[str]]:
+    """Checkpoint this rank's blocks where the plan (mode 'plan') or the config (mode 'all') asks.
+
+    Returns the plan, with `checkpointing` recorded for every rank under mode 'all' (same version:
+    it is a record, not a new split), and the names of the blocks this rank checkpointed. Every
+    rank checks the model has blocks when ANY rank needs them, so all ranks raise the same error.
+    """
+    if mode == "none":
+        return plan, []
+    if mode == "all" and not all(d.checkpointing for d in plan.devices):
+        from dataclasses import replace
+        plan = replace(plan, devices=tuple(replace(d, checkpointing=True) for d in plan.devices))
+    if not any(d.checkpointing for d in plan.devices):
+        return plan, []
+    if not find_blocks(model, block_type):
+        checkpoint_blocks(model, block_type)   # raises the UsageError, on every rank alike
+    if not plan.devices[rank].checkpointing:
+        return plan, []
+    return plan, checkpoint_blocks(model, block_type)

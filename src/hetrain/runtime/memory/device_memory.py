@@ -1,0 +1,264 @@
+"""Memory per device: what the plan expects, what was measured, and the report at the end.
+
+Planned = model state under this rank's sharding (planning/memory.py's model, from the real
+parameter count, dtype and optimizer) + activations of its planned micro-batch, measured on two
+real samples after checkpointing is applied and under this rank's autocast. Measured = the CUDA
+allocator's peak, or on an emulated device the bytes its MemoryMeter counted (parameters,
+gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain CPU process
+has no meter: nothing measured there (use --emulate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...hardware.units import format_bytes
+from ...planning.memory import (DeviceMemory, StateBytes, choose_sharding, sharding_options,
+                               state_bytes)
+from ..ranks import agree
+from ..sharding import wrap as sharding
+from ..devices.emulation import MemoryMeter
+from ..measure.probe import _as_scalar, default_forward
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The planning model's name for a torch optimizer, subclasses included (None: unknown)."""
+    d, o = optimizer.defaults, torch.optim
+    if isinstance(optimizer, o.SGD):
+        return "sgd-momentum" if d.get("momentum", 0) else "sgd"
+    if isinstance(optimizer, (o.Adam, o.AdamW)):
+        base = "adamw" if isinstance(optimizer, o.AdamW) else "adam"
+        return base + ("-amsgrad" if d.get("amsgrad") else "")
+    if isinstance(optimizer, o.RMSprop):
+        return "rmsprop-momentum" if d.get("momentum", 0) else "rmsprop"
+    for cls, name in ((o.Adagrad, "adagrad"), (o.Adamax, "adamax"), (o.NAdam, "nadam"), (o.RAdam, "radam"),
+                      (o.Adadelta, "adadelta")):
+        if isinstance(optimizer, cls):
+            return name
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """This rank's planned peak, in parts."""
+
+    strategy: str
+    state: StateBytes
+    micro_batch: int
+    activation_per_sample: float | None    # measured after checkpointing; None: not measured
+    activation_fixed: float = 0.0          # activation bytes that do not grow with the batch
+    checkpointing: bool
+    note: str = ""
+
+    @property
+    def activations(self) -> float | None:
+        if self.activation_per_sample is None:
+            return None
+        return self.activation_fixed + self.activation_per_sample * self.micro_batch
+
+    @property
+    def total(self) -> float:
+        return self.state.total + (self.activations or 0.0)
+
+
+def saved_activation_bytes(model, batch, *, forward=default_forward, device, autocast) -> float:
+    """Bytes one forward saves for backward, parameters excluded (a Linear saves its weight: that
+    is model state, already counted), as the CUDA allocator or the meter sees them. RNG restored,
+    gradients cleared."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        meter = MemoryMeter(label="activations", cap=None)
+        meter.set_fixed(model, None)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with meter.forward(), autocast():
+            loss = _as_scalar(forward(model, batch))
+        saved = float(meter.activations)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+            saved = max(saved, float(torch.cuda.max_memory_allocated(device) - base))
+        model.zero_grad(set_to_none=True)
+    return saved
+
+
+def measure_activations(load, *, model, forward, device, autocast, n_max: int) -> tuple[float, float]:
+    """Saved-activation bytes of `model` as it will run (checkpointing, autocast), as
+    (fixed, per sample): measured on 1 and 2 samples, since some saved tensors (position
+    embeddings, masks) do not grow with the batch and one sample alone would overstate the rest."""
+    def bytes_for(n):
+        return saved_activation_bytes(model, load(range(n)), forward=forward, device=device, autocast=autocast)
+    lo = 1
+    try:
+        at_lo = bytes_for(1)
+    except ValueError:       # a model that cannot train on one sample (BatchNorm): 2 and 4
+        lo = 2
+        at_lo = bytes_for(2)
+    if n_max < 2 * lo:
+        return 0.0, at_lo / lo
+    per = max((bytes_for(2 * lo) - at_lo) / lo, 0.0)
+    return max(at_lo - per * lo, 0.0), per
+
+
+def plan_memory(*, n_params: int, param_bytes: int, optimizer: torch.optim.Optimizer, wrapped, world_size: int,
+                micro_batch: int, accumulates: bool, activation_per_sample: float | None,
+                checkpointing: bool, activation_fixed: float = 0.0) -> MemoryPlan:
+    kind = optimizer_kind(optimizer)
+    state = state_bytes(n_params, sharding=wrapped.strategy, world_size=world_size, fraction=wrapped.fraction,
+                        optimizer=kind or "sgd", param_bytes=param_bytes,
+                        state_bytes_per_value=param_bytes, unit_params=wrapped.units,
+                        root_params=wrapped.root_params, accumulates=accumulates)
+    note = "" if kind else f"optimizer {type(optimizer).__name__} not in the memory model: its state not planned"
+    return MemoryPlan(strategy=wrapped.strategy, state=state, micro_batch=micro_batch,
+                      activation_per_sample=activation_per_sample, activation_fixed=activation_fixed,
+                      checkpointing=checkpointing, note=note)
+
+
+def measured_peak(device: torch.device, emulated) -> float | None:
+    if emulated is not None:
+        return float(emulated.meter.peak)
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, device: torch.device,
+           emulated, log) -> list[dict]:
+    """Every rank's planned and measured peak, side by side (a collective; rank 0 prints)."""
+    peak = measured_peak(device, emulated)
+    cap = emulated.meter.cap if emulated is not None else (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    mp = memory_plan
+    mine = {"planned": mp.total if mp else -1.0,
+            "planned_state": mp.state.total if mp else -1.0,
+            "planned_activations": (mp.activations if mp and mp.activations is not None else -1.0),
+            "measured": peak if peak is not None else -1.0,
+            "held_state": float(emulated.meter.fixed) if emulated is not None else -1.0,
+            "cap": float(cap) if cap else -1.0}
+    table = agree.exchange(mine, rank=rank, world_size=world_size, device=device)
+    rows, out = [], []
+    for r in range(world_size):
+        v = {k: (None if x < 0 else x) for k, x in table.row(r).items()}
+        d = plan.devices[r] if plan is not None else None
+        out.append({"rank": r, "device": d.device if d else "", **v})
+
+        def fmt(x):
+            return format_bytes(x) if x is not None else "-"
+        ratio = (f"{v['measured'] / v['planned']:.2f}" if v["measured"] and v["planned"] else "-")
+        rows.append((r, d.device if d else "", fmt(v["planned"]), fmt(v["measured"]), ratio,
+                     fmt(v["held_state"]), fmt(v["cap"]), ("yes" if d is not None and d.checkpointing else "no")))
+    strategy = mp.strategy if mp else "none"
+    how = ("counted bytes, emulated" if emulated is not None else
+           "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: use --emulate")
+    log.table(f"memory per device, sharding={strategy} (planned: state + micro-batch activations; "
+              f"measured: {how})",
+              ("rank", "device", "planned", "measured", "ratio", "state", "memory", "ckpt"), rows)
+    if mp is not None and mp.note and rank == 0:
+        log.info(f"  {mp.note}")
+    return out
+
+
+def _free_for_state(job, params, act_bytes: float | None) -> float | None:
+    """Bytes this rank has left for sharded optimizer state: its memory (less the margin) minus
+    parameters, gradients and its micro-batch's activations. None when nothing caps memory."""
+    cfg, emu, device = job.config, job.emulated, job.device
+    if emu is not None and emu.meter.cap is not None:
+        return emu.meter.cap * (1 - cfg.memory_margin) - emu.meter.fixed - (act_bytes or 0.0)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        return free * (1 - cfg.memory_margin) - grads - (act_bytes or 0.0)
+    return None
+
+
+def wrap_for_plan(job, model, optimizer, forward):
+    """prepare()'s memory step, after the plan and checkpointing: measure this rank's activations
+    as it will run, wrap the model under the configured sharding (a collective), count what the
+    emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan, whether
+    in-loop OOM recovery can stay on under this wrapper)."""
+    cfg, plan, rank = job.config, job.plan, job.rank
+    me = plan.devices[rank]
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    param_bytes = params[0].element_size() if params else 4
+    act = act_fixed = None
+    if job.emulated is not None or job.device.type == "cuda":
+        act_fixed, act = measure_activations(
+            job.load, model=model, forward=forward, device=job.device,
+            autocast=lambda: job.precision.autocast(job.device.type),
+            n_max=min(me.micro_batch, len(job.dataset)))
+    act_bytes = None if act is None else act_fixed + act * me.micro_batch
+    meter = job.emulated.meter if job.emulated is not None else None
+    strategy = cfg.sharding
+    if strategy == "auto":
+        strategy = _auto_sharding(job, model, optimizer, n_params=n_params, param_bytes=param_bytes,
+                                  act_bytes=act_bytes)
+    wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
+                         world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
+                         block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter,
+                         checkpoints=bool(getattr(cfg, "checkpoint_dir", None)))
+    if meter is not None:
+        meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
+    oom_recovery = cfg.oom_recovery
+    if wrapped.strategy == "fsdp" and oom_recovery:
+        # One rank cannot replay FSDP2's all-gathers after an OOM mid-step (its peers have moved on),
+        # so an OOM stops the job instead (a restart with --max-restarts resumes from a checkpoint).
+        oom_recovery = False
+        wrapped.lines.append("  in-loop OOM recovery is off under FSDP2 (one rank cannot replay its all-gathers): "
+                             "an out-of-memory error stops the job; --max-restarts resumes from a checkpoint")
+    mp = plan_memory(n_params=n_params, param_bytes=param_bytes, optimizer=optimizer, wrapped=wrapped,
+                     world_size=job.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
+                     activation_per_sample=act, activation_fixed=act_fixed or 0.0,
+                     checkpointing=me.checkpointing)
+    return wrapped, mp, oom_recovery
+
+
+def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None) -> str:
+    """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
+    device; then the first strategy that fits (planning/memory.py's order), with every option's
+    memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
+    from .activation_checkpointing import find_blocks
+
+    cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
+    cap = emu.meter.cap if emu is not None else (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    me = plan.devices[job.rank]
+    table = agree.exchange({"usable": cap * (1 - cfg.memory_margin) if cap else -1.0, "act": act_bytes or 0.0,
+                            "accumulates": float(me.n_micro > 1)},
+                           rank=job.rank, world_size=job.world_size, device=device)
+    usable = table.column("usable")
+    if job.world_size == 1 or any(u < 0 for u in usable):
+        return "none"          # nothing to shard across, or memory not capped: nothing to decide
+    devices = [DeviceMemory(label=d.device, capacity=u, activations=a)
+               for d, u, a in zip(plan.devices, usable, table.column("act"))]
+    blocks = [b for _, b in find_blocks(model, cfg.checkpoint_blocks)]
+    in_units = {id(p) for b in blocks for p in b.parameters()}
+    options = sharding_options(
+        n_params, devices, optimizer=optimizer_kind(optimizer) or "sgd", param_bytes=param_bytes,
+        unit_params=[sum(p.numel() for p in b.parameters()) for b in blocks],
+        root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+        accumulates=[bool(a) for a in table.column("accumulates")])
+    if getattr(cfg, "checkpoint_dir", None):   # zero1/capacity state is not checkpointed yet (runtime/sharding/wrap.py)
+        options = [o for o in options if o.strategy in ("none", "fsdp")]
+    chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
+    if chosen.strategy != "none":
+        job.log.table(
+            "sharding options: model state + activations per device (usable memory: "
+            + ", ".join(f"{d.label} {format_bytes(d.capacity)}" for d in devices) + ")",
+            ("sharding", *[d.label for d in devices], "fits"),
+            [(o.strategy, *[format_bytes(p) for p in o.peak], "yes" if o.fits(devices) else "no")
+             for o in options])
+        job.log.info(f"sharding=auto chose {chosen.strategy}: {why}")
+    return chosen.strategy
+
+
+def show_wrapping(log, wrapped) -> None:
+    for line in wrapped.lines:
+        if wrapped.strategy == "none":      # sharding asked for but not possible: say so, loudly
+            log.warn_job(line)
+        else:
+            log.info(line)

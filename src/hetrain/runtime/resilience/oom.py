@@ -1,0 +1,93 @@
+"""Out-of-memory recovery without deadlock: agree first, then act.
+
+Where an OOM can strike, and what keeps the peers safe:
+  * Any micro-batch but the last, forward or backward: it runs under no_sync(), so no collective
+    is in flight. The rank alone zeroes its gradients, halves its micro-batch and redoes its part
+    of the step; the peers simply wait a little longer at the step's gradient sync.
+  * The last micro-batch's forward: DDP has not armed its reducer yet (that happens after the
+    forward), so this is local too.
+  * The last micro-batch's backward: DDP is all-reducing gradient buckets as they become ready,
+    and the peers are inside those all-reduces. `SyncGuard` records which buckets this backward
+    launched; after the OOM the rank all-reduces zeros for every bucket it still owes, in bucket
+    order (DDP launches buckets strictly in index order), so every peer's collective completes.
+    Then the step's small all-reduce (runtime/ranks/agree.py) tells every rank; all discard the step's
+    gradients, reset DDP's reducer and redo the step with the smaller micro-batch.
+Every rank reports its micro-batch size in that same all-reduce, so the new size enters the Plan
+(a new version) on every rank at once. A rank that cannot shrink further (micro-batch 1) reports
+it, and all ranks stop together with the reason, rather than one rank leaving its peers waiting.
+If an OOM escapes the loop (outside `with mb:`), the job restarts from its last checkpoint and
+the rank's micro-batch is halved there (`record_escaped_oom`, applied on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...files import write_json_atomic
+
+OOM_RECORD = "oom-rank{rank}.json"
+
+
+class SyncGuard:
+    """DDP's own all-reduce comm hook, plus a record of the buckets each backward launched."""
+
+    def __init__(self, ddp: DDP):
+        self.ddp = ddp
+        self.launched: list[int] = []
+        ddp.register_comm_hook(self, SyncGuard.hook)
+
+    @staticmethod
+    def hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
+        self.launched.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def begin(self) -> None:
+        self.launched.clear()
+
+    def complete_missing(self) -> int:
+        """All-reduce zeros for every bucket this backward did not launch; returns how many."""
+        buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
+        missing = [i for i in range(len(buckets)) if i not in set(self.launched)]
+        for i in missing:
+            dist.all_reduce(buckets[i].buffer())
+        return len(missing)
+
+
+def reset_reducer(ddp: DDP) -> None:
+    """Let DDP run a forward again after a backward that did not finish (all ranks call this)."""
+    ddp.reducer._reset_state()
+
+
+def smaller_micro_batch(micro: int) -> int | None:
+    """The next micro-batch size to try after an OOM, or None when it is already 1."""
+    return None if micro <= 1 else max(1, micro // 2)
+
+
+# -- an OOM that escaped the loop: recorded now, applied when the job resumes ----------------------
+def record_escaped_oom(directory: str, *, rank: int, micro: int, step: int) -> None:
+    write_json_atomic(os.path.join(directory, OOM_RECORD.format(rank=rank)),
+                      {"rank": rank, "micro": micro, "step": step})
+
+
+def take_escaped_ooms(directory: str, world_size: int) -> dict[int, int]:
+    """{rank: micro-batch it ran out of memory with} from the previous attempt (every rank reads
+    them; rank 0 removes them once all have)."""
+    found = {}
+    for rank in range(world_size):
+        path = os.path.join(directory, OOM_RECORD.format(rank=rank))
+        if os.path.exists(path):
+            with open(path) as f:
+                found[rank] = int(json.load(f)["micro"])
+    return found
+
+
+def clear_escaped_ooms(directory: str, world_size: int) -> None:
+    for rank in range(world_size):
+        path = os.path.join(directory, OOM_RECORD.format(rank=rank))
+        if os.path.exists(path):
+            os.remove(path)

@@ -1,0 +1,178 @@
+"""What a job saves and restores: the glue between the job record (job.py) and Checkpointer.
+
+Resume rules:
+  * same world size: the saved Plan (shares after rebalancing, micro-batches after OOMs, its
+    version) is run as it was, so the continued run computes exactly what the uninterrupted
+    one would have;
+  * another world size: a new Plan for the devices present, its version one past the saved one;
+    the sampler's cursor is a position in the global sample stream, so not one sample is lost
+    or repeated either way;
+  * RNG: rank r restores the state rank r saved; a rank that did not exist keeps its fresh seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ...errors import HetrainError, UsageError
+from ...planning.plan import Plan
+from . import oom as recovery
+from .store import Checkpointer, model_signature, rng_state, set_rng_state
+
+
+def gather(job, obj) -> list:
+    import torch.distributed as dist
+
+    if job.world_size == 1:
+        return [obj]
+    out = [None] * job.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save(job) -> None:
+    """Collective: a checkpoint of the whole job at the current step boundary."""
+    ck: Checkpointer = job.checkpointer
+    rngs = gather(job, rng_state())
+    meta = {
+        "step": job.steps_done,
+        "sampler": job.sampler.state_dict(),
+        "plan": job.plan.to_json(),
+        "rebalancer": job.rebalancer.state_dict() if job.rebalancer else None,
+        "scaler": job.scaler.state_dict() if job.scaler is not None else None,
+        "rng": rngs,
+        "extra": {name: obj.state_dict() for name, obj in job.extra_state.items()},
+        "model_signature": model_signature(job.model.module),
+        "global_batch": job.config.global_batch,
+        "world_size": job.world_size,
+    }
+    path = ck.save(job.steps_done, model=job.model.module, optimizer=job.optimizer, meta=meta,
+                   midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"))
+    job.log.info(f"checkpoint {path.name} saved (step {job.steps_done}, plan v{job.plan.version})")
+
+
+@dataclass(frozen=True)
+class Found:
+    path: Path
+    meta: dict
+
+
+def find_checkpoint(job, model) -> Found | None:
+    """Collective: the newest whole checkpoint, checked against this job before anything of it is
+    used (a checkpoint of another model or global batch is refused, and nothing is written)."""
+    cfg, ck = job.config, job.checkpointer
+    path = ck.latest()
+    if path is None:
+        if cfg.resume == "must":
+            raise UsageError(f"resume='must' but {ck.dir} holds no whole checkpoint",
+                             "point checkpoint_dir at a run that saved checkpoints, or use resume='auto'")
+        return None
+    if cfg.resume == "never":
+        raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
+                         "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
+    meta = ck.read_meta(path)
+    signature = model_signature(model)
+    if meta["model_signature"] != signature:
+        raise UsageError(f"checkpoint {path} was saved from a different model "
+                         f"(signature {meta['model_signature']}, this model {signature})",
+                         "resume with the same model definition, or use a new checkpoint_dir")
+    if meta["global_batch"] != cfg.global_batch:
+        raise UsageError(f"checkpoint {path} was saved with global batch {meta['global_batch']}, "
+                         f"this run asks for {cfg.global_batch}",
+                         f"run with global_batch={meta['global_batch']}, or start a new run elsewhere")
+    return Found(path, meta)
+
+
+def adopt_plan(job, found: Found | None) -> Plan:
+    """The Plan to run: the checkpoint's own on the same world size, else the fresh one (its
+    version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
+    plan = job.plan
+    if found is not None:
+        saved = Plan.from_json(found.meta["plan"])
+        if saved.world_size == job.world_size:
+            plan = replace(saved, devices=tuple(
+                replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
+        else:
+            plan = replace(job.plan, version=saved.version + 1,
+                           note=f"re-planned for {job.world_size} devices after resuming from {saved.world_size}")
+    return _apply_escaped_ooms(job, plan)
+
+
+def restore(job, found: Found) -> None:
+    """Collective: load the checkpoint's state into the prepared job."""
+    meta, ck = found.meta, job.checkpointer
+    ck.load_model(found.path, model=job.model.module, optimizer=job.optimizer)
+    job.sampler.load_state_dict(meta["sampler"])
+    job.steps_done = meta["step"]
+    if job.scaler is not None and meta["scaler"] is not None:
+        job.scaler.load_state_dict(meta["scaler"])
+    for name, obj in job.extra_state.items():
+        if name in meta["extra"]:
+            obj.load_state_dict(meta["extra"][name])
+    if job.rank < len(meta["rng"]):
+        set_rng_state(meta["rng"][job.rank])
+    if job.rebalancer is not None and meta["rebalancer"] is not None:
+        job.rebalancer.load_state_dict(meta["rebalancer"])
+    job.hooks.state_restored(job.model.module, job.optimizer)     # an emulated device holds it too
+    job.log.info(f"resumed from {found.path.name}: step {job.steps_done}, epoch {job.sampler.epoch}, "
+                    f"sample cursor {job.sampler.cursor}, plan v{job.plan.version}"
+                    + (f" (restart {job.ctx.restart})" if job.ctx.restart else ""))
+
+
+def _apply_escaped_ooms(job, plan: Plan) -> Plan:
+    """Halve the micro-batch of every rank whose previous attempt died of an OOM (runtime/resilience/oom.py);
+    with a checkpoint or without (an OOM before the first one)."""
+    import torch.distributed as dist
+
+    found = recovery.take_escaped_ooms(str(job.checkpointer.dir), job.world_size)
+    if job.world_size > 1:
+        dist.barrier()   # every rank has read the records before rank 0 removes them
+    if not found or plan.world_size != job.world_size:
+        return plan
+    devices = list(plan.devices)
+    notes = []
+    for rank, micro in sorted(found.items()):
+        smaller = recovery.smaller_micro_batch(min(micro, devices[rank].micro_batch))
+        if smaller is None:   # every rank read the same record: all stop here together
+            raise HetrainError(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
+                               "1 sample in the previous attempt: the model does not fit there",
+                               "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
+                               "or a device with more memory")
+        devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
+        notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
+    if job.rank == 0:
+        recovery.clear_escaped_ooms(str(job.checkpointer.dir), job.world_size)
+    note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
+    job.log.warn_job(note)
+    return plan.evolve(note=note, devices=tuple(devices))
+
+
+def log_samples(job, step) -> None:
+    """Append this rank's samples of a finished step to its sample log (one JSON line)."""
+    directory = job.config.sample_log
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"rank{job.rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step.index, "attempt": job.ctx.restart, "epochs": list(step.epochs),
+                            "indices": list(step.indices)}) + "\n")
+
+
+def read_sample_log(directory: str) -> dict[int, list[tuple[int, int]]]:
+    """{step: [(epoch, index), ...] over all ranks}, keeping each rank's latest attempt of a step
+    (steps redone after a restart supersede the lost ones)."""
+    per_rank: dict[tuple[int, int], dict] = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".jsonl"):
+            continue
+        rank = int(name[4:-6])
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    per_rank[(rec["step"], rank)] = rec
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for (step, _), rec in sorted(per_rank.items()):
+        steps.setdefault(step, []).extend(zip(rec["epochs"], rec["indices"]))
+    return steps

@@ -1,0 +1,84 @@
+"""How a worker stops on an error hetrain can explain: one line with the fix, no traceback.
+
+Installed by init() in every worker. Under `hetrain run` a worker does not print the error: it
+writes it to the run directory and exits (code 2 for a usage error), and the launcher prints it
+once — whichever ranks got there before torchrun stopped the others. Under plain torchrun, rank 0
+prints a UsageError (it is the same on every rank) and every rank prints any other error.
+An out-of-memory error that escaped the training loop is recorded in the checkpoint directory,
+so the restarted job runs that rank with half the micro-batch (runtime/resilience/oom.py).
+Anything else keeps Python's usual traceback, tagged with the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ...errors import HetrainError, UsageError
+from ...files import write_json_atomic
+from ..config import LAUNCH_ENV
+
+ERROR_FILE = "error-rank{rank}.json"
+
+
+def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
+    path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    write_json_atomic(path, {"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
+                             "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError)})
+
+
+def read_errors(run_dir: str) -> list[dict]:
+    """The errors workers wrote in the job's latest attempt, lowest rank first."""
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("error-rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                out.append(json.load(f))
+    latest = max((e.get("attempt", 0) for e in out), default=0)
+    return sorted((e for e in out if e.get("attempt", 0) == latest), key=lambda e: e["rank"])
+
+
+def clear_errors(run_dir: str) -> None:
+    """Before a launch: errors of an earlier job in the same run directory are not this one's."""
+    for name in os.listdir(run_dir):
+        if name.startswith("error-rank") and name.endswith(".json"):
+            os.remove(os.path.join(run_dir, name))
+
+
+def install_excepthook(rank: int, world_size: int, job_of) -> None:
+    """Installed as soon as the rank knows who it is, before anything else can fail. `job_of()`
+    gives the job record (job.py) once it exists, read when an error arrives: its checkpoint dir,
+    step and micro-batch for an escaped OOM, and the warnings its log still holds."""
+    previous = sys.excepthook
+    launch = os.environ.get(LAUNCH_ENV)
+    run_dir = os.path.dirname(launch) if launch else None
+
+    def hook(exc_type, exc, tb):
+        import torch
+
+        from .oom import record_escaped_oom
+
+        job = job_of()
+        if job is not None:
+            job.log.flush_alone()   # this rank's warnings that rank 0 has not printed yet
+        if isinstance(exc, torch.OutOfMemoryError) and job is not None and job.checkpointer is not None:
+            record_escaped_oom(str(job.checkpointer.dir), rank=rank, step=job.steps_done,
+                               micro=job.micro_batch or 1)
+        if isinstance(exc, HetrainError):
+            if run_dir is not None:
+                write_error(run_dir, rank, exc)
+            elif rank == 0 or not isinstance(exc, UsageError):
+                tag = f" (rank {rank})" if world_size > 1 and not isinstance(exc, UsageError) else ""
+                print(f"hetrain: error{tag}: {exc.what}", file=sys.stderr)
+                if exc.fix:
+                    print(f"  fix: {exc.fix}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.exit_code)   # skip teardown: peers may already be gone
+        if world_size > 1:
+            print(f"[rank {rank}] {exc_type.__name__} in the training script:", file=sys.stderr)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

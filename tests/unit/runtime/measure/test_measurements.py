@@ -1,0 +1,86 @@
+"""From gathered measurements to the Plan (runtime/measure/measurements.py): the runtime and `hetrain plan`
+both call plan_from_measurements, so what it reads off the Config and the probes is tested here."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hetrain.errors import UsageError
+from hetrain.planning.profile import DeviceProfile
+from hetrain.runtime.config import Config
+from hetrain.runtime.measure.joint import SYNC_RUNS
+from hetrain.runtime.measure.measurements import (Measurements, options_from_measurements, plan_from_measurements,
+                                          plan_options, straggle)
+
+MIB = 1024**2
+SPEC = "a100-80g:1.0,rtx3090:0.5@2MiB"
+
+
+def test_straggle_is_the_median_run_of_how_far_the_last_rank_trails_the_mean():
+    # Three ranks; rank 2 is last in every run, by a different amount each time: with the others
+    # at 1 and rank 2 at v, it trails the mean (2 + v)/3 by 3v/(2 + v) − 1. v = 7/4 is 40%.
+    last = (1.0, 1.25, 1.75, 2.5, 4.0)                       # the middle run, by how far it trails: 7/4
+    assert straggle(((1.0,) * SYNC_RUNS, (1.0,) * SYNC_RUNS, last[:SYNC_RUNS])) == pytest.approx(0.4)
+    assert straggle(((0.0,) * SYNC_RUNS,) * 3) == 0.0           # not timed (a GPU)
+
+
+def _profile(label: str, speed: float, memory: int | None) -> DeviceProfile:
+    """A CPU measurement at the emulated speed, as profiler.emulated() leaves it: 2 MiB of model
+    state, 1 MiB of activations a sample, so the slow device's 2 MiB fit one sample only when
+    activations are checkpointed."""
+    sizes = (1, 2, 4, 8)
+    return DeviceProfile(device=f"{label} (emulated)", source="test", overhead_s=0.001 / speed,
+                         per_sample_s=0.002 / speed, fixed_bytes=MIB, activation_bytes_per_sample=MIB,
+                         memory_bytes=memory, cpu_share=speed, sizes=sizes,
+                         seconds=tuple((0.001 + 0.002 * m) / speed for m in sizes))
+
+
+def measured(**changes) -> Measurements:
+    labels = ("a100-80g#0 (emulated)", "rtx3090#1 (emulated)")
+    return replace(Measurements(
+        labels=labels, precisions=("fp32", "fp32"),
+        profiles=(_profile("a100-80g#0", 1.0, 80 * 1024 * MIB), _profile("rtx3090#1", 0.5, 2 * MIB)),
+        cached=(False, True), grad_bytes=4 * MIB, host_cores=2, allreduce_s=(0.004, 0.005),
+        sync_s=((0.002,) * SYNC_RUNS, (0.003,) * SYNC_RUNS), compute_s=((0.01,) * SYNC_RUNS, (0.012,) * SYNC_RUNS),
+        agree_s=(0.0004, 0.0003)), **changes)
+
+
+def test_measurements_round_trip_through_json_exactly():
+    m = measured()
+    assert Measurements.from_json(m.to_json()) == m
+    single = Measurements(labels=("cpu (rank 0)",), precisions=("fp32",), profiles=None)
+    assert Measurements.from_json(single.to_json()) == single
+
+
+def test_the_config_decides_batch_margin_cap_and_checkpointing():
+    o = plan_options(Config(global_batch=24, micro_batch=4, memory_margin=0.2), grad_bytes=8, link=None)
+    assert (o.global_batch, o.micro_batch_cap, o.memory_margin, o.allow_checkpointing, o.allow_exclusion) == \
+        (24, 4, 0.2, True, False)
+    assert not plan_options(Config(global_batch=24, checkpointing="none"), grad_bytes=8, link=None).allow_checkpointing
+
+
+def test_the_probes_become_the_options_the_planner_is_given():
+    o = options_from_measurements(measured(), Config(global_batch=24, emulate=SPEC))
+    assert o.sync_s == 0.002 and o.agree_s == 0.0003          # the least rank's, median run
+    assert o.straggle == pytest.approx(0.012 / 0.011 - 1) and o.straggle_stretch == 1.0   # 2 ranks, 2 cores
+    assert o.host_cores == 2 and o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.005 / 1e9)
+    assert options_from_measurements(measured(), Config(global_batch=24)).host_cores is None   # real devices
+
+
+def test_a_device_that_needs_checkpointing_gets_it_unless_the_config_says_none():
+    plan, profiles = plan_from_measurements(measured(), Config(global_batch=24, emulate=SPEC))
+    assert [d.checkpointing for d in plan.devices] == [False, True]
+    assert sum(plan.shares) == 24 and "pooled" in profiles[0].source
+    for d, p in zip(plan.devices, profiles):                  # the rebalancer's time model, per rank
+        assert (d.per_sample_s, d.fixed_s) == (p.per_sample_s, p.overhead_s)
+    with pytest.raises(UsageError):
+        plan_from_measurements(measured(), Config(global_batch=24, emulate=SPEC, checkpointing="none"))
+
+
+def test_one_device_with_unlimited_memory_takes_the_whole_batch():
+    m = Measurements(labels=("cpu (rank 0)",), precisions=("bf16",), profiles=None)
+    plan, profiles = plan_from_measurements(m, Config(global_batch=24, micro_batch=5))
+    assert profiles == () and plan.shares == (24,) and plan.devices[0].micro_batch == 5
+    assert plan.devices[0].precision == "bf16" and plan.devices[0].device == "cpu (rank 0)"

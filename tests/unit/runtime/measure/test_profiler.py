@@ -1,0 +1,165 @@
+"""The profiler on this CPU: what it counts, what it leaves untouched, its cache and its bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hetrain.hardware.cluster import parse_cluster
+from hetrain.runtime.measure import profiler
+from hetrain.planning.profile import DeviceProfile, fit_linear
+from hetrain.runtime.measure.profiler import emulated, measure, profile_device
+
+D_IN, D_HIDDEN, D_OUT = 32, 64, 8
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.ReLU(), nn.Linear(D_HIDDEN, D_OUT))
+
+
+def loader(m):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(m, D_IN, generator=g), torch.randn(m, D_OUT, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_counts_activations_state_and_time_and_leaves_the_model_as_found():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=16, cpu_clock=True)
+    # Saved for backward, per sample: the first Linear's input (32 floats) and the ReLU output,
+    # which the second Linear also saves (one storage, 64 floats).
+    assert p.activation_bytes_per_sample == pytest.approx((D_IN + D_HIDDEN) * 4, rel=1e-6)
+    params = sum(q.numel() for q in model.parameters())
+    assert p.fixed_bytes == 16 * params                      # weights, grads, Adam's two moments (fp32)
+    assert p.per_sample_s > 0 and p.overhead_s >= 0 and p.optimizer_s > 0
+    assert p.sizes == (1, 2, 4, 8, 16) and len(p.seconds) == 5
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(q.grad is None for q in model.parameters()) and not opt.state
+    assert torch.equal(torch.rand(3), expected_draw)         # RNG as if nothing had run
+
+
+def test_memory_limits_the_sizes_measured():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = sum(q.numel() * 4 for q in model.parameters()) * 2
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=64,
+                memory_bytes=state + 8 * (D_IN + D_HIDDEN) * 4, cpu_clock=True)
+    assert max(p.sizes) <= 4        # half of the 8 samples that fit
+
+
+def test_time_is_bounded():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.perf_counter()
+    p = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=64, budget_s=0.0)
+    assert len(p.sizes) == 2 and time.perf_counter() - t0 < 30
+
+
+def test_cached_by_model_and_device(cache):
+    cpu = torch.device("cpu")
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    first, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert not hit and len(list((cache / "profiles").glob("*.json"))) == 1
+    again, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert hit and again == first
+    other = nn.Sequential(nn.Linear(D_IN, 2 * D_HIDDEN), nn.ReLU(), nn.Linear(2 * D_HIDDEN, D_OUT))
+    _, hit = profile_device(other, torch.optim.AdamW(other.parameters()), loader, device=cpu, label="cpu0",
+                            max_size=8)
+    assert not hit and len(list((cache / "profiles").glob("*.json"))) == 2
+    (cache / "profiles" / next((cache / "profiles").iterdir()).name).write_text("{not json")
+    profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)   # unreadable: measured again
+
+
+def test_caching_can_be_turned_off(monkeypatch, cache):
+    monkeypatch.setenv("HETRAIN_CACHE", "off")
+    assert profiler.cache_dir() is None
+    model = mlp()
+    _, hit = profile_device(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                            device=torch.device("cpu"), label="cpu", max_size=4)
+    assert not hit and not (cache / "profiles").exists()
+
+
+def test_emulated_devices_convert_cpu_time_by_their_speed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raw = measure(model, opt, loader, device=torch.device("cpu"), label="cpu", max_size=4, cpu_clock=True)
+    (slow,) = parse_cluster("rtx3090:0.5@1GiB")
+    dev = emulated(raw, slow)
+    assert dev.per_sample_s == pytest.approx(2 * raw.per_sample_s)
+    assert dev.overhead_s == pytest.approx(2 * raw.overhead_s)
+    assert dev.optimizer_s == pytest.approx(2 * raw.optimizer_s)
+    assert dev.cpu_share == 0.5 and dev.memory_bytes == 1024**3 and "emulated" in dev.device
+    via_cache, _ = profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
+                                  emulate=slow)
+    assert via_cache.cpu_share == 0.5 and via_cache.memory_bytes == 1024**3
+
+
+def cpu_profile(sizes, seconds_of, *, precision="fp32") -> DeviceProfile:
+    """A CPU measurement with the given timings (what `measure` records), fitted as measure fits."""
+    seconds = [seconds_of(m) for m in sizes]
+    a, b = fit_linear(list(sizes), seconds)
+    return DeviceProfile(device="cpu", source="measured on cpu", overhead_s=a, per_sample_s=b, fixed_bytes=0,
+                         activation_bytes_per_sample=0.0, precision=precision, sizes=tuple(sizes),
+                         seconds=tuple(seconds))
+
+
+def line(a, b):
+    return lambda m: a + b * m
+
+
+def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
+    fast, slow = parse_cluster("a100-80g:1.0,rtx3090:0.5")
+    sizes = (1, 2, 4, 8, 16)
+    same = cpu_profile(sizes, line(0.002, 0.001))
+    x, y = profiler.pool_emulated([emulated(same, fast), emulated(same, slow)], [fast, slow])
+    assert (x.overhead_s, x.per_sample_s) == pytest.approx((0.002, 0.001))
+    assert (y.overhead_s, y.per_sample_s) == pytest.approx((0.004, 0.002)) and y.cpu_share == 0.5
+    noisy = cpu_profile(sizes, line(0.0024, 0.0012))            # the other rank measured 20% slower
+    a, b = profiler.pool_emulated([emulated(same, fast), emulated(noisy, slow)], [fast, slow])
+    assert 1.05 < a.per_sample_s / 0.001 < 1.15 and 1.05 < a.overhead_s / 0.002 < 1.15   # in between
+    assert b.per_sample_s == pytest.approx(2 * a.per_sample_s) and b.overhead_s == pytest.approx(2 * a.overhead_s)
+    assert "pooled with the 2 fp32 ranks" in a.source
+
+
+def test_a_capped_device_fits_the_pooled_points_within_its_own_sizes():
+    """The capped device measured up to 4 samples: its line comes from the points up to 4 (its own
+    and the big device's), not from a line bent by the big device's 64-sample timings."""
+    fast, capped = parse_cluster("a100-80g:1.0,t4:0.5@24MiB")
+    small = line(0.002, 0.001)
+    bent = lambda m: small(m) * (1 + max(0, m - 8) / 40)          # slower per sample past 8 (caches)
+    big = cpu_profile((1, 2, 4, 8, 16, 32, 64), bent)
+    little = cpu_profile((1, 2, 4), small)
+    a, b = profiler.pool_emulated([emulated(big, fast), emulated(little, capped)], [fast, capped])
+    assert (b.overhead_s, b.per_sample_s) == pytest.approx((2 * 0.002, 2 * 0.001), rel=1e-6)
+    assert a.per_sample_s > 1.2 * 0.001          # the big device keeps its large sizes' cost
+    assert "up to 4 samples" in b.source and "up to 64 samples" in a.source
+
+
+def test_emulated_ranks_of_different_precisions_are_not_pooled():
+    """fp16 on a CPU is many times slower than bf16: pooling the two would slow the bf16 device
+    down and speed the fp16 one up in the plan (seen as a 63 : 1 split on an A100 + T4 pair)."""
+    fast, slow, third = parse_cluster("a100-80g:1.0,t4:0.5,rtx3090:0.5")
+    sizes = (1, 2, 4, 8)
+    bf16 = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
+    fp16 = cpu_profile(sizes, line(0.06, 0.03), precision="fp16")
+    other = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
+    a, b, c = profiler.pool_emulated([emulated(bf16, fast), emulated(fp16, slow), emulated(other, third)],
+                                     [fast, slow, third])
+    assert a.per_sample_s == pytest.approx(0.001) and c.per_sample_s == pytest.approx(2 * 0.001)
+    assert b.per_sample_s == pytest.approx(2 * 0.03)                           # its own measurement
+    assert "pooled" not in b.source and "pooled with the 2 bf16 ranks" in a.source
