@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
+from .nvml import bus_id, call, error_text, nvml_part, uuid_text
 
 SCHEMA = 1
 ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES")
-_LEVELS = {0: "INT", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}   # NVML topology
 PEER_TIMEOUT_S = 60.0     # the copy-and-verify child's deadline (CUDA start-up on 8 GPUs included)
 
 
@@ -48,10 +48,6 @@ def relevant_env(environ=None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k: v for k, v in sorted(environ.items())
             if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".strip()
 
 
 def _host() -> dict:
@@ -91,137 +87,19 @@ def _torch_part(facts: dict) -> list[dict]:
             v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
         except Exception as e:   # torch built without NCCL (e.g. Windows)
             v["nccl"] = None
-            t["error"] = f"NCCL: {_err(e)}"
+            t["error"] = f"NCCL: {error_text(e)}"
         for i in range(t["device_count"]):
             p = torch.cuda.get_device_properties(i)
             bus = getattr(p, "pci_bus_id", None)
             gpus.append({
                 "cuda_index": i, "nvml_index": None, "name": p.name,
-                "uuid": _uuid(getattr(p, "uuid", None)),
-                "pci_bus_id": (_bus_id(getattr(p, "pci_domain_id", 0), bus, getattr(p, "pci_device_id", 0))
+                "uuid": uuid_text(getattr(p, "uuid", None)),
+                "pci_bus_id": (bus_id(getattr(p, "pci_domain_id", 0), bus, getattr(p, "pci_device_id", 0))
                                if isinstance(bus, int) else None),
                 "memory_bytes": int(p.total_memory), "compute_capability": [p.major, p.minor]})
     except Exception as e:
-        t["error"] = _err(e)
+        t["error"] = error_text(e)
     return gpus
-
-
-def _uuid(u) -> str | None:
-    if u is None:
-        return None
-    s = str(u).lower()
-    return s if s.startswith(("gpu-", "mig-")) else f"gpu-{s}"
-
-
-def _bus_id(domain, bus, device) -> str:
-    return f"{int(domain or 0):08x}:{int(bus):02x}:{int(device or 0):02x}.0"
-
-
-def _norm_bus(s: str | None) -> str | None:
-    """'00000000:01:00.0' and '0000:01:00.0' compare equal."""
-    if not s:
-        return None
-    dom, rest = s.lower().split(":", 1) if s.count(":") == 2 else ("0", s.lower())
-    return f"{int(dom, 16):08x}:{rest}"
-
-
-# -- NVML ------------------------------------------------------------------------------------
-def _nvml_part(facts: dict) -> tuple[list[dict], list[dict]]:
-    """GPU records and pairs from NVML; failures recorded in facts['nvml']."""
-    facts["nvml"] = {"ok": False, "error": None}
-    try:
-        import pynvml as nv
-    except ImportError as e:
-        facts["nvml"]["error"] = f"nvidia-ml-py is not installed ({e}); pip install nvidia-ml-py"
-        return [], []
-    try:
-        nv.nvmlInit()
-    except Exception as e:   # no driver: 'NVML Shared Library Not Found', 'Driver Not Loaded'
-        facts["nvml"]["error"] = _err(e)
-        return [], []
-    facts["nvml"]["ok"] = True
-    v = facts["versions"]
-    v["driver"] = _call(nv.nvmlSystemGetDriverVersion)
-    v["nvml"] = _call(nv.nvmlSystemGetNVMLVersion)
-    cuda = _call(nv.nvmlSystemGetCudaDriverVersion)
-    v["driver_cuda"] = f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None
-    gpus, handles = [], []
-    for i in range(_call(nv.nvmlDeviceGetCount) or 0):
-        h = _call(nv.nvmlDeviceGetHandleByIndex, i)
-        if h is None:     # e.g. 'GPU is lost' or no permission: drop it and say so
-            facts["nvml"]["error"] = f"GPU {i}: no NVML handle (lost, or no permission)"
-            continue
-        handles.append(h)
-        pci = _call(nv.nvmlDeviceGetPciInfo, h)
-        mem = _call(nv.nvmlDeviceGetMemoryInfo, h)
-        cc = _call(nv.nvmlDeviceGetCudaComputeCapability, h)
-        power = _call(nv.nvmlDeviceGetEnforcedPowerLimit, h)
-        util = _call(nv.nvmlDeviceGetUtilizationRates, h)
-        gpus.append({
-            "nvml_index": i, "name": _str(_call(nv.nvmlDeviceGetName, h)),
-            "uuid": _uuid(_str(_call(nv.nvmlDeviceGetUUID, h))),
-            "pci_bus_id": _norm_bus(_str(getattr(pci, "busId", None))),
-            "memory_bytes": int(mem.total) if mem is not None else None,
-            "compute_capability": list(cc) if cc else None,
-            "power_limit_w": power / 1000 if isinstance(power, int) else None,
-            "pcie_gen": _call(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
-            "pcie_gen_max": _call(nv.nvmlDeviceGetMaxPcieLinkGeneration, h),
-            "pcie_gen_gpu_max": _call(nv.nvmlDeviceGetGpuMaxPcieLinkGeneration, h),
-            "pcie_width": _call(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
-            "pcie_width_max": _call(nv.nvmlDeviceGetMaxPcieLinkWidth, h),
-            "nvlink_active": _active_links(nv, h),
-            "numa_node": _call(nv.nvmlDeviceGetNumaNodeId, h),
-            "utilization_pct": getattr(util, "gpu", None)})
-    pairs = []
-    for a in range(len(handles)):
-        for b in range(a + 1, len(handles)):
-            level = _call(nv.nvmlDeviceGetTopologyCommonAncestor, handles[a], handles[b])
-            links = _links_between(nv, handles[a], handles[b], gpus[b]["pci_bus_id"])
-            pairs.append({"a": gpus[a]["nvml_index"], "b": gpus[b]["nvml_index"], "nvlinks": links,
-                          "level": f"NV{links}" if links else _LEVELS.get(level)})
-    return gpus, pairs
-
-
-def _call(fn, *args):
-    """An NVML query that some GPUs or drivers do not support: None instead of an exception."""
-    try:
-        return fn(*args)
-    except Exception:
-        return None
-
-
-def _str(x) -> str | None:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _active_links(nv, h) -> int:
-    n = 0
-    for link in range(nv.NVML_NVLINK_MAX_LINKS):
-        state = _call(nv.nvmlDeviceGetNvLinkState, h, link)
-        if state is None:
-            break    # no such link (or no NVLink at all)
-        n += state == nv.NVML_FEATURE_ENABLED
-    return n
-
-
-def _links_between(nv, ha, hb, bus_b: str | None) -> int:
-    """Direct links a->b; through an NVSwitch (HGX boards) every active link of a reaches b."""
-    direct = switched = 0
-    for link in range(nv.NVML_NVLINK_MAX_LINKS):
-        state = _call(nv.nvmlDeviceGetNvLinkState, ha, link)
-        if state is None:
-            break
-        if state != nv.NVML_FEATURE_ENABLED:
-            continue
-        remote = _call(nv.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
-        if remote is not None and _norm_bus(_str(remote.busId)) == bus_b:
-            direct += 1
-        elif _call(nv.nvmlDeviceGetNvLinkRemoteDeviceType, ha, link) == nv.NVML_NVLINK_DEVICE_TYPE_SWITCH:
-            switched += 1
-    if direct:
-        return direct
-    via_switch = _call(nv.nvmlDeviceGetP2PStatus, ha, hb, nv.NVML_P2P_CAPS_INDEX_NVLINK)
-    return switched if via_switch == nv.NVML_P2P_STATUS_OK else 0
 
 
 # -- merging and peer access -----------------------------------------------------------------
@@ -259,7 +137,7 @@ def _report_peers(facts: dict) -> None:
             pair["p2p_reported"] = bool(torch.cuda.can_device_access_peer(a, b)
                                         and torch.cuda.can_device_access_peer(b, a))
         except Exception as e:
-            pair["p2p_error"] = _err(e)
+            pair["p2p_error"] = error_text(e)
 
 
 def _peer_checks_in_child(facts: dict, measure: bool, timeout_s: float = PEER_TIMEOUT_S) -> None:
@@ -304,7 +182,7 @@ def _peer_checks(facts: dict, measure: bool) -> None:
                     torch.cuda.synchronize(i)
                 pair["p2p_verified"] = bool(torch.equal(there.cpu(), src.cpu()) and torch.equal(back, src))
             except Exception as e:
-                pair["p2p_verified"], pair["p2p_error"] = False, _err(e)
+                pair["p2p_verified"], pair["p2p_error"] = False, error_text(e)
         if measure:
             pair["measured_gbs"] = _measure(torch, f"cuda:{a}", f"cuda:{b}")
     if measure:
@@ -349,7 +227,7 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
                                                   "driver", "driver_cuda", "nvml")},
                    "torch": {}, "nvml": {}, "gpus": [], "pairs": [], "env": relevant_env()}
     torch_gpus = _torch_part(facts)
-    nvml_gpus, nvml_pairs = _nvml_part(facts)
+    nvml_gpus, nvml_pairs = nvml_part(facts)
     gpus = facts["gpus"] = _merge(torch_gpus, nvml_gpus) if nvml_gpus else torch_gpus
     if nvml_gpus:          # NVML numbers pairs by its own index; re-key them by position in gpus
         where = {g.get("nvml_index"): i for i, g in enumerate(gpus)}
@@ -366,7 +244,7 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
     if facts["nvml"]["ok"]:
         import pynvml
 
-        _call(pynvml.nvmlShutdown)
+        call(pynvml.nvmlShutdown)
     if not gpus:       # no GPU: the CPU is the device (and what emulated devices run on)
         facts["cpu_precision"] = _cpu_precision()
     return facts

@@ -32,8 +32,10 @@ from ..errors import UsageError
 from ..planning.memory import ADAMW_STATE_FACTOR
 from ..planning.parallelism import evaluate_hybrid, split_hybrid
 from ..planning.plan import split_evenly
-from .pipeline import (NOT_MEASURED, Pipeline, PipelineParts, agreed_profile, check_pipeline_config, device_table,
-                       find_parts, param_names, show, unmeasured_profile, warn_if_over)
+from .blocks import PipelineParts, find_parts
+from .pipeline import Pipeline
+from .pipeline_sizing import (NOT_MEASURED, agreed_profile, check_pipeline_config, device_table, param_names, show,
+                              unmeasured_profile, warn_if_over)
 
 
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, stages: int,

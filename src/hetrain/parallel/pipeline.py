@@ -28,7 +28,7 @@ What happens, and why:
   * Emulated speed. `forward_one_chunk` and `backward_one_chunk` (one micro-batch's forward or
     backward piece, with no communication inside) and the loss are timed and followed by a sleep
     of c·(1/s − 1): each piece lasts c/s, so the pipeline's timeline (bubbles, waits) is that of
-    devices of those speeds. (Wall time of the piece, see `_MeteredStage.timed`.)
+    devices of those speeds. (Wall time of the piece, see `pipeline_stage.MeteredStage.timed`.)
   * Memory. Activations saved by each micro-batch's forward are counted until its backward frees
     them, giving the peak micro-batches and bytes in flight. Over an emulated device's cap, every
     rank raises torch.OutOfMemoryError together after the step (agreed, so no rank is left waiting).
@@ -36,115 +36,30 @@ What happens, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from ..errors import UsageError
-from ..vocabulary import SCHEDULES
 from ..hardware.units import format_bytes
 from ..planning.memory import ADAMW_STATE_FACTOR
-from ..planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
-                                       evaluate_split, split_pipeline)
+from ..planning.pipeline_split import PipelineProfile, PipelineSplit
 from ..planning.plan import split_evenly
 from ..runtime.ranks import agree
 from ..runtime.loop import reduce
-from .blocks import PipelineParts, SavedBytes, StageModule, find_parts, param_storage_ptrs, profile_blocks
+from .blocks import PipelineParts, StageModule, find_parts, param_storage_ptrs, profile_blocks
+from .pipeline_sizing import (NOT_MEASURED, agreed_profile, check_pipeline_config, device_table, param_names,
+                              plan_split, show, unmeasured_profile, warn_if_over)
+from .pipeline_stage import Flight, MeteredStage, RowLoss
 
 __all__ = ["prepare", "Pipeline", "PipelineParts", "find_parts", "profile_blocks", "device_table"]
 
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-# -- the stage: throttled and metered per micro-batch -----------------------------------------
-class _Flight:
-    """Micro-batches (and their saved bytes) held between forward and backward."""
-
-    def __init__(self, skip: set[int], count_bytes: bool):
-        self.skip, self.count_bytes = skip, count_bytes
-        self.held: dict[int, int] = {}
-        self.bytes = self.peak_bytes = 0
-        self.peak_count = 0
-
-    def forward(self, chunk: int, run: Callable):
-        counter = SavedBytes(self.skip)
-        if self.count_bytes:
-            with counter.hooks():
-                out = run()
-        else:
-            out = run()
-        self.held[chunk] = counter.bytes
-        self.bytes += counter.bytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.peak_count = max(self.peak_count, len(self.held))
-        return out
-
-    def backward_done(self, chunk: int) -> None:
-        self.bytes -= self.held.pop(chunk, 0)
-
-
-class _MeteredStage(PipelineStage):
-    """A PipelineStage whose per-micro-batch compute pieces are throttled and metered."""
-
-    def __init__(self, *args, throttle=None, flight: _Flight, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._throttle = throttle
-        self._flight = flight
-        self.compute_s = 0.0
-
-    def timed(self, run: Callable):
-        # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
-        # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
-        # the devices' speed ratio even when a shared CPU slows every process (CPU time would
-        # not: the fast device would slow down while the slow one's sleep stayed the same).
-        t0 = time.perf_counter()
-        try:
-            return run()
-        finally:
-            spent = time.perf_counter() - t0
-            self.compute_s += spent
-            if self._throttle is not None:
-                self._throttle.pay(spent)
-
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        parent = super().forward_one_chunk
-        return self.timed(lambda: self._flight.forward(
-            fwd_chunk_id, lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output)))
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        parent = super().backward_one_chunk
-        out = self.timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                         last_backward=last_backward))
-        self._flight.backward_done(bwd_chunk_id)
-        return out
-
-
-class _RowLoss:
-    """The schedule's loss: targets arrive as row ids (-1: padding); the user's mean loss over
-    the real rows, weighted by n_k·D/N so the summed gradient is the big-batch gradient."""
-
-    def __init__(self, loss_fn: Callable, *, replicas: int, timed: Callable):
-        self.loss_fn, self.replicas, self.timed = loss_fn, replicas, timed
-        self.targets: torch.Tensor | None = None
-        self.total = 1
-
-    def begin(self, targets: torch.Tensor | None, total: int) -> None:
-        self.targets, self.total = targets, total
-
-    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        def run():
-            real = rows >= 0
-            n = int(real.sum())
-            loss = self.loss_fn(output[real], self.targets[rows[real]])
-            return loss * reduce.loss_factor(units=n, world_size=self.replicas, global_batch=self.total)
-        return self.timed(run)
 
 
 # -- the pipeline -----------------------------------------------------------------------------
@@ -188,11 +103,11 @@ class Pipeline:
         self.module = StageModule(parts, start, stop, is_first=stage_index == 0,
                                   is_last=stage_index == self.num_stages - 1).to(device)
         self._names = names
-        self._flight = _Flight(param_storage_ptrs(self.module), count_bytes=emulated is not None)
-        self.stage = _MeteredStage(self.module, stage_index, self.num_stages, device, group=pp_group,
+        self._flight = Flight(param_storage_ptrs(self.module), count_bytes=emulated is not None)
+        self.stage = MeteredStage(self.module, stage_index, self.num_stages, device, group=pp_group,
                                    throttle=emulated.throttle if emulated is not None else None,
                                    flight=self._flight)
-        self._loss = _RowLoss(loss_fn, replicas=self.replicas, timed=self.stage.timed)
+        self._loss = RowLoss(loss_fn, replicas=self.replicas, timed=self.stage.timed)
         self.schedule = _SCHEDULE_CLASSES[split.schedule](self.stage, self.micro_batches, loss_fn=self._loss,
                                                           scale_grads=False)
         self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index)
@@ -361,98 +276,7 @@ def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica:
     return out
 
 
-# -- prepare: measure, agree, split, build ----------------------------------------------------
-def device_table(ht) -> list[StageDevice]:
-    """Every rank's device (speed, memory), agreed: emulated specs, or CUDA memory and catalog
-    speed (replaced by measured speeds when the blocks are profiled)."""
-    speed, memory = 1.0, 0.0
-    if ht.emulated is not None:
-        speed, memory = ht.emulated.spec.speed, float(ht.emulated.spec.memory_bytes)
-    elif ht.device.type == "cuda":
-        from ..hardware import catalog
-
-        gpu = catalog.lookup(torch.cuda.get_device_name(ht.device))
-        speed = gpu.speed_index if gpu is not None else 1.0
-        memory = float(torch.cuda.get_device_properties(ht.device).total_memory)
-    table = agree.exchange({"speed": speed, "memory": memory}, rank=ht.rank, world_size=ht.world_size,
-                           device=ht.device)
-    fastest = max(table.column("speed"))
-    labels = [None] * ht.world_size
-    dist.all_gather_object(labels, ht.device_label)
-    return [StageDevice(name=labels[r], speed=table.row(r)["speed"] / fastest,
-                        memory_bytes=table.row(r)["memory"] or None) for r in range(ht.world_size)]
-
-
-def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None,
-                   devices: list[StageDevice]) -> tuple[PipelineProfile, list[StageDevice]]:
-    """The block costs every rank sizes the split from (rank 0's, at speed 1.0), and the devices.
-
-    Emulated: rank 0's CPU time is the speed-1.0 time and the speeds are the cluster spec's. Real
-    GPUs: every rank measures the blocks on its own device, and a device's speed is the fastest
-    total time over its own (measured, not the catalog's guess)."""
-    if example is None:
-        raise UsageError("pipeline.prepare needs example= (a micro-batch of inputs) to time the blocks",
-                         "pass example=x[:4], or split=[...] blocks per stage, or split='uniform'")
-    measure_all = ht.emulated is None and ht.device.type == "cuda"
-    mine = profile_blocks(parts, example, device=ht.device) if (measure_all or ht.rank == 0) else None
-    if measure_all:
-        totals = agree.exchange({"seconds": mine.seconds_per_sample}, rank=ht.rank, world_size=ht.world_size,
-                                device=ht.device).column("seconds")
-        devices = [StageDevice(name=d.name, speed=min(totals) / t, memory_bytes=d.memory_bytes)
-                   for d, t in zip(devices, totals)]
-        if ht.rank == 0:     # rank 0's times, scaled to the fastest device
-            mine = _scaled(mine, devices[0].speed)
-    box = [mine if ht.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0], devices
-
-
-def _scaled(profile: PipelineProfile, speed: float) -> PipelineProfile:
-    def scale(c: BlockCost | None) -> BlockCost | None:
-        return None if c is None else dataclasses.replace(c, seconds=c.seconds * speed)
-
-    return dataclasses.replace(profile, blocks=tuple(scale(b) for b in profile.blocks), first=scale(profile.first),
-                               last=scale(profile.last), source=profile.source + f", scaled to speed 1.0 by {speed:.3g}")
-
-
-def plan_split(profile: PipelineProfile, devices: Sequence[StageDevice], split, **kwargs) -> PipelineSplit:
-    """`split`: None (sized by speed and memory), 'uniform', or blocks per stage."""
-    if split is None:
-        return split_pipeline(profile, devices, **kwargs)
-    if split == "uniform":   # (more stages than blocks: evaluate_split says so)
-        n, p = profile.n_blocks, len(devices)
-        split = split_evenly(n, p) if p <= n else (1,) * p
-    if isinstance(split, str):
-        raise UsageError(f"split={split!r}", "use None (by speed and memory), 'uniform', or blocks per stage")
-    return evaluate_split(profile, devices, split, **kwargs)
-
-
-NOT_MEASURED = "not measured (split given without example=)"
-
-
-def unmeasured_profile(parts: PipelineParts) -> PipelineProfile:
-    """Equal unit costs: a given split still gets replica shares by device speed."""
-    return PipelineProfile(blocks=tuple(BlockCost(seconds=1.0, name=f"block {i}") for i in range(len(parts.blocks))),
-                           source=NOT_MEASURED)
-
-
-def check_pipeline_config(ht, schedule: str, micro_batches: int | None, stages: int) -> int:
-    if schedule not in SCHEDULES:
-        raise UsageError(f"unknown pipeline schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-    if ht.config.precision != "fp32" or ht.config.loss_weighting != "samples":
-        raise UsageError("pipelines run fp32 with sample-weighted losses for now",
-                         "use hetrain.init(precision='fp32', loss_weighting='samples') with pipelines")
-    return micro_batches if micro_batches is not None else max(stages, min(4 * stages, 8))
-
-
-def param_names(model) -> dict[int, str]:
-    names: dict[int, str] = {}
-    if isinstance(model, nn.Module):
-        for n, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), n)      # a tied weight keeps its first name (GPT: tok.weight)
-    return names
-
-
+# -- prepare ---------------------------------------------------------------------------------
 def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_batches: int | None = None,
             schedule: str = "1f1b", example: torch.Tensor | None = None,
             split: Sequence[int] | str | None = None, state_factor: float = ADAMW_STATE_FACTOR) -> Pipeline:
@@ -483,28 +307,3 @@ def prepare(ht, model: nn.Module | PipelineParts, *, loss_fn: Callable, micro_ba
     return pp
 
 
-def warn_if_over(ht, splits: Sequence[PipelineSplit]) -> None:
-    """A split the user gave that the measured costs say will not fit: say so before running it."""
-    for r, sp in enumerate(splits):
-        for st in sp.stages:
-            if not st.fits:
-                ht.log.warn_job(f"split {'/'.join(map(str, sp.sizes))}: stage {st.index}"
-                            + (f" of replica {r}" if len(splits) > 1 else "")
-                            + f" ({st.device}) is predicted to need {format_bytes(st.memory_bytes)}, "
-                            f"{format_bytes(st.memory_cap)} usable; leave split=None to size stages by memory, "
-                            "or use 1f1b, smaller micro-batches or activation checkpointing")
-
-
-def show(ht, title: str, splits: Sequence[PipelineSplit], reasons: Sequence[str], *, measured: bool) -> None:
-    """The split as a table on rank 0: one row per stage (per replica under DP×PP)."""
-    rows = []
-    for r, sp in enumerate(splits):
-        for s in sp.stages:
-            cost = (f"{s.seconds_per_micro * 1e3:.3g}", format_bytes(s.memory_bytes)) if measured else ("-", "-")
-            rows.append(((f"{r}/" if len(splits) > 1 else "") + str(s.index), s.device, f"{s.speed:.3g}",
-                         f"{s.start}-{s.stop - 1}", s.in_flight, *cost))
-    ht.log.table(title + f", bubble {splits[0].bubble_fraction:.0%}",
-                 ("replica/stage" if len(splits) > 1 else "stage", "device", "speed", "blocks",
-                  "in flight", "ms/micro", "memory"), rows)
-    for reason in reasons:
-        ht.log.info(f"  {reason}")

@@ -18,7 +18,9 @@ from ..hardware.units import format_bytes
 from .collectives import Link
 from .cost import DEFAULT_EFFICIENCY, PCIE_GBS, Assignment, catalog_link, estimate_profile, peak_flops, standalone
 from .plan import Plan
-from .planner import PlanOptions, ddp_equal_split, make_plan, ring_link
+from .baseline import ddp_equal_split
+from .options import PlanOptions, ring_link
+from .planner import make_plan
 from .profile import DeviceProfile, ModelSpec
 
 RATIOS = ("spec", "peak")

@@ -9,7 +9,7 @@ import pytest
 import fake_nvml
 from fake_nvml import FakeGpu
 from hetrain.errors import UsageError
-from hetrain.hardware import doctor, driver, machine
+from hetrain.hardware import doctor, driver, machine, nvml
 
 A100 = dict(name="NVIDIA A100 80GB PCIe", uuid="GPU-aaaa", bus="00000000:41:00.0", memory=85097971712, cc=(8, 0),
             power_mw=300_000)
@@ -103,8 +103,8 @@ def test_merge_matches_torch_and_nvml_by_uuid_and_keeps_hidden_gpus():
 
 
 def test_bus_ids_and_uuids_normalise():
-    assert driver._norm_bus("0000:01:00.0") == driver._norm_bus("00000000:01:00.0") == "00000000:01:00.0"
-    assert driver._uuid("5A2D-11") == "gpu-5a2d-11" and driver._uuid("GPU-5a2d") == "gpu-5a2d"
+    assert nvml.norm_bus("0000:01:00.0") == nvml.norm_bus("00000000:01:00.0") == "00000000:01:00.0"
+    assert nvml.uuid_text("5A2D-11") == "gpu-5a2d-11" and nvml.uuid_text("GPU-5a2d") == "gpu-5a2d"
 
 
 def test_relevant_env_keeps_only_what_changes_nccl_cuda_torch():

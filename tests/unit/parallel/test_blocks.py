@@ -69,7 +69,7 @@ def test_profile_measures_each_part_and_the_tied_weight():
 
 
 def test_profile_scaled_to_the_fastest_device():
-    from hetrain.parallel.pipeline import _scaled
+    from hetrain.parallel.pipeline_sizing import _scaled
 
     prof = profile_blocks(find_parts(gpt()), torch.randint(0, 32, (2, 8)), repeats=1)
     half = _scaled(prof, 0.5)      # measured on a device half as fast as the fastest

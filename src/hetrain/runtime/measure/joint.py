@@ -30,7 +30,8 @@ from ..ranks import agree
 from ..config import Config
 from ..ranks.log import RankLog
 from .measurements import Measurements, profiles_come_from
-from .profiler import MAX_SIZE, profile_device, time_agreement, time_allreduce, time_gradient_sync
+from .profiler import MAX_SIZE, profile_device
+from .sync_probes import time_agreement, time_allreduce, time_gradient_sync
 
 SYNC_RUNS = 5
 

@@ -16,12 +16,12 @@ def default_forward(model, batch):
     return model(batch)
 
 
-def _as_scalar(out) -> torch.Tensor:
+def as_scalar(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out.float().mean()
     if isinstance(out, dict):
         out = list(out.values())
     if isinstance(out, (tuple, list)):
-        return sum(_as_scalar(o) for o in out if isinstance(o, (torch.Tensor, tuple, list, dict)))
+        return sum(as_scalar(o) for o in out if isinstance(o, (torch.Tensor, tuple, list, dict)))
     raise TypeError(f"cannot reduce a model output of type {type(out).__name__} to a scalar; "
                     "pass prepare(forward=...) that returns a tensor")

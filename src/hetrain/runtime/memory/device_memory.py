@@ -20,7 +20,7 @@ from ...planning.memory import (DeviceMemory, StateBytes, choose_sharding, shard
 from ..ranks import agree
 from ..sharding import wrap as sharding
 from ..devices.emulation import MemoryMeter
-from ..measure.probe import _as_scalar, default_forward
+from ..measure.probe import as_scalar, default_forward
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -76,7 +76,7 @@ def saved_activation_bytes(model, batch, *, forward=default_forward, device, aut
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         with meter.forward(), autocast():
-            loss = _as_scalar(forward(model, batch))
+            loss = as_scalar(forward(model, batch))
         saved = float(meter.activations)
         loss.backward()
         if cuda:

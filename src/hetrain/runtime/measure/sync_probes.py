@@ -1,0 +1,119 @@
+"""The collective probes, run once every rank is known to have profiled (measure/joint.py):
+the gradient sync a job leaves exposed, through a DDP module; one all-reduce of the gradient's
+size (the link); the step's agreement table. Every rank enters each of them."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .probe import as_scalar, default_forward
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
+                       device: torch.device, precision: str = "fp32",
+                       runs: int = 5) -> tuple[list[float], list[float] | None]:
+    """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
+    micro-batch `load()` returns, as this job's devices, link and (on an emulated host) shared cores
+    give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
+    start together, so the ranks' spread measures straggling). A collective: every rank calls it
+    (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
+
+    On a GPU: a synchronised backward's wall time beyond one under no_sync(). On the CPU that
+    difference of two runs is mostly the noise of processes sharing cores (6–26 ms measured for one
+    job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
+    backward's compute is done) to the moment backward() returns with every gradient reduced."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    module = ddp.module
+    dtype = _AUTOCAST.get(precision)
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    batch = load()
+    cuda = device.type == "cuda"
+    last_launch: list[float] = []
+    if not cuda:
+        def hook(state, bucket):
+            if bucket.is_last():
+                last_launch.append(time.perf_counter())
+            return default_hooks.allreduce_hook(None, bucket)
+        ddp.register_comm_hook(None, hook)
+
+    def once(sync: bool) -> tuple[float, float]:
+        """(seconds to the last bucket's launch, seconds from there to the end); on CUDA
+        (0, the whole forward+backward)."""
+        dist.barrier()                        # start together, as ranks do after a step's sync
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        last_launch.clear()
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss = as_scalar(forward(ddp, batch))
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
+        return launched - t0, end - launched
+
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        once(True)                            # the first sync also rebuilds DDP's buckets
+        if cuda:
+            exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
+        else:
+            compute, exposed = map(list, zip(*(once(True) for _ in range(runs))))
+    module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+    return [max(0.0, x) for x in exposed], compute
+
+
+def time_agreement(device: torch.device, *, runs: int = 5) -> float:
+    """Seconds of the small all-reduce hetrain adds to every step (agree.exchange of the step's
+    values, agree.STEP_KEYS), with the ranks arriving together as they do after the gradient
+    sync: median of `runs`. A collective."""
+    import torch.distributed as dist
+
+    from ..ranks.agree import STEP_KEYS, exchange
+
+    values = dict.fromkeys(STEP_KEYS, 0.0)
+    return _median_seconds(lambda: exchange(values, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                            device=device), device, runs=runs, barrier=True)
+
+
+def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
+    """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
+    every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    return _median_seconds(lambda: dist.all_reduce(buf), device, runs=runs)
+
+
+def _median_seconds(collective: Callable[[], object], device: torch.device, *, runs: int,
+                    barrier: bool = False) -> float:
+    """Median seconds of `runs` calls of `collective`, after one warm-up call; with `barrier`,
+    the ranks start each call together."""
+    import torch.distributed as dist
+
+    times = []
+    for k in range(runs + 1):
+        if barrier:
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        collective()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
