@@ -307,7 +307,7 @@ def plan(
 
 def _measure_in_job(factory: str, config: Config):
     """The runtime's own measurements of the factory's model, taken in the job's processes
-    (runtime/measure/plan_only.py under the launcher `hetrain run` uses). Returns the measurements, the
+    (cli/plan_worker.py under the launcher `hetrain run` uses). Returns the measurements, the
     config the ranks ran with, and the model's block count (None: not known)."""
     from ..launch import build_launch, run_launch
     from ..runtime.measure.factory import absolute, load_factory
@@ -317,7 +317,7 @@ def _measure_in_job(factory: str, config: Config):
     with tempfile.TemporaryDirectory(prefix="hetrain-plan-") as run_dir:
         job, result = os.path.join(run_dir, "job.json"), os.path.join(run_dir, "measured.json")
         write_json_atomic(job, {"factory": absolute(factory), "config": config.to_dict(), "out": result})
-        launch = build_launch(target="hetrain.runtime.measure.plan_only", target_args=(job,), module=True,
+        launch = build_launch(target="hetrain.cli.plan_worker", target_args=(job,), module=True,
                               emulate=config.emulate, run_dir=run_dir)
         typer.echo(launch.describe(), err=True)
         code = run_launch(launch)

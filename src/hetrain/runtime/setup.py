@@ -57,7 +57,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:
-    """What measuring needs, in order; `hetrain plan`'s worker (runtime/measure/plan_only.py) stops after it."""
+    """What measuring needs, in order; `hetrain plan`'s worker (cli/plan_worker.py) stops after it."""
     cfg = job.config
     model.to(job.device)
     job.dataset, job.collate = dataset, collate_fn or default_collate

@@ -146,7 +146,7 @@ class Throttle:
 
     Where the sleep goes matters as much as how long it is. A real slow GPU hands its gradients
     to the all-reduce late; a sleep placed after the backward would let the gradient sync start
-    early and then stall the peers at the next collective instead. So the engine sleeps *before*
+    early and then stall the peers at the next collective instead. So the loop sleeps *before*
     the backward of the step's last micro-batch (the one whose backward syncs), for everything the
     step computed so far plus a prediction of that backward (its learned ratio to the forward),
     and books the prediction's error as a debt paid at the next sleep. Earlier micro-batches only

@@ -86,7 +86,7 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
 
 
 class FaultInjector:
-    """This rank's faults; the engine asks it at each point where one can fire."""
+    """This rank's faults; the emulated device hooks (devices/hooks.py) ask it wherever one can fire."""
 
     def __init__(self, faults: tuple[Fault, ...], *, rank: int, attempt: int):
         self.faults = [f for f in faults if f.rank in (rank, -1)]

@@ -1,7 +1,7 @@
 """A model factory named on the command line (`hetrain plan --model-factory`): 'pkg.module:function'
 or 'path/to/script.py:function', returning (model, optimizer, dataset[, collate_fn]) as they
 would be passed to ht.prepare. Loaded by the CLI (to fail before any process starts) and by each
-of `hetrain plan`'s workers (runtime/measure/plan_only.py)."""
+of `hetrain plan`'s workers (cli/plan_worker.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ result (runtime/measure/measurements.py's Measurements) is the same on every ran
 into the same Plan with the pure `plan_from_measurements`, without a further exchange.
 
 What a rank's part of the job is comes in one explicit record (RankFacts), from Engine.prepare or
-from `hetrain plan`'s worker (runtime/measure/plan_only.py), so both measure alike.
+from `hetrain plan`'s worker (cli/plan_worker.py), so both measure alike.
 
 Profiling is local and never raises: a rank that fails returns its error, which every rank then
 sees in the gather and raises together, instead of one rank leaving while its peers wait.
@@ -106,10 +106,11 @@ def _probe(job: RankFacts, model, grad_bytes: int, profiles, forward) -> dict:
     try:
         mine = _measure_sync(job, model, grad_bytes, profiles, forward)
     except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
-        job.log.warn(f"rank {job.rank}: measuring the gradient sync failed: {type(e).__name__}: {e}")
+        job.log.warn(f"measuring the gradient sync failed: {type(e).__name__}: {e}")
         mine = _sync_row(0.0, [0.0] * SYNC_RUNS, [0.0] * SYNC_RUNS, failed=True)
     table = agree.exchange(mine, rank=job.rank, world_size=job.world_size, device=job.device)
     if table.any("failed"):
+        job.log.flush()          # every rank is here: rank 0 prints each failed rank's reason first
         failed = [r for r, v in enumerate(table.column("failed")) if v]
         raise HetrainError(f"measuring the gradient sync failed on rank(s) {failed} (see the warning above)",
                            "pass hetrain.init(plan=...) to run a saved plan without measuring")
@@ -150,11 +151,11 @@ def _sync_row(allreduce_s: float, syncs, computes, *, failed: bool = False) -> d
             **{f"compute_{k}": v for k, v in enumerate(computes)}}
 
 
-def check_given_plan(engine, plan: Plan) -> Plan:
-    if plan.world_size != engine.world_size or plan.global_batch != engine.config.global_batch:
+def check_given_plan(job, plan: Plan) -> Plan:
+    if plan.world_size != job.world_size or plan.global_batch != job.config.global_batch:
         raise UsageError(
             f"the given plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "
-            f"this job has {engine.world_size} and {engine.config.global_batch}",
+            f"this job has {job.world_size} and {job.config.global_batch}",
             "make a plan for this job (`hetrain plan`), or drop the plan to let hetrain split",
         )
     return plan

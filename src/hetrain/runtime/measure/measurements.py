@@ -2,7 +2,7 @@
 
 runtime/measure/joint.py gathers the measurements (each rank's profile, the sync and agreement
 probes) in the job's processes; `plan_from_measurements` turns them into the Plan. The runtime
-(Engine.prepare) and `hetrain plan --model-factory` (runtime/measure/plan_only.py, then cli/planning.py)
+(Engine.prepare) and `hetrain plan --model-factory` (cli/plan_worker.py, then cli/planning.py)
 both call it, so the plan `hetrain plan` writes is the one the runtime would make from the same
 measurements. `plan_options` is the one place the planner's options are read off the job's
 Config; the catalog-estimate path of `hetrain plan` builds its options with it too.

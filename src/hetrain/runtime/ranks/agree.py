@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-# The values every rank sends at the end of each step (engine.py), in this order.
+# The values every rank sends at the end of each step (runtime/loop/stepping.py), in this order.
 # "warnings": how many warnings the rank holds for rank 0 to print (runtime/ranks/log.py).
 STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version",
              "warnings")

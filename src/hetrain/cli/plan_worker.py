@@ -7,7 +7,7 @@ joint_plan.measure_job (profiles, all-gather, sync and agreement probes). Rank 0
 measurements and the job's config; the CLI turns them into the Plan with the same pure
 plan_from_measurements the runtime calls. No training step is taken.
 
-    python -m hetrain.runtime.measure.plan_only JOB.json
+    python -m hetrain.cli.plan_worker JOB.json
     JOB.json: {"factory": "script.py:make", "config": {hetrain.init keywords}, "out": "result.json"}
 """
 
@@ -24,13 +24,13 @@ def main(argv: list[str]) -> None:
     with open(argv[0]) as f:
         job = json.load(f)
 
-    from ...errors import UsageError
-    from ...files import write_json_atomic
-    from ..engine import init
-    from .factory import call_factory, load_factory
-    from .joint import measure_job
-    from .probe import default_forward
-    from ..setup import prepare_to_measure, rank_facts
+    from ..errors import UsageError
+    from ..files import write_json_atomic
+    from ..runtime.engine import init
+    from ..runtime.measure.factory import call_factory, load_factory
+    from ..runtime.measure.joint import measure_job
+    from ..runtime.measure.probe import default_forward
+    from ..runtime.setup import prepare_to_measure, rank_facts
 
     ht = init(**job["config"])          # from here on, an explained error is one line from the launcher
     spec = job["factory"]
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     measured = measure_job(rank_facts(ht.job), model, optimizer, default_forward)
     if ht.is_main:
         try:
-            from ...parallel.blocks import find_parts
+            from ..parallel.blocks import find_parts
 
             blocks = len(find_parts(model).blocks)
         except UsageError:
