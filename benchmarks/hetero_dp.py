@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -198,6 +199,12 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"samples_per_s": sps}))
         return
 
+    # A profile cache of this run alone: a cache left by another run (another commit, or measured
+    # while the host was busy) would set every hetrain run's split here, and two benchmark runs
+    # could then disagree for a reason that is not in either run. Within the run, the first
+    # hetrain config measures and the rest reuse it, as a user's restarted job would.
+    cache = tempfile.mkdtemp(prefix="hetrain-bench-cache-")
+    os.environ["HETRAIN_CACHE"] = cache
     runs: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for r in range(args.rounds):
         # Position in the sequence matters on a shared host (a config run last in every round ran
@@ -205,6 +212,7 @@ def main() -> None:
         for name in (list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]):
             runs[name].append(launch(name, args))
             print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
     med = {name: statistics.median(v) for name, v in runs.items()}
 
     speeds = [1.0, 0.67]
