@@ -78,7 +78,9 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
     return step_cost(work, global_batch=sum(run["shares"]), grad_bytes=pred["grad_bytes"], link=link,
                      host_cores=cores, host_load=run["other_work_cores"], sync_s=pred.get("sync_s"),
                      agree_s=pred.get("agree_s", 0.0),   # both runs are hetrain's, with its agreement
-                     straggle=pred.get("straggle", 0.0), straggle_stretch=pred.get("straggle_stretch", 1.0)).samples_per_s
+                     straggle=pred.get("straggle", 0.0), straggle_stretch=pred.get("straggle_stretch", 1.0),
+                     contention=pred.get("contention", 1.0),
+                     contention_at=int(pred.get("contention_at", 1))).samples_per_s
 
 
 def dilate(spec: str, factor: float) -> str:

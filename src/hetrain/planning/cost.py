@@ -32,6 +32,11 @@ runs) want a core than there are cores, their compute stretches. `shared_cpu_fin
 out as the emulator runs it — every device starts together after the previous step's sync, and
 computes its step, sleeping once before its last backward — with the cores shared equally among the processes
 that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
+Devices computing at the same time on separate cores also slow each other (shared cache and
+memory bandwidth: one thread's fp32 forward+backward took 148 ms alone and 157-170 ms beside a
+second one here). A job measures this at its start (`contention`: how much slower every device
+computed in the sync probe, all at once on `contention_at` cores, than its profile says), and a
+step's CPU segments run slower by the same measure scaled to how many compute at a time.
 """
 
 from __future__ import annotations
@@ -206,7 +211,7 @@ class StepCost:
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
               host_cores: float | None = None, host_load: float = 0.0,
               sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
-              straggle_stretch: float = 1.0) -> StepCost:
+              straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
     with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
     `sync_s`: the exposed gradient sync as measured (instead of the ring model's); `agree_s`:
@@ -215,9 +220,10 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
     alone = [a.compute_s() for a in assignments]
     opt_alone = [a.profile.optimizer_s for a in assignments]
     if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
-        compute = tuple(shared_cpu_finish([_compute_segments(a) for a in assignments], host_cores, host_load))
+        shared = dict(cores=host_cores, load=host_load, contention=contention, contention_at=contention_at)
+        compute = tuple(shared_cpu_finish([_compute_segments(a) for a in assignments], **shared))
         opt = max(shared_cpu_finish([_cpu_then_sleep(a.profile, a.profile.optimizer_s) for a in assignments],
-                                    host_cores, host_load))
+                                    **shared))
     else:
         compute, opt = tuple(alone), max(opt_alone)
     factors = tuple(c / t if t > 0 else 1.0 for c, t in zip(compute, alone))
@@ -267,11 +273,15 @@ def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
 
 
 def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float,
-                      load: float = 0.0) -> list[float]:
+                      load: float = 0.0, *, contention: float = 1.0, contention_at: int = 1) -> list[float]:
     """When each job finishes, all starting at 0, if every job's CPU segments share `cores` with
     `load` other always-runnable processes (processor sharing: each running process gets
     min(1, cores / runnable) of a core) and its sleep segments take their own time. A fluid
-    simulation: between events the rates are constant."""
+    simulation: between events the rates are constant.
+
+    `contention`: how much slower a job computes while `contention_at` jobs compute on separate
+    cores (measured); k jobs at once slow each other by 1 + (contention − 1)·(k − 1)/(contention_at − 1),
+    nothing when one computes alone."""
     queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
     pos = [0] * len(queue)
     left = [q[0][1] if q else 0.0 for q in queue]
@@ -283,6 +293,9 @@ def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float
             return finish
         running = [j for j in live if queue[j][pos[j]][0]]
         rate = min(1.0, cores / (len(running) + load)) if running else 1.0
+        at_once = min(len(running), cores)
+        if contention > 1.0 and contention_at > 1 and at_once > 1:
+            rate /= 1.0 + (contention - 1.0) * min(1.0, (at_once - 1) / (contention_at - 1))
         dt = min(left[j] / (rate if queue[j][pos[j]][0] else 1.0) for j in live)
         t += dt
         for j in live:

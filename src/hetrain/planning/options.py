@@ -28,6 +28,8 @@ class PlanOptions:
     agree_s: float = 0.0                 # hetrain's per-step agreement all-reduce, measured (not plain DDP's)
     straggle: float = 0.0                # how far the last device trails the average, measured (cost.py)
     straggle_stretch: float = 1.0        # the host-core contention `straggle` was measured under
+    contention: float = 1.0              # emulated devices computing at once slow each other by this (measured)
+    contention_at: int = 1               # ...with this many computing at once (the probe's)
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
 
@@ -48,6 +50,9 @@ class PlanOptions:
         if not (0 <= self.straggle < 10) or not self.straggle_stretch >= 1:
             raise UsageError(f"straggle {self.straggle!r} at contention {self.straggle_stretch!r}",
                              "give a measured fraction >= 0 and a contention >= 1 (or leave both out)")
+        if not (1.0 <= self.contention <= 10.0) or self.contention_at < 1:
+            raise UsageError(f"contention {self.contention!r} at {self.contention_at!r} devices",
+                             "give a measured slowdown in [1, 10] and a device count >= 1 (or leave both out)")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
         if not self.host_load >= 0:

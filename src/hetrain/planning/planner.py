@@ -67,7 +67,7 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
                      grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
                      host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
                      agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
-                     straggle_stretch=o.straggle_stretch)
+                     straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -264,6 +264,8 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         predicted["agree_s"] = cost.agree_s
     if o.straggle:
         predicted.update(straggle=o.straggle, straggle_stretch=o.straggle_stretch, straggle_s=cost.straggle_s)
+    if o.contention > 1.0:
+        predicted.update(contention=o.contention, contention_at=float(o.contention_at))
     if math.isfinite(link.bandwidth_gbs):
         predicted["link_gbs"] = link.bandwidth_gbs
         predicted["link_latency_s"] = link.latency_s
@@ -283,7 +285,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
     if cost.stretch > 1.0:
         notes.append(f"emulated devices share {o.host_cores:g} CPU cores"
                      + (f" with ~{o.host_load:.1f} other busy processes" if o.host_load else "")
-                     + f": compute stretched up to ×{cost.stretch:.2f}")
+                     + f": compute stretched up to ×{cost.stretch:.2f}"
+                     + (f" (×{o.contention:.2f} measured with {o.contention_at} computing at once: shared cache "
+                        "and memory bandwidth)" if o.contention > 1.0 else ""))
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")

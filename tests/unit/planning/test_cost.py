@@ -153,3 +153,15 @@ def test_an_emulated_device_computes_its_micro_batches_then_sleeps_once_before_t
     assert cpu_after == pytest.approx(0.005 * 2 / 3)           # the last backward
     assert cpu_before == pytest.approx(0.015 - 0.005 * 2 / 3)  # everything else on the CPU first
     assert sleep == pytest.approx(0.015)                       # then one sleep for the whole step
+
+
+def test_devices_computing_at_once_slow_each_other_by_the_measured_contention():
+    """Two CPU jobs of 0.1 s on 2 cores: alone they finish at 0.1; measured 20% slower when two
+    compute at once, both finish at 0.12; a job that computes while the other sleeps is not slowed."""
+    both = [[(True, 0.1)], [(True, 0.1)]]
+    assert shared_cpu_finish(both, 2) == pytest.approx([0.1, 0.1])
+    assert shared_cpu_finish(both, 2, contention=1.2, contention_at=2) == pytest.approx([0.12, 0.12])
+    staggered = [[(True, 0.1)], [(False, 0.1), (True, 0.1)]]
+    assert shared_cpu_finish(staggered, 2, contention=1.2, contention_at=2) == pytest.approx([0.1, 0.2])
+    # three at once on 3 cores, measured at 3: 1.5x; two of them at once: 1.25x
+    assert shared_cpu_finish([[(True, 0.1)]] * 2, 3, contention=1.5, contention_at=3) == pytest.approx([0.125] * 2)

@@ -121,7 +121,7 @@ def _probe(job: RankFacts, model, grad_bytes: int, profiles, forward) -> dict:
     return {"allreduce_s": tuple(table.column("allreduce_s")),
             "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(SYNC_RUNS)) for row in rows),
             "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(SYNC_RUNS)) for row in rows),
-            "agree_s": tuple(agreement.column("agree_s"))}
+            "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
 def _measure_sync(job: RankFacts, model, grad_bytes, profiles, forward) -> dict[str, float]:
@@ -141,12 +141,12 @@ def _measure_sync(job: RankFacts, model, grad_bytes, profiles, forward) -> dict[
     finally:
         del ddp
         gc.collect()
-    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS)
+    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=max(1, m))
 
 
-def _sync_row(allreduce_s: float, syncs, computes, *, failed: bool = False) -> dict[str, float]:
+def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int = 0, failed: bool = False) -> dict[str, float]:
     """This rank's row of the sync probe's table (the same keys whether it worked or failed)."""
-    return {"allreduce_s": allreduce_s, "failed": float(failed),
+    return {"allreduce_s": allreduce_s, "failed": float(failed), "probe_size": float(probe_size),
             **{f"sync_{k}": v for k, v in enumerate(syncs)},
             **{f"compute_{k}": v for k, v in enumerate(computes)}}
 

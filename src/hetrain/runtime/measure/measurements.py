@@ -43,6 +43,7 @@ class Measurements:
     sync_s: tuple[tuple[float, ...], ...] = ()       # exposed gradient sync, per run
     compute_s: tuple[tuple[float, ...], ...] = ()    # forward+backward before it, per run (0: untimed)
     agree_s: tuple[float, ...] = ()                  # the per-step agreement all-reduce
+    probe_size: int = 0                              # the sync probe's micro-batch (samples)
 
     @property
     def world_size(self) -> int:
@@ -74,7 +75,8 @@ class Measurements:
 
 def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_exclusion: bool = False,
                  sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
-                 straggle_stretch: float = 1.0, host_cores: float | None = None) -> PlanOptions:
+                 straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
+                 host_cores: float | None = None) -> PlanOptions:
     """The planner's options for a job with this Config: what the config decides (batch, memory
     margin, micro-batch cap, whether activation checkpointing may be planned) and what was
     measured or estimated (the rest)."""
@@ -83,7 +85,7 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         micro_batch_cap=config.micro_batch, allow_exclusion=allow_exclusion,
         allow_checkpointing=config.checkpointing != "none",
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
-        host_cores=host_cores)
+        contention=contention, contention_at=contention_at, host_cores=host_cores)
 
 
 def straggle(compute_s) -> float:
@@ -95,6 +97,26 @@ def straggle(compute_s) -> float:
         if min(times) > 0:                 # a run some rank could not time says nothing
             fractions.append(max(times) / (sum(times) / len(times)) - 1)
     return min(1.0, statistics.median(fractions)) if fractions else 0.0
+
+
+def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config) -> float:
+    """How much slower emulated devices compute while they all compute at once than their
+    profiles say (shared cache and memory bandwidth): in the sync probe every rank runs the same
+    micro-batch at the same moment; the median over ranks of (median probe seconds ÷ the profile's
+    CPU seconds for that micro-batch), less the core sharing the cost model already plays out
+    (n / cores when more devices than cores). 1.0 where not measured, or on the controlled clock."""
+    if not config.emulate or config.emulate_sample_s is not None or m.probe_size < 1 or not m.compute_s:
+        return 1.0
+    ratios = []
+    for p, runs in zip(profiles, m.compute_s):
+        timed = [t for t in runs if t > 0]
+        cpu = p.micro_seconds(m.probe_size) * p.cpu_share      # this micro-batch's CPU seconds, alone
+        if timed and cpu > 0:
+            ratios.append(statistics.median(timed) / cpu)
+    if not ratios:
+        return 1.0
+    sharing = max(1.0, m.world_size / max(1, m.host_cores))
+    return min(3.0, max(1.0, statistics.median(ratios) / sharing))
 
 
 def on_controlled_clock(p: DeviceProfile, spec, sample_s: float) -> DeviceProfile:
@@ -127,6 +149,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
     """The planner's options for these measurements (W > 1: the probes' figures; see below)."""
     n = m.world_size
     measured_link, sync_s, agree_s, lag, stretch = FREE_LINK, None, 0.0, 0.0, 1.0
+    slower, at_once = 1.0, 1
     if n > 1 and m.profiles is not None:
         # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
         # for it (on a shared host, whoever the scheduler left behind): in each run the least is
@@ -136,6 +159,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
         lag = straggle(m.compute_s)
         if config.emulate:                   # the probe ran every device at full speed at once
             stretch = max(1.0, n / m.host_cores)
+            slower, at_once = contention(m, planning_profiles(m, config), config), min(n, m.host_cores)
         slowest = max(m.allreduce_s)
         if m.grad_bytes:
             measured_link = link_from_measurement(
@@ -144,6 +168,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
     return plan_options(
         config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
         sync_s=sync_s, agree_s=agree_s, straggle=lag, straggle_stretch=stretch,
+        contention=slower, contention_at=at_once,
         # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
         # work on the host is not modelled: it comes and goes faster than a plan lives.
         host_cores=m.host_cores if config.emulate else None)

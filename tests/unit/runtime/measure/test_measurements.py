@@ -84,3 +84,24 @@ def test_one_device_with_unlimited_memory_takes_the_whole_batch():
     plan, profiles = plan_from_measurements(m, Config(global_batch=24, micro_batch=5))
     assert profiles == () and plan.shares == (24,) and plan.devices[0].micro_batch == 5
     assert plan.devices[0].precision == "bf16" and plan.devices[0].device == "cpu (rank 0)"
+
+
+def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
+    from hetrain.runtime.measure.measurements import Measurements, contention
+
+    def prof(name, speed):   # 2 ms per micro-batch + 1 ms per sample of CPU, at this emulated speed
+        return DeviceProfile(device=name, source="test", overhead_s=0.002 / speed, per_sample_s=0.001 / speed,
+                             fixed_bytes=0, activation_bytes_per_sample=0.0, cpu_share=speed)
+
+    profiles = (prof("a", 1.0), prof("b", 0.5))
+    # the probe's 8-sample micro-batch is 10 ms of CPU alone; both ranks took ~11.5 ms at once
+    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, host_cores=2,
+                     compute_s=((0.0115, 0.0114, 0.0116), (0.0115, 0.0117, 0.0113)), probe_size=8)
+    config = Config(global_batch=16, emulate="a100-80g:1.0,rtx3090:0.5")
+    assert contention(m, profiles, config) == pytest.approx(1.15)
+    # three devices on two cores: the 1.5x of sharing is the cost model's own, not contention
+    m3 = Measurements(labels=("a", "b", "c"), precisions=("fp32",) * 3, profiles=profiles + (prof("c", 0.5),),
+                      host_cores=2, compute_s=((0.018,),) * 3, probe_size=8)
+    config3 = Config(global_batch=16, emulate="a100-80g:1.0,rtx3090:0.5,rtx3090:0.5")
+    assert contention(m3, m3.profiles, config3) == pytest.approx(1.2)
+    assert contention(m, profiles, Config(global_batch=16, emulate=config.emulate, emulate_sample_s=0.01)) == 1.0
