@@ -23,6 +23,7 @@ from ...planning.profile import DeviceProfile
 from ..config import Config
 
 MEASUREMENTS_SCHEMA = 1
+MIN_PROBE_CPU_S = 0.005       # a probe micro-batch shorter than this says nothing about contention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,19 +105,21 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     profiles say (shared cache and memory bandwidth): in the sync probe every rank runs the same
     micro-batch at the same moment; the median over ranks of (median probe seconds ÷ the profile's
     CPU seconds for that micro-batch), less the core sharing the cost model already plays out
-    (n / cores when more devices than cores). 1.0 where not measured, or on the controlled clock."""
+    (n / cores when more devices than cores). 1.0 where not measured, on the controlled clock, or
+    when the probe's micro-batch is too short to time (under 5 ms of CPU: DDP's and gloo's fixed
+    costs would be read as contention). At most 2: what was measured here is 1.05-1.25."""
     if not config.emulate or config.emulate_sample_s is not None or m.probe_size < 1 or not m.compute_s:
         return 1.0
     ratios = []
     for p, runs in zip(profiles, m.compute_s):
         timed = [t for t in runs if t > 0]
         cpu = p.micro_seconds(m.probe_size) * p.cpu_share      # this micro-batch's CPU seconds, alone
-        if timed and cpu > 0:
+        if timed and cpu >= MIN_PROBE_CPU_S:
             ratios.append(statistics.median(timed) / cpu)
     if not ratios:
         return 1.0
     sharing = max(1.0, m.world_size / max(1, m.host_cores))
-    return min(3.0, max(1.0, statistics.median(ratios) / sharing))
+    return min(2.0, max(1.0, statistics.median(ratios) / sharing))
 
 
 def on_controlled_clock(p: DeviceProfile, spec, sample_s: float) -> DeviceProfile:

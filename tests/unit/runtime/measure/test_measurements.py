@@ -105,3 +105,13 @@ def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
     config3 = Config(global_batch=16, emulate="a100-80g:1.0,rtx3090:0.5,rtx3090:0.5")
     assert contention(m3, m3.profiles, config3) == pytest.approx(1.2)
     assert contention(m, profiles, Config(global_batch=16, emulate=config.emulate, emulate_sample_s=0.01)) == 1.0
+
+
+def test_a_probe_too_short_to_time_reads_as_no_contention():
+    from hetrain.runtime.measure.measurements import Measurements, contention
+
+    tiny = DeviceProfile(device="a", source="test", overhead_s=1e-4, per_sample_s=1e-5, fixed_bytes=0,
+                         activation_bytes_per_sample=0.0, cpu_share=1.0)
+    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=(tiny, tiny), host_cores=2,
+                     compute_s=((0.001,), (0.001,)), probe_size=4)       # 10x the profile: DDP's fixed costs
+    assert contention(m, m.profiles, Config(global_batch=8, emulate="a100-80g,a100-80g")) == 1.0
