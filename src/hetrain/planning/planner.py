@@ -282,12 +282,12 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         notes.append(f"gradient sync {cost.comm.total_s * 1e3:.1f} ms, {cost.comm.overlapped_s * 1e3:.1f} "
                      f"overlapped with backward (link {link.bandwidth_gbs:.3g} GB/s"
                      + (f": {link.source})" if link.source else ")"))
-    if cost.stretch > 1.0:
+    if cost.stretch >= 1.005:
         notes.append(f"emulated devices share {o.host_cores:g} CPU cores"
                      + (f" with ~{o.host_load:.1f} other busy processes" if o.host_load else "")
                      + f": compute stretched up to ×{cost.stretch:.2f}"
                      + (f" (×{o.contention:.2f} measured with {o.contention_at} computing at once: shared cache "
-                        "and memory bandwidth)" if o.contention > 1.0 else ""))
+                        "and memory bandwidth)" if o.contention >= 1.005 else ""))
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")
