@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
+from .host import cpu_identity
 from .nvml import bus_id, call, error_text, nvml_part, uuid_text
 
 SCHEMA = 1
@@ -54,8 +55,7 @@ def _host() -> dict:
     cpu, sockets = platform.processor() or platform.machine(), None
     try:   # Linux: the model name and how many sockets ('physical id's)
         text = Path("/proc/cpuinfo").read_text()
-        models = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
-        cpu = models[0] if models else cpu
+        cpu = cpu_identity()[0]
         ids = {ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("physical id")}
         sockets = len(ids) or None
     except OSError:

@@ -33,8 +33,8 @@ out as the emulator runs it — every device starts together after the previous 
 computes its step, sleeping once before its last backward — with the cores shared equally among the processes
 that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
 Devices computing at the same time on separate cores also slow each other (shared cache and
-memory bandwidth: one thread's fp32 forward+backward took 148 ms alone and 157-170 ms beside a
-second one here). A job measures this at its start (`contention`: how much slower every device
+memory bandwidth: one thread's fp32 forward+backward of the demo GPT took 148 ms alone and 157-170 ms
+beside a second one, on a 2-core host that was also running a benchmark). A job measures this at its start (`contention`: how much slower every device
 computed in the sync probe, all at once on `contention_at` cores, than its profile says), and a
 step's CPU segments run slower by the same measure scaled to how many compute at a time.
 """

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..errors import UsageError
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
-from .config import Config
+from .config import LAUNCH_ENV, Config
 from .ranks.dist import DistContext, init_distributed, shutdown
 from .devices.emulation import EmulatedDevice, agree_host_facts
 from .resilience.worker_errors import install_excepthook
@@ -67,7 +67,7 @@ class Engine:
                                           allow_fallback=config.allow_fallback)
         self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
                        precision=precision, faults=faults, emulated=emulated, host=host)
-        if host is not None:
+        if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
