@@ -2,7 +2,7 @@
 
 `hetrain plan` launches this module as `hetrain run` launches a script (launch.py: torchrun, one
 process per GPU or emulated device), so every rank joins the job as hetrain.init() does and
-measures what Engine.prepare measures before it plans: the same RankFacts, the same
+measures what Engine.prepare measures before it plans: the same job record, the same
 joint_plan.measure_job (profiles, all-gather, sync and agreement probes). Rank 0 then writes the
 measurements and the job's config; the CLI turns them into the Plan with the same pure
 plan_from_measurements the runtime calls. No training step is taken.
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     from ..runtime.measure.factory import call_factory, load_factory
     from ..runtime.measure.joint import measure_job
     from ..runtime.measure.probe import default_forward
-    from ..runtime.setup import prepare_to_measure, rank_facts
+    from ..runtime.setup import prepare_to_measure
 
     ht = init(**job["config"])          # from here on, an explained error is one line from the launcher
     spec = job["factory"]
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     # job checkpoints all of them), then its measurements: the same functions, in the same order.
     prepare_to_measure(ht.job, model, optimizer, dataset, collate)
     cfg = ht.config
-    measured = measure_job(rank_facts(ht.job), model, optimizer, default_forward)
+    measured = measure_job(ht.job, model, optimizer, default_forward)
     if ht.is_main:
         try:
             from ..parallel.blocks import find_parts

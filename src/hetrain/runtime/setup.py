@@ -21,7 +21,7 @@ from .resilience.store import Checkpointer
 from .config import Config
 from .loop.sampler import GlobalCursorSampler
 from .job import Job
-from .measure.joint import RankFacts, check_given_plan, measure_job, show_plan
+from .measure.joint import check_given_plan, measure_job, show_plan
 from .measure.measurements import plan_from_measurements
 from .model import PreparedModel
 from .resilience.rebalance import Rebalancer
@@ -93,15 +93,7 @@ def plan_split(job: Job, model, optimizer, forward, given: Plan | None) -> tuple
     same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
     if given is not None:
         return check_given_plan(job, given), None
-    return plan_from_measurements(measure_job(rank_facts(job), model, optimizer, forward), job.config)
-
-
-def rank_facts(job: Job) -> RankFacts:
-    """What measuring needs to know of this rank (runtime/measure/joint.py)."""
-    return RankFacts(rank=job.rank, world_size=job.world_size, device=job.device, label=job.device_label,
-                     emulated=job.emulated.spec if job.emulated is not None else None,
-                     compute=job.precision.compute, precision=job.precision.name,
-                     load=lambda m: job.load(range(m)), samples=len(job.dataset), config=job.config, log=job.log)
+    return plan_from_measurements(measure_job(job, model, optimizer, forward), job.config)
 
 
 def checkpoint_per_plan(job: Job, model) -> Plan:

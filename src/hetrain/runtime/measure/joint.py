@@ -5,8 +5,9 @@ more than one rank they then time the gradient sync and the per-step agreement t
 result (runtime/measure/measurements.py's Measurements) is the same on every rank, and every rank turns it
 into the same Plan with the pure `plan_from_measurements`, without a further exchange.
 
-What a rank's part of the job is comes in one explicit record (RankFacts), from Engine.prepare or
-from `hetrain plan`'s worker (cli/plan_worker.py), so both measure alike.
+What a rank's part of the job is comes from the job record (runtime/job.py), which Engine.prepare
+and `hetrain plan`'s worker (cli/plan_worker.py) both fill with setup.prepare_to_measure, so both
+measure alike.
 
 Profiling is local and never raises: a rank that fails returns its error, which every rank then
 sees in the gather and raises together, instead of one rank leaving while its peers wait.
@@ -16,44 +17,26 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import HetrainError, UsageError
-from ...hardware.cluster import ClusterDevice
 from ...planning.plan import Plan
 from ..ranks import agree
-from ..config import Config
-from ..ranks.log import RankLog
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
 from .sync_probes import time_agreement, time_allreduce, time_gradient_sync
 
+if TYPE_CHECKING:
+    from ..job import Job
+
 SYNC_RUNS = 5
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankFacts:
-    """What measuring needs to know about this rank's part of the job."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    label: str                           # this rank's device, as the plan names it
-    emulated: ClusterDevice | None       # the emulated device this rank is, if any
-    compute: str                         # the precision this rank computes in (autocast)...
-    precision: str                       # ...and the one the plan records for it
-    load: Callable[[int], object]        # load(m): a batch of the dataset's first m samples, on `device`
-    samples: int                         # the dataset's length
-    config: Config
-    log: RankLog                         # rank 0 prints; warnings on rank 0 even when quiet
-
-
-def measure_job(job: RankFacts, model, optimizer, forward) -> Measurements:
+def measure_job(job: Job, model, optimizer, forward) -> Measurements:
     """Every rank's measurements, the same on every rank. A collective: every rank calls it."""
     mine = _profile(job, model, optimizer, forward)
     gathered = [mine]
@@ -78,10 +61,10 @@ def measure_job(job: RankFacts, model, optimizer, forward) -> Measurements:
     return measured
 
 
-def _profile(job: RankFacts, model, optimizer, forward) -> dict:
+def _profile(job: Job, model, optimizer, forward) -> dict:
     """This rank's profile (runtime/measure/profiler.py, cached). Local: no collective."""
-    cfg, emu = job.config, job.emulated
-    mine: dict = {"profile": None, "cached": False, "error": None, "label": job.label, "precision": job.precision,
+    cfg, emu = job.config, job.emulated.spec if job.emulated is not None else None
+    mine: dict = {"profile": None, "cached": False, "error": None, "label": job.device_label, "precision": job.precision.name,
                   "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                   "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
     cap = None
@@ -89,11 +72,11 @@ def _profile(job: RankFacts, model, optimizer, forward) -> dict:
         cap = torch.cuda.get_device_properties(job.device).total_memory
     if job.world_size == 1 and emu is None and cap is None:
         return mine          # one device, memory not limited: nothing to decide or measure
-    n = job.samples
+    n = len(job.dataset)
     try:
         mine["profile"], mine["cached"] = profile_device(
-            model, optimizer, lambda m: job.load(min(m, n)), device=job.device, label=job.label,
-            forward=forward, precision=job.compute, memory_bytes=cap,
+            model, optimizer, lambda m: job.load(range(min(m, n))), device=job.device, label=job.device_label,
+            forward=forward, precision=job.precision.compute, memory_bytes=cap,
             max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu)
     except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
         mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
@@ -101,7 +84,7 @@ def _profile(job: RankFacts, model, optimizer, forward) -> dict:
     return mine
 
 
-def _probe(job: RankFacts, model, grad_bytes: int, profiles, forward) -> dict:
+def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
     """The sync probe's table and the agreement probe, once every rank is known to be profiled."""
     try:
         mine = _measure_sync(job, model, grad_bytes, profiles, forward)
@@ -124,20 +107,20 @@ def _probe(job: RankFacts, model, grad_bytes: int, profiles, forward) -> dict:
             "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
-def _measure_sync(job: RankFacts, model, grad_bytes, profiles, forward) -> dict[str, float]:
+def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, float]:
     """Collectives: one gradient-sized all-reduce (the link) and SYNC_RUNS synchronised backwards
     through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
     on the same micro-batch size). The DDP used for it is temporary: the real wrapper
     (runtime/sharding/wrap.py) is chosen after the plan."""
-    cfg, n = job.config, job.samples
+    cfg, n = job.config, len(job.dataset)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, job.device) * grad_bytes / max(probe_bytes, 1)
     caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
     m = min([cfg.global_batch // job.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
-        syncs, computes = time_gradient_sync(ddp, lambda: job.load(max(1, m)), forward=forward,
-                                             device=job.device, precision=job.compute, runs=SYNC_RUNS)
+        syncs, computes = time_gradient_sync(ddp, lambda: job.load(range(max(1, m))), forward=forward,
+                                             device=job.device, precision=job.precision.compute, runs=SYNC_RUNS)
     finally:
         del ddp
         gc.collect()
