@@ -20,7 +20,10 @@ from pathlib import Path
 from .errors import HetrainError, UsageError
 from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
-from .runtime.config import LAUNCH_ENV
+from .runtime.config import LAUNCH_ENV, Config
+
+# preempt_grace_s's default, plus a minute to write the final checkpoint
+PREEMPT_SHUTDOWN_S = int(Config.__dataclass_fields__["preempt_grace_s"].default) + 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,8 +112,11 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
                   f, indent=2)
     env[LAUNCH_ENV] = launch_file
 
+    # After SIGTERM torchrun waits this long for the workers before SIGKILL: the workers' grace to
+    # reach the step boundary (runtime/resilience/preempt.py), then time to write the checkpoint.
+    shutdown_s = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or PREEMPT_SHUTDOWN_S)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={count}", f"--max-restarts={max_restarts}"]
+            f"--nproc-per-node={count}", f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_s}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir)
 
@@ -141,6 +147,7 @@ def _remove_run_dir(run_dir: str, *, keep_checkpoints: bool) -> None:
 
 
 def _run_in_process(launch: Launch, run_dir: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -150,17 +157,18 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
     clear_errors(run_dir)
     # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     try:
-        run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
+        with _restarts_only_when_they_can_help(run_dir):
+            run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
+    except SignalException as e:
+        # This process was signalled (Slurm, Kubernetes, Ctrl-C): torchrun forwarded the signal to
+        # the workers and waited for them; they say what they saved (runtime/resilience/preempt.py).
+        return _report_stop(read_errors(run_dir), e.sigval)
     except ChildFailedError as e:
         errors = read_errors(run_dir)
         if errors:   # workers stopped on an error hetrain explained: say it once
-            first = errors[0]
-            tag = "" if first["usage"] or launch.nproc == 1 else f" (rank {first['rank']})"
-            print(f"hetrain: error{tag}: {first['what']}", file=sys.stderr)
-            if first["fix"]:
-                print(f"  fix: {first['fix']}", file=sys.stderr)
-            return int(first["exit_code"])
+            return _report_error(errors[0], launch.nproc)
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         rank, first = e.get_first_failure()
         how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
@@ -170,3 +178,57 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
             "see the rank's error above; for crashes, --max-restarts N restarts from the last checkpoint",
         ) from None
     return 0
+
+
+def _report_error(first: dict, nproc: int) -> int:
+    if first.get("kind") == "Preempted":
+        print(f"hetrain: {first['what']}", file=sys.stderr)
+    else:
+        tag = "" if first.get("agreed", first["usage"]) or nproc == 1 else f" (rank {first['rank']})"
+        print(f"hetrain: error{tag}: {first['what']}", file=sys.stderr)
+    if first["fix"]:
+        print(f"  fix: {first['fix']}", file=sys.stderr)
+    return int(first["exit_code"])
+
+
+def _report_stop(errors: list[dict], signum) -> int:
+    """The launcher was signalled: the workers' own account of the stop, or what we know."""
+    from .errors import Preempted
+
+    if errors:
+        return _report_error(errors[0], 1)
+    print(f"hetrain: stopped by {getattr(signum, 'name', signum)} before the workers reported a step "
+          "boundary (they were starting, or did not answer in time): nothing new was saved", file=sys.stderr)
+    return Preempted.exit_code
+
+
+class _restarts_only_when_they_can_help:
+    """While torchrun runs here: its agent, except that a worker error a restart cannot fix (bad
+    input, a model that does not fit, a preemption: `restartable` in the worker's error record)
+    ends the job instead of using up --max-restarts on the same failure. torchrun builds its agent
+    by name in launcher.api; we put ours there for the duration, and put torchrun's back after."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def __enter__(self):
+        import torch.distributed.launcher.api as launcher_api
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        from .runtime.resilience.worker_errors import read_errors
+
+        self.api, self.original, run_dir = launcher_api, launcher_api.LocalElasticAgent, self.run_dir
+
+        class Agent(self.original):
+            def _monitor_workers(self, worker_group):
+                result = super()._monitor_workers(worker_group)
+                if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
+                    if any(not e.get("restartable", True) for e in read_errors(run_dir)):
+                        self._remaining_restarts = 0
+                return result
+
+        launcher_api.LocalElasticAgent = Agent
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.api.LocalElasticAgent = self.original

@@ -138,3 +138,62 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
     one_line(run(tmp_path, "x", 2, ckpt=blocker / "ckpt")[0], "not writable")
     one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
              "no whole checkpoint", "resume='auto'")
+
+
+def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
+    """Start the job, let it log `after_steps` more steps, send `signum` to the launcher or to rank
+    1's worker; returns (result, seconds from the signal to the launcher's exit, steps logged)."""
+    import signal as _signal
+    import subprocess
+    import sys
+    import time
+
+    pids, log = tmp / f"{name}-pids", ckpt / "samples" / "rank0.jsonl"
+    logged = lambda: len(log.read_text().splitlines()) if log.exists() else 0   # noqa: E731
+    before = logged()
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[2] / 'src'}"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "run", "--emulate", PAIR, SCRIPT, "--steps", "10",
+                             "--out", str(tmp / f"{name}.pt"), "--ckpt", str(ckpt), "--every", "100",
+                             "--pause", "0.3", "--pids", str(pids)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while logged() < before + after_steps:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.kill(proc.pid if target == "launcher" else int((pids / "pid-rank1").read_text()), signum)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0, logged()
+
+
+def test_sigterm_and_sigint_stop_at_a_saved_step_and_the_resumed_job_equals_an_uninterrupted_one(tmp_path, clean):
+    import signal as _signal
+
+    ckpt = tmp_path / "ckpt"
+    # SIGTERM to the launcher (what Slurm and Kubernetes send): torchrun forwards it to the workers.
+    first, seconds, logged = preempt(tmp_path, "first", ckpt, signum=_signal.SIGTERM, target="launcher",
+                                     after_steps=2)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr
+    lines = [line for line in first.stderr.splitlines() if line.startswith("hetrain:")]
+    assert len(lines) == 1 and "preempted (SIGTERM on rank 0, SIGTERM on rank 1)" in lines[0], first.stderr[-2000:]
+    saved = sorted(p.name for p in ckpt.glob("step-*"))
+    assert saved == [f"step-{logged:08d}"] and f"step-{logged:08d} saved after step {logged}" in lines[0]
+    assert 2 <= logged < 10                                 # every step that finished is in it: none lost
+    print(f"SIGTERM to the launcher: exit 75 after {seconds:.2f} s, saved step {logged}")
+
+    # SIGINT to one worker (rank 1) of the resumed job: the agreement stops rank 0 too.
+    second, seconds, logged2 = preempt(tmp_path, "second", ckpt, signum=_signal.SIGINT, target="worker",
+                                       after_steps=2)
+    assert second.returncode == 75, second.stderr[-3000:]
+    assert f"resumed from step-{logged:08d}" in second.stdout
+    assert "preempted (SIGINT on rank 1)" in second.stderr and "Traceback" not in second.stderr
+    assert (ckpt / f"step-{logged2:08d}").is_dir() and logged2 > logged
+    print(f"SIGINT to rank 1: exit 75 after {seconds:.2f} s, saved step {logged2}")
+
+    third, out, _ = run(tmp_path, "third", 10, ckpt=ckpt)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"resumed from step-{logged2:08d}" in third.stdout
+    assert_close(params(out), clean)
+    assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])
+    assert_each_sample_once_per_epoch(ckpt, 10)

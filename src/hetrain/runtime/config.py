@@ -48,6 +48,8 @@ class Config:
     resume: str = "auto"                 # auto: from the newest whole checkpoint if any | must | never
     sample_log: str | None = None        # directory: each rank logs the samples of every step
     faults: str | None = None            # fault injection for tests/demos (runtime/devices/faults.py)
+    preempt_grace_s: float = 30.0        # after SIGTERM/SIGINT, how long to wait for the step boundary
+                                         # and its checkpoint before leaving anyway (resilience/preempt.py)
 
     def __post_init__(self) -> None:
         def bad(what: str, fix: str) -> UsageError:
@@ -91,6 +93,9 @@ class Config:
                       "use positive numbers")
         if self.resume == "must" and not self.checkpoint_dir:
             raise bad("resume='must' without a checkpoint_dir", "pass checkpoint_dir= (or --run-dir) to resume from")
+        if not (isinstance(self.preempt_grace_s, (int, float)) and 0 < self.preempt_grace_s <= 3600):
+            raise bad(f"preempt_grace_s={self.preempt_grace_s!r}",
+                      "give the seconds to wait for the step boundary after SIGTERM, e.g. 30 (at most 3600)")
         if not 0 <= self.rebalance_threshold:
             raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.08")
 

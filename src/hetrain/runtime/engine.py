@@ -24,6 +24,7 @@ from ..planning.plan import Plan
 from .config import LAUNCH_ENV, Config
 from .ranks.dist import DistContext, init_distributed, shutdown
 from .devices.emulation import EmulatedDevice, agree_host_facts
+from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
 from .devices.faults import FaultInjector, parse_faults
@@ -66,7 +67,9 @@ class Engine:
         precision = PrecisionPolicy.local(config.precision, device=ctx.device, emulated=emulated, host=host,
                                           allow_fallback=config.allow_fallback)
         self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
-                       precision=precision, faults=faults, emulated=emulated, host=host)
+                       precision=precision, faults=faults, emulated=emulated, host=host,
+                       preemption=Preemption(grace_s=config.preempt_grace_s))
+        self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
             if host.note:
@@ -174,6 +177,7 @@ class Engine:
             dist.destroy_process_group()
 
     def _release(self) -> None:
+        self.job.preemption.uninstall()
         gc.unfreeze()
         if self.job.model is not None:
             self.job.model.release_wrapper()

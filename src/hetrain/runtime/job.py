@@ -32,6 +32,7 @@ class Job:
     faults: FaultInjector
     emulated: object = None                  # emulate.EmulatedDevice, on an emulated device
     host: object = None                      # hardware.host.HostFacts, on an emulated device
+    preemption: object = None                # resilience.preempt.Preemption: the stop signal, if any
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
     dataset: object = None
     collate: Callable | None = None

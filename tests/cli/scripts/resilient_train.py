@@ -15,6 +15,8 @@ p.add_argument("--every", type=int, default=2)
 p.add_argument("--resume", default="auto")
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--timeout", type=float, default=60)
+p.add_argument("--pause", type=float, default=0.0, help="seconds of the user's own work after each step")
+p.add_argument("--pids", help="each rank writes its pid here (pid-rank{r}), for tests that signal one")
 args = p.parse_args()
 
 # The controlled clock (2 ms a sample at speed 1): this model's real compute is ~0.2 ms a step, all
@@ -32,6 +34,12 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 ht.register_state("schedule", schedule)
 model, opt, batches = ht.prepare(model, opt, data)
+if args.pids:
+    import os
+
+    os.makedirs(args.pids, exist_ok=True)
+    with open(f"{args.pids}/pid-rank{ht.rank}", "w") as f:
+        f.write(str(os.getpid()))
 for step in batches:
     for mb in step:
         with mb:
@@ -39,6 +47,10 @@ for step in batches:
             ht.backward(F.mse_loss(model(xb), yb))
     ht.step()
     schedule.step()
+    if args.pause:
+        import time
+
+        time.sleep(args.pause)
 if ht.is_main:
     torch.save({"params": [p.detach() for p in model.parameters()], "lr": schedule.get_last_lr()}, args.out)
 ht.close()

@@ -24,11 +24,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...errors import HetrainError, UsageError
+from ...errors import DoesNotFit, HetrainError, Preempted, UsageError
 from ...planning.plan import split_evenly
 from ..ranks import agree
 from ..resilience import resume as persist
 from ..resilience import oom as recovery
+from ..resilience import preempt
 from . import reduce
 from ..job import Job
 from .steps import MicroBatch, Step
@@ -59,6 +60,7 @@ class StepLoop:
         self.fixed_s = 0.0             # busy time of the last step outside its micro-batches
         self.checkpoint_due = False
         self.on_step = None            # called with (step, table, elapsed) once a step is done
+        self.stop_signals = None       # every rank's stop signal, once a stop was agreed (preempt.py)
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self) -> Step:
@@ -86,7 +88,7 @@ class StepLoop:
             outcome = yield from self._rank_pass(state)
             table = self._exchange(state, outcome)
             if table.any("fatal"):
-                raise HetrainError(_fatal_message(table, job.plan), FATAL_FIX)
+                raise DoesNotFit(_fatal_message(table, job.plan), FATAL_FIX)
             self._amend_micro_batches(table, step)
             job.log.flush_if(table)
             if not table.any("desync"):
@@ -161,8 +163,9 @@ class StepLoop:
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
         loss_sum, units = float(state.loss_sum), float(state.count)    # one device sync per step
+        stop = job.preemption.requested if job.preemption is not None else 0
         values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
-                  state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending)
+                  state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending, stop)
         return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
                               rank=job.rank, world_size=job.world_size, device=job.device)
 
@@ -254,13 +257,24 @@ class StepLoop:
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
         self.checkpoint_due = job.checkpointer is not None and (
             job.steps_done % cfg.checkpoint_every == 0 or job.steps_done == job.total_steps)
+        if table.any("stop"):          # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)
+            self.stop_signals = table.column("stop")
+            self.checkpoint_due = job.checkpointer is not None
+            job.preemption.at_boundary = True
         return step
 
     def at_boundary(self) -> None:
-        """Between two steps (and after the last): save the checkpoint if one is due."""
+        """Between two steps (and after the last): save the checkpoint if one is due; after an
+        agreed stop, leave (every rank raises the same Preempted) unless the run is complete."""
+        job, saved = self.job, None
         if self.checkpoint_due:
             self.checkpoint_due = False
-            persist.save(self.job)
+            persist.save(job)
+            saved = str(job.checkpointer.path(job.steps_done))
+            if job.preemption is not None:
+                job.preemption.last_saved = saved
+        if self.stop_signals is not None and job.steps_done < job.total_steps:
+            raise Preempted(preempt.stop_message(signals=self.stop_signals, step=job.steps_done, saved=saved))
 
 
 

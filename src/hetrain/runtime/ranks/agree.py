@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 
 # The values every rank sends at the end of each step (runtime/loop/stepping.py), in this order.
-# "warnings": how many warnings the rank holds for rank 0 to print (runtime/ranks/log.py).
+# "warnings": how many warnings the rank holds for rank 0 to print (runtime/ranks/log.py); "stop":
+# the stop signal the rank received, or 0 (runtime/resilience/preempt.py).
 STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version",
-             "warnings")
+             "warnings", "stop")
 
 
 class Table:

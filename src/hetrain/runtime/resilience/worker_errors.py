@@ -2,8 +2,9 @@
 
 Installed by init() in every worker. Under `hetrain run` a worker does not print the error: it
 writes it to the run directory and exits (code 2 for a usage error), and the launcher prints it
-once — whichever ranks got there before torchrun stopped the others. Under plain torchrun, rank 0
-prints a UsageError (it is the same on every rank) and every rank prints any other error.
+once — whichever ranks got there before torchrun stopped the others — and stops restarting when
+the error is one a restart cannot fix (`restartable`). Under plain torchrun, rank 0 prints an error
+every rank raised together (`agreed`: bad input, a preemption) and every rank prints any other.
 An out-of-memory error that escaped the training loop is recorded in the checkpoint directory,
 so the restarted job runs that rank with half the micro-batch (runtime/resilience/oom.py).
 Anything else keeps Python's usual traceback, tagged with the rank.
@@ -15,7 +16,7 @@ import json
 import os
 import sys
 
-from ...errors import HetrainError, UsageError
+from ...errors import HetrainError, Preempted, UsageError
 from ...files import write_json_atomic
 from ..config import LAUNCH_ENV
 
@@ -26,7 +27,29 @@ def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
     path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     write_json_atomic(path, {"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
-                             "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError)})
+                             "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError),
+                             "agreed": exc.agreed, "restartable": exc.restartable,
+                             "kind": type(exc).__name__})
+
+
+def report_and_exit(exc: HetrainError, *, rank: int, world_size: int = 1) -> None:
+    """Say a HetrainError the way this job says it, then leave at once with its exit code (no
+    teardown: peers may already be gone). Under `hetrain run` the error goes to the run directory
+    and the launcher prints it once; else rank 0 prints an error every rank raised together, and
+    every rank prints its own."""
+    launch = os.environ.get(LAUNCH_ENV)
+    run_dir = os.path.dirname(launch) if launch else None
+    if run_dir is not None and os.path.isdir(run_dir):
+        write_error(run_dir, rank, exc)
+    elif rank == 0 or not exc.agreed:
+        tag = f" (rank {rank})" if world_size > 1 and not exc.agreed else ""
+        print(f"hetrain: error{tag}: {exc.what}" if not isinstance(exc, Preempted) else f"hetrain: {exc.what}",
+              file=sys.stderr)
+        if exc.fix:
+            print(f"  fix: {exc.fix}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exc.exit_code)
 
 
 def read_errors(run_dir: str) -> list[dict]:
@@ -52,8 +75,6 @@ def install_excepthook(rank: int, world_size: int, job_of) -> None:
     gives the job record (job.py) once it exists, read when an error arrives: its checkpoint dir,
     step and micro-batch for an escaped OOM, and the warnings its log still holds."""
     previous = sys.excepthook
-    launch = os.environ.get(LAUNCH_ENV)
-    run_dir = os.path.dirname(launch) if launch else None
 
     def hook(exc_type, exc, tb):
         import torch
@@ -67,16 +88,7 @@ def install_excepthook(rank: int, world_size: int, job_of) -> None:
             record_escaped_oom(str(job.checkpointer.dir), rank=rank, step=job.steps_done,
                                micro=job.micro_batch or 1)
         if isinstance(exc, HetrainError):
-            if run_dir is not None:
-                write_error(run_dir, rank, exc)
-            elif rank == 0 or not isinstance(exc, UsageError):
-                tag = f" (rank {rank})" if world_size > 1 and not isinstance(exc, UsageError) else ""
-                print(f"hetrain: error{tag}: {exc.what}", file=sys.stderr)
-                if exc.fix:
-                    print(f"  fix: {exc.fix}", file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(exc.exit_code)   # skip teardown: peers may already be gone
+            report_and_exit(exc, rank=rank, world_size=world_size)
         if world_size > 1:
             print(f"[rank {rank}] {exc_type.__name__} in the training script:", file=sys.stderr)
         previous(exc_type, exc, tb)
