@@ -53,9 +53,10 @@ def dataset():
     return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).tanh())
 
 
-def run(world, *, sharding, steps, ckpt=None, before=False):
+def run(world, *, sharding, steps, ckpt=None, before=False, misuse: list | None = None):
     """One hetrain job: AdamW + cosine schedule over STEPS steps. Returns (the lr each step ran
-    with, the parameters at the end, whether capacity's slice bound falls inside a parameter)."""
+    with, the parameters at the end, whether capacity's slice bound falls inside a parameter);
+    with `misuse`, appends what register_state said to misuse after the loop."""
     import hetrain
 
     ht = hetrain.init(global_batch=16, plan=make_plan(world), sharding=sharding, max_steps=steps,
@@ -81,8 +82,24 @@ def run(world, *, sharding, steps, ckpt=None, before=False):
         ht.step()
         cosine.step()
     params = [full(p) for p in model.module.parameters()]
+    if misuse is not None:
+        misuse.extend(_refusals(ht, cosine))
     ht.close()
     return lrs, params, straddles
+
+
+def _refusals(ht, cosine) -> list[str]:
+    """What register_state says to misuse, once training started: each must be refused."""
+    from hetrain.errors import UsageError
+
+    said = []
+    for name, obj in (("late", torch.optim.lr_scheduler.StepLR(cosine.optimizer, 2)), ("cosine", cosine),
+                      ("no-state", object())):
+        try:
+            ht.register_state(name, obj)
+        except UsageError as e:
+            said.append(e.what)
+    return said
 
 
 def _param_ends(params):
@@ -134,7 +151,9 @@ def worker(rank, world, root):
         dist.barrier()
         resumed = run(world, sharding=sharding, steps=STEPS, ckpt=ckpt)
         out[sharding] = {"reference": reference, "resumed": resumed}
-    out["fsdp-to-capacity"] = run(world, sharding="capacity", steps=STEPS, ckpt=f"{root}/fsdp-at-{CUT}")
+    out["misuse"] = []
+    out["fsdp-to-capacity"] = run(world, sharding="capacity", steps=STEPS, ckpt=f"{root}/fsdp-at-{CUT}",
+                                  misuse=out["misuse"])
     from hetrain.errors import UsageError
 
     try:
@@ -172,6 +191,14 @@ def test_state_registered_before_prepare_on_a_replaced_optimizer_is_refused(runs
     for rec in runs:
         assert "holds the optimizer that prepare() replaced" in rec["refused"]
         assert "register_state('cosine', ...) after prepare()" in rec["refused"]
+
+
+def test_register_state_refuses_late_twice_and_stateless(runs):
+    for rec in runs:
+        late, twice, stateless = rec["misuse"]
+        assert "after training started" in late
+        assert "twice" in twice
+        assert "has no state_dict/load_state_dict" in stateless
 
 
 def test_an_fsdp_checkpoint_resumes_under_capacity_sharding(runs):
