@@ -54,7 +54,7 @@ def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     if not _split(optimizer):
         return get_state_dict(model, optimizer)
     pieces = _pieces(model, optimizer)
-    _init_state({p.optim for p in pieces} or {_local_optim(optimizer)})
+    _init_state(_local_optim(optimizer))
     state = {}
     for p in pieces:
         if p.whole:
@@ -70,7 +70,7 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     if not _split(optimizer):
         return get_state_dict(model, optimizer)
     pieces = _pieces(model, optimizer)
-    _init_state({p.optim for p in pieces} or {_local_optim(optimizer)})
+    _init_state(_local_optim(optimizer))
     state = {}
     for p in pieces:
         state[p.name] = {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
@@ -154,26 +154,25 @@ def _groups(model: nn.Module, optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def _init_state(optims) -> None:
+def _init_state(optim: torch.optim.Optimizer) -> None:
     """Create a fresh local optimizer's state (as DCP's get_state_dict does: one step with zero
     gradients and lr 0), so that loading has tensors to fill; parameters and gradients unchanged."""
-    for optim in optims:
-        if optim.state:
-            continue
-        params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-        grads = [p.grad for p in params]
-        lrs = [g.get("lr") for g in optim.param_groups]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in optim.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optim.step()
-        for g, lr in zip(optim.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
-        for p, grad in zip(params, grads):
-            p.grad = grad      # the same tensor: capacity's gradient views stay views
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optim.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optim.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optim.step()
+    for g, lr in zip(optim.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad      # the same tensor: capacity's gradient views stay views
 
 
 def _gather_straddling(model: nn.Module, optimizer: CapacityShardedOptimizer, pieces: list[Piece]) -> dict:
