@@ -33,6 +33,7 @@ from .job import Job
 from .ranks.log import RankLog
 from .devices.precision_policy import PrecisionPolicy
 from .measure.probe import default_forward
+from .resilience import resume as persist
 from .setup import prepare_job
 from .loop.stepping import StepLoop
 from .loop.steps import Step, Steps
@@ -79,6 +80,7 @@ class Engine:
         self._stats = RunStats(ctx.world_size)
         self._loop.on_step = self._stats.add
         self._prepared = False
+        self._prepared_at = 0                  # steps done when prepare() returned (resumed ones included)
         self._closed = False
         torch.manual_seed(config.seed)
         atexit.register(self._at_exit)
@@ -122,14 +124,28 @@ class Engine:
         self._prepared = True
         prepare_job(self.job, model, optimizer, dataset, collate_fn=collate_fn, forward=forward,
                     given_plan=self._given_plan)
+        persist.check_registered(self.job, optimizer)   # state registered before that drives the replaced optimizer
+        self._prepared_at = self.job.steps_done
         return self.job.model, self.job.optimizer, Steps(self._loop)
 
     def register_state(self, name: str, obj) -> None:
-        """Checkpoint `obj` (anything with state_dict/load_state_dict, e.g. an LR scheduler)
-        with the job, and restore it on resume. Call before prepare()."""
-        if self._prepared:
-            raise UsageError(f"register_state({name!r}) after prepare()", "register state before ht.prepare()")
-        self.job.extra_state[name] = obj
+        """Checkpoint `obj` (anything with state_dict/load_state_dict) with the job, and restore
+        it on resume. An LR scheduler: build it on the optimizer prepare() returned (sharding may
+        have replaced yours) and register it right after prepare(); a resumed job restores its
+        state here, at once. Objects that do not hold the optimizer may be registered before
+        prepare() too. Every rank registers the same names, before the first step."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(f"register_state({name!r}): {type(obj).__name__} has no state_dict/load_state_dict",
+                             "register an object with both (an LR scheduler, a torch.nn.Module, ...)")
+        if name in self.job.extra_state:
+            raise UsageError(f"register_state({name!r}) twice", "give each registered object its own name")
+        if not self._prepared:
+            self.job.extra_state[name] = obj
+            return
+        if self.job.steps_done != self._prepared_at:   # a resumed state would be stale by now
+            raise UsageError(f"register_state({name!r}) after training started",
+                             "register state right after ht.prepare(), before the first step")
+        persist.register(self.job, name, obj)
 
     # -- the verbs ----------------------------------------------------------------------------
     def autocast(self):

@@ -48,6 +48,7 @@ class Job:
     memory_plan: object = None               # memory.MemoryPlan
     rebalancer: object = None                # rebalance.Rebalancer
     extra_state: dict = field(default_factory=dict)   # register_state(): name -> obj with state_dict
+    resumed: object = None                   # resume.Resumed: a resumed checkpoint's state, for register_state() after prepare()
     # -- counters the run keeps -------------------------------------------------------------------
     steps_done: int = 0
     ooms: int = 0                  # out-of-memory errors recovered on this rank

@@ -10,7 +10,8 @@ and `hetrain plan`'s worker (cli/plan_worker.py) both fill with setup.prepare_to
 measure alike.
 
 Profiling is local and never raises: a rank that fails returns its error, which every rank then
-sees in the gather and raises together, instead of one rank leaving while its peers wait.
+sees in the gather and raises together, instead of one rank leaving while its peers wait. The
+sync probe settles its local work the same way (sync_probes.settle) before each collective.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ...planning.plan import Plan
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
-from .sync_probes import time_agreement, time_allreduce, time_gradient_sync
+from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync
 
 if TYPE_CHECKING:
     from ..job import Job
@@ -85,19 +86,12 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
 
 
 def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
-    """The sync probe's table and the agreement probe, once every rank is known to be profiled."""
-    try:
-        mine = _measure_sync(job, model, grad_bytes, profiles, forward)
-    except Exception as e:     # noqa: BLE001 — every rank learns of it in the exchange below
-        job.log.warn(f"measuring the gradient sync failed: {type(e).__name__}: {e}")
-        mine = _sync_row(0.0, [0.0] * SYNC_RUNS, [0.0] * SYNC_RUNS, failed=True)
+    """The sync probe's table and the agreement probe, once every rank is known to be profiled.
+    A collective. What can fail on one rank alone is settled on all before the next collective
+    (sync_probes.settle): every rank raises the same error, none is left waiting."""
+    mine = _measure_sync(job, model, grad_bytes, profiles, forward)
     table = agree.exchange(mine, rank=job.rank, world_size=job.world_size, device=job.device)
-    if table.any("failed"):
-        job.log.flush()          # every rank is here: rank 0 prints each failed rank's reason first
-        failed = [r for r, v in enumerate(table.column("failed")) if v]
-        raise HetrainError(f"measuring the gradient sync failed on rank(s) {failed} (see the warning above)",
-                           "pass hetrain.init(plan=...) to run a saved plan without measuring")
-    # Every rank is known to be here (none failed): the step's agreement all-reduce, timed.
+    # Every rank is known to be here: the step's agreement all-reduce, timed.
     agreement = agree.exchange({"agree_s": time_agreement(job.device)}, rank=job.rank,
                                world_size=job.world_size, device=job.device)
     rows = [table.row(r) for r in range(job.world_size)]
@@ -111,25 +105,32 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, f
     """Collectives: one gradient-sized all-reduce (the link) and SYNC_RUNS synchronised backwards
     through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
     on the same micro-batch size). The DDP used for it is temporary: the real wrapper
-    (runtime/sharding/wrap.py) is chosen after the plan."""
+    (runtime/sharding/wrap.py) is chosen after the plan. The probe batch is loaded first, locally,
+    and settled on every rank before any of them."""
     cfg, n = job.config, len(job.dataset)
+    caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
+    m = max(1, min([cfg.global_batch // job.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c]))
+    error = batch = None
+    try:
+        batch = job.load(range(m))
+    except Exception as e:     # noqa: BLE001 — settled on every rank just below
+        error = e
+    settle(error, stage="loading the probe batch", device=job.device)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     allreduce_s = time_allreduce(probe_bytes, job.device) * grad_bytes / max(probe_bytes, 1)
-    caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
-    m = min([cfg.global_batch // job.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c])
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
-        syncs, computes = time_gradient_sync(ddp, lambda: job.load(range(max(1, m))), forward=forward,
-                                             device=job.device, precision=job.precision.compute, runs=SYNC_RUNS)
+        syncs, computes = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
+                                             precision=job.precision.compute, runs=SYNC_RUNS)
     finally:
         del ddp
         gc.collect()
-    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=max(1, m))
+    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=m)
 
 
-def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int = 0, failed: bool = False) -> dict[str, float]:
-    """This rank's row of the sync probe's table (the same keys whether it worked or failed)."""
-    return {"allreduce_s": allreduce_s, "failed": float(failed), "probe_size": float(probe_size),
+def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int) -> dict[str, float]:
+    """This rank's row of the sync probe's table."""
+    return {"allreduce_s": allreduce_s, "probe_size": float(probe_size),
             **{f"sync_{k}": v for k, v in enumerate(syncs)},
             **{f"compute_{k}": v for k, v in enumerate(computes)}}
 

@@ -1,6 +1,12 @@
 """The collective probes, run once every rank is known to have profiled (measure/joint.py):
 the gradient sync a job leaves exposed, through a DDP module; one all-reduce of the gradient's
-size (the link); the step's agreement table. Every rank enters each of them."""
+size (the link); the step's agreement table. Every rank enters each of them.
+
+No collective is entered by some ranks and skipped by others: local work that can fail (the
+user's forward, loading the probe batch) runs under try, and `settle` then tells every rank
+whether any failed before the next collective, so all raise the same error together. Collective
+code itself is not wrapped: an exception there ends the process, and its peers' collective then
+fails on the closed connection instead of waiting for a rank that has gone elsewhere."""
 
 from __future__ import annotations
 
@@ -11,19 +17,43 @@ from collections.abc import Callable
 
 import torch
 
+from ...errors import HetrainError
 from .probe import as_scalar, default_forward
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = default_forward,
+def settle(error: BaseException | None, *, stage: str, device: torch.device) -> None:
+    """After local work that may have failed, before the next collective: every rank learns
+    whether any rank failed, and then all raise the same HetrainError, naming each failed rank
+    and its cause. A collective (a failure flag through agree.exchange, then the causes)."""
+    import torch.distributed as dist
+
+    from ..ranks.agree import exchange
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    table = exchange({"failed": float(error is not None)}, rank=rank, world_size=world, device=device)
+    if not table.any("failed"):
+        return
+    causes = [None] * world
+    mine = None if error is None else f"{type(error).__name__}: {getattr(error, 'what', error)}"
+    dist.all_gather_object(causes, mine)
+    failed = "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c is not None)
+    raise HetrainError(f"measuring the gradient sync failed in {stage} ({failed})",
+                       "fix the cause, or pass hetrain.init(plan=...) to run a saved plan without measuring")
+
+
+def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
                        device: torch.device, precision: str = "fp32",
                        runs: int = 5) -> tuple[list[float], list[float] | None]:
     """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
-    micro-batch `load()` returns, as this job's devices, link and (on an emulated host) shared cores
+    micro-batch `batch`, as this job's devices, link and (on an emulated host) shared cores
     give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
     start together, so the ranks' spread measures straggling). A collective: every rank calls it
     (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
+    The warm-up's forward runs locally (no buffer broadcast) and its outcome is settled on every
+    rank before the first backward's all-reduce: the user's forward failing on one rank raises
+    the same HetrainError on all. The timed runs are not wrapped (see the module docstring).
 
     On a GPU: a synchronised backward's wall time beyond one under no_sync(). On the CPU that
     difference of two runs is mostly the noise of processes sharing cores (6–26 ms measured for one
@@ -35,7 +65,6 @@ def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = d
     module = ddp.module
     dtype = _AUTOCAST.get(precision)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    batch = load()
     cuda = device.type == "cuda"
     last_launch: list[float] = []
     if not cuda:
@@ -63,8 +92,24 @@ def time_gradient_sync(ddp, load: Callable[[], object], *, forward: Callable = d
         launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
         return launched - t0, end - launched
 
+    def warm_up() -> None:
+        """A synchronised forward+backward, untimed (the first sync also rebuilds DDP's buckets),
+        whose forward is local and settled before its backward's collectives."""
+        dist.barrier()
+        error, broadcast = None, ddp.broadcast_buffers
+        ddp.broadcast_buffers = False         # DDP's forward would broadcast buffers: a collective
+        try:
+            with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+                loss = as_scalar(forward(ddp, batch))
+        except Exception as e:     # noqa: BLE001 — settled on every rank just below
+            error = e
+        finally:
+            ddp.broadcast_buffers = broadcast
+        settle(error, stage="the probe's forward", device=device)
+        loss.backward()
+
     with torch.random.fork_rng(devices=[device] if cuda else []):
-        once(True)                            # the first sync also rebuilds DDP's buckets
+        warm_up()
         if cuda:
             exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
         else:

@@ -199,8 +199,7 @@ def wrap_for_plan(job, model, optimizer, forward):
                                   act_bytes=act_bytes)
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
-                         block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter,
-                         checkpoints=bool(getattr(cfg, "checkpoint_dir", None)))
+                         block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter)
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
     oom_recovery = cfg.oom_recovery

@@ -7,7 +7,11 @@ Resume rules:
   * another world size: a new Plan for the devices present, its version one past the saved one;
     the sampler's cursor is a position in the global sample stream, so not one sample is lost
     or repeated either way;
-  * RNG: rank r restores the state rank r saved; a rank that did not exist keeps its fresh seed.
+  * RNG: rank r restores the state rank r saved; a rank that did not exist keeps its fresh seed;
+  * registered state (ht.register_state): an object registered before prepare() is restored in
+    prepare(); one registered after it (an LR scheduler built on the optimizer prepare() returned:
+    the documented way, as sharding may replace the optimizer) at its registration, from the
+    found checkpoint's state that the job record keeps until then (`job.resumed`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ def save(job) -> None:
 class Found:
     path: Path
     meta: dict
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resumed job keeps for state registered after prepare(): the checkpoint's registered
+    state by name, and the optimizer's hyperparameters as the checkpoint restored them."""
+    extra: dict
+    groups: tuple
 
 
 def find_checkpoint(job, model) -> Found | None:
@@ -112,6 +124,8 @@ def restore(job, found: Found) -> None:
     for name, obj in job.extra_state.items():
         if name in meta["extra"]:
             obj.load_state_dict(meta["extra"][name])
+    job.resumed = Resumed(extra=dict(meta["extra"]), groups=tuple(
+        {k: v for k, v in g.items() if k != "params"} for g in job.optimizer.param_groups))
     if job.rank < len(meta["rng"]):
         set_rng_state(meta["rng"][job.rank])
     if job.rebalancer is not None and meta["rebalancer"] is not None:
@@ -120,6 +134,42 @@ def restore(job, found: Found) -> None:
     job.log.info(f"resumed from {found.path.name}: step {job.steps_done}, epoch {job.sampler.epoch}, "
                     f"sample cursor {job.sampler.cursor}, plan v{job.plan.version}"
                     + (f" (restart {job.ctx.restart})" if job.ctx.restart else ""))
+
+
+def check_registered(job, given_optimizer) -> None:
+    """After prepare(): refuse state registered before it that holds the optimizer prepare()
+    replaced (sharding builds its own): it would drive the discarded one. Every rank decides
+    alike (the same objects, the same sharding), so all raise together."""
+    if job.optimizer is given_optimizer:
+        return
+    for name, obj in job.extra_state.items():
+        if holds(obj, given_optimizer):
+            raise UsageError(
+                f"register_state({name!r}) before prepare() holds the optimizer that prepare() replaced "
+                f"(sharding={job.config.sharding!r} builds its own): it would drive the discarded one",
+                f"build it on the optimizer prepare() returns and call ht.register_state({name!r}, ...) after prepare()")
+
+
+def register(job, name: str, obj) -> None:
+    """State registered after prepare(): checkpointed from now on and, if the job resumed,
+    restored at once from the checkpoint (with the optimizer's hyperparameters as the checkpoint
+    held them: building an LR scheduler sets the lr it finds, or moves it)."""
+    job.extra_state[name] = obj
+    if job.resumed is None:
+        return
+    if name not in job.resumed.extra:
+        job.log.info(f"register_state({name!r}): the checkpoint resumed from holds no state of that name; "
+                     "it starts afresh")
+        return
+    obj.load_state_dict(job.resumed.extra[name])
+    if holds(obj, job.optimizer):
+        for group, saved in zip(job.optimizer.param_groups, job.resumed.groups):
+            group.update(saved)
+
+
+def holds(obj, optimizer) -> bool:
+    """Does `obj` (an LR scheduler, say) keep a reference to `optimizer` among its attributes?"""
+    return any(v is optimizer for v in getattr(obj, "__dict__", {}).values())
 
 
 def _apply_escaped_ooms(job, plan: Plan) -> Plan:

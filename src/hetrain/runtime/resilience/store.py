@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...errors import UsageError
+from ..sharding.state import load_state_dicts, save_state_dicts, set_loaded_state
 
 MANIFEST = "manifest.json"
 META = "meta.pt"
@@ -123,7 +123,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = save_state_dicts(model, optimizer)     # (collective under capacity sharding)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if midway is not None:
             midway()
@@ -164,10 +164,10 @@ class Checkpointer:
 
     def load_model(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Collective: loads model and optimizer state in place."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = load_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_loaded_state(model, optimizer, model_sd=state["model"], optim_sd=state["optim"])
 
 
 def _broadcast(obj):

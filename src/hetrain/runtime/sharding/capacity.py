@@ -161,13 +161,20 @@ class CapacityShardedOptimizer(torch.optim.Optimizer):
                                    if self.group is not None else r, group=self.group)
         return None
 
-    # -- checkpoints: refused until the layouts' checkpoint work lands (persist/checkpoint refuse
-    # capacity sharding with a checkpoint_dir); the base class's state_dict would silently save
-    # only this rank's slice under the whole model's parameter ids.
+    def layout(self) -> list[tuple[list[nn.Parameter], list[int], nn.Parameter]]:
+        """Per param group: its parameters (in flat-buffer order), the slice bounds of every rank,
+        and this rank's slice parameter (what `optim` steps). For checkpoints (sharding/state.py)."""
+        return [(list(g["params"]), list(bounds), shard)
+                for g, bounds, shard in zip(self.param_groups, self._bounds, self._shards)]
+
+    # -- checkpoints go through sharding/state.py (every rank contributes its slice, keyed by
+    # parameter name); the base class's state_dict would silently hold this rank's slice alone.
     def state_dict(self):
-        raise UsageError("a capacity-sharded optimizer's state cannot be saved yet",
-                         "use sharding='fsdp' or 'none' with checkpoint_dir")
+        raise UsageError("a capacity-sharded optimizer's state is split over the ranks: it has no "
+                         "state_dict of its own",
+                         "checkpoint with hetrain.init(checkpoint_dir=...), which saves every rank's slice")
 
     def load_state_dict(self, state_dict):
-        raise UsageError("a capacity-sharded optimizer's state cannot be loaded yet",
-                         "use sharding='fsdp' or 'none' with checkpoint_dir")
+        raise UsageError("a capacity-sharded optimizer's state is split over the ranks: it has no "
+                         "load_state_dict of its own",
+                         "resume with hetrain.init(checkpoint_dir=...), which loads every rank's slice")

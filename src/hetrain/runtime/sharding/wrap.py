@@ -107,7 +107,7 @@ def _ddp(model: nn.Module, device: torch.device) -> DDP:
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, device: torch.device,
          rank: int, world_size: int, free_bytes: float | None = None, block_type: str | None = None,
-         accumulates: bool = False, meter=None, checkpoints: bool = False) -> Wrapped:
+         accumulates: bool = False, meter=None) -> Wrapped:
     """Wrap `model` (already on `device`) and `optimizer` for data parallelism under `strategy`.
     A collective: every rank calls it with the same strategy. `free_bytes`: this rank's memory
     left for optimizer state (capacity sharding; None: unknown, even split)."""
@@ -121,11 +121,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, d
     if strategy == "none":
         ddp = _ddp(model, device)
         return Wrapped("none", ddp, optimizer, ddp)
-    if checkpoints and strategy in ("zero1", "capacity"):
-        raise UsageError(
-            f"sharding={strategy!r} with checkpoint_dir: its optimizer state is split in a way "
-            "torch.distributed.checkpoint cannot save yet",
-            "use sharding='fsdp' (checkpointed by DCP) or 'none' with checkpoints, or drop checkpoint_dir")
     if strategy == "zero1":
         return _zero1(model, optimizer, device, world_size)
     if strategy == "capacity":

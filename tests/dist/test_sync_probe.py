@@ -1,0 +1,51 @@
+"""The sync probe never leaves a rank in a collective its peers skipped: the user's forward
+failing on rank 1 alone, inside the probe (after profiling, which calls it on the bare model,
+succeeded), raises the same HetrainError on every rank, naming rank 1 and the cause, with no
+hang (the harness deadline is far below the job's collective timeout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def worker(rank, world):
+    import hetrain
+    from hetrain.errors import HetrainError
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = {"bare": 0}
+
+    def forward(model, batch):
+        if isinstance(model, DDP):
+            if rank == 1:
+                raise RuntimeError("the forward broke on the wrapped model")
+        else:
+            calls["bare"] += 1
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    ht = hetrain.init(global_batch=8, max_steps=1, emulate="a100-80g,rtx3090", timeout_s=600, verbose=False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ht.prepare(model, opt, torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), forward=forward)
+    except HetrainError as e:
+        return {"error": type(e).__name__, "what": e.what, "profiled": calls["bare"]}
+    return {"error": None}
+
+
+def test_a_forward_failing_on_one_rank_in_the_sync_probe_raises_on_every_rank():
+    r0, r1 = run_ranks(worker, 2, timeout=90)     # the job's collectives would wait 600 s
+    assert r0["error"] == r1["error"] == "HetrainError"
+    assert r0["what"] == r1["what"]
+    assert "rank 1: RuntimeError: the forward broke on the wrapped model" in r0["what"]
+    assert "rank 0" not in r0["what"]
+    assert r0["profiled"] > 0 and r1["profiled"] > 0       # profiling ran the same forward, and passed
