@@ -129,7 +129,7 @@ def test_resume_from_another_model_is_refused_without_touching_it(tmp_path):
     before = sorted(p.name for p in ckpt.iterdir())
     result, _, _ = run(tmp_path, "b", 4, ckpt=ckpt, extra=("--width", "64"))
     one_line(result, "different model", "new checkpoint_dir")
-    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
 
 
 def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
@@ -138,3 +138,23 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
     one_line(run(tmp_path, "x", 2, ckpt=blocker / "ckpt")[0], "not writable")
     one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
              "no whole checkpoint", "resume='auto'")
+
+
+def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp_path):
+    from lock_holder import hold
+
+    from hetrain.runtime.resilience.lock import CHECKPOINT_LOCK
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step-00000002.tmp").mkdir()                      # the other job's checkpoint in progress
+    (ckpt / "oom-rank1.json").write_text('{"rank": 1, "micro": 4, "step": 1, "run_id": "other"}')
+    holder = hold(ckpt, CHECKPOINT_LOCK)
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    try:
+        result, _, _ = run(tmp_path, "second", 2, ckpt=ckpt)
+        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another checkpoint_dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before

@@ -175,6 +175,8 @@ class Engine:
 
     def _release(self) -> None:
         gc.unfreeze()
+        if self.job.checkpointer is not None:   # checkpoint_dir's lock: another job may use it now
+            self.job.checkpointer.close()
         if self.job.model is not None:
             self.job.model.release_wrapper()
         self.job.sync = self.job.guard = None
