@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,20 +46,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def owner(name: str, world_size: int, index: int) -> int:
+def owner(name: str, world_size: int) -> int:
     """Which rank hashes (on save) and checks (on load) the file: the rank that wrote a DCP file
-    (`__<rank>_<n>.distcp`), rank 0 for .metadata and meta.pt, round robin for anything else
-    (`index` is the file's position in sorted order)."""
+    (`__<rank>_<n>.distcp`), rank 0 for .metadata and meta.pt, else one chosen by the name alone
+    (so ranks that list the directory at different moments still agree)."""
     if name in REQUIRED:
         return 0
     m = _DCP_FILE.fullmatch(name)
     if m and int(m.group(1)) < world_size:
         return int(m.group(1))
-    return index % world_size
+    return zlib.crc32(name.encode()) % world_size
 
 
 def share(names, rank: int, world_size: int) -> list[str]:
-    return [n for i, n in enumerate(sorted(names)) if owner(n, world_size, i) == rank]
+    return sorted(n for n in names if owner(n, world_size) == rank)
 
 
 def _is_int(v) -> bool:

@@ -62,9 +62,14 @@ def _fsync_dir(path: Path) -> None:
 def hash_share(directory: Path, rank: int, world_size: int) -> dict | str:
     """{name: {"bytes", "sha256"}} of this rank's share of the files in `directory` (each synced
     to disk first), or what went wrong. Never raises: the peers wait for every rank's answer."""
+    names = [p.name for p in directory.iterdir() if p.name != MANIFEST] if directory.is_dir() else []
+    return hash_files(directory, mf.share(names, rank, world_size), rank)
+
+
+def hash_files(directory: Path, names, rank: int) -> dict | str:
     try:
         out = {}
-        for name in mf.share([p.name for p in directory.iterdir() if p.name != MANIFEST], rank, world_size):
+        for name in names:
             f = directory / name
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -144,8 +149,24 @@ class Checkpointer:
         if failed:   # every rank has the same list: all stop here together
             raise HetrainError(f"checkpoint {final.name} was not saved: {failed[0]}",
                                "check the checkpoint_dir's disk (space, permissions)")
-        if self.rank == 0:
+        outcome = self._complete(step, tmp, shares) if self.rank == 0 else None
+        outcome = _broadcast(outcome)    # (collective) also what tells the peers the checkpoint is in place
+        if outcome is not None:
+            raise HetrainError(f"checkpoint {final.name} was not saved: {outcome}",
+                               "check the checkpoint_dir's disk (space, permissions)")
+        self.whole.add(step)
+        return final
+
+    def _complete(self, step: int, tmp: Path, shares: list[dict]) -> str | None:
+        """Rank 0: the manifest from every rank's hashes, then the rename into place and retention.
+        Returns what went wrong, for every rank to raise together, or None."""
+        final = self.path(step)
+        try:
             files = {name: entry for s in shares for name, entry in s.items()}
+            late = hash_files(tmp, [f.name for f in tmp.iterdir() if f.name not in files and f.name != MANIFEST], 0)
+            if isinstance(late, str):
+                return late
+            files.update(late)   # a file no rank saw when it listed the directory (none, normally)
             mf.write_manifest(tmp, {"format": FORMAT, "kind": KIND, "step": step, "files": files,
                                     "saved_at": time.time()})
             _fsync_dir(tmp)
@@ -153,11 +174,11 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
-        self.whole.add(step)
-        if self.rank == 0:
+            self.whole.add(step)
             self._retain()
-        dist.barrier()
-        return final
+        except OSError as e:
+            return f"rank 0 could not complete it: {e.strerror or e}"
+        return None
 
     def _retain(self) -> None:
         """Keep the newest `keep` checkpoints known whole; remove older known-whole ones and any
