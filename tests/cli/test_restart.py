@@ -129,7 +129,7 @@ def test_resume_from_another_model_is_refused_without_touching_it(tmp_path):
     before = sorted(p.name for p in ckpt.iterdir())
     result, _, _ = run(tmp_path, "b", 4, ckpt=ckpt, extra=("--width", "64"))
     one_line(result, "different model", "new checkpoint_dir")
-    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+    assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
 def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
