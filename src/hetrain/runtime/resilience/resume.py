@@ -187,7 +187,7 @@ def read_sample_log(directory: str) -> dict[int, list[tuple[int, int]]]:
     not a whole record (a kill mid-write) is skipped."""
     records: list[dict] = []
     for name in sorted(os.listdir(directory)):
-        if not (name.startswith("rank") and name.endswith(".jsonl")):
+        if not (name.startswith("rank") and name.endswith(".jsonl") and name[4:-6].isdigit()):
             continue
         rank = int(name[4:-6])
         with open(os.path.join(directory, name)) as f:
@@ -209,7 +209,7 @@ def _record(line: str, rank: int) -> dict | None:
     try:
         rec = json.loads(line)
         attempt = rec["attempt"]   # written before attempt keys: the restart count alone
-        rec["attempt"] = tuple(attempt) if isinstance(attempt, list) else (0, int(attempt))
+        rec["attempt"] = tuple(int(a) for a in attempt) if isinstance(attempt, list) else (0, int(attempt))
         rec["offset"] = rec.get("offset", rank)
         if not (isinstance(rec["step"], int) and len(rec["epochs"]) == len(rec["indices"])):
             return None
