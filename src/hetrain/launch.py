@@ -33,6 +33,7 @@ class Launch:
     reasons: tuple[str, ...] = field(default=())  # one line per choice, for people
     nproc: int = 1
     temporary_dir: bool = False                  # the run dir is ours to remove after the run
+    lock: object = field(default=None, repr=False, compare=False)   # the run dir's (lock.DirLock), until run_launch ends
 
     def describe(self) -> str:
         lines = [f"launching {self.nproc} process(es) with torchrun:", "  " + " ".join(self.argv)]
@@ -101,6 +102,7 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     temporary_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
     os.makedirs(run_dir, exist_ok=True)
+    lock = _lock_run_dir(run_dir)      # before launch.json: a second job on this run dir changes nothing
     defaults = {}
     if max_restarts:
         defaults["checkpoint_dir"] = os.path.join(run_dir, "checkpoints")
@@ -118,7 +120,24 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={count}", f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_s}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
-    return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir)
+    return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
+                  lock=lock)
+
+
+def _lock_run_dir(run_dir: str):
+    """The run dir's lock, held by this (launcher) process for the launch's life; the kernel frees
+    it if the process dies. A run dir in use by another job is a one-line UsageError."""
+    from .runtime.resilience.lock import RUN_LOCK, try_lock
+
+    try:
+        lock, held_by = try_lock(run_dir, RUN_LOCK)
+    except OSError as e:
+        raise UsageError(f"run dir {run_dir!r} is not writable: {e.strerror or e}",
+                         "pass a --run-dir you can write to") from None
+    if held_by is not None:
+        raise UsageError(f"run dir {run_dir!r} is in use by another hetrain job: {held_by}",
+                         "wait for that job to finish, or give this one another --run-dir")
+    return lock
 
 
 def run_launch(launch: Launch) -> int:
@@ -134,12 +153,15 @@ def run_launch(launch: Launch) -> int:
     finally:
         if launch.temporary_dir:
             _remove_run_dir(run_dir, keep_checkpoints=code != 0)
+        if launch.lock is not None:
+            launch.lock.release()
 
 
 def _remove_run_dir(run_dir: str, *, keep_checkpoints: bool) -> None:
     """A run dir we made in the temp folder goes; after a failure its checkpoints stay to resume from."""
     checkpoints = os.path.join(run_dir, "checkpoints")
-    if keep_checkpoints and os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    if keep_checkpoints and os.path.isdir(checkpoints) and any(
+            not name.startswith(".hetrain-") for name in os.listdir(checkpoints)):   # more than its lock file
         print(f"hetrain: checkpoints kept in {checkpoints} (resume with --checkpoint-dir {checkpoints})",
               file=sys.stderr)
         return

@@ -143,7 +143,6 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
 def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
     """Start the job, let it log `after_steps` more steps, send `signum` to the launcher or to rank
     1's worker; returns (result, seconds from the signal to the launcher's exit, steps logged)."""
-    import signal as _signal
     import subprocess
     import sys
     import time
@@ -197,3 +196,23 @@ def test_sigterm_and_sigint_stop_at_a_saved_step_and_the_resumed_job_equals_an_u
     assert_close(params(out), clean)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])
     assert_each_sample_once_per_epoch(ckpt, 10)
+
+
+def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp_path):
+    from lock_holder import hold
+
+    from hetrain.runtime.resilience.lock import CHECKPOINT_LOCK
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step-00000002.tmp").mkdir()                      # the other job's checkpoint in progress
+    (ckpt / "oom-rank1.json").write_text('{"rank": 1, "micro": 4, "step": 1, "run_id": "other"}')
+    holder = hold(ckpt, CHECKPOINT_LOCK)
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    try:
+        result, _, _ = run(tmp_path, "second", 2, ckpt=ckpt)
+        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another checkpoint_dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before

@@ -195,6 +195,8 @@ class Engine:
     def _release(self) -> None:
         self.job.preemption.uninstall()
         gc.unfreeze()
+        if self.job.checkpointer is not None:   # checkpoint_dir's lock: another job may use it now
+            self.job.checkpointer.close()
         if self.job.model is not None:
             self.job.model.release_wrapper()
         self.job.sync = self.job.guard = None

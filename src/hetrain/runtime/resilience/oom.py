@@ -21,6 +21,7 @@ the rank's micro-batch is halved there (`record_escaped_oom`, applied on resume)
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -69,25 +70,39 @@ def smaller_micro_batch(micro: int) -> int | None:
 
 
 # -- an OOM that escaped the loop: recorded now, applied when the job resumes ----------------------
+# A record counts only for the next attempt of the same launch: torchrun's run id (the same over its
+# restarts, new for every launch) is in it, and a new launch (restart 0) or a rank now beyond the
+# world size finds nothing to apply. Rank 0 removes every record once all ranks have read them.
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+
+
 def record_escaped_oom(directory: str, *, rank: int, micro: int, step: int) -> None:
     write_json_atomic(os.path.join(directory, OOM_RECORD.format(rank=rank)),
-                      {"rank": rank, "micro": micro, "step": step})
+                      {"rank": rank, "micro": micro, "step": step, "run_id": os.environ.get(RUN_ID_ENV)})
 
 
-def take_escaped_ooms(directory: str, world_size: int) -> dict[int, int]:
-    """{rank: micro-batch it ran out of memory with} from the previous attempt (every rank reads
-    them; rank 0 removes them once all have)."""
+def take_escaped_ooms(directory: str, world_size: int, *, restart: int) -> dict[int, int]:
+    """{rank: micro-batch it ran out of memory with} from the previous attempt of this launch
+    (every rank reads them; rank 0 removes them once all have). A record that cannot be read is
+    no record."""
     found = {}
+    if restart == 0:   # the first attempt of a launch: anything here is another launch's
+        return found
     for rank in range(world_size):
-        path = os.path.join(directory, OOM_RECORD.format(rank=rank))
-        if os.path.exists(path):
-            with open(path) as f:
-                found[rank] = int(json.load(f)["micro"])
+        try:
+            with open(os.path.join(directory, OOM_RECORD.format(rank=rank))) as f:
+                rec = json.load(f)
+            if rec.get("run_id") == os.environ.get(RUN_ID_ENV) and int(rec["micro"]) >= 1:
+                found[rank] = int(rec["micro"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
     return found
 
 
-def clear_escaped_ooms(directory: str, world_size: int) -> None:
-    for rank in range(world_size):
-        path = os.path.join(directory, OOM_RECORD.format(rank=rank))
-        if os.path.exists(path):
+def clear_escaped_ooms(directory: str) -> None:
+    """Every record in `directory`, of any rank."""
+    for path in glob.glob(os.path.join(glob.escape(directory), OOM_RECORD.format(rank="*"))):
+        try:
             os.remove(path)
+        except FileNotFoundError:
+            pass

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -85,7 +87,7 @@ def find_checkpoint(job, model) -> Found | None:
     if cfg.resume == "never":
         raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
                          "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
-    meta = ck.read_meta(path)
+    meta = ck.read_meta(path)    # (collective) loaded safely by rank 0, refused on every rank together
     signature = model_signature(model)
     if meta["model_signature"] != signature:
         raise UsageError(f"checkpoint {path} was saved from a different model "
@@ -177,9 +179,11 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
     with a checkpoint or without (an OOM before the first one)."""
     import torch.distributed as dist
 
-    found = recovery.take_escaped_ooms(str(job.checkpointer.dir), job.world_size)
+    found = recovery.take_escaped_ooms(str(job.checkpointer.dir), job.world_size, restart=job.ctx.restart)
     if job.world_size > 1:
         dist.barrier()   # every rank has read the records before rank 0 removes them
+    if job.rank == 0:    # all of them: a stale record (another launch, a rank now gone) never reaches a later run
+        recovery.clear_escaped_ooms(str(job.checkpointer.dir))
     if not found or plan.world_size != job.world_size:
         return plan
     devices = list(plan.devices)
@@ -193,36 +197,72 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
                                "or a device with more memory")
         devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
         notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
-    if job.rank == 0:
-        recovery.clear_escaped_ooms(str(job.checkpointer.dir), job.world_size)
     note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
     job.log.warn_job(note)
     return plan.evolve(note=note, devices=tuple(devices))
 
 
+# -- the sample log: which samples each step trained on, across restarts and world sizes --------
+_attempts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # job -> its attempt's key, agreed at its first logged step
+
+
 def log_samples(job, step) -> None:
-    """Append this rank's samples of a finished step to its sample log (one JSON line)."""
+    """Append this rank's samples of a finished step to its sample log (one JSON line).
+
+    A record names its place in the step's global batch ("offset": the samples of the ranks
+    before it) and its attempt: rank 0's clock at the attempt's first logged step, then the
+    torchrun restart count. That key grows across restarts and across launches (a new launch
+    counts restarts from 0 again), so the reader keeps, for each step, the records of its latest
+    attempt, whatever world size each attempt ran at."""
+    key = _attempts.get(job)
+    first = key is None
+    if first:   # every rank logs every step: all meet here at the same one, and take rank 0's clock
+        key = _attempts[job] = [gather(job, time.time_ns())[0], job.ctx.restart]
     directory = job.config.sample_log
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"rank{job.rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step.index, "attempt": job.ctx.restart, "epochs": list(step.epochs),
-                            "indices": list(step.indices)}) + "\n")
+    offset = sum(d.share for d in job.plan.devices[:job.rank])
+    line = json.dumps({"step": step.index, "attempt": key, "offset": offset, "epochs": list(step.epochs),
+                       "indices": list(step.indices)}) + "\n"
+    with open(os.path.join(directory, f"rank{job.rank}.jsonl"), "a+") as f:
+        if first and f.tell() > 0:   # a line a kill cut short: end it, so this one stays whole
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                line = "\n" + line
+        f.write(line)
 
 
 def read_sample_log(directory: str) -> dict[int, list[tuple[int, int]]]:
-    """{step: [(epoch, index), ...] over all ranks}, keeping each rank's latest attempt of a step
-    (steps redone after a restart supersede the lost ones)."""
-    per_rank: dict[tuple[int, int], dict] = {}
+    """{step: [(epoch, index), ...] in global batch order}, from the latest attempt of each step
+    (steps redone after a restart supersede the lost ones, at any world size). A line that is
+    not a whole record (a kill mid-write) is skipped."""
+    records: list[dict] = []
     for name in sorted(os.listdir(directory)):
-        if not name.endswith(".jsonl"):
+        if not (name.startswith("rank") and name.endswith(".jsonl") and name[4:-6].isdigit()):
             continue
         rank = int(name[4:-6])
         with open(os.path.join(directory, name)) as f:
             for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    per_rank[(rec["step"], rank)] = rec
+                rec = _record(line, rank)
+                if rec is not None:
+                    records.append(rec)
+    latest: dict[int, tuple] = {}
+    for rec in records:
+        latest[rec["step"]] = max(latest.get(rec["step"], rec["attempt"]), rec["attempt"])
     steps: dict[int, list[tuple[int, int]]] = {}
-    for (step, _), rec in sorted(per_rank.items()):
-        steps.setdefault(step, []).extend(zip(rec["epochs"], rec["indices"]))
+    for rec in sorted(records, key=lambda r: (r["step"], r["offset"])):
+        if rec["attempt"] == latest[rec["step"]]:
+            steps.setdefault(rec["step"], []).extend(zip(rec["epochs"], rec["indices"]))
     return steps
+
+
+def _record(line: str, rank: int) -> dict | None:
+    try:
+        rec = json.loads(line)
+        attempt = rec["attempt"]   # written before attempt keys: the restart count alone
+        rec["attempt"] = tuple(int(a) for a in attempt) if isinstance(attempt, list) else (0, int(attempt))
+        rec["offset"] = rec.get("offset", rank)
+        if not (isinstance(rec["step"], int) and len(rec["epochs"]) == len(rec["indices"])):
+            return None
+        return rec
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,33 +1,58 @@
+"""Checkpointer in one process (a gloo group of 1): retention keeps the checkpoints known whole."""
+
 from __future__ import annotations
 
-import hashlib
-import json
+import pytest
+import torch
+import torch.distributed as dist
 
-from hetrain.runtime.resilience.store import MANIFEST, verify
+from hetrain.runtime.resilience.store import Checkpointer
 
+class Log:
+    def __init__(self):
+        self.warnings = []
 
-def make(tmp_path, files):
-    d = tmp_path / "step-00000002"
-    d.mkdir()
-    manifest = {}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-        manifest[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (d / MANIFEST).write_text(json.dumps({"step": 2, "files": manifest}))
-    return d
+    def warn_job(self, message):
+        self.warnings.append(message)
 
 
-def test_a_whole_checkpoint_verifies(tmp_path):
-    assert verify(make(tmp_path, {"a.distcp": b"x" * 100, "meta.pt": b"meta"})) is None
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
-def test_truncated_corrupt_missing_and_unfinished(tmp_path):
-    d = make(tmp_path, {"a.distcp": b"x" * 100, "meta.pt": b"meta"})
-    (d / "a.distcp").write_bytes(b"x" * 50)
-    assert "truncated" in verify(d)
-    (d / "a.distcp").write_bytes(b"y" * 100)
-    assert "checksum" in verify(d)
-    (d / "a.distcp").unlink()
-    assert "missing" in verify(d)
-    (d / MANIFEST).unlink()
-    assert "never completed" in verify(d)
+def save(ck, step):
+    torch.manual_seed(step)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meta = {"step": step, "sampler": {}, "plan": "{}", "rng": [], "model_signature": "m", "global_batch": 8}
+    ck.save(step, model=model, optimizer=opt, meta=meta)
+    return model.weight.detach().clone()
+
+
+def test_retention_keeps_the_resumed_and_the_new_checkpoint_past_unusable_newer_ones(tmp_path):
+    earlier = Checkpointer(str(tmp_path), keep=8, rank=0, log=Log())
+    for step in (2, 4, 6, 8):
+        save(earlier, step)
+    earlier.close()
+    (tmp_path / "step-00000006" / "meta.pt").unlink()             # two newer ones, both unusable
+    (tmp_path / "step-00000008" / "manifest.json").write_text("[]")
+
+    log = Log()
+    resumed = Checkpointer(str(tmp_path), keep=2, rank=0, log=log)
+    assert resumed.latest().name == "step-00000004"
+    assert [w.split(" is unusable")[0] for w in log.warnings] == ["checkpoint step-00000008", "checkpoint step-00000006"]
+    saved = save(resumed, 5)
+    # the old rule (the last 2 directories of any kind) removed 4 and 5 here; 2 is older than both kept
+    assert resumed.steps() == [4, 5, 6, 8]
+    resumed.close()
+
+    model = torch.nn.Linear(4, 3)
+    restarted = Checkpointer(str(tmp_path), keep=2, rank=0, log=Log())
+    path = restarted.latest()
+    assert path.name == "step-00000005" and restarted.read_meta(path)["step"] == 5
+    restarted.load_model(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(model.weight, saved)
+    restarted.close()
