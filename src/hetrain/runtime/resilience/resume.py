@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ...errors import HetrainError, UsageError
+from ...errors import DoesNotFit, UsageError
 from ...planning.plan import Plan
 from . import oom as recovery
 from .store import Checkpointer, model_signature, rng_state, set_rng_state
@@ -191,10 +191,10 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
     for rank, micro in sorted(found.items()):
         smaller = recovery.smaller_micro_batch(min(micro, devices[rank].micro_batch))
         if smaller is None:   # every rank read the same record: all stop here together
-            raise HetrainError(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
-                               "1 sample in the previous attempt: the model does not fit there",
-                               "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
-                               "or a device with more memory")
+            raise DoesNotFit(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
+                             "1 sample in the previous attempt: the model does not fit there",
+                             "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
+                             "or a device with more memory")
         devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
         notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
     note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
