@@ -19,13 +19,14 @@ CLUSTER_HELP = "check a planned or emulated cluster from the catalog, e.g. a100-
 
 
 def _machine(machine_file: str | None, cluster: str | None, measure: bool) -> machine.Machine:
-    if machine_file and cluster:
+    # `is not None`: an empty --machine '' or --cluster '' is bad input, not "this machine".
+    if machine_file is not None and cluster is not None:
         raise UsageError("--machine and --cluster both given", "give one: a recorded machine or a cluster spec")
-    if measure and (machine_file or cluster):
+    if measure and (machine_file is not None or cluster is not None):
         raise UsageError("--measure needs this machine's GPUs", "drop --machine/--cluster to measure here")
-    if machine_file:
+    if machine_file is not None:
         return machine.recorded(machine_file)
-    if cluster:
+    if cluster is not None:
         return machine.planned(cluster)
     return machine.live(measure=measure)
 
