@@ -50,6 +50,8 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     if not module and not Path(target).is_file():
         hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
         raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")
+    if module:
+        _check_module(target)
     if max_restarts < 0:
         raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
     # Every input is checked before any work (the host measurement below, the run dir, a launch).
@@ -112,6 +114,22 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             f"--nproc-per-node={count}", f"--max-restarts={max_restarts}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir)
+
+
+def _check_module(name: str) -> None:
+    """`-m NAME` must be importable as the workers' `python -m` will import it (from the cwd too)."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):      # a missing parent package; '' or a relative name
+        found = False
+    finally:
+        sys.path.remove(os.getcwd())
+    if not found:
+        raise UsageError(f"module {name!r} cannot be found", "check the module name and PYTHONPATH, or drop -m "
+                         "to run a script path")
 
 
 def _check_nproc(nproc: int | None, emulated: int | None) -> None:

@@ -40,7 +40,7 @@ SCRIPT.write_text("raise SystemExit('a malformed input was not caught before lau
 (ROOT / "a-dir").mkdir()
 (ROOT / "junk.json").write_text("{not json")
 (ROOT / "list.json").write_text("[1, 2]")
-SWEEP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SWEEP = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RAN = {"cases": 0}
 
 
@@ -56,20 +56,21 @@ def _no_launch(*_args, **_kwargs):
     raise AssertionError("bad input reached the launcher: it must be caught before any process starts")
 
 
-def run_cli(argv: list[str]) -> tuple[int, list[str], str]:
+def run_cli(argv: list[str], env: dict | None = None) -> tuple[int, list[str], str]:
     """`hetrain ARGV` in this process, in ROOT (also HETRAIN_CACHE and the temp dir): the exit code,
     stderr's lines, stdout. Asserts that nothing under ROOT changed."""
     import hetrain.cli.train as train_cli
     import hetrain.launch as launch
 
-    saved = (os.getcwd(), os.environ.get("HETRAIN_CACHE"), tempfile.tempdir,
+    env = {"HETRAIN_CACHE": str(ROOT / "cache"), **(env or {})}
+    saved = (os.getcwd(), {k: os.environ.get(k) for k in env}, tempfile.tempdir,
              train_cli.run_launch, launch.run_launch)
     before = _tree()
     err, out = io.StringIO(), io.StringIO()
     code = None
     try:
         os.chdir(ROOT)
-        os.environ["HETRAIN_CACHE"] = str(ROOT / "cache")
+        os.environ.update(env)
         tempfile.tempdir = str(ROOT)
         train_cli.run_launch = launch.run_launch = _no_launch
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -78,18 +79,19 @@ def run_cli(argv: list[str]) -> tuple[int, list[str], str]:
         code = e.code if isinstance(e.code, int) else 1
     finally:
         os.chdir(saved[0])
-        if saved[1] is None:
-            os.environ.pop("HETRAIN_CACHE", None)
-        else:
-            os.environ["HETRAIN_CACHE"] = saved[1]
+        for name, value in saved[1].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         tempfile.tempdir, train_cli.run_launch, launch.run_launch = saved[2], saved[3], saved[4]
     RAN["cases"] += 1
     assert _tree() == before, f"hetrain {argv} changed files under {ROOT}"
     return code, err.getvalue().splitlines(), out.getvalue()
 
 
-def assert_one_error(argv: list[str], code: int = 2) -> str:
-    got, lines, _ = run_cli(argv)
+def assert_one_error(argv: list[str], code: int = 2, env: dict | None = None) -> str:
+    got, lines, _ = run_cli(argv, env)
     text = "\n".join(lines)
     assert "Traceback" not in text, f"hetrain {argv}:\n{text}"
     assert got == code, f"hetrain {argv} exited {got}:\n{text}"
@@ -195,7 +197,7 @@ def bad_command(draw) -> list[str]:
     return [name, *base, *bad]
 
 
-@SWEEP
+@settings(SWEEP, max_examples=300)
 @given(argv=bad_command())
 def test_every_command_answers_bad_flags_with_one_line_and_exit_2(argv):
     assert_one_error(argv)
@@ -205,11 +207,17 @@ def test_every_command_answers_bad_flags_with_one_line_and_exit_2(argv):
     ["nosuchcommand"], ["simulate", "--bogus"], ["simulate", "--cluster"], ["run"], ["demo", "--steps", "abc"],
     ["simulate", "--cluster", "a100-80g"], ["plan", "--model", "gpt2-124m", "--emulate", "a100-80g"],
     ["doctor", "--machine", "junk.json", "--cluster", "a100-80g"], ["run", "missing.py"],
-    ["run", "--nproc", "0", "train.py"], ["plan", "--global-batch", "8", "--model-factory", "x.py:make",
+    ["run", "--nproc", "0", "train.py"], ["run", "-m", "no_such_hetrain_module"], ["run", "-m", ".rel"],
+    ["run", "-m", "no_such_hetrain_pkg.sub"], ["run", "-m", ""], ["plan", "--global-batch", "8", "--model-factory", "x.py:make",
                                             "--model", "gpt2-124m"],
 ])
 def test_parse_errors_and_missing_inputs_are_one_line_too(argv):
     assert_one_error(argv)
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--cluster", "a100-80g"], ["env", "--cluster", "a100-80g"]])
+def test_a_junk_rank_is_one_line(argv):
+    assert "RANK='x1'" in assert_one_error(argv, env={"RANK": "x1"})
 
 
 def test_the_malformed_inputs_the_new_user_reported():
@@ -324,7 +332,7 @@ def test_a_profile_cache_from_another_host_is_measured_again():
 
 def test_zz_report_how_many_cases_ran():
     print(f"\nmalformed-input sweep: {RAN['cases']} in-process cases")
-    assert RAN["cases"] >= 200
+    assert RAN["cases"] >= 500
 
 
 # -- inside the workers: hetrain.init() in a script ----------------------------------------------

@@ -17,6 +17,7 @@ def script(tmp_path):
 
 def test_more_processes_than_gpus_is_refused(monkeypatch, tmp_path, script):
     monkeypatch.setattr(launch, "_cuda_count", lambda: 2)
+    monkeypatch.setattr(launch, "launch_env_fixes", lambda env: [])     # no driver asked
     with pytest.raises(UsageError, match="--nproc 3 but 2 GPU"):
         launch.build_launch(target=script, nproc=3, run_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
