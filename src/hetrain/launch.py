@@ -54,12 +54,18 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     if not module and not Path(target).is_file():
         hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
         raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")
+    if module:
+        _check_module(target)
     if max_restarts < 0:
         raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
+    # Every input is checked before any work (the host measurement below, the run dir, a launch).
+    cluster = parse_cluster(emulate) if emulate is not None else None     # '' is a bad spec, not none
+    _check_nproc(nproc, len(cluster) if cluster is not None else None)
+    if run_dir is not None:
+        _check_run_dir(run_dir)
     reasons: list[str] = []
     env: dict[str, str] = {}
-    if emulate:
-        cluster = parse_cluster(emulate)
+    if cluster is not None:
         count = len(cluster)
         reasons.append("processes: one per emulated device: "
                        + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
@@ -93,11 +99,6 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         else:
             reasons.append("processes: 1 (no GPU and no --emulate; try --emulate a100-80g,rtx3090)")
     if nproc is not None:
-        if nproc < 1:
-            raise UsageError(f"--nproc {nproc} must be at least 1", "give a positive process count")
-        if emulate and nproc != count:
-            raise UsageError(f"--nproc {nproc} but --emulate names {count} devices",
-                             "drop --nproc: with --emulate there is one process per device")
         count = nproc
     temporary_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
@@ -138,6 +139,46 @@ def _lock_run_dir(run_dir: str):
         raise UsageError(f"run dir {run_dir!r} is in use by another hetrain job: {held_by}",
                          "wait for that job to finish, or give this one another --run-dir")
     return lock
+
+
+def _check_module(name: str) -> None:
+    """`-m NAME` must be importable as the workers' `python -m` will import it (from the cwd too)."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):      # a missing parent package; '' or a relative name
+        found = False
+    finally:
+        sys.path.remove(os.getcwd())
+    if not found:
+        raise UsageError(f"module {name!r} cannot be found", "check the module name and PYTHONPATH, or drop -m "
+                         "to run a script path")
+
+
+def _check_nproc(nproc: int | None, emulated: int | None) -> None:
+    if nproc is None:
+        return
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc} must be at least 1", "give a positive process count")
+    if emulated is not None and nproc != emulated:
+        raise UsageError(f"--nproc {nproc} but --emulate names {emulated} devices",
+                         "drop --nproc: with --emulate there is one process per device")
+    gpus = _cuda_count() if emulated is None else 0
+    if gpus and nproc > gpus:          # one process per GPU at most (none: CPU processes, any number)
+        raise UsageError(f"--nproc {nproc} but {gpus} GPU(s) are visible",
+                         f"give --nproc {gpus} or less (or drop it: one process per GPU)")
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """--run-dir must be (or become) a directory we can write, said before anything is launched."""
+    path = Path(run_dir)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise UsageError(f"--run-dir {run_dir!r}: {str(existing)!r} is not a directory", "give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--run-dir {run_dir!r}: {str(existing)!r} is not writable", "give a directory you can write")
 
 
 def run_launch(launch: Launch) -> int:

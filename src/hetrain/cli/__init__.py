@@ -21,19 +21,42 @@ app = typer.Typer(
 )
 
 
+_registered = []
+
+
 def _register() -> None:
+    """Once per process: main() may be called many times in one (the tests do)."""
+    if _registered:
+        return
     from . import hardware, planning, train
 
     for module in (train, planning, hardware):
         module.register(app)
+    _registered.append(True)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the command; always ends in SystemExit with its exit code."""
     _register()
     try:
-        app(args=argv, prog_name="hetrain")
+        code = app(args=argv, prog_name="hetrain", standalone_mode=False)
     except HetrainError as e:
-        print(f"hetrain: error: {e.what}", file=sys.stderr)
-        if e.fix:
-            print(f"  fix: {e.fix}", file=sys.stderr)
+        _say(e.what, e.fix)
         sys.exit(e.exit_code)
+    except typer.TyperException as e:              # what typer's click could not parse: the same one line
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()                               # bare `hetrain`: the help, as before
+        else:
+            ctx = getattr(e, "ctx", None)
+            _say(" ".join(e.format_message().split()),
+                 f"see `{ctx.command_path if ctx is not None else 'hetrain'} --help`")
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    sys.exit(code or 0)
+
+
+def _say(what: str, fix: str | None) -> None:
+    print(f"hetrain: error: {what}", file=sys.stderr)
+    if fix:
+        print(f"  fix: {fix}", file=sys.stderr)

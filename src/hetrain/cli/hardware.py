@@ -19,15 +19,25 @@ CLUSTER_HELP = "check a planned or emulated cluster from the catalog, e.g. a100-
 
 
 def _machine(machine_file: str | None, cluster: str | None, measure: bool) -> machine.Machine:
-    if machine_file and cluster:
+    # `is not None`: an empty --machine '' or --cluster '' is bad input, not "this machine".
+    if machine_file is not None and cluster is not None:
         raise UsageError("--machine and --cluster both given", "give one: a recorded machine or a cluster spec")
-    if measure and (machine_file or cluster):
+    if measure and (machine_file is not None or cluster is not None):
         raise UsageError("--measure needs this machine's GPUs", "drop --machine/--cluster to measure here")
-    if machine_file:
+    if machine_file is not None:
         return machine.recorded(machine_file)
-    if cluster:
+    if cluster is not None:
         return machine.planned(cluster)
     return machine.live(measure=measure)
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone): only rank 0 prints."""
+    value = os.environ.get("RANK", "") or "0"
+    if not (value.isdigit() and value.isascii()):
+        raise UsageError(f"the environment variable RANK={value!r} is not a whole number >= 0",
+                         "unset RANK, or launch with torchrun, which sets it")
+    return int(value)
 
 
 def _print_doctor(m: machine.Machine, findings) -> None:
@@ -67,9 +77,9 @@ def doctor(
 ) -> None:
     """Check this machine for multi-GPU traps; each finding says what, why and the exact fix.
     Exit code 1 when any finding is an error."""
+    rank = _rank()
     options = DoctorOptions(psu_watts=parse_psu_watts(psu_watts), precision=precision)
     m = _machine(machine_file, cluster, measure)
-    rank = int(os.environ.get("RANK", "0") or 0)
     if not (machine_file or cluster) and ranks.under_torchrun():
         options = DoctorOptions(psu_watts=options.psu_watts, precision=options.precision,
                                 rank_versions=ranks.gather_rank_versions(m.facts))
@@ -93,9 +103,10 @@ def env(
     cluster: Optional[str] = typer.Option(None, "--cluster", help=CLUSTER_HELP),
 ) -> None:
     """A paste-ready report for bug reports: versions, every GPU, topology, relevant env vars."""
+    rank = _rank()
     m = _machine(machine_file, cluster, measure)
     per_rank = ranks.gather_rank_versions(m.facts) if not (machine_file or cluster) and ranks.under_torchrun() else None
-    if int(os.environ.get("RANK", "0") or 0) != 0:
+    if rank != 0:
         return
     if json_out:
         typer.echo(json.dumps(envreport.render_json(m, per_rank), indent=2))

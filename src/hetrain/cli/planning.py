@@ -258,7 +258,7 @@ def plan(
     if measurements and not model_factory:
         raise UsageError("--measurements without --model-factory", "an estimate measures nothing: drop it")
     link = _link(link_gbs)
-    cluster = parse_cluster(emulate) if emulate else None
+    cluster = parse_cluster(emulate) if emulate is not None else None     # '' is a bad spec
     if blocks is not None:
         _positive_int(blocks, "--blocks", "give the number of layers the model stacks")
     for path, flag in ((out, "--out"), (measurements, "--measurements")):

@@ -2,9 +2,9 @@
 
 Grammar, one item per device, comma separated:  [COUNTx]NAME[:SPEED][@MEMORY]
   NAME    a catalog GPU ('a100-80g', '3090', 'NVIDIA GeForce RTX 3090')
-  SPEED   relative training speed (> 0), overriding the catalog's speed index
-  MEMORY  memory cap, e.g. 2GiB or 512MiB (default: the catalog card's memory)
-  COUNTx  that many identical devices, e.g. 2xrtx3090
+  SPEED   relative training speed in (0.01, 100], overriding the catalog's speed index
+  MEMORY  memory cap from 1KiB to 1PiB, e.g. 2GiB or 512MiB (default: the catalog card's memory)
+  COUNTx  that many identical devices, e.g. 2xrtx3090 (at most 1024 devices in all)
 
 Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`.
 
@@ -25,6 +25,9 @@ from .units import format_bytes, parse_bytes
 
 FORMS = ("NAME", "NAME:SPEED", "NAME@MEMORY", "NAME:SPEED@MEMORY", "COUNTxNAME")
 EXAMPLE = "a100-80g,rtx3090  or  a100-80g:1.0,rtx3090:0.67@1GiB"
+MAX_DEVICES = 1024              # per item and in all: a spec is expanded device by device
+SPEEDS = (0.01, 100.0)          # a slower device would sleep ~forever per step; a faster one is a typo
+MEMORY = (1024, 1024**5)        # 1 KiB (tests use caps of a few KiB) to 1 PiB
 _ITEM = re.compile(r"^(?:(?P<count>\d+)[x*])?(?P<name>[^:@]+?)(?::(?P<speed>[^@]*))?(?:@(?P<mem>.*))?$")
 
 
@@ -76,17 +79,23 @@ def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
                 speed = float(m["speed"])
             except ValueError:
                 raise _bad(item, f"speed {m['speed']!r} is not a number") from None
-            if not speed > 0 or speed != speed or speed == float("inf"):
-                raise _bad(item, f"speed {m['speed']!r} must be a positive number")
+            if not SPEEDS[0] < speed <= SPEEDS[1]:     # also NaN and inf
+                raise _bad(item, f"speed {m['speed']!r} must be a positive number in ({SPEEDS[0]:g}, {SPEEDS[1]:g}]")
         memory = None
         if m["mem"] is not None:
             try:
                 memory = parse_bytes(m["mem"], what="memory")
             except UsageError as e:
                 raise _bad(item, e.what) from None
-        count = int(m["count"]) if m["count"] else 1
-        if count < 1:
-            raise _bad(item, "the count must be at least 1")
+            if not MEMORY[0] <= memory <= MEMORY[1]:
+                raise _bad(item, f"memory {m['mem']!r} must be from 1KiB to 1PiB")
+        # Checked before expanding (and before int() of a thousand digits): 1000000000xa100 is a typo.
+        digits = (m["count"] or "1").lstrip("0") or "0"
+        count = int(digits) if len(digits) <= len(str(MAX_DEVICES)) else MAX_DEVICES + 1
+        if not 1 <= count <= MAX_DEVICES:
+            raise _bad(item, f"the count must be from 1 to {MAX_DEVICES}")
+        if len(raw) + count > MAX_DEVICES:
+            raise _bad(item, f"a cluster spec names at most {MAX_DEVICES} devices in all")
         raw.extend([(gpu, speed, memory)] * count)
 
     speeds = [s if s is not None else gpu.speed_index for gpu, s, _ in raw]

@@ -110,11 +110,74 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        data = json.loads(text)
+        """The Plan in `text` (from to_json). Anything else, down to a field's type, is a ValueError
+        naming what is wrong: a plan file is input, and a float share or a string must not get in."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("the plan nests too deeply to be one") from None
+        _expect(data, dict, "the plan")
         schema = data.pop("schema", None)
         if schema not in READABLE_SCHEMAS:
-            raise ValueError(f"plan schema {schema} is not {SCHEMA}: re-plan with this hetrain")
-        devices = tuple(DevicePlan(**{**d, "reasons": tuple(d.get("reasons", ()))})
-                        for d in data.pop("devices"))
-        excluded = tuple(ExcludedDevice(**e) for e in data.pop("excluded", ()))
-        return cls(devices=devices, excluded=excluded, **data)
+            raise ValueError(f"plan schema {schema!r} is not {SCHEMA}: re-plan with this hetrain")
+        _check_fields(data, _PLAN_FIELDS, "the plan")
+        devices = _expect(data.pop("devices", None), list, "the plan's devices")
+        excluded = _expect(data.pop("excluded", []), list, "the plan's excluded devices")
+        for i, d in enumerate(devices):
+            _check_fields(_expect(d, dict, f"device {i}"), _DEVICE_FIELDS, f"device {i}")
+        for i, e in enumerate(excluded):
+            _check_fields(_expect(e, dict, f"excluded device {i}"), _EXCLUDED_FIELDS, f"excluded device {i}")
+        predicted = data.get("predicted", {})
+        if not all(isinstance(k, str) and _is_number(v) for k, v in predicted.items()):
+            raise ValueError("the plan's predicted figures must be numbers by name")
+        return cls(devices=tuple(DevicePlan(**{**d, "reasons": tuple(d.get("reasons", ()))}) for d in devices),
+                   excluded=tuple(ExcludedDevice(**e) for e in excluded), **data)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+# Each field a plan file may hold, and what its value must be (required ones are marked True).
+_PLAN_FIELDS = {"global_batch": (_is_int, True), "devices": (lambda v: True, True), "version": (_is_int, False),
+                "note": (lambda v: isinstance(v, str), False), "predicted": (lambda v: isinstance(v, dict), False),
+                "excluded": (lambda v: True, False)}
+_DEVICE_FIELDS = {
+    "rank": (_is_int, True), "device": (lambda v: isinstance(v, str), True),
+    "speed": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, True),
+    "share": (_is_int, True), "micro_batch": (_is_int, True), "max_micro_batch": (_optional(_is_int), False),
+    "precision": (lambda v: isinstance(v, str), False), "checkpointing": (lambda v: isinstance(v, bool), False),
+    "memory_cap_bytes": (_optional(_is_int), False), "per_sample_s": (_optional(_is_number), False),
+    "fixed_s": (_optional(_is_number), False), "reasons": (_is_str_list, False),
+    "predicted_compute_s": (_optional(_is_number), False), "predicted_memory_bytes": (_optional(_is_int), False)}
+_EXCLUDED_FIELDS = {name: (lambda v: isinstance(v, str), name != "kind") for name in ("device", "reason", "fix", "kind")}
+
+
+def _expect(value, kind: type, what: str):
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} must be a JSON {'object' if kind is dict else 'list'}, not {type(value).__name__}")
+    return value
+
+
+def _check_fields(data: dict, schema: dict, what: str) -> None:
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        raise ValueError(f"{what} has unknown fields {unknown}")
+    for name, (valid, required) in schema.items():
+        if name not in data:
+            if required:
+                raise ValueError(f"{what} has no {name!r}")
+        elif not valid(data[name]):
+            raise ValueError(f"{what}: {name}={data[name]!r} is not valid")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from ..errors import UsageError
 from ..vocabulary import CHECKPOINTINGS, LOSS_WEIGHTINGS, PRECISION_REQUESTS, RESUME_MODES, SHARDING_REQUESTS
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
-
-
+# What each annotation accepts: a bool is not a number here, and a float field takes an int.
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+_WORDS = {"int": "a whole number", "float": "a finite number", "bool": "True or False", "str": "a string"}
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -55,6 +57,16 @@ class Config:
         def bad(what: str, fix: str) -> UsageError:
             return UsageError(f"hetrain.init: {what}", fix)
 
+        for f in fields(self):      # types first: the checks below compare numbers
+            base, _, optional = str(f.type).partition(" | ")
+            value, types = getattr(self, f.name), _TYPES.get(base)
+            if types is None or (value is None and optional == "None"):
+                continue
+            if (not isinstance(value, types) or (base != "bool" and isinstance(value, bool))
+                    or (base == "float" and not math.isfinite(value))):
+                kind = _WORDS[base] + (" (or None)" if optional == "None" else "")
+                raise bad(f"{f.name}={value!r} is not {kind}", f"pass {f.name} as {kind}"
+                          + (", or leave it out" if f.default is not MISSING else ""))
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise bad(f"global_batch={self.global_batch!r} must be a positive integer",
                       "pass global_batch=N, the samples per optimizer step over all devices")
@@ -82,6 +94,8 @@ class Config:
                                                       and 0 < self.emulate_sample_s <= 10):
             raise bad(f"emulate_sample_s={self.emulate_sample_s!r}",
                       "give the controlled clock's seconds per sample, e.g. 0.002, or None for CPU time")
+        if self.emulate is not None and not self.emulate.strip():
+            raise bad("emulate='' names no devices", "give a cluster spec, e.g. emulate='a100-80g,rtx3090', or None")
         if not self.timeout_s > 0:
             raise bad(f"timeout_s={self.timeout_s}", "use a positive number of seconds")
         if not 0 <= self.memory_margin < 1:
@@ -105,8 +119,14 @@ class Config:
         path = os.environ.get(LAUNCH_ENV)
         if not path:
             return self
-        with open(path) as f:
-            launch = json.load(f)
+        try:
+            with open(path) as f:
+                launch = json.load(f)
+            if not isinstance(launch, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read the launch file {path!r} ({LAUNCH_ENV}): {e}",
+                             f"unset {LAUNCH_ENV}; `hetrain run` sets it for its workers") from None
         known = {f.name for f in fields(self)}
         overrides = {k: v for k, v in launch.get("config", {}).items() if k in known and v is not None}
         defaults = {k: v for k, v in launch.get("defaults", {}).items() if k in known and getattr(self, k) is None}

@@ -14,15 +14,16 @@ import atexit
 import gc
 import os
 from collections.abc import Callable
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from .config import LAUNCH_ENV, Config
-from .ranks.dist import DistContext, init_distributed, shutdown
+from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
 from .devices.emulation import EmulatedDevice, agree_host_facts
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
@@ -44,6 +45,8 @@ class Engine:
     """What `hetrain.init()` returns. All ranks call the same methods in the same order."""
 
     def __init__(self, config: Config, *, plan: Plan | None = None):
+        # First: from here on an explained error is one line (the launch file, the spec, RANK...).
+        install_excepthook(*env_rank(), lambda: getattr(self, "job", None))
         config = config.with_launch_file()
         cluster = parse_cluster(config.emulate) if config.emulate else None
         if cluster is not None:
@@ -225,7 +228,19 @@ def _plan_from_file(path: str | None) -> Plan | None:
 def init(*, plan: Plan | str | None = None, **config) -> Engine:
     """Join the job and read its configuration. Keyword arguments: see hetrain.runtime.config.Config;
     `plan` (a Plan, or the path of one saved as JSON) fixes every rank's share and micro-batch."""
+    install_excepthook(*env_rank(), lambda: None)   # before the config is checked: bad input is one line
+    known = [f.name for f in fields(Config)]
+    for name in config:
+        if name not in known:
+            raise UsageError(f"hetrain.init: unknown keyword {name!r}{did_you_mean(name, known)}",
+                             f"remove {name}=, or use a keyword of hetrain.runtime.config.Config")
+    if "global_batch" not in config:
+        raise UsageError("hetrain.init: no global_batch given", "pass global_batch=N, the samples per optimizer "
+                         "step over all devices")
     if isinstance(plan, str):
         config["plan"] = plan
         plan = None
+    elif plan is not None and not isinstance(plan, Plan):
+        raise UsageError(f"hetrain.init: plan={plan!r} is neither a Plan nor a path",
+                         "pass the path of a file `hetrain plan --out` wrote, or a Plan")
     return Engine(Config(**config), plan=plan)

@@ -33,12 +33,28 @@ def test_counts_and_driver_names():
     ("a100@2zz", "cannot read memory"),
     ("a100@0GiB", "zero"),
     ("rtx309", "did you mean"),
+    ("a100:nan", "positive"),
+    ("a100:inf", "positive"),
+    ("a100:0.005", "(0.01, 100]"),
+    ("a100:101", "(0.01, 100]"),
+    ("a100@512", "from 1KiB to 1PiB"),
+    ("1000000000xa100-80g", "from 1 to 1024"),          # was: expanded device by device, memory exhausted
+    ("9" * 5000 + "xa100", "from 1 to 1024"),           # was: int() of 5000 digits, a ValueError
+    ("0xa100", "from 1 to 1024"),
+    ("1000xa100,30xrtx3090", "at most 1024 devices"),
 ])
 def test_malformed_specs_name_the_bad_part_and_the_forms(spec, words):
     with pytest.raises(UsageError) as e:
         parse_cluster(spec)
     assert words in e.value.what
     assert "NAME:SPEED@MEMORY" in e.value.fix
+
+
+def test_bounds_are_inclusive_where_they_say():
+    assert len(parse_cluster("1024xa100")) == 1024
+    (fast,) = parse_cluster("a100:100@1KiB")
+    assert fast.speed == 1.0 and fast.memory_bytes == 1024     # rescaled: the fastest runs at full pace
+    assert parse_cluster("a100:0.011,a100:1")[0].speed == pytest.approx(0.011)
 
 
 def test_units():

@@ -36,6 +36,12 @@ LOG_ENV = "HETRAIN_FAULT_LOG"
 KINDS = ("slow", "noise", "oom", "die", "stall")
 _FIELDS = {"rank": int, "step": int, "micro": int, "factor": float, "attempt": int,
            "phase": str, "escape": int}
+# What a fault may say. Beyond these a spec is a typo, and a run would sleep ~forever (a slowdown of
+# 1e9) or overflow; slowdowns multiply, so their product on a rank is bounded too.
+_BOUNDS = {"rank": (-1, 1023), "step": (0, 10**9), "micro": (-1024, 1023), "attempt": (0, 1000),
+           "escape": (0, 1)}
+FACTORS = {"slow": (0.01, 100.0), "noise": (0.0, 0.9)}   # slow: (lo, hi]; noise: [lo, hi]
+MAX_SLOWDOWN = 1000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +81,7 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
                                  "e.g. oom:rank=1,step=3,micro=-1,phase=backward") from None
         if "rank" not in fields or "step" not in fields:
             raise UsageError(f"fault {item!r} needs rank= and step=", "e.g. die:rank=1,step=7")
+        _check_bounds(kind, item, fields)
         phases = {"oom": ("forward", "backward"), "die": ("start", "backward", "checkpoint")}.get(kind)
         if phases and kind == "die":
             fields.setdefault("phase", "start")
@@ -82,7 +89,29 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
             raise UsageError(f"fault phase {fields['phase']!r} in {item!r}",
                              f"{kind} takes phase=" + " | ".join(phases) if phases else f"{kind} takes no phase")
         faults.append(Fault(kind=kind, **fields))
+    for rank in {f.rank for f in faults}:
+        product = 1.0
+        for f in faults:
+            if f.kind == "slow" and f.rank in (rank, -1):
+                product *= f.factor
+        if product > MAX_SLOWDOWN:
+            raise UsageError(f"the slowdowns of rank {rank} multiply to {product:g}, over {MAX_SLOWDOWN:g}",
+                             "give fewer or smaller slow: factors")
     return tuple(faults)
+
+
+def _check_bounds(kind: str, item: str, fields: dict) -> None:
+    for key, (lo, hi) in _BOUNDS.items():
+        if key in fields and not lo <= fields[key] <= hi:
+            raise UsageError(f"fault field {key}={fields[key]} in {item!r} is out of range",
+                             f"give {key} from {lo} to {hi}")
+    if "factor" in fields:
+        lo, hi = FACTORS.get(kind, FACTORS["slow"])
+        factor = fields["factor"]
+        inside = (lo <= factor <= hi) if kind == "noise" else (lo < factor <= hi)   # also NaN, inf
+        if not inside:
+            raise UsageError(f"fault field factor={factor:g} in {item!r} is out of range",
+                             f"{kind} takes a factor in {'[' if kind == 'noise' else '('}{lo:g}, {hi:g}]")
 
 
 class FaultInjector:

@@ -28,6 +28,8 @@ def load_factory(spec: str):
             mod_spec = importlib.util.spec_from_file_location(f"_hetrain_factory_{path.stem}", path)
             module = importlib.util.module_from_spec(mod_spec)
             mod_spec.loader.exec_module(module)     # `if __name__ == "__main__":` keeps training out
+        elif target.startswith(".") or not all(part.isidentifier() for part in target.split(".")):
+            raise ImportError("not a module name")       # import_module would raise a TypeError
         else:
             module = importlib.import_module(target)
     except ImportError as e:

@@ -94,13 +94,19 @@ def _cache_path(signature: str, key: str) -> Path | None:
     return root / f"{signature}-{slug}.json"
 
 
-def _read_cache(path: Path | None) -> DeviceProfile | None:
+def read_cache(path: Path | None, key: str) -> tuple[DeviceProfile | None, str | None]:
+    """The profile cached at `path` for device `key`, or (None, why not) when it must be measured
+    again: unreadable, from another version, or measured on another CPU/host (a copied cache
+    directory). Never raises: a bad cache costs a measurement, not the run."""
     if path is None or not path.is_file():
-        return None
+        return None, None
     try:
-        return DeviceProfile.from_json(path.read_text())
-    except (OSError, ValueError, TypeError, KeyError):
-        return None          # unreadable or from another version: measure again
+        profile = DeviceProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        return None, f"the cached profile {path.name} was unreadable ({type(e).__name__}): measured again"
+    if profile.device != key:
+        return None, f"the cached profile {path.name} is of {profile.device!r}, not this {key!r}: measured again"
+    return profile, None
 
 
 def _write_cache(path: Path | None, profile: DeviceProfile) -> None:
@@ -308,13 +314,17 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
     signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
     key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
     path = _cache_path(signature, key)
-    raw = _read_cache(path)
+    raw, note = read_cache(path, key)
     cached = raw is not None
     if raw is None:
         raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
                       memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None)
         _write_cache(path, raw)
     if emulate is not None:
-        return emulated(raw, emulate), cached
-    return replace(raw, device=label, memory_bytes=memory_bytes,
-                   source=raw.source.replace(f"measured on {key}", f"measured on {label}")), cached
+        profile = emulated(raw, emulate)
+    else:
+        profile = replace(raw, device=label, memory_bytes=memory_bytes,
+                          source=raw.source.replace(f"measured on {key}", f"measured on {label}"))
+    if note:            # said where the profile's origin is said: the plan's reasons
+        profile = replace(profile, source=f"{profile.source} ({note})")
+    return profile, cached

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...errors import UsageError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -34,17 +36,40 @@ class DistContext:
         return self.rank == 0
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, *, low: int = 0) -> int:
+    """A torchrun variable as an int; junk is a UsageError naming it (raised after the error hook
+    is installed, so it is one line, not a traceback)."""
     value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
+    if value in (None, ""):
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low:
+        raise UsageError(f"the environment variable {name}={value!r} is not a whole number >= {low}",
+                         f"unset {name}, or launch with torchrun / `hetrain run`, which set it")
+    return number
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world size) as far as the environment says, for the error hook before the process
+    group exists; junk reads as rank 0 of 1 (init_distributed then says what is wrong)."""
+    try:
+        return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1, low=1)
+    except ValueError:
+        return 0, 1
 
 
 def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
     """Join the job's process group (torchrun env vars), or make a group of one."""
     rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1)
+    world = _env_int("WORLD_SIZE", 1, low=1)
     local_rank = _env_int("LOCAL_RANK", 0)
     restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if rank >= world:
+        raise UsageError(f"RANK={rank} but WORLD_SIZE={world}: RANK must be below WORLD_SIZE",
+                         "launch with torchrun / `hetrain run`, which set both")
     if use_cuda:
         # Before anything else touches CUDA, or every rank makes a context on GPU 0.
         torch.cuda.set_device(local_rank)
@@ -61,7 +86,7 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
         store: dist.Store = dist.HashStore()
     else:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT", 29500)
+        port = _env_int("MASTER_PORT", 29500, low=1)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(host, port, world_size=world, is_master=(not agent and rank == 0),
                               timeout=timeout, wait_for_workers=False)

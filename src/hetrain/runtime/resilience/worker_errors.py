@@ -73,8 +73,10 @@ def clear_errors(run_dir: str) -> None:
 def install_excepthook(rank: int, world_size: int, job_of) -> None:
     """Installed as soon as the rank knows who it is, before anything else can fail. `job_of()`
     gives the job record (job.py) once it exists, read when an error arrives: its checkpoint dir,
-    step and micro-batch for an escaped OOM, and the warnings its log still holds."""
-    previous = sys.excepthook
+    step and micro-batch for an escaped OOM, and the warnings its log still holds. A second
+    install (init() installs one before the rank is known, the Engine one after) replaces the first
+    instead of chaining to it."""
+    previous = getattr(sys.excepthook, "hetrain_previous", sys.excepthook)
 
     def hook(exc_type, exc, tb):
         import torch
@@ -93,4 +95,5 @@ def install_excepthook(rank: int, world_size: int, job_of) -> None:
             print(f"[rank {rank}] {exc_type.__name__} in the training script:", file=sys.stderr)
         previous(exc_type, exc, tb)
 
+    hook.hetrain_previous = previous
     sys.excepthook = hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -81,8 +82,25 @@ def test_cached_by_model_and_device(cache):
     _, hit = profile_device(other, torch.optim.AdamW(other.parameters()), loader, device=cpu, label="cpu0",
                             max_size=8)
     assert not hit and len(list((cache / "profiles").glob("*.json"))) == 2
-    (cache / "profiles" / next((cache / "profiles").iterdir()).name).write_text("{not json")
-    profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)   # unreadable: measured again
+    for path in (cache / "profiles").iterdir():
+        path.write_text("{not json")
+    again, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert not hit and "unreadable" in again.source and "measured again" in again.source   # a note, no traceback
+    _, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=8)
+    assert hit                                                    # the new measurement replaced it
+
+
+def test_a_cached_profile_of_another_host_is_measured_again(cache):
+    cpu = torch.device("cpu")
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=4)
+    (path,) = (cache / "profiles").iterdir()
+    data = json.loads(path.read_text())
+    data["device"] = "cpu Some Other CPU x64 threads"             # a cache directory copied from elsewhere
+    path.write_text(json.dumps(data))
+    again, hit = profile_device(model, opt, loader, device=cpu, label="cpu0", max_size=4)
+    assert not hit and "Some Other CPU" in again.source and "measured again" in again.source
 
 
 def test_caching_can_be_turned_off(monkeypatch, cache):

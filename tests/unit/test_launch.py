@@ -1,0 +1,44 @@
+"""build_launch checks every input before it measures, writes or launches anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetrain import launch
+from hetrain.errors import UsageError
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch, tmp_path, script):
+    monkeypatch.setattr(launch, "_cuda_count", lambda: 2)
+    monkeypatch.setattr(launch, "launch_env_fixes", lambda env: [])     # no driver asked
+    with pytest.raises(UsageError, match="--nproc 3 but 2 GPU"):
+        launch.build_launch(target=script, nproc=3, run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert launch.build_launch(target=script, nproc=2, run_dir=str(tmp_path / "run")).nproc == 2
+
+
+def test_without_gpus_any_number_of_cpu_processes(monkeypatch, tmp_path, script):
+    monkeypatch.setattr(launch, "_cuda_count", lambda: 0)
+    assert launch.build_launch(target=script, nproc=3, run_dir=str(tmp_path / "run")).nproc == 3
+
+
+@pytest.mark.parametrize("run_dir", ["train.py", "train.py/sub"])
+def test_a_run_dir_that_cannot_be_one_is_refused_first(monkeypatch, tmp_path, script, run_dir):
+    measured = []
+    monkeypatch.setattr("hetrain.hardware.host.host_facts", lambda: measured.append(1))
+    with pytest.raises(UsageError, match="is not a directory"):
+        launch.build_launch(target=script, emulate="a100-80g", run_dir=str(tmp_path / run_dir))
+    assert not measured                     # before the host is measured
+
+
+@pytest.mark.parametrize("spec", ["", " ", "1000000000xa100-80g"])
+def test_a_bad_emulate_spec_is_refused(script, spec):
+    with pytest.raises(UsageError, match="cluster spec"):
+        launch.build_launch(target=script, emulate=spec)
