@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
             _say(" ".join(e.format_message().split()),
                  f"see `{ctx.command_path if ctx is not None else 'hetrain'} --help`")
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except typer.Abort:                            # Ctrl-C before any worker ran (a running job stops
+        print("hetrain: interrupted", file=sys.stderr)   # at a step boundary instead: resilience/preempt.py)
         sys.exit(130)
     sys.exit(code or 0)
 
