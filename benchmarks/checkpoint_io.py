@@ -41,16 +41,10 @@ class Log:
 
 def old_save_hashing(directory: Path) -> dict:
     """What rank 0 did before: fsync and hash every file of the checkpoint, one after another."""
-    from hetrain.runtime.resilience.manifest import MANIFEST, sha256
+    from hetrain.runtime.resilience.manifest import MANIFEST
+    from hetrain.runtime.resilience.store import hash_files
 
-    files = {}
-    for f in sorted(directory.iterdir()):
-        if f.name == MANIFEST:
-            continue
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
-    return files
+    return hash_files(directory, [f.name for f in sorted(directory.iterdir()) if f.name != MANIFEST], 0)
 
 
 def timed(fn, cpu: list | None = None) -> float:

@@ -49,6 +49,16 @@ class Preempted(HetrainError):
     agreed = True
 
 
+def say(what: str, fix: str | None = None, *, tag: str = "", error: bool = True) -> None:
+    """The one way hetrain tells a person about an error, on stderr: `hetrain: error[ (rank N)]: WHAT`
+    then `  fix: FIX`. A preemption is not an error: `hetrain: WHAT`."""
+    import sys
+
+    print(f"hetrain: error{tag}: {what}" if error else f"hetrain: {what}", file=sys.stderr)
+    if fix:
+        print(f"  fix: {fix}", file=sys.stderr)
+
+
 def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     """' (did you mean: a, b?)' for close names, or '' when nothing is close."""
     close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=n, cutoff=0.5)

@@ -8,6 +8,7 @@ spray of environment variables.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,10 +18,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import HetrainError, UsageError
+from .errors import HetrainError, Preempted, UsageError, say
 from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
 from .runtime.config import LAUNCH_ENV, Config
+from .runtime.resilience.lock import CHECKPOINT_LOCK
 
 # preempt_grace_s's default, plus a minute to write the final checkpoint
 PREEMPT_SHUTDOWN_S = int(Config.__dataclass_fields__["preempt_grace_s"].default) + 60
@@ -60,7 +62,8 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
     # Every input is checked before any work (the host measurement below, the run dir, a launch).
     cluster = parse_cluster(emulate) if emulate is not None else None     # '' is a bad spec, not none
-    _check_nproc(nproc, len(cluster) if cluster is not None else None)
+    gpus = _cuda_count() if cluster is None else 0
+    _check_nproc(nproc, len(cluster) if cluster is not None else None, gpus)
     if run_dir is not None:
         _check_run_dir(run_dir)
     reasons: list[str] = []
@@ -80,7 +83,6 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         if host.note:
             reasons.append(host.note)
     else:
-        gpus = _cuda_count()
         count = gpus or 1
         if gpus:
             reasons.append(f"processes: one per visible GPU ({gpus})")
@@ -157,7 +159,7 @@ def _check_module(name: str) -> None:
                          "to run a script path")
 
 
-def _check_nproc(nproc: int | None, emulated: int | None) -> None:
+def _check_nproc(nproc: int | None, emulated: int | None, gpus: int) -> None:
     if nproc is None:
         return
     if nproc < 1:
@@ -165,7 +167,6 @@ def _check_nproc(nproc: int | None, emulated: int | None) -> None:
     if emulated is not None and nproc != emulated:
         raise UsageError(f"--nproc {nproc} but --emulate names {emulated} devices",
                          "drop --nproc: with --emulate there is one process per device")
-    gpus = _cuda_count() if emulated is None else 0
     if gpus and nproc > gpus:          # one process per GPU at most (none: CPU processes, any number)
         raise UsageError(f"--nproc {nproc} but {gpus} GPU(s) are visible",
                          f"give --nproc {gpus} or less (or drop it: one process per GPU)")
@@ -202,7 +203,7 @@ def _remove_run_dir(run_dir: str, *, keep_checkpoints: bool) -> None:
     """A run dir we made in the temp folder goes; after a failure its checkpoints stay to resume from."""
     checkpoints = os.path.join(run_dir, "checkpoints")
     if keep_checkpoints and os.path.isdir(checkpoints) and any(
-            not name.startswith(".hetrain-") for name in os.listdir(checkpoints)):   # more than its lock file
+            name != CHECKPOINT_LOCK for name in os.listdir(checkpoints)):   # more than its lock file
         print(f"hetrain: checkpoints kept in {checkpoints} (resume with --checkpoint-dir {checkpoints})",
               file=sys.stderr)
         return
@@ -244,54 +245,45 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
 
 
 def _report_error(first: dict, nproc: int) -> int:
-    if first.get("kind") == "Preempted":
-        print(f"hetrain: {first['what']}", file=sys.stderr)
-    else:
-        tag = "" if first.get("agreed", first["usage"]) or nproc == 1 else f" (rank {first['rank']})"
-        print(f"hetrain: error{tag}: {first['what']}", file=sys.stderr)
-    if first["fix"]:
-        print(f"  fix: {first['fix']}", file=sys.stderr)
+    say(first["what"], first["fix"], tag="" if first["agreed"] or nproc == 1 else f" (rank {first['rank']})",
+        error=first["kind"] != "Preempted")
     return int(first["exit_code"])
 
 
 def _report_stop(errors: list[dict], signum) -> int:
     """The launcher was signalled: the workers' own account of the stop, or what we know."""
-    from .errors import Preempted
+    from .runtime.resilience.preempt import signal_name
 
     if errors:
         return _report_error(errors[0], 1)
-    print(f"hetrain: stopped by {getattr(signum, 'name', signum)} before the workers reported a step "
+    print(f"hetrain: stopped by {signal_name(signum)} before the workers reported a step "
           "boundary (they were starting, or did not answer in time): nothing new was saved", file=sys.stderr)
     return Preempted.exit_code
 
 
-class _restarts_only_when_they_can_help:
+@contextlib.contextmanager
+def _restarts_only_when_they_can_help(run_dir: str):
     """While torchrun runs here: its agent, except that a worker error a restart cannot fix (bad
     input, a model that does not fit, a preemption: `restartable` in the worker's error record)
     ends the job instead of using up --max-restarts on the same failure. torchrun builds its agent
     by name in launcher.api; we put ours there for the duration, and put torchrun's back after."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.api import WorkerState
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    from .runtime.resilience.worker_errors import read_errors
 
-    def __enter__(self):
-        import torch.distributed.launcher.api as launcher_api
-        from torch.distributed.elastic.agent.server.api import WorkerState
+    original = launcher_api.LocalElasticAgent
 
-        from .runtime.resilience.worker_errors import read_errors
+    class Agent(original):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
+                if any(not e.get("restartable", True) for e in read_errors(run_dir)):
+                    self._remaining_restarts = 0
+            return result
 
-        self.api, self.original, run_dir = launcher_api, launcher_api.LocalElasticAgent, self.run_dir
-
-        class Agent(self.original):
-            def _monitor_workers(self, worker_group):
-                result = super()._monitor_workers(worker_group)
-                if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
-                    if any(not e.get("restartable", True) for e in read_errors(run_dir)):
-                        self._remaining_restarts = 0
-                return result
-
-        launcher_api.LocalElasticAgent = Agent
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.api.LocalElasticAgent = self.original
+    launcher_api.LocalElasticAgent = Agent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original

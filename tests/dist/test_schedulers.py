@@ -15,29 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from harness import run_ranks
+from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist
 
-N, D, H, STEPS, CUT = 64, 8, 16, 6, 3
+N, D, STEPS, CUT = 64, 8, 6, 3      # D: BlockNet's input width
 EMULATE = "a100-80g@64MiB,rtx3090@24MiB"   # capacity sharding splits the state about 73 : 27
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, H)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(2))
-        self.out = nn.Linear(H, 1)
-
-    def forward(self, x):
-        x = torch.tanh(self.inp(x))
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
 
 
 def make_plan(world: int) -> Plan:
@@ -116,17 +102,6 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def join_group(rank, world):
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world_size=world, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-
-
 SHARDINGS = ("none", "zero1", "fsdp", "capacity")
 
 
@@ -139,7 +114,9 @@ def worker(rank, world, root):
 
     import torch.distributed as dist
 
-    join_group(rank, world)
+    from hetrain.runtime.ranks.dist import init_distributed
+
+    init_distributed(timeout_s=60, use_cuda=False)   # the group every job below finds and uses
     out = {}
     for sharding in SHARDINGS:
         ckpt = f"{root}/{sharding}"

@@ -11,36 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from harness import run_ranks
+from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist
 
-N, D, H = 256, 8, 16
+N, D = 256, 8      # D: BlockNet's input width
 
 
 def make_plan(shares, micros) -> Plan:
     devices = tuple(DevicePlan(rank=r, device=f"cpu{r}", speed=1.0, share=s, micro_batch=m)
                     for r, (s, m) in enumerate(zip(shares, micros)))
     return Plan(global_batch=sum(shares), devices=devices)
-
-
-class Net(nn.Module):
-    """Repeated blocks in a ModuleList: the units FSDP2 shards and checkpointing wraps."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, H)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(2))
-        self.out = nn.Linear(H, 1)
-
-    def forward(self, x):
-        x = torch.tanh(self.inp(x))
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
 
 
 def data(dtype):

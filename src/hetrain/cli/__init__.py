@@ -6,11 +6,12 @@ traceback.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import typer
 
-from ..errors import HetrainError
+from ..errors import HetrainError, say
 
 app = typer.Typer(
     name="hetrain",
@@ -21,18 +22,13 @@ app = typer.Typer(
 )
 
 
-_registered = []
-
-
+@functools.cache
 def _register() -> None:
     """Once per process: main() may be called many times in one (the tests do)."""
-    if _registered:
-        return
     from . import hardware, planning, train
 
     for module in (train, planning, hardware):
         module.register(app)
-    _registered.append(True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,23 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, prog_name="hetrain", standalone_mode=False)
     except HetrainError as e:
-        _say(e.what, e.fix)
+        say(e.what, e.fix)
         sys.exit(e.exit_code)
     except typer.TyperException as e:              # what typer's click could not parse: the same one line
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()                               # bare `hetrain`: the help, as before
         else:
             ctx = getattr(e, "ctx", None)
-            _say(" ".join(e.format_message().split()),
-                 f"see `{ctx.command_path if ctx is not None else 'hetrain'} --help`")
+            say(" ".join(e.format_message().split()),
+                f"see `{ctx.command_path if ctx is not None else 'hetrain'} --help`")
         sys.exit(e.exit_code)
     except typer.Abort:                            # Ctrl-C before any worker ran (a running job stops
         print("hetrain: interrupted", file=sys.stderr)   # at a step boundary instead: resilience/preempt.py)
         sys.exit(130)
     sys.exit(code or 0)
 
-
-def _say(what: str, fix: str | None) -> None:
-    print(f"hetrain: error: {what}", file=sys.stderr)
-    if fix:
-        print(f"  fix: {fix}", file=sys.stderr)

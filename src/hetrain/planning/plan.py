@@ -121,7 +121,7 @@ class Plan:
         if schema not in READABLE_SCHEMAS:
             raise ValueError(f"plan schema {schema!r} is not {SCHEMA}: re-plan with this hetrain")
         _check_fields(data, _PLAN_FIELDS, "the plan")
-        devices = _expect(data.pop("devices", None), list, "the plan's devices")
+        devices = _expect(data.pop("devices"), list, "the plan's devices")
         excluded = _expect(data.pop("excluded", []), list, "the plan's excluded devices")
         for i, d in enumerate(devices):
             _check_fields(_expect(d, dict, f"device {i}"), _DEVICE_FIELDS, f"device {i}")

@@ -67,7 +67,7 @@ class Config:
                 kind = _WORDS[base] + (" (or None)" if optional == "None" else "")
                 raise bad(f"{f.name}={value!r} is not {kind}", f"pass {f.name} as {kind}"
                           + (", or leave it out" if f.default is not MISSING else ""))
-        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+        if self.global_batch < 1:
             raise bad(f"global_batch={self.global_batch!r} must be a positive integer",
                       "pass global_batch=N, the samples per optimizer step over all devices")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
@@ -78,8 +78,7 @@ class Config:
             raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDING_REQUESTS}")
         if self.checkpointing not in CHECKPOINTINGS:
             raise bad(f"checkpointing={self.checkpointing!r}", f"use one of {CHECKPOINTINGS}")
-        if self.checkpoint_blocks is not None and not (isinstance(self.checkpoint_blocks, str)
-                                                       and self.checkpoint_blocks.isidentifier()):
+        if self.checkpoint_blocks is not None and not self.checkpoint_blocks.isidentifier():
             raise bad(f"checkpoint_blocks={self.checkpoint_blocks!r}",
                       "give the class name of the model's blocks, e.g. checkpoint_blocks='Block'")
         if self.micro_batch is not None and self.micro_batch < 1:
@@ -90,8 +89,7 @@ class Config:
             raise bad(f"epochs={self.epochs}", "use a positive number of epochs, or None")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad(f"grad_clip={self.grad_clip}", "use a positive max norm, or None")
-        if self.emulate_sample_s is not None and not (isinstance(self.emulate_sample_s, (int, float))
-                                                      and 0 < self.emulate_sample_s <= 10):
+        if self.emulate_sample_s is not None and not 0 < self.emulate_sample_s <= 10:
             raise bad(f"emulate_sample_s={self.emulate_sample_s!r}",
                       "give the controlled clock's seconds per sample, e.g. 0.002, or None for CPU time")
         if self.emulate is not None and not self.emulate.strip():
@@ -107,7 +105,7 @@ class Config:
                       "use positive numbers")
         if self.resume == "must" and not self.checkpoint_dir:
             raise bad("resume='must' without a checkpoint_dir", "pass checkpoint_dir= (or --run-dir) to resume from")
-        if not (isinstance(self.preempt_grace_s, (int, float)) and 0 < self.preempt_grace_s <= 3600):
+        if not 0 < self.preempt_grace_s <= 3600:
             raise bad(f"preempt_grace_s={self.preempt_grace_s!r}",
                       "give the seconds to wait for the step boundary after SIGTERM, e.g. 30 (at most 3600)")
         if not 0 <= self.rebalance_threshold:

@@ -127,7 +127,6 @@ class Engine:
         self._prepared = True
         prepare_job(self.job, model, optimizer, dataset, collate_fn=collate_fn, forward=forward,
                     given_plan=self._given_plan)
-        persist.check_registered(self.job, optimizer)   # state registered before that drives the replaced optimizer
         self._prepared_at = self.job.steps_done
         return self.job.model, self.job.optimizer, Steps(self._loop)
 
@@ -142,10 +141,7 @@ class Engine:
                              "register an object with both (an LR scheduler, a torch.nn.Module, ...)")
         if name in self.job.extra_state:
             raise UsageError(f"register_state({name!r}) twice", "give each registered object its own name")
-        if not self._prepared:
-            self.job.extra_state[name] = obj
-            return
-        if self.job.steps_done != self._prepared_at:   # a resumed state would be stale by now
+        if self._prepared and self.job.steps_done != self._prepared_at:   # a resumed state would be stale by now
             raise UsageError(f"register_state({name!r}) after training started",
                              "register state right after ht.prepare(), before the first step")
         persist.register(self.job, name, obj)

@@ -19,6 +19,7 @@ from .ranks.dist import DistContext
 from .devices.faults import FaultInjector
 from .devices.hooks import DeviceHooks
 from .ranks.log import RankLog
+from .resilience.preempt import Preemption
 from .devices.precision_policy import PrecisionPolicy
 
 
@@ -32,7 +33,7 @@ class Job:
     faults: FaultInjector
     emulated: object = None                  # emulate.EmulatedDevice, on an emulated device
     host: object = None                      # hardware.host.HostFacts, on an emulated device
-    preemption: object = None                # resilience.preempt.Preemption: the stop signal, if any
+    preemption: Preemption = None            # the stop signal, if any (made by init(), always there)
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
     dataset: object = None
     collate: Callable | None = None

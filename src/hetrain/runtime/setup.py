@@ -45,6 +45,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.guard = make_sync_guard(cfg, job.world_size, wrapped)
     job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
     job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO may have made a new one
+    persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
     memory.show_wrapping(job.log, wrapped)
     if job.faults:                                    # an injected forward OOM strikes inside DDP's forward
         model.register_forward_pre_hook(lambda module, args: job.hooks.before_forward())

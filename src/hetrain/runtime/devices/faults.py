@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ...errors import UsageError
+from ...hardware.cluster import MAX_DEVICES
 
 ENV = "HETRAIN_FAULTS"
 LOG_ENV = "HETRAIN_FAULT_LOG"
@@ -38,7 +39,7 @@ _FIELDS = {"rank": int, "step": int, "micro": int, "factor": float, "attempt": i
            "phase": str, "escape": int}
 # What a fault may say. Beyond these a spec is a typo, and a run would sleep ~forever (a slowdown of
 # 1e9) or overflow; slowdowns multiply, so their product on a rank is bounded too.
-_BOUNDS = {"rank": (-1, 1023), "step": (0, 10**9), "micro": (-1024, 1023), "attempt": (0, 1000),
+_BOUNDS = {"rank": (-1, MAX_DEVICES - 1), "step": (0, 10**9), "micro": (-1024, 1023), "attempt": (0, 1000),
            "escape": (0, 1)}
 FACTORS = {"slow": (0.01, 100.0), "noise": (0.0, 0.9)}   # slow: (lo, hi]; noise: [lo, hi]
 MAX_SLOWDOWN = 1000.0

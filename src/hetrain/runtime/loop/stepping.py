@@ -163,9 +163,9 @@ class StepLoop:
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
         loss_sum, units = float(state.loss_sum), float(state.count)    # one device sync per step
-        stop = job.preemption.requested if job.preemption is not None else 0
         values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
-                  state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending, stop)
+                  state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending,
+                  job.preemption.requested)
         return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
                               rank=job.rank, world_size=job.world_size, device=job.device)
 
@@ -255,11 +255,11 @@ class StepLoop:
                 job.rebalances += 1
                 job.log.info(decision.message)
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
+        stop = table.any("stop")       # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)
         self.checkpoint_due = job.checkpointer is not None and (
-            job.steps_done % cfg.checkpoint_every == 0 or job.steps_done == job.total_steps)
-        if table.any("stop"):          # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)
+            stop or job.steps_done % cfg.checkpoint_every == 0 or job.steps_done == job.total_steps)
+        if stop:
             self.stop_signals = table.column("stop")
-            self.checkpoint_due = job.checkpointer is not None
             job.preemption.at_boundary = True
         return step
 
@@ -269,10 +269,8 @@ class StepLoop:
         job, saved = self.job, None
         if self.checkpoint_due:
             self.checkpoint_due = False
-            persist.save(job)
-            saved = str(job.checkpointer.path(job.steps_done))
-            if job.preemption is not None:
-                job.preemption.last_saved = saved
+            saved = str(persist.save(job))
+            job.preemption.last_saved = saved
         if self.stop_signals is not None and job.steps_done < job.total_steps:
             raise Preempted(preempt.stop_message(signals=self.stop_signals, step=job.steps_done, saved=saved))
 

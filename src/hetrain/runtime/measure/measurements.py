@@ -148,8 +148,9 @@ def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, .
 
 
 def options_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
-                              link: Link | None = None) -> PlanOptions:
-    """The planner's options for these measurements (W > 1: the probes' figures; see below)."""
+                              link: Link | None = None, profiles=None) -> PlanOptions:
+    """The planner's options for these measurements (W > 1: the probes' figures; see below).
+    `profiles`: planning_profiles(m, config), when the caller has them already."""
     n = m.world_size
     measured_link, sync_s, agree_s, lag, stretch = FREE_LINK, None, 0.0, 0.0, 1.0
     slower, at_once = 1.0, 1
@@ -162,7 +163,8 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
         lag = straggle(m.compute_s)
         if config.emulate:                   # the probe ran every device at full speed at once
             stretch = max(1.0, n / m.host_cores)
-            slower, at_once = contention(m, planning_profiles(m, config), config), min(n, m.host_cores)
+            profiles = profiles if profiles is not None else planning_profiles(m, config)
+            slower, at_once = contention(m, profiles, config), min(n, m.host_cores)
         slowest = max(m.allreduce_s)
         if m.grad_bytes:
             measured_link = link_from_measurement(
@@ -188,8 +190,8 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     --allow-exclusion and --link-gbs through them."""
     if m.profiles is None:                   # a single device with unlimited memory
         return _single_device(m, config), ()
-    options = options_from_measurements(m, config, allow_exclusion=allow_exclusion, link=link)
     profiles = planning_profiles(m, config)
+    options = options_from_measurements(m, config, allow_exclusion=allow_exclusion, link=link, profiles=profiles)
     plan = make_plan(list(profiles), options)
     # The rebalancer's time model of each rank: fixed seconds per micro-batch + seconds per sample.
     # The plan's devices are the profiles kept, in order (all of them unless exclusion is allowed).

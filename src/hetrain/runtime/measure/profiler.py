@@ -39,13 +39,13 @@ from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
 from ..devices.emulation import MemoryMeter, model_state_bytes
+from ..devices.precision_policy import DTYPES
 from .probe import as_scalar, default_forward
 
 PROFILER_VERSION = 2             # 2: times forwards without the emulated meter's hooks (training looks them up)
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # -- cache ------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
     `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
     time (emulated devices) instead of the wall clock."""
     cuda = device.type == "cuda"
-    dtype = _AUTOCAST.get(precision)
+    dtype = DTYPES.get(precision)
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 
 from ...errors import HetrainError
+from ..devices.precision_policy import DTYPES
 from .probe import as_scalar, default_forward
 
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def settle(error: BaseException | None, *, stage: str, device: torch.device) -> None:
@@ -63,7 +63,7 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     module = ddp.module
-    dtype = _AUTOCAST.get(precision)
+    dtype = DTYPES.get(precision)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     cuda = device.type == "cuda"
     last_launch: list[float] = []

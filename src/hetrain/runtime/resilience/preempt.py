@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
-import time
 from collections.abc import Callable
 
 from ...errors import Preempted
@@ -38,7 +36,6 @@ class Preemption:
     def __init__(self, *, grace_s: float, on_expiry: Callable[[Preempted], None] | None = None):
         self.grace_s = grace_s
         self.signum = 0                # the first signal received (0: none)
-        self.received_at = 0.0
         self.at_boundary = False       # the agreed stop reached the boundary: the save is under way
         self.last_saved: str | None = None   # the newest checkpoint this job holds, for the expiry message
         self._on_expiry = on_expiry or _exit_now
@@ -63,7 +60,7 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         if self.signum:
             return                     # a repeat (Ctrl-C reaches every process, torchrun forwards it)
-        self.signum, self.received_at = signum, time.monotonic()
+        self.signum = signum
         self._timer = threading.Timer(self.grace_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
@@ -107,4 +104,3 @@ def _exit_now(error: Preempted) -> None:
     from .worker_errors import report_and_exit
 
     report_and_exit(error, rank=int(os.environ.get("RANK", "0") or 0))
-    sys.exit(error.exit_code)   # not reached

@@ -26,20 +26,15 @@ from pathlib import Path
 from ...errors import DoesNotFit, UsageError
 from ...planning.plan import Plan
 from . import oom as recovery
-from .store import Checkpointer, model_signature, rng_state, set_rng_state
+from .store import Checkpointer, gather_all, model_signature, rng_state, set_rng_state
 
 
 def gather(job, obj) -> list:
-    import torch.distributed as dist
-
-    if job.world_size == 1:
-        return [obj]
-    out = [None] * job.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    """Every rank's `obj`, in rank order (a collective)."""
+    return gather_all(obj)
 
 
-def save(job) -> None:
+def save(job) -> Path:
     """Collective: a checkpoint of the whole job at the current step boundary."""
     ck: Checkpointer = job.checkpointer
     rngs = gather(job, rng_state())
@@ -58,6 +53,7 @@ def save(job) -> None:
     path = ck.save(job.steps_done, model=job.model.module, optimizer=job.optimizer, meta=meta,
                    midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"))
     job.log.info(f"checkpoint {path.name} saved (step {job.steps_done}, plan v{job.plan.version})")
+    return path
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from ...errors import HetrainError, UsageError
 from ..sharding.state import load_state_dicts, save_state_dicts, set_loaded_state
 from . import manifest as mf
 from .lock import CHECKPOINT_LOCK, try_lock
-from .manifest import FORMAT, KIND, MANIFEST, META, Refused, verify  # noqa: F401  (verify: re-exported)
+from .manifest import FORMAT, KIND, MANIFEST, META, Refused
 from .safe_meta import load_meta
 
 
@@ -154,7 +154,6 @@ class Checkpointer:
         if outcome is not None:
             raise HetrainError(f"checkpoint {final.name} was not saved: {outcome}",
                                "check the checkpoint_dir's disk (space, permissions)")
-        self.whole.add(step)
         return final
 
     def _complete(self, step: int, tmp: Path, shares: list[dict]) -> str | None:

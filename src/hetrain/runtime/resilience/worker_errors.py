@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from ...errors import HetrainError, Preempted, UsageError
+from ...errors import HetrainError, Preempted, say
 from ...files import write_json_atomic
 from ..config import LAUNCH_ENV
 
@@ -27,8 +27,7 @@ def write_error(run_dir: str, rank: int, exc: HetrainError) -> None:
     path = os.path.join(run_dir, ERROR_FILE.format(rank=rank))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     write_json_atomic(path, {"rank": rank, "attempt": attempt, "what": exc.what, "fix": exc.fix,
-                             "exit_code": exc.exit_code, "usage": isinstance(exc, UsageError),
-                             "agreed": exc.agreed, "restartable": exc.restartable,
+                             "exit_code": exc.exit_code, "agreed": exc.agreed, "restartable": exc.restartable,
                              "kind": type(exc).__name__})
 
 
@@ -42,11 +41,8 @@ def report_and_exit(exc: HetrainError, *, rank: int, world_size: int = 1) -> Non
     if run_dir is not None and os.path.isdir(run_dir):
         write_error(run_dir, rank, exc)
     elif rank == 0 or not exc.agreed:
-        tag = f" (rank {rank})" if world_size > 1 and not exc.agreed else ""
-        print(f"hetrain: error{tag}: {exc.what}" if not isinstance(exc, Preempted) else f"hetrain: {exc.what}",
-              file=sys.stderr)
-        if exc.fix:
-            print(f"  fix: {exc.fix}", file=sys.stderr)
+        say(exc.what, exc.fix, tag=f" (rank {rank})" if world_size > 1 and not exc.agreed else "",
+            error=not isinstance(exc, Preempted))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exc.exit_code)

@@ -53,15 +53,11 @@ def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """(model, optimizer) state dicts for dcp.save. A collective under capacity sharding."""
     if not _split(optimizer):
         return get_state_dict(model, optimizer)
-    pieces = _pieces(model, optimizer)
-    _init_state(_local_optim(optimizer))
-    state = {}
-    for p in pieces:
-        if p.whole:
-            state[p.name] = {k: _part(v, p) for k, v in p.optim.state[p.local].items()}
+    pieces = _local_pieces(model, optimizer)
+    state = {p.name: {k: _part(v, p) for k, v in p.optim.state[p.local].items()} for p in pieces if p.whole}
     if isinstance(optimizer, CapacityShardedOptimizer):
         state.update(_gather_straddling(model, optimizer, pieces))
-    return get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
+    return _dcp_layout(model, optimizer, state)
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -69,14 +65,11 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     of every parameter this rank owns a part of. Local."""
     if not _split(optimizer):
         return get_state_dict(model, optimizer)
-    pieces = _pieces(model, optimizer)
-    _init_state(_local_optim(optimizer))
-    state = {}
-    for p in pieces:
-        state[p.name] = {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
-                             else (v.clone() if isinstance(v, torch.Tensor) else v))
-                         for k, v in p.optim.state[p.local].items()}
-    return get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
+    state = {p.name: {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
+                          else (v.clone() if isinstance(v, torch.Tensor) else v))
+                      for k, v in p.optim.state[p.local].items()}
+             for p in _local_pieces(model, optimizer)}
+    return _dcp_layout(model, optimizer, state)
 
 
 def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, model_sd: dict, optim_sd: dict) -> None:
@@ -84,6 +77,10 @@ def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode
     if not _split(optimizer):
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return
+    groups = optim_sd["param_groups"]
+    if len(groups) != len(optimizer.param_groups):     # before anything is overwritten
+        raise HetrainError(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
+                           f"{len(optimizer.param_groups)}", "resume with the optimizer the checkpoint was saved with")
     set_model_state_dict(model, model_sd)
     for p in _pieces(model, optimizer):
         saved, held = optim_sd["state"][p.name], p.optim.state[p.local]
@@ -94,10 +91,6 @@ def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode
                 held[k].copy_(v)
             else:
                 held[k] = v
-    groups = optim_sd["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise HetrainError(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
-                           f"{len(optimizer.param_groups)}", "resume with the optimizer the checkpoint was saved with")
     for mine, saved in zip(optimizer.param_groups, groups):
         mine.update({k: v for k, v in saved.items() if k != "params"})   # lr & co; the step copies them down
 
@@ -128,6 +121,17 @@ def _pieces(model: nn.Module, optimizer) -> list[Piece]:
             if lo < hi:
                 out.append(Piece(name, p.shape, lo - start, hi - start, shard, lo - a, local))
     return out
+
+
+def _local_pieces(model: nn.Module, optimizer) -> list[Piece]:
+    """This rank's pieces, with the local optimizer's state created (so there are tensors to save or fill)."""
+    pieces = _pieces(model, optimizer)
+    _init_state(_local_optim(optimizer))
+    return pieces
+
+
+def _dcp_layout(model: nn.Module, optimizer, state: dict) -> tuple[dict, dict]:
+    return get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
 
 
 def _offsets(params, names):

@@ -87,7 +87,7 @@ def test_one_device_with_unlimited_memory_takes_the_whole_batch():
 
 
 def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
-    from hetrain.runtime.measure.measurements import Measurements, contention
+    from hetrain.runtime.measure.measurements import contention
 
     def prof(name, speed):   # 2 ms per micro-batch + 1 ms per sample of CPU, at this emulated speed
         return DeviceProfile(device=name, source="test", overhead_s=0.002 / speed, per_sample_s=0.001 / speed,
@@ -108,7 +108,7 @@ def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
 
 
 def test_a_probe_too_short_to_time_reads_as_no_contention():
-    from hetrain.runtime.measure.measurements import Measurements, contention
+    from hetrain.runtime.measure.measurements import contention
 
     tiny = DeviceProfile(device="a", source="test", overhead_s=1e-4, per_sample_s=1e-5, fixed_bytes=0,
                          activation_bytes_per_sample=0.0, cpu_share=1.0)

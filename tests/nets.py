@@ -1,0 +1,22 @@
+"""Small models the multi-process tests share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BlockNet(nn.Module):
+    """Repeated blocks in a ModuleList: the units FSDP2 shards and checkpointing wraps."""
+
+    def __init__(self, d: int = 8, h: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(h, 1)
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
