@@ -17,7 +17,8 @@ CHECKPOINTINGS = ("plan", "all", "none")              # activation checkpointing
 LOSS_WEIGHTINGS = ("samples", "tokens")
 RESUME_MODES = ("auto", "must", "never")
 SCHEDULES = ("gpipe", "1f1b")                         # pipeline schedules (torch.distributed.pipelining)
-LAYOUTS = ("dp", "pp", "dp-pp", "tp")                 # how a model is spread over the devices
+LAYOUTS = ("dp", "pp", "dp-pp", "tp")                 # how a model is spread over the devices (runtime/layouts/)
+PARALLEL_REQUESTS = ("auto",) + LAYOUTS               # what prepare(parallel=) takes (or a Plan)
 
 
 def check_choice(value: object, allowed: Sequence[str], where: str) -> str:

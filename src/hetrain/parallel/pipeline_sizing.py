@@ -1,4 +1,4 @@
-"""Sizing a pipeline before it is built (parallel/pipeline.py's prepare): every rank's speed
+"""Sizing a pipeline before it is built (runtime/layouts/pipeline_setup.py): every rank's speed
 and memory (`device_table`), the block costs agreed by all ranks, the split by the planner
 (planning/pipeline_split.py), and what is shown and warned about it."""
 
@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from ..vocabulary import SCHEDULES
 from ..hardware.units import format_bytes
 from ..planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
@@ -49,8 +48,8 @@ def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None,
     GPUs: every rank measures the blocks on its own device, and a device's speed is the fastest
     total time over its own (measured, not the catalog's guess)."""
     if example is None:
-        raise UsageError("pipeline.prepare needs example= (a micro-batch of inputs) to time the blocks",
-                         "pass example=x[:4], or split=[...] blocks per stage, or split='uniform'")
+        raise UsageError("sizing a pipeline needs a micro-batch of inputs to time the blocks",
+                         "give the dataset (inputs, targets) samples")
     measure_all = ht.emulated is None and ht.device.type == "cuda"
     mine = profile_blocks(parts, example, device=ht.device) if (measure_all or ht.rank == 0) else None
     if measure_all:
@@ -92,15 +91,6 @@ def unmeasured_profile(parts: PipelineParts) -> PipelineProfile:
     """Equal unit costs: a given split still gets replica shares by device speed."""
     return PipelineProfile(blocks=tuple(BlockCost(seconds=1.0, name=f"block {i}") for i in range(len(parts.blocks))),
                            source=NOT_MEASURED)
-
-
-def check_pipeline_config(ht, schedule: str, micro_batches: int | None, stages: int) -> int:
-    if schedule not in SCHEDULES:
-        raise UsageError(f"unknown pipeline schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-    if ht.config.precision != "fp32" or ht.config.loss_weighting != "samples":
-        raise UsageError("pipelines run fp32 with sample-weighted losses for now",
-                         "use hetrain.init(precision='fp32', loss_weighting='samples') with pipelines")
-    return micro_batches if micro_batches is not None else max(stages, min(4 * stages, 8))
 
 
 def param_names(model) -> dict[int, str]:

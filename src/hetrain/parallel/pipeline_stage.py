@@ -1,6 +1,7 @@
 """One pipeline stage as a device runs it (parallel/pipeline.py builds them): each micro-batch's
-forward and backward piece throttled to the emulated speed and its activations counted in flight,
-and the loss over the real rows of padded micro-batches, weighted by n_k/N."""
+forward and backward piece under the device's autocast, throttled to the emulated speed, its
+activations counted in flight, stand-ins after an out-of-memory error; and the loss over the real
+rows of padded micro-batches, weighted by D·units_k/N."""
 
 from __future__ import annotations
 
@@ -41,19 +42,27 @@ class Flight:
 
 
 class MeteredStage(PipelineStage):
-    """A PipelineStage whose per-micro-batch compute pieces are throttled and metered."""
+    """A PipelineStage whose per-micro-batch compute pieces run under this device's autocast, are
+    throttled and metered, and survive an out-of-memory error (see `_stand_in`)."""
 
-    def __init__(self, *args, throttle=None, flight: Flight, **kwargs):
+    def __init__(self, *args, throttle=None, flight: Flight, meter=None, precision=None, faults=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._throttle = throttle
         self._flight = flight
+        self._meter = meter
+        self._precision = precision
+        self._faults = faults
         self.compute_s = 0.0
+        self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
+        self._step, self._count, self._chunk = 0, 1, 0
+
+    def begin_step(self, step_index: int, count: int) -> None:
+        self.failed, self._step, self._count = None, step_index, count
 
     def timed(self, run: Callable):
         # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
         # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
-        # the devices' speed ratio even when a shared CPU slows every process (CPU time would
-        # not: the fast device would slow down while the slow one's sleep stayed the same).
+        # the devices' speed ratio even when a shared CPU slows every process.
         t0 = time.perf_counter()
         try:
             return run()
@@ -65,33 +74,138 @@ class MeteredStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         parent = super().forward_one_chunk
-        return self.timed(lambda: self._flight.forward(
-            fwd_chunk_id, lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output)))
+        self._chunk = fwd_chunk_id
+        return self.timed(lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         parent = super().backward_one_chunk
+        self._chunk = bwd_chunk_id
         out = self.timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                         last_backward=last_backward))
+                                        last_backward=last_backward))
         self._flight.backward_done(bwd_chunk_id)
         return out
 
+    # -- compute, and what stands in for it after an out-of-memory error ------------------------
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        if self.failed is None:
+            chunk = self._chunk
+            parent = super().forward_maybe_with_nosync
+            try:
+                self._strike(chunk, "forward")
+                autocast = self._precision.autocast(self.device.type) if self._precision is not None else _nothing()
+                with autocast:
+                    out = self._flight.forward(chunk, lambda: parent(*args, **kwargs))
+                self._check_cap(chunk)
+                return _to_fp32(out) if not self.is_last else out
+            except torch.OutOfMemoryError as e:
+                self._fail("forward", chunk, e)
+                self._flight.backward_done(chunk)
+        return self._stand_in_output()
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if self.failed is None:
+            try:
+                self._strike(self._chunk, "backward")
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            except torch.OutOfMemoryError as e:
+                self._fail("backward", self._chunk, e)
+        # Zeros for the previous stage, shaped like this stage's inputs: it is waiting for them.
+        return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
+                     for v in bwd_kwargs["input_values"]), None
+
+    def _fail(self, phase: str, chunk: int, error: Exception) -> None:
+        self.failed = f"{phase} of micro-batch {chunk + 1}/{self._count}: {str(error).splitlines()[0][:160]}"
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _stand_in_output(self):
+        """What this stage sends on once it has run out of memory in this step: zeros shaped like the
+        outputs the pipeline agreed at its first step (so every receive completes), needing grad so
+        the schedule's backward runs through. The step is redone by every rank: these values are
+        never used for a gradient that is kept."""
+        if self.is_last:
+            return torch.zeros((), device=self.device, requires_grad=True)
+        metas = self._stage_meta.outputs
+        if metas is None:   # before the shapes were agreed: nothing to stand in with
+            raise torch.OutOfMemoryError(f"stage {self.stage_index}: out of memory before its first send ({self.failed})")
+        outs = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device, requires_grad=True) for m in metas)
+        return outs[0] if len(outs) == 1 else outs
+
+    def _strike(self, chunk: int, phase: str) -> None:
+        """An injected out-of-memory fault (runtime/devices/faults.py) for this micro-batch and phase."""
+        if self._faults:
+            fault = self._faults.oom(self._step, chunk, self._count, phase, escape=0)
+            if fault is not None:
+                from ..runtime.devices.faults import injected_oom
+
+                raise injected_oom(fault)
+
+    def _check_cap(self, chunk: int) -> None:
+        """An emulated device: the bytes held now (model state + activations in flight) past its cap
+        is the error a real device's allocator would have raised during this forward."""
+        meter = self._meter
+        if meter is not None and meter.cap is not None and meter.fixed + self._flight.bytes > meter.cap:
+            from ..hardware.units import format_bytes
+
+            raise torch.OutOfMemoryError(
+                f"emulated {format_bytes(meter.cap)}: {format_bytes(meter.fixed)} of model state + "
+                f"{format_bytes(self._flight.bytes)} of activations for {len(self._flight.held)} micro-batch(es) in flight")
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _to_fp32(out):
+    """Activations cross stages in fp32 (or the model's float64), whatever each stage computes in:
+    the receive buffers have one dtype, and a bf16 stage may feed an fp16 one."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+    if isinstance(out, tuple):
+        return tuple(_to_fp32(o) for o in out)
+    return out
+
 
 class RowLoss:
-    """The schedule's loss: targets arrive as row ids (-1: padding); the user's mean loss over
-    the real rows, weighted by n_k·D/N so the summed gradient is the big-batch gradient."""
+    """The schedule's loss: targets arrive as row ids (-1: padding); the user's mean loss over the
+    real rows of micro-batch k, weighted by D·units_k/N (runtime/loop/reduce.py) and by the
+    job-wide loss scale, so the summed gradient is the big-batch gradient."""
 
-    def __init__(self, loss_fn: Callable, *, replicas: int, timed: Callable):
-        self.loss_fn, self.replicas, self.timed = loss_fn, replicas, timed
+    def __init__(self, loss_fn: Callable, *, replicas: int, stage: MeteredStage, precision=None):
+        self.loss_fn, self.replicas, self.stage, self.precision = loss_fn, replicas, stage, precision
         self.targets: torch.Tensor | None = None
+        self.starts: list[int] = []
+        self.units: list[float] = []
         self.total = 1
+        self.parts: dict[int, float] = {}   # k -> units_k · L_k (unscaled), the last computation of each
 
-    def begin(self, targets: torch.Tensor | None, total: int) -> None:
-        self.targets, self.total = targets, total
+    def begin(self, targets: torch.Tensor, sizes, units, total: int) -> None:
+        self.targets, self.units, self.total = targets, list(units), total
+        self.starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.parts = {}
 
-    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    @property
+    def weighted_sum(self) -> float:
+        """Σ_k units_k · L_k: the step's loss, once divided by N. (torch's first step may evaluate the
+        loss once more while it infers shapes: keyed by micro-batch, so that counts once.)"""
+        return float(sum(self.parts.values()))
+
+    def __call__(self, output, rows: torch.Tensor) -> torch.Tensor:
         def run():
+            if self.stage.failed is not None or not isinstance(output, torch.Tensor) or output.dim() == 0:
+                return output.sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros(())
             real = rows >= 0
-            n = int(real.sum())
-            loss = self.loss_fn(output[real], self.targets[rows[real]])
-            return loss * reduce.loss_factor(units=n, world_size=self.replicas, global_batch=self.total)
-        return self.timed(run)
+            first = int(rows[real][0])
+            k = max(i for i, s in enumerate(self.starts) if s <= first)
+            autocast = self.precision.autocast(output.device.type) if self.precision is not None else _nothing()
+            with autocast:
+                loss = self.loss_fn(output[real], self.targets[rows[real]])
+            units = self.units[k]
+            self.parts[k] = float(loss.detach()) * units
+            scaled = loss.float() * reduce.loss_factor(units=units, world_size=self.replicas, global_batch=self.total)
+            return self.precision.scale(scaled) if self.precision is not None else scaled
+        return self.stage.timed(run)

@@ -11,8 +11,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)   # 2 added predicted per-device figures and excluded devices (all optional)
+from ..vocabulary import LAYOUTS
+
+SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)   # 2 added predicted per-device figures and excluded devices, 3 the layout (all optional)
+
 
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:
@@ -74,14 +77,32 @@ class Plan:
     note: str = ""                                   # why this plan (e.g. 'rebalanced: ...')
     predicted: dict[str, float] = field(default_factory=dict)  # planner estimates, if any
     excluded: tuple[ExcludedDevice, ...] = ()        # devices left out, with the reason
+    # How the model is spread. Ranks r·group … r·group + group − 1 form replica r: one pipeline
+    # (pp, dp-pp: group = its stages) or one tensor-parallel group (tp). The ranks of a replica
+    # compute the same samples, so they have the same share; the replicas' shares sum to the batch.
+    layout: str = "dp"
+    group: int = 1
+    stage_blocks: tuple[int, ...] = ()               # pp, dp-pp: blocks per stage
+    schedule: str = ""                               # pp, dp-pp: gpipe | 1f1b
 
     def __post_init__(self) -> None:
-        total = sum(d.share for d in self.devices)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.group < 1 or len(self.devices) % self.group:
+            raise ValueError(f"{len(self.devices)} devices do not form replicas of {self.group}")
+        for r in range(self.replicas):
+            shares = {d.share for d in self.devices[r * self.group:(r + 1) * self.group]}
+            if len(shares) != 1:
+                raise ValueError(f"the ranks of replica {r} have different shares {sorted(shares)}")
+        total = sum(self.replica_shares)
         if total != self.global_batch:
-            raise ValueError(f"shares {[d.share for d in self.devices]} sum to {total}, "
+            raise ValueError(f"shares {list(self.replica_shares)} sum to {total}, "
                              f"not the global batch {self.global_batch}")
         if [d.rank for d in self.devices] != list(range(len(self.devices))):
             raise ValueError("device plans must be ordered by rank 0..W-1")
+        if self.layout in ("pp", "dp-pp") and (sum(self.stage_blocks) < 1 or len(self.stage_blocks) != self.group):
+            raise ValueError(f"a {self.layout} plan needs blocks for each of its {self.group} stages, "
+                             f"got {list(self.stage_blocks)}")
 
     @property
     def world_size(self) -> int:
@@ -91,13 +112,35 @@ class Plan:
     def shares(self) -> tuple[int, ...]:
         return tuple(d.share for d in self.devices)
 
+    @property
+    def replicas(self) -> int:
+        return len(self.devices) // self.group
+
+    @property
+    def replica_shares(self) -> tuple[int, ...]:
+        """Samples per replica (per rank under plain DP)."""
+        return tuple(self.devices[r * self.group].share for r in range(self.replicas))
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.group
+
     def offsets(self) -> tuple[int, ...]:
-        """Start of each rank's contiguous slice within a step's global batch."""
-        out, acc = [], 0
-        for d in self.devices:
-            out.append(acc)
-            acc += d.share
-        return tuple(out)
+        """Start of each rank's contiguous slice within a step's global batch (the ranks of one
+        replica share theirs)."""
+        starts = [0]
+        for share in self.replica_shares:
+            starts.append(starts[-1] + share)
+        return tuple(starts[self.replica_of(d.rank)] for d in self.devices)
+
+    def describe_layout(self) -> str:
+        if self.layout == "dp":
+            return f"data parallel over {self.world_size} device(s)"
+        if self.layout == "tp":
+            return f"tensor parallel over {self.group} device(s)" + (
+                f", {self.replicas} replicas" if self.replicas > 1 else "")
+        head = f"{self.replicas} pipeline replicas × {self.group} stages" if self.replicas > 1 else \
+            f"one pipeline of {self.group} stages"
+        return f"{head} (blocks {'/'.join(map(str, self.stage_blocks))}, {self.schedule or '1f1b'})"
 
     def evolve(self, *, note: str, devices: tuple[DevicePlan, ...] | None = None, **changes) -> Plan:
         """A successor plan (version + 1) with some fields changed."""
@@ -130,6 +173,8 @@ class Plan:
         predicted = data.get("predicted", {})
         if not all(isinstance(k, str) and _is_number(v) for k, v in predicted.items()):
             raise ValueError("the plan's predicted figures must be numbers by name")
+        if "stage_blocks" in data:
+            data["stage_blocks"] = tuple(data["stage_blocks"])
         return cls(devices=tuple(DevicePlan(**{**d, "reasons": tuple(d.get("reasons", ()))}) for d in devices),
                    excluded=tuple(ExcludedDevice(**e) for e in excluded), **data)
 
@@ -153,7 +198,9 @@ def _optional(check):
 # Each field a plan file may hold, and what its value must be (required ones are marked True).
 _PLAN_FIELDS = {"global_batch": (_is_int, True), "devices": (lambda v: True, True), "version": (_is_int, False),
                 "note": (lambda v: isinstance(v, str), False), "predicted": (lambda v: isinstance(v, dict), False),
-                "excluded": (lambda v: True, False)}
+                "excluded": (lambda v: True, False), "layout": (lambda v: isinstance(v, str), False),
+                "group": (_is_int, False), "stage_blocks": (lambda v: isinstance(v, list) and all(map(_is_int, v)), False),
+                "schedule": (lambda v: isinstance(v, str), False)}
 _DEVICE_FIELDS = {
     "rank": (_is_int, True), "device": (lambda v: isinstance(v, str), True),
     "speed": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, True),

@@ -36,6 +36,7 @@ from .devices.precision_policy import PrecisionPolicy
 from .measure.probe import default_forward
 from .resilience import resume as persist
 from .setup import prepare_job
+from .measure.joint import read_plan_file
 from .loop.stepping import StepLoop
 from .loop.steps import Step, Steps
 from .loop.summary import RunStats, summarize
@@ -78,7 +79,7 @@ class Engine:
             log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
-        self._given_plan = plan if plan is not None else _plan_from_file(config.plan)
+        self._given_plan = plan if plan is not None else read_plan_file(config.plan)
         self._loop = StepLoop(self.job)
         self._stats = RunStats(ctx.world_size)
         self._loop.on_step = self._stats.add
@@ -115,18 +116,24 @@ class Engine:
 
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
-                collate_fn: Callable | None = None, forward: Callable = default_forward):
-        """Plan the split, wrap the model for data parallelism, resume if a checkpoint exists, and
+                collate_fn: Callable | None = None, forward: Callable = default_forward, parallel="auto",
+                loss_fn: Callable | None = None, schedule: str = "1f1b", stages: int | None = None,
+                micro_batches: int | None = None):
+        """Choose the layout, plan the split, wrap the model, resume if a checkpoint exists, and
         return (model, optimizer, steps). The order is setup.prepare_job's.
 
+        `parallel`: 'auto' | 'dp' | 'pp' | 'dp-pp' | 'tp', or a Plan (runtime/layouts/). `loss_fn(output,
+        targets)`: the mean loss, for ht.loss(mb); pipelines need it (their last stage computes the
+        loss). `schedule`, `stages` (DP×PP), `micro_batches`: the pipeline's, planned when None.
         `forward(model, batch)` is how hetrain calls the model when it measures it before training
-        (default: model(x) for (x, y) batches); the user's loop calls the model itself.
+        (default: model(x) for (x, y) batches).
         """
         if self._prepared:
             raise UsageError("prepare() was already called", "call prepare() once per hetrain.init()")
         self._prepared = True
         prepare_job(self.job, model, optimizer, dataset, collate_fn=collate_fn, forward=forward,
-                    given_plan=self._given_plan)
+                    given_plan=self._given_plan, parallel=parallel, loss_fn=loss_fn,
+                    pipeline={"schedule": schedule, "stages": stages, "micro_batches": micro_batches})
         self._prepared_at = self.job.steps_done
         return self.job.model, self.job.optimizer, Steps(self._loop)
 
@@ -150,6 +157,11 @@ class Engine:
     def autocast(self):
         """Autocast to this rank's compute precision (runtime/devices/precision_policy.py; a no-op for fp32)."""
         return self.job.precision.autocast(self.device.type)
+
+    def loss(self, mb):
+        """This micro-batch's mean loss, loss_fn(model(inputs), targets) as the layout runs it (under
+        a pipeline: recorded, computed by the schedule). Pass it to ht.backward()."""
+        return self.job.layout.loss(self.job, mb)
 
     def backward(self, loss: torch.Tensor, *, tokens: int | float | torch.Tensor | None = None) -> None:
         """Backpropagate one micro-batch's mean loss, weighted so the step's gradient is the
@@ -208,17 +220,6 @@ class Engine:
             self.close()
         else:   # peers may be gone: no barrier, just release what we hold
             self._at_exit()
-
-
-def _plan_from_file(path: str | None) -> Plan | None:
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            return Plan.from_json(f.read())
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise UsageError(f"cannot read the plan {path!r}: {e}",
-                         "pass a file written by `hetrain plan --out`, or no plan") from None
 
 
 def init(*, plan: Plan | str | None = None, **config) -> Engine:

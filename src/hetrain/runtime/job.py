@@ -41,6 +41,7 @@ class Job:
     total_steps: int = 0
     checkpointer: object = None              # checkpoint.Checkpointer, with checkpoint_dir
     plan: Plan | None = None
+    layout: object = None                    # layouts/: how this rank runs a step (data, tensor, pipelined)
     profiles: tuple | None = None            # every rank's DeviceProfile, when this job measured them
     model: object = None                     # model.PreparedModel
     sync: object = None                      # DDP, or FSDP2's adapter: .no_sync() on non-last micro-batches

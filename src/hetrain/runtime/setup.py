@@ -13,7 +13,13 @@ from dataclasses import replace
 import torch
 from torch.utils.data import default_collate
 
+from ..errors import UsageError
+from ..parallel.blocks import find_parts
 from ..planning.plan import Plan
+from .layouts import choose
+from .layouts import pipeline_setup as stages
+from .layouts.data import DataLayout
+from .layouts.tensor import TensorLayout
 from .memory import activation_checkpointing as checkpointing
 from .memory import device_memory as memory
 from .resilience import resume as persist
@@ -28,9 +34,33 @@ from .resilience.rebalance import Rebalancer
 
 
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
-                collate_fn: Callable | None, forward: Callable, given_plan: Plan | None) -> None:
-    prepare_to_measure(job, model, optimizer, dataset, collate_fn)                                 # (collective)
+                collate_fn: Callable | None, forward: Callable, given_plan: Plan | None, parallel="auto",
+                loss_fn: Callable | None = None, pipeline: dict | None = None) -> None:
+    kind = choose.requested(parallel, given_plan)
+    if isinstance(parallel, Plan):
+        given_plan = parallel
+    open_data(job, dataset, collate_fn)
+    job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
+    measured = None
+    if kind == "auto":
+        kind, measured = decide_auto(job, model, optimizer, loss_fn)                                # (collective)
+    choose.check_request(kind, loss_fn=loss_fn, world_size=job.world_size)
+    if kind in ("pp", "dp-pp"):
+        prepare_pipelined(job, model, optimizer, kind, loss_fn, given_plan, measured, pipeline or {})
+    else:
+        prepare_data_parallel(job, model, optimizer, forward, given_plan, kind, loss_fn)
+    show_plan(job.log, job.plan, job.total_steps)
+    job.log.info(f"layout: {job.plan.describe_layout()}")
+    job.log.flush()                                   # every rank's setup warnings, once     (collective)
+    freeze_heap()
+
+
+def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan | None, kind: str, loss_fn) -> None:
+    """'dp' and 'tp': the whole model (or a shard of every layer) on every rank."""
+    measure_setup(job, model, optimizer)
     job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan)                 # (collective)
+    if kind == "tp" and job.plan.layout != "tp":
+        job.plan = tensor_plan(job.plan)
     cfg = job.config
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches) is adopted before the model is
     # set up for it: activation checkpointing and sharding follow the plan that will run.
@@ -38,36 +68,135 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if job.checkpointer is not None:
         job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)
     job.plan = checkpoint_per_plan(job, model)
-    wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward)  # (collective)
-    if oom_recovery != cfg.oom_recovery:              # FSDP2: an OOM stops the job instead (runtime/memory/device_memory.py)
+    if kind == "tp":
+        wrapped, job.memory_plan, oom_recovery = tp_wrap(job, model, optimizer), None, False        # (collective)
+    else:
+        wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward)  # (collective)
+    if oom_recovery != cfg.oom_recovery:              # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
         job.config = cfg = replace(cfg, oom_recovery=oom_recovery)
-    job.sync = wrapped.sync                           # DDP, or FSDP2's adapter
+    job.layout = TensorLayout(loss_fn) if kind == "tp" else DataLayout(loss_fn)
+    job.sync = wrapped.sync                           # DDP, FSDP2's adapter, or None (TP: nothing to sync)
     job.guard = make_sync_guard(cfg, job.world_size, wrapped)
     job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
-    job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO may have made a new one
+    job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO/TP may have made a new one
     persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
     memory.show_wrapping(job.log, wrapped)
     if job.faults:                                    # an injected forward OOM strikes inside DDP's forward
         model.register_forward_pre_hook(lambda module, args: job.hooks.before_forward())
-    job.rebalancer = make_rebalancer(cfg, job.world_size)
+    job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
-    show_plan(job.log, job.plan, job.total_steps)
-    job.log.flush()                                   # every rank's setup warnings, once     (collective)
-    freeze_heap()
+
+
+def prepare_pipelined(job: Job, model, optimizer, kind: str, loss_fn, given_plan: Plan | None, measured,
+                      options: dict) -> None:
+    """'pp' and 'dp-pp': this rank's stage of one pipeline replica (runtime/layouts/pipeline_setup.py)."""
+    if measured is not None:
+        parts, profile, devices = measured
+    else:
+        parts = find_parts(model)
+        profile, devices = stages.measure_blocks(job, parts)                                          # (collective)
+    if given_plan is not None and given_plan.layout == kind:
+        job.plan = check_given_plan(job, given_plan)
+    else:
+        job.plan = stages.plan_pipeline(job, kind, parts, profile, devices,
+                                        optimizer_kind=memory.optimizer_kind(optimizer) or "adamw", **{
+                                            "schedule": "1f1b", "stages": None, "micro_batches": None, **options})
+    resume_from = persist.find_checkpoint(job, model) if job.checkpointer is not None else None    # (collective)
+    if job.checkpointer is not None:
+        job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)
+    job.plan = job.precision.record_in(job.plan)
+    job.layout, job.optimizer = stages.build_stage(job, model, optimizer, job.plan, parts, profile, devices,
+                                                   loss_fn)                                          # (collective)
+    pipe = job.layout.pipe
+    job.model = stages.StagedModel(model, pipe.module, None)
+    job.sync = job.guard = job.rebalancer = None      # the pipeline syncs its own gradients; shares stay
+    persist.check_registered(job, optimizer)
+    if job.emulated is not None:
+        job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
+    stages.show_split(job, pipe)
+    if resume_from is not None:
+        persist.restore(job, resume_from)                                                           # (collective)
+
+
+def decide_auto(job: Job, model, optimizer, loss_fn) -> tuple[str, tuple | None]:
+    """parallel='auto' (runtime/layouts/choose.py): the layout, and the blocks measured on the way."""
+    if job.world_size == 1 or loss_fn is None:    # pipelines need the loss function: data parallel
+        return "dp", None
+    try:
+        parts = find_parts(model)
+    except UsageError as e:
+        job.log.info(f"parallel=auto chose dp: no blocks found to cut pipelines between ({e.what.split(':')[0]})")
+        return "dp", None
+    from ..planning.parallelism import compare_parallelism
+    from ..planning.memory import state_factor
+
+    kind_opt = memory.optimizer_kind(optimizer) or "adamw"
+    devices = stages.device_table(job)                                                                 # (collective)
+    fits, why = choose.state_fits(model, devices, factor=state_factor(kind_opt), margin=job.config.memory_margin)
+    if fits:       # the common case decided without measuring anything
+        job.log.info(f"parallel=auto chose dp: {why}")
+        return "dp", None
+    profile, devices = stages.measure_blocks(job, parts, devices)                                     # (collective)
+    try:
+        choice = compare_parallelism(profile, devices, global_batch=job.config.global_batch,
+                                     state_factor=state_factor(kind_opt), memory_margin=job.config.memory_margin)
+    except UsageError as e:
+        raise UsageError(f"parallel='auto': {e.what}", e.fix) from None
+    kind, why = choose.auto(job, model=model, optimizer_kind=kind_opt, parts=parts, profile=profile,
+                            devices=devices, choice=choice)
+    job.log.info(f"parallel=auto chose {kind}: {why}")
+    return kind, (parts, profile, devices)
+
+
+def tensor_plan(plan: Plan) -> Plan:
+    """The data-parallel plan as tensor parallelism runs it: one group of every rank, each
+    computing the whole batch, at the smallest micro-batch any rank planned (they run in lockstep)."""
+    micro = min(d.micro_batch for d in plan.devices)
+    devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro,
+                            reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, "
+                                     f"in micro-batches of {micro} (the smallest any device planned)",))
+                    for d in plan.devices)
+    return replace(plan, devices=devices, layout="tp", group=plan.world_size)
+
+
+def tp_wrap(job: Job, model, optimizer):
+    """The model's layers sharded over every rank (parallel/tensor.py) and the optimizer rebuilt over
+    the sharded parameters (collective)."""
+    from ..parallel.tensor import tensor_parallel
+    from .sharding.wrap import Wrapped, rebuild_optimizer
+
+    names = {p: n for n, p in model.named_parameters()}
+    tensor_parallel(model)
+    new = dict(model.named_parameters())
+    opt = rebuild_optimizer(optimizer, {p: new[n] for p, n in names.items()})
+    return Wrapped("tp", model, opt, None, lines=[
+        f"parallel=tp: every layer split over {job.world_size} devices (DTensor); in-loop OOM recovery is off "
+        "(runtime/layouts/tensor.py says why): an OOM ends the attempt and --max-restarts resumes smaller"])
 
 
 def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:
     """What measuring needs, in order; `hetrain plan`'s worker (cli/plan_worker.py) stops after it."""
+    open_data(job, dataset, collate_fn)
+    job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
+    measure_setup(job, model, optimizer)
+
+
+def open_data(job: Job, dataset, collate_fn: Callable | None) -> None:
+    """The dataset, the global-cursor sampler and the checkpoint directory (every layout)."""
     cfg = job.config
-    model.to(job.device)
     job.dataset, job.collate = dataset, collate_fn or default_collate
     job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
     job.checkpointer = open_checkpoints(cfg, job.rank, job.log)
+
+
+def measure_setup(job: Job, model, optimizer) -> None:
+    """The whole model on this rank's device, counted, checkpointed as configured: what the
+    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline_setup.py)."""
+    model.to(job.device)
     count_model_state(job, model, optimizer)          # the emulated meter holds the model from here
-    job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
-    if cfg.checkpointing == "all":                    # before the probe: measure what will run
-        checkpointing.checkpoint_blocks(model, cfg.checkpoint_blocks)
+    if job.config.checkpointing == "all":             # before the probe: measure what will run
+        checkpointing.checkpoint_blocks(model, job.config.checkpoint_blocks)
 
 
 def make_sampler(cfg: Config, n: int) -> tuple[GlobalCursorSampler, int]:

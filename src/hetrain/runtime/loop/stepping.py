@@ -17,18 +17,14 @@ decided from that table, identically on every rank. An OOM is handled as runtime
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from ...errors import DoesNotFit, HetrainError, Preempted, UsageError
-from ...planning.plan import split_evenly
 from ..ranks import agree
 from ..resilience import resume as persist
-from ..resilience import oom as recovery
 from ..resilience import preempt
 from . import reduce
 from ..job import Job
@@ -85,7 +81,7 @@ class StepLoop:
                              "iterate `for mb in step` once per step")
         step.started = True
         while True:   # attempts of the step by all ranks together
-            outcome = yield from self._rank_pass(state)
+            outcome = yield from job.layout.rank_pass(self, state)   # runtime/layouts/
             table = self._exchange(state, outcome)
             if table.any("fatal"):
                 raise DoesNotFit(_fatal_message(table, job.plan), FATAL_FIX)
@@ -95,74 +91,14 @@ class StepLoop:
                 break
             # Agreed by all: an OOM broke a gradient sync; discard the step and redo it.
             job.redone_steps += 1
-            job.optimizer.zero_grad(set_to_none=True)
-            recovery.reset_reducer(job.sync)
+            job.layout.redo(job)
         state.table = table
-
-    def _rank_pass(self, state: StepState):
-        """This rank's micro-batches of the step; an OOM here is handled locally (runtime/resilience/oom.py)."""
-        job, hooks, step = self.job, self.job.hooks, state.step
-        share = job.plan.devices[job.rank].share
-        while True:
-            hooks.attempt_start()
-            state.count = torch.zeros((), dtype=torch.float64, device=job.device)
-            state.loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
-            sizes = split_evenly(share, math.ceil(share / state.micro))
-            start, failed = 0, None
-            for k, size in enumerate(sizes):
-                chunk = step.indices[start:start + size]
-                start += size
-                mb = MicroBatch(batch=job.load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
-                                catch_oom=job.config.oom_recovery)
-                state.mb = mb
-                if mb.last and job.guard is not None:
-                    job.guard.begin()
-                sync = contextlib.nullcontext() if mb.last else job.sync.no_sync()
-                hooks.micro_batch_start(mb, step.index)
-                with sync:
-                    yield mb
-                hooks.micro_batch_end(mb)
-                if mb.failed is not None:
-                    failed = mb
-                    break
-                if not mb.backward_done:
-                    raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(loss)",
-                                     "call ht.backward(loss) once inside every micro-batch")
-            state.mb = None
-            if failed is None:
-                return "ok"
-            outcome = self._after_oom(state, failed)
-            if outcome is not None:
-                return outcome
-
-    def _after_oom(self, state: StepState, failed: MicroBatch) -> str | None:
-        """This rank ran out of memory: 'fatal', 'desync' (agreed next), or None (redo locally)."""
-        job = self.job
-        job.ooms += 1
-        job.hooks.attempt_failed()
-        smaller = recovery.smaller_micro_batch(state.micro)
-        job.log.warn(f"{job.device_label}: out of memory in micro-batch "
-                     f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {state.step.index}; "
-                     + (f"micro-batch {state.micro} -> {smaller}, redoing" if smaller else "cannot shrink"))
-        if smaller is None:
-            if not failed.desynced and job.guard is not None:   # peers wait in this step's sync: join it
-                job.guard.begin()
-                job.guard.complete_missing()
-            return "fatal"
-        state.micro = smaller
-        if failed.desynced:
-            return "desync"
-        job.optimizer.zero_grad(set_to_none=True)
-        # The failed forward may have run DDP's pre-forward buffer broadcast (it does, in a
-        # step's first forward) without its post-forward: the redo must not broadcast again,
-        # or this rank would be one collective ahead of its peers.
-        if hasattr(job.sync, "require_forward_param_sync"):
-            job.sync.require_forward_param_sync = False
-        return None
 
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
         loss_sum, units = float(state.loss_sum), float(state.count)    # one device sync per step
+        if not job.layout.reports_loss(job):   # another rank of its replica reports the same samples
+            loss_sum = units = 0.0
         values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
                   state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending,
                   job.preemption.requested)
@@ -176,6 +112,8 @@ class StepLoop:
             raise HetrainError(f"ranks run different plan versions {table.column('version')}",
                                "this is a bug in hetrain; please report it with the log")
         micros = [int(m) for m in table.column("micro")]
+        g = job.plan.group        # the ranks of a pipeline or TP group run one micro-batch size
+        micros = [min(micros[(r // g) * g:(r // g + 1) * g]) for r in range(len(micros))]
         devices, changes = list(job.plan.devices), []
         for d, m in zip(job.plan.devices, micros):
             if m != d.micro_batch:
@@ -194,6 +132,10 @@ class StepLoop:
             raise UsageError("ht.backward() called outside a micro-batch, or twice for one",
                              "call ht.backward(loss) once inside each `for mb in step` iteration")
         units = reduce.units(job.config.loss_weighting, size=mb.size, tokens=tokens)
+        if job.layout.deferred:    # a pipeline: the schedule runs this backward with the others
+            job.layout.record(job, mb, loss, units)
+            mb.backward_done = True
+            return
         factor = reduce.loss_factor(units=units, world_size=job.world_size, global_batch=job.config.global_batch)
         scaled = job.precision.scale(loss * factor)               # the job-wide loss scale (fp16)
         mb.backward_done = True
@@ -230,11 +172,11 @@ class StepLoop:
             reduce.scale_gradients(job.model.parameters(), reduce.token_correction(
                 global_batch=cfg.global_batch, total_units=total_units))
         if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in job.model.parameters() if p.grad is not None], cfg.grad_clip)
+            job.layout.clip(job, cfg.grad_clip)
         with job.hooks.optimizer():
             job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
         opt.zero_grad(set_to_none=True)
-        job.hooks.after_optimizer(job.model.module, opt)
+        job.hooks.after_optimizer(job.layout.held(job), opt)
 
         now = time.perf_counter()
         elapsed, self.step_started = now - self.step_started, now
@@ -244,7 +186,7 @@ class StepLoop:
             self.on_step(step, table, elapsed)
         job.steps_done += 1
         self.state = None
-        if cfg.sample_log:
+        if cfg.sample_log and job.rank % job.plan.group == 0:   # one rank per replica: each sample once
             persist.log_samples(job, step)
         self.fixed_s = job.hooks.busy() - busy0
         if job.rebalancer is not None:

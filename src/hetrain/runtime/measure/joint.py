@@ -135,6 +135,18 @@ def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int) -> dict[s
             **{f"compute_{k}": v for k, v in enumerate(computes)}}
 
 
+def read_plan_file(path: str | None) -> Plan | None:
+    """The Plan saved at `path` (`hetrain plan --out`), or None without a path."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return Plan.from_json(f.read())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"cannot read the plan {path!r}: {e}",
+                         "pass a file written by `hetrain plan --out`, or no plan") from None
+
+
 def check_given_plan(job, plan: Plan) -> Plan:
     if plan.world_size != job.world_size or plan.global_batch != job.config.global_batch:
         raise UsageError(

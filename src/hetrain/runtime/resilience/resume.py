@@ -49,9 +49,10 @@ def save(job) -> Path:
         "model_signature": model_signature(job.model.module),
         "global_batch": job.config.global_batch,
         "world_size": job.world_size,
+        "layout": job.plan.describe_layout(),
     }
     path = ck.save(job.steps_done, model=job.model.module, optimizer=job.optimizer, meta=meta,
-                   midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"))
+                   midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"), states=job.layout.states(job))
     job.log.info(f"checkpoint {path.name} saved (step {job.steps_done}, plan v{job.plan.version})")
     return path
 
@@ -97,24 +98,26 @@ def find_checkpoint(job, model) -> Found | None:
 
 
 def adopt_plan(job, found: Found | None) -> Plan:
-    """The Plan to run: the checkpoint's own on the same world size, else the fresh one (its
-    version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
+    """The Plan to run: the checkpoint's own on the same world size and layout, else the fresh one
+    (its version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
     plan = job.plan
     if found is not None:
         saved = Plan.from_json(found.meta["plan"])
-        if saved.world_size == job.world_size:
+        same = (saved.layout, saved.group, saved.stage_blocks) == (plan.layout, plan.group, plan.stage_blocks)
+        if saved.world_size == job.world_size and same:
             plan = replace(saved, devices=tuple(
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,
-                           note=f"re-planned for {job.world_size} devices after resuming from {saved.world_size}")
+                           note=f"re-planned for {job.plan.describe_layout()} after resuming from "
+                                f"{saved.world_size} device(s), {saved.describe_layout()}")
     return _apply_escaped_ooms(job, plan)
 
 
 def restore(job, found: Found) -> None:
     """Collective: load the checkpoint's state into the prepared job."""
     meta, ck = found.meta, job.checkpointer
-    ck.load_model(found.path, model=job.model.module, optimizer=job.optimizer)
+    ck.load_model(found.path, model=job.model.module, optimizer=job.optimizer, states=job.layout.states(job))
     job.sampler.load_state_dict(meta["sampler"])
     job.steps_done = meta["step"]
     if job.scaler is not None and meta["scaler"] is not None:
@@ -128,8 +131,10 @@ def restore(job, found: Found) -> None:
         set_rng_state(meta["rng"][job.rank])
     if job.rebalancer is not None and meta["rebalancer"] is not None:
         job.rebalancer.load_state_dict(meta["rebalancer"])
-    job.hooks.state_restored(job.model.module, job.optimizer)     # an emulated device holds it too
-    job.log.info(f"resumed from {found.path.name}: step {job.steps_done}, epoch {job.sampler.epoch}, "
+    job.hooks.state_restored(job.layout.held(job), job.optimizer)     # an emulated device holds it too
+    saved_layout = meta.get("layout", "data parallel")
+    moved = "" if saved_layout == job.plan.describe_layout() else f" (saved as {saved_layout}, resharded by name)"
+    job.log.info(f"resumed from {found.path.name}{moved}: step {job.steps_done}, epoch {job.sampler.epoch}, "
                     f"sample cursor {job.sampler.cursor}, plan v{job.plan.version}"
                     + (f" (restart {job.ctx.restart})" if job.ctx.restart else ""))
 
@@ -191,8 +196,11 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
                              "1 sample in the previous attempt: the model does not fit there",
                              "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
                              "or a device with more memory")
-        devices[rank] = replace(devices[rank], micro_batch=smaller, max_micro_batch=smaller)
-        notes.append(f"rank {rank} micro-batch {micro} -> {smaller}")
+        g = plan.group    # a pipeline or TP group runs one micro-batch size: all of it shrinks
+        for r in range((rank // g) * g, (rank // g + 1) * g):
+            devices[r] = replace(devices[r], micro_batch=min(smaller, devices[r].micro_batch),
+                                 max_micro_batch=min(smaller, devices[r].micro_batch))
+        notes.append(f"rank {rank} micro-batch {micro} -> {smaller}" + (f" (and its group of {g})" if g > 1 else ""))
     note = "after an out-of-memory error ended the previous attempt: " + ", ".join(notes)
     job.log.warn_job(note)
     return plan.evolve(note=note, devices=tuple(devices))
@@ -216,7 +224,7 @@ def log_samples(job, step) -> None:
         key = _attempts[job] = [gather(job, time.time_ns())[0], job.ctx.restart]
     directory = job.config.sample_log
     os.makedirs(directory, exist_ok=True)
-    offset = sum(d.share for d in job.plan.devices[:job.rank])
+    offset = job.plan.offsets()[job.rank]
     line = json.dumps({"step": step.index, "attempt": key, "offset": offset, "epochs": list(step.epochs),
                        "indices": list(step.indices)}) + "\n"
     with open(os.path.join(directory, f"rank{job.rank}.jsonl"), "a+") as f:

@@ -125,16 +125,19 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-             midway=None) -> Path:
+             midway=None, states=None) -> Path:
         """Collective: every rank calls it with the same step. `midway()` runs between the data
-        and the manifest (fault injection: a crash there must leave the old checkpoints intact)."""
+        and the manifest (fault injection: a crash there must leave the old checkpoints intact).
+        `states`: the layout's state dicts (runtime/layouts/stage_state.py; default: the model and
+        optimizer under data parallelism, runtime/sharding/state.py)."""
         final, tmp = self.path(step), self.dir / f"step-{step:08d}.tmp"
         if self.rank == 0:
             for stale in self.dir.glob("step-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         dist.barrier()
-        model_sd, optim_sd = save_state_dicts(model, optimizer)     # (collective under capacity sharding)
+        model_sd, optim_sd = (states.save_dicts() if states is not None          # (collective under capacity
+                              else save_state_dicts(model, optimizer))           #  sharding)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if midway is not None:
             midway()
@@ -219,12 +222,22 @@ class Checkpointer:
             raise UsageError(f"{path / META}: {out.what}", out.fix)
         return out
 
-    def load_model(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Collective: loads model and optimizer state in place."""
-        model_sd, optim_sd = load_state_dicts(model, optimizer)
+    def load_model(self, path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   states=None) -> None:
+        """Collective: loads model and optimizer state in place (DCP reshards: any layout's entries,
+        keyed by the whole model's names, land where this job holds them)."""
+        model_sd, optim_sd = states.load_dicts() if states is not None else load_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_loaded_state(model, optimizer, model_sd=state["model"], optim_sd=state["optim"])
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:   # noqa: BLE001  DCP names the keys; every rank asks for its own, so all fail alike
+            raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: "
+                             f"{str(e).splitlines()[0][:300]}",
+                             "resume with the model and optimizer it was saved from, or start a new checkpoint_dir") from None
+        if states is not None:
+            states.set_loaded(state["model"], state["optim"])
+        else:
+            set_loaded_state(model, optimizer, model_sd=state["model"], optim_sd=state["optim"])
 
 
 def _broadcast(obj):

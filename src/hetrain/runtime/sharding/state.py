@@ -126,7 +126,7 @@ def _pieces(model: nn.Module, optimizer) -> list[Piece]:
 def _local_pieces(model: nn.Module, optimizer) -> list[Piece]:
     """This rank's pieces, with the local optimizer's state created (so there are tensors to save or fill)."""
     pieces = _pieces(model, optimizer)
-    _init_state(_local_optim(optimizer))
+    init_optimizer_state(_local_optim(optimizer))
     return pieces
 
 
@@ -158,7 +158,7 @@ def _groups(model: nn.Module, optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def _init_state(optim: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
     """Create a fresh local optimizer's state (as DCP's get_state_dict does: one step with zero
     gradients and lr 0), so that loading has tensors to fill; parameters and gradients unchanged."""
     if optim.state:

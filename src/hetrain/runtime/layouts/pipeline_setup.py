@@ -1,0 +1,165 @@
+"""prepare() for the pipeline layouts, in order: measure the blocks, plan the split and shares
+(or take them from a Plan), build this rank's stage and its optimizer. Lines marked (collective)
+are entered by every rank."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ...errors import UsageError
+from ...planning.memory import state_factor
+from ...planning.parallelism import split_hybrid
+from ...planning.pipeline_split import evaluate_split
+from ...planning.plan import DevicePlan, Plan
+from ...parallel.blocks import PipelineParts
+from ...parallel.pipeline import Pipeline
+from ...parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
+                                         unmeasured_profile)
+from ...vocabulary import SCHEDULES, check_choice
+from ..model import PreparedModel
+from .pipelined import PipelineLayout
+
+
+def measure_blocks(job, parts: PipelineParts, devices=None):
+    """Every rank's device and the blocks' costs, agreed (collective)."""
+    devices = devices if devices is not None else device_table(job)                                   # (collective)
+    example = job.load(range(min(4, len(job.dataset))))[0]
+    return agreed_profile(job, parts, example, devices)                                               # (collective)
+
+
+def default_micro_batches(stages: int, micro_batches: int | None) -> int:
+    if micro_batches is None:
+        return max(stages, min(4 * stages, 8))
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise UsageError(f"prepare(micro_batches={micro_batches!r})", "give a positive number of pipeline micro-batches")
+    return micro_batches
+
+
+def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
+                  stages: int | None, micro_batches: int | None) -> Plan:
+    """The Plan of a pipeline layout (pure, from the agreed profile): blocks per stage, the
+    replicas' shares by throughput, each replica's micro-batch size."""
+    cfg, w = job.config, job.world_size
+    check_choice(schedule, SCHEDULES, "prepare(schedule=...)")
+    factor = state_factor(optimizer_kind)
+    if kind == "pp":
+        stages = w
+    elif stages is None:        # the DP×PP shape with the most predicted throughput
+        stages = _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches)
+    if stages < 2 or w % stages:
+        raise UsageError(f"prepare(stages={stages}): {w} devices do not form pipelines of {stages} stages",
+                         f"use a stage count that divides {w}: {', '.join(str(k) for k in range(2, w + 1) if w % k == 0)}")
+    if stages > profile.n_blocks:
+        raise UsageError(f"{stages} pipeline stages but the model has {profile.n_blocks} block(s)",
+                         f"use at most {profile.n_blocks} stages (parallel='dp-pp' with fewer stages), or a model with more blocks")
+    m = default_micro_batches(stages, micro_batches)
+    common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory_margin)
+    if kind == "pp":
+        split = plan_split(profile, devices, None, micro_batches=m, micro_batch_size=math.ceil(cfg.global_batch / m),
+                           **common)
+        splits, shares, reasons = [split], (cfg.global_batch,), split.reasons
+    else:
+        h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
+        splits, shares, reasons = h.replicas, h.shares, h.reasons
+    plans = []
+    for r, dev in enumerate(devices):
+        replica, stage = divmod(r, stages)
+        share = shares[replica]
+        if share < 1:
+            raise UsageError(f"replica {replica} gets no samples of the global batch {cfg.global_batch}",
+                             "use a larger global batch, or fewer replicas (more stages)")
+        st = splits[replica].stages[stage]
+        plans.append(DevicePlan(
+            rank=r, device=dev.name, speed=dev.speed, share=share, micro_batch=max(1, math.ceil(share / m)),
+            memory_cap_bytes=int(dev.memory_bytes) if dev.memory_bytes else None,
+            predicted_memory_bytes=int(st.memory_bytes),
+            reasons=(f"stage {stage} of replica {replica}: blocks {st.start}-{st.stop - 1}", *reasons)))
+    return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, group=stages,
+                stage_blocks=splits[0].sizes, schedule=schedule,
+                note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
+
+
+def _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches) -> int:
+    best, why = None, []
+    for p in range(2, w // 2 + 1):
+        if w % p or p > profile.n_blocks:
+            continue
+        try:
+            h = split_hybrid(profile, devices, stages=p, global_batch=cfg.global_batch,
+                             micro_batches=default_micro_batches(p, micro_batches), schedule=schedule,
+                             state_factor=factor, memory_margin=cfg.memory_margin)
+        except UsageError as e:
+            why.append(f"{w // p}×{p}: {e.what}")
+            continue
+        if best is None or h.samples_per_s > best[1]:
+            best = (p, h.samples_per_s)
+    if best is None:
+        raise UsageError("parallel='dp-pp': no shape of replicas fits: " + "; ".join(why),
+                         "use parallel='pp', activation checkpointing, or smaller micro-batches")
+    return best[0]
+
+
+def stage_split(plan: Plan, parts: PipelineParts, profile, devices, replica: int):
+    """This replica's PipelineSplit for the plan's blocks per stage (its bounds and schedule)."""
+    profile = profile or unmeasured_profile(parts)
+    group = devices[replica * plan.group:(replica + 1) * plan.group]
+    me = plan.devices[replica * plan.group]
+    return evaluate_split(profile, group, plan.stage_blocks, micro_batches=me.n_micro,
+                          micro_batch_size=me.micro_batch, schedule=plan.schedule or "1f1b")
+
+
+def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, parts: PipelineParts,
+                profile, devices, loss_fn) -> tuple[PipelineLayout, torch.optim.Optimizer]:
+    """This rank's stage of the plan (collective: process groups), and its optimizer: the user's
+    optimizer class and hyperparameters over the stage's parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    stages, replicas = plan.group, plan.replicas
+    replica, stage = divmod(job.rank, stages)
+    mesh = init_device_mesh(job.device.type, (replicas, stages), mesh_dim_names=("dp", "pp")) if replicas > 1 else None
+    grid = [[r * stages + s for s in range(stages)] for r in range(replicas)]
+    pipe = Pipeline(parts=parts, names=param_names(model), split=stage_split(plan, parts, profile, devices, replica),
+                    stage_index=stage, rank_grid=grid, replica=replica, loss_fn=loss_fn, device=job.device,
+                    emulated=job.emulated, precision=job.precision, faults=job.faults,
+                    pp_group=mesh.get_group("pp") if mesh is not None else None,
+                    dp_group=mesh.get_group("dp") if mesh is not None else None)
+    pipe.profile = profile
+    layout = PipelineLayout(plan.layout, loss_fn, pipe)
+    return layout, stage_optimizer(optimizer, pipe)
+
+
+def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:
+    from ..sharding.capacity import constructor_defaults
+
+    if optimizer.state:
+        raise UsageError("a pipeline needs a fresh optimizer, but this one has state already",
+                         "pass the optimizer to prepare() before any optimizer step")
+    mine = {id(p) for p in pipe.parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
+              for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **constructor_defaults(optimizer))
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"cannot build {type(optimizer).__name__} over this stage's parameters: {e}",
+                         "use a torch.optim optimizer") from None
+
+
+class StagedModel(PreparedModel):
+    """What prepare() returns under a pipeline: the user's model for state_dict and attributes;
+    parameters() are this stage's. It cannot be called: no rank holds the whole model."""
+
+    def forward(self, *args, **kwargs):
+        raise UsageError("under a pipeline layout the model is split over the ranks: calling it on one rank "
+                         "cannot compute the output", "compute the loss with ht.backward(ht.loss(mb)) (loss_fn= in prepare)")
+
+
+def show_split(job, pipe: Pipeline) -> None:
+    """The split as a table on rank 0 (every replica's stages gathered by the plan)."""
+    plan = job.plan
+    profile = pipe.profile
+    title = (f"{plan.layout}: {plan.describe_layout()}, {plan.devices[0].n_micro} micro-batches "
+             f"of {plan.devices[0].micro_batch}")
+    show(job, title, [pipe.split], pipe.split.reasons, measured=profile is not None and profile.source != NOT_MEASURED)
