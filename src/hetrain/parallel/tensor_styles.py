@@ -103,7 +103,8 @@ def _attention(block: str, name: str, m: nn.Module, linears: dict[str, nn.Linear
                 "pass plan= with the output projection as RowwiseParallel(), or name it o_proj")
     elif heads is not None and len(linears) == 4:
         # unnamed: in definition order, q, k, v from the width d, then the output back to d
-        (q, k, v, out), d = list(linears), linears[list(linears)[-1]].out_features
+        q, k, v, out = linears
+        d = linears[out].out_features
         if any(linears[p].in_features != d for p in (q, k, v)) or linears[out].in_features != linears[q].out_features:
             return None
     elif heads is not None and len(linears) == 2:
