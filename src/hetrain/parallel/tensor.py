@@ -1,21 +1,25 @@
-"""Tensor parallelism with DTensor: the demo GPT's attention and MLP split across a device mesh.
+"""Tensor parallelism with DTensor: a transformer's attention and MLP split across a device mesh.
 
     mesh = init_device_mesh("cuda", (world,))           # or tensor_parallel(model) for all ranks
-    model = tensor_parallel(model, mesh)
+    model = tensor_parallel(model, mesh)                # the styles tp_plan(model, mesh.size()) finds
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())   # the same x, y on every rank
     loss.backward(); opt.step()
 
-The Megatron layout, written as torch's parallel styles:
+The Megatron layout, written as torch's parallel styles (parallel/tensor_styles.py states the rule
+that finds it in a model's blocks: by the common names, else by structure):
   * attention: q, k, v `ColwiseParallel` (each rank computes a contiguous slice of their output
-    features = whole heads, since the GPT keeps q, k, v as separate projections and views heads
-    with -1), proj `RowwiseParallel` (partial sums all-reduced back to a replicated output);
-  * MLP: fc `ColwiseParallel`, proj `RowwiseParallel`.
+    features = whole heads, which is why a fused qkv projection is refused), the output projection
+    `RowwiseParallel` (partial sums all-reduced back to a replicated output);
+  * MLP: the up (and gate) projections `ColwiseParallel`, the down projection `RowwiseParallel`.
 One all-reduce per attention and one per MLP in the forward (and their mirror in the backward);
-embeddings, norms and the tied head stay replicated, every rank computing them identically.
+embeddings, norms and the (tied) head stay replicated, every rank computing them identically.
+Head counts, key/value head counts and MLP widths must divide by the mesh size; an attention
+module that keeps its head width (head_dim) has its head-count attributes set to the local count.
+A model the rule does not fit takes `plan=`: styles by submodule name, used as given.
 
 Tensor parallelism splits every layer evenly, so each rank waits for the slowest: use it within a
 group of equal devices (e.g. the GPUs of one node) and let data or pipeline parallelism take the
-heterogeneity. n_heads and 4·d_model must divide by the mesh size.
+heterogeneity.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..errors import UsageError
+from .tensor_styles import check_size, find_splits, localize_heads, styles, tp_plan
+
+__all__ = ["full_grad", "gpt_block_plan", "tensor_parallel", "tp_plan"]
 
 
 def gpt_block_plan() -> dict:
@@ -40,47 +47,35 @@ def gpt_block_plan() -> dict:
     }
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise UsageError(
-            f"cannot find the blocks of a {type(model).__name__} to shard: tensor_parallel looks for "
-            "`model.blocks` (an nn.ModuleList of blocks with attn.q/k/v/proj and mlp.fc/proj)",
-            "pass plan= with your model's parallel styles by submodule name, e.g. "
-            "{'blocks.0.attn.q': ColwiseParallel(), ...}")
-    return blocks
-
-
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh | None = None, *, plan: dict | None = None) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh` (default: every rank of the job, on this
-    process's device type) and return it. `plan`: parallel styles by submodule name for models
-    other than the demo GPT."""
+    process's device type) and return it. `plan`: parallel styles by submodule name, for a model
+    whose layout `tp_plan` cannot find (it is then used as given)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise UsageError("tensor_parallel needs the job's process group",
                          "call hetrain.init() first, and launch with `hetrain run` (one process per device)")
-    if mesh is None:
-        device_type = next(model.parameters()).device.type
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    if mesh.ndim != 1:
+    if mesh is not None and mesh.ndim != 1:
         raise UsageError(f"tensor_parallel takes a 1-D mesh, got {mesh.ndim}-D",
                          "pass the tensor-parallel dimension of your mesh, e.g. mesh['tp']")
-    size = mesh.size()
-    if plan is not None:
-        return parallelize_module(model, mesh, plan)
-    for i, block in enumerate(_blocks(model)):
-        heads = getattr(getattr(block, "attn", None), "n_heads", None)
-        if heads is None:
-            raise UsageError(f"block {i} has no attn.n_heads", "pass plan= for a model other than the demo GPT")
-        if heads % size:
-            raise UsageError(f"{heads} attention heads cannot be split over {size} ranks as whole heads",
-                             f"use a tensor-parallel size that divides {heads}, or a model with more heads")
-        hidden = block.mlp.fc.out_features
-        if hidden % size:
-            raise UsageError(f"MLP width {hidden} does not divide over {size} ranks",
-                             f"use a tensor-parallel size that divides {hidden}")
-        parallelize_module(block, mesh, gpt_block_plan())
+    if plan is not None and not isinstance(plan, dict):
+        raise UsageError(f"plan= takes a dict of parallel styles by submodule name, got {type(plan).__name__}",
+                         "e.g. plan={'layers.0.attn.q_proj': ColwiseParallel(), ...}")
+    size = mesh.size() if mesh is not None else dist.get_world_size()
+    splits = None
+    if plan is None:
+        # found and checked before the mesh is made (its first collective): a model that cannot be
+        # split raises the same UsageError on every rank, none waiting for another
+        splits = find_splits(model)
+        check_size(splits, size)
+        plan = styles(splits)
+    if mesh is None:
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (size,), mesh_dim_names=("tp",))
+    model = parallelize_module(model, mesh, plan)
+    if splits is not None:
+        localize_heads(model, splits, size)
     return model
 
 
