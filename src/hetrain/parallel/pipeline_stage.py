@@ -206,6 +206,7 @@ class RowLoss:
                 loss = self.loss_fn(output[real], self.targets[rows[real]])
             units = self.units[k]
             self.parts[k] = float(loss.detach()) * units
-            scaled = loss.float() * reduce.loss_factor(units=units, world_size=self.replicas, global_batch=self.total)
+            loss = loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss
+            scaled = loss * reduce.loss_factor(units=units, world_size=self.replicas, global_batch=self.total)
             return self.precision.scale(scaled) if self.precision is not None else scaled
         return self.stage.timed(run)

@@ -30,9 +30,11 @@ def measure_blocks(job, parts: PipelineParts, devices=None):
     return agreed_profile(job, parts, example, devices)                                               # (collective)
 
 
-def default_micro_batches(stages: int, micro_batches: int | None) -> int:
+def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) -> int:
+    """The pipeline's micro-batches per step: asked for, or 2-4 per stage (at most 8) to keep the
+    bubble small, but no more than `most` (the samples of a replica's share)."""
     if micro_batches is None:
-        return max(stages, min(4 * stages, 8))
+        return max(1, min(max(stages, min(4 * stages, 8)), most))
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise UsageError(f"prepare(micro_batches={micro_batches!r})", "give a positive number of pipeline micro-batches")
     return micro_batches
@@ -55,7 +57,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     if stages > profile.n_blocks:
         raise UsageError(f"{stages} pipeline stages but the model has {profile.n_blocks} block(s)",
                          f"use at most {profile.n_blocks} stages (parallel='dp-pp' with fewer stages), or a model with more blocks")
-    m = default_micro_batches(stages, micro_batches)
+    m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
     common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory_margin)
     if kind == "pp":
         split = plan_split(profile, devices, None, micro_batches=m, micro_batch_size=math.ceil(cfg.global_batch / m),
@@ -89,7 +91,8 @@ def _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches) -> i
             continue
         try:
             h = split_hybrid(profile, devices, stages=p, global_batch=cfg.global_batch,
-                             micro_batches=default_micro_batches(p, micro_batches), schedule=schedule,
+                             micro_batches=default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)),
+                             schedule=schedule,
                              state_factor=factor, memory_margin=cfg.memory_margin)
         except UsageError as e:
             why.append(f"{w // p}×{p}: {e.what}")
@@ -127,6 +130,10 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
                     pp_group=mesh.get_group("pp") if mesh is not None else None,
                     dp_group=mesh.get_group("dp") if mesh is not None else None)
     pipe.profile = profile
+    # Each param group's parameters by whole-model name (all stages'): the checkpoint's groups are
+    # then the same on every rank, and what a data-parallel resume expects.
+    names = param_names(model)
+    pipe.group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     layout = PipelineLayout(plan.layout, loss_fn, pipe)
     return layout, stage_optimizer(optimizer, pipe)
 

@@ -32,8 +32,8 @@ class StageState:
         names = self._names()
         opt = self.optimizer
         state = {names[id(p)]: dict(opt.state[p]) for g in opt.param_groups for p in g["params"] if p in opt.state}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-                  for g in opt.param_groups]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(whole)}
+                  for g, whole in zip(opt.param_groups, self.pipe.group_names)]
         return {"state": state, "param_groups": groups}
 
     def save_dicts(self) -> tuple[dict, dict]:

@@ -86,6 +86,7 @@ class StepLoop:
             if table.any("fatal"):
                 raise DoesNotFit(_fatal_message(table, job.plan), FATAL_FIX)
             self._amend_micro_batches(table, step)
+            state.micro = job.plan.devices[job.rank].micro_batch    # a redo runs the amended plan (a pipeline: all its stages)
             job.log.flush_if(table)
             if not table.any("desync"):
                 break
