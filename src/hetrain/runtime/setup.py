@@ -39,7 +39,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)
     job.plan = checkpoint_per_plan(job, model)
     wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward)  # (collective)
-    if oom_recovery != cfg.oom_recovery:              # FSDP2: an OOM stops the job instead (runtime/memory/device_memory.py)
+    if oom_recovery != cfg.oom_recovery:              # the wrapper may turn in-loop OOM recovery off (runtime/memory/device_memory.py)
         job.config = cfg = replace(cfg, oom_recovery=oom_recovery)
     job.sync = wrapped.sync                           # DDP, or FSDP2's adapter
     job.guard = make_sync_guard(cfg, job.world_size, wrapped)
@@ -47,8 +47,8 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO may have made a new one
     persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
     memory.show_wrapping(job.log, wrapped)
-    if job.faults:                                    # an injected forward OOM strikes inside DDP's forward
-        model.register_forward_pre_hook(lambda module, args: job.hooks.before_forward())
+    if job.faults:                                    # injected faults strike inside the compute (devices/hooks.py)
+        job.hooks.attach_faults(model, block_type=cfg.checkpoint_blocks, sharded=wrapped.strategy == "fsdp")
     job.rebalancer = make_rebalancer(cfg, job.world_size)
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
