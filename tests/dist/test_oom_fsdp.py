@@ -51,12 +51,12 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def worker(rank, world, faults, log_dir):
+def worker(rank, world, faults, log_dir, plan=PLAN, steps=STEPS):
     import hetrain
 
     x, y = data()
     net = model()
-    ht = hetrain.init(global_batch=PLAN.global_batch, plan=PLAN, sharding="fsdp", max_steps=STEPS,
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding="fsdp", max_steps=steps,
                       precision="fp32", emulate="a100-80g,rtx3090", verbose=False, rebalance=False,
                       faults=faults, sample_log=log_dir)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -129,3 +129,21 @@ def test_oom_anywhere_in_a_step_is_redone_with_the_oom_free_result(clean, tmp_pa
     used = [pair for s in sorted(steps) for pair in steps[s]]
     assert len(steps) == STEPS and len(used) == STEPS * 64 and len(set(used)) == len(used)
     assert sorted(i for _, i in used[:N]) == list(range(N))        # epoch 0 exactly once
+
+
+def fatal_worker(rank, world):
+    from hetrain.errors import HetrainError
+
+    tiny = Plan(global_batch=4, devices=tuple(DevicePlan(rank=r, device=f"cpu{r}", speed=1.0, share=2, micro_batch=1)
+                                              for r in range(2)))
+    try:
+        worker(rank, world, "oom:rank=1,step=1,micro=-1,phase=backward", None, plan=tiny, steps=3)
+    except HetrainError as e:
+        return e.what
+    return "finished"
+
+
+def test_an_oom_that_cannot_shrink_stops_both_ranks_together():
+    """Rank 1 at a micro-batch of 1, in its last backward (rank 0 waits in the reduce-scatters)."""
+    a, b = run_ranks(fatal_worker, 2, timeout=120)
+    assert a == b and "micro-batch of 1 sample on rank 1" in a
