@@ -81,8 +81,8 @@ def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan 
     job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO/TP may have made a new one
     persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
     memory.show_wrapping(job.log, wrapped)
-    if job.faults:                                    # an injected forward OOM strikes inside DDP's forward
-        model.register_forward_pre_hook(lambda module, args: job.hooks.before_forward())
+    if job.faults:                                    # injected faults strike inside the compute (devices/hooks.py)
+        job.hooks.attach_faults(model, block_type=cfg.checkpoint_blocks, sharded=wrapped.strategy == "fsdp")
     job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)

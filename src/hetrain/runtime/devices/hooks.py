@@ -60,6 +60,9 @@ class DeviceHooks:
     def backward_scope(self, mb, step_index: int, module):
         return contextlib.nullcontext()
 
+    def attach_faults(self, model, *, block_type: str | None, sharded: bool) -> None:
+        """Where injected faults strike in the model (emulated devices only)."""
+
     def after_backward(self, mb, backward_s: float) -> None:
         self._booked = self._forward_s + backward_s
 
@@ -144,6 +147,8 @@ class EmulatedHooks(DeviceHooks):
         self._state_counted = False
         self._guess = 0.0              # the throttle's prediction of the micro-batch's backward
         self._forward_oom = None       # a fault to raise in the next forward
+        self._in_flight = None         # (micro-batch, step) running now, for a fault armed in forward
+        self._output_site = False      # backward faults strike from the site's output gradient
 
     def busy(self) -> float:
         return self.clock() + self.throttle.slept_seconds
@@ -161,13 +166,52 @@ class EmulatedHooks(DeviceHooks):
 
     def micro_batch_start(self, mb, step_index: int) -> None:
         self._forward_oom = self.faults.oom(step_index, mb.index, mb.count, "forward", escape=0) if self.faults else None
+        self._in_flight = (mb, step_index)
         super().micro_batch_start(mb, step_index)
 
+    def attach_faults(self, model, *, block_type: str | None, sharded: bool) -> None:
+        """Faults strike inside the compute: a forward OOM from a pre-hook on the middle block (the
+        model itself when it has no blocks), which runs after FSDP2's own pre-forward all-gather
+        of that block, as a real OOM in its activations would. Under FSDP2 (`sharded`) a backward
+        fault strikes from the gradient of that block's output, half-way through the backward: the
+        sharded parameters get their gradients from FSDP2's reduce-scatter, not from autograd, so a
+        hook on one of them would never fire."""
+        from ..memory.activation_checkpointing import find_blocks
+
+        blocks = [m for _, m in find_blocks(model, block_type)]
+        site = blocks[len(blocks) // 2] if blocks else model
+        site.register_forward_pre_hook(lambda module, args: self.before_forward())
+        self._output_site = sharded
+        if sharded:
+            site.register_forward_hook(self._arm_backward)
+
     def before_forward(self) -> None:
-        """From a forward pre-hook on the model: an injected OOM strikes inside the forward."""
+        """From a forward pre-hook on the fault site: an injected OOM strikes inside the forward."""
         if self._forward_oom is not None:
             fault, self._forward_oom = self._forward_oom, None
             raise injected_oom(fault)
+
+    def _arm_backward(self, module, args, output) -> None:
+        """Forward hook on the fault site (FSDP2): a backward fault due in this micro-batch
+        strikes when the gradient of the site's output arrives."""
+        if self._in_flight is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        mb, step_index = self._in_flight
+        faults = self.faults
+        due = faults.due("oom", step_index, micro=mb.index, phase="backward", escape=0) or faults.due(
+            "oom", step_index, micro=mb.index - mb.count, phase="backward", escape=0)
+        die = mb.last and faults.due("die", step_index, phase="backward")
+        if due or die:
+            output.register_hook(self._strike(mb, step_index, die))
+
+    def _strike(self, mb, step_index: int, die: bool):
+        def boom(grad):
+            if die:
+                self.faults.maybe_die(step_index, "backward")
+            oom = self.faults.oom(step_index, mb.index, mb.count, "backward", escape=0)
+            if oom is not None:
+                raise injected_oom(oom)
+        return boom
 
     def micro_batch_end(self, mb) -> None:
         # what ran after backward() (forward and backward are booked already) is throttled too
@@ -191,6 +235,9 @@ class EmulatedHooks(DeviceHooks):
         """Injected faults strike from a parameter's gradient hook halfway through the model, so
         part of the gradient sync has already started, as with a real OOM or crash in backward."""
         faults = self.faults
+        if self._output_site:          # armed in the forward instead (attach_faults)
+            yield
+            return
         oom = faults.oom(step_index, mb.index, mb.count, "backward", escape=0) if faults else None
         die = bool(faults) and mb.last and faults.due("die", step_index, phase="backward")
         if oom is None and not die:

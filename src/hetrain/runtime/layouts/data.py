@@ -49,6 +49,8 @@ class DataLayout:
         share = job.plan.devices[job.rank].share
         while True:
             hooks.attempt_start()
+            if job.guard is not None:        # FSDP2's collectives start with the first micro-batch
+                job.guard.start_attempt()
             state.count = torch.zeros((), dtype=torch.float64, device=job.device)
             state.loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
             sizes = split_evenly(share, math.ceil(share / state.micro))
@@ -83,6 +85,9 @@ class DataLayout:
         """This rank ran out of memory: 'fatal', 'desync' (agreed next), or None (redo locally)."""
         job.ooms += 1
         job.hooks.attempt_failed()
+        if job.guard is not None and job.guard.every_oom_desyncs and not failed.desynced:
+            job.guard.complete_missing()    # FSDP2: peers wait in this step's collectives (fsdp_guard.py)
+            failed.desynced = True
         smaller = recovery.smaller_micro_batch(state.micro)
         job.log.warn(f"{job.device_label}: out of memory in micro-batch "
                      f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {state.step.index}; "

@@ -204,11 +204,16 @@ def wrap_for_plan(job, model, optimizer, forward):
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
     oom_recovery = cfg.oom_recovery
     if wrapped.strategy == "fsdp" and oom_recovery:
-        # One rank cannot replay FSDP2's all-gathers after an OOM mid-step (its peers have moved on),
-        # so an OOM stops the job instead (a restart with --max-restarts resumes from a checkpoint).
-        oom_recovery = False
-        wrapped.lines.append("  in-loop OOM recovery is off under FSDP2 (one rank cannot replay its all-gathers): "
-                             "an out-of-memory error stops the job; --max-restarts resumes from a checkpoint")
+        # An OOM mid-step leaves collectives owed to the peers: learn one step's, to complete them
+        # (runtime/sharding/fsdp_guard.py). Two samples: BatchNorm cannot train on one.
+        from ..sharding.fsdp_guard import one_step
+
+        batch = job.load(range(min(2, len(job.dataset))))
+        count = wrapped.sync.make_guard(lambda: one_step(
+            model, batch, forward=forward, device=job.device,
+            autocast=lambda: job.precision.autocast(job.device.type)))
+        wrapped.lines.append(f"  in-loop OOM recovery under FSDP2: a step's {count} collectives recorded, "
+                             "an OOM completes the rest with zeros and every rank redoes the step")
     mp = plan_memory(n_params=n_params, param_bytes=param_bytes, optimizer=optimizer, wrapped=wrapped,
                      world_size=job.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
                      activation_per_sample=act, activation_fixed=act_fixed or 0.0,
@@ -241,8 +246,6 @@ def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, ac
         unit_params=[sum(p.numel() for p in b.parameters()) for b in blocks],
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         accumulates=[bool(a) for a in table.column("accumulates")])
-    if getattr(cfg, "checkpoint_dir", None):   # zero1/capacity state is not checkpointed yet (runtime/sharding/wrap.py)
-        options = [o for o in options if o.strategy in ("none", "fsdp")]
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":
         job.log.table(

@@ -12,6 +12,8 @@ Where an OOM can strike, and what keeps the peers safe:
     order (DDP launches buckets strictly in index order), so every peer's collective completes.
     Then the step's small all-reduce (runtime/ranks/agree.py) tells every rank; all discard the step's
     gradients, reset DDP's reducer and redo the step with the smaller micro-batch.
+Under FSDP2 collectives run in every micro-batch's forward and backward; there every OOM is
+completed and agreed like the last backward's (runtime/sharding/fsdp_guard.py says how).
 Every rank reports its micro-batch size in that same all-reduce, so the new size enters the Plan
 (a new version) on every rank at once. A rank that cannot shrink further (micro-batch 1) reports
 it, and all ranks stop together with the reason, rather than one rank leaving its peers waiting.
@@ -47,6 +49,11 @@ class SyncGuard:
         self.launched.append(bucket.index())
         return default_hooks.allreduce_hook(None, bucket)
 
+    every_oom_desyncs = False    # an OOM outside the last backward leaves no collective owed
+
+    def start_attempt(self) -> None:
+        """A step's attempt begins: DDP's sync is all in the last backward, nothing to note."""
+
     def begin(self) -> None:
         self.launched.clear()
 
@@ -59,8 +66,13 @@ class SyncGuard:
         return len(missing)
 
 
-def reset_reducer(ddp: DDP) -> None:
-    """Let DDP run a forward again after a backward that did not finish (all ranks call this)."""
+def reset_reducer(sync) -> None:
+    """Let the synchroniser run a forward again after a step that did not finish (all ranks call
+    this): DDP's reducer reset, or FSDP2's (runtime/sharding/wrap.py FSDPSync.reset)."""
+    if not isinstance(sync, DDP):
+        sync.reset()
+        return
+    ddp = sync
     ddp.reducer._reset_state()
 
 

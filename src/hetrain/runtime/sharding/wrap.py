@@ -54,13 +54,14 @@ class Wrapped:
     root_params: int = 0                  # FSDP2: parameters outside the units
 
     def sync_guard(self):
-        """What OOM recovery uses to complete a gradient sync an OOM interrupted: DDP's
-        `recovery.SyncGuard`; None under FSDP2, where in-loop OOM recovery is off (runtime/memory/device_memory.py)."""
+        """What OOM recovery uses to complete the collectives an OOM interrupted: DDP's
+        `recovery.SyncGuard`; under FSDP2 the `fsdp_guard.FSDPGuard` prepare() taught the step's
+        collectives (runtime/memory/device_memory.py), None before that."""
         if isinstance(self.sync, DDP):
             from ..resilience.oom import SyncGuard
 
             return SyncGuard(self.sync)
-        return None
+        return getattr(self.sync, "guard", None)
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Parameter, nn.Parameter]):
@@ -79,11 +80,28 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Paramet
 
 class FSDPSync:
     """`no_sync()` for FSDP2: no gradient reduction and no resharding on non-last micro-batches.
-    In-loop OOM recovery is off under FSDP2 (runtime/memory/device_memory.py says why: a redo cannot replay FSDP2's
-    all-gathers on one rank alone), so there is no sync guard to stand in for."""
+    `guard`: the OOM guard (runtime/sharding/fsdp_guard.py) once prepare() made one; `reset()`
+    readies FSDP2 for an agreed redo of the step."""
 
     def __init__(self, root: nn.Module, units: list[nn.Module]):
         self.root, self.units = root, units
+        self.guard = None
+
+    def make_guard(self, run_one_step) -> int:
+        """Install the recording guard and learn one step's collectives (a collective); returns
+        how many a step issues."""
+        from .fsdp_guard import FSDPGuard
+
+        self.guard = FSDPGuard(self.root, self.units)
+        return self.guard.learn(run_one_step)
+
+    def reset(self) -> None:
+        """After an agreed redo (every rank): FSDP2's state as at the start of a step."""
+        if self.guard is not None:
+            self.guard.reset()
+        else:
+            self.root.zero_grad(set_to_none=True)
+            self.root.reset_iter_state()
 
     @contextlib.contextmanager
     def no_sync(self):
