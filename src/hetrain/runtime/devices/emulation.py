@@ -42,7 +42,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()    # a DTensor (TP, FSDP2) saves its local shard
         if storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
@@ -103,7 +103,7 @@ class MemoryMeter:
         self.peak = max(self.peak, self.fixed)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()    # a DTensor (TP, FSDP2) saves its local shard
         ptr = storage.data_ptr()
         if ptr not in self._seen and ptr not in self._skip and not (
                 self.saved_is_state is not None and self.saved_is_state(ptr)):

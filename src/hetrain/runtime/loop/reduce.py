@@ -66,5 +66,6 @@ def token_correction(*, global_batch: int, total_units: float) -> float:
 def scale_gradients(params, factor: float) -> None:
     if factor != 1.0:
         grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        # one foreach call per tensor kind: DTensor gradients (TP, FSDP2) do not mix with plain ones
+        for kind in {type(g) for g in grads}:
+            torch._foreach_mul_([g for g in grads if type(g) is kind], factor)

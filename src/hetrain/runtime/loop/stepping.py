@@ -137,7 +137,8 @@ class StepLoop:
             job.layout.record(job, mb, loss, units)
             mb.backward_done = True
             return
-        factor = reduce.loss_factor(units=units, world_size=job.world_size, global_batch=job.config.global_batch)
+        # the synchroniser averages over the replicas (DDP, FSDP2: every rank; TP: nothing to average)
+        factor = reduce.loss_factor(units=units, world_size=job.plan.replicas, global_batch=job.config.global_batch)
         scaled = job.precision.scale(loss * factor)               # the job-wide loss scale (fp16)
         mb.backward_done = True
         job.hooks.before_backward(mb)
@@ -187,7 +188,7 @@ class StepLoop:
             self.on_step(step, table, elapsed)
         job.steps_done += 1
         self.state = None
-        if cfg.sample_log and job.rank % job.plan.group == 0:   # one rank per replica: each sample once
+        if cfg.sample_log:
             persist.log_samples(job, step)
         self.fixed_s = job.hooks.busy() - busy0
         if job.rebalancer is not None:
