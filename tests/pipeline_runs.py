@@ -81,7 +81,7 @@ def pipeline_plan(layout: str, *, blocks, schedule: str, shares, micro, world: i
 
 
 def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_clip: float | None = None,
-          emulate: str | None = None, shrink_rank: int | None = None, **prepare):
+          emulate: str | None = None, shrink_rank: int | None = None, precision: str = "auto", **prepare):
     """One hetrain job over `steps` steps of `case`; returns what each check needs, with the errors
     against the reference. Every rank calls it (the process group is the caller's).
     `shrink_rank`: after the first step, cap that rank's emulated memory at what it holds already,
@@ -91,7 +91,7 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
 
     ref = reference(case, n=n, global_batch=global_batch, steps=steps, grad_clip=grad_clip)
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=SEED, grad_clip=grad_clip, emulate=emulate,
-                      verbose=False)
+                      precision=precision, verbose=False)
     model, (x, y), loss_fn = make_case(case, n)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grads": []}
@@ -101,7 +101,7 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
         names = {id(p): k for k, p in model.module.named_parameters()}
         # the gradients the update used: after weighting, the tied-weight sum, replicas and clipping
         opt.register_step_pre_hook(lambda o, args, kwargs: out["grads"].append(
-            {names[id(p)]: p.grad.clone() for g in o.param_groups for p in g["params"]}))
+            {names[id(p)]: p.grad.to("cpu", copy=True) for g in o.param_groups for p in g["params"]}))
         pipe = ht.job.layout.pipe
         try:
             for step in batches:
@@ -114,9 +114,9 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
                     ht.emulated.meter.cap = ht.emulated.meter.fixed + 1
         except HetrainError as e:
             out["error"] = str(e)
-        mine = {names[id(p)]: p.detach() for p in model.parameters()}
+        mine = {names[id(p)]: p.detach().cpu() for p in model.parameters()}
         out.update(
-            names=sorted(mine), sizes=pipe.split.sizes, stage=pipe.stage_index, replica=pipe.replica,
+            names=sorted(mine), device=ht.device.type, backend=ht.ctx.backend, on_device=all(p.device == ht.device for p in model.parameters()), sizes=pipe.split.sizes, stage=pipe.stage_index, replica=pipe.replica,
             share=ht.plan.devices[ht.rank].share, micro=ht.plan.devices[ht.rank].micro_batch,
             peak_in_flight=pipe.peak_in_flight, planned_in_flight=pipe.split.stages[pipe.stage_index].in_flight,
             bubble=pipe.split.bubble_fraction, micro_batches=pipe.split.micro_batches,
