@@ -3,17 +3,18 @@
     python benchmarks/pipeline.py --json out.json
 
 Starts two emulated devices (an A100 at speed 1.0 and an RTX 3090 throttled to 0.5) and trains
-the same small GPT (12 blocks) through two 2-stage pipelines in ONE run, alternating rounds so
-both see the same machine load: a uniform 6/6 split, and the split hetrain sizes from measured
-block costs and the devices' speeds. Writes both throughputs and their ratio,
+the same small GPT (12 blocks) as a 2-stage pipeline (`ht.prepare(parallel="pp")`, hetrain's loop),
+in ONE launch of alternating jobs so both splits see the same machine load: the split hetrain
+sizes from measured block costs and the devices' speeds, and a uniform 6/6 split (the same Plan
+with its blocks halved, given to prepare). Each job's first step is a warm-up, not timed. Writes both throughputs and their ratio,
 `speedup_speed_aware_vs_uniform` (target >= 1.2), with the planner's prediction beside it.
 Figures are emulated: ratios mean something, absolute samples/s do not.
 
 On a shared CPU, other processes slow every rank's compute. The pipeline's throttle scales each
 compute piece's wall time (parallel/pipeline.py), so that slows both devices alike and keeps their
 ratio; `--dilate F` (default 3) also runs both devices F times slower, same 1 : 0.5 ratio, so
-each rank mostly sleeps and the two ranks rarely compete for a core. Step times are interleaved
-(one step of each split in turn) and the median is reported; on a quiet machine F does not
+each rank mostly sleeps and the two ranks rarely compete for a core. Jobs are interleaved
+(one job of each split per round, --steps timed steps each) and the median step is reported; on a quiet machine F does not
 change the ratio.
 """
 
@@ -41,95 +42,118 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=6, help="alternating rounds of each split")
     p.add_argument("--steps", type=int, default=1, help="timed steps per round")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32"],
-                   help="pipeline layouts compute fp32 today (per-stage precision comes with the layouts' "
-                        "joining); auto records what the cards would run")
+                   help="each stage computes in its device's precision (auto: what the card runs, where this "
+                        "CPU runs it at fp32 speed; see the README's Emulation on any CPU)")
+    p.add_argument("--show-plan", action="store_true", help="print the speed-aware job's plan and split")
     p.add_argument("--dilate", type=float, default=3.0,
                    help="run every emulated device this many times slower, keeping their ratio: each rank "
                         "then sleeps most of the time, so on a shared CPU the ranks rarely compete for a core")
     return p.parse_args(argv)
 
 
-def worker(args) -> None:
+def run_split(args, data, plan=None):
+    """One hetrain job of the small GPT as a 2-stage pipeline: the split hetrain sizes (plan None),
+    or the given Plan's. Returns (the job's Plan, its pipeline's split and profile, the timed
+    step seconds, the last loss). One warm-up step (metadata, first allocations) is not timed."""
+    import time
+
     import torch
     import torch.nn.functional as F
 
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
-    from hetrain.parallel import pipeline
-    from hetrain.report import write_json
 
-    ht = hetrain.init(global_batch=args.global_batch, seed=0)
-    if args.dilate < 1:
-        raise SystemExit("--dilate must be >= 1")
+    ht = hetrain.init(global_batch=args.global_batch, max_steps=1 + args.steps, seed=0, precision=args.precision,
+                      verbose=plan is None and args.show_plan)
     ht.emulated.throttle.speed /= args.dilate     # same 1 : 0.5 ratio, longer sleeps
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                     n_heads=max(1, args.d_model // 32))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, batches = ht.prepare(model, opt, data, parallel=plan if plan is not None else "pp",
+                                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                     micro_batches=args.micro_batches, schedule=args.schedule)
+    times, loss, t0 = [], None, None
+    for step in batches:
+        for mb in step:
+            with mb:
+                ht.backward(ht.loss(mb))
+        ht.step()
+        now = time.perf_counter()
+        if t0 is not None:
+            times.append(now - t0)
+        t0, loss = now, step.loss
+    pipe = ht.job.layout.pipe
+    out = (ht.plan, pipe.split, pipe.profile, times, loss, cfg)
+    ht.close()
+    return out
+
+
+def worker(args) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from hetrain.demo.gpt import GPT
+    from hetrain.planning.pipeline_split import StageDevice, evaluate_split
+    from hetrain.report import write_json
+
+    if args.dilate < 1:
+        raise SystemExit("--dilate must be >= 1")
+    # One process group for all the jobs: each hetrain.init() uses it as it is.
+    dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (args.global_batch * 4, args.seq_len + 1), generator=g)
-
-    def loss_fn(out, y):
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    runs = {}
-    for name, split in (("uniform", "uniform"), ("speed_aware", None)):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        pp = pipeline.prepare(ht, model, loss_fn=loss_fn, micro_batches=args.micro_batches,
-                              schedule=args.schedule, split=split,
-                              example=data[:args.global_batch // args.micro_batches, :-1])
-        runs[name] = {"pp": pp, "opt": torch.optim.AdamW(pp.parameters(), lr=1e-3), "times": [], "losses": []}
-
-    def one_step(run, k):
-        batch = data[(k % 4) * args.global_batch:((k % 4) + 1) * args.global_batch]
-        t0 = time.perf_counter()
-        loss = run["pp"].step(batch[:, :-1], batch[:, 1:])
-        run["opt"].step()
-        run["opt"].zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, loss
-
-    for run in runs.values():          # warm-up: metadata inference, first allocations
-        one_step(run, 0)
-    k = 0
-    for _ in range(args.rounds):
-        for run in runs.values():
-            for _ in range(args.steps):
-                k += 1
-                seconds, loss = one_step(run, k)
-                run["times"].append(seconds)
-                run["losses"].append(loss)
-
+    tokens = torch.randint(0, 256, (args.global_batch * 4, args.seq_len + 1), generator=g)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    runs = {"uniform": {"times": []}, "speed_aware": {"times": []}}
+    aware_plan = None
+    for _ in range(args.rounds):     # alternating, so both splits see the same machine load
+        for name, run in runs.items():
+            if name == "speed_aware":
+                plan = None
+            else:   # the same plan with the blocks halved (a plan run is not re-planned)
+                half = args.layers // 2
+                plan = aware_plan and dataclasses.replace(aware_plan, stage_blocks=(half, args.layers - half))
+            if name == "uniform" and aware_plan is None:
+                continue             # the first round plans the speed-aware split first
+            job_plan, split, profile, times, loss, cfg = run_split(args, data, plan)
+            run.update(split=split, profile=profile, last_loss=loss)
+            run["times"] += times
+            if name == "speed_aware" and aware_plan is None:
+                aware_plan = job_plan
     from hetrain.hardware.host import host_facts
 
     out = {"cluster": args.cluster, "emulated": True, "dilate": args.dilate, "schedule": args.schedule,
-           "precision": {"requested": args.precision, "computed": "fp32"}, "host": host_facts().to_dict(),
-           "global_batch": args.global_batch, "micro_batches": args.micro_batches,
+           "precision": {"requested": args.precision, "planned": [d.precision for d in aware_plan.devices]},
+           "host": host_facts().to_dict(), "global_batch": args.global_batch, "micro_batches": args.micro_batches,
            "model": {"kind": "demo GPT", "layers": cfg.n_layers, "d_model": cfg.d_model, "seq_len": cfg.seq_len,
                      "params": GPT(cfg).num_params()}}
     for name, run in runs.items():
-        pp, times = run["pp"], run["times"]
-        out[name] = {"samples_per_s": args.global_batch / statistics.median(times),
-                     "step_seconds": times, "blocks_per_stage": list(pp.split.sizes),
-                     "bubble_fraction": pp.bubble_fraction, "last_loss": run["losses"][-1]}
+        times = run["times"]
+        out[name] = {"samples_per_s": args.global_batch / statistics.median(times), "step_seconds": times,
+                     "blocks_per_stage": list(run["split"].sizes), "bubble_fraction": run["split"].bubble_fraction,
+                     "last_loss": run["last_loss"]}
     out["throughput_uniform_samples_per_s"] = out["uniform"]["samples_per_s"]
     out["throughput_speed_aware_samples_per_s"] = out["speed_aware"]["samples_per_s"]
     out["speedup_speed_aware_vs_uniform"] = (out["speed_aware"]["samples_per_s"] / out["uniform"]["samples_per_s"])
     # the planner's prediction for both splits, from the same measured block costs
-    from hetrain.planning.pipeline_split import evaluate_split
-
-    aware = runs["speed_aware"]["pp"]
-    uniform = evaluate_split(aware.profile, pipeline.device_table(ht), runs["uniform"]["pp"].split.sizes,
-                             micro_batches=args.micro_batches, micro_batch_size=aware.micro_batch_size,
+    aware = runs["speed_aware"]["split"]
+    devices = [StageDevice(name=s.device, speed=s.speed) for s in aware.stages]
+    uniform = evaluate_split(runs["speed_aware"]["profile"], devices, runs["uniform"]["split"].sizes,
+                             micro_batches=aware.micro_batches, micro_batch_size=aware.micro_batch_size,
                              schedule=args.schedule)
-    out["predicted_speedup"] = aware.split.samples_per_s / uniform.samples_per_s
-    for run in runs.values():
-        run["pp"].close()
-    ht.print(f"uniform {out['uniform']['blocks_per_stage']}: {out['throughput_uniform_samples_per_s']:.1f} samples/s; "
-             f"speed-aware {out['speed_aware']['blocks_per_stage']}: "
-             f"{out['throughput_speed_aware_samples_per_s']:.1f} samples/s; speedup "
-             f"{out['speedup_speed_aware_vs_uniform']:.2f}x (predicted {out['predicted_speedup']:.2f}x; emulated)")
-    if ht.is_main and args.json:
-        write_json(args.json, out)
-    ht.close()
+    out["predicted_speedup"] = aware.samples_per_s / uniform.samples_per_s
+    if dist.get_rank() == 0:
+        print(f"uniform {out['uniform']['blocks_per_stage']}: {out['throughput_uniform_samples_per_s']:.1f} samples/s; "
+              f"speed-aware {out['speed_aware']['blocks_per_stage']}: "
+              f"{out['throughput_speed_aware_samples_per_s']:.1f} samples/s; speedup "
+              f"{out['speedup_speed_aware_vs_uniform']:.2f}x (predicted {out['predicted_speedup']:.2f}x; emulated)",
+              flush=True)
+        if args.json:
+            write_json(args.json, out)
+    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

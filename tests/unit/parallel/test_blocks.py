@@ -48,11 +48,15 @@ def test_a_model_without_a_block_list_says_what_to_pass():
 
 
 def test_micro_batches_are_padded_to_one_size_with_real_rows_marked():
-    rows, pick = _padded_rows(10, 4, 3)                 # 3, 3, 2, 2 real rows
+    rows, pick = _padded_rows((3, 3, 2, 2), 3)          # 10 rows in 4 micro-batches of µ = 3
     assert rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, 8, 9, -1]
     assert pick.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 6, 8, 9, 8]
-    rows, _ = _padded_rows(8, 4, 2)
+    rows, _ = _padded_rows((2, 2, 2, 2), 2)
     assert (rows >= 0).all()
+    # any sizes up to µ, each padded to µ with its first row
+    rows, pick = _padded_rows((1, 5, 4), 5)
+    assert rows.tolist() == [0, -1, -1, -1, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1]
+    assert pick.tolist() == [0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 6]
 
 
 def test_profile_measures_each_part_and_the_tied_weight():
