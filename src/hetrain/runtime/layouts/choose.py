@@ -21,12 +21,18 @@ from ...planning.plan import Plan
 from ...vocabulary import PARALLEL_REQUESTS
 
 
+_ALIASES = {"pipeline": "pp", "pipe": "pp", "tensor": "tp", "data": "dp", "ddp": "dp",
+            "fsdp": "dp (with sharding='fsdp')", "zero": "dp (with sharding='zero1')", "hybrid": "dp-pp", "dp×pp": "dp-pp", "dpxpp": "dp-pp", "dp+pp": "dp-pp", "dppp": "dp-pp"}
+
+
 def requested(parallel, given_plan: Plan | None) -> str:
     """The layout asked for: a Plan's, or one of PARALLEL_REQUESTS (a one-line error otherwise)."""
     if isinstance(parallel, Plan):
         return parallel.layout
     if not isinstance(parallel, str) or parallel not in PARALLEL_REQUESTS:
-        hint = did_you_mean(parallel, PARALLEL_REQUESTS) if isinstance(parallel, str) else ""
+        alias = _ALIASES.get(parallel.lower().replace(" ", "")) if isinstance(parallel, str) else None
+        hint = (f" (did you mean: {alias}?)" if alias else did_you_mean(parallel, PARALLEL_REQUESTS)) \
+            if isinstance(parallel, str) else ""
         raise UsageError(f"prepare(parallel={parallel!r}) is not a layout{hint}",
                          f"use one of {', '.join(PARALLEL_REQUESTS)}, or a Plan from `hetrain plan --out`")
     if parallel == "auto" and given_plan is not None:

@@ -169,4 +169,5 @@ def show_split(job, pipe: Pipeline) -> None:
     profile = pipe.profile
     title = (f"{plan.layout}: {plan.describe_layout()}, {plan.devices[0].n_micro} micro-batches "
              f"of {plan.devices[0].micro_batch}")
-    show(job, title, [pipe.split], pipe.split.reasons, measured=profile is not None and profile.source != NOT_MEASURED)
+    # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
+    show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ...errors import HetrainError, UsageError
 from ..sharding.state import load_state_dicts, save_state_dicts, set_loaded_state
@@ -230,14 +231,21 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:   # noqa: BLE001  DCP names the keys; every rank asks for its own, so all fail alike
-            raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: "
-                             f"{str(e).splitlines()[0][:300]}",
+        except (Exception, CheckpointException) as e:   # noqa: BLE001  DCP's is a BaseException
+            # every rank asks for its own entries and DCP gathers every rank's failure: all raise this
+            raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: {_last_line(e)}",
                              "resume with the model and optimizer it was saved from, or start a new checkpoint_dir") from None
         if states is not None:
             states.set_loaded(state["model"], state["optim"])
         else:
             set_loaded_state(model, optimizer, model_sd=state["model"], optim_sd=state["optim"])
+
+
+def _last_line(error: BaseException) -> str:
+    """The line of DCP's per-rank report that says what was wrong ('Missing key ...')."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip() and not ln.startswith(" ")]
+    said = [ln for ln in lines if "Error" in ln.split(":")[0]] or lines or [type(error).__name__]
+    return said[-1][:300]
 
 
 def _broadcast(obj):

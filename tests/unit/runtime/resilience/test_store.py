@@ -56,3 +56,20 @@ def test_retention_keeps_the_resumed_and_the_new_checkpoint_past_unusable_newer_
     restarted.load_model(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.equal(model.weight, saved)
     restarted.close()
+
+
+def test_a_checkpoint_this_job_cannot_load_is_one_line_saying_what_to_do(tmp_path):
+    """Saved with SGD (no state entries), resumed into Adam (exp_avg, exp_avg_sq per parameter):
+    DCP finds no such entries; the error names the checkpoint and the fix, without a traceback."""
+    from hetrain.errors import UsageError
+
+    ck = Checkpointer(str(tmp_path), keep=2, rank=0, log=Log())
+    save(ck, 1)
+    path = ck.latest()
+    model = torch.nn.Linear(4, 3)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError) as e:
+        ck.load_model(path, model=model, optimizer=adam)
+    ck.close()
+    assert "cannot be loaded into this job's layout" in e.value.what and "step-00000001" in e.value.what
+    assert "optimizer it was saved from" in e.value.fix
