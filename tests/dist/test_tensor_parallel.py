@@ -92,7 +92,7 @@ def make_llama():
 
 def errors(model, ref, x, y):
     """The largest forward and gradient differences from the single-process reference."""
-    from hetrain.parallel.tensor import full_grad
+    from hetrain.runtime.parallel.tensor import full_grad
 
     ref_logits = ref(x)
     F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
@@ -106,7 +106,7 @@ def errors(model, ref, x, y):
 def tp_worker(rank, world):
     import hetrain
     from hetrain.errors import UsageError
-    from hetrain.parallel.tensor import tensor_parallel
+    from hetrain.runtime.parallel.tensor import tensor_parallel
 
     ref, x, y = make()
     ht = hetrain.init(global_batch=6, verbose=False)

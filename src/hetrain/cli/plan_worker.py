@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     measured = measure_job(ht.job, model, optimizer, default_forward)
     if ht.is_main:
         try:
-            from ..parallel.blocks import find_parts
+            from ..runtime.parallel.blocks import find_parts
 
             blocks = len(find_parts(model).blocks)
         except UsageError:

@@ -64,7 +64,7 @@ class BlockCost:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineProfile:
-    """Costs of a model's blocks (and its first/last parts), e.g. from `parallel.pipeline.profile_blocks`."""
+    """Costs of a model's blocks (and its first/last parts), e.g. from `runtime/parallel/blocks.profile_blocks`."""
 
     blocks: tuple[BlockCost, ...]
     first: BlockCost | None = None     # runs before the blocks, on the first stage

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import default_collate
 
 from ..errors import UsageError
-from ..parallel.blocks import find_parts
+from .parallel.blocks import find_parts
 from ..planning.plan import Plan
 from .layouts import choose
 from .layouts import pipeline_setup as stages
@@ -163,7 +163,7 @@ def tensor_plan(plan: Plan) -> Plan:
 def tp_wrap(job: Job, model, optimizer):
     """The model's layers sharded over every rank (parallel/tensor.py) and the optimizer rebuilt over
     the sharded parameters (collective)."""
-    from ..parallel.tensor import tensor_parallel
+    from .parallel.tensor import tensor_parallel
     from .sharding.wrap import Wrapped, rebuild_optimizer
 
     names = {p: n for n, p in model.named_parameters()}

@@ -14,9 +14,9 @@ from ...planning.memory import state_factor
 from ...planning.parallelism import split_hybrid
 from ...planning.pipeline_split import evaluate_split
 from ...planning.plan import DevicePlan, Plan
-from ...parallel.blocks import PipelineParts
-from ...parallel.pipeline import Pipeline
-from ...parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
+from ..parallel.blocks import PipelineParts
+from ..parallel.pipeline import Pipeline
+from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
                                          unmeasured_profile)
 from ...vocabulary import SCHEDULES, check_choice
 from ..model import PreparedModel

@@ -19,7 +19,10 @@ class FakeJob(SimpleNamespace):   # what log_samples reads of a job; hashed by i
 def attempt(directory, monkeypatch, *, clock, restart, shares):
     """One fake job per rank of an attempt, all agreeing on `clock` as rank 0's time."""
     monkeypatch.setattr(resume, "gather", lambda job, obj: [clock])
-    plan = SimpleNamespace(devices=tuple(SimpleNamespace(share=s) for s in shares))
+    from hetrain.planning.plan import DevicePlan, Plan
+
+    plan = Plan(global_batch=sum(shares), devices=tuple(
+        DevicePlan(rank=r, device=f"d{r}", speed=1.0, share=s, micro_batch=s) for r, s in enumerate(shares)))
     return [FakeJob(rank=r, world_size=len(shares), plan=plan, ctx=SimpleNamespace(restart=restart),
                             config=SimpleNamespace(sample_log=str(directory))) for r in range(len(shares))]
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from ..runtime.loop import reduce
+from ..loop import reduce
 from .blocks import SavedBytes
 
 
@@ -136,7 +136,7 @@ class MeteredStage(PipelineStage):
         if self._faults:
             fault = self._faults.oom(self._step, chunk, self._count, phase, escape=0)
             if fault is not None:
-                from ..runtime.devices.faults import injected_oom
+                from ..devices.faults import injected_oom
 
                 raise injected_oom(fault)
 
@@ -145,7 +145,7 @@ class MeteredStage(PipelineStage):
         is the error a real device's allocator would have raised during this forward."""
         meter = self._meter
         if meter is not None and meter.cap is not None and meter.fixed + self._flight.bytes > meter.cap:
-            from ..hardware.units import format_bytes
+            from ...hardware.units import format_bytes
 
             raise torch.OutOfMemoryError(
                 f"emulated {format_bytes(meter.cap)}: {format_bytes(meter.fixed)} of model state + "

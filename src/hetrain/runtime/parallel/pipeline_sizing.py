@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UsageError
-from ..hardware.units import format_bytes
-from ..planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
+from ...errors import UsageError
+from ...hardware.units import format_bytes
+from ...planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
-from ..planning.plan import split_evenly
-from ..runtime.ranks import agree
+from ...planning.plan import split_evenly
+from ..ranks import agree
 from .blocks import PipelineParts, profile_blocks
 
 def device_table(ht) -> list[StageDevice]:
@@ -26,7 +26,7 @@ def device_table(ht) -> list[StageDevice]:
     if ht.emulated is not None:
         speed, memory = ht.emulated.spec.speed, float(ht.emulated.spec.memory_bytes)
     elif ht.device.type == "cuda":
-        from ..hardware import catalog
+        from ...hardware import catalog
 
         gpu = catalog.lookup(torch.cuda.get_device_name(ht.device))
         speed = gpu.speed_index if gpu is not None else 1.0

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..planning.pipeline_split import BlockCost, PipelineProfile
+from ...errors import UsageError
+from ...planning.pipeline_split import BlockCost, PipelineProfile
 
 
 # -- what a model's blocks are ----------------------------------------------------------------
@@ -64,7 +64,7 @@ class GPTHead(nn.Module):
 
 def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
     """The blocks to cut between, or a UsageError saying how to describe them."""
-    from ..demo.gpt import GPT
+    from ...demo.gpt import GPT
 
     if isinstance(model, PipelineParts):
         return model

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .tensor_styles import check_size, find_splits, localize_heads, styles, tp_plan
 
 __all__ = ["full_grad", "gpt_block_plan", "tensor_parallel", "tp_plan"]

@@ -45,9 +45,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from ..planning.pipeline_split import PipelineSplit
-from ..runtime.ranks import agree
-from ..runtime.loop import reduce
+from ...planning.pipeline_split import PipelineSplit
+from ..ranks import agree
+from ..loop import reduce
 from .blocks import PipelineParts, StageModule, find_parts, param_storage_ptrs, profile_blocks
 from .pipeline_stage import Flight, MeteredStage, RowLoss
 

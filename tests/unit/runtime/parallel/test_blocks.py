@@ -7,8 +7,8 @@ import torch
 
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.errors import UsageError
-from hetrain.parallel.blocks import GPTEmbed, GPTHead, PipelineParts, StageModule, find_parts, profile_blocks
-from hetrain.parallel.pipeline import _padded_rows
+from hetrain.runtime.parallel.blocks import GPTEmbed, GPTHead, PipelineParts, StageModule, find_parts, profile_blocks
+from hetrain.runtime.parallel.pipeline import _padded_rows
 
 
 def gpt():
@@ -73,7 +73,7 @@ def test_profile_measures_each_part_and_the_tied_weight():
 
 
 def test_profile_scaled_to_the_fastest_device():
-    from hetrain.parallel.pipeline_sizing import _scaled
+    from hetrain.runtime.parallel.pipeline_sizing import _scaled
 
     prof = profile_blocks(find_parts(gpt()), torch.randint(0, 32, (2, 8)), repeats=1)
     half = _scaled(prof, 0.5)      # measured on a device half as fast as the fastest
