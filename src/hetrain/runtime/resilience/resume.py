@@ -222,6 +222,8 @@ def log_samples(job, step) -> None:
     first = key is None
     if first:   # every rank logs every step: all meet here at the same one, and take rank 0's clock
         key = _attempts[job] = [gather(job, time.time_ns())[0], job.ctx.restart]
+    if job.rank % job.plan.group:   # FIX(helper): one rank per replica writes, so each sample is logged once
+        return
     directory = job.config.sample_log
     os.makedirs(directory, exist_ok=True)
     offset = job.plan.offsets()[job.rank]
