@@ -19,7 +19,9 @@ class FakeJob(SimpleNamespace):   # what log_samples reads of a job; hashed by i
 def attempt(directory, monkeypatch, *, clock, restart, shares):
     """One fake job per rank of an attempt, all agreeing on `clock` as rank 0's time."""
     monkeypatch.setattr(resume, "gather", lambda job, obj: [clock])
-    plan = SimpleNamespace(devices=tuple(SimpleNamespace(share=s) for s in shares))
+    offsets = tuple(sum(shares[:r]) for r in range(len(shares)))
+    plan = SimpleNamespace(devices=tuple(SimpleNamespace(share=s) for s in shares), group=1,   # data parallel
+                           offsets=lambda: offsets)
     return [FakeJob(rank=r, world_size=len(shares), plan=plan, ctx=SimpleNamespace(restart=restart),
                             config=SimpleNamespace(sample_log=str(directory))) for r in range(len(shares))]
 
