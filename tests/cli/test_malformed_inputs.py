@@ -142,6 +142,12 @@ bad_number = st.one_of(st.sampled_from(["0", "-1", "nan", "inf", "1e", "lots", "
                        st.floats(max_value=0).map(repr))
 
 
+# --faults for `run --emulate a100-80g` (one device): junk, no fault at all, or a rank it does not have.
+bad_faults = st.sampled_from(["", ";", " ; ", "boom:rank=0,step=1", "die:step=1", "oom:rank=0,step=x",
+                              "die:rank=0,step=1,phase=forward", "oom:rank=1,step=1", "die:rank=-2,step=1",
+                              "die:rank=0,step=1;stall:rank=3,step=2"])
+
+
 def _flag(name: str, values) -> st.SearchStrategy[list[str]]:
     return values.map(lambda v: [name, v])
 
@@ -153,7 +159,8 @@ COMMANDS = {
     "run": (["--emulate", "a100-80g"], [_flag("--emulate", bad_cluster()), _flag("--nproc", bad_int),
                                         _flag("--max-restarts", st.sampled_from(["-1", "-5", "x"])),
                                         _flag("--precision", bad_choice), _flag("--nproc", st.just("3")),
-                                        _flag("--run-dir", st.sampled_from(["train.py", "junk.json/sub"]))]),
+                                        _flag("--run-dir", st.sampled_from(["train.py", "junk.json/sub"])),
+                                        _flag("--faults", bad_faults)]),
     "simulate": (["--cluster", "a100-80g,rtx3090", "--model", "gpt2-124m"],
                  [_flag("--cluster", bad_cluster()), _flag("--model", unknown_gpu),
                   _flag("--global-batch", bad_int), _flag("--precision", bad_choice),
@@ -206,7 +213,7 @@ def test_every_command_answers_bad_flags_with_one_line_and_exit_2(argv):
     ["simulate", "--cluster", "a100-80g"], ["plan", "--model", "gpt2-124m", "--emulate", "a100-80g"],
     ["doctor", "--machine", "junk.json", "--cluster", "a100-80g"], ["run", "missing.py"],
     ["run", "--nproc", "0", "train.py"], ["run", "-m", "no_such_hetrain_module"], ["run", "-m", ".rel"],
-    ["run", "-m", "no_such_hetrain_pkg.sub"], ["run", "-m", ""], ["plan", "--global-batch", "8", "--model-factory", "x.py:make",
+    ["run", "-m", "no_such_hetrain_pkg.sub"], ["run", "-m", ""], ["run", "--faults", "die:rank=0,step=1", "train.py"], ["plan", "--global-batch", "8", "--model-factory", "x.py:make",
                                             "--model", "gpt2-124m"],
 ])
 def test_parse_errors_and_missing_inputs_are_one_line_too(argv):

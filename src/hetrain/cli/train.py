@@ -34,16 +34,41 @@ def run(
         help="a device that cannot run the script's precision runs the nearest it can (bf16 -> fp16 on a V100)"),
     precision: Optional[str] = typer.Option(
         None, "--precision", help="overrides the script's precision: auto, fp32, bf16 or fp16"),
+    faults: Optional[str] = typer.Option(
+        None, "--faults", help="inject faults on emulated devices, e.g. 'oom:rank=1,step=3,micro=0;die:rank=1,step=5' "
+                               "(runtime/devices/faults.py; replaces HETRAIN_FAULTS)"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     if precision is not None:
         check_choice(precision, PRECISION_REQUESTS, "--precision")
+    if faults is not None:
+        _check_faults(faults, emulate)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir,
                           config={"checkpoint_dir": checkpoint_dir, "allow_fallback": allow_fallback or None,
-                                  "precision": precision})
+                                  "precision": precision, "faults": faults})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
+
+
+def _check_faults(spec: str, emulate: str | None) -> None:
+    """A bad fault spec, or faults without emulated devices, is one line before anything starts
+    (the workers would each refuse it after the launch)."""
+    from ..hardware.cluster import parse_cluster
+    from ..runtime.devices.faults import parse_faults
+
+    parsed = parse_faults(spec)
+    if not parsed:
+        raise UsageError(f"--faults {spec!r} names no fault", "e.g. --faults 'die:rank=1,step=5'")
+    if emulate is None:
+        raise UsageError("--faults needs emulated devices (fault injection acts on their processes)",
+                         "add --emulate, e.g. --emulate a100-80g,rtx3090")
+    count = len(parse_cluster(emulate))
+    for f in parsed:
+        if not -1 <= f.rank < count:      # it would never fire, silently
+            raise UsageError(f"--faults: rank={f.rank} in {spec!r}, but --emulate names {count} "
+                             f"device{'s' if count != 1 else ''}",
+                             f"use a rank from 0 to {count - 1}, or -1 for every rank")
 
 
 def demo(
