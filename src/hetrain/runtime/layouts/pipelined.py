@@ -94,8 +94,12 @@ class PipelineLayout(DataLayout):
         inputs = [mb.batch[0] if self.pipe.is_first else None for mb, _ in self._recorded]
         targets = [mb.batch[1] for mb, _ in self._recorded]
         units = [u for _, u in self._recorded]
+        job.hooks.attempt_start()
+        before = self.pipe.busy()
         loss_sum, failed = self.pipe.run(inputs, targets, units, global_batch=job.config.global_batch,
                                          step_index=step.index)
+        after = self.pipe.busy()       # the stage's pieces are the step's compute (the summary's busy)
+        job.hooks.compute_s, job.hooks.busy_s = after[0] - before[0], after[1] - before[1]
         mine = self.pipe.is_last
         state.count = torch.tensor(float(sum(units)) if mine else 0.0, dtype=torch.float64)
         state.loss_sum = torch.tensor(loss_sum if mine else 0.0, dtype=torch.float64)
@@ -103,9 +107,9 @@ class PipelineLayout(DataLayout):
             return "ok"
         job.ooms += 1
         smaller = recovery.smaller_micro_batch(state.micro)
-        job.log.warn(f"{job.device_label}: out of memory in the {failed} of step {step.index} "
-                     f"(stage {self.pipe.stage_index}); "
-                     + (f"micro-batch {state.micro} -> {smaller} for its pipeline, redoing" if smaller else "cannot shrink"))
+        job.log.warn(f"{job.device_label}: out of memory at step {step.index} on stage {self.pipe.stage_index}, "
+                     + (f"redoing with micro-batch {state.micro} -> {smaller} on its pipeline" if smaller
+                        else "cannot shrink") + f" ({failed})")
         if smaller is None:
             return "fatal"
         state.micro = smaller

@@ -98,7 +98,7 @@ class Pipeline:
         self._built: tuple[int, int] | None = None      # (micro-batches, µ) the stage was built for
         self.stage = self.schedule = self._loss = None
         self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index)
-        self.compute_s = 0.0
+        self.compute_s = self.busy_s = 0.0             # of the stages built before the current one
         self.profile = None                              # the block costs the split was sized from
 
     # -- facts --------------------------------------------------------------------------------
@@ -138,6 +138,7 @@ class Pipeline:
             return
         if self.stage is not None:
             self.compute_s += self.stage.compute_s
+            self.busy_s += self.stage.busy_s
         meter = self._emulated.meter if self._emulated is not None else None
         self.stage = MeteredStage(self.module, self.stage_index, self.num_stages, self.device, group=self._pp_group,
                                   throttle=self._emulated.throttle if self._emulated is not None else None,
@@ -172,6 +173,11 @@ class Pipeline:
         if self.replicas > 1:
             _sync_grads(list(self.module.parameters()), self._dp_group, divide=self.replicas)
         return (self._loss.weighted_sum if self.is_last else 0.0), self.stage.failed
+
+    def busy(self) -> tuple[float, float]:
+        """(compute, busy) seconds of this stage's pieces so far, over every stage built."""
+        stage = self.stage
+        return (self.compute_s + (stage.compute_s if stage else 0.0), self.busy_s + (stage.busy_s if stage else 0.0))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the whole model's gradient norm (all stages; a tied weight counted once). A collective."""

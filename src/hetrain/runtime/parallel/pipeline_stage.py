@@ -52,7 +52,8 @@ class MeteredStage(PipelineStage):
         self._meter = meter
         self._precision = precision
         self._faults = faults
-        self.compute_s = 0.0
+        self.compute_s = 0.0                 # compute pieces, unthrottled
+        self.busy_s = 0.0                    # ... and their throttle sleeps: as the device is busy
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
         self._step, self._count, self._chunk = 0, 1, 0
 
@@ -71,6 +72,7 @@ class MeteredStage(PipelineStage):
             self.compute_s += spent
             if self._throttle is not None:
                 self._throttle.pay(spent)
+            self.busy_s += time.perf_counter() - t0
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         parent = super().forward_one_chunk
