@@ -4,7 +4,7 @@ Reference: the same model and samples in one process, the plain big-batch loss (
 or over tokens), SGD in float64 — independent of stages, padding, weighting and redone steps.
 Cases: token-weighted losses through a pipeline (the demo GPT, its tied embedding/head on both
 ends); out-of-memory errors on either stage, in forward and backward, redone to the same result
-with every sample once; one checkpoint carried pp -> tp -> dp; one loss scale across a bf16 and an
+with every sample once; one checkpoint carried pp (2) -> DP×PP (4) -> tp (2) -> dp (2); one loss scale across a bf16 and an
 fp16 stage, an overflow on one stage skipping the step on both; parallel='auto' choosing a pipeline
 when the model does not fit the small device.
 """
@@ -162,16 +162,20 @@ def test_out_of_memory_on_either_stage_is_redone_with_the_same_result_and_every_
     assert used == [(e, i) for e in (0, 1) for i in range(N)]
 
 
-def test_a_checkpoint_moves_from_a_pipeline_to_tensor_to_data_parallel(tmp_path):
+def test_a_checkpoint_moves_between_layouts_and_device_counts(tmp_path):
+    """One run, four launches: pp on 2 devices, DP×PP on 4, tp on 2, dp on 2 — each resuming the
+    previous one's checkpoint (DCP reshards by whole-model name); the result is 4 uninterrupted steps."""
     ckpt = str(tmp_path / "ckpt")
     common = {"model": "gpt", "batch": 12, "ckpt": ckpt, "tokens": True}
-    run_ranks(worker, 2, {**common, "steps": 2, "parallel": "pp", "micro_batches": 3})
+    run_ranks(worker, 2, {**common, "steps": 1, "parallel": "pp", "micro_batches": 3})
+    hybrid = run_ranks(worker, 4, {**common, "steps": 2, "parallel": "dp-pp", "emulate": f"{PAIR},{PAIR}"})
+    assert [(r["layout"], r["group"]) for r in hybrid] == [("dp-pp", 2)] * 4
     tp = run_ranks(worker, 2, {**common, "steps": 3, "parallel": "tp"})
     assert [r["layout"] for r in tp] == ["tp", "tp"]
     dp = run_ranks(worker, 2, {**common, "steps": 4, "parallel": "dp"})
-    ref = reference("gpt", 4, 12, tokens=True)
-    assert_equal_to(ref, gathered(dp))
+    assert_equal_to(reference("gpt", 2, 12, tokens=True), gathered(hybrid))
     assert_equal_to(reference("gpt", 3, 12, tokens=True), gathered(tp))
+    assert_equal_to(reference("gpt", 4, 12, tokens=True), gathered(dp))
 
 
 def test_one_loss_scale_over_a_bf16_and_an_fp16_stage_and_an_overflow_on_one_skips_both():

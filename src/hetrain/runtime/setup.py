@@ -166,6 +166,14 @@ def tp_wrap(job: Job, model, optimizer):
     from .parallel.tensor import tensor_parallel
     from .sharding.wrap import Wrapped, rebuild_optimizer
 
+    computes = {e["compute"] for e in job.precision.all_choices}
+    if len(computes) > 1:   # every rank decides from the same gathered choices: all raise together
+        raise UsageError(
+            "tensor parallelism runs the shards of each layer in lockstep, in one dtype (their collectives "
+            "exchange it), but these ranks would compute " + ", ".join(
+                f"rank {e['rank']} {e['compute']}" for e in job.precision.all_choices),
+            "pass one precision for the whole job (precision='fp16' or 'fp32'), or put equal devices in the "
+            "tensor-parallel group and mixed ones in pipeline stages (parallel='pp')")
     names = {p: n for n, p in model.named_parameters()}
     tensor_parallel(model)
     new = dict(model.named_parameters())
