@@ -187,8 +187,8 @@ class StepLoop:
             self.on_step(step, table, elapsed)
         job.steps_done += 1
         self.state = None
-        if cfg.sample_log and job.rank % job.plan.group == 0:   # one rank per replica: each sample once
-            persist.log_samples(job, step)
+        if cfg.sample_log:   # FIX(helper): every rank enters (its first call is a collective); one per replica writes
+            persist.log_samples(job, step, write=job.rank % job.plan.group == 0)
         self.fixed_s = job.hooks.busy() - busy0
         if job.rebalancer is not None:
             job.rebalancer.observe(job.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))

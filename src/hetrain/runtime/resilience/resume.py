@@ -210,7 +210,7 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
 _attempts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # job -> its attempt's key, agreed at its first logged step
 
 
-def log_samples(job, step) -> None:
+def log_samples(job, step, *, write: bool = True) -> None:
     """Append this rank's samples of a finished step to its sample log (one JSON line).
 
     A record names its place in the step's global batch ("offset": the samples of the ranks
@@ -222,6 +222,8 @@ def log_samples(job, step) -> None:
     first = key is None
     if first:   # every rank logs every step: all meet here at the same one, and take rank 0's clock
         key = _attempts[job] = [gather(job, time.time_ns())[0], job.ctx.restart]
+    if not write:   # FIX(helper): a pipeline's later stages join the gather above, the first stage logs
+        return
     directory = job.config.sample_log
     os.makedirs(directory, exist_ok=True)
     offset = job.plan.offsets()[job.rank]
