@@ -63,7 +63,7 @@ def make_model():
     import torch
     from torch import nn
 
-    from hetrain.parallel.blocks import PipelineParts
+    from hetrain.parallel import PipelineParts
 
     class Residual(nn.Module):
         def __init__(self, h: int):
