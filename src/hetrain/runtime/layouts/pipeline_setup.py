@@ -118,17 +118,14 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
                 profile, devices, loss_fn) -> tuple[PipelineLayout, torch.optim.Optimizer]:
     """This rank's stage of the plan (collective: process groups), and its optimizer: the user's
     optimizer class and hyperparameters over the stage's parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     stages, replicas = plan.group, plan.replicas
     replica, stage = divmod(job.rank, stages)
-    mesh = init_device_mesh(job.device.type, (replicas, stages), mesh_dim_names=("dp", "pp")) if replicas > 1 else None
     grid = [[r * stages + s for s in range(stages)] for r in range(replicas)]
+    pp_group, dp_group = _groups(job, grid) if replicas > 1 else (None, None)                        # (collective)
     pipe = Pipeline(parts=parts, names=param_names(model), split=stage_split(plan, parts, profile, devices, replica),
                     stage_index=stage, rank_grid=grid, replica=replica, loss_fn=loss_fn, device=job.device,
                     emulated=job.emulated, precision=job.precision, faults=job.faults,
-                    pp_group=mesh.get_group("pp") if mesh is not None else None,
-                    dp_group=mesh.get_group("dp") if mesh is not None else None)
+                    pp_group=pp_group, dp_group=dp_group, timeout_s=job.config.timeout_s)
     pipe.profile = profile
     # Each param group's parameters by whole-model name (all stages'): the checkpoint's groups are
     # then the same on every rank, and what a data-parallel resume expects.
@@ -136,6 +133,29 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     pipe.group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     layout = PipelineLayout(plan.layout, loss_fn, pipe)
     return layout, stage_optimizer(optimizer, pipe)
+
+
+def _groups(job, grid):
+    """This rank's pipeline group (its replica's stages) and data-parallel group (its stage in every
+    replica): the (dp, pp) mesh's rows and columns, made with the job's collective timeout (a group
+    made without one waits torch's default 30 minutes for a hung peer). Every rank makes every group,
+    in the same order, as torch requires."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=job.config.timeout_s)
+    mine = {}
+    for r, ranks in enumerate(grid):
+        group = dist.new_group(ranks, timeout=timeout)
+        if job.rank in ranks:
+            mine["pp"] = group
+    for s in range(len(grid[0])):
+        ranks = [row[s] for row in grid]
+        group = dist.new_group(ranks, timeout=timeout)
+        if job.rank in ranks:
+            mine["dp"] = group
+    return mine["pp"], mine["dp"]
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:

@@ -80,7 +80,7 @@ class Pipeline:
 
     def __init__(self, *, parts: PipelineParts, names: dict[int, str], split: PipelineSplit, stage_index: int,
                  rank_grid: Sequence[Sequence[int]], replica: int, loss_fn: Callable, device: torch.device,
-                 emulated=None, precision=None, faults=None, pp_group=None, dp_group=None):
+                 emulated=None, precision=None, faults=None, pp_group=None, dp_group=None, timeout_s: float = 600.0):
         self.split = split
         self.stage_index = stage_index
         self.num_stages = split.n_stages
@@ -97,7 +97,7 @@ class Pipeline:
         self._loss_fn = loss_fn
         self._built: tuple[int, int] | None = None      # (micro-batches, µ) the stage was built for
         self.stage = self.schedule = self._loss = None
-        self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index)
+        self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index, timeout_s)
         self.compute_s = self.busy_s = 0.0             # of the stages built before the current one
         self.profile = None                              # the block costs the split was sized from
 
@@ -212,9 +212,12 @@ def _padded_rows(sizes: Sequence[int], mu: int) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor(rows), torch.tensor(pick)
 
 
-def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica: int, stage_index: int):
+def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica: int, stage_index: int,
+                 timeout_s: float):
     """Process groups for parameters held by more than one stage, and this stage's share of them.
-    Every rank creates every group, in the same order (torch requires it)."""
+    Every rank creates every group, in the same order (torch requires it), with the job's timeout."""
+    from datetime import timedelta
+
     per_stage = []
     for s, (a, b) in enumerate(split.bounds):
         module = StageModule(parts, a, b, is_first=s == 0, is_last=s == split.n_stages - 1)
@@ -230,7 +233,7 @@ def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica:
     out = []
     for stages, pids in sorted(by_stages.items()):
         for r, ranks in enumerate(rank_grid):
-            group = dist.new_group([ranks[s] for s in stages])
+            group = dist.new_group([ranks[s] for s in stages], timeout=timedelta(seconds=timeout_s))
             if r == replica and stage_index in stages:
                 mine = per_stage[stage_index]
                 out.append(([mine[pid] for pid in pids], group))
