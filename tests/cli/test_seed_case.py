@@ -99,8 +99,9 @@ def test_kill_minus_9_and_an_oom_on_the_small_card_end_where_an_uninterrupted_ru
     result, saved, ckpt, fired = run(tmp_path, "faulty", faults=FAULTS, restarts=3)
     assert sorted(fired) == ["die", "oom"]                          # both faults struck
     # The OOM was recovered in the loop: agreed, the pipeline's micro-batch halved, the step redone.
-    assert "rtx3090#1 (emulated): out of memory in the forward of micro-batch 1/8" in result.stdout, result.stdout
-    assert "micro-batch 2 -> 1 for its pipeline, redoing" in result.stdout
+    assert "rtx3090#1 (emulated): out of memory at step 1 on stage 1, redoing with micro-batch 2 -> 1" in result.stdout, \
+        result.stdout
+    assert "(forward of micro-batch 1/8: injected fault" in result.stdout
     assert "plan v1: out of memory at step 1: rank 0 micro-batch 2 -> 1, rank 1 micro-batch 2 -> 1" in result.stdout
     # The kill caused one restart, which resumed from the last checkpoint before it.
     assert result.stdout.count("resumed from step-") == 1

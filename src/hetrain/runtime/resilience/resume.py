@@ -109,8 +109,8 @@ def adopt_plan(job, found: Found | None) -> Plan:
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,
-                           note=f"re-planned for {job.plan.describe_layout()} after resuming from "
-                                f"{saved.world_size} device(s), {saved.describe_layout()}")
+                           note=f"re-planned for {job.world_size} devices ({job.plan.describe_layout()}) after "
+                                f"resuming from {saved.world_size} ({saved.describe_layout()})")
     return _apply_escaped_ooms(job, plan)
 
 
