@@ -20,3 +20,14 @@ class BlockNet(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
+
+
+class Residual(nn.Module):
+    """x + tanh(fc(x)): a shape-keeping block, so any number of them stack (pipelines cut between them)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))

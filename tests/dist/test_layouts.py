@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nets import Residual
+
 from harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -41,15 +43,6 @@ def tokens_data():
 
 def token_loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
-
-
-class Residual(torch.nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.fc = torch.nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 def stack():

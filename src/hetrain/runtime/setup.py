@@ -46,7 +46,8 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         kind, measured = decide_auto(job, model, optimizer, loss_fn)                                # (collective)
     choose.check_request(kind, loss_fn=loss_fn, world_size=job.world_size)
     if kind in ("pp", "dp-pp"):
-        prepare_pipelined(job, model, optimizer, kind, loss_fn, given_plan, measured, pipeline or {})
+        prepare_pipelined(job, model, optimizer, kind, loss_fn, given_plan, measured,
+                          pipeline or {"schedule": "1f1b", "stages": None, "micro_batches": None})
     else:
         prepare_data_parallel(job, model, optimizer, forward, given_plan, kind, loss_fn)
     show_plan(job.log, job.plan, job.total_steps)
@@ -100,8 +101,7 @@ def prepare_pipelined(job: Job, model, optimizer, kind: str, loss_fn, given_plan
         job.plan = check_given_plan(job, given_plan)
     else:
         job.plan = stages.plan_pipeline(job, kind, parts, profile, devices,
-                                        optimizer_kind=memory.optimizer_kind(optimizer) or "adamw", **{
-                                            "schedule": "1f1b", "stages": None, "micro_batches": None, **options})
+                                        optimizer_kind=memory.optimizer_kind(optimizer) or "adamw", **options)
     resume_from = persist.find_checkpoint(job, model) if job.checkpointer is not None else None    # (collective)
     if job.checkpointer is not None:
         job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)

@@ -128,6 +128,9 @@ class PrecisionPolicy:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+            # GradScaler makes its scale at its first scale(): make it now, so a rank that never
+            # scales a loss (a pipeline's first stages) still unscales its gradients with it.
+            self.scaler.scale(torch.zeros((), device=device))
         if log is not None:
             self._show(log)
 

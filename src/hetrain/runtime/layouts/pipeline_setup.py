@@ -159,19 +159,10 @@ def _groups(job, grid):
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:
-    from ..sharding.capacity import constructor_defaults
+    from ..sharding.wrap import rebuild_optimizer
 
-    if optimizer.state:
-        raise UsageError("a pipeline needs a fresh optimizer, but this one has state already",
-                         "pass the optimizer to prepare() before any optimizer step")
-    mine = {id(p) for p in pipe.parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
-              for g in optimizer.param_groups]
-    try:
-        return type(optimizer)(groups, **constructor_defaults(optimizer))
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"cannot build {type(optimizer).__name__} over this stage's parameters: {e}",
-                         "use a torch.optim optimizer") from None
+    return rebuild_optimizer(optimizer, {p: p for p in pipe.parameters()}, who="a pipeline",
+                             over="this stage's parameters", otherwise="")
 
 
 class StagedModel(PreparedModel):

@@ -87,10 +87,6 @@ class PipelineLayout(DataLayout):
                 raise UsageError(f"micro-batch {k} of step {step.index} ended without ht.backward(ht.loss(mb))",
                                  "call ht.backward(ht.loss(mb)) once inside every micro-batch")
         state.mb = None
-        if job.scaler is not None and not self.pipe.is_last:
-            # only the last stage scales a loss; the job-wide scaler on the others still needs its
-            # scale to unscale their gradients (GradScaler sets it at its first scale()).
-            job.precision.scale(torch.zeros((), device=job.device))
         inputs = [mb.batch[0] if self.pipe.is_first else None for mb, _ in self._recorded]
         targets = [mb.batch[1] for mb, _ in self._recorded]
         units = [u for _, u in self._recorded]

@@ -44,11 +44,9 @@ class StageState:
         return self._model_entries(), self._optim_entries()
 
     def set_loaded(self, model_sd: dict, optim_sd: dict) -> None:
-        """DCP filled the tensors in place; put back what it replaced (non-tensor values, the
-        hyperparameters of each param group)."""
-        for name, t in self._model_entries().items():
-            if model_sd[name] is not t and isinstance(model_sd[name], torch.Tensor):
-                t.copy_(model_sd[name])
+        """DCP filled the tensors in place (the model's entries are views of its parameters, the
+        optimizer's its state tensors); put back what it replaced: non-tensor values and the
+        hyperparameters of each param group."""
         names = self._names()
         opt = self.optimizer
         for g in opt.param_groups:

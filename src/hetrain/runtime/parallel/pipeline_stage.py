@@ -5,12 +5,15 @@ rows of padded micro-batches, weighted by D·units_k/N."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+from ...hardware.units import format_bytes
+from ..devices.faults import injected_oom
 from ..loop import reduce
 from .blocks import SavedBytes
 
@@ -94,8 +97,7 @@ class MeteredStage(PipelineStage):
             parent = super().forward_maybe_with_nosync
             try:
                 self._strike(chunk, "forward")
-                autocast = self._precision.autocast(self.device.type) if self._precision is not None else _nothing()
-                with autocast:
+                with _autocast(self._precision, self.device.type):
                     out = self._flight.forward(chunk, lambda: parent(*args, **kwargs))
                 self._check_cap(chunk)
                 return _to_fp32(out) if not self.is_last else out
@@ -138,8 +140,6 @@ class MeteredStage(PipelineStage):
         if self._faults:
             fault = self._faults.oom(self._step, chunk, self._count, phase, escape=0)
             if fault is not None:
-                from ..devices.faults import injected_oom
-
                 raise injected_oom(fault)
 
     def _check_cap(self, chunk: int) -> None:
@@ -147,19 +147,14 @@ class MeteredStage(PipelineStage):
         is the error a real device's allocator would have raised during this forward."""
         meter = self._meter
         if meter is not None and meter.cap is not None and meter.fixed + self._flight.bytes > meter.cap:
-            from ...hardware.units import format_bytes
-
             raise torch.OutOfMemoryError(
                 f"emulated {format_bytes(meter.cap)}: {format_bytes(meter.fixed)} of model state + "
                 f"{format_bytes(self._flight.bytes)} of activations for {len(self._flight.held)} micro-batch(es) in flight")
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _autocast(precision, device_type: str):
+    """The device's autocast (runtime/devices/precision_policy.py: a no-op for fp32), or none without a policy."""
+    return precision.autocast(device_type) if precision is not None else contextlib.nullcontext()
 
 
 def _to_fp32(out):
@@ -183,7 +178,7 @@ class RowLoss:
         self.starts: list[int] = []
         self.units: list[float] = []
         self.total = 1
-        self.parts: dict[int, float] = {}   # k -> units_k · L_k (unscaled), the last computation of each
+        self.parts: dict[int, torch.Tensor] = {}   # k -> units_k · L_k (unscaled, on the device), the last computation of each
 
     def begin(self, targets: torch.Tensor, sizes, units, total: int) -> None:
         self.targets, self.units, self.total = targets, list(units), total
@@ -194,7 +189,7 @@ class RowLoss:
     def weighted_sum(self) -> float:
         """Σ_k units_k · L_k: the step's loss, once divided by N. (torch's first step may evaluate the
         loss once more while it infers shapes: keyed by micro-batch, so that counts once.)"""
-        return float(sum(self.parts.values()))
+        return float(sum(self.parts.values())) if self.parts else 0.0      # one device sync per step
 
     def __call__(self, output, rows: torch.Tensor) -> torch.Tensor:
         def run():
@@ -203,11 +198,10 @@ class RowLoss:
             real = rows >= 0
             first = int(rows[real][0])
             k = max(i for i, s in enumerate(self.starts) if s <= first)
-            autocast = self.precision.autocast(output.device.type) if self.precision is not None else _nothing()
-            with autocast:
+            with _autocast(self.precision, output.device.type):
                 loss = self.loss_fn(output[real], self.targets[rows[real]])
             units = self.units[k]
-            self.parts[k] = float(loss.detach()) * units
+            self.parts[k] = loss.detach().double() * units
             loss = loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss
             scaled = loss * reduce.loss_factor(units=units, world_size=self.replicas, global_batch=self.total)
             return self.precision.scale(scaled) if self.precision is not None else scaled

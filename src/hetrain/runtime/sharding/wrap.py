@@ -64,18 +64,21 @@ class Wrapped:
         return getattr(self.sync, "guard", None)
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Parameter, nn.Parameter]):
-    """The same optimizer class, hyperparameters and param groups over new parameter objects."""
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[nn.Parameter, nn.Parameter], *,
+                      who: str = "sharding", over: str = "the sharded parameters",
+                      otherwise: str = ", or sharding='none'"):
+    """The same optimizer class, hyperparameters and param groups over new parameter objects; a
+    parameter `mapping` leaves out is dropped (a pipeline stage keeps its own)."""
     if optimizer.state:
-        raise UsageError("sharding needs a fresh optimizer, but this one has state already",
+        raise UsageError(f"{who} needs a fresh optimizer, but this one has state already",
                          "pass the optimizer to prepare() before any optimizer step")
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[p] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [mapping[p] for p in g["params"] if p in mapping]} for g in optimizer.param_groups]
     try:
         return type(optimizer)(groups, **constructor_defaults(optimizer))
-    except TypeError as e:
-        raise UsageError(f"cannot rebuild {type(optimizer).__name__} over the sharded parameters: {e}",
-                         "use a torch.optim optimizer, or sharding='none'") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"cannot rebuild {type(optimizer).__name__} over {over}: {e}",
+                         f"use a torch.optim optimizer{otherwise}") from None
 
 
 class FSDPSync:
