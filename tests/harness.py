@@ -45,12 +45,15 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, env: dict, out: st
         os._exit(1)
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 180.0, env: dict | None = None) -> list:
-    """fn(rank, world, *args) on `world` processes; returns each rank's return value."""
+def run_ranks(fn, world: int, *args, timeout: float = 180.0, env: dict | None = None,
+              rank_env: dict[int, dict] | None = None) -> list:
+    """fn(rank, world, *args) on `world` processes; returns each rank's return value.
+    `env`: variables for every rank; `rank_env`: {rank: variables} on top, e.g. GROUP_RANK to
+    place ranks on different (loopback) nodes as torchrun's multi-node launch would."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, env or {}, out))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, {**(env or {}), **(rank_env or {}).get(r, {})}, out))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -140,4 +140,4 @@ def wrong_world_worker(rank, world):
 
 def test_emulated_cluster_must_match_the_process_count():
     a, b = run_ranks(wrong_world_worker, 2)
-    assert "names 3 devices, but 2 process(es)" in a and "hetrain run --emulate" in a
+    assert "names 3 device(s), but this node runs 2 process(es)" in a and "hetrain run --emulate" in a

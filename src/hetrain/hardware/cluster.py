@@ -58,6 +58,19 @@ def _bad(item: str, why: str) -> UsageError:
     )
 
 
+def device_items(spec: str) -> tuple[str, ...]:
+    """The spec's items, one per device with its count expanded ('2xrtx3090@1GiB' gives
+    'rtx3090@1GiB' twice): a node's part of a multi-node job's spec, joined with the other
+    nodes' parts (runtime/ranks/nodes.py). The spec is checked first."""
+    parse_cluster(spec)
+    out: list[str] = []
+    for item in (part.strip() for part in spec.split(",")):
+        m = _ITEM.match(item)
+        body = item[len(m["count"]) + 1:] if m["count"] else item
+        out.extend([body] * int(m["count"] or 1))
+    return tuple(out)
+
+
 def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
     """Parse a cluster spec; every problem is a UsageError naming the bad item and the forms."""
     if not spec or not spec.strip():

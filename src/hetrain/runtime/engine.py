@@ -14,7 +14,7 @@ import atexit
 import gc
 import os
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,8 @@ from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from .config import LAUNCH_ENV, Config
 from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
+from .ranks.nodes import describe as describe_nodes
+from .ranks.nodes import gather as gather_nodes
 from .devices.emulation import EmulatedDevice, agree_host_facts
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
@@ -56,11 +58,14 @@ class Engine:
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.verbose)
-        if cluster is not None and len(cluster) != ctx.world_size:
-            raise UsageError(
-                f"the cluster spec {config.emulate!r} names {len(cluster)} devices, "
-                f"but {ctx.world_size} process(es) are running",
-                f"launch with `hetrain run --emulate {config.emulate} script.py` (one process per emulated device)")
+        # Every node's devices, gathered (collective): --emulate names this node's own devices.
+        nodes, job_spec, _ = gather_nodes(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                                          local_world=ctx.local_world_size, spec=config.emulate)
+        if job_spec is not None:
+            config = replace(config, emulate=job_spec)
+            cluster = parse_cluster(job_spec)
+        if nodes.spans_nodes:
+            log.info(describe_nodes(nodes, cluster))
         emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s) if cluster is not None else None
         faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
                                rank=ctx.rank, attempt=ctx.restart)
@@ -73,7 +78,7 @@ class Engine:
                                           allow_fallback=config.allow_fallback)
         self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
                        precision=precision, faults=faults, emulated=emulated, host=host,
-                       preemption=Preemption(grace_s=config.preempt_grace_s))
+                       preemption=Preemption(grace_s=config.preempt_grace_s), nodes=nodes)
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")

@@ -34,6 +34,7 @@ class Job:
     emulated: object = None                  # emulate.EmulatedDevice, on an emulated device
     host: object = None                      # hardware.host.HostFacts, on an emulated device
     preemption: Preemption = None            # the stop signal, if any (made by init(), always there)
+    nodes: object = None                     # ranks.nodes.JobNodes: which rank runs on which node
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
     dataset: object = None
     collate: Callable | None = None

@@ -30,6 +30,7 @@ class DistContext:
     backend: str
     restart: int                  # torchrun restart attempt (0 on the first run)
     owns_group: bool              # we created the process group (and so destroy it)
+    local_world_size: int = 1     # processes on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +80,8 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
 
     if dist.is_initialized():  # the user made the group; use it as it is
         return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device,
-                           dist.get_backend(), restart, owns_group=False)
+                           dist.get_backend(), restart, owns_group=False,
+                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size(), low=1))
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if world == 1 and "MASTER_ADDR" not in os.environ:
@@ -93,7 +95,8 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
     store = dist.PrefixStore(f"hetrain/attempt{restart}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
-    return DistContext(rank, world, local_rank, device, backend, restart, owns_group=True)
+    return DistContext(rank, world, local_rank, device, backend, restart, owns_group=True,
+                       local_world_size=_env_int("LOCAL_WORLD_SIZE", world, low=1))
 
 
 def shutdown(ctx: DistContext | None) -> None:

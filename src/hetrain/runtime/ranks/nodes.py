@@ -1,0 +1,120 @@
+"""The job's nodes: which rank runs on which machine, and the job's whole cluster, gathered at start.
+
+Under a multi-node launch (`hetrain run --nnodes N ...` on torchrun's c10d rendezvous) every node's
+launcher knows only its own devices: its `--emulate` spec, or its visible GPUs. torchrun numbers
+the nodes (GROUP_RANK, the node's rank in this rendezvous round) and gives each node's processes
+consecutive ranks; nodes may run different process counts (an A100 node beside a two-3090 node).
+`gather` is one all_gather_object, entered by every rank in Engine.__init__, that gives every rank
+every rank's node, node name, emulated device and versions. From that table all ranks build the
+same JobNodes and the same job-wide cluster spec (the nodes' specs joined in rank order, so
+speeds are scaled once for the whole job, hardware/cluster.py) and take the same decision on a
+node that does not fit the job (an emulated node beside real GPUs; torch or NCCL versions that
+differ: hardware/node_versions.py), so all raise the same error together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from ...errors import UsageError
+from ...hardware.cluster import device_items, parse_cluster
+from ..config import LAUNCH_ENV
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobNodes:
+    names: tuple[str, ...]                 # per node, in node order
+    node_of: tuple[int, ...]               # per rank: its node's index into `names`
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.count > 1
+
+    def ranks_on(self, node: int) -> tuple[int, ...]:
+        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """The lowest rank of every node, in node order (the ranks that measure the inter-node link)."""
+        return tuple(self.ranks_on(n)[0] for n in range(self.count))
+
+    def label(self, node: int) -> str:
+        return f"node {node} ({self.names[node]})"
+
+
+SINGLE = JobNodes(names=(socket.gethostname(),), node_of=(0,))
+
+
+def node_name() -> str:
+    """This node's name: `hetrain run --node-name`, else the host name."""
+    path = os.environ.get(LAUNCH_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                name = (json.load(f).get("node") or {}).get("name")
+            if name:
+                return str(name)
+        except (OSError, ValueError, AttributeError):
+            pass                       # the launch file's problems are Config's to report
+    return socket.gethostname()
+
+
+def local_device(spec: str | None, *, local_rank: int, local_world: int) -> str | None:
+    """This rank's item of its node's cluster spec ('a100-80g:1.0@40MiB'), or None (no emulation)."""
+    if spec is None:
+        return None
+    items = device_items(spec)
+    if len(items) != local_world:
+        raise UsageError(
+            f"--emulate {spec!r} names {len(items)} device(s), but this node runs {local_world} process(es)",
+            f"on each node, --emulate names that node's own devices: launch with `hetrain run --emulate {spec} "
+            "...` (one process per emulated device)")
+    return items[local_rank]
+
+
+def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spec: str | None,
+           versions: dict | None = None) -> tuple[JobNodes, str | None, list[dict]]:
+    """(the job's nodes, the job's cluster spec or None, every rank's record). A collective when
+    world_size > 1: every rank calls it, with its own node's spec."""
+    mine = {"group": int(os.environ.get("GROUP_RANK", "0") or 0), "name": node_name(),
+            "device": local_device(spec, local_rank=local_rank, local_world=local_world),
+            "versions": versions or {}}
+    if world_size > 1:
+        import torch.distributed as dist
+
+        table: list = [None] * world_size
+        dist.all_gather_object(table, mine)
+    else:
+        table = [mine]
+    groups = sorted({t["group"] for t in table})
+    node_of = tuple(groups.index(t["group"]) for t in table)
+    names = tuple(next(t["name"] for t in table if t["group"] == g) for g in groups)
+    nodes = JobNodes(names=names, node_of=node_of)
+    emulated = [t["device"] is not None for t in table]
+    if any(emulated) and not all(emulated):
+        side = "; ".join(f"{nodes.label(n)}: " + ("emulated devices" if emulated[nodes.ranks_on(n)[0]]
+                                                   else "real GPUs (no --emulate)") for n in range(nodes.count))
+        raise UsageError(f"some nodes emulate their devices and some do not ({side})",
+                         "give every node's `hetrain run` an --emulate spec of its own devices, or none")
+    job_spec = ",".join(t["device"] for t in table) if all(emulated) else None
+    if job_spec is not None:
+        parse_cluster(job_spec)        # the union is valid when every part is; checked all the same
+    return nodes, job_spec, table
+
+
+def describe(nodes: JobNodes, cluster) -> str:
+    """One line per node: its name and its devices with their ranks (printed once, by rank 0)."""
+    lines = [f"job: {len(nodes.node_of)} device(s) on {nodes.count} node(s), gathered at start:"]
+    for n in range(nodes.count):
+        ranks = nodes.ranks_on(n)
+        devices = ", ".join(f"rank {r} {cluster[r].label} speed {cluster[r].speed:.2f}" if cluster is not None
+                            else f"rank {r}" for r in ranks)
+        lines.append(f"  {nodes.label(n)}: {devices}")
+    return "\n".join(lines)
