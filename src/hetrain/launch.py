@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 from .errors import HetrainError, Preempted, UsageError, say
 from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
+from .launching.nodes import Rendezvous, check_reachable
 from .runtime.config import LAUNCH_ENV, Config
 from .runtime.resilience.lock import CHECKPOINT_LOCK
 
@@ -51,8 +53,10 @@ def _cuda_count() -> int:
 
 def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool = False,
                  emulate: str | None = None, nproc: int | None = None, max_restarts: int = 0,
-                 config: dict | None = None, run_dir: str | None = None) -> Launch:
-    """The torchrun argv and environment for running `target` (a script path, or a module)."""
+                 config: dict | None = None, run_dir: str | None = None, rdzv: Rendezvous | None = None,
+                 node_name: str | None = None) -> Launch:
+    """The torchrun argv and environment for running `target` (a script path, or a module).
+    `rdzv`: this node's part of a multi-node job (launching/nodes.py), None for one node."""
     if not module and not Path(target).is_file():
         hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
         raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")
@@ -66,11 +70,17 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     _check_nproc(nproc, len(cluster) if cluster is not None else None, gpus)
     if run_dir is not None:
         _check_run_dir(run_dir)
+    if rdzv is not None and max_restarts and not (config or {}).get("checkpoint_dir"):
+        raise UsageError("--max-restarts across nodes resumes from a checkpoint that every node must read",
+                         "pass --checkpoint-dir DIR on a filesystem every node mounts (the same DIR on every node)")
     reasons: list[str] = []
+    if rdzv is not None:
+        reasons.append(rdzv.describe())
+        reasons.append(check_reachable(rdzv))      # node rank 0: the port is free here; others: it answers
     env: dict[str, str] = {}
     if cluster is not None:
         count = len(cluster)
-        reasons.append("processes: one per emulated device: "
+        reasons.append("processes: one per emulated device" + (" of this node" if rdzv else "") + ": "
                        + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
         env["OMP_NUM_THREADS"] = "1"
         reasons.append("OMP_NUM_THREADS=1: an emulated device is one CPU thread, throttled to its speed")
@@ -102,6 +112,11 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             reasons.append("processes: 1 (no GPU and no --emulate; try --emulate a100-80g,rtx3090)")
     if nproc is not None:
         count = nproc
+    if rdzv is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        reasons.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the rendezvous store shared, a node that joins a "
+                       "later round waits forever for an address node 0 writes only in the first round (torch 2.13 "
+                       "dynamic_rendezvous); the workers make their own store instead")
     temporary_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
     os.makedirs(run_dir, exist_ok=True)
@@ -112,15 +127,19 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         reasons.append(f"--max-restarts={max_restarts}: a crashed or hung worker restarts the job from its last "
                        f"checkpoint (in {defaults['checkpoint_dir']} unless the script sets checkpoint_dir)")
     launch_file = os.path.join(run_dir, "launch.json")
+    node = {"name": node_name or socket.gethostname()}
+    if rdzv is not None:
+        reasons.append(f"node name {node['name']!r}" + ("" if node_name else " (the host name; --node-name sets it)"))
     with open(launch_file, "w") as f:
-        json.dump({"config": {"emulate": emulate, **(config or {})}, "defaults": defaults, "run_dir": run_dir},
-                  f, indent=2)
+        json.dump({"config": {"emulate": emulate, **(config or {})}, "defaults": defaults, "run_dir": run_dir,
+                   "node": node}, f, indent=2)
     env[LAUNCH_ENV] = launch_file
 
     # After SIGTERM torchrun waits this long for the workers before SIGKILL: the workers' grace to
     # reach the step boundary (runtime/resilience/preempt.py), then time to write the checkpoint.
     shutdown_s = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or PREEMPT_SHUTDOWN_S)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    where = ["--standalone"] if rdzv is None else rdzv.torchrun_args()
+    argv = [sys.executable, "-m", "torch.distributed.run", *where,
             f"--nproc-per-node={count}", f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_s}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
@@ -270,17 +289,41 @@ def _restarts_only_when_they_can_help(run_dir: str):
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.api import WorkerState
 
-    from .runtime.resilience.worker_errors import read_errors
+    from .runtime.resilience.worker_errors import clear_errors, read_errors
 
     original = launcher_api.LocalElasticAgent
 
     class Agent(original):
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
-                if any(not e.get("restartable", True) for e in read_errors(run_dir)):
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                errors = read_errors(run_dir)
+                if errors and all(e.get("kind") == "Preempted" for e in errors) and _nodes_waiting(worker_group):
+                    # Another node's agent took in a waiting node and stopped its workers; ours
+                    # stopped with them at the same saved step. Not a failure: the membership
+                    # change torchrun handles for a healthy group (restart, no restart used).
+                    result.state = WorkerState.HEALTHY
+                elif self._remaining_restarts > 0 and any(not e.get("restartable", True) for e in errors):
                     self._remaining_restarts = 0
             return result
+
+        def _restart_workers(self, worker_group):
+            # A membership change (a node waiting to join: the group is healthy) or a failure; the
+            # old attempt's error records are read by now (_monitor_workers) and are not the next one's.
+            if worker_group.state == WorkerState.HEALTHY:
+                print("hetrain: a node is waiting to join: every node restarts its workers to take it in "
+                      "(they save at the next step boundary; the shares are planned again)", file=sys.stderr)
+            else:
+                print(f"hetrain: a worker failed or a node was lost: restarting on the nodes present "
+                      f"({self._remaining_restarts} restart(s) left after this one)", file=sys.stderr)
+            clear_errors(run_dir)
+            super()._restart_workers(worker_group)
+
+    def _nodes_waiting(worker_group) -> bool:
+        try:
+            return worker_group.spec.rdzv_handler.num_nodes_waiting() > 0
+        except Exception:      # noqa: BLE001 — a rendezvous that cannot say: treat as a failure
+            return False
 
     launcher_api.LocalElasticAgent = Agent
     try:

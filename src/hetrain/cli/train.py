@@ -11,6 +11,7 @@ import typer
 
 from ..errors import UsageError
 from ..launch import build_launch, run_launch
+from ..launching.nodes import rendezvous
 from ..files import check_writable, write_json_atomic
 from ..vocabulary import PRECISION_REQUESTS, check_choice
 
@@ -37,21 +38,33 @@ def run(
     faults: Optional[str] = typer.Option(
         None, "--faults", help="inject faults on emulated devices, e.g. 'oom:rank=1,step=3,micro=0;die:rank=1,step=5' "
                                "(runtime/devices/faults.py; replaces HETRAIN_FAULTS)"),
+    nnodes: Optional[str] = typer.Option(
+        None, "--nnodes", help="nodes in the job: N, or MIN:MAX (elastic); every node runs `hetrain run` with the same"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's rank: 0 on the node at the endpoint"),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node rank 0, where torchrun's c10d rendezvous runs"),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="the job's id, the same on every node"),
+    rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="seconds to wait for the endpoint and the nodes"),
+    rdzv_last_call: float = typer.Option(
+        30.0, "--rdzv-last-call", help="seconds an elastic round with MIN nodes waits for more before it starts"),
+    node_name: Optional[str] = typer.Option(None, "--node-name", help="this node's name in the job's output"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     if precision is not None:
         check_choice(precision, PRECISION_REQUESTS, "--precision")
     if faults is not None:
-        _check_faults(faults, emulate)
+        _check_faults(faults, emulate, multi_node=nnodes is not None)
+    rdzv = rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint, run_id=rdzv_id,
+                      timeout_s=rdzv_timeout, last_call_s=rdzv_last_call)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
-                          nproc=nproc, max_restarts=max_restarts, run_dir=run_dir,
+                          nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
                           config={"checkpoint_dir": checkpoint_dir, "allow_fallback": allow_fallback or None,
                                   "precision": precision, "faults": faults})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
 
 
-def _check_faults(spec: str, emulate: str | None) -> None:
+def _check_faults(spec: str, emulate: str | None, *, multi_node: bool = False) -> None:
     """A bad fault spec, or faults without emulated devices, is one line before anything starts
     (the workers would each refuse it after the launch)."""
     from ..hardware.cluster import parse_cluster
@@ -64,6 +77,8 @@ def _check_faults(spec: str, emulate: str | None) -> None:
         raise UsageError("--faults needs emulated devices (fault injection acts on their processes)",
                          "add --emulate, e.g. --emulate a100-80g,rtx3090")
     count = len(parse_cluster(emulate))
+    if multi_node:            # ranks are the job's, over every node: this node cannot bound them
+        return
     for f in parsed:
         if not -1 <= f.rank < count:      # it would never fire, silently
             raise UsageError(f"--faults: rank={f.rank} in {spec!r}, but --emulate names {count} "
