@@ -27,9 +27,11 @@ def _interfaces_text(net: dict) -> str:
 
 
 def _ib_text(net: dict) -> str:
-    devices = net.get("ib") or ()
-    return "; ".join(f"{d.get('name')} " + ", ".join(f"port {p.get('port')} {p.get('state')} {p.get('link_layer') or ''}".rstrip()
-                                                    for p in d.get("ports") or ()) for d in devices) or "none"
+    def ports(d):
+        return ", ".join(f"port {p.get('port')} {p.get('state')} {p.get('link_layer') or ''}".rstrip()
+                         for p in d.get("ports") or ())
+
+    return "; ".join(f"{d.get('name')} {ports(d)}" for d in net.get("ib") or ()) or "none"
 
 
 def check_inter_node_network(m: Machine, o: DoctorOptions) -> list[Finding]:

@@ -55,6 +55,11 @@ def _first_addr(iface: dict) -> str:
     return (iface.get("ipv4") or ["no IPv4 address"])[0]
 
 
+def _short(host) -> str:
+    """'gpu01.cluster' and 'GPU01' name the same machine."""
+    return str(host or "").split(".")[0].lower()
+
+
 def _default(net: dict) -> dict | None:
     name = net.get("default_route")
     return next((i for i in _usable(net) if i["name"] == name), None)
@@ -75,15 +80,16 @@ def socket_interface(facts: dict, endpoint_host: str | None, *,
             return usable[0]["name"], f"{usable[0]['name']} ({_first_addr(usable[0])}) is the only interface up"
         return None, "no default route" + (", and several interfaces up" if usable else " and no interface up")
     literal = _ip(endpoint_host)
-    addrs = [str(literal)] if literal else list(resolve(endpoint_host))
+    addrs = [str(literal)] if literal is not None else list(resolve(endpoint_host))
     ips = [a for a in (_ip(x) for x in addrs) if a is not None and a.version == 4]
-    where = f"the rendezvous endpoint {endpoint_host}" + (f" ({', '.join(map(str, ips))})" if not literal and ips else "")
-    if ips and all(a.is_loopback for a in ips):
+    shown = f" ({', '.join(map(str, ips))})" if literal is None and ips else ""
+    where = f"the rendezvous endpoint {endpoint_host}{shown}"
+    if (ips and all(a.is_loopback for a in ips)) or (literal is not None and literal.is_loopback):
         lo = next((i for i in interfaces if i.get("loopback")), {"name": "lo"})
-        if literal or endpoint_host.lower() in LOOPBACK_NAMES:
+        if literal is not None or endpoint_host.lower() in LOOPBACK_NAMES:
             return lo["name"], (f"{where} is loopback: every node runs on this machine (loopback is for "
                                 "one-machine tests; give the first node's address for real nodes)")
-        if default and endpoint_host.split(".")[0].lower() == str(facts.get("host", {}).get("hostname", "")).split(".")[0].lower():
+        if default and _short(endpoint_host) == _short(facts.get("host", {}).get("hostname")):
             return default["name"], (f"{where} is this machine's own name, which resolves to loopback here "
                                      f"(/etc/hosts); the other nodes reach it over {default['name']} "
                                      f"({_first_addr(default)}), the default-route interface")
@@ -99,9 +105,14 @@ def socket_interface(facts: dict, endpoint_host: str | None, *,
                     best = (iface, subnet, cidr, a)
     if best:
         iface, _subnet, cidr, a = best
-        target = endpoint_host if literal else f"{endpoint_host} ({a})"
+        target = endpoint_host if literal is not None else f"{endpoint_host} ({a})"
         return iface["name"], f"{iface['name']} ({cidr}) is on the subnet of the rendezvous endpoint {target}"
-    why = f"{endpoint_host} does not resolve here" if not ips else f"no interface here is on {where}'s subnet"
+    if ips:
+        why = f"no interface here is on {where}'s subnet"
+    elif literal is not None:      # IPv6: only IPv4 subnets are recorded
+        why = f"the rendezvous endpoint {endpoint_host} is IPv6 (hetrain matches IPv4 subnets only)"
+    else:
+        why = f"{endpoint_host} does not resolve here"
     if default:
         return default["name"], f"{why}; {default['name']} ({_first_addr(default)}) has the default route"
     return None, f"{why}, and there is no default route"
