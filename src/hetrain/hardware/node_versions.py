@@ -25,6 +25,7 @@ ERROR_FIELDS = ("torch", "torch_cuda", "nccl")
 LABELS = {"torch": "torch", "torch_cuda": "CUDA", "nccl": "NCCL", "driver": "driver"}
 NONE_IS_A_VALUE = ("torch", "torch_cuda")   # a CPU torch build beside CUDA builds is a mismatch
 NCCL_WHY = "NCCL cannot connect nodes with different versions (nccl#1267)"
+TORCH_WHY = "ranks on different torch builds compute, and exchange state, differently"
 
 
 def versions_here(environ: Mapping[str, str] | None = None) -> dict:
@@ -171,4 +172,4 @@ def check_node_versions(per_rank: list[dict], node_of: list[int], node_names: li
     labels = [LABELS[f] for f in errors]
     names = labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
     raise UsageError(f"{names} differ{'s' if len(labels) == 1 else ''} across nodes: {side} "
-                     f"({_odd_text(odd, node_names)}); {NCCL_WHY}", fix)
+                     f"({_odd_text(odd, node_names)}); {NCCL_WHY if 'nccl' in errors else TORCH_WHY}", fix)
