@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import NamedTuple
 
-from . import checks_hardware, checks_software
-from .findings import LEVELS, DoctorOptions, Finding, skipped
+from . import checks_hardware, checks_network, checks_software
+from .findings import LEVELS, DoctorOptions, EnvFix, Finding, skipped
 from .machine import Machine
 
-CHECKS = checks_software.CHECKS[:2] + checks_hardware.CHECKS + checks_software.CHECKS[2:]
+CHECKS = (checks_software.CHECKS[:2] + checks_hardware.CHECKS + checks_software.CHECKS[2:]
+          + checks_network.CHECKS)
+__all__ = ["CHECKS", "EnvFix", "counts", "env_fixes", "exit_code", "launch_env_fixes", "run_checks"]
 log = logging.getLogger(__name__)
 
 
@@ -41,12 +42,6 @@ def counts(findings: list[Finding]) -> dict[str, int]:
 def exit_code(findings: list[Finding]) -> int:
     """1 when any finding is an error, else 0."""
     return 1 if any(f.level == "error" for f in findings) else 0
-
-
-class EnvFix(NamedTuple):
-    var: str
-    value: str
-    reason: str
 
 
 def env_fixes(findings: list[Finding], environ: Mapping[str, str]) -> list[EnvFix]:

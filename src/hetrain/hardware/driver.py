@@ -22,6 +22,8 @@ The description (schema 1):
             code: NV#, PIX, PXB, PHB, NODE, SYS), nvlinks, p2p_reported, p2p_verified,
             p2p_error, measured_gbs
   env       the environment variables that change how NCCL/CUDA/torch behave
+  net       network interfaces and InfiniBand/RoCE devices (hardware/netfacts.py), for multi-node
+            jobs; None in descriptions recorded before it existed (unknown)
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .host import cpu_identity
+from .netfacts import query_net
 from .nvml import bus_id, call, error_text, nvml_part, uuid_text
 
 SCHEMA = 1
 ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
-ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES")
+ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME")
 PEER_TIMEOUT_S = 60.0     # the copy-and-verify child's deadline (CUDA start-up on 8 GPUs included)
 
 
@@ -247,6 +250,7 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
         call(pynvml.nvmlShutdown)
     if not gpus:       # no GPU: the CPU is the device (and what emulated devices run on)
         facts["cpu_precision"] = _cpu_precision()
+    facts["net"] = query_net()
     return facts
 
 
@@ -295,6 +299,7 @@ def load_machine(path: str) -> dict:
                          "give a JSON file written by `hetrain env --json`")
     data.setdefault("pairs", [])
     data.setdefault("env", {})
+    data.setdefault("net", None)          # recorded before the network was: unknown
     data["source"] = f"recorded: {Path(path).name}"
     return data
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..errors import UsageError
 from ..vocabulary import PRECISION_REQUESTS, check_choice
@@ -28,6 +29,22 @@ class Finding:
     def to_dict(self) -> dict:
         return {"level": self.level, "check": self.check, "message": self.message, "why": self.why,
                 "fix": self.fix, "env": {k: v for k, v in self.env}}
+
+
+class EnvFix(NamedTuple):
+    """One environment variable the launcher sets (or keeps, when the user set it), and why."""
+
+    var: str
+    value: str
+    reason: str
+
+
+def kept_or_set(var: str, value: str, reason: str, environ) -> EnvFix:
+    """`var=value` with its reason; a variable already in `environ` is the user's choice and kept."""
+    if var in environ:
+        return EnvFix(var, environ[var], f"{var}={environ[var]}: kept as you set it (hetrain would set "
+                                         f"{value}: {reason})")
+    return EnvFix(var, value, f"{var}={value}: {reason}")
 
 
 def skipped(check: str, reason: str, fix: str = "") -> Finding:

@@ -35,7 +35,8 @@ def one(findings, check):
 EXPECTED = {
     "a100_3090_pcie4": (dict(psu_watts=1000), {
         "torch-cuda": "ok", "precision": "ok", "mixed-class": "warn", "p2p": "warn", "pcie-link": "warn",
-        "memory": "warn", "power": "ok", "device-order": "warn", "arch": "ok", "versions": "ok"}),
+        "memory": "warn", "power": "ok", "device-order": "warn", "arch": "ok", "versions": "ok",
+        "inter-node-network": "ok"}),
     "2x4090_no_p2p": (dict(psu_watts=1000), {
         "p2p": "warn", "mixed-class": "ok", "memory": "ok", "power": "warn", "arch": "ok",
         "device-order": "ok", "precision": "ok"}),
@@ -45,12 +46,16 @@ EXPECTED = {
     "8xa100_sxm_nvlink": (dict(psu_watts=6 * 3000), {
         "nvml": "ok", "torch-cuda": "ok", "gpus": "ok", "precision": "ok", "mixed-class": "ok", "p2p": "ok",
         "topology": "ok", "pcie-link": "ok", "memory": "ok", "power": "ok", "arch": "ok", "versions": "ok",
-        "device-order": "ok", "rank-versions": "skipped"}),
+        "device-order": "ok", "rank-versions": "skipped", "inter-node-network": "ok"}),
     "cpu_only": (dict(), {
         "nvml": "skipped", "torch-cuda": "warn", "gpus": "warn", "precision": "skipped", "p2p": "skipped",
-        "power": "skipped", "arch": "skipped", "pcie-link": "skipped", "memory": "skipped"}),
+        "power": "skipped", "arch": "skipped", "pcie-link": "skipped", "memory": "skipped",
+        "inter-node-network": "skipped"}),
     "2x4090_p2p_broken": (dict(), {"p2p": "error", "versions": "warn"}),
     "5090_old_torch": (dict(), {"arch": "error", "pcie-link": "warn", "device-order": "ok"}),
+    "l40s_roce_nccl_2.20": (dict(psu_watts=1200), {
+        "torch-cuda": "ok", "versions": "ok", "p2p": "ok", "mixed-class": "ok", "power": "ok", "arch": "ok",
+        "inter-node-network": "ok"}),
     "gpus_but_cpu_torch": (dict(), {"torch-cuda": "error", "gpus": "warn", "catalog": "warn", "arch": "skipped"}),
 }
 
