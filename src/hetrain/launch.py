@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .runtime.config import LAUNCH_ENV, Config
 from .runtime.resilience.lock import CHECKPOINT_LOCK
 
 # preempt_grace_s's default, plus a minute to write the final checkpoint
+HOST_LINGER_S = 3.0     # after a multi-node job: the rendezvous host stays while the others close it
 PREEMPT_SHUTDOWN_S = int(Config.__dataclass_fields__["preempt_grace_s"].default) + 60
 
 
@@ -37,6 +39,7 @@ class Launch:
     reasons: tuple[str, ...] = field(default=())  # one line per choice, for people
     nproc: int = 1
     temporary_dir: bool = False                  # the run dir is ours to remove after the run
+    hosts_rendezvous: bool = False               # this node hosts a multi-node job's rendezvous store
     lock: object = field(default=None, repr=False, compare=False)   # the run dir's (lock.DirLock), until run_launch ends
 
     def describe(self) -> str:
@@ -100,7 +103,12 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             reasons.append("CUDA_DEVICE_ORDER=PCI_BUS_ID: GPU indices match nvidia-smi")
             # What `hetrain doctor` recommends for these GPUs (e.g. NCCL_P2P_DISABLE=1 when peer
             # copies are broken), the same on every rank since all inherit this environment.
-            for fix in launch_env_fixes({**os.environ, **env}):
+            fixes = launch_env_fixes({**os.environ, **env})
+            if rdzv is not None:     # the inter-node link: which interface and transport NCCL uses
+                from .hardware.network import link_facts_here, nccl_link_fixes
+
+                fixes += nccl_link_fixes(link_facts_here(), endpoint_host=rdzv.host, environ={**os.environ, **env})
+            for fix in fixes:
                 if fix.var not in env:
                     env[fix.var] = fix.value
                     reasons.append(fix.reason)
@@ -143,7 +151,7 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             f"--nproc-per-node={count}", f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_s}"]
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
-                  lock=lock)
+                  lock=lock, hosts_rendezvous=rdzv is not None and rdzv.hosts_store)
 
 
 def _lock_run_dir(run_dir: str):
@@ -241,9 +249,14 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
     # Our own line below reports a failed worker; torchrun's duplicate log line would only add noise.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     try:
         with _restarts_only_when_they_can_help(run_dir):
             run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
+        if launch.hosts_rendezvous:
+            # The other nodes' agents close the rendezvous after the exit barrier, through the
+            # store this process hosts: leaving at once makes them print connection errors.
+            time.sleep(HOST_LINGER_S)
     except SignalException as e:
         # This process was signalled (Slurm, Kubernetes, Ctrl-C): torchrun forwarded the signal to
         # the workers and waited for them; they say what they saved (runtime/resilience/preempt.py).

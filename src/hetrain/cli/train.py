@@ -48,12 +48,26 @@ def run(
     rdzv_last_call: float = typer.Option(
         30.0, "--rdzv-last-call", help="seconds an elastic round with MIN nodes waits for more before it starts"),
     node_name: Optional[str] = typer.Option(None, "--node-name", help="this node's name in the job's output"),
+    slurm: bool = typer.Option(False, "--slurm", help="take --nnodes, --node-rank, --rdzv-endpoint and --rdzv-id "
+                                                     "from Slurm's variables (one `hetrain run` per node under srun)"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     if precision is not None:
         check_choice(precision, PRECISION_REQUESTS, "--precision")
     if faults is not None:
         _check_faults(faults, emulate, multi_node=nnodes is not None)
+    if slurm:
+        given = [flag for flag, v in (("--nnodes", nnodes), ("--node-rank", node_rank),
+                                      ("--rdzv-endpoint", rdzv_endpoint), ("--rdzv-id", rdzv_id)) if v is not None]
+        if given:
+            raise UsageError(f"--slurm with {', '.join(given)}: --slurm reads them from Slurm's variables",
+                             "drop --slurm to give them yourself, or drop them")
+        from ..launching.slurm import from_slurm
+
+        job = from_slurm(os.environ)
+        nnodes, node_rank, rdzv_endpoint, rdzv_id = str(job.nnodes), job.node_rank, job.endpoint, job.rdzv_id
+        for reason in job.reasons:
+            typer.echo(f"--slurm: {reason}", err=True)
     rdzv = rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint, run_id=rdzv_id,
                       timeout_s=rdzv_timeout, last_call_s=rdzv_last_call)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,

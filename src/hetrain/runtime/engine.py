@@ -14,7 +14,7 @@ import atexit
 import gc
 import os
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,7 @@ from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from .config import LAUNCH_ENV, Config
 from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
-from .ranks.nodes import describe as describe_nodes
-from .ranks.nodes import gather as gather_nodes
+from .ranks.nodes import join_nodes
 from .devices.emulation import EmulatedDevice, agree_host_facts
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
@@ -59,13 +58,8 @@ class Engine:
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.verbose)
         # Every node's devices, gathered (collective): --emulate names this node's own devices.
-        nodes, job_spec, _ = gather_nodes(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                                          local_world=ctx.local_world_size, spec=config.emulate)
-        if job_spec is not None:
-            config = replace(config, emulate=job_spec)
-            cluster = parse_cluster(job_spec)
-        if nodes.spans_nodes:
-            log.info(describe_nodes(nodes, cluster))
+        ctx, config, nodes = join_nodes(ctx, config, log)
+        cluster = parse_cluster(config.emulate) if config.emulate else None
         emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s) if cluster is not None else None
         faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
                                rank=ctx.rank, attempt=ctx.restart)

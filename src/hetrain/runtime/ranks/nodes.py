@@ -82,10 +82,11 @@ def local_device(spec: str | None, *, local_rank: int, local_world: int) -> str 
 def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spec: str | None,
            versions: dict | None = None) -> tuple[JobNodes, str | None, list[dict]]:
     """(the job's nodes, the job's cluster spec or None, every rank's record). A collective when
-    world_size > 1: every rank calls it, with its own node's spec."""
+    world_size > 1: every rank calls it, with its own node's spec. `agreed_restart(records)`
+    is the job's attempt number: a node that joined later counts its own restarts from 0."""
     mine = {"group": int(os.environ.get("GROUP_RANK", "0") or 0), "name": node_name(),
             "device": local_device(spec, local_rank=local_rank, local_world=local_world),
-            "versions": versions or {}}
+            "versions": versions or {}, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
     if world_size > 1:
         import torch.distributed as dist
 
@@ -109,6 +110,10 @@ def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spe
     return nodes, job_spec, table
 
 
+def agreed_restart(records: list[dict]) -> int:
+    return max(int(r.get("restart", 0)) for r in records)
+
+
 def describe(nodes: JobNodes, cluster) -> str:
     """One line per node: its name and its devices with their ranks (printed once, by rank 0)."""
     lines = [f"job: {len(nodes.node_of)} device(s) on {nodes.count} node(s), gathered at start:"]
@@ -118,3 +123,27 @@ def describe(nodes: JobNodes, cluster) -> str:
                             else f"rank {r}" for r in ranks)
         lines.append(f"  {nodes.label(n)}: {devices}")
     return "\n".join(lines)
+
+
+def join_nodes(ctx, config, log):
+    """Engine.__init__'s step after joining the group: every rank's node, device and versions
+    gathered (a collective); the job's cluster spec in place of this node's; the attempt number
+    agreed; versions compared across nodes (one error on every rank, or warnings); the nodes
+    printed once. Returns (ctx, config, JobNodes)."""
+    from dataclasses import replace
+
+    from ...hardware.node_versions import check_node_versions, versions_here
+
+    nodes, job_spec, records = gather(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                                      local_world=ctx.local_world_size, spec=config.emulate,
+                                      versions=versions_here() if ctx.world_size > 1 else None)
+    if job_spec is not None:
+        config = replace(config, emulate=job_spec)
+    if agreed_restart(records) != ctx.restart:     # what depends on the attempt is the same on every rank
+        ctx = replace(ctx, restart=agreed_restart(records))
+    if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node
+        for warning in check_node_versions([r["versions"] for r in records], list(nodes.node_of),
+                                           list(nodes.names)):
+            log.warn_job(warning)
+        log.info(describe(nodes, parse_cluster(job_spec) if job_spec else None))
+    return ctx, config, nodes

@@ -221,7 +221,7 @@ def log_samples(job, step) -> None:
     key = _attempts.get(job)
     first = key is None
     if first:   # every rank logs every step: all meet here at the same one, and take rank 0's clock
-        key = _attempts[job] = [gather(job, time.time_ns())[0], job.ctx.restart]
+        key = _attempts[job] = list(gather(job, (time.time_ns(), job.ctx.restart))[0])   # rank 0's, on every rank
     if job.rank % job.plan.group:    # one rank per pipeline or TP group writes: each sample once
         return
     directory = job.config.sample_log

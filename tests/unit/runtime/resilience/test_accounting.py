@@ -18,7 +18,7 @@ class FakeJob(SimpleNamespace):   # what log_samples reads of a job; hashed by i
 
 def attempt(directory, monkeypatch, *, clock, restart, shares):
     """One fake job per rank of an attempt, all agreeing on `clock` as rank 0's time."""
-    monkeypatch.setattr(resume, "gather", lambda job, obj: [clock])
+    monkeypatch.setattr(resume, "gather", lambda job, obj: [(clock, restart)])   # rank 0's (clock, restart)
     from hetrain.planning.plan import DevicePlan, Plan
 
     plan = Plan(global_batch=sum(shares), devices=tuple(
