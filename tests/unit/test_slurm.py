@@ -12,7 +12,7 @@ import pytest
 from hetrain.errors import UsageError
 from hetrain.launching.slurm import SlurmRendezvous, from_slurm, hostnames
 
-SBATCH = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.sbatch"
+SBATCH = Path(__file__).resolve().parents[2] / "examples" / "slurm_multinode.sbatch"
 NO_SCONTROL = "/nonexistent"       # PATH without scontrol: hetrain expands the host list itself
 
 
@@ -161,4 +161,4 @@ def test_the_sbatch_example_runs_one_launcher_per_node_with_the_flags_it_documen
     # the comment's explicit flags are what from_slurm gives for the job it describes
     r = from_slurm(step(SLURM_JOB_ID="4242"))
     assert "hetrain run " + " ".join(r.flags()) + " ..." in text
-    assert "shared" in text.lower() and os.path.basename(SBATCH) == "train.sbatch"
+    assert "shared" in text.lower() and os.path.basename(SBATCH) == "slurm_multinode.sbatch"
