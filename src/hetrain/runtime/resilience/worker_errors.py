@@ -87,9 +87,26 @@ def install_excepthook(rank: int, world_size: int, job_of) -> None:
                                micro=job.micro_batch or 1)
         if isinstance(exc, HetrainError):
             report_and_exit(exc, rank=rank, world_size=world_size)
+        if world_size > 1 and _peer_lost(exc):
+            # Expected when a rank or a node dies: its peers' collective fails on the closed
+            # connection. One line, not a traceback; the launcher restarts (or stops) the job.
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"[rank {rank}] a peer left during a collective ({first.split('] ', 1)[-1][:160]}): "
+                  "a rank or node was lost; the job restarts from its last checkpoint if --max-restarts allows",
+                  file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(1)
         if world_size > 1:
             print(f"[rank {rank}] {exc_type.__name__} in the training script:", file=sys.stderr)
         previous(exc_type, exc, tb)
 
     hook.hetrain_previous = previous
     sys.excepthook = hook
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """A collective that failed because the other end went away (gloo's words for it)."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in PEER_LOST)

@@ -1,0 +1,221 @@
+"""Two nodes on loopback with a slow emulated link between them: hetrain against equal-split DDP,
+with and without gradient compression, measured side by side in one run.
+
+Each config is one job of two "nodes", each a launcher on this host joined by torchrun's c10d
+rendezvous: node 0 holds an emulated A100-80G, node 1 an emulated RTX 3090 (speed 0.67). Every
+gradient all-reduce crosses the emulated inter-node link, throttled to --link-gbs GB/s for the
+bytes actually sent (runtime/devices/link.py), in both hetrain and the plain baseline:
+  ddp-equal        plain torch DDP (torchrun c10d), DistributedSampler, equal split
+  ddp-equal-fp16   the same with torch's fp16_compress_hook
+  hetrain          `hetrain run --nnodes 2`, speed-proportional shares, compression='none'
+  hetrain-fp16     the same with compression='fp16'
+  hetrain-auto     compression='auto': what the planner picks for this link (printed)
+Configs run interleaved in rounds (every other round reversed), and each figure is the median over
+rounds of a ratio within a round, so the host's drift cancels.
+
+    python benchmarks/multi_node.py --json out.json [--link-gbs 0.05] [--rounds 2] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hetero_dp import _autocast, _loss, _model_and_data  # noqa: E402 — the same model, data and autocast
+
+NODES = ("a100-80g:1.0", "rtx3090:0.67")
+CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
+           "hetrain": ("hetrain", "none"), "hetrain-fp16": ("hetrain", "fp16"), "hetrain-auto": ("hetrain", "auto")}
+
+
+# -- inside each worker process ----------------------------------------------------------------
+def worker_plain(args) -> float:
+    """Plain DDP with an equal split, throttled like hetrain's emulation, its all-reduce through
+    the same emulated link (and torch's fp16 hook when asked)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.runtime.devices.link import LinkThrottle
+    from hetrain.runtime.sharding.comm_hooks import GradientHook, install
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    throttle = Throttle(parse_cluster(args.spec)[rank].speed)
+    dist.init_process_group("gloo")
+    model, data = _model_and_data(args)
+    ddp = DDP(model)
+    install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
+    autocast = _autocast(args, rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
+    loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
+    t0 = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        x, y = next(loader)
+        t = time.thread_time()
+        with autocast():
+            loss = _loss(ddp, x, y)
+        forward_cpu = time.thread_time() - t
+        guess = throttle.before_backward(forward_cpu)
+        t = time.thread_time()
+        loss.backward()
+        throttle.after_backward(forward_cpu, guess, time.thread_time() - t)
+        with throttle.compute():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    del ddp
+    dist.destroy_process_group()
+    return args.steps * args.global_batch / seconds
+
+
+def worker_hetrain(args) -> tuple[float, str]:
+    import torch
+    import torch.distributed as dist
+
+    import hetrain
+
+    ht = hetrain.init(global_batch=args.global_batch, precision=args.precision, max_steps=args.warmup + args.steps,
+                      compression=args.compression, emulate_link_gbs=args.link_gbs, sharding="none",
+                      verbose=args.verbose)
+    model, data = _model_and_data(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, batches = ht.prepare(model, opt, data, parallel="dp")
+    t0 = None
+    for step in batches:
+        if step.index == args.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        for mb in step:
+            with mb:
+                x, y = mb.batch
+                with ht.autocast():
+                    loss = _loss(model, x, y)
+                ht.backward(loss)
+        ht.step()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    chosen = ht.plan.compression
+    ht.close()
+    return args.steps * args.global_batch / seconds, chosen
+
+
+# -- the driver --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, args) -> dict:
+    """One job of two launchers (one per node) on one rendezvous; rank 0's figures."""
+    mode, compression = CONFIGS[name]
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        work = ["--worker", mode, "--compression", compression, "--spec", ",".join(NODES), "--out", str(out),
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
+                "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
+                "--precision", args.precision, "--link-gbs", str(args.link_gbs)]
+        procs = []
+        for node, device in enumerate(NODES):
+            if mode == "hetrain":
+                cmd = [sys.executable, "-m", "hetrain", "run", "--nnodes", "2", "--node-rank", str(node),
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-name", f"node{node}", "--emulate", device,
+                       __file__, *work] + (["--verbose"] if args.verbose and node == 0 else [])
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name,
+                       "--rdzv-conf", f"is_host={int(node == 0)}", __file__, *work]
+            quiet = None if args.verbose and node == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                          stdout=quiet, stderr=quiet))
+            if node == 0:
+                time.sleep(1.0)          # node 0 hosts the rendezvous: let it bind first
+        codes = [p.wait(timeout=900) for p in procs]
+        if any(codes):
+            raise SystemExit(f"{name}: launchers exited {codes} (rerun with --verbose)")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--link-gbs", type=float, default=0.05, help="the emulated inter-node link, GB/s")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--verbose", action="store_true", help="show node 0's output")
+    p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
+    p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker:
+        if args.worker == "plain":
+            figures = {"samples_per_s": worker_plain(args), "compression": args.compression}
+        else:
+            sps, chosen = worker_hetrain(args)
+            figures = {"samples_per_s": sps, "compression": chosen}
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(args.out).write_text(json.dumps(figures))
+        return
+
+    names = list(CONFIGS)
+    rounds: list[dict] = []
+    chosen = set()
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        got = {}
+        for name in order:
+            result = launch(name, args)
+            got[name] = result["samples_per_s"]
+            if name == "hetrain-auto":
+                chosen.add(result["compression"])
+            print(f"round {r + 1}/{args.rounds}  {name:15s} {got[name]:8.1f} samples/s", file=sys.stderr)
+        rounds.append(got)
+    median = {n: statistics.median(rd[n] for rd in rounds) for n in names}
+    ratio = lambda a, b: statistics.median(rd[a] / rd[b] for rd in rounds)   # noqa: E731 — within a round
+    ratios = {"hetrain_vs_ddp_equal": ratio("hetrain", "ddp-equal"),
+              "hetrain_fp16_vs_ddp_equal": ratio("hetrain-fp16", "ddp-equal"),
+              "hetrain_fp16_vs_hetrain": ratio("hetrain-fp16", "hetrain"),
+              "ddp_equal_fp16_vs_ddp_equal": ratio("ddp-equal-fp16", "ddp-equal"),
+              "hetrain_auto_vs_hetrain": ratio("hetrain-auto", "hetrain")}
+    print(f"\n2 nodes on loopback ({' | '.join(NODES)}), emulated inter-node link {args.link_gbs:g} GB/s, "
+          f"global batch {args.global_batch}, {args.steps} timed steps, {args.rounds} round(s)")
+    for n in names:
+        print(f"  {n:15s} {median[n]:8.1f} samples/s (median)")
+    for k, v in ratios.items():
+        print(f"  {k:28s} {v:.2f}x")
+    print(f"  hetrain-auto chose compression: {', '.join(sorted(chosen))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"link_gbs": args.link_gbs, "nodes": NODES, "rounds": rounds,
+                                               "median_samples_per_s": median, "ratios": ratios,
+                                               "auto_chose": sorted(chosen), "args": vars(args)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
