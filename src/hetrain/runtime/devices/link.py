@@ -43,9 +43,9 @@ class LinkThrottle:
         """What an all-reduce of `nbytes` takes on this link."""
         return allreduce_seconds(self.ring, nbytes, self.link)
 
-    def finish(self, started: float, nbytes: float) -> None:
+    def finish(self, started: float, nbytes: float) -> float:
         """A collective of `nbytes`, launched at `started` (time.perf_counter), has completed:
-        sleep until the emulated link would have carried it."""
+        sleep until the emulated link would have carried it. Returns that moment."""
         with self._lock:
             due = max(started, self._free_at) + self.seconds(nbytes)
             self._free_at = due
@@ -55,6 +55,7 @@ class LinkThrottle:
             time.sleep(left)
             with self._lock:
                 self.slept_s += left
+        return due
 
     def then(self, future, started: float, nbytes: float):
         """`future` (a collective's, or a comm hook's), completing only once the link has carried it."""

@@ -47,9 +47,10 @@ def test_the_emulated_link_charges_the_ring_all_reduce_and_carries_one_transfer_
     link = LinkThrottle(gbs=2.0, ring=4)
     assert link.seconds(8e6) == allreduce_seconds(4, 8e6, Link(bandwidth_gbs=2.0, latency_s=0.0))
     long_ago = time.perf_counter() - 100.0         # both transfers were due long ago: no sleep at all
-    link.finish(long_ago, 8e6)
-    link.finish(long_ago, 8e6)                     # launched together: the second waits for the first
-    assert link._free_at == pytest.approx(long_ago + 2 * link.seconds(8e6))
+    first = link.finish(long_ago, 8e6)
+    second = link.finish(long_ago, 8e6)            # launched together: the second waits for the first
+    assert first == pytest.approx(long_ago + link.seconds(8e6))
+    assert second == pytest.approx(long_ago + 2 * link.seconds(8e6))
     assert link.slept_s == 0.0 and link.sent_bytes == 16e6
 
 
