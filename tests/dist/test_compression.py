@@ -10,11 +10,11 @@ Tolerances, and why:
   * fp16: each tensor within 2e-3 of its largest element. fp16 keeps 11 significant bits (a
     relative rounding of 2^-11 ≈ 4.9e-4): each rank's contribution is rounded once and their sum
     once more, so an element is within ~1e-3 of the tensor's scale; 2e-3 leaves room for it.
-  * PowerSGD is an approximation (rank 8 of the 512x512 and 512x16 weight matrices, with error
-    feedback; biases and the 16x16 layers are sent whole, as torch decides): its path differs from
-    the big-batch one, so its final loss is held to a band, within 10% of the uncompressed run's.
-    Measured here after 40 steps: 1.8% above it (rank 4: 6%; rank 2: 60%, it stalls), while the loss
-    fell by half, so the band is about training that worked.
+  * PowerSGD is an approximation (rank 8 of the 512x512 weight matrix, with error feedback; the
+    smaller matrices and the biases are sent whole, as torch decides): its path differs from the
+    big-batch one, so its final loss is held to a band, within 10% of the uncompressed run's.
+    Measured here after 30 steps: 0.2% above it (rank 4: 5%; rank 2: 50%, it stalls), while the
+    loss fell by 43%, so the band is about training that worked.
 """
 
 from __future__ import annotations
@@ -122,7 +122,11 @@ def test_a_slow_link_gets_fp16_which_recovers_from_an_oom_in_the_sync_within_fp1
     assert plan.compression == r1["plan"].compression == "fp16"             # chosen by the planner
     assert re.search(r"gradient compression fp16: inter-node link [\d.]+ GB/s, sync [\d.]+ ms -> [\d.]+ ms, "
                      r"predicted \+\d+% samples/s", plan.note), plan.note
-    assert plan.devices[0].n_micro != plan.devices[1].n_micro or plan.devices[0].share != plan.devices[1].share
+    assert plan.shares[0] != plan.shares[1]          # uneven: the a100 node takes more
+    found = re.search(r"inter-node link ([\d.]+) GB/s \(emulated: 0.02 GB/s\), measured: one [\d.]+ MiB "
+                      r"all-reduce between the 2 nodes' leaders", plan.note)
+    assert found, plan.note                           # the probe measured the link...
+    assert LINK_GBS / 3 <= float(found.group(1)) <= LINK_GBS * 3      # ...near it (a loose bound, not timing)
     assert r0["summary"]["redone_steps"] == 1 and [r["ooms"] for r in r0["summary"]["ranks"]] == [0, 1]
     ref = reference_grads(wide_model, data(), records)
     for r in records:
@@ -131,22 +135,7 @@ def test_a_slow_link_gets_fp16_which_recovers_from_an_oom_in_the_sync_within_fp1
         assert max(errors) > 1e-5, errors            # fp16 really ran: more than fp32's rounding
 
 
-def test_uncompressed_through_the_emulated_link_is_exact_and_the_probe_states_the_link():
-    records = run_ranks(two_node_worker, 2, "none", None, rank_env=NODES, timeout=150)
-    plan = records[0]["plan"]
-    assert plan.compression == "none"
-    shares = plan.shares
-    assert shares[0] != shares[1]                     # uneven: the a100 node takes more
-    found = re.search(r"inter-node link ([\d.]+) GB/s \(emulated: 0.02 GB/s\), measured: one [\d.]+ MiB "
-                      r"all-reduce between the 2 nodes' leaders", plan.note)
-    assert found, plan.note
-    assert LINK_GBS / 3 <= float(found.group(1)) <= LINK_GBS * 3      # a loose bound: not a timing test
-    ref = reference_grads(wide_model, data(), records)
-    for r in records:
-        assert max(worst(grads, ref[s]) for s, (_, grads) in enumerate(r["seen"])) <= 1e-6
-
-
-STEPS = 40
+STEPS = 30
 
 
 def powersgd_worker(rank, world):
@@ -157,13 +146,13 @@ def powersgd_worker(rank, world):
         DevicePlan(rank=1, device="rtx3090", speed=0.67, share=40, micro_batch=40)))
     x, y = data()
     return train(rank, world, make_model=wide_model, steps=STEPS, dataset=torch.utils.data.TensorDataset(x, y),
-                 lr=2.0, global_batch=64, plan=plan, emulate="a100-80g,rtx3090", compression="powersgd",
-                 powersgd_rank=8, faults="oom:rank=1,step=5,micro=-1,phase=backward")
+                 lr=2.0, global_batch=64, plan=plan, emulate=NODE_DEVICES[rank], emulate_link_gbs=LINK_GBS,
+                 compression="powersgd", powersgd_rank=8, faults="oom:rank=1,step=5,micro=-1,phase=backward")
 
 
 def uncompressed_losses(indices):
     """The uncompressed run: one process on every step's samples (hetrain's uncompressed gradient
-    is this one: the test above, and tests/dist/test_equivalence.py)."""
+    is this one's: the first two steps below, and tests/dist/test_equivalence.py)."""
     x, y = data()
     model = wide_model()
     opt = torch.optim.SGD(model.parameters(), lr=2.0, momentum=0.9)
@@ -177,17 +166,20 @@ def uncompressed_losses(indices):
     return losses
 
 
-def test_powersgd_converges_within_its_band_and_recovers_from_an_oom():
-    """Two buckets (PowerSGD's are run one after the other on gloo: comm_hooks.py), an OOM in the
-    second's backward after the first was sent, at a step where PowerSGD compresses."""
-    r0, r1 = run_ranks(powersgd_worker, 2, timeout=150)
+def test_uncompressed_steps_are_exact_and_powersgd_converges_within_its_band_through_an_oom():
+    """On the two nodes with the emulated link: PowerSGD sends its first 2 steps uncompressed, and
+    those are the big-batch gradient to fp32 rounding (the uncompressed path: the gradient hook,
+    OOM recovery's guard, the emulated link); from the third step it approximates, and its loss
+    stays in the band. Two buckets (PowerSGD's run one after the other on gloo: comm_hooks.py),
+    and an OOM in the second's backward, after the first was sent, at a step that compresses."""
+    r0, r1 = run_ranks(powersgd_worker, 2, rank_env=NODES, timeout=150)
     assert r0["plan"].compression == "powersgd"
     assert r0["summary"]["redone_steps"] == 1                 # the OOM in its sync was completed and redone
-    indices = [torch.tensor(a + b) for a, b in zip(r0["indices"], r1["indices"])]
-    plain = uncompressed_losses(indices)
+    ref = reference_grads(wide_model, data(), [r0, r1])
+    for r in (r0, r1):
+        assert max(worst(r["seen"][s][1], ref[s]) for s in range(2)) <= 1e-6
+        assert worst(r["seen"][STEPS - 1][1], ref[STEPS - 1]) > 1e-3    # compressed: not the big-batch gradient
+    plain = uncompressed_losses([torch.tensor(a + b) for a, b in zip(r0["indices"], r1["indices"])])
     ours = r0["losses"]
-    assert ours[:2] == pytest.approx(plain[:2], rel=1e-5)     # the first 2 steps are sent uncompressed
     assert plain[-1] < 0.6 * plain[0]                         # the model trained...
     assert abs(ours[-1] - plain[-1]) <= 0.10 * plain[-1], (ours[-1], plain[-1])   # ...and PowerSGD within 10%
-    ref = reference_grads(wide_model, data(), [r0, r1])
-    assert worst(r0["seen"][STEPS - 1][1], ref[STEPS - 1]) > 1e-3     # compressed: not the big-batch gradient
