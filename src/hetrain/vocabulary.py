@@ -19,6 +19,11 @@ RESUME_MODES = ("auto", "must", "never")
 SCHEDULES = ("gpipe", "1f1b")                         # pipeline schedules (torch.distributed.pipelining)
 LAYOUTS = ("dp", "pp", "dp-pp", "tp")                 # how a model is spread over the devices (runtime/layouts/)
 PARALLEL_REQUESTS = ("auto",) + LAYOUTS               # what prepare(parallel=) takes (or a Plan)
+# Gradient compression of DDP's all-reduce, through torch's own DDP communication hooks
+# (runtime/sharding/comm_hooks.py; planned by planning/compression.py). 'auto': fp16 (bf16 on
+# NCCL) when the job spans nodes and the plan predicts a gain of 5% or more; never PowerSGD.
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+COMPRESSION_REQUESTS = ("auto",) + COMPRESSIONS
 
 
 def check_choice(value: object, allowed: Sequence[str], where: str) -> str:

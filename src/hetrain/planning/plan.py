@@ -11,10 +11,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ..vocabulary import LAYOUTS
+from ..vocabulary import COMPRESSIONS, LAYOUTS
 
-SCHEMA = 3
-READABLE_SCHEMAS = (1, 2, 3)   # 2 added predicted per-device figures and excluded devices, 3 the layout (all optional)
+SCHEMA = 4
+# 2 added predicted per-device figures and excluded devices, 3 the layout, 4 the gradient
+# compression (all optional: older plans load with their defaults)
+READABLE_SCHEMAS = (1, 2, 3, 4)
 
 
 
@@ -84,10 +86,15 @@ class Plan:
     group: int = 1
     stage_blocks: tuple[int, ...] = ()               # pp, dp-pp: blocks per stage
     schedule: str = ""                               # pp, dp-pp: gpipe | 1f1b
+    # What DDP's gradient all-reduce sends (planning/compression.py chose it, the reason is in
+    # `note`): none | fp16 | bf16 | powersgd (runtime/sharding/comm_hooks.py runs it).
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r} is not one of {', '.join(COMPRESSIONS)}")
         if self.group < 1 or len(self.devices) % self.group:
             raise ValueError(f"{len(self.devices)} devices do not form replicas of {self.group}")
         for r in range(self.replicas):
@@ -200,7 +207,8 @@ _PLAN_FIELDS = {"global_batch": (_is_int, True), "devices": (lambda v: True, Tru
                 "note": (lambda v: isinstance(v, str), False), "predicted": (lambda v: isinstance(v, dict), False),
                 "excluded": (lambda v: True, False), "layout": (lambda v: isinstance(v, str), False),
                 "group": (_is_int, False), "stage_blocks": (lambda v: isinstance(v, list) and all(map(_is_int, v)), False),
-                "schedule": (lambda v: isinstance(v, str), False)}
+                "schedule": (lambda v: isinstance(v, str), False),
+                "compression": (lambda v: isinstance(v, str), False)}
 _DEVICE_FIELDS = {
     "rank": (_is_int, True), "device": (lambda v: isinstance(v, str), True),
     "speed": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, True),

@@ -8,7 +8,8 @@ import os
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from ..errors import UsageError
-from ..vocabulary import CHECKPOINTINGS, LOSS_WEIGHTINGS, PRECISION_REQUESTS, RESUME_MODES, SHARDING_REQUESTS
+from ..vocabulary import (CHECKPOINTINGS, COMPRESSION_REQUESTS, LOSS_WEIGHTINGS, PRECISION_REQUESTS, RESUME_MODES,
+                          SHARDING_REQUESTS)
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 # What each annotation accepts: a bool is not a number here, and a float field takes an int.
@@ -36,6 +37,12 @@ class Config:
     emulate: str | None = None           # cluster spec: one emulated device per rank
     emulate_sample_s: float | None = None  # a clock tests control: an emulated micro-batch of m samples
                                          # lasts m·this/speed, whatever its CPU took (None: CPU time)
+    emulate_link_gbs: float | None = None  # emulated devices on several nodes: the inter-node link's GB/s;
+                                         # gradient all-reduces and the link probe are slowed to it
+                                         # (runtime/devices/link.py; None: loopback, unthrottled)
+    compression: str = "auto"            # gradient compression: auto | none | fp16 | bf16 | powersgd
+                                         # (DDP comm hooks; planning/compression.py says when auto picks one)
+    powersgd_rank: int = 4               # PowerSGD's matrix approximation rank (compression='powersgd')
     plan: str | None = None              # path of a saved Plan (JSON) to run instead of splitting
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
@@ -92,6 +99,19 @@ class Config:
         if self.emulate_sample_s is not None and not 0 < self.emulate_sample_s <= 10:
             raise bad(f"emulate_sample_s={self.emulate_sample_s!r}",
                       "give the controlled clock's seconds per sample, e.g. 0.002, or None for CPU time")
+        if self.emulate_link_gbs is not None and not 0 < self.emulate_link_gbs <= 10_000:
+            raise bad(f"emulate_link_gbs={self.emulate_link_gbs!r}",
+                      "give the emulated inter-node link's bandwidth in GB/s (0 < GB/s <= 10000), e.g. "
+                      "emulate_link_gbs=1.0, or None for an unthrottled link")
+        if self.compression not in COMPRESSION_REQUESTS:
+            raise bad(f"compression={self.compression!r}", f"use one of {COMPRESSION_REQUESTS}")
+        if not 1 <= self.powersgd_rank <= 1024:
+            raise bad(f"powersgd_rank={self.powersgd_rank!r}",
+                      "give PowerSGD's matrix approximation rank, a whole number from 1 to 1024 (e.g. 4)")
+        if self.compression not in ("auto", "none") and self.sharding not in ("auto", "none"):
+            raise bad(f"compression={self.compression!r} with sharding={self.sharding!r}: gradient compression "
+                      "runs as a DDP communication hook of plain data parallelism only",
+                      "use sharding='none' (plain DDP, 'dp') for gradient compression, or compression='auto'")
         if self.emulate is not None and not self.emulate.strip():
             raise bad("emulate='' names no devices", "give a cluster spec, e.g. emulate='a100-80g,rtx3090', or None")
         if not self.timeout_s > 0:

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
 from ..errors import UsageError
+from ..planning.compression import check_request as check_compression_request
 from .parallel.blocks import find_parts
 from ..planning.plan import Plan
 from .layouts import choose
@@ -31,6 +33,8 @@ from .measure.joint import check_given_plan, measure_job, show_plan
 from .measure.measurements import plan_from_measurements
 from .model import PreparedModel
 from .resilience.rebalance import Rebalancer
+from .devices.link import check_link_request, throttle_for
+from .sharding import comm_hooks
 
 
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
@@ -45,6 +49,9 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if kind == "auto":
         kind, measured = decide_auto(job, model, optimizer, loss_fn)                                # (collective)
     choose.check_request(kind, loss_fn=loss_fn, world_size=job.world_size)
+    check_link_request(job)                           # emulate_link_gbs on real GPUs: refused here
+    check_compression_request(job.config.compression, backend=job.ctx.backend,
+                              blocked_by=f"parallel={kind!r}" if kind != "dp" else None)
     if kind in ("pp", "dp-pp"):
         prepare_pipelined(job, model, optimizer, kind, loss_fn, given_plan, measured,
                           pipeline or {"schedule": "1f1b", "stages": None, "micro_batches": None})
@@ -59,7 +66,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan | None, kind: str, loss_fn) -> None:
     """'dp' and 'tp': the whole model (or a shard of every layer) on every rank."""
     measure_setup(job, model, optimizer)
-    job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan)                 # (collective)
+    job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, kind)           # (collective)
     if kind == "tp" and job.plan.layout != "tp":
         job.plan = tensor_plan(job.plan)
     cfg = job.config
@@ -77,7 +84,10 @@ def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan 
         job.config = cfg = replace(cfg, oom_recovery=oom_recovery)
     job.layout = TensorLayout(loss_fn) if kind == "tp" else DataLayout(loss_fn)
     job.sync = wrapped.sync                           # DDP, FSDP2's adapter, or None (TP: nothing to sync)
-    job.guard = make_sync_guard(cfg, job.world_size, wrapped)
+    if kind != "tp":                                  # the compression this wrapper can run (comm_hooks.settle)
+        job.plan = comm_hooks.settle(job.plan, request=cfg.compression, strategy=wrapped.strategy,
+                                     backend=job.ctx.backend, world_size=job.world_size)
+    job.guard = make_sync_guard(job, wrapped)
     job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
     job.optimizer = wrapped.optimizer                 # FSDP2/ZeRO/TP may have made a new one
     persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
@@ -157,7 +167,7 @@ def tensor_plan(plan: Plan) -> Plan:
                             reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, "
                                      f"in micro-batches of {micro} (the smallest any device planned)",))
                     for d in plan.devices)
-    return replace(plan, devices=devices, layout="tp", group=plan.world_size)
+    return replace(plan, devices=devices, layout="tp", group=plan.world_size, compression="none")
 
 
 def tp_wrap(job: Job, model, optimizer):
@@ -226,12 +236,12 @@ def count_model_state(job: Job, model, optimizer) -> None:
         job.emulated.meter.set_fixed(model, optimizer)
 
 
-def plan_split(job: Job, model, optimizer, forward, given: Plan | None) -> tuple[Plan, tuple | None]:
+def plan_split(job: Job, model, optimizer, forward, given: Plan | None, kind: str = "dp") -> tuple[Plan, tuple | None]:
     """The given plan (checked against this job), or every rank's measured profiles through the
     same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
     if given is not None:
         return check_given_plan(job, given), None
-    return plan_from_measurements(measure_job(job, model, optimizer, forward), job.config)
+    return plan_from_measurements(measure_job(job, model, optimizer, forward), job.config, layout=kind)
 
 
 def checkpoint_per_plan(job: Job, model) -> Plan:
@@ -242,10 +252,18 @@ def checkpoint_per_plan(job: Job, model) -> Plan:
     return plan
 
 
-def make_sync_guard(cfg: Config, world_size: int, wrapped):
-    """recovery.SyncGuard on DDP (FSDP2's adapter guards itself): a comm hook that records the
-    buckets a backward launched. Only when OOM recovery needs it: else DDP's own C++ all-reduce."""
-    return wrapped.sync_guard() if cfg.oom_recovery and world_size > 1 else None
+def make_sync_guard(job: Job, wrapped):
+    """The gradient sync's comm hook on DDP (runtime/sharding/comm_hooks.py: compressed as the plan
+    says, through the emulated inter-node link) and OOM recovery's guard: recovery.SyncGuard, which
+    calls that hook and records the buckets a backward launched (FSDP2's adapter guards itself).
+    Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
+    cfg = job.config
+    guard = cfg.oom_recovery and job.world_size > 1
+    if not isinstance(wrapped.sync, DDP):
+        return wrapped.sync_guard() if guard else None
+    gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.powersgd_rank,
+                                       throttle=throttle_for(job), backend=job.ctx.backend)
+    return comm_hooks.install(wrapped.sync, gradient, guard=guard)
 
 
 def make_rebalancer(cfg: Config, world_size: int) -> Rebalancer | None:

@@ -25,6 +25,10 @@ from hetrain.runtime.engine import init
     ({"global_batch": 8, "verbose": "no"}, "verbose='no' is not True or False"),
     ({"global_batch": 8, "precision": 16}, "precision=16 is not a string"),
     ({"global_batch": 8, "emulate": " "}, "emulate='' names no devices"),
+    ({"global_batch": 8, "emulate_link_gbs": 0}, "emulate_link_gbs=0"),
+    ({"global_batch": 8, "compression": "zip"}, "compression='zip'"),
+    ({"global_batch": 8, "powersgd_rank": 0}, "powersgd_rank=0"),
+    ({"global_batch": 8, "compression": "fp16", "sharding": "fsdp"}, "compression='fp16' with sharding='fsdp'"),
 ])
 def test_bad_values_name_the_keyword(kwargs, words):
     with pytest.raises(UsageError) as e:

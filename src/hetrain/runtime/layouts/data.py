@@ -113,6 +113,9 @@ class DataLayout:
         job.optimizer.zero_grad(set_to_none=True)
         if job.sync is not None:
             recovery.reset_reducer(job.sync)
+        redo = getattr(job.guard, "redo", None)
+        if redo is not None:             # a comm hook's state (PowerSGD's) as before the failed attempt
+            redo()
 
     def held(self, job):
         """The module whose state this rank holds (what the emulated memory meter counts)."""

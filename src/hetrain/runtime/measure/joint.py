@@ -29,7 +29,8 @@ from ...planning.plan import Plan
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
-from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync
+from ..devices.link import throttle_for
+from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync, time_inter_node_allreduce
 
 if TYPE_CHECKING:
     from ..job import Job
@@ -51,7 +52,9 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
                 f"rank {rank} ({'emulated ' if job.emulated else ''}device) could not be profiled: "
                 f"{kind}: {what}", fix or "see the error above; pass hetrain.init(plan=...) to skip profiling")
     facts = {"labels": tuple(g["label"] for g in gathered), "precisions": tuple(g["precision"] for g in gathered),
-             "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"]}
+             "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"],
+             "grad_shapes": tuple(tuple(s) for s in gathered[0]["grad_shapes"]), "backend": job.ctx.backend,
+             "nodes": job.nodes.count if job.nodes is not None else 1}
     if gathered[0]["profile"] is None:      # a single device with unlimited memory
         return Measurements(profiles=None, **facts)
     profiles = tuple(g["profile"] for g in gathered)
@@ -67,7 +70,9 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
     cfg, emu = job.config, job.emulated.spec if job.emulated is not None else None
     mine: dict = {"profile": None, "cached": False, "error": None, "label": job.device_label, "precision": job.precision.name,
                   "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                  "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
+                  "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+                  # what planning/compression.py predicts PowerSGD's bytes from
+                  "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad]}
     cap = None
     if emu is None and job.device.type == "cuda":
         cap = torch.cuda.get_device_properties(job.device).total_memory
@@ -95,14 +100,16 @@ def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
     agreement = agree.exchange({"agree_s": time_agreement(job.device)}, rank=job.rank,
                                world_size=job.world_size, device=job.device)
     rows = [table.row(r) for r in range(job.world_size)]
-    return {"allreduce_s": tuple(table.column("allreduce_s")),
+    inter = {"inter_node_s": max(table.column("inter_node_s"))} if "inter_node_s" in rows[0] else {}
+    return {**inter, "allreduce_s": tuple(table.column("allreduce_s")),
             "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(SYNC_RUNS)) for row in rows),
             "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(SYNC_RUNS)) for row in rows),
             "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
 def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, float]:
-    """Collectives: one gradient-sized all-reduce (the link) and SYNC_RUNS synchronised backwards
+    """Collectives: one gradient-sized all-reduce (the link; on a job of several nodes also one
+    among the nodes' leaders only: the inter-node link) and SYNC_RUNS synchronised backwards
     through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
     on the same micro-batch size). The DDP used for it is temporary: the real wrapper
     (runtime/sharding/wrap.py) is chosen after the plan. The probe batch is loaded first, locally,
@@ -117,15 +124,23 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, f
         error = e
     settle(error, stage="loading the probe batch", device=job.device)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
-    allreduce_s = time_allreduce(probe_bytes, job.device) * grad_bytes / max(probe_bytes, 1)
+    scale = grad_bytes / max(probe_bytes, 1)
+    throttle = throttle_for(job)                    # emulated nodes: the emulated link (devices/link.py)
+    allreduce_s = time_allreduce(probe_bytes, job.device, throttle=throttle) * scale
+    inter = {}
+    nodes = job.nodes
+    if nodes is not None and nodes.spans_nodes:     # the link between the nodes, alone (one node: not run)
+        inter["inter_node_s"] = time_inter_node_allreduce(
+            probe_bytes, job.device, leaders=nodes.leaders, rank=job.rank, timeout_s=cfg.timeout_s,
+            throttle=throttle_for(job, ring=nodes.count)) * scale
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
         syncs, computes = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
-                                             precision=job.precision.compute, runs=SYNC_RUNS)
+                                             precision=job.precision.compute, runs=SYNC_RUNS, throttle=throttle)
     finally:
         del ddp
         gc.collect()
-    return _sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=m)
+    return {**inter, **_sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=m)}
 
 
 def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int) -> dict[str, float]:

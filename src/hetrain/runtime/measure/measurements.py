@@ -45,6 +45,12 @@ class Measurements:
     compute_s: tuple[tuple[float, ...], ...] = ()    # forward+backward before it, per run (0: untimed)
     agree_s: tuple[float, ...] = ()                  # the per-step agreement all-reduce
     probe_size: int = 0                              # the sync probe's micro-batch (samples)
+    # A job of several nodes (runtime/ranks/nodes.py): how many, and one gradient-sized all-reduce
+    # among the nodes' leaders only (the inter-node link; 0: one node, not measured).
+    nodes: int = 1
+    inter_node_s: float = 0.0
+    backend: str = ""                                # the process group's: gloo | nccl ('' : one device)
+    grad_shapes: tuple[tuple[int, ...], ...] = ()    # rank 0's trainable parameters (PowerSGD's bytes)
 
     @property
     def world_size(self) -> int:
@@ -64,7 +70,7 @@ class Measurements:
         if data.pop("schema", None) != MEASUREMENTS_SCHEMA:
             raise ValueError(f"measurements schema is not {MEASUREMENTS_SCHEMA}: measure again")
         profiles = data.pop("profiles")
-        rows = ("sync_s", "compute_s")
+        rows = ("sync_s", "compute_s", "grad_shapes")
         return cls(profiles=None if profiles is None else tuple(DeviceProfile.from_dict(p) for p in profiles),
                    **{k: tuple(tuple(r) for r in v) if k in rows else tuple(v) if isinstance(v, list) else v
                       for k, v in data.items()})
@@ -170,6 +176,9 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
             measured_link = link_from_measurement(
                 n, m.grad_bytes, slowest,
                 f"measured: a {format_bytes(m.grad_bytes)} all-reduce took {slowest * 1e3:.1f} ms")
+            inter = inter_node_link(m)
+            if inter is not None and inter.bandwidth_gbs <= measured_link.bandwidth_gbs:
+                measured_link = inter            # a ring over the nodes is as fast as its slowest link
     return plan_options(
         config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
         sync_s=sync_s, agree_s=agree_s, straggle=lag, straggle_stretch=stretch,
@@ -179,15 +188,29 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
         host_cores=m.host_cores if config.emulate else None)
 
 
+def inter_node_link(m: Measurements) -> Link | None:
+    """The link between the nodes, from the all-reduce among their leaders (None: one node)."""
+    if m.nodes < 2 or not m.inter_node_s > 0 or not m.grad_bytes:
+        return None
+    return link_from_measurement(
+        m.nodes, m.grad_bytes, m.inter_node_s,
+        f"measured: one {format_bytes(m.grad_bytes)} all-reduce between the {m.nodes} nodes' leaders took "
+        f"{m.inter_node_s * 1e3:.1f} ms")
+
+
 def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
-                           link: Link | None = None) -> tuple[Plan, tuple[DeviceProfile, ...]]:
+                           link: Link | None = None, layout: str = "dp") -> tuple[Plan, tuple[DeviceProfile, ...]]:
     """The Plan a job with this Config runs on these measurements, and the profiles it was made
     from (the runtime keeps them for rebalancing and reports). Every rank of a job calls it on the
     same gathered measurements, so all hold the same Plan without a further exchange.
 
     The runtime leaves both keywords as they are: every rank's process is running, so each takes
     at least one sample, and the link is the one measured. `hetrain plan` passes
-    --allow-exclusion and --link-gbs through them."""
+    --allow-exclusion and --link-gbs through them. `layout`: what will run the plan ('dp', or
+    'tp' for a data-parallel plan tensor parallelism takes over: no gradient compression there).
+
+    On a job of several nodes the plan's notes state the inter-node link, and the gradient
+    compression is chosen (planning/compression.py; config.compression, 'auto' by default)."""
     if m.profiles is None:                   # a single device with unlimited memory
         return _single_device(m, config), ()
     profiles = planning_profiles(m, config)
@@ -197,8 +220,32 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     # The plan's devices are the profiles kept, in order (all of them unless exclusion is allowed).
     left_out = {e.device for e in plan.excluded}
     kept = [p for p in profiles if p.device not in left_out]
-    return replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
-                                       for d, p in zip(plan.devices, kept))), profiles
+    plan = replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
+                                       for d, p in zip(plan.devices, kept)))
+    return _link_and_compression(plan, m, config, options.link, layout), profiles
+
+
+def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None, layout: str) -> Plan:
+    """The inter-node link in the plan's notes, and the gradient compression chosen for it. A
+    single-node job is left exactly as it was unless compression was asked for."""
+    from ...planning import compression
+
+    inter = inter_node_link(m)
+    if inter is not None:
+        emulated = f" (emulated: {config.emulate_link_gbs:g} GB/s)" if config.emulate_link_gbs and config.emulate else ""
+        line = f"inter-node link {inter.bandwidth_gbs:.3g} GB/s{emulated}, {inter.source}"
+        if link is not None and link.source == inter.source:
+            line += ": the ring's slowest link"
+        plan = replace(plan, note="; ".join(filter(None, [plan.note, line])),
+                       predicted={**plan.predicted, "inter_node_gbs": inter.bandwidth_gbs})
+    blocked = (f"parallel={layout!r}" if layout != "dp" else
+               f"sharding={config.sharding!r}" if config.sharding not in ("auto", "none") else None)
+    choice = compression.choose(
+        config.compression, grad_bytes=m.grad_bytes, ring=plan.world_size, link=link or FREE_LINK,
+        step_s=plan.predicted.get("step_s", 0.0), exposed_s=plan.predicted.get("comm_exposed_s", 0.0),
+        spans_nodes=m.nodes > 1, backend=m.backend, grad_shapes=m.grad_shapes,
+        powersgd_rank=config.powersgd_rank, blocked_by=blocked)
+    return compression.apply(plan, choice)
 
 
 def _single_device(m: Measurements, config: Config) -> Plan:

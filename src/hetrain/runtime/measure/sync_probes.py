@@ -45,7 +45,7 @@ def settle(error: BaseException | None, *, stage: str, device: torch.device) -> 
 
 def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
                        device: torch.device, precision: str = "fp32",
-                       runs: int = 5) -> tuple[list[float], list[float] | None]:
+                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None]:
     """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
     micro-batch `batch`, as this job's devices, link and (on an emulated host) shared cores
     give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
@@ -58,7 +58,10 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     On a GPU: a synchronised backward's wall time beyond one under no_sync(). On the CPU that
     difference of two runs is mostly the noise of processes sharing cores (6–26 ms measured for one
     job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
-    backward's compute is done) to the moment backward() returns with every gradient reduced."""
+    backward's compute is done) to the moment backward() returns with every gradient reduced.
+
+    `throttle` (runtime/devices/link.py): the emulated inter-node link every bucket's all-reduce
+    crosses, as in training."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -69,9 +72,14 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     last_launch: list[float] = []
     if not cuda:
         def hook(state, bucket):
+            started = time.perf_counter()
             if bucket.is_last():
-                last_launch.append(time.perf_counter())
-            return default_hooks.allreduce_hook(None, bucket)
+                last_launch.append(started)
+            buffer = bucket.buffer()
+            future = default_hooks.allreduce_hook(None, bucket)
+            if throttle is None:
+                return future
+            return throttle.then(future, started, buffer.numel() * buffer.element_size())
         ddp.register_comm_hook(None, hook)
 
     def once(sync: bool) -> tuple[float, float]:
@@ -134,13 +142,36 @@ def time_agreement(device: torch.device, *, runs: int = 5) -> float:
                                             device=device), device, runs=runs, barrier=True)
 
 
-def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3) -> float:
-    """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up). A collective:
-    every rank calls it. This measures the link, not the device, so it is kept out of `measure`."""
+def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3, group=None, throttle=None) -> float:
+    """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up) among `group`
+    (None: every rank), through the emulated link `throttle` when given. A collective: every rank
+    of the group calls it. This measures the link, not the device, so it is kept out of `measure`."""
     import torch.distributed as dist
 
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    return _median_seconds(lambda: dist.all_reduce(buf), device, runs=runs)
+    if throttle is None:
+        return _median_seconds(lambda: dist.all_reduce(buf, group=group), device, runs=runs)
+    sent = buf.numel() * buf.element_size()
+    return _median_seconds(lambda: throttle.run(lambda: dist.all_reduce(buf, group=group), sent), device, runs=runs)
+
+
+def time_inter_node_allreduce(nbytes: int, device: torch.device, *, leaders, rank: int, timeout_s: float,
+                              throttle=None, runs: int = 3) -> float:
+    """Seconds of one all-reduce of `nbytes` among the nodes' leaders only (their lowest ranks,
+    runtime/ranks/nodes.py): the link between the nodes, without the links inside them. A
+    collective: every rank makes the group (torch's new_group), the leaders time it; the others
+    return 0 at once (and wait at the next collective)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(leaders), timeout=datetime.timedelta(seconds=timeout_s))
+    if rank not in leaders:
+        return 0.0
+    try:
+        return time_allreduce(nbytes, device, runs=runs, group=group, throttle=throttle)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def _median_seconds(collective: Callable[[], object], device: torch.device, *, runs: int,

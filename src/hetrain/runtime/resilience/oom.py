@@ -9,7 +9,8 @@ Where an OOM can strike, and what keeps the peers safe:
   * The last micro-batch's backward: DDP is all-reducing gradient buckets as they become ready,
     and the peers are inside those all-reduces. `SyncGuard` records which buckets this backward
     launched; after the OOM the rank all-reduces zeros for every bucket it still owes, in bucket
-    order (DDP launches buckets strictly in index order), so every peer's collective completes.
+    order (DDP launches buckets strictly in index order), through the same comm hook its peers run
+    (compressed or not: runtime/sharding/comm_hooks.py), so every peer's collective completes.
     Then the step's small all-reduce (runtime/ranks/agree.py) tells every rank; all discard the step's
     gradients, reset DDP's reducer and redo the step with the smaller micro-batch.
 Under FSDP2 collectives run in every micro-batch's forward and backward; there every OOM is
@@ -27,8 +28,6 @@ import glob
 import json
 import os
 
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...files import write_json_atomic
@@ -37,17 +36,21 @@ OOM_RECORD = "oom-rank{rank}.json"
 
 
 class SyncGuard:
-    """DDP's own all-reduce comm hook, plus a record of the buckets each backward launched."""
+    """DDP's gradient all-reduce as a comm hook (runtime/sharding/comm_hooks.py GradientHook: plain,
+    compressed, through the emulated link), plus a record of the buckets each backward launched."""
 
-    def __init__(self, ddp: DDP):
+    def __init__(self, ddp: DDP, gradient=None):
+        from ..sharding.comm_hooks import GradientHook
+
         self.ddp = ddp
+        self.gradient = gradient if gradient is not None else GradientHook("none")
         self.launched: list[int] = []
         ddp.register_comm_hook(self, SyncGuard.hook)
 
     @staticmethod
     def hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
         self.launched.append(bucket.index())
-        return default_hooks.allreduce_hook(None, bucket)
+        return self.gradient(bucket)
 
     every_oom_desyncs = False    # an OOM outside the last backward leaves no collective owed
 
@@ -56,14 +59,22 @@ class SyncGuard:
 
     def begin(self) -> None:
         self.launched.clear()
+        self.gradient.begin()        # PowerSGD's state, as it was before this backward
 
     def complete_missing(self) -> int:
-        """All-reduce zeros for every bucket this backward did not launch; returns how many."""
+        """Run the gradient hook on zeros for every bucket this backward did not launch, in bucket
+        order, so each peer's collective meets what it expects (a compressed hook's dtype, size and
+        number of all-reduces); returns how many."""
         buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
-        missing = [i for i in range(len(buckets)) if i not in set(self.launched)]
+        launched = set(self.launched)
+        missing = [i for i in range(len(buckets)) if i not in launched]
         for i in missing:
-            dist.all_reduce(buckets[i].buffer())
+            self.gradient(buckets[i]).wait()
         return len(missing)
+
+    def redo(self) -> None:
+        """Every rank agreed to redo the step: the hook's state as before the failed attempt."""
+        self.gradient.redo()
 
 
 def reset_reducer(sync) -> None:

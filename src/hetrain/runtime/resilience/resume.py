@@ -99,13 +99,14 @@ def find_checkpoint(job, model) -> Found | None:
 
 def adopt_plan(job, found: Found | None) -> Plan:
     """The Plan to run: the checkpoint's own on the same world size and layout, else the fresh one
-    (its version after the saved one); then the micro-batches of ranks that died of an OOM, halved."""
+    (its version after the saved one); then the micro-batches of ranks that died of an OOM, halved.
+    The gradient compression is always the fresh plan's: it follows the link this launch measured."""
     plan = job.plan
     if found is not None:
         saved = Plan.from_json(found.meta["plan"])
         same = (saved.layout, saved.group, saved.stage_blocks) == (plan.layout, plan.group, plan.stage_blocks)
         if saved.world_size == job.world_size and same:
-            plan = replace(saved, devices=tuple(
+            plan = replace(saved, compression=plan.compression, devices=tuple(
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,

@@ -115,3 +115,30 @@ def test_a_probe_too_short_to_time_reads_as_no_contention():
     m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=(tiny, tiny), host_cores=2,
                      compute_s=((0.001,), (0.001,)), probe_size=4)       # 10x the profile: DDP's fixed costs
     assert contention(m, m.profiles, Config(global_batch=8, emulate="a100-80g,a100-80g")) == 1.0
+
+
+def test_two_nodes_the_plan_states_the_inter_node_link_and_plans_compression_for_it():
+    # the leaders' all-reduce of the 4 MiB gradient took 40 ms: 4 MiB / 40 ms = 0.105 GB/s, slower
+    # than the world ring's 4 MiB / 5 ms; the world link is then the inter-node one (its slowest)
+    two = measured(nodes=2, inter_node_s=0.040, backend="gloo", grad_shapes=((1024, 1024),),
+                   sync_s=((0.040,) * SYNC_RUNS, (0.041,) * SYNC_RUNS))
+    assert Measurements.from_json(two.to_json()) == two
+    config = Config(global_batch=24, emulate=SPEC, emulate_link_gbs=0.1)
+    o = options_from_measurements(two, config)
+    assert o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.040 / 1e9) and "nodes' leaders" in o.link.source
+    plan, _ = plan_from_measurements(two, config)
+    notes = plan.note.split("; ")
+    assert "inter-node link 0.105 GB/s (emulated: 0.1 GB/s), measured: one 4.0 MiB all-reduce between the 2 " \
+           "nodes' leaders took 40.0 ms: the ring's slowest link" in notes
+    assert plan.compression == "fp16" and any(n.startswith("gradient compression fp16: inter-node link") for n in notes)
+    assert plan.predicted["step_s"] < plan.predicted["uncompressed_step_s"]
+    # the same under tensor parallelism: no compression, said; and nothing asked, nothing compressed
+    assert plan_from_measurements(two, config, layout="tp")[0].compression == "none"
+    assert plan_from_measurements(two, replace(config, compression="none"))[0].compression == "none"
+
+
+def test_one_node_is_planned_as_before_whatever_compression_would_gain():
+    slow = measured(sync_s=((0.040,) * SYNC_RUNS, (0.041,) * SYNC_RUNS), backend="gloo")
+    plan, _ = plan_from_measurements(slow, Config(global_batch=24, emulate=SPEC))
+    assert plan.compression == "none" and "compression" not in plan.note and "inter-node" not in plan.note
+    assert "uncompressed_step_s" not in plan.predicted
