@@ -49,7 +49,8 @@ def worker_plain(args) -> float:
     from hetrain.hardware.cluster import parse_cluster
     from hetrain.runtime.devices.emulation import Throttle
     from hetrain.runtime.devices.link import LinkThrottle
-    from hetrain.runtime.sharding.comm_hooks import GradientHook, install
+    from hetrain.runtime.resilience.oom import install
+    from hetrain.runtime.sharding.comm_hooks import GradientHook
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

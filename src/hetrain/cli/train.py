@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..launch import build_launch, run_launch
 from ..launching.nodes import rendezvous
 from ..files import check_writable, write_json_atomic
-from ..vocabulary import PRECISION_REQUESTS, check_choice
+from ..vocabulary import COMPRESSION_REQUESTS, PRECISION_REQUESTS, check_choice
 
 DEMO_CLUSTER = "a100-80g:1.0,rtx3090:0.67"
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
@@ -48,12 +48,21 @@ def run(
     rdzv_last_call: float = typer.Option(
         30.0, "--rdzv-last-call", help="seconds an elastic round with MIN nodes waits for more before it starts"),
     node_name: Optional[str] = typer.Option(None, "--node-name", help="this node's name in the job's output"),
+    compression: Optional[str] = typer.Option(
+        None, "--compression", help="gradient compression: auto (planned: fp16/bf16 when a slow inter-node link "
+                                    "makes it pay), none, fp16, bf16 (NCCL), powersgd (an approximation)"),
+    emulate_link_gbs: Optional[float] = typer.Option(
+        None, "--emulate-link-gbs", help="emulated devices on several nodes: the inter-node link's GB/s"),
     slurm: bool = typer.Option(False, "--slurm", help="take --nnodes, --node-rank, --rdzv-endpoint and --rdzv-id "
                                                      "from Slurm's variables (one `hetrain run` per node under srun)"),
 ) -> None:
     """Launch SCRIPT [ARGS] on every device (or emulated device) through torchrun."""
     if precision is not None:
         check_choice(precision, PRECISION_REQUESTS, "--precision")
+    if compression is not None:
+        check_choice(compression, COMPRESSION_REQUESTS, "--compression")
+    if emulate_link_gbs is not None and not 0 < emulate_link_gbs <= 10_000:
+        raise UsageError(f"--emulate-link-gbs {emulate_link_gbs:g} must be in (0, 10000]", "e.g. --emulate-link-gbs 1.0")
     if faults is not None:
         _check_faults(faults, emulate, multi_node=nnodes is not None)
     if slurm:
@@ -73,7 +82,8 @@ def run(
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
                           config={"checkpoint_dir": checkpoint_dir, "allow_fallback": allow_fallback or None,
-                                  "precision": precision, "faults": faults})
+                                  "precision": precision, "faults": faults, "compression": compression,
+                                  "emulate_link_gbs": emulate_link_gbs})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
 

@@ -32,6 +32,7 @@ from .job import Job
 from .measure.joint import check_given_plan, measure_job, show_plan
 from .measure.measurements import plan_from_measurements
 from .model import PreparedModel
+from .resilience import oom as recovery
 from .resilience.rebalance import Rebalancer
 from .devices.link import check_link_request, throttle_for
 from .sharding import comm_hooks
@@ -263,7 +264,7 @@ def make_sync_guard(job: Job, wrapped):
         return wrapped.sync_guard() if guard else None
     gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.powersgd_rank,
                                        throttle=throttle_for(job), backend=job.ctx.backend)
-    return comm_hooks.install(wrapped.sync, gradient, guard=guard)
+    return recovery.install(wrapped.sync, gradient, guard=guard)
 
 
 def make_rebalancer(cfg: Config, world_size: int) -> Rebalancer | None:

@@ -77,6 +77,17 @@ class SyncGuard:
         self.gradient.redo()
 
 
+def install(ddp: DDP, gradient, *, guard: bool) -> SyncGuard | None:
+    """The gradient sync on `ddp` (gradient: a runtime/sharding/comm_hooks.py GradientHook):
+    through a SyncGuard when `guard` (returned), else the GradientHook registered directly when it
+    does anything DDP's own all-reduce would not (None returned)."""
+    if guard:
+        return SyncGuard(ddp, gradient)
+    if gradient.needed:
+        ddp.register_comm_hook(gradient, type(gradient).ddp_hook)
+    return None
+
+
 def reset_reducer(sync) -> None:
     """Let the synchroniser run a forward again after a step that did not finish (all ranks call
     this): DDP's reducer reset, or FSDP2's (runtime/sharding/wrap.py FSDPSync.reset)."""

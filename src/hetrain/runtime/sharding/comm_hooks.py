@@ -11,7 +11,7 @@ Every one divides by the world size as DDP does, so hetrain's loss weighting W·
 gives the big-batch gradient through them as through plain DDP (fp16/bf16 to their rounding).
 
 DDP takes one hook. OOM recovery's `SyncGuard` (runtime/resilience/oom.py) is that hook when OOM
-recovery is on, and calls `GradientHook` for every bucket; otherwise `install` registers the
+recovery is on, and calls `GradientHook` for every bucket; otherwise `resilience.oom.install` registers the
 GradientHook itself (or nothing, when it would only do what DDP does without a hook). After an OOM
 the guard completes the buckets its peers still wait for by running this same hook on zero
 buckets of the same shapes (the reducer's `_get_zeros_like_grad_buckets`), so the peers' compressed
@@ -115,18 +115,6 @@ class GradientHook:
         s.total_numel_before_compression, s.total_numel_after_compression = saved["stats"]
         for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
             setattr(s, name, {k: v.clone() for k, v in saved[name].items()})
-
-
-def install(ddp, gradient: GradientHook, *, guard: bool):
-    """The gradient sync on `ddp`: through OOM recovery's SyncGuard when `guard` (returned), else
-    the GradientHook registered directly when it does anything (None returned)."""
-    if guard:
-        from ..resilience.oom import SyncGuard
-
-        return SyncGuard(ddp, gradient)
-    if gradient.needed:
-        ddp.register_comm_hook(gradient, GradientHook.ddp_hook)
-    return None
 
 
 def settle(plan, *, request: str, strategy: str, backend: str, world_size: int):
