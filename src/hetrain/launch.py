@@ -307,6 +307,21 @@ def _restarts_only_when_they_can_help(run_dir: str):
     original = launcher_api.LocalElasticAgent
 
     class Agent(original):
+        # Stopping a group with a failed member: torchrun's _stop_workers sends SIGTERM and waits a
+        # fixed 30 s (not --shutdown-timeout) before SIGKILL. Nothing can be saved then: the
+        # checkpoint is collective and a member is gone, so the next attempt resumes from the last
+        # one anyway. A live survivor's collective fails on the dead peer's closed sockets and it
+        # exits on its own within this grace; a hung (stopped) one never would, and waiting for it
+        # only delays the restart or the job's end. A healthy group (a node waiting to join: the
+        # workers save at the step boundary) keeps torchrun's wait.
+        failed_stop_grace_s = 5
+
+        def _stop_workers(self, worker_group):
+            if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self._shutdown(timeout=self.failed_stop_grace_s)
+            else:
+                super()._stop_workers(worker_group)
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):

@@ -42,3 +42,26 @@ def test_a_run_dir_that_cannot_be_one_is_refused_first(monkeypatch, tmp_path, sc
 def test_a_bad_emulate_spec_is_refused(script, spec):
     with pytest.raises(UsageError, match="cluster spec"):
         launch.build_launch(target=script, emulate=spec)
+
+
+@pytest.mark.parametrize("state, timeout", [("FAILED", 5), ("UNHEALTHY", 5), ("HEALTHY", 30)])
+def test_a_group_with_a_failed_member_is_stopped_after_a_short_grace(tmp_path, state, timeout):
+    """torchrun stops a group (SIGTERM, then SIGKILL after the wait) before a restart or at the end.
+    With a failed member nothing can be saved, and a hung (SIGSTOPped) worker would take torchrun's
+    whole 30 s: the short grace. A healthy group (a node joining; the workers save at the step
+    boundary) keeps torchrun's own stop and wait."""
+    import signal
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    with launch._restarts_only_when_they_can_help(str(tmp_path)):
+        agent_class = launcher_api.LocalElasticAgent
+    assert launcher_api.LocalElasticAgent is not agent_class          # torchrun's is back
+    agent = agent_class.__new__(agent_class)                          # only what _stop_workers uses
+    agent._worker_watchdog = agent._health_check_server = None
+    closed = []
+    agent._pcontext = type("PContext", (), {"close": lambda self, sig, t: closed.append((sig, t))})()
+    group = type("Group", (), {"state": WorkerState[state]})()
+    agent._stop_workers(group)
+    assert closed == [(signal.SIGTERM, timeout)]
