@@ -307,6 +307,38 @@ def _restarts_only_when_they_can_help(run_dir: str):
     original = launcher_api.LocalElasticAgent
 
     class Agent(original):
+        # A group with a failed member is stopped with SIGTERM, then SIGKILL after a wait: torchrun
+        # waits a fixed 30 s (not --shutdown-timeout), both when its process context closes itself
+        # on the first failed worker (PContext._poll calls close() with no timeout) and in
+        # _stop_workers. Nothing can be saved then: the checkpoint is collective and a member is
+        # gone, so the next attempt resumes from the last one anyway. A live survivor's collective
+        # fails on the dead peer's closed sockets and it exits on its own within this grace; a hung
+        # (SIGSTOPped) one never answers SIGTERM, and waiting for it only delays the restart or the
+        # job's end. Workers that stopped at a step boundary (Preempted: a signal, or a node
+        # joining) keep torchrun's wait: the others may still be writing that checkpoint.
+        failed_stop_grace_s = 5
+
+        def _start_workers(self, worker_group):
+            started = super()._start_workers(worker_group)
+            pcontext = self._pcontext
+            close = pcontext.close
+
+            def close_after_a_failure(death_sig=None, timeout=None):
+                if timeout is None:      # the context's own close: all workers done, or one failed
+                    codes = [f.exitcode for f in getattr(pcontext, "_failures", {}).values()]
+                    failed = any(code != Preempted.exit_code for code in codes)
+                    timeout = self.failed_stop_grace_s if failed else 30   # 30: torchrun's default
+                return close(death_sig, timeout)
+
+            pcontext.close = close_after_a_failure
+            return started
+
+        def _stop_workers(self, worker_group):
+            if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self._shutdown(timeout=self.failed_stop_grace_s)
+            else:
+                super()._stop_workers(worker_group)
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):

@@ -54,11 +54,26 @@ def assert_each_sample_once_per_epoch(ckpt: Path, steps: int):
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
+def clean_run(tmp_path_factory):
+    """The uninterrupted 10-step job: its parameters, and its checkpoint directory (steps 6, 8 and
+    10 kept) for tests that need a finished job's checkpoints. They copy it (`clean_ckpt`)."""
     tmp = tmp_path_factory.mktemp("clean")
-    result, out, _ = run(tmp, "clean", 10)
+    result, out, ckpt = run(tmp, "clean", 10)
     assert result.returncode == 0, result.stderr[-3000:]
-    return params(out)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
+    return params(out), ckpt
+
+
+@pytest.fixture(scope="module")
+def clean(clean_run):
+    return clean_run[0]
+
+
+def clean_ckpt(clean_run, tmp: Path) -> Path:
+    """A copy of the uninterrupted job's checkpoint directory, this test's to change."""
+    import shutil
+
+    return Path(shutil.copytree(clean_run[1], tmp / "ckpt"))
 
 
 def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(tmp_path, clean):
@@ -84,17 +99,17 @@ def test_resume_on_fewer_devices_keeps_the_cursor(tmp_path, clean):
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
-def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, clean):
-    ckpt = tmp_path / "ckpt"
-    first, _, _ = run(tmp_path, "first", 6, ckpt=ckpt)
-    assert first.returncode == 0
-    newest = ckpt / "step-00000006"
+def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, clean_run, clean):
+    # The finished job's checkpoints (one launch fewer than making them here): the newest is cut,
+    # the job is run again and resumes from the one before, ending where the uninterrupted one did.
+    ckpt = clean_ckpt(clean_run, tmp_path)
+    newest = ckpt / "step-00000010"
     victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     second, out, _ = run(tmp_path, "second", 10, ckpt=ckpt)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "step-00000006 is unusable" in second.stdout and "truncated" in second.stdout
-    assert "resumed from step-00000004" in second.stdout
+    assert "step-00000010 is unusable" in second.stdout and "truncated" in second.stdout
+    assert "resumed from step-00000008" in second.stdout
     assert_close(params(out), clean)
 
 
@@ -123,11 +138,10 @@ def one_line(result, *words):
         assert w in result.stderr, result.stderr
 
 
-def test_resume_from_another_model_is_refused_without_touching_it(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    assert run(tmp_path, "a", 2, ckpt=ckpt)[0].returncode == 0
+def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, clean_run):
+    ckpt = clean_ckpt(clean_run, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
     before = sorted(p.name for p in ckpt.iterdir())
-    result, _, _ = run(tmp_path, "b", 4, ckpt=ckpt, extra=("--width", "64"))
+    result, _, _ = run(tmp_path, "b", 12, ckpt=ckpt, extra=("--width", "64"))   # a job that goes on from it
     one_line(result, "different model", "new checkpoint_dir")
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
