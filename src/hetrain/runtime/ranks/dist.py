@@ -79,9 +79,13 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
         device, backend = torch.device("cpu"), "gloo"
 
     if dist.is_initialized():  # the user made the group; use it as it is
-        return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device,
+        size = dist.get_world_size()
+        # torchrun's variables describe the user's group only when they name its size (a group of
+        # one made beside them, say, is a node of one)
+        same = _env_int("WORLD_SIZE", size, low=1) == size
+        return DistContext(dist.get_rank(), size, local_rank if same else 0, device,
                            dist.get_backend(), restart, owns_group=False,
-                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size(), low=1))
+                           local_world_size=_env_int("LOCAL_WORLD_SIZE", size, low=1) if same else size)
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if world == 1 and "MASTER_ADDR" not in os.environ:
