@@ -1,7 +1,10 @@
 """Run a function on W real processes joined in a gloo process group on loopback.
 
-Each rank is a fresh `spawn`ed interpreter with the torchrun environment variables set, so the
-code under test joins the group exactly as it does under torchrun. A rank that raises, hangs past
+Each rank is a fresh process with the torchrun environment variables set, so the code under test
+joins the group exactly as it does under torchrun. The processes are forked from a `forkserver`
+that has imported torch and hetrain's runtime (and nothing else: it never runs a test, starts a
+thread or touches CUDA), not `spawn`ed: each rank would otherwise import them again, ~4-6 s of CPU
+a rank on a 2-core machine, which is most of a small distributed test. A rank that raises, hangs past
 the deadline, or dies at exit (e.g. gloo's SIGABRT at teardown) fails the test, with every rank's
 error shown side by side.
 """
@@ -27,7 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, args: tuple, env: dict, out: str) -> None:
+def _entry(fn, rank: int, world: int, port: int, args: tuple, caller_env: dict, env: dict, out: str) -> None:
+    # A forked rank has the fork server's environment, from when it started: make it the caller's
+    # now, as a spawned one would have (a test's monkeypatch.setenv must reach its ranks).
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                        "OMP_NUM_THREADS": "1", **env})
@@ -45,15 +52,27 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, env: dict, out: st
         os._exit(1)
 
 
+# What the fork server imports once. hetrain reads its environment when a job starts, not on import,
+# so the variables each rank sets in _entry still reach it.
+PRELOAD = ["torch", "torch.distributed", "hetrain.runtime.engine"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)     # used when the server starts: the first run_ranks
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 180.0, env: dict | None = None,
               rank_env: dict[int, dict] | None = None) -> list:
     """fn(rank, world, *args) on `world` processes; returns each rank's return value.
     `env`: variables for every rank; `rank_env`: {rank: variables} on top, e.g. GROUP_RANK to
     place ranks on different (loopback) nodes as torchrun's multi-node launch would."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, {**(env or {}), **(rank_env or {}).get(r, {})}, out))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, dict(os.environ),
+                                                  {**(env or {}), **(rank_env or {}).get(r, {})}, out))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -16,3 +16,28 @@ def hetrain(*args: str, timeout: float = 240, cwd: str | None = None,
            "COLUMNS": "120", **(env or {})}
     return subprocess.run([sys.executable, "-m", "hetrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
+
+
+def hetrain_here(*args: str) -> subprocess.CompletedProcess:
+    """`hetrain ARGS` in this process (hetrain.cli.main), for commands that start no process and
+    only read their input: the same exit code and output as `hetrain()` without a Python start and
+    torch import (~1 s each). An exception main() does not turn into one line propagates, failing
+    the test as a traceback would."""
+    import contextlib
+    import io
+
+    from hetrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code, columns = 0, os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "120"       # as hetrain() sets it: the same line wrapping
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+    except SystemExit as e:
+        if isinstance(e.code, str):     # what the interpreter does with SystemExit("text")
+            err.write(e.code + "\n")
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.environ.pop("COLUMNS") if columns is None else os.environ.__setitem__("COLUMNS", columns)
+    return subprocess.CompletedProcess(["hetrain", *args], code, out.getvalue(), err.getvalue())

@@ -1,5 +1,9 @@
 """`hetrain simulate` and `hetrain plan` as a user meets them: the answers, the JSON, a plan that
-`hetrain.init(plan=...)` runs, and bad input as one line with the fix (exit 2, no traceback)."""
+`hetrain.init(plan=...)` runs, and bad input as one line with the fix (exit 2, no traceback).
+
+Commands that start no process (simulate, plan from a preset, input checked before launching) run
+in this process (`hetrain_here`); the first test and those that measure or train run `hetrain` as
+a process, so the real command line is covered too."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import textwrap
 
 import pytest
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 from hetrain.planning.plan import Plan
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.measurements import Measurements, plan_from_measurements
@@ -40,7 +44,7 @@ def test_simulate_answers_what_a_3090_buys_and_which_card_is_the_bottleneck():
 
 
 def test_simulate_json():
-    r = hetrain("simulate", "--cluster", "a100-80g,rtx3090,t4", "--params", "124e6", "--flops-per-sample",
+    r = hetrain_here("simulate", "--cluster", "a100-80g,rtx3090,t4", "--params", "124e6", "--flops-per-sample",
                 "8.8e11", "--activation-bytes", "600MiB", "--global-batch", "96", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -55,7 +59,7 @@ def test_simulate_json():
 
 
 def test_simulate_lists():
-    r = hetrain("simulate", "--list-gpus", "--list-presets")
+    r = hetrain_here("simulate", "--list-gpus", "--list-presets")
     assert r.returncode == 0 and "rtx3090" in r.stdout and "llama-1b" in r.stdout and "resnet50" in r.stdout
 
 
@@ -89,7 +93,7 @@ def test_simulate_lists():
      ("global batch 1 is smaller than the 2 devices",)),
 ])
 def test_bad_input_is_one_line_with_the_fix(args, words):
-    one_line_error(hetrain(*args), *words)
+    one_line_error(hetrain_here(*args), *words)
 
 
 FACTORY = textwrap.dedent("""
@@ -188,7 +192,7 @@ def test_a_bad_factory_or_path_is_one_line(tmp_path, factory, extra, words, laun
 
 def test_plan_from_a_preset_without_measuring(tmp_path):
     # 400 MiB, 10% kept free, holds less than resnet50's 390 MiB of model state: no sample fits
-    r = hetrain("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@400MiB", "--global-batch", "64",
+    r = hetrain_here("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@400MiB", "--global-batch", "64",
                 "--allow-exclusion", "--out", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
     plan = Plan.from_json((tmp_path / "p.json").read_text())
@@ -202,23 +206,23 @@ def test_plan_checkpoints_where_one_sample_needs_it_as_the_runtime_may(tmp_path)
     config's default (checkpointing='plan') lets the plan turn it on; 'none' does not."""
     args = ("plan", "--model", "resnet50", "--emulate", "a100-80g,rtx3090,t4@512MiB", "--global-batch", "64",
             "--allow-exclusion", "--json")
-    plan = Plan.from_json(hetrain(*args).stdout)
+    plan = Plan.from_json(hetrain_here(*args).stdout)
     assert [d.checkpointing for d in plan.devices] == [False, False, True] and not plan.excluded
-    plan = Plan.from_json(hetrain(*args, "--checkpointing", "none").stdout)
+    plan = Plan.from_json(hetrain_here(*args, "--checkpointing", "none").stdout)
     assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"] and plan.excluded[0].kind == "memory"
 
 
 def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():
     """Four devices, a 12-layer model: DP, PP over 4 stages and DP×PP 2×2 are each predicted and
     one is picked with the reason; a model too big for any one device leaves DP out."""
-    result = hetrain("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,a100-80g,rtx3090,rtx3090",
+    result = hetrain_here("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,a100-80g,rtx3090,rtx3090",
                      "--global-batch", "32")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "parallelism: " in out
     for layout in ("DP:", "PP 4 stages:", "DP×PP 2×2:"):
         assert layout in out, out
-    result = hetrain("plan", "--params", "20e9", "--flops-per-sample", "1e13", "--activation-bytes", "1GiB",
+    result = hetrain_here("plan", "--params", "20e9", "--flops-per-sample", "1e13", "--activation-bytes", "1GiB",
                      "--blocks", "40", "--emulate", "a100-80g,a100-80g", "--global-batch", "8")
     # 20B parameters with AdamW state do not fit one 80 GB card: whatever the plan says, DP cannot be it
     text = result.stdout + result.stderr
