@@ -27,8 +27,8 @@ from .launching.nodes import Rendezvous, check_reachable
 from .runtime.config import LAUNCH_ENV, Config
 from .runtime.resilience.lock import CHECKPOINT_LOCK
 
-# preempt_grace_s's default, plus a minute to write the final checkpoint
 HOST_LINGER_S = 3.0     # after a multi-node job: the rendezvous host stays while the others close it
+# preempt_grace_s's default, plus a minute to write the final checkpoint
 PREEMPT_SHUTDOWN_S = int(Config.__dataclass_fields__["preempt_grace_s"].default) + 60
 
 
