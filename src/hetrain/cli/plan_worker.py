@@ -41,12 +41,16 @@ def main(argv: list[str]) -> None:
     cfg = ht.config
     measured = measure_job(ht.job, model, optimizer, default_forward)
     if ht.is_main:
-        try:
-            from ..runtime.parallel.blocks import find_parts
+        from ..runtime.parallel.blocks import find_parts, repeated_blocks
 
+        try:
             blocks = len(find_parts(model).blocks)
-        except UsageError:
-            blocks = None                     # pipelines are not compared; --blocks can say
+        except UsageError:                    # a model no one here wrote: count its stack of blocks
+            stack = repeated_blocks(model)
+            blocks = len(stack[1]) if stack else None     # None: pipelines not compared; --blocks can say
+            if stack:
+                ht.print(f"blocks: {len(stack[1])} {type(stack[1][0]).__name__} in {stack[0]!r} (the model's stack "
+                         "of identical blocks), for comparing pipelines")
         write_json_atomic(job["out"], {"config": cfg.to_dict(), "measurements": measured.to_dict(),
                                        "blocks": blocks})
     ht.close()

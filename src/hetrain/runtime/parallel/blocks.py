@@ -62,6 +62,23 @@ class GPTHead(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def repeated_blocks(model: nn.Module) -> tuple[str, tuple[nn.Module, ...]] | None:
+    """The model's stack of identical blocks, wherever it is: the nn.ModuleList of two or more
+    children of one class with the same parameter shapes that holds the most parameters, as
+    (its name, its blocks). This finds nn.TransformerEncoder's `layers`, Hugging Face GPT-2's
+    `transformer.h` and Llama/Mistral's `model.layers` without knowing those classes. It counts
+    the blocks (for planning); cutting a pipeline needs the parts' composition (find_parts)."""
+    best, best_params = None, 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < 2:
+            continue
+        kinds = {(type(c), tuple((n, tuple(p.shape)) for n, p in c.named_parameters())) for c in m}
+        params = sum(p.numel() for p in m.parameters())
+        if len(kinds) == 1 and params > best_params:
+            best, best_params = (name, tuple(m)), params
+    return best
+
+
 def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
     """The blocks to cut between, or a UsageError saying how to describe them."""
     from ...demo.gpt import GPT
@@ -73,6 +90,8 @@ def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
                              last=GPTHead(model.ln_f, model.head))
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return PipelineParts(blocks=tuple(model))
+    if isinstance(model, nn.TransformerEncoder):     # its forward: the layers in turn, then the norm
+        return PipelineParts(blocks=tuple(model.layers), last=model.norm)
     if hasattr(model, "pipeline_parts"):
         return model.pipeline_parts()
     raise UsageError(

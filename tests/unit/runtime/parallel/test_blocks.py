@@ -80,3 +80,51 @@ def test_profile_scaled_to_the_fastest_device():
     assert half.blocks[1].seconds == pytest.approx(prof.blocks[1].seconds / 2)
     assert half.last.seconds == pytest.approx(prof.last.seconds / 2)
     assert half.blocks[1].activation_bytes == prof.blocks[1].activation_bytes
+
+
+def test_standard_stacks_of_blocks_are_found_without_help():
+    import torch
+    from torch import nn
+
+    from hetrain.runtime.parallel.blocks import find_parts, repeated_blocks
+
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=3, norm=nn.LayerNorm(16), enable_nested_tensor=False)
+    parts = find_parts(encoder)                       # the encoder itself: its layers, then its norm
+    x = torch.randn(2, 5, 16)
+    encoder.eval()
+    y = x
+    for block in parts.blocks:
+        y = block(y)
+    assert len(parts.blocks) == 3 and torch.allclose(parts.last(y), encoder(x), atol=1e-6)
+
+    class Wrapped(nn.Module):                         # a stock encoder inside a user's model
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.encoder = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+            self.heads = nn.ModuleList([nn.Linear(16, 2), nn.Linear(16, 2)])   # identical, but smaller
+
+    name, blocks = repeated_blocks(Wrapped())
+    assert name == "encoder.layers" and len(blocks) == 4
+
+    class DecoderLayer(nn.Module):                    # the shape of Hugging Face Llama/GPT-2 models
+        def __init__(self, d):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(d, d), nn.Linear(d, 4 * d)
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([DecoderLayer(8) for _ in range(6)])
+
+    class CausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = Inner(), nn.Linear(8, 100)
+
+    name, blocks = repeated_blocks(CausalLM())
+    assert name == "model.layers" and len(blocks) == 6
+    mixed = nn.Module()
+    mixed.stack = nn.ModuleList([DecoderLayer(8), DecoderLayer(16)])   # not identical: not a stack
+    assert repeated_blocks(mixed) is None
