@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import UsageError
-
-RING_HOP_LATENCY_S = 10e-6           # per ring step on NVLink/PCIe (NCCL, order of magnitude)
+from ..hardware.links import RING_HOP_LATENCY_S
 
 
 @dataclass(frozen=True, kw_only=True)
