@@ -87,7 +87,7 @@ def parse_link(text: str, *, where: str, gpus: tuple[GpuSpec, ...] = ()) -> Link
     gbs = per_s / 1e9 if unit["bytes"] else per_s / 8e9
     if not 0 < gbs <= 100_000:
         raise bad_link(text, where, "the bandwidth must be positive and at most 100 TB/s")
-    return LinkSpec(name=s, bandwidth_gbs=gbs, latency_s=RING_HOP_LATENCY_S, source=f"given: {gbs:.3g} GB/s")
+    return LinkSpec(name=s, bandwidth_gbs=gbs, latency_s=RING_HOP_LATENCY_S, source=f"{s} as given ({gbs:.3g} GB/s)")
 
 
 def _nvlink(text: str, where: str, gpus: tuple[GpuSpec, ...]) -> LinkSpec:
