@@ -68,6 +68,8 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     if max_restarts < 0:
         raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
     # Every input is checked before any work (the host measurement below, the run dir, a launch).
+    if emulate is not None and ("=" in emulate or ";" in emulate):
+        emulate, node_name = _one_node(emulate, node_name)
     cluster = parse_cluster(emulate) if emulate is not None else None     # '' is a bad spec, not none
     gpus = _cuda_count() if cluster is None else 0
     _check_nproc(nproc, len(cluster) if cluster is not None else None, gpus)
@@ -152,6 +154,22 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
                   lock=lock, hosts_rendezvous=rdzv is not None and rdzv.hosts_store)
+
+
+def _one_node(emulate: str, node_name: str | None) -> tuple[str, str | None]:
+    """A node's `NODE=DEVICES[/LINK]` part (hardware/cluster.py) as this node's flat --emulate, and
+    NODE as its name unless --node-name gives one. The workers see only the flat devices."""
+    from .hardware.cluster import parse_cluster_spec
+
+    nodes = parse_cluster_spec(emulate).topology.nodes
+    if len(nodes) != 1:
+        raise UsageError(f"--emulate {emulate!r} names {len(nodes)} nodes ({', '.join(n.name for n in nodes)})",
+                         "on each node, give that node's own part, e.g. --emulate node1=4xrtx3090/pcie4 "
+                         "(`hetrain simulate --cluster` takes the whole cluster)")
+    if parse_cluster_spec(emulate).topology.net is not None:
+        raise UsageError(f"--emulate {emulate!r} gives net=, the link between nodes",
+                         "drop net= here: the emulated link between nodes is --emulate-link-gbs GB/s")
+    return nodes[0].part, node_name or nodes[0].name
 
 
 def _lock_run_dir(run_dir: str):

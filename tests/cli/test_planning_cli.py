@@ -58,6 +58,23 @@ def test_simulate_json():
     assert data["model"]["params"] == 124_000_000 and data["answers"]
 
 
+def test_simulate_on_nodes_says_what_the_link_between_them_costs_and_what_fp16_gains():
+    import json
+
+    spec = "node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE"
+    r = hetrain_here("simulate", "--cluster", spec, "--model", "gpt2-124m")
+    assert r.returncode == 0, r.stderr
+    assert "between nodes: 2.81 GB/s (25GbE" in r.stdout
+    assert "the link between nodes costs" in r.stdout and "fp16 gradient compression" in r.stdout
+    j = json.loads(hetrain_here("simulate", "--cluster", spec, "--model", "gpt2-124m", "--json").stdout)
+    topo = j["topology"]
+    assert [n["devices"] for n in topo["nodes"]] == [2, 4]
+    assert topo["sync_s"] > topo["joined_s"] > 0 and topo["net_cost_s"] == pytest.approx(topo["sync_s"] - topo["joined_s"])
+    assert topo["fp16"]["exposed_sync_s"] < topo["fp16"]["uncompressed_exposed_sync_s"] and topo["fp16"]["gain"] > 0
+    # the whole-cluster link the planner used is the hierarchical all-reduce's
+    assert j["link"]["source"].startswith("hierarchical")
+
+
 def test_simulate_lists():
     r = hetrain_here("simulate", "--list-gpus", "--list-presets")
     assert r.returncode == 0 and "rtx3090" in r.stdout and "llama-1b" in r.stdout and "resnet50" in r.stdout
@@ -81,6 +98,12 @@ def test_simulate_lists():
      ("unknown model preset 'gpt2-125m'", "did you mean: gpt2-124m")),
     (("simulate", "--cluster", "a100-80g,rtx-309", "--model", "gpt2-124m"), ("did you mean", "rtx3090")),
     (("simulate", "--model", "gpt2-124m"), ("no cluster given",)),
+    (("simulate", "--cluster", "n0=a100-80g; n0=rtx3090; net=25GbE", "--model", "gpt2-124m"),
+     ("the node 'n0' is named twice",)),
+    (("simulate", "--cluster", "n0=a100-80g; n1=rtx3090; net=25GBq", "--model", "gpt2-124m"),
+     ("the unit 'GBq' is not understood",)),
+    (("simulate", "--cluster", "n0=a100-80g; n1=rtx3090; net=25GbE", "--model", "gpt2-124m", "--link-gbs", "3"),
+     ("--link-gbs with a cluster spec that names its nodes",)),
     (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--efficiency", "2"), ("--efficiency 2",)),
     (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,rtx3090", "--global-batch", "0"), ("--global-batch 0",)),
     (("plan", "--model", "gpt2-124m", "--emulate", "a100-80g,rtx3090", "--global-batch", "8", "--micro-batch", "0"),

@@ -104,3 +104,18 @@ def test_a_group_with_a_failed_member_is_stopped_after_a_short_grace(monkeypatch
     group = type("Group", (), {"state": WorkerState[state]})()
     agent._stop_workers(group)
     assert pcontext.calls == [(signal.SIGTERM, timeout)]
+
+
+def test_one_nodes_part_of_a_node_spec_is_its_emulate_and_its_name():
+    assert launch._one_node("node1=4xrtx3090/pcie4", None) == ("4xrtx3090", "node1")
+    assert launch._one_node("node1=4xrtx3090/pcie4", "box7") == ("4xrtx3090", "box7")   # --node-name wins
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("a=a100; b=rtx3090; net=25GbE", "names 2 nodes"),
+    ("a=a100; net=25GbE", "net="),
+    ("a=a100/12GHz", "not understood"),
+])
+def test_a_node_spec_naming_more_than_this_node_is_refused(script, spec, words):
+    with pytest.raises(UsageError, match=words):
+        launch.build_launch(target=script, emulate=spec)

@@ -24,7 +24,7 @@ from rich.table import Table
 from ..errors import UsageError
 from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
-from ..hardware.cluster import parse_cluster
+from ..hardware.cluster import parse_cluster, parse_cluster_spec
 from ..hardware.units import format_bytes, parse_bytes
 from ..planning.collectives import Link
 from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
@@ -120,7 +120,9 @@ def _list_presets() -> None:
 # -- simulate ---------------------------------------------------------------------------------
 def simulate(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="devices, e.g. a100-80g,rtx3090 or "
-                                          "a100-80g:1.0,rtx3090:0.67@12GiB (same grammar as --emulate)"),
+                                          "a100-80g:1.0,rtx3090:0.67@12GiB, or nodes and links: "
+                                          "'node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE' "
+                                          "(same grammar as --emulate)"),
     model: Optional[str] = typer.Option(None, "--model", help=f"a preset: {', '.join(PRESETS)}"),
     params: Optional[str] = typer.Option(None, "--params", help="trainable parameters, e.g. 124e6"),
     flops_per_sample: Optional[str] = typer.Option(None, "--flops-per-sample",
@@ -160,17 +162,30 @@ def simulate(
     if not 0 < efficiency <= 1:
         raise UsageError(f"--efficiency {efficiency} is not a fraction", "give a fraction in (0, 1], e.g. 0.4")
     spec = _model_spec(model, params, flops_per_sample, activation_bytes)
-    devices = parse_cluster(cluster)
+    parsed = parse_cluster_spec(cluster)
+    devices = parsed.devices
+    grad_bytes = spec.params * GRAD_ELEMENT_BYTES
+    topology = None
+    if parsed.topology.named:
+        from ..planning.topology import topology_sync
+
+        if link_gbs is not None:
+            raise UsageError("--link-gbs with a cluster spec that names its nodes and links",
+                             "give the links in the spec (e.g. node0=2xa100-80g/12GB/s; net=25GbE), or drop --link-gbs")
+        topology = topology_sync(parsed, grad_bytes)
     profiles = cluster_profiles(devices, spec, precision=precision, efficiency=efficiency, ratios=ratios,
                                 optimizer=optimizer)
-    sim = run_simulation(profiles, global_batch=global_batch, grad_bytes=spec.params * GRAD_ELEMENT_BYTES,
-                         link=_link(link_gbs), memory_margin=memory_margin)
+    sim = run_simulation(profiles, global_batch=global_batch, grad_bytes=grad_bytes,
+                         link=topology.link if topology else _link(link_gbs), memory_margin=memory_margin)
+    net_lines, net_json = _topology_lines(topology, sim, grad_bytes) if topology else ([], None)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
                                              "flops_per_sample": spec.flops_per_sample,
                                              "activation_bytes_per_sample": spec.activation_bytes_per_sample,
                                              "assumptions": spec.assumptions},
                "precision": precision, "efficiency": efficiency, "ratios": ratios, **sim.to_dict()}
+        if net_json is not None:
+            out["topology"] = net_json
         typer.echo(json.dumps(out, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         return
 
@@ -197,11 +212,42 @@ def simulate(
                   str(row.hetrain_share or "left out"),
                   "-" if row.adds_samples_per_s is None else f"{row.adds_samples_per_s:+.1f}/s", row.note)
     con.print(d)
-    for line in sim.answers:
+    for line in [*sim.answers, *net_lines]:
         con.print(f"• {line}", markup=False)
     con.print(f"assumptions: {spec.assumptions}; compute: {profiles[0].source}; link: "
               f"{sim.link.bandwidth_gbs:.3g} GB/s ({sim.link.source}); optimizer {optimizer} "
               f"({fixed_bytes(1, optimizer)} bytes/parameter)", markup=False)
+
+
+def _topology_lines(topology, sim, grad_bytes: float) -> tuple[list[str], dict]:
+    """What the link between nodes costs, and what fp16 gradient compression would gain (under
+    hetrain's plan: planning/compression.py), as lines and as JSON."""
+    from ..planning import compression
+
+    ms = lambda s: f"{s * 1e3:.3g} ms"     # noqa: E731
+    lines = [f"nodes: {topology.describe_nodes()}"]
+    out = topology.to_dict()
+    if topology.net is None:
+        lines.append(f"gradient sync (one node, ring all-reduce of {format_bytes(grad_bytes)}): {ms(topology.sync_s)}")
+        return lines, out
+    lines.append(f"between nodes: {topology.net.bandwidth_gbs:.3g} GB/s ({topology.net.source})")
+    lines.append(f"gradient sync (all-reduce of {format_bytes(grad_bytes)}: a ring in each node, then across nodes, "
+                 f"then in each node): {ms(topology.sync_s)} per step; {ms(topology.joined_s)} with the nodes joined "
+                 f"as fast as the slowest node's own link ({min(l.bandwidth_gbs for l in topology.node_links):.3g} "
+                 f"GB/s): the link between nodes costs {ms(topology.net_cost_s)} of every step's sync")
+    pred = sim.plan.predicted
+    members = len(sim.plan.devices)
+    if members > 1 and pred.get("step_s"):
+        options = {o.name: o for o in compression.predict(
+            grad_bytes=grad_bytes, ring=members, link=sim.link, step_s=pred["step_s"],
+            exposed_s=pred.get("comm_exposed_s", 0.0))}
+        none, fp16 = options["none"], options["fp16"]
+        lines.append(f"fp16 gradient compression (torch's fp16_compress_hook: half the bytes) under hetrain: exposed "
+                     f"sync {ms(none.sync_s)} -> {ms(fp16.sync_s)}, predicted {fp16.gain(none):+.0%} samples/s "
+                     f"({sim.plan.global_batch / none.step_s:.1f} -> {sim.plan.global_batch / fp16.step_s:.1f})")
+        out["fp16"] = {"exposed_sync_s": fp16.sync_s, "step_s": fp16.step_s, "gain": fp16.gain(none),
+                       "uncompressed_exposed_sync_s": none.sync_s, "uncompressed_step_s": none.step_s}
+    return lines, out
 
 
 # -- plan -------------------------------------------------------------------------------------

@@ -6,7 +6,21 @@ Grammar, one item per device, comma separated:  [COUNTx]NAME[:SPEED][@MEMORY]
   MEMORY  memory cap from 1KiB to 1PiB, e.g. 2GiB or 512MiB (default: the catalog card's memory)
   COUNTx  that many identical devices, e.g. 2xrtx3090 (at most 1024 devices in all)
 
-Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`.
+Nodes and links (the multi-node form), items separated by `;`:
+    NODE=DEVICES[/LINK]; NODE=DEVICES[/LINK]; ...; net=LINK
+  e.g. node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE
+  NODE    a node's name: a letter or digit, then letters, digits, '-', '_' or '.' (not 'net'); each once
+  DEVICES that node's devices in the flat grammar above (comma separated)
+  LINK    after DEVICES: the link joining the node's devices (default: from the catalog, as for a
+          flat spec); after `net=`: the link between nodes (needed with two nodes or more). A name
+          (nvlink, pcie3, pcie4, pcie5, 10GbE, 25GbE, 100GbE, ib-hdr, ...) or a number with a unit
+          (12GB/s, 100Gb/s, 25Gbit): see links.py
+A flat spec is one node (named 'node0') whose link comes from the catalog. Devices are numbered
+in node order, and speeds are rescaled over the whole cluster, as for a flat spec.
+
+Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`. On a
+multi-node job each node's `hetrain run --emulate` names that node's devices: a flat spec, or that
+node's one `NODE=DEVICES[/LINK]` item (NODE becomes the node's name unless --node-name is given).
 
 Speeds are on the catalog's scale (A100-80GB SXM = 1.0), and one CPU thread plays an A100: an
 RTX 3090 (0.67) computes at 0.67 of the thread's pace, alone or beside others. Only a cluster with
@@ -21,6 +35,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from . import catalog
 from .devices import Device, from_cluster_device
+from .links import LinkSpec, parse_link
 from .units import format_bytes, parse_bytes
 
 FORMS = ("NAME", "NAME:SPEED", "NAME@MEMORY", "NAME:SPEED@MEMORY", "COUNTxNAME")
@@ -28,6 +43,8 @@ EXAMPLE = "a100-80g,rtx3090  or  a100-80g:1.0,rtx3090:0.67@1GiB"
 MAX_DEVICES = 1024              # per item and in all: a spec is expanded device by device
 SPEEDS = (0.01, 100.0)          # a slower device would sleep ~forever per step; a faster one is a typo
 MEMORY = (1024, 1024**5)        # 1 KiB (tests use caps of a few KiB) to 1 PiB
+NODE_EXAMPLE = "node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE"
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")   # safe as a --node-name and in output
 _ITEM = re.compile(r"^(?:(?P<count>\d+)[x*])?(?P<name>[^:@]+?)(?::(?P<speed>[^@]*))?(?:@(?P<mem>.*))?$")
 
 
@@ -58,13 +75,54 @@ def _bad(item: str, why: str) -> UsageError:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """One node of a cluster spec: its devices (indices into the spec's devices) and its link."""
+
+    name: str
+    devices: tuple[int, ...]
+    part: str                    # its devices in the flat grammar, as its own --emulate
+    link: LinkSpec | None        # None: from the catalog (planning/cost.py catalog_link)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Which node each device is on, each node's own link, and the link between nodes."""
+
+    nodes: tuple[Node, ...]
+    net: LinkSpec | None         # None: one node
+    named: bool                  # the spec named its nodes (the node form)
+
+    def node_of(self, device: int) -> Node:
+        return next(n for n in self.nodes if device in n.devices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """A parsed cluster spec: the devices (in node order) and where they are."""
+
+    devices: tuple[ClusterDevice, ...]
+    topology: Topology
+
+    @property
+    def flat(self) -> str:
+        """Every node's devices in the flat grammar, in node order."""
+        return ",".join(n.part for n in self.topology.nodes)
+
+
+def _bad_node(item: str, why: str) -> UsageError:
+    return UsageError(f"bad node {item!r} in cluster spec: {why}",
+                      "write nodes as NODE=DEVICES[/LINK] items and the link between them as net=LINK, "
+                      f"separated by ';', e.g. {NODE_EXAMPLE}")
+
+
 def device_items(spec: str) -> tuple[str, ...]:
     """The spec's items, one per device with its count expanded ('2xrtx3090@1GiB' gives
     'rtx3090@1GiB' twice): a node's part of a multi-node job's spec, joined with the other
     nodes' parts (runtime/ranks/nodes.py). The spec is checked first."""
-    parse_cluster(spec)
+    flat = parse_cluster_spec(spec).flat
     out: list[str] = []
-    for item in (part.strip() for part in spec.split(",")):
+    for item in (part.strip() for part in flat.split(",")):
         m = _ITEM.match(item)
         body = item[len(m["count"]) + 1:] if m["count"] else item
         out.extend([body] * int(m["count"] or 1))
@@ -72,9 +130,57 @@ def device_items(spec: str) -> tuple[str, ...]:
 
 
 def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
-    """Parse a cluster spec; every problem is a UsageError naming the bad item and the forms."""
+    """The devices of a cluster spec (either form), in node order; every problem is a UsageError
+    naming the bad item and the forms."""
+    return parse_cluster_spec(spec).devices
+
+
+def parse_cluster_spec(spec: str) -> ClusterSpec:
+    """A cluster spec's devices and topology (the grammar: this module's docstring)."""
     if not spec or not spec.strip():
         raise _bad(spec, "the cluster spec is empty")
+    if "=" not in spec and ";" not in spec:
+        devices = _build(_devices(spec, 0))
+        node = Node(name="node0", devices=tuple(range(len(devices))), part=spec.strip(), link=None)
+        return ClusterSpec(devices=devices, topology=Topology(nodes=(node,), net=None, named=False))
+    raw: list[tuple[catalog.GpuSpec, float | None, int | None]] = []
+    nodes: list[Node] = []
+    net: str | None = None
+    for item in (part.strip() for part in spec.split(";")):
+        if not item:
+            continue                                # a trailing ';' is harmless
+        name, eq, body = (p.strip() for p in item.partition("="))
+        if not eq:
+            raise _bad_node(item, "an item without NODE= (in the node form every item is NODE=DEVICES or net=LINK)")
+        if name.lower() == "net":
+            if net is not None:
+                raise _bad_node(item, "net= is given twice")
+            net = body
+            continue
+        if not _NODE_NAME.match(name):
+            raise _bad_node(item, f"the node name {name!r} is not a letter or digit followed by letters, "
+                            "digits, '-', '_' or '.'")
+        if any(n.name.lower() == name.lower() for n in nodes):
+            raise _bad_node(item, f"the node {name!r} is named twice")
+        part, slash, link = (p.strip() for p in body.partition("/"))
+        if not part:
+            raise _bad_node(item, "the node names no devices")
+        node_raw = _devices(part, len(raw))
+        link_spec = (parse_link(link, where=f"of node {name!r}", gpus=tuple(g for g, _, _ in node_raw))
+                     if slash else None)
+        nodes.append(Node(name=name, devices=tuple(range(len(raw), len(raw) + len(node_raw))), part=part,
+                          link=link_spec))
+        raw.extend(node_raw)
+    if not nodes:
+        raise _bad_node(spec.strip(), "no node is named")
+    net_link = parse_link(net, where="between nodes (net=)") if net is not None else None
+    if len(nodes) > 1 and net_link is None:
+        raise _bad_node(spec.strip(), f"{len(nodes)} nodes but no net=LINK between them")
+    return ClusterSpec(devices=_build(raw), topology=Topology(nodes=tuple(nodes), net=net_link, named=True))
+
+
+def _devices(spec: str, before: int) -> list[tuple[catalog.GpuSpec, float | None, int | None]]:
+    """The devices of a flat spec, expanded; `before`: devices already named (for the cap in all)."""
     raw: list[tuple[catalog.GpuSpec, float | None, int | None]] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
@@ -107,10 +213,13 @@ def parse_cluster(spec: str) -> tuple[ClusterDevice, ...]:
         count = int(digits) if len(digits) <= len(str(MAX_DEVICES)) else MAX_DEVICES + 1
         if not 1 <= count <= MAX_DEVICES:
             raise _bad(item, f"the count must be from 1 to {MAX_DEVICES}")
-        if len(raw) + count > MAX_DEVICES:
+        if before + len(raw) + count > MAX_DEVICES:
             raise _bad(item, f"a cluster spec names at most {MAX_DEVICES} devices in all")
         raw.extend([(gpu, speed, memory)] * count)
+    return raw
 
+
+def _build(raw: list[tuple[catalog.GpuSpec, float | None, int | None]]) -> tuple[ClusterDevice, ...]:
     speeds = [s if s is not None else gpu.speed_index for gpu, s, _ in raw]
     scale = max(1.0, max(speeds))
     return tuple(

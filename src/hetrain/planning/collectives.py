@@ -9,17 +9,18 @@ hop. For S bytes over n devices in a ring (NCCL's algorithm for large messages):
     send                        S/B +        α       one hop
 
 Every step of a ring moves one n-th of the data over every link at once, so the slowest link
-sets the pace; one device needs no collective (0 s).
+sets the pace; one device needs no collective (0 s). Across nodes, an all-reduce is a ring inside
+each node and one across them (`hierarchical_allreduce_seconds`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-
-RING_HOP_LATENCY_S = 10e-6           # per ring step on NVLink/PCIe (NCCL, order of magnitude)
+from ..hardware.links import RING_HOP_LATENCY_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,3 +80,33 @@ def link_from_measurement(n: int, nbytes: float, seconds: float, source: str) ->
     seconds = max(seconds, 1e-9)
     return Link(bandwidth_gbs=2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else math.inf,
                 latency_s=0.0, source=source)
+
+
+def hierarchical_allreduce_seconds(node_sizes: Sequence[int], nbytes: float, intra: Sequence[Link],
+                                   inter: Link) -> float:
+    """All-reduce of S bytes over several nodes, as NCCL's hierarchical algorithms run it: node k
+    (n_k devices on its own link L_k) first reduce-scatters within its ring, so each of its devices
+    holds S/n_k reduced over the node; the nodes then all-reduce those shards over the inter-node
+    link, every node's shards together crossing its one network link; then each node all-gathers.
+    Each phase waits for its slowest node (nodes step together), so with N nodes
+
+        T = max_k RS(n_k, S, L_k) + AR(N, S, net) + max_k AG(n_k, S, L_k)
+          = 2 · max_k [(n_k−1)/n_k · S/B_k + (n_k−1)·α_k]  +  2(N−1)/N · S/B_net + 2(N−1)·α_net
+
+    One node is the flat ring (RS + AG = AR). Nodes of different sizes hold shards of different
+    sizes; the middle term counts the S bytes every node sends through its network link, which is
+    what limits it however the shards are cut."""
+    if len(node_sizes) != len(intra) or not node_sizes:
+        raise ValueError("one intra-node link per node")
+    if sum(node_sizes) <= 1:
+        return 0.0
+    within = max(reduce_scatter_seconds(n, nbytes, link) for n, link in zip(node_sizes, intra))
+    return 2 * within + allreduce_seconds(len(node_sizes), nbytes, inter)
+
+
+def hierarchical_link(node_sizes: Sequence[int], nbytes: float, intra: Sequence[Link], inter: Link,
+                      source: str) -> Link:
+    """The one ring link over all the devices that takes as long as the hierarchical all-reduce of
+    `nbytes` (latency folded in): what a planner that models one ring needs."""
+    seconds = hierarchical_allreduce_seconds(node_sizes, nbytes, intra, inter)
+    return link_from_measurement(sum(node_sizes), nbytes, seconds, source)

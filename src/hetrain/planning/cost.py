@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hardware.catalog import GpuSpec
+from ..hardware.links import NVLINK_EFFICIENCY, PCIE_GBS  # noqa: F401 — PCIE_GBS: simulate imports it from here
 from .collectives import Link, allreduce_seconds
 from .memory import state_bytes
 from .plan import split_evenly
@@ -55,9 +56,6 @@ from .profile import DeviceProfile, ModelSpec
 DEFAULT_EFFICIENCY = 0.40            # model FLOPs utilisation assumed for catalog estimates
 DDP_BUCKET_BYTES = 25 * 1024**2      # torch DDP's default bucket_cap_mb
 MICRO_OVERHEAD_S = 2e-3              # per micro-batch launch/Python cost assumed without a profile
-# Effective all-reduce bus bandwidth of a PCIe x16 slot, GB/s (~75% of the 16/32/64 GB/s link).
-PCIE_GBS = {3: 12.0, 4: 24.0, 5: 48.0}
-NVLINK_EFFICIENCY = 0.4              # NCCL bus bandwidth / catalog NVLink figure (A100: ~240 of 600)
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_ELEMENT_BYTES = 4               # DDP all-reduces fp32 gradients (autocast keeps fp32 weights)
 
