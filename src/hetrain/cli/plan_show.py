@@ -101,3 +101,34 @@ def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster)
         con.print(f"wrote {out}: run it with hetrain.init(global_batch={result.global_batch}, plan={out!r})"
                   + (f" under `hetrain run --emulate {emulate} …`" if emulate and not result.excluded else ""),
                   markup=False)
+
+
+def topology_lines(topology, sim, grad_bytes: float) -> tuple[list[str], dict]:
+    """What the link between nodes costs, and what fp16 gradient compression would gain (under
+    hetrain's plan: planning/compression.py), as lines and as JSON."""
+    from ..planning import compression
+
+    ms = lambda s: f"{s * 1e3:.3g} ms"     # noqa: E731
+    lines = [f"nodes: {topology.describe_nodes()}"]
+    out = topology.to_dict()
+    if topology.net is None:
+        lines.append(f"gradient sync (one node, ring all-reduce of {format_bytes(grad_bytes)}): {ms(topology.sync_s)}")
+        return lines, out
+    lines.append(f"between nodes: {topology.net.bandwidth_gbs:.3g} GB/s ({topology.net.source})")
+    lines.append(f"gradient sync (all-reduce of {format_bytes(grad_bytes)}: a ring in each node, then across nodes, "
+                 f"then in each node): {ms(topology.sync_s)} per step; {ms(topology.joined_s)} with the nodes joined "
+                 f"as fast as the slowest node's own link ({min(l.bandwidth_gbs for l in topology.node_links):.3g} "
+                 f"GB/s): the link between nodes costs {ms(topology.net_cost_s)} of every step's sync")
+    pred = sim.plan.predicted
+    members = len(sim.plan.devices)
+    if members > 1 and pred.get("step_s"):
+        options = {o.name: o for o in compression.predict(
+            grad_bytes=grad_bytes, ring=members, link=sim.link, step_s=pred["step_s"],
+            exposed_s=pred.get("comm_exposed_s", 0.0))}
+        none, fp16 = options["none"], options["fp16"]
+        lines.append(f"fp16 gradient compression (torch's fp16_compress_hook: half the bytes) under hetrain: exposed "
+                     f"sync {ms(none.sync_s)} -> {ms(fp16.sync_s)}, predicted {fp16.gain(none):+.0%} samples/s "
+                     f"({sim.plan.global_batch / none.step_s:.1f} -> {sim.plan.global_batch / fp16.step_s:.1f})")
+        out["fp16"] = {"exposed_sync_s": fp16.sync_s, "step_s": fp16.step_s, "gain": fp16.gain(none),
+                       "uncompressed_exposed_sync_s": none.sync_s, "uncompressed_step_s": none.step_s}
+    return lines, out

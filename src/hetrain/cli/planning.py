@@ -29,11 +29,11 @@ from ..hardware.units import format_bytes, parse_bytes
 from ..planning.collectives import Link
 from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
 from ..planning.memory import STATE_VALUES
-from ..planning.presets import PRESETS, preset
+from ..planning.presets import PRESETS, fine_tuned
 from ..planning.profile import ModelSpec
 from ..runtime.config import Config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
-from .plan_show import show_layouts, show_plan, show_sharding
+from .plan_show import show_layouts, show_plan, show_sharding, topology_lines
 
 def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
@@ -67,12 +67,18 @@ def _check_common(global_batch: int, precision: str, memory_margin: float, *, pr
         raise UsageError(f"--memory-margin {memory_margin}", "give the fraction of memory kept free, in [0, 1)")
 
 
-def _model_spec(model: Optional[str], params: Optional[str], flops: Optional[str], act: Optional[str]) -> ModelSpec:
+def _model_spec(model: Optional[str], params: Optional[str], flops: Optional[str], act: Optional[str],
+                trainable: Optional[str] = None, lora: Optional[int] = None) -> ModelSpec:
     if model and any(v is not None for v in (params, flops, act)):
         raise UsageError("--model and --params/--flops-per-sample/--activation-bytes both given",
                          "give a preset with --model, or the three numbers, not both")
+    n_trainable = None if trainable is None else int(_number(trainable, "--trainable-params", integer=True))
     if model:
-        return preset(model)
+        return fine_tuned(model, trainable=n_trainable, lora_rank=lora)
+    if lora is not None:
+        raise UsageError(f"--lora {lora} needs a model preset (it sizes the adapters from the preset's layers)",
+                         "for a model given by --params, give its trainable parameters with --trainable-params N "
+                         "(LoRA of rank r adds r·(in+out) per adapted in→out linear)")
     if params is None:
         raise UsageError("no model given",
                          f"give --model PRESET ({', '.join(PRESETS)}) or --params, --flops-per-sample "
@@ -83,10 +89,15 @@ def _model_spec(model: Optional[str], params: Optional[str], flops: Optional[str
         raise UsageError(f"--params given without {missing}",
                          "give all three, e.g. --params 124e6 --flops-per-sample 8.8e11 --activation-bytes 600MiB "
                          "(a transformer's FLOPs per sample ≈ 6 · params · tokens)")
-    return ModelSpec(name=f"{n / 1e6:.4g}M-parameter model", params=n,
+    if n_trainable is not None and n_trainable > n:
+        raise UsageError(f"--trainable-params {trainable} is more than --params {params}",
+                         "give at most the model's parameters (all of them train: leave --trainable-params out)")
+    return ModelSpec(name=f"{n / 1e6:.4g}M-parameter model", params=n, trainable_params=n_trainable,
                      flops_per_sample=_number(flops, "--flops-per-sample"),
                      activation_bytes_per_sample=_number(act, "--activation-bytes", allow_units=True),
-                     assumptions="given on the command line")
+                     assumptions="given on the command line" + (
+                         f"; fine-tuning {n_trainable:,} trainable parameters, the frozen rest at the "
+                         "training precision" if n_trainable is not None else ""))
 
 
 def _link(link_gbs: Optional[float]) -> Link | None:
@@ -124,11 +135,15 @@ def simulate(
                                           "'node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE' "
                                           "(same grammar as --emulate)"),
     model: Optional[str] = typer.Option(None, "--model", help=f"a preset: {', '.join(PRESETS)}"),
-    params: Optional[str] = typer.Option(None, "--params", help="trainable parameters, e.g. 124e6"),
+    params: Optional[str] = typer.Option(None, "--params", help="the model's parameters, e.g. 124e6"),
     flops_per_sample: Optional[str] = typer.Option(None, "--flops-per-sample",
                                                    help="training FLOPs per sample (fwd+bwd), e.g. 8.8e11"),
     activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes",
                                                    help="activation bytes per sample, e.g. 6.3e8 or 600MiB"),
+    trainable_params: Optional[str] = typer.Option(None, "--trainable-params", help="fine-tuning: the "
+                                                   "parameters that train (gradients, optimizer state), e.g. 13.6e6"),
+    lora: Optional[int] = typer.Option(None, "--lora", help="fine-tuning a preset with LoRA of this rank "
+                                       "on q,k,v,o of every layer, e.g. 16"),
     global_batch: int = typer.Option(256, "--global-batch", help="samples per optimizer step, all devices"),
     precision: str = typer.Option("bf16", "--precision", help="fp32 | bf16 | fp16"),
     efficiency: float = typer.Option(DEFAULT_EFFICIENCY, "--efficiency",
@@ -161,10 +176,10 @@ def simulate(
     _check_common(global_batch, precision, memory_margin)
     if not 0 < efficiency <= 1:
         raise UsageError(f"--efficiency {efficiency} is not a fraction", "give a fraction in (0, 1], e.g. 0.4")
-    spec = _model_spec(model, params, flops_per_sample, activation_bytes)
+    spec = _model_spec(model, params, flops_per_sample, activation_bytes, trainable_params, lora)
     parsed = parse_cluster_spec(cluster)
     devices = parsed.devices
-    grad_bytes = spec.params * GRAD_ELEMENT_BYTES
+    grad_bytes = spec.trainable * GRAD_ELEMENT_BYTES     # only trainable parameters are synchronised
     topology = None
     if parsed.topology.named:
         from ..planning.topology import topology_sync
@@ -177,9 +192,10 @@ def simulate(
                                 optimizer=optimizer)
     sim = run_simulation(profiles, global_batch=global_batch, grad_bytes=grad_bytes,
                          link=topology.link if topology else _link(link_gbs), memory_margin=memory_margin)
-    net_lines, net_json = _topology_lines(topology, sim, grad_bytes) if topology else ([], None)
+    net_lines, net_json = topology_lines(topology, sim, grad_bytes) if topology else ([], None)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
+                                             "trainable_params": spec.trainable,
                                              "flops_per_sample": spec.flops_per_sample,
                                              "activation_bytes_per_sample": spec.activation_bytes_per_sample,
                                              "assumptions": spec.assumptions},
@@ -216,38 +232,9 @@ def simulate(
         con.print(f"• {line}", markup=False)
     con.print(f"assumptions: {spec.assumptions}; compute: {profiles[0].source}; link: "
               f"{sim.link.bandwidth_gbs:.3g} GB/s ({sim.link.source}); optimizer {optimizer} "
-              f"({fixed_bytes(1, optimizer)} bytes/parameter)", markup=False)
-
-
-def _topology_lines(topology, sim, grad_bytes: float) -> tuple[list[str], dict]:
-    """What the link between nodes costs, and what fp16 gradient compression would gain (under
-    hetrain's plan: planning/compression.py), as lines and as JSON."""
-    from ..planning import compression
-
-    ms = lambda s: f"{s * 1e3:.3g} ms"     # noqa: E731
-    lines = [f"nodes: {topology.describe_nodes()}"]
-    out = topology.to_dict()
-    if topology.net is None:
-        lines.append(f"gradient sync (one node, ring all-reduce of {format_bytes(grad_bytes)}): {ms(topology.sync_s)}")
-        return lines, out
-    lines.append(f"between nodes: {topology.net.bandwidth_gbs:.3g} GB/s ({topology.net.source})")
-    lines.append(f"gradient sync (all-reduce of {format_bytes(grad_bytes)}: a ring in each node, then across nodes, "
-                 f"then in each node): {ms(topology.sync_s)} per step; {ms(topology.joined_s)} with the nodes joined "
-                 f"as fast as the slowest node's own link ({min(l.bandwidth_gbs for l in topology.node_links):.3g} "
-                 f"GB/s): the link between nodes costs {ms(topology.net_cost_s)} of every step's sync")
-    pred = sim.plan.predicted
-    members = len(sim.plan.devices)
-    if members > 1 and pred.get("step_s"):
-        options = {o.name: o for o in compression.predict(
-            grad_bytes=grad_bytes, ring=members, link=sim.link, step_s=pred["step_s"],
-            exposed_s=pred.get("comm_exposed_s", 0.0))}
-        none, fp16 = options["none"], options["fp16"]
-        lines.append(f"fp16 gradient compression (torch's fp16_compress_hook: half the bytes) under hetrain: exposed "
-                     f"sync {ms(none.sync_s)} -> {ms(fp16.sync_s)}, predicted {fp16.gain(none):+.0%} samples/s "
-                     f"({sim.plan.global_batch / none.step_s:.1f} -> {sim.plan.global_batch / fp16.step_s:.1f})")
-        out["fp16"] = {"exposed_sync_s": fp16.sync_s, "step_s": fp16.step_s, "gain": fp16.gain(none),
-                       "uncompressed_exposed_sync_s": none.sync_s, "uncompressed_step_s": none.step_s}
-    return lines, out
+              f"({fixed_bytes(1, optimizer)} bytes per trainable parameter"
+              + (f", {fixed_bytes(1, optimizer, trainable=0, precision=precision)} per frozen one"
+                 if spec.frozen else "") + ")", markup=False)
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -259,6 +246,10 @@ def plan(
     params: Optional[str] = typer.Option(None, "--params", help="or the model's parameters (with the next two)"),
     flops_per_sample: Optional[str] = typer.Option(None, "--flops-per-sample", help="training FLOPs per sample"),
     activation_bytes: Optional[str] = typer.Option(None, "--activation-bytes", help="activation bytes per sample"),
+    trainable_params: Optional[str] = typer.Option(None, "--trainable-params", help="fine-tuning: the "
+                                                   "parameters that train (gradients, optimizer state), e.g. 13.6e6"),
+    lora: Optional[int] = typer.Option(None, "--lora", help="fine-tuning a preset with LoRA of this rank "
+                                       "on q,k,v,o of every layer, e.g. 16"),
     emulate: Optional[str] = typer.Option(None, "--emulate", help="plan for an emulated cluster, e.g. "
                                           "a100-80g,rtx3090 (default: the GPUs present, else this CPU)"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch",
@@ -301,6 +292,9 @@ def plan(
         _positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")
     if model_factory and (model or params):
         raise UsageError("--model-factory and a --model/--params estimate both given", "give one of them")
+    if model_factory and (trainable_params or lora is not None):
+        raise UsageError("--trainable-params/--lora with --model-factory", "the factory's model says what "
+                         "trains (parameters with requires_grad): drop them, or freeze in the factory")
     if measurements and not model_factory:
         raise UsageError("--measurements without --model-factory", "an estimate measures nothing: drop it")
     link = _link(link_gbs)
@@ -325,10 +319,10 @@ def plan(
         def make():
             return plan_from_measurements(measured, config, allow_exclusion=allow_exclusion, link=link)[0]
     else:
-        spec = _model_spec(model, params, flops_per_sample, activation_bytes)
+        spec = _model_spec(model, params, flops_per_sample, activation_bytes, trainable_params, lora)
         blocks = blocks or spec.blocks
         profiles, default_link = _estimate(spec, cluster, precision)
-        grad_bytes, used_link = spec.params * GRAD_ELEMENT_BYTES, link or default_link
+        grad_bytes, used_link = spec.trainable * GRAD_ELEMENT_BYTES, link or default_link
 
         def make():
             return make_plan(profiles, plan_options(config, grad_bytes=grad_bytes, link=used_link,

@@ -111,10 +111,13 @@ def peak_flops(gpu: GpuSpec, precision: str) -> tuple[float, str]:
     return tflops * 1e12, f"{tflops:g} TFLOPS {precision}"
 
 
-def fixed_bytes(params: int, optimizer: str = "adamw") -> int:
-    """Parameters + gradients + optimizer state, unsharded and fp32 (torch autocast keeps fp32
-    master weights): memory.state_bytes."""
-    return int(state_bytes(params, optimizer=optimizer).total)
+def fixed_bytes(params: int, optimizer: str = "adamw", *, trainable: int | None = None,
+                precision: str = "fp32") -> int:
+    """Parameters + gradients + optimizer state, unsharded (memory.state_bytes): fp32 for what
+    trains (torch autocast keeps fp32 master weights); a frozen part (fine-tuning: `trainable` of
+    the `params`) only as weights, at `precision`'s element size (a frozen base loaded in bf16)."""
+    return int(state_bytes(params, optimizer=optimizer, trainable=trainable,
+                           frozen_param_bytes=ELEMENT_BYTES[precision]).total)
 
 
 def estimate_profile(model: ModelSpec, gpu: GpuSpec, *, label: str, precision: str = "bf16",
@@ -123,23 +126,25 @@ def estimate_profile(model: ModelSpec, gpu: GpuSpec, *, label: str, precision: s
                      optimizer: str = "adamw") -> DeviceProfile:
     """A profile from datasheet facts: seconds per sample = FLOPs / (peak × efficiency), unless
     `flops_per_s` (effective, efficiency included) is given; optimizer step = reading and writing
-    the fixed state once at the card's memory bandwidth."""
+    the trainable part's state once at the card's memory bandwidth."""
     if not 0 < efficiency <= 1:
         raise UsageError(f"efficiency {efficiency} is not a fraction", "give --efficiency in (0, 1], e.g. 0.4")
     if flops_per_s is None:
         peak, why = peak_flops(gpu, precision)
         flops_per_s = peak * efficiency
         flops_reason = f"{efficiency:.0%} of {why}"
-    state = fixed_bytes(model.params, optimizer)
+    state = fixed_bytes(model.params, optimizer, trainable=model.trainable, precision=precision)
+    updated = fixed_bytes(model.trainable, optimizer) if model.trainable else 0
     act_scale = ELEMENT_BYTES[precision] / ELEMENT_BYTES[model.activation_precision]
     return DeviceProfile(
         device=label, gpu=gpu.key, precision=precision,
         source=f"catalog estimate: {model.flops_per_sample:.3g} FLOPs/sample at {flops_reason}",
         overhead_s=MICRO_OVERHEAD_S, per_sample_s=model.flops_per_sample / flops_per_s,
-        optimizer_s=2 * state / (gpu.bandwidth_gbs * 1e9),
+        optimizer_s=2 * updated / (gpu.bandwidth_gbs * 1e9),
         fixed_bytes=state,
-        # autocast keeps a low-precision copy of the weights while the forward's graph lives
-        activation_fixed_bytes=(2 * model.params if precision != "fp32" else 0.0),
+        # autocast keeps a low-precision copy of the fp32 (trainable) weights while the forward's
+        # graph lives; a frozen base already at that precision is used as it is
+        activation_fixed_bytes=(2 * model.trainable if precision != "fp32" else 0.0),
         activation_bytes_per_sample=model.activation_bytes_per_sample * act_scale,
         memory_bytes=memory_bytes if memory_bytes is not None else gpu.memory_bytes,
         checkpoint_fraction=model.checkpoint_fraction,

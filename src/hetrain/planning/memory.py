@@ -9,6 +9,11 @@ Model state of a data-parallel rank, for P parameters of `param_bytes` each:
     capacity   P              P              k·P · f_r                f_r ∝ free memory of rank r
     fsdp       P / W          P / W          k·P / W                  + transient unsharded units
 
+Fine-tuning (some parameters frozen, e.g. LoRA adapters on a frozen base): of P parameters only
+the T trainable ones have gradients and optimizer state; the P − T frozen ones are weights only,
+at their own element size (`frozen_param_bytes`: a frozen base is usually kept in bf16 while the
+adapters train in fp32). Sharding splits the frozen weights with the rest (fsdp) or not at all.
+
 This is the one model of it (`state_bytes`): the catalog estimate (cost.fixed_bytes), the bytes
 a pipeline stage holds per byte of its parameters (`state_factor`) and the runtime's memory
 check all come from it.
@@ -66,35 +71,54 @@ class StateBytes:
         return self.params + self.grads + self.optimizer + self.transient
 
 
+def check_trainable(n_params: int, trainable: int | None, where: str = "the model") -> int:
+    """The trainable parameter count (None: all of them), checked against the total."""
+    if trainable is None:
+        return n_params
+    if not isinstance(trainable, int) or isinstance(trainable, bool) or trainable < 0:
+        raise UsageError(f"{where}: trainable parameters {trainable!r} is not a count",
+                         "give a whole number of trainable parameters, e.g. --trainable-params 13.6e6")
+    if trainable > n_params:
+        raise UsageError(f"{where}: trainable parameters {trainable:,} are more than its {n_params:,} parameters",
+                         "give at most the model's parameters (all of them: leave --trainable-params out)")
+    return trainable
+
+
 def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, fraction: float | None = None,
                 optimizer: str = "adamw", param_bytes: int = 4, state_bytes_per_value: int = 4,
-                unit_params: Sequence[int] = (), root_params: int = 0, accumulates: bool = False) -> StateBytes:
+                unit_params: Sequence[int] = (), root_params: int = 0, accumulates: bool = False,
+                trainable: int | None = None, frozen_param_bytes: float | None = None) -> StateBytes:
     """Model state on one device. `fraction`: this device's share of the optimizer state under
     'capacity' (default 1/W). FSDP: `unit_params` = parameters of each sharded unit (block),
-    `root_params` = those outside the units, `accumulates` = the rank runs several micro-batches."""
+    `root_params` = those outside the units, `accumulates` = the rank runs several micro-batches.
+    Fine-tuning: `trainable` of the `n_params` have gradients and optimizer state (None: all), the
+    rest are weights of `frozen_param_bytes` each (None: `param_bytes`)."""
     if sharding not in SHARDINGS:
         raise UsageError(f"sharding {sharding!r} is not known", f"use one of {SHARDINGS}")
     if world_size < 1:
         raise UsageError(f"world_size {world_size} must be >= 1", "count the devices")
-    p = float(n_params) * param_bytes
-    opt = float(n_params) * state_values(optimizer) * state_bytes_per_value
+    t = check_trainable(n_params, trainable)
+    frozen_bytes = param_bytes if frozen_param_bytes is None else frozen_param_bytes
+    p = float(t) * param_bytes + float(n_params - t) * frozen_bytes
+    g = float(t) * param_bytes
+    opt = float(t) * state_values(optimizer) * state_bytes_per_value
     if sharding == "none" or world_size == 1:
-        return StateBytes(params=p, grads=p, optimizer=opt)
+        return StateBytes(params=p, grads=g, optimizer=opt)
     if sharding == "zero1":
-        return StateBytes(params=p, grads=p, optimizer=opt / world_size)
+        return StateBytes(params=p, grads=g, optimizer=opt / world_size)
     if sharding == "capacity":
         f = 1.0 / world_size if fraction is None else fraction
         if not 0 <= f <= 1:
             raise UsageError(f"capacity fraction {f} is not in [0, 1]", "pass this device's share of the state")
-        return StateBytes(params=p, grads=p, optimizer=opt * f)
+        return StateBytes(params=p, grads=g, optimizer=opt * f)
     # fsdp
     if accumulates:
-        transient = 2 * p - 2 * p / world_size      # whole parameters and gradients during the step
+        transient = (p + g) - (p + g) / world_size      # whole parameters and gradients during the step
     else:
         largest = max(unit_params, default=0)
-        transient = (root_params + 2 * largest) * param_bytes
-    return StateBytes(params=p / world_size, grads=p / world_size, optimizer=opt / world_size,
-                      transient=min(transient, 2 * p))
+        transient = (root_params + 2 * largest) * (p / n_params if n_params else param_bytes)
+    return StateBytes(params=p / world_size, grads=g / world_size, optimizer=opt / world_size,
+                      transient=min(transient, p + g))
 
 
 def state_factor(optimizer: str = "adamw", *, param_bytes: int = 4, state_bytes_per_value: int = 4) -> float:
@@ -190,11 +214,13 @@ class ShardingOption:
 
 def sharding_options(n_params: int, devices: Sequence[DeviceMemory], *, optimizer: str = "adamw",
                      param_bytes: int = 4, unit_params: Sequence[int] = (), root_params: int = 0,
-                     accumulates: Sequence[bool] | None = None) -> list[ShardingOption]:
+                     accumulates: Sequence[bool] | None = None, trainable: int | None = None,
+                     frozen_param_bytes: float | None = None) -> list[ShardingOption]:
     """Per-device memory of every strategy, for the planner to show and choose from."""
     w = len(devices)
     acc = list(accumulates) if accumulates is not None else [False] * w
-    common = dict(world_size=w, optimizer=optimizer, param_bytes=param_bytes)
+    common = dict(world_size=w, optimizer=optimizer, param_bytes=param_bytes, trainable=trainable,
+                  frozen_param_bytes=frozen_param_bytes)
     full = state_bytes(n_params, sharding="none", **common)
     free = [d.capacity - d.activations - full.params - full.grads for d in devices]
     try:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UsageError
 from ..vocabulary import PRECISIONS
+from .memory import check_trainable
 
 PROFILE_SCHEMA = 1
 
@@ -37,18 +38,20 @@ class ModelSpec:
     """A model as the cost model sees it; activations are for one sample, no checkpointing."""
 
     name: str
-    params: int                              # trainable parameters
+    params: int                              # all parameters (trainable or not)
     flops_per_sample: float                  # training FLOPs (forward + backward) per sample
     activation_bytes_per_sample: float       # saved for backward, at `activation_precision`
     activation_precision: str = "bf16"       # the precision the activation figure is for
     checkpoint_fraction: float = 0.25        # activations kept under activation checkpointing
     assumptions: str = ""                    # how the numbers were obtained, for people
     blocks: int | None = None                # equal blocks (layers) a pipeline can cut between, if any
+    trainable_params: int | None = None      # fine-tuning: those with gradients and optimizer state (None: all)
 
     def __post_init__(self) -> None:
         fix = "give positive sizes, e.g. --params 124e6 --flops-per-sample 8.8e11 --activation-bytes 6.3e8"
         if not isinstance(self.params, int) or isinstance(self.params, bool) or self.params < 1:
             raise UsageError(f"model {self.name!r}: params must be a positive integer, got {self.params!r}", fix)
+        check_trainable(self.params, self.trainable_params, f"model {self.name!r}")
         _positive(f"model {self.name!r}: flops per sample", self.flops_per_sample, fix)
         _positive(f"model {self.name!r}: activation bytes per sample", self.activation_bytes_per_sample, fix)
         if self.activation_precision not in PRECISIONS:
@@ -57,6 +60,15 @@ class ModelSpec:
         if not 0 < self.checkpoint_fraction <= 1:
             raise UsageError(f"model {self.name!r}: checkpoint fraction {self.checkpoint_fraction!r}",
                              "give the fraction of activations kept under checkpointing, in (0, 1]")
+
+    @property
+    def trainable(self) -> int:
+        """Parameters with gradients and optimizer state: all, unless fine-tuning says fewer."""
+        return self.params if self.trainable_params is None else self.trainable_params
+
+    @property
+    def frozen(self) -> int:
+        return self.params - self.trainable
 
 
 @dataclass(frozen=True, kw_only=True)

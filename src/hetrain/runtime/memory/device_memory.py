@@ -1,7 +1,8 @@
 """Memory per device: what the plan expects, what was measured, and the report at the end.
 
 Planned = model state under this rank's sharding (planning/memory.py's model, from the real
-parameter count, dtype and optimizer) + activations of its planned micro-batch, measured on two
+parameter counts — gradients and optimizer state for the requires_grad ones only —, dtypes and
+optimizer) + activations of its planned micro-batch, measured on two
 real samples after checkpointing is applied and under this rank's autocast. Measured = the CUDA
 allocator's peak, or on an emulated device the bytes its MemoryMeter counted (parameters,
 gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain CPU process
@@ -104,14 +105,32 @@ def measure_activations(load, *, model, forward, device, autocast, n_max: int) -
     return max(at_lo - per * lo, 0.0), per
 
 
+def parameter_counts(params) -> dict:
+    """What the memory model needs of a model's parameters: all of them, the trainable ones
+    (requires_grad: gradients and optimizer state) and each kind's element size (a frozen base may
+    be kept in bf16 beside fp32 adapters)."""
+    params = list(params)
+    train = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    n_frozen = sum(p.numel() for p in frozen)
+    return {"n_params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in train),
+            "param_bytes": (train or params)[0].element_size() if params else 4,
+            "frozen_param_bytes": (sum(p.numel() * p.element_size() for p in frozen) / n_frozen
+                                   if n_frozen else None)}
+
+
 def plan_memory(*, n_params: int, param_bytes: int, optimizer: torch.optim.Optimizer, wrapped, world_size: int,
                 micro_batch: int, accumulates: bool, activation_per_sample: float | None,
-                checkpointing: bool, activation_fixed: float = 0.0) -> MemoryPlan:
+                checkpointing: bool, activation_fixed: float = 0.0, trainable: int | None = None,
+                frozen_param_bytes: float | None = None) -> MemoryPlan:
+    """This rank's planned peak: memory.state_bytes for its sharding (gradients and optimizer state
+    for the `trainable` parameters only) plus its micro-batch's activations."""
     kind = optimizer_kind(optimizer)
     state = state_bytes(n_params, sharding=wrapped.strategy, world_size=world_size, fraction=wrapped.fraction,
                         optimizer=kind or "sgd", param_bytes=param_bytes,
                         state_bytes_per_value=param_bytes, unit_params=wrapped.units,
-                        root_params=wrapped.root_params, accumulates=accumulates)
+                        root_params=wrapped.root_params, accumulates=accumulates, trainable=trainable,
+                        frozen_param_bytes=frozen_param_bytes)
     note = "" if kind else f"optimizer {type(optimizer).__name__} not in the memory model: its state not planned"
     return MemoryPlan(strategy=wrapped.strategy, state=state, micro_batch=micro_batch,
                       activation_per_sample=activation_per_sample, activation_fixed=activation_fixed,
@@ -183,8 +202,8 @@ def wrap_for_plan(job, model, optimizer, forward):
     cfg, plan, rank = job.config, job.plan, job.rank
     me = plan.devices[rank]
     params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    param_bytes = params[0].element_size() if params else 4
+    counts = parameter_counts(params)
+    n_params, param_bytes = counts["n_params"], counts["param_bytes"]
     act = act_fixed = None
     if job.emulated is not None or job.device.type == "cuda":
         act_fixed, act = measure_activations(
@@ -196,7 +215,7 @@ def wrap_for_plan(job, model, optimizer, forward):
     strategy = cfg.sharding
     if strategy == "auto":
         strategy = _auto_sharding(job, model, optimizer, n_params=n_params, param_bytes=param_bytes,
-                                  act_bytes=act_bytes)
+                                  act_bytes=act_bytes, counts=counts)
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
                          block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter)
@@ -217,11 +236,13 @@ def wrap_for_plan(job, model, optimizer, forward):
     mp = plan_memory(n_params=n_params, param_bytes=param_bytes, optimizer=optimizer, wrapped=wrapped,
                      world_size=job.world_size, micro_batch=me.micro_batch, accumulates=me.n_micro > 1,
                      activation_per_sample=act, activation_fixed=act_fixed or 0.0,
-                     checkpointing=me.checkpointing)
+                     checkpointing=me.checkpointing, trainable=counts["trainable"],
+                     frozen_param_bytes=counts["frozen_param_bytes"])
     return wrapped, mp, oom_recovery
 
 
-def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None) -> str:
+def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None,
+                   counts: dict) -> str:
     """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
@@ -245,7 +266,8 @@ def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, ac
         n_params, devices, optimizer=optimizer_kind(optimizer) or "sgd", param_bytes=param_bytes,
         unit_params=[sum(p.numel() for p in b.parameters()) for b in blocks],
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
-        accumulates=[bool(a) for a in table.column("accumulates")])
+        accumulates=[bool(a) for a in table.column("accumulates")], trainable=counts["trainable"],
+        frozen_param_bytes=counts["frozen_param_bytes"])
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":
         job.log.table(
