@@ -29,7 +29,10 @@ def params(path: Path):
     return torch.load(path)["params"]
 
 
-def assert_close(a, b, tol=1e-5):
+def assert_close(a, b, tol=1e-4):
+    """fp32 AdamW over 16 steps: another split sums the batch in another order, and Adam's
+    normalisation magnifies those roundings in near-zero gradients (up to 2.4e-5 measured here
+    against one process); a wrong weighting of uneven shares is off by ~1e-2."""
     assert max((u - v).abs().max().item() for u, v in zip(a, b)) <= tol
 
 
@@ -70,7 +73,8 @@ def test_a_lost_node_is_survived_and_a_returning_node_taken_in(tmp_path, one_pro
     equals one process's, and the sample log holds every sample once per epoch."""
     port = free_port()
     flags = job_flags("2:3", port, restarts=3, last_call=3) + ["--checkpoint-dir", str(tmp_path / "ckpt")]
-    args = train_args(tmp_path, pause=0.3)
+    hold = tmp_path / "hold"       # while it exists, every rank waits after its step: c's return is not a race
+    args = [*train_args(tmp_path, pause=0.3), "--hold", str(hold)]
     made = {name: [*flags, "--node-rank", str(i), "--node-name", name, "--emulate", dev, *args]
             for i, (name, dev) in enumerate((("a", "a100-80g"), ("b", "rtx3090"), ("c", "t4")))}
     nodes = [Node(name, made[name], tmp_path / f"{name}.log") for name in made]
@@ -80,8 +84,11 @@ def test_a_lost_node_is_survived_and_a_returning_node_taken_in(tmp_path, one_pro
         wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 4, "step 4", nodes)
         nodes[2].lose()
         wait_for(lambda: "re-planned for 2 devices" in everything(), "the restart on 2 nodes", nodes[:2])
+        hold.touch()
         back = Node("c-again", made["c"], tmp_path / "c2.log")
         nodes.append(back)
+        wait_for(lambda: "a node is waiting to join" in everything(), "c to ask to join", nodes)
+        hold.unlink()
         codes = [n.wait(240) for n in (nodes[0], nodes[1], back)]
     finally:
         for n in nodes:

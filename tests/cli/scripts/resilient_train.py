@@ -16,6 +16,7 @@ p.add_argument("--resume", default="auto")
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--timeout", type=float, default=60)
 p.add_argument("--pause", type=float, default=0.0, help="seconds of the user's own work after each step")
+p.add_argument("--hold", help="after each step, wait while this file exists (a test holds the job at a step)")
 p.add_argument("--pids", help="each rank writes its pid here (pid-rank{r}), for tests that signal one")
 args = p.parse_args()
 
@@ -51,6 +52,12 @@ for step in batches:
         import time
 
         time.sleep(args.pause)
+    if args.hold:
+        import os
+        import time
+
+        while os.path.exists(args.hold):
+            time.sleep(0.05)
 if ht.is_main:
     torch.save({"params": [p.detach() for p in model.parameters()], "lr": schedule.get_last_lr()}, args.out)
 ht.close()
