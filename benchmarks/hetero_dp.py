@@ -132,13 +132,19 @@ def worker_plain(args) -> float:
 
 
 def worker_hetrain(args) -> float:
+    return timed_hetrain(args, emulate=args.spec, verbose=False)[0]
+
+
+def timed_hetrain(args, **init) -> tuple[float, object]:
+    """hetrain on the demo GPT: (samples/s over the timed steps, the plan it ran). `init`: more
+    hetrain.init() settings (benchmarks/multi_node.py adds its link and compression)."""
     import torch
     import torch.distributed as dist
 
     import hetrain
 
-    ht = hetrain.init(global_batch=args.global_batch, emulate=args.spec, precision=args.precision,
-                      max_steps=args.warmup + args.steps, verbose=False)
+    ht = hetrain.init(global_batch=args.global_batch, precision=args.precision,
+                      max_steps=args.warmup + args.steps, **init)
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, batches = ht.prepare(model, opt, data)
@@ -156,8 +162,9 @@ def worker_hetrain(args) -> float:
         ht.step()
     dist.barrier()
     seconds = time.perf_counter() - t0
+    plan = ht.plan
     ht.close()
-    return args.steps * args.global_batch / seconds
+    return args.steps * args.global_batch / seconds, plan
 
 
 # -- the driver --------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hetero_dp import _autocast, _loss, _model_and_data  # noqa: E402 — the same model, data and autocast
+from hetero_dp import _autocast, _loss, _model_and_data, timed_hetrain  # noqa: E402 — the same model, data, loop
 
 NODES = ("a100-80g:1.0", "rtx3090:0.67")
 CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
@@ -88,34 +88,11 @@ def worker_plain(args) -> float:
 
 
 def worker_hetrain(args) -> tuple[float, str]:
-    import torch
-    import torch.distributed as dist
-
-    import hetrain
-
-    ht = hetrain.init(global_batch=args.global_batch, precision=args.precision, max_steps=args.warmup + args.steps,
-                      compression=args.compression, emulate_link_gbs=args.link_gbs, sharding="none",
-                      verbose=args.verbose)
-    model, data = _model_and_data(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, batches = ht.prepare(model, opt, data, parallel="dp")
-    t0 = None
-    for step in batches:
-        if step.index == args.warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                with ht.autocast():
-                    loss = _loss(model, x, y)
-                ht.backward(loss)
-        ht.step()
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    chosen = ht.plan.compression
-    ht.close()
-    return args.steps * args.global_batch / seconds, chosen
+    """hetrain's loop, timed (hetero_dp.timed_hetrain), on this node's devices (its launch file's
+    --emulate), through the emulated link: (samples/s, the compression the plan ran)."""
+    sps, plan = timed_hetrain(args, compression=args.compression, emulate_link_gbs=args.link_gbs,
+                              sharding="none", verbose=args.verbose)
+    return sps, plan.compression
 
 
 # -- the driver --------------------------------------------------------------------------------

@@ -161,12 +161,13 @@ def _one_node(emulate: str, node_name: str | None) -> tuple[str, str | None]:
     NODE as its name unless --node-name gives one. The workers see only the flat devices."""
     from .hardware.cluster import parse_cluster_spec
 
-    nodes = parse_cluster_spec(emulate).topology.nodes
+    topology = parse_cluster_spec(emulate).topology
+    nodes = topology.nodes
     if len(nodes) != 1:
         raise UsageError(f"--emulate {emulate!r} names {len(nodes)} nodes ({', '.join(n.name for n in nodes)})",
                          "on each node, give that node's own part, e.g. --emulate node1=4xrtx3090/pcie4 "
                          "(`hetrain simulate --cluster` takes the whole cluster)")
-    if parse_cluster_spec(emulate).topology.net is not None:
+    if topology.net is not None:
         raise UsageError(f"--emulate {emulate!r} gives net=, the link between nodes",
                          "drop net= here: the emulated link between nodes is --emulate-link-gbs GB/s")
     return nodes[0].part, node_name or nodes[0].name

@@ -65,6 +65,15 @@ def _tree(root: int) -> list[int]:
     return out
 
 
+def finish(nodes: list[Node], timeout: float) -> list[int]:
+    """Every node's exit code; any node still running after that is lost (so none outlives a test)."""
+    try:
+        return [n.wait(timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
 def job_flags(nnodes: str, port: int, *, restarts: int = 0, last_call: float = 30) -> list[str]:
     return ["--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-last-call", str(last_call),
             "--max-restarts", str(restarts)]
@@ -79,4 +88,4 @@ def wait_for(predicate, what: str, nodes: list[Node], timeout: float = 180.0) ->
         time.sleep(0.1)
 
 
-__all__ = ["Node", "free_port", "job_flags", "wait_for"]
+__all__ = ["Node", "finish", "free_port", "job_flags", "wait_for"]

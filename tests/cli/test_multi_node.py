@@ -13,7 +13,7 @@ import torch
 
 from clirun import hetrain
 from hetrain.runtime.resilience.resume import read_sample_log
-from node_launch import Node, free_port, job_flags, wait_for
+from node_launch import Node, finish, free_port, job_flags, wait_for
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "machines"
@@ -52,11 +52,7 @@ def test_two_nodes_of_mixed_devices_train_as_one_process(tmp_path, one_process):
                         *train_args(tmp_path)], tmp_path / "a.log"),
              Node("b", [*flags, "--node-rank", "1", "--node-name", "box-b", "--emulate", "rtx3090,t4",
                         *train_args(tmp_path)], tmp_path / "b.log")]
-    try:
-        codes = [n.wait(240) for n in nodes]
-    finally:
-        for n in nodes:
-            n.stop()
+    codes = finish(nodes, 240)
     a = nodes[0].text()
     assert codes == [0, 0], a[-3000:] + nodes[1].text()[-3000:]
     assert "job: 3 device(s) on 2 node(s)" in a
@@ -122,11 +118,7 @@ def test_nodes_with_different_torch_builds_are_one_error_naming_the_odd_node(tmp
                   tmp_path / "a.log"),
              Node("b", [*flags, "--node-rank", "1", "--node-name", "old-box", "--emulate", "rtx3090",
                         *train_args(tmp_path)], tmp_path / "b.log", env={"HETRAIN_MACHINE": old})]
-    try:
-        codes = [n.wait(120) for n in nodes]
-    finally:
-        for n in nodes:
-            n.stop()
+    codes = finish(nodes, 120)
     one_line(codes[0], nodes[0].text(), "node 1 'old-box'", "torch")
     assert codes[1] == 2 and "node 1 'old-box'" in nodes[1].text()
 

@@ -69,7 +69,7 @@ def _host() -> dict:
 
 
 # -- torch.cuda ------------------------------------------------------------------------------
-def _torch_part(facts: dict) -> list[dict]:
+def torch_part(facts: dict) -> list[dict]:
     import torch
 
     from .. import __version__
@@ -229,7 +229,7 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
                    "versions": {k: None for k in ("hetrain", "torch", "torch_cuda", "cudnn", "nccl",
                                                   "driver", "driver_cuda", "nvml")},
                    "torch": {}, "nvml": {}, "gpus": [], "pairs": [], "env": relevant_env()}
-    torch_gpus = _torch_part(facts)
+    torch_gpus = torch_part(facts)
     nvml_gpus, nvml_pairs = nvml_part(facts)
     gpus = facts["gpus"] = _merge(torch_gpus, nvml_gpus) if nvml_gpus else torch_gpus
     if nvml_gpus:          # NVML numbers pairs by its own index; re-key them by position in gpus

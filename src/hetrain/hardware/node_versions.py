@@ -39,21 +39,14 @@ def versions_here(environ: Mapping[str, str] | None = None) -> dict:
             return rank_versions(driver.load_machine(path))
         except UsageError as e:
             raise UsageError(f"{MACHINE_ENV}={path}: {e.what}", e.fix) from None
-    import torch
+    from . import driver
 
-    v: dict = {k: None for k in FIELDS}
-    v.update(torch=torch.__version__, torch_cuda=torch.version.cuda)
-    gpus: list[str] = []
-    try:
-        if torch.cuda.is_available():
-            nccl = torch.cuda.nccl.version()
-            v["nccl"] = ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)
-            v["cudnn"] = torch.backends.cudnn.version()
-            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:     # noqa: BLE001 — a CUDA build without NCCL, a GPU lost mid-query: unknown
-        pass
-    v["driver"] = _nvml_driver()
-    return {**v, "hostname": socket.gethostname(), "gpus": gpus}
+    # torch's part of the full machine query (driver.py), so live and recorded versions are read
+    # alike; not the rest of it (NVML's GPU table, the peer-copy child)
+    facts: dict = {"versions": {k: None for k in FIELDS}, "torch": {}, "host": {"hostname": socket.gethostname()}}
+    facts["gpus"] = driver.torch_part(facts)
+    facts["versions"]["driver"] = _nvml_driver()
+    return rank_versions(facts)
 
 
 def _nvml_driver() -> str | None:

@@ -58,8 +58,7 @@ class Engine:
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.verbose)
         # Every node's devices, gathered (collective): --emulate names this node's own devices.
-        ctx, config, nodes = join_nodes(ctx, config, log)
-        cluster = parse_cluster(config.emulate) if config.emulate else None
+        ctx, config, nodes, cluster = join_nodes(ctx, config, log)
         emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s) if cluster is not None else None
         faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
                                rank=ctx.rank, attempt=ctx.restart)

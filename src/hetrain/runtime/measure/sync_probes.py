@@ -63,7 +63,8 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     `throttle` (runtime/devices/link.py): the emulated inter-node link every bucket's all-reduce
     crosses, as in training."""
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ..sharding.comm_hooks import GradientHook
 
     module = ddp.module
     dtype = DTYPES.get(precision)
@@ -71,15 +72,12 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     cuda = device.type == "cuda"
     last_launch: list[float] = []
     if not cuda:
+        gradient = GradientHook("none", throttle=throttle)     # training's all-reduce, through the link
+
         def hook(state, bucket):
-            started = time.perf_counter()
             if bucket.is_last():
-                last_launch.append(started)
-            buffer = bucket.buffer()
-            future = default_hooks.allreduce_hook(None, bucket)
-            if throttle is None:
-                return future
-            return throttle.then(future, started, buffer.numel() * buffer.element_size())
+                last_launch.append(time.perf_counter())
+            return gradient(bucket)
         ddp.register_comm_hook(None, hook)
 
     def once(sync: bool) -> tuple[float, float]:

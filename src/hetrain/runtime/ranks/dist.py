@@ -88,22 +88,20 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
                            local_world_size=_env_int("LOCAL_WORLD_SIZE", size, low=1) if same else size)
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if world == 1 and "MASTER_ADDR" not in os.environ:
         store: dist.Store = dist.HashStore()
     else:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _env_int("MASTER_PORT", 29500, low=1)
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(host, port, world_size=world, is_master=(not agent and rank == 0),
                               timeout=timeout, wait_for_workers=False)
-        # On the agent's store (one node: torchrun's shared store outlives attempts) each attempt
-        # gets its own keys. A store of our own (multi-node launches make one per round, on a new
-        # port) is fresh already, and the nodes' restart counts differ (a node that joins later
-        # starts at 0), so its keys must not depend on them.
-        if not agent:
-            store = dist.PrefixStore("hetrain/round", store)
-    if not isinstance(store, dist.PrefixStore):
-        store = dist.PrefixStore(f"hetrain/attempt{restart}", store)
+    # On the agent's store (one node: torchrun's shared store outlives attempts) each attempt gets
+    # its own keys. A store of our own (multi-node launches make one per round, on a new port) is
+    # fresh already, and the nodes' restart counts differ (a node that joins later starts at 0), so
+    # its keys must not depend on them.
+    own = isinstance(store, dist.TCPStore) and not agent
+    store = dist.PrefixStore("hetrain/round" if own else f"hetrain/attempt{restart}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
     return DistContext(rank, world, local_rank, device, backend, restart, owns_group=True,

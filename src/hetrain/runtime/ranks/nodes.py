@@ -49,8 +49,6 @@ class JobNodes:
         return f"node {node} ({self.names[node]})"
 
 
-SINGLE = JobNodes(names=(socket.gethostname(),), node_of=(0,))
-
 
 def node_name() -> str:
     """This node's name: `hetrain run --node-name`, else the host name."""
@@ -105,8 +103,6 @@ def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spe
         raise UsageError(f"some nodes emulate their devices and some do not ({side})",
                          "give every node's `hetrain run` an --emulate spec of its own devices, or none")
     job_spec = ",".join(t["device"] for t in table) if all(emulated) else None
-    if job_spec is not None:
-        parse_cluster(job_spec)        # the union is valid when every part is; checked all the same
     return nodes, job_spec, table
 
 
@@ -129,7 +125,7 @@ def join_nodes(ctx, config, log):
     """Engine.__init__'s step after joining the group: every rank's node, device and versions
     gathered (a collective); the job's cluster spec in place of this node's; the attempt number
     agreed; versions compared across nodes (one error on every rank, or warnings); the nodes
-    printed once. Returns (ctx, config, JobNodes)."""
+    printed once. Returns (ctx, config, JobNodes, the job's cluster or None: no emulation)."""
     from dataclasses import replace
 
     from ...hardware.node_versions import check_node_versions, versions_here
@@ -137,13 +133,13 @@ def join_nodes(ctx, config, log):
     nodes, job_spec, records = gather(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                                       local_world=ctx.local_world_size, spec=config.emulate,
                                       versions=versions_here() if ctx.world_size > 1 else None)
+    cluster = parse_cluster(job_spec) if job_spec is not None else None
     if job_spec is not None:
         config = replace(config, emulate=job_spec)
-    if agreed_restart(records) != ctx.restart:     # what depends on the attempt is the same on every rank
-        ctx = replace(ctx, restart=agreed_restart(records))
+    ctx = replace(ctx, restart=agreed_restart(records))   # what depends on the attempt is alike on every rank
     if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node
         for warning in check_node_versions([r["versions"] for r in records], list(nodes.node_of),
                                            list(nodes.names)):
             log.warn_job(warning)
-        log.info(describe(nodes, parse_cluster(job_spec) if job_spec else None))
-    return ctx, config, nodes
+        log.info(describe(nodes, cluster))
+    return ctx, config, nodes, cluster

@@ -39,11 +39,9 @@ class SyncGuard:
     """DDP's gradient all-reduce as a comm hook (runtime/sharding/comm_hooks.py GradientHook: plain,
     compressed, through the emulated link), plus a record of the buckets each backward launched."""
 
-    def __init__(self, ddp: DDP, gradient=None):
-        from ..sharding.comm_hooks import GradientHook
-
+    def __init__(self, ddp: DDP, gradient):
         self.ddp = ddp
-        self.gradient = gradient if gradient is not None else GradientHook("none")
+        self.gradient = gradient          # a runtime/sharding/comm_hooks.py GradientHook
         self.launched: list[int] = []
         ddp.register_comm_hook(self, SyncGuard.hook)
 

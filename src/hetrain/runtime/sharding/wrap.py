@@ -54,13 +54,9 @@ class Wrapped:
     root_params: int = 0                  # FSDP2: parameters outside the units
 
     def sync_guard(self):
-        """What OOM recovery uses to complete the collectives an OOM interrupted: DDP's
-        `recovery.SyncGuard`; under FSDP2 the `fsdp_guard.FSDPGuard` prepare() taught the step's
-        collectives (runtime/memory/device_memory.py), None before that."""
-        if isinstance(self.sync, DDP):
-            from ..resilience.oom import SyncGuard
-
-            return SyncGuard(self.sync)
+        """What OOM recovery uses to complete the collectives an OOM interrupted under FSDP2: the
+        `fsdp_guard.FSDPGuard` prepare() taught the step's collectives (runtime/memory/device_memory.py),
+        None before that. DDP's (resilience/oom.py SyncGuard, with the gradient hook) is setup.py's."""
         return getattr(self.sync, "guard", None)
 
 
