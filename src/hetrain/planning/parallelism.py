@@ -181,7 +181,8 @@ class ParallelismChoice:
         return lines
 
 
-def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin, link: Link) -> Candidate:
+def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin, link: Link,
+                  grad_fraction: float = 1.0) -> Candidate:
     state = state_factor * profile.param_bytes
     act = profile.activation_bytes_per_sample
     short: dict[str, list[str]] = {}     # usable memory -> devices that lack it
@@ -197,7 +198,7 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
                          detail=f"global batch {global_batch} < {len(devices)} devices")
     shares = proportional_shares(global_batch, [dv.speed for dv in devices])
     compute = max(b * profile.seconds_per_sample / dv.speed for b, dv in zip(shares, devices))
-    sync = allreduce_seconds(len(devices), profile.param_bytes, link)
+    sync = allreduce_seconds(len(devices), grad_fraction * profile.param_bytes, link)
     return Candidate(name="DP" if len(devices) > 1 else "one device", kind="dp", fits=True,
                      samples_per_s=global_batch / max(compute + sync, _EPS), replicas=len(devices),
                      shares=shares,
@@ -209,11 +210,13 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
 def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice], *, global_batch: int,
                         micro_batches: int = 8, schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR,
                         memory_margin: float = 0.10, link: Link | None = None,
-                        prefer_simpler_within: float = 0.05) -> ParallelismChoice:
+                        prefer_simpler_within: float = 0.05, grad_fraction: float = 1.0) -> ParallelismChoice:
     """Predict data parallelism (every device holds the model, hetero shares), one pipeline over all
     devices, and every DP×PP layout (replicas of p consecutive devices, p dividing the device
     count), then pick the fastest that fits memory. A simpler layout (DP, then PP, then DP×PP) wins
     when it is within `prefer_simpler_within` of the fastest: fewer moving parts for the same speed.
+    Fine-tuning: `grad_fraction` of each block's parameter bytes have gradients to all-reduce
+    (the trainable part; its memory is in `state_factor`).
 
     Raises UsageError when nothing fits, with each candidate's reason and what to try."""
     w = len(devices)
@@ -224,7 +227,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
     link = FREE_LINK if link is None else link
     common = dict(schedule=schedule, state_factor=state_factor, memory_margin=memory_margin, link=link)
     cands = [_dp_candidate(profile, devices, global_batch=global_batch, state_factor=state_factor,
-                           memory_margin=memory_margin, link=link)]
+                           memory_margin=memory_margin, link=link, grad_fraction=grad_fraction)]
     for stages in range(2, w + 1):
         if w % stages:
             continue
@@ -246,7 +249,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
                                    replicas=d, stages=stages))
             continue
         # Each stage all-reduces its gradients (as many bytes as its parameters) over the d replicas.
-        sync = allreduce_seconds(d, max(st.param_bytes for st in h.replicas[0].stages), link)
+        sync = allreduce_seconds(d, grad_fraction * max(st.param_bytes for st in h.replicas[0].stages), link)
         rate = global_batch / max(h.step_seconds + sync, _EPS)
         rep = h.replicas[0]
         cands.append(Candidate(
