@@ -163,6 +163,8 @@ class Candidate:
     stages: int = 1
     sizes: tuple[int, ...] = ()        # blocks per stage (PP, DP×PP)
     shares: tuple[int, ...] = ()       # samples per replica (DP: per device)
+    memory: tuple[float, ...] = ()     # PP, DP×PP: peak bytes per device, in rank order
+    sync_s: float = 0.0                # PP, DP×PP: the stages' gradient all-reduce over the replicas
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,7 +256,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         rep = h.replicas[0]
         cands.append(Candidate(
             name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
-            shares=h.shares,
+            shares=h.shares, memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), sync_s=sync,
             detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
                     f"{rep.bubble_fraction:.0%}" + (f", replica shares {'/'.join(map(str, h.shares))}" if d > 1 else "")
                     + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
