@@ -140,18 +140,19 @@ def decide_auto(job: Job, model, optimizer, loss_fn) -> tuple[str, tuple | None]
         job.log.info(f"parallel=auto chose dp: no blocks found to cut pipelines between ({e.what.split(':')[0]})")
         return "dp", None
     from ..planning.parallelism import compare_parallelism
-    from ..planning.memory import state_factor
 
     kind_opt = memory.optimizer_kind(optimizer) or "adamw"
+    factor, grad_fraction, _ = choose.model_state([model], kind_opt)     # frozen parameters: weights only
     devices = stages.device_table(job)                                                                 # (collective)
-    fits, why = choose.state_fits(model, devices, factor=state_factor(kind_opt), margin=job.config.memory_margin)
+    fits, why = choose.state_fits(model, devices, factor=factor, margin=job.config.memory_margin)
     if fits:       # the common case decided without measuring anything
         job.log.info(f"parallel=auto chose dp: {why}")
         return "dp", None
     profile, devices = stages.measure_blocks(job, parts, devices)                                     # (collective)
     try:
         choice = compare_parallelism(profile, devices, global_batch=job.config.global_batch,
-                                     state_factor=state_factor(kind_opt), memory_margin=job.config.memory_margin)
+                                     state_factor=factor, grad_fraction=grad_fraction,
+                                     memory_margin=job.config.memory_margin)
     except UsageError as e:
         raise UsageError(f"parallel='auto': {e.what}", e.fix) from None
     kind, why = choose.auto(job, model=model, optimizer_kind=kind_opt, parts=parts, profile=profile,
