@@ -80,11 +80,23 @@ def test_simulate_lists():
     assert r.returncode == 0 and "rtx3090" in r.stdout and "llama-1b" in r.stdout and "resnet50" in r.stdout
 
 
+def test_a_batch_smaller_than_the_devices_runs_as_a_pipeline_not_data_parallel():
+    r = hetrain_here("simulate", "--cluster", "a100-80g,rtx3090,t4", "--model", "gpt2-124m", "--global-batch", "2",
+                     "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert "global batch 2 is smaller than the 3 devices" in out["data_parallel_error"]
+    best = out["layouts"]["best"]
+    assert best and not best.startswith("DP ") and best != "DP"
+    rows = {row["name"]: row for row in out["layouts"]["rows"]}
+    assert not rows["DP"]["fits"] and rows[best]["fits"]
+
+
 @pytest.mark.parametrize("args, words", [
-    (("simulate", "--cluster", "a100-80g,rtx3090,t4", "--model", "gpt2-124m", "--global-batch", "2"),
-     ("global batch 2 is smaller than the 3 devices", "at least 3")),
+    (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "0"),
+     ("--global-batch 0 must be at least 1",)),
     (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b"),
-     ("fits on no device", "shard")),
+     ("no layout fits memory", "FSDP2 fits on")),
     (("simulate", "--cluster", "a100-80g", "--params", "0", "--flops-per-sample", "1e9", "--activation-bytes", "1e6"),
      ("--params '0' must be a positive number",)),
     (("simulate", "--cluster", "a100-80g", "--params", "1e6", "--flops-per-sample", "-3", "--activation-bytes", "1e6"),
@@ -242,9 +254,9 @@ def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():
                      "--global-batch", "32")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "parallelism: " in out
-    for layout in ("DP:", "PP 4 stages:", "DP×PP 2×2:"):
-        assert layout in out, out
+    assert "best layout: " in out and "run it: " in out
+    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 4 stages:", "DP×PP 2×2:", "TP 4:"):
+        assert f"  {layout}" in out, out
     result = hetrain_here("plan", "--params", "20e9", "--flops-per-sample", "1e13", "--activation-bytes", "1GiB",
                      "--blocks", "40", "--emulate", "a100-80g,a100-80g", "--global-batch", "8")
     # 20B parameters with AdamW state do not fit one 80 GB card: whatever the plan says, DP cannot be it

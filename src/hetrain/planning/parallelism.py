@@ -239,6 +239,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         name = f"PP {stages} stages" if d == 1 else f"DP×PP {d}×{stages}"
         kind = "pp" if d == 1 else "dp×pp"
         m = micro_batches if schedule == "gpipe" else max(micro_batches, stages)
+        m = min(m, max(1, global_batch // d))        # at least one sample per micro-batch
         try:
             if d == 1:   # one pipeline: the min-max split the runtime uses
                 one = split_pipeline(profile, devices, micro_batches=m,
