@@ -175,6 +175,42 @@ WORKER = textwrap.dedent("""
 """)
 
 
+ENCODER_FACTORY = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Classifier(nn.Module):          # a stock encoder no one here wrote
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.embed(x)).mean(1))
+
+    def make():
+        torch.manual_seed(0)
+        data = [(torch.randint(0, 64, (16,)), torch.tensor(i % 2)) for i in range(256)]
+        model = Classifier()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), data
+""")
+
+
+def test_plan_ranks_every_layout_for_a_stock_transformer_encoder(tmp_path):
+    """The blocks of a stock nn.TransformerEncoder are found without --blocks, so pipelines are
+    ranked beside data parallelism, sharding and TP, from the job's own measurements."""
+    (tmp_path / "enc.py").write_text(ENCODER_FACTORY)
+    r = hetrain("plan", "--model-factory", f"{tmp_path / 'enc.py'}:make", "--emulate", "a100-80g:1.0,rtx3090:0.5",
+                "--global-batch", "16")
+    assert r.returncode == 0, r.stderr
+    assert "4 TransformerEncoderLayer in 'encoder.layers'" in r.stdout + r.stderr
+    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 2 stages:", "TP 2:"):
+        assert f"  {layout}" in r.stdout, r.stdout
+    assert "best layout: " in r.stdout and "blocks unknown" not in r.stdout
+
+
 def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
     """`hetrain plan` measures in the job's processes as the runtime does; the plan it writes is,
     field for field, the one the runtime's planner makes from those measurements under the config
