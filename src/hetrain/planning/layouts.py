@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from ..hardware.units import format_bytes
-from .collectives import all_gather_seconds, allreduce_seconds
+from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
 from .memory import capacity_fractions, state_bytes
 from .options import PlanOptions, ring_link
 from .planner import make_plan
@@ -45,6 +45,9 @@ from .profile import DeviceProfile
 # bytes kept per sample: per layer 4 all-reduces of s·h bf16 values (2 forward, 2 backward) = 8·s·h
 # bytes against ≈ 34·s·h saved (Korthikanti et al. 2022, without the attention scores).
 TP_COMM_PER_ACTIVATION = 8 / 34
+# What one stage sends the next per sample, as a fraction of one block's saved activations: a
+# transformer block's output is s·h values (2 bytes at bf16) against ≈ 34·s·h bytes it keeps.
+BOUNDARY_PER_ACTIVATION = 2 / 34
 MAX_MICRO_BATCHES = 128           # pipelines: the most micro-batches tried per step
 ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "PP", "DP×PP", "TP")
 
@@ -235,17 +238,19 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
     layer = PipelineProfile.uniform(
         n_blocks=state.blocks, seconds_per_sample=fastest.per_sample_s,
         activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=state.weight_bytes,
+        boundary_bytes=BOUNDARY_PER_ACTIVATION * fastest.activation_bytes_per_sample / state.blocks,
         source=f"{state.blocks} equal blocks from {fastest.device}'s whole-model profile")
     devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
                for p in profiles]
     factor = state.state("none", world_size=1).total / max(state.weight_bytes, 1.0)
+    link = ring_link(profiles, o)
     # More micro-batches make each smaller (less activation memory in flight, a smaller bubble):
     # a layout that does not fit at 8 is tried again at 16, 32, ... up to one sample per micro-batch.
     found: dict[str, object] = {}
     m = 8
     while True:
         choice = compare_parallelism(layer, devices, global_batch=o.global_batch, schedule=schedule,
-                                     state_factor=factor, memory_margin=o.memory_margin, link=ring_link(profiles, o),
+                                     state_factor=factor, memory_margin=o.memory_margin, link=link,
                                      micro_batches=m, require_fit=False,
                                      grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
         for c in choice.candidates:
@@ -264,10 +269,13 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
             continue
         family = "PP" if c.kind == "pp" else "DP×PP"
         stage_grads = state.grad_bytes / max(c.stages, 1)
+        # Each stage's gradients over the replicas; activations forward and their gradients back.
         moved = _ring(c.replicas) * stage_grads + 2 * o.global_batch / c.replicas * layer.boundary_bytes
+        # The sends are inside each stage's time (pipeline_split.py); shown: one boundary's whole step.
+        sends = 2 * send_seconds(o.global_batch / c.replicas * layer.boundary_bytes, link) if c.stages > 1 else 0.0
         rows.append(LayoutRow(
             name=c.name, family=family, fits=c.fits, samples_per_s=c.samples_per_s,
-            memory=c.memory if c.fits else (None,) * w, comm_bytes=moved if c.fits else 0.0, comm_s=c.sync_s,
+            memory=c.memory if c.fits else (None,) * w, comm_bytes=moved if c.fits else 0.0, comm_s=c.sync_s + sends,
             detail=c.detail,
             run="ht.prepare(..., parallel='pp')" if family == "PP" else "ht.prepare(..., parallel='dp-pp')"))
     return rows
