@@ -36,7 +36,9 @@ from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_c
 from .plan_show import show_layouts, show_plan, show_sharding, topology_lines
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
 
 
 def _number(text: str, what: str, *, integer: bool = False, allow_units: bool = False) -> float:
