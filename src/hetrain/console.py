@@ -12,7 +12,6 @@ and a worker must not import the command line's modules.
 from __future__ import annotations
 
 import os
-import sys
 
 from rich.console import Console
 
@@ -31,8 +30,3 @@ def console(*, stderr: bool = False, highlight: bool = False, soft_wrap: bool = 
 def piped_width() -> int:
     columns = os.environ.get("COLUMNS", "")
     return max(int(columns) if columns.isdigit() else 0, PIPED_WIDTH)
-
-
-def is_terminal(stream=None) -> bool:
-    """Whether `stream` (stdout) is a terminal as rich judges it (FORCE_TERMINAL, TTY_COMPATIBLE...)."""
-    return Console(file=stream or sys.stdout).is_terminal
