@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
 def main(argv: list[str]) -> None:
@@ -27,37 +28,20 @@ def main(argv: list[str]) -> None:
     with open(argv[0]) as f:
         job = json.load(f)
 
-    import torch.distributed as dist
-
     from ..files import write_json_atomic
     from ..report import StepProgress
     from ..runtime.engine import init
     from ..runtime.measure.factory import call_factory, load_factory
     from ..runtime.measure.probe import as_scalar, default_forward
 
-    def barrier() -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
     warmup, steps = job["warmup"], job["steps"]
     ht = init(**job["config"], max_steps=warmup + steps)
     spec = job["factory"]
     model, optimizer, dataset, collate = call_factory(load_factory(spec), spec)
     model, optimizer, batches = ht.prepare(model, optimizer, dataset, collate_fn=collate)
-    started = None
     with StepProgress(ht, len(batches), description=f"  {job['phase']}", on=ht.is_main) as bar:
-        for step in batches:
-            if step.index == warmup:
-                barrier()                     # every rank starts the timed steps together
-                started = time.perf_counter()
-            for mb in step:
-                with mb:
-                    with ht.autocast():
-                        loss = as_scalar(default_forward(model, mb.batch))
-                    ht.backward(loss)
-            bar.update(ht.step())
-    barrier()
-    seconds = time.perf_counter() - started
+        seconds = timed_steps(ht, model, batches, warmup=warmup, on_step=bar.update,
+                              loss=lambda m, batch: as_scalar(default_forward(m, batch)))
     summary = ht.summary()                    # a collective: every rank's peak memory
     if ht.is_main:
         write_json_atomic(job["out"], {
@@ -72,6 +56,33 @@ def main(argv: list[str]) -> None:
             "ooms": [int(r["ooms"]) for r in summary["ranks"]],
         })
     ht.close()
+
+
+def timed_steps(ht, model, batches, *, warmup: int, loss: Callable, on_step: Callable = lambda step: None) -> float:
+    """Train every step of `batches` as a user's loop does, `loss(model, batch)` a micro-batch's
+    mean loss; returns the seconds the steps after the first `warmup` took, timed between barriers
+    on every rank (benchmarks/hetero_dp.py times its hetrain runs with it too)."""
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    started = None
+    for step in batches:
+        if step.index == warmup:
+            barrier()                         # every rank starts the timed steps together
+            started = time.perf_counter()
+        for mb in step:
+            with mb:
+                with ht.autocast():
+                    value = loss(model, mb.batch)
+                ht.backward(value)
+        on_step(ht.step())
+    barrier()
+    if started is None:
+        raise ValueError(f"{warmup} warm-up steps leave none to time: the run had fewer steps")
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":
