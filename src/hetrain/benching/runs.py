@@ -23,6 +23,7 @@ from ..errors import UsageError
 from ..files import write_json_atomic, write_text_atomic
 from ..planning.plan import Plan, split_evenly
 
+BUSY_LOAD = 0.5         # load average per core at the start above which the figures are called noisy
 EQUAL_SPLIT_HOW = ("hetrain's engine running an equal-split plan (every device the same share, its own "
                    "micro-batches, no rebalancing), not torch DDP")
 
@@ -155,6 +156,7 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
     """Every configuration in turn; `say` gets a line as each one starts."""
     from ..hardware.host import host_facts
 
+    load = _load_average()            # before any run of ours: what else this host is doing
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-") as tmp:
         phase = iter(range(1, setup.phases + 1))
         alone = []
@@ -169,7 +171,8 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
         say(f"[{next(phase)}/{setup.phases}] equal split: {EQUAL_SPLIT_HOW}")
         equal = _launch(setup, tmp, "equal", "equal split", config={"plan": plan_file, "rebalance": False})
     host = host_facts()
-    facts = {**host.to_dict(), "cores": os.cpu_count(), "emulated": setup.emulated, "describe": host.describe()}
+    facts = {**host.to_dict(), "cores": os.cpu_count(), "emulated": setup.emulated, "describe": host.describe(),
+             "load_average_at_start": load}
     return BenchResult(setup=setup, alone=tuple(alone), equal_split=equal, hetrain=het, host=facts)
 
 
@@ -208,3 +211,21 @@ def _environment_kept():
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (None where the OS does not keep one)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_host(host: dict) -> str | None:
+    """A warning when other work was running as the bench started: its figures are then that
+    work's as much as the devices' (each configuration runs at a different moment)."""
+    load, cores = host.get("load_average_at_start"), host.get("cores") or 1
+    if load is None or load < BUSY_LOAD * cores:
+        return None
+    return (f"this host was busy when the bench started (load average {load:.1f} on {cores} cores): the figures "
+            "include that other work; run it again on an idle machine to compare the configurations")

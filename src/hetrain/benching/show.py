@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..console import console
 from ..hardware.units import format_bytes
-from .runs import EQUAL_SPLIT_HOW, BenchResult
+from .runs import EQUAL_SPLIT_HOW, BenchResult, busy_host
 
 
 def rows(result: BenchResult) -> list[tuple[str, float, str]]:
@@ -44,6 +44,8 @@ def print_table(result: BenchResult) -> None:
     con.print(f"host: {result.host.get('describe', result.host.get('cpu', '?'))}, {result.host.get('cores')} cores, "
               f"torch {result.host.get('torch')}" + (" (devices emulated: CPU processes throttled to each card's "
                                                      "speed)" if s.emulated else ""), markup=False)
+    if (busy := busy_host(result.host)) is not None:
+        con.print(f"warning: {busy}", style="yellow", markup=False)
 
 
 def draw_png(result: BenchResult, path: str) -> None:
