@@ -78,6 +78,13 @@ class Run:
     peak_memory_bytes: tuple[int, ...]
     rebalances: int = 0                 # share changes during the run (hetrain's; the others run fixed shares)
     plan: dict = field(repr=False, default_factory=dict)
+    error: str | None = None            # a device alone that could not run it (the model does not fit, say)
+
+    @classmethod
+    def failed(cls, device: str, error: str) -> Run:
+        """A device alone that could not run the job: it adds nothing standalone."""
+        return cls(samples_per_s=0.0, devices=(device,), shares=(0,), micro_batches=(0,), peak_memory_bytes=(0,),
+                   error=error)
 
     @classmethod
     def from_record(cls, record: dict) -> Run:
@@ -106,6 +113,7 @@ class BenchResult:
 
     @property
     def fastest_alone(self) -> int:
+        """The index of the fastest device alone (run_bench stops when none could run)."""
         return max(range(len(self.alone)), key=lambda i: self.alone[i].samples_per_s)
 
     @property
@@ -129,7 +137,8 @@ class BenchResult:
             "model": s.factory, "devices": list(self.labels), "emulated": s.emulated, "emulate": s.emulate,
             "global_batch": s.global_batch, "steps": s.steps, "warmup": s.warmup, "precision": s.precision,
             "alone": [{"device": label, "samples_per_s": r.samples_per_s, "peak_memory_bytes": r.peak_memory_bytes[0],
-                       "micro_batch": r.micro_batches[0]} for label, r in zip(self.labels, self.alone)],
+                       "micro_batch": r.micro_batches[0], **({"error": r.error} if r.error else {})}
+                      for label, r in zip(self.labels, self.alone)],
             "equal_split": multi(self.equal_split, how=EQUAL_SPLIT_HOW),
             "hetrain": multi(self.hetrain, rebalances=self.hetrain.rebalances),
             "sum_of_alone_samples_per_s": self.sum_alone,
@@ -164,6 +173,10 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
             what = f"device {i} alone ({device}" + (", emulated)" if setup.emulated else ")")
             say(f"[{next(phase)}/{setup.phases}] {what}: the global batch {setup.global_batch} on this one device")
             alone.append(_launch(setup, tmp, f"alone{i}", what, config={}, device=device))
+            if alone[-1].error:
+                say(f"  {what} cannot run it: {alone[-1].error}; it counts 0 samples/s standalone")
+        if all(r.error for r in alone):
+            raise RunFailed(2)       # no device runs it alone; the reasons are printed above
         say(f"[{next(phase)}/{setup.phases}] hetrain: the planner's split over {len(setup.devices)} devices")
         het = _launch(setup, tmp, "hetrain", "hetrain", config={})
         plan_file = os.path.join(tmp, "equal_plan.json")
@@ -180,20 +193,26 @@ def _launch(setup: BenchSetup, tmp: str, name: str, phase: str, *, config: dict,
     """One configuration through hetrain's launcher; `device`: alone on that one device."""
     from ..launch import build_launch, run_launch
 
+    from ..runtime.resilience.worker_errors import read_errors
+
     job, out = os.path.join(tmp, f"{name}.job.json"), os.path.join(tmp, f"{name}.result.json")
+    run_dir = os.path.join(tmp, name)            # kept until the bench ends: a failed run's errors are read there
     write_json_atomic(job, {"factory": setup.factory, "phase": phase, "warmup": setup.warmup, "steps": setup.steps,
                             "out": out, "config": {"global_batch": setup.global_batch, "precision": setup.precision,
                                                    "verbose": False, **config}})
     if setup.emulated:
         launch = build_launch(target="hetrain.benching.worker", target_args=(job,), module=True,
-                              emulate=device or setup.emulate)
+                              emulate=device or setup.emulate, run_dir=run_dir)
     else:
         launch = build_launch(target="hetrain.benching.worker", target_args=(job,), module=True,
-                              nproc=1 if device is not None else None)
+                              nproc=1 if device is not None else None, run_dir=run_dir)
         if device is not None:       # this GPU alone, counted as CUDA_DEVICE_ORDER=PCI_BUS_ID counts
             launch = dataclasses.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": device})
     with _environment_kept():
         code = run_launch(launch)
+    if code and device is not None:   # a device alone that cannot run the job: the others still can
+        errors = read_errors(run_dir)
+        return Run.failed(device, errors[0]["what"] if errors else f"its job exited with code {code}")
     if code:
         raise RunFailed(code)        # the workers' error, printed once by the launcher
     with open(out) as f:

@@ -9,7 +9,8 @@ from .runs import EQUAL_SPLIT_HOW, BenchResult, busy_host
 
 def rows(result: BenchResult) -> list[tuple[str, float, str]]:
     """(config, samples/s, peak memory) for each configuration, in the table's and chart's order."""
-    out = [(f"{label} alone", r.samples_per_s, format_bytes(r.peak_memory_bytes[0]) if r.peak_memory_bytes[0] else "-")
+    out = [(f"{label} alone", r.samples_per_s, "cannot run it" if r.error else
+            format_bytes(r.peak_memory_bytes[0]) if r.peak_memory_bytes[0] else "-")
            for label, r in zip(result.labels, result.alone)]
     for name, r in (("equal split", result.equal_split), ("hetrain", result.hetrain)):
         shares = "/".join(map(str, r.shares))
@@ -34,6 +35,9 @@ def print_table(result: BenchResult) -> None:
     for name, sps, memory in rows(result):
         t.add_row(name, f"{sps:.1f}", f"{sps / fastest:.2f}", f"{sps / equal:.2f}", memory)
     con.print(t)
+    for label, r in zip(result.labels, result.alone):
+        if r.error:
+            con.print(f"{label} alone cannot run it: {r.error} (0 samples/s standalone)", markup=False)
     con.print(f"efficiency: hetrain {result.hetrain.samples_per_s:.1f} / Σ alone {result.sum_alone:.1f} samples/s "
               f"= {result.efficiency:.0%} (the sum of every device's standalone figure is the ideal)", markup=False)
     con.print(f"hetrain: {result.speedup_vs_equal:.2f}× the equal split, {result.speedup_vs_fastest:.2f}× "
@@ -62,7 +66,9 @@ def draw_png(result: BenchResult, path: str) -> None:
     colors = ["#9aa5b1"] * len(result.alone) + ["#e0a458", "#2a9d8f"]
     fig, ax = plt.subplots(figsize=(max(6.4, 1.6 * len(table) + 1.5), 4.8), dpi=110)
     bars = ax.bar(range(len(table)), values, color=colors, width=0.65)
-    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=3, fontsize=9)
+    failed = [r.error is not None for r in result.alone] + [False, False]
+    ax.bar_label(bars, labels=["cannot run it" if f else f"{v:.1f}" for v, f in zip(values, failed)], padding=3,
+                 fontsize=9)
     ax.axhline(result.sum_alone, color="#264653", linestyle="--", linewidth=1.2,
                label=f"ideal: Σ alone = {result.sum_alone:.1f} samples/s (hetrain at {result.efficiency:.0%})")
     ax.set_xticks(range(len(table)), names, fontsize=9)

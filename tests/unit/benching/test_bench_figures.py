@@ -65,3 +65,21 @@ def test_a_busy_host_is_named_and_an_idle_one_is_not():
     assert busy_host({"load_average_at_start": None, "cores": 2}) is None
     warning = busy_host({"load_average_at_start": 3.4, "cores": 2})
     assert "load average 3.4 on 2 cores" in warning and "idle machine" in warning
+
+
+def test_a_device_that_cannot_run_alone_counts_zero_and_says_why(tmp_path, capsys):
+    from hetrain.benching.show import draw_png, print_table
+
+    setup = BenchSetup(factory="f.py:make", emulate="a100-80g,rtx3090@6MiB", devices=("a100-80g", "rtx3090@6MiB"),
+                       global_batch=16, steps=2, warmup=1)
+    result = BenchResult(setup=setup, alone=(run(100.0, [16], [10]), Run.failed("rtx3090@6MiB", "the model fits on no device")),
+                         equal_split=run(80.0, [8, 8], [6, 6]), hetrain=run(90.0, [12, 4], [7, 5]), host={"cores": 2})
+    out = result.to_dict()
+    assert out["alone"][1] == {"device": "d1", "samples_per_s": 0.0, "peak_memory_bytes": 0, "micro_batch": 0,
+                               "error": "the model fits on no device"}
+    assert out["efficiency"] == pytest.approx(0.9) and out["speedup_vs_fastest_alone"] == pytest.approx(0.9)
+    print_table(result)
+    printed = capsys.readouterr().out
+    assert "d1 alone cannot run it: the model fits on no device (0 samples/s standalone)" in printed
+    draw_png(result, str(tmp_path / "chart.png"))
+    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
