@@ -76,17 +76,20 @@ def test_doctor_device_rows_stay_on_one_line_in_a_log():
     assert any(row[1] == "mixed-class" and row[0] == "warn" for row in findings)
 
 
-def test_the_ranks_log_keeps_an_emulated_label_on_one_line():
+def test_the_ranks_log_keeps_an_emulated_label_and_a_long_reason_on_one_line():
     from hetrain.runtime.ranks.log import RankLog
 
+    # a reason as long as the precision table's (~230 characters): wider than the 200 columns
+    why = "catalog GPU compute capability 8.0 >= 8.0: bf16 in hardware; " + "this CPU runs bf16 slowly, " * 7
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        RankLog(rank=0, world_size=2).table("plan", ("rank", "device", "share", "micro-batch", "precision"),
-                                            [(0, "a100-80g#0 (emulated)", 38, "38", "bf16 (computes fp32)"),
-                                             (1, "rtx3090#1 (emulated)", 26, "16 x2", "bf16 (computes fp32)")])
+        RankLog(rank=0, world_size=2).table("plan", ("rank", "device", "share", "precision", "why"),
+                                            [(0, "a100-80g#0 (emulated)", 38, "bf16 (computes fp32)", why),
+                                             (1, "rtx3090#1 (emulated)", 26, "bf16 (computes fp32)", "fp32 asked for")])
     rows = table_rows(out.getvalue(), ("rank", "device", "share"))
     assert_one_line_per_row(rows, 5, ["0", "1"])
-    assert rows[0][1] == "a100-80g#0 (emulated)" and rows[1][4] == "bf16 (computes fp32)"
+    assert rows[0][1] == "a100-80g#0 (emulated)" and rows[1][3] == "bf16 (computes fp32)"
+    assert rows[0][4] == why.strip()
 
 
 def test_progress_off_a_terminal_is_plain_lines_not_bar_redraws():
