@@ -29,6 +29,8 @@ def _register() -> None:
 
     for module in (train, planning, hardware):
         module.register(app)
+    from . import bench
+    bench.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

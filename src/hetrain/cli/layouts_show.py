@@ -14,7 +14,9 @@ WIDE = 6        # devices beyond this: memory as the fullest device, not one col
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
 
 
 def _memory_cells(row, ranking: LayoutRanking) -> list[str]:

@@ -13,7 +13,9 @@ from ..planning.plan import Plan
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
 
 
 def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:

@@ -37,7 +37,9 @@ from .plan_show import show_plan
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
 
 
 # -- plan -------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ from .plan_show import topology_lines
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
 
 
 def _list_gpus() -> None:
