@@ -50,6 +50,8 @@ class Job:
     optimizer: torch.optim.Optimizer | None = None
     memory_plan: object = None               # memory.MemoryPlan
     rebalancer: object = None                # rebalance.Rebalancer
+    flops: object = None                     # loop.flops.FlopFacts: FLOPs per sample, every rank's peak
+    recorder: object = None                  # loop.metrics.Recorder: metrics.jsonl and status lines
     extra_state: dict = field(default_factory=dict)   # register_state(): name -> obj with state_dict
     resumed: object = None                   # resume.Resumed: a resumed checkpoint's state, for register_state() after prepare()
     # -- counters the run keeps -------------------------------------------------------------------
