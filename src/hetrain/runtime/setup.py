@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -65,6 +66,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.log.info(f"layout: {job.plan.describe_layout()}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
+    job.met_at = time.perf_counter()                  # the first step's period starts here, on every rank
     freeze_heap()
 
 

@@ -45,12 +45,19 @@ class DeviceHooks:
         """The busy time of the step's micro-batches, for the step's agreement table."""
         return self.busy_s
 
-    def backward_wall(self, mb, wall_s: float, backward_s: float) -> None:
+    def wall_mark(self, mb):
+        """Before a backward: where the wall clock (and the run queue) stand, for the last one."""
+        return (time.perf_counter(), runqueue_s()) if mb.last else None
+
+    def backward_wall(self, mark, backward_s: float) -> None:
         """The last micro-batch's backward runs the gradient sync: the wall time it took beyond
-        its own compute (this clock) is time blocked there (the all-reduce, and any wait in it for
-        slower peers). On a CPU the clock is the thread's CPU time, which a blocked wait does not use."""
-        if mb.last:
-            self.sync_s = max(0.0, wall_s - backward_s)
+        its own compute (this clock: the thread's CPU time on a CPU) is time blocked there (the
+        all-reduce, and any wait in it for slower peers), less the time the thread was ready but
+        not running (a busy host; it stays in the step's remainder, not in the sync)."""
+        if mark is not None:
+            wall0, queued0 = mark
+            queued = runqueue_s() - queued0
+            self.sync_s = max(0.0, time.perf_counter() - wall0 - backward_s - queued)
 
     def attempt_sync_s(self) -> float:
         return self.sync_s
@@ -99,6 +106,15 @@ class DeviceHooks:
 
     def step_peak_bytes(self) -> float:
         """The most this device held since the step started (0: not measured, a plain CPU)."""
+        return 0.0
+
+
+def runqueue_s() -> float:
+    """Seconds this thread has waited, runnable, for a CPU (Linux schedstat; 0 where unknown)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
         return 0.0
 
 
@@ -151,6 +167,9 @@ class CudaHooks(DeviceHooks):
         ratios = [bwd / fwd for last, fwd, bwd in ms if not last and fwd > 0]
         ratio = sum(ratios) / len(ratios) if ratios else 2.0
         return sum(fwd + (fwd * ratio if last else bwd) for last, fwd, bwd in ms) / 1e3
+
+    def wall_mark(self, mb):
+        return None          # the sync is read from the CUDA events instead
 
     def attempt_sync_s(self) -> float:
         """The last backward's GPU time beyond its estimate (attempt_busy_s): the sync it waited for."""

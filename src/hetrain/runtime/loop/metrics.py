@@ -8,13 +8,15 @@ none) gets one JSON line per optimizer step and one per event, appended and flus
   {"event": "start", ...}                         each attempt's header: FLOPs per sample, every device's
                                                   name, precision and peak FLOP/s, what MFU means here
   {"step": i, "time", "loss", "samples_per_s", "step_s", "plan_version", "devices": [per rank, below]}
+                                                  step_s: from the previous step's agreement to this one's
   {"event": "oom" | "rebalance" | "skipped_step", "step": i, ...}
 
 Per device (a list indexed by rank): device, share, micro_batch (largest size) and micro_batches
 (count), compute_s (forward + backward as the device experiences it: the rebalancer's busy time),
 sync_s (the wall time its last backward was blocked in the gradient sync, peers' lateness
-included), wait_s (the rest of the step: step_s − compute_s − sync_s, waiting for peers at the
-step's agreement, the optimizer step, loading data, a checkpoint saved before the step), peak_bytes (the most it held this step; null
+included; on a CPU, time the thread was ready but not scheduled is not counted), wait_s (the
+rest of the step: step_s − compute_s − sync_s, waiting for peers at the step's agreement, the
+optimizer step, loading data, a checkpoint saved before the step, a busy host's CPU contention), peak_bytes (the most it held this step; null
 on a plain CPU), memory_cap_bytes (its cap, when capped) and mfu (loop/flops.py).
 
 Every figure comes from the step's agreement table (runtime/ranks/agree.py), which every rank
@@ -108,8 +110,8 @@ class Recorder:
         """One thing the loop saw (runtime/loop/stepping.py): a step, an OOM, a rebalance."""
         getattr(self, "on_" + what)(**facts)
 
-    def on_step(self, *, step, table, elapsed: float, stepped: bool) -> None:
-        line = step_line(self.job, step, table, elapsed)
+    def on_step(self, *, step, table, period: float, stepped: bool) -> None:
+        line = step_line(self.job, step, table, period)
         self.write(line)
         if not stepped:
             self.write({"event": "skipped_step", "step": step.index, "reason": "inf/NaN gradients (fp16 overflow)",
@@ -159,8 +161,9 @@ class Recorder:
             self.out = None
 
 
-def step_line(job: Job, step, table, elapsed: float) -> dict:
-    """One step's line, from its agreement table (every rank's figures) and the plan it ran."""
+def step_line(job: Job, step, table, period: float) -> dict:
+    """One step's line, from its agreement table (every rank's figures) and the plan it ran.
+    `period`: from the previous step's agreement to this one's, which holds every rank's compute."""
     devices = []
     for d in job.plan.devices:
         row = table.row(d.rank)
@@ -168,12 +171,12 @@ def step_line(job: Job, step, table, elapsed: float) -> dict:
         devices.append({
             "rank": d.rank, "device": d.device, "share": d.share, "micro_batch": d.micro_batch,
             "micro_batches": d.n_micro, "compute_s": compute, "sync_s": sync,
-            "wait_s": max(0.0, elapsed - compute - sync),
+            "wait_s": max(0.0, period - compute - sync),
             "peak_bytes": int(row["peak_bytes"]) or None, "memory_cap_bytes": d.memory_cap_bytes,
             "mfu": job.flops.mfu(d.rank, samples=d.share, compute_s=compute) if job.flops else None})
     return {"step": step.index, "time": time.time(), "loss": _finite(step.loss),
-            "samples_per_s": _finite(step.samples_per_s), "step_s": elapsed, "plan_version": job.plan.version,
-            "devices": devices}
+            "samples_per_s": job.config.global_batch / period if period > 0 else None, "step_s": period,
+            "plan_version": job.plan.version, "devices": devices}
 
 
 def status_lines(line: dict, *, total: int) -> list[str]:

@@ -44,6 +44,7 @@ class StepState:
     loss_sum: torch.Tensor = None                    # Σ loss · units, on the device (read once per step)
     mb: MicroBatch | None = None                     # the micro-batch in the user's hands
     table: agree.Table | None = None                 # the step's agreement, once every rank has reported
+    period_s: float = 0.0                            # wall time from the previous agreement to this one
 
 
 class StepLoop:
@@ -95,6 +96,10 @@ class StepLoop:
             job.redone_steps += 1
             job.layout.redo(job)
         state.table = table
+        # Agreement to agreement: every rank's micro-batches of the step lie inside this period
+        # (finish()'s `elapsed`, finish to finish, also holds this rank's optimizer step jitter).
+        now = time.perf_counter()
+        state.period_s, job.met_at = now - job.met_at, now
 
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
@@ -145,11 +150,11 @@ class StepLoop:
         scaled = job.precision.scale(loss * factor)               # the job-wide loss scale (fp16)
         mb.backward_done = True
         job.hooks.before_backward(mb)
-        t0, wall0 = job.hooks.clock(), time.perf_counter()
+        t0, mark = job.hooks.clock(), job.hooks.wall_mark(mb)
         try:
             with job.hooks.backward_scope(mb, state.step.index, job.model.module):
                 scaled.backward()
-            job.hooks.backward_wall(mb, time.perf_counter() - wall0, job.hooks.clock() - t0)
+            job.hooks.backward_wall(mark, job.hooks.clock() - t0)
         except torch.OutOfMemoryError as e:
             if not job.config.oom_recovery:
                 raise
@@ -190,7 +195,7 @@ class StepLoop:
         step.samples_per_s = cfg.global_batch / elapsed
         if self.on_step is not None:
             self.on_step(step, table, elapsed, job.plan.shares)
-        _record(job, "step", step=step, table=table, elapsed=elapsed, stepped=stepped)
+        _record(job, "step", step=step, table=table, period=state.period_s, stepped=stepped)
         job.steps_done += 1
         self.state = None
         if cfg.sample_log:
