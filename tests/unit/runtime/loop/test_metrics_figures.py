@@ -64,3 +64,46 @@ def test_status_lines_name_each_device_with_its_figures():
     assert "share 38 (3 micro-batches, max 16)" in first and "compute 95 ms, wait 5 ms, sync 3 ms" in first
     assert "memory 3.0 GiB of 80.0 GiB, MFU 31%" in first
     assert second.endswith("memory -") and "MFU" not in second
+
+
+def test_the_recorders_lines_for_a_step_a_skip_a_rebalance_and_an_oom(tmp_path):
+    """Rank 0's Recorder fed as the loop feeds it, on a stand-in job: the lines it appends."""
+    import io
+    import json
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from hetrain.planning.plan import DevicePlan, Plan
+    from hetrain.runtime.ranks import agree
+
+    plan = Plan(global_batch=24, devices=tuple(
+        DevicePlan(rank=r, device=f"dev{r}", speed=1.0, share=s, micro_batch=8, memory_cap_bytes=2**30)
+        for r, s in enumerate((14, 10))))
+    printed = []
+    job = SimpleNamespace(plan=plan, config=SimpleNamespace(global_batch=24), total_steps=10,
+                          flops=flops.FlopFacts(flops_per_sample=1e6, how="", peaks=(1e9, 1e9), meaning=""),
+                          precision=SimpleNamespace(loss_scale=512.0), log=SimpleNamespace(info=printed.append))
+    out = io.StringIO()
+    recorder = metrics.Recorder(job, out=out, tensorboard=None, status_every=2)
+    rows = [[14.0, 40.0, 0.02, 0.03, 0.0, 8, 0, 0, 0, 0, 0, 0.004, 5e5],
+            [10.0, 30.0, 0.02, 0.025, 0.0, 8, 0, 0, 0, 0, 0, 0.002, 4e5]]
+    table = agree.Table(agree.STEP_KEYS, torch.tensor(rows, dtype=torch.float64))
+    recorder.record("step", step=SimpleNamespace(index=1, loss=2.5, samples_per_s=0.0), table=table,
+                    period=0.04, stepped=False)
+    after = plan.evolve(note="rebalanced", devices=(replace(plan.devices[0], share=12),
+                                                    replace(plan.devices[1], share=12)))
+    recorder.record("rebalance", step=1, before=plan, after=after, message="rebalanced at step 2")
+    job.plan = plan.evolve(note="oom", devices=(plan.devices[0], replace(plan.devices[1], micro_batch=4)))
+    recorder.record("oom", step=2, before=plan, redone=True)
+    step, skipped, rebalance, oom = (json.loads(t) for t in out.getvalue().splitlines())
+    assert step["samples_per_s"] == pytest.approx(600) and step["step_s"] == 0.04
+    d0, d1 = step["devices"]
+    assert (d0["compute_s"], d0["sync_s"], d0["wait_s"]) == pytest.approx((0.03, 0.004, 0.006))
+    assert d1["peak_bytes"] == 400_000 and d1["memory_cap_bytes"] == 2**30
+    assert d0["mfu"] == pytest.approx(14 * 1e6 / 0.03 / 1e9)
+    assert skipped == {"event": "skipped_step", "step": 1, "reason": "inf/NaN gradients (fp16 overflow)",
+                       "loss_scale": 512.0}
+    assert (rebalance["shares_before"], rebalance["shares_after"], rebalance["version_after"]) == ([14, 10], [12, 12], 1)
+    assert (oom["rank"], oom["micro_batch_before"], oom["micro_batch_after"]) == (1, 8, 4)
+    assert oom["redo"].startswith("every rank")
+    assert printed[0].startswith("status at step 2/10") and len(printed) == 3     # the step, then each device
