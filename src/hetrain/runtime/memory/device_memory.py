@@ -146,9 +146,10 @@ def measured_peak(device: torch.device, emulated) -> float | None:
 
 
 def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, device: torch.device,
-           emulated, log) -> list[dict]:
-    """Every rank's planned and measured peak, side by side (a collective; rank 0 prints)."""
-    peak = measured_peak(device, emulated)
+           emulated, log, peak: float | None = None) -> list[dict]:
+    """Every rank's planned and measured peak, side by side (a collective; rank 0 prints). `peak`:
+    the run's peak as the device hooks kept it (CUDA's allocator peak is reset every step)."""
+    peak = peak or measured_peak(device, emulated)
     cap = emulated.meter.cap if emulated is not None else (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     mp = memory_plan
