@@ -123,8 +123,12 @@ def shares(log: RunLog):
     colors = _colors(log)
     for device in log.devices():
         ax.step(*log.series(device, "share"), where="mid", label=device, color=colors[device], linewidth=2)
-    _mark(ax, _version_changes(log))
+    changes = _version_changes(log)
+    _mark(ax, changes)
     _mark(ax, _restarts(log), style=":", color="#C44E52")
+    if not changes and log.steps:      # say so, rather than leave the reader looking for markers
+        ax.annotate(f"plan v{log.steps[0].get('plan_version', 0)} throughout (no rebalance, no OOM)",
+                    xy=(0.01, 0.97), xycoords="axes fraction", va="top", fontsize=9, color="#555555")
     gb = log.header().get("global_batch")
     ax.set_title(f"Share of the global batch{f' ({gb} samples)' if gb else ''} per device, and plan versions — "
                  f"{_subtitle(log)}")
