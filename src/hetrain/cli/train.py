@@ -20,6 +20,9 @@ DEMO_CLUSTER = "a100-80g:1.0,rtx3090:0.67"
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
 
 
+VERBOSE_STATUS_EVERY = 10      # --verbose: steps between the per-device status lines
+
+
 def run(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="the training script (or module, with -m)"),
@@ -36,6 +39,8 @@ def run(
                                     "CHECKPOINT_DIR/metrics when checkpointing); `hetrain report DIR` draws it"),
     status_every: Optional[int] = typer.Option(
         None, "--status-every", help="rank 0 prints a status line per device every N steps"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"a status line per device every "
+                                 f"{VERBOSE_STATUS_EVERY} steps (--status-every N for another interval)"),
     allow_fallback: bool = typer.Option(
         False, "--allow-fallback",
         help="a device that cannot run the script's precision runs the nearest it can (bf16 -> fp16 on a V100)"),
@@ -73,6 +78,8 @@ def run(
         _check_faults(faults, emulate, multi_node=nnodes is not None)
     if status_every is not None and status_every < 0:
         raise UsageError(f"--status-every {status_every} is negative", "give a number of steps, e.g. --status-every 10")
+    if verbose and status_every is None:
+        status_every = VERBOSE_STATUS_EVERY
     if metrics_dir is not None:
         _check_metrics_dir(metrics_dir)
     if slurm:
@@ -140,6 +147,8 @@ def demo(
     json_path: Optional[str] = typer.Option(None, "--json", help="write the run's figures to this file"),
     metrics_dir: Optional[str] = typer.Option(
         None, "--metrics-dir", help="one JSON line per step in DIR/metrics.jsonl; `hetrain report DIR` draws it"),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help=f"a status line per device every {VERBOSE_STATUS_EVERY} steps"),
 ) -> None:
     """Train a small GPT on Python's own docs across an emulated mixed cluster (no GPU needed)."""
     started = time.perf_counter()
@@ -156,7 +165,8 @@ def demo(
     if json_path:
         args += ["--json", json_path]
     launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,
-                          emulate=emulate, config={"metrics_dir": metrics_dir})
+                          emulate=emulate, config={"metrics_dir": metrics_dir,
+                                                   "status_every": VERBOSE_STATUS_EVERY if verbose else None})
     typer.echo(launch.describe(), err=True)
     code = run_launch(launch)
     if code == 0 and json_path and os.path.isfile(json_path):
