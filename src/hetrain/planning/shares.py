@@ -78,14 +78,19 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
     n = len(times)
     if n == 0 or batch < n * minimum:
         return None
+    # Equal devices have equal caps: count each kind once, times how many (a cluster of 1,024
+    # devices of 4 kinds costs 4 caps per level, not 1,024). The sums are the same integers.
+    kinds: dict[StepTime, int] = {}
+    for t in times:
+        kinds[t] = kinds.get(t, 0) + 1
 
     def count(level: float) -> int:
-        return sum(max(minimum, t.share_within(level, batch)) for t in times)
+        return sum(k * max(minimum, t.share_within(level, batch)) for t, k in kinds.items())
 
     # Below lo not every device can take its minimum (with minimum 0: no device one sample).
-    lo = max(t.seconds(minimum) for t in times) if minimum else min(t.seconds(1) for t in times)
+    lo = max(t.seconds(minimum) for t in kinds) if minimum else min(t.seconds(1) for t in kinds)
     # At hi the device quickest at the whole batch takes all of it, so count(hi) >= batch.
-    hi = max(lo, min(t.seconds(batch) for t in times))
+    hi = max(lo, min(t.seconds(batch) for t in kinds))
     over = count(lo) - batch
     if over >= 0:
         hi = lo
@@ -101,7 +106,8 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
                 hi, over = mid, c
             else:
                 lo = mid
-    shares = [max(minimum, t.share_within(hi, batch)) for t in times]
+    caps = {t: max(minimum, t.share_within(hi, batch)) for t in kinds}
+    shares = [caps[t] for t in times]
     # Back from whoever finishes last; ties: the higher index first (the lower keeps its sample).
     heap = [(-t.seconds(s), -r) for r, (t, s) in enumerate(zip(times, shares)) if s > minimum]
     heapq.heapify(heap)
