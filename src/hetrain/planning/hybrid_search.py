@@ -72,44 +72,67 @@ class _Search:
             self.count[k] += 1
         p = costs.p
         self.caps = [[costs.cap(g[s].memory_bytes) for s in range(p)] for g in self.kinds]
-        self.totals: dict[tuple[int, int, int], tuple[float, float, float]] = {}
-        self.shares_by_speeds: dict[tuple[float, ...], tuple[int, ...]] = {}
+        self.order = list(range(len(self.kinds)))    # the kind that ruled out the last candidate first
+        self.stages: dict[tuple[int, int, int], tuple[tuple[float, float, float], tuple[float, ...]]] = {}
+        self.solved: dict[tuple[float, ...], tuple[tuple[int, ...], list[int], set[tuple[int, int]]]] = {}
 
-    def stage_totals(self, sizes: Sequence[int]) -> list[tuple[float, float, float]]:
+    def rows(self, sizes: Sequence[int]) -> list[tuple[tuple[float, float, float], tuple[float, ...]]]:
+        """Per stage: its totals (StageCosts.totals) and each kind's seconds per micro-batch of 1."""
         edges = (0, *itertools.accumulate(sizes))
         out = []
         for s in range(len(sizes)):
             key = (s, edges[s], edges[s + 1])
-            if key not in self.totals:
-                self.totals[key] = self.costs.totals(*key)
-            out.append(self.totals[key])
+            if key not in self.stages:
+                tot = self.costs.totals(*key)
+                self.stages[key] = tot, tuple(self.costs.seconds_per_micro(s, tot[0], g[s].speed, 1)
+                                              for g in self.kinds)
+            out.append(self.stages[key])
         return out
 
-    def speeds(self, tot) -> tuple[float, ...]:
-        """Each kind's samples/s at micro-batch 1 (1 / its slowest stage), as evaluate_hybrid's
-        per-sample pass computes it."""
-        c = self.costs
-        return tuple(1.0 / max(max(c.seconds_per_micro(s, t[0], g[s].speed, 1) for s, t in enumerate(tot)), _EPS)
-                     for g in self.kinds)
+    @staticmethod
+    def speeds(rows) -> tuple[float, ...]:
+        """Each kind's samples/s at micro-batch 1 (1 / its slowest stage): evaluate_hybrid's
+        per-sample pass."""
+        return tuple(1.0 / max(max(col), _EPS) for col in zip(*(r[1] for r in rows)))
 
-    def step(self, k: int, tot, mu: int) -> tuple[float, bool]:
+    def step(self, k: int, rows, mu: int) -> tuple[float, bool]:
         """Kind k's step seconds at micro-batch size mu (PipelineSplit.step_seconds), and whether
         every stage fits (StagePlan.fits)."""
         c, g, caps = self.costs, self.kinds[k], self.caps[k]
-        ts = [c.seconds_per_micro(s, t[0], g[s].speed, mu) for s, t in enumerate(tot)]
+        ts = [c.seconds_per_micro(s, tot[0], g[s].speed, mu) for s, (tot, _) in enumerate(rows)]
         fits = True
-        for s, t in enumerate(tot):
+        for s, (tot, _) in enumerate(rows):
             if caps[s] is not None:
-                _, state, acts = c.memory(s, t[1], t[2], mu)
+                _, state, acts = c.memory(s, tot[1], tot[2], mu)
                 if not state + acts <= caps[s]:
                     fits = False
                     break
         return sum(ts) + (c.micro_batches - 1) * max(ts), fits
 
-    def shares(self, speeds: tuple[float, ...]) -> tuple[int, ...]:
-        if speeds not in self.shares_by_speeds:
-            self.shares_by_speeds[speeds] = proportional_shares(self.batch, [speeds[k] for k in self.kind_of])
-        return self.shares_by_speeds[speeds]
+    def ruled_out(self, rows, least: Sequence[int], beat: float | None) -> bool:
+        """Whether some kind, at the micro-batch size of its least share, does not fit or leaves
+        the step too long to give more than `beat` samples/s (then every replica of it does: time
+        and memory only grow with the micro-batch size). B / max(max_k step_k, ε) is the least of
+        B / max(step_k, ε), so one kind decides."""
+        m = self.costs.micro_batches
+        for i, k in enumerate(self.order):
+            step, fits = self.step(k, rows, -(-least[k] // m))
+            if not fits or (beat is not None and self.batch / max(step, _EPS) <= beat):
+                self.order.insert(0, self.order.pop(i))
+                return True
+        return False
+
+    def shares(self, speeds: tuple[float, ...]) -> tuple[tuple[int, ...], list[int], set[tuple[int, int]]]:
+        """The replicas' shares for these kind speeds (evaluate_hybrid's), each kind's least share,
+        and the distinct (kind, share) pairs; solved once per distinct speeds."""
+        if speeds not in self.solved:
+            shares = proportional_shares(self.batch, [speeds[k] for k in self.kind_of])
+            pairs = set(zip(self.kind_of, shares))
+            least = [self.batch] * len(self.kinds)
+            for k, b in pairs:
+                least[k] = min(least[k], b)
+            self.solved[speeds] = shares, least, pairs
+        return self.solved[speeds]
 
 
 def best_split(costs: StageCosts, groups: Sequence[Sequence[StageDevice]], candidates: Iterable[Sequence[int]], *,
@@ -122,26 +145,20 @@ def best_split(costs: StageCosts, groups: Sequence[Sequence[StageDevice]], candi
     m, B, d = costs.micro_batches, global_batch, len(groups)
     best_rate, best = None, None
     for sizes in candidates:
-        tot = search.stage_totals(sizes)
-        speeds = search.speeds(tot)
+        rows = search.rows(sizes)
+        speeds = search.speeds(rows)
         total = sum(n * v for n, v in zip(search.count, speeds))
+        # Each replica's share is at least B·v/Σv − 1 (module docstring), less a slack for rounding.
         least = [max(0, math.floor(B * v / total * (1 - _SLACK)) - 1) for v in speeds]
         if min(least) < m:              # the bound cannot tell: the shares decide
-            shares = search.shares(speeds)
-            if min(shares) < m:
+            shares, least, _ = search.shares(speeds)
+            if min(least) < m:
                 raise UsageError(f"replica shares {list(shares)} for {d} replicas, global batch {B}, "
                                  f"{m} micro-batches", f"give {d} shares of at least {m} that sum to {B}")
-            least = [B] * len(speeds)
-            for k, b in zip(search.kind_of, shares):
-                least[k] = min(least[k], b)
-        bound = [search.step(k, tot, -(-b // m)) for k, b in enumerate(least)]
-        if not all(fits for _, fits in bound):
+        if search.ruled_out(rows, least, None if best_rate is None else best_rate * BETTER):
             continue
-        if best_rate is not None and B / max(max(t for t, _ in bound), _EPS) <= best_rate * BETTER:
-            continue
-        shares = search.shares(speeds)
-        exact = {(k, -(-b // m)) for k, b in zip(search.kind_of, shares)}
-        steps = [search.step(k, tot, mu) for k, mu in exact]
+        _, _, pairs = search.shares(speeds)
+        steps = [search.step(k, rows, mu) for k, mu in {(k, -(-b // m)) for k, b in pairs}]
         if not all(fits for _, fits in steps):
             continue
         rate = B / max(max(t for t, _ in steps), _EPS)
