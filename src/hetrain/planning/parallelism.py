@@ -237,7 +237,15 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
     Fine-tuning: `grad_fraction` of each block's parameter bytes have gradients to all-reduce
     (the trainable part; its memory is in `state_factor`).
 
-    Raises UsageError when nothing fits, with each candidate's reason and what to try."""
+    Raises UsageError when nothing fits, with each candidate's reason and what to try.
+
+    Complexity, for W devices and n blocks: DP is one share solve, O(W + K·log B); each divisor p
+    of W with p <= n is one `split_hybrid`, O(W + C_p·K_p·p) plus its share solves, where
+    C_p = C(n−1, p−1) compositions when at most `max_candidates` (20,000), else 1 after an O(p·n²)
+    min-max split, and K_p the distinct replica kinds (p > n is rejected at once); one pipeline
+    over all W devices (W <= n) is O(W·n²). In all O(Σ_p (W + C_p·K_p·p)) plus the share solves
+    the search's bound does not rule out: about 0.2 s for 1,024 devices of a few models in nodes
+    of 8 and 24 blocks (benchmarks/plan_scale.py)."""
     w = len(devices)
     if w < 1:
         raise UsageError("no devices to compare layouts on", "give at least one device")

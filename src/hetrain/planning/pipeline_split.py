@@ -277,7 +277,10 @@ def split_pipeline(profile: PipelineProfile, devices: Sequence[StageDevice], *, 
     slowest stage's time per micro-batch, every stage fitting its device's memory.
 
     Raises UsageError when no split exists (more stages than blocks) or none fits memory, naming
-    the stage that overflows in the least-memory split and what to try."""
+    the stage that overflows in the least-memory split and what to try.
+
+    Complexity: O(n) prefix sums, then the min-max DP over (stage, last block) pairs, O(p·n²)
+    stage costs for p stages and n blocks (once more to explain a split that does not fit)."""
     setup = StageCosts.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
                         micro_batch_size=micro_batch_size, state_factor=state_factor, memory_margin=memory_margin)
     found = _min_max_dp(setup, lambda st: st.seconds_per_micro if st.fits else None)
