@@ -139,29 +139,16 @@ def timed_hetrain(args, **init) -> tuple[float, object]:
     """hetrain on the demo GPT: (samples/s over the timed steps, the plan it ran). `init`: more
     hetrain.init() settings (benchmarks/multi_node.py adds its link and compression)."""
     import torch
-    import torch.distributed as dist
 
     import hetrain
+    from hetrain.benching.worker import timed_steps     # `hetrain bench`'s timed loop
 
     ht = hetrain.init(global_batch=args.global_batch, precision=args.precision,
                       max_steps=args.warmup + args.steps, **init)
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, batches = ht.prepare(model, opt, data)
-    t0 = None
-    for step in batches:
-        if step.index == args.warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                with ht.autocast():
-                    loss = _loss(model, x, y)
-                ht.backward(loss)
-        ht.step()
-    dist.barrier()
-    seconds = time.perf_counter() - t0
+    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: _loss(m, *batch))
     plan = ht.plan
     ht.close()
     return args.steps * args.global_batch / seconds, plan

@@ -24,7 +24,7 @@ from .errors import HetrainError, Preempted, UsageError, say
 from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
 from .launching.nodes import Rendezvous, check_reachable
-from .runtime.config import LAUNCH_ENV, Config
+from .runtime.config import LAUNCH_ENV, METRICS_SUBDIR, Config
 from .runtime.resilience.lock import CHECKPOINT_LOCK
 
 HOST_LINGER_S = 3.0     # after a multi-node job: the rendezvous host stays while the others close it
@@ -246,10 +246,11 @@ def run_launch(launch: Launch) -> int:
 
 
 def _remove_run_dir(run_dir: str, *, keep_checkpoints: bool) -> None:
-    """A run dir we made in the temp folder goes; after a failure its checkpoints stay to resume from."""
+    """A run dir we made in the temp folder goes; after a failure its checkpoints (and the metrics
+    beside them) stay to resume from."""
     checkpoints = os.path.join(run_dir, "checkpoints")
     if keep_checkpoints and os.path.isdir(checkpoints) and any(
-            name != CHECKPOINT_LOCK for name in os.listdir(checkpoints)):   # more than its lock file
+            name not in (CHECKPOINT_LOCK, METRICS_SUBDIR) for name in os.listdir(checkpoints)):   # a checkpoint
         print(f"hetrain: checkpoints kept in {checkpoints} (resume with --checkpoint-dir {checkpoints})",
               file=sys.stderr)
         return

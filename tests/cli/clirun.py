@@ -18,19 +18,23 @@ def hetrain(*args: str, timeout: float = 240, cwd: str | None = None,
                           timeout=timeout, env=env, cwd=cwd)
 
 
-def hetrain_here(*args: str) -> subprocess.CompletedProcess:
+def hetrain_here(*args: str, columns: str | None = "120") -> subprocess.CompletedProcess:
     """`hetrain ARGS` in this process (hetrain.cli.main), for commands that start no process and
     only read their input: the same exit code and output as `hetrain()` without a Python start and
     torch import (~1 s each). An exception main() does not turn into one line propagates, failing
-    the test as a traceback would."""
+    the test as a traceback would. `columns`: $COLUMNS during the call; None leaves it unset, as a
+    shell that does not export it leaves a command whose output goes to a file."""
     import contextlib
     import io
 
     from hetrain.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    code, columns = 0, os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "120"       # as hetrain() sets it: the same line wrapping
+    code, saved = 0, os.environ.get("COLUMNS")
+    if columns is None:
+        os.environ.pop("COLUMNS", None)
+    else:
+        os.environ["COLUMNS"] = columns     # as hetrain() sets it: the same line wrapping
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main(list(args))
@@ -39,5 +43,5 @@ def hetrain_here(*args: str) -> subprocess.CompletedProcess:
             err.write(e.code + "\n")
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        os.environ.pop("COLUMNS") if columns is None else os.environ.__setitem__("COLUMNS", columns)
+        os.environ.pop("COLUMNS", None) if saved is None else os.environ.__setitem__("COLUMNS", saved)
     return subprocess.CompletedProcess(["hetrain", *args], code, out.getvalue(), err.getvalue())

@@ -98,6 +98,9 @@ def assert_one_error(argv: list[str], code: int = 2, env: dict | None = None) ->
     return lines[0]
 
 
+BENCH_FACTORY = Path(__file__).parent / "scripts" / "bench_factory.py"
+
+
 # -- what malformed input looks like ----------------------------------------------------------
 GPUS = ("a100-80g", "rtx3090", "t4", "h100-sxm", "3090")
 junk_text = st.text(alphabet=string.ascii_letters + string.digits + " :@,;=x*.-_/%é\t", min_size=0, max_size=24)
@@ -178,6 +181,11 @@ COMMANDS = {
               st.builds(lambda f: ["--model", "", "--model-factory", f],
                         st.sampled_from(["nofunc", ":make", "x.py:", "missing.py:make", ".rel:make", "a b:make",
                                          "nonexistent_hetrain_module:make", "nomake.py:make", "a-dir:make"]))]),
+    "bench": (["--model-factory", f"{BENCH_FACTORY}:make", "--emulate", "a100-80g,rtx3090"],
+              [_flag("--steps", bad_int), _flag("--warmup", st.sampled_from(["-1", "-5", "x"])),
+               _flag("--global-batch", bad_int), _flag("--precision", bad_choice), _flag("--emulate", bad_cluster()),
+               _flag("--json", bad_out), _flag("--png", bad_out),
+               _flag("--model-factory", st.sampled_from(["nofunc", "missing.py:make", f"{BENCH_FACTORY}:nomake"]))]),
     "doctor": (["--cluster", "a100-80g"], [_flag("--psu-watts", bad_positive), _flag("--precision", bad_choice),
                                            _flag("--cluster", bad_cluster()),
                                            _flag("--machine", st.sampled_from(["junk.json", "list.json", "nope.json",

@@ -80,11 +80,23 @@ def test_simulate_lists():
     assert r.returncode == 0 and "rtx3090" in r.stdout and "llama-1b" in r.stdout and "resnet50" in r.stdout
 
 
+def test_a_batch_smaller_than_the_devices_runs_as_a_pipeline_not_data_parallel():
+    r = hetrain_here("simulate", "--cluster", "a100-80g,rtx3090,t4", "--model", "gpt2-124m", "--global-batch", "2",
+                     "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert "global batch 2 is smaller than the 3 devices" in out["data_parallel_error"]
+    best = out["layouts"]["best"]
+    assert best and not best.startswith("DP ") and best != "DP"
+    rows = {row["name"]: row for row in out["layouts"]["rows"]}
+    assert not rows["DP"]["fits"] and rows[best]["fits"]
+
+
 @pytest.mark.parametrize("args, words", [
-    (("simulate", "--cluster", "a100-80g,rtx3090,t4", "--model", "gpt2-124m", "--global-batch", "2"),
-     ("global batch 2 is smaller than the 3 devices", "at least 3")),
+    (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "0"),
+     ("--global-batch 0 must be at least 1",)),
     (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b"),
-     ("fits on no device", "shard")),
+     ("no layout fits memory", "FSDP2 fits on")),
     (("simulate", "--cluster", "a100-80g", "--params", "0", "--flops-per-sample", "1e9", "--activation-bytes", "1e6"),
      ("--params '0' must be a positive number",)),
     (("simulate", "--cluster", "a100-80g", "--params", "1e6", "--flops-per-sample", "-3", "--activation-bytes", "1e6"),
@@ -161,6 +173,42 @@ WORKER = textwrap.dedent("""
         json.dump({"local": local, "shares": list(ht.plan.shares)}, f)
     ht.close()
 """)
+
+
+ENCODER_FACTORY = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Classifier(nn.Module):          # a stock encoder no one here wrote
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.embed(x)).mean(1))
+
+    def make():
+        torch.manual_seed(0)
+        data = [(torch.randint(0, 64, (16,)), torch.tensor(i % 2)) for i in range(256)]
+        model = Classifier()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), data
+""")
+
+
+def test_plan_ranks_every_layout_for_a_stock_transformer_encoder(tmp_path):
+    """The blocks of a stock nn.TransformerEncoder are found without --blocks, so pipelines are
+    ranked beside data parallelism, sharding and TP, from the job's own measurements."""
+    (tmp_path / "enc.py").write_text(ENCODER_FACTORY)
+    r = hetrain("plan", "--model-factory", f"{tmp_path / 'enc.py'}:make", "--emulate", "a100-80g:1.0,rtx3090:0.5",
+                "--global-batch", "16")
+    assert r.returncode == 0, r.stderr
+    assert "4 TransformerEncoderLayer in 'encoder.layers'" in r.stdout + r.stderr
+    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 2 stages:", "TP 2:"):
+        assert f"  {layout}" in r.stdout, r.stdout
+    assert "best layout: " in r.stdout and "blocks unknown" not in r.stdout
 
 
 def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
@@ -242,9 +290,9 @@ def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():
                      "--global-batch", "32")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "parallelism: " in out
-    for layout in ("DP:", "PP 4 stages:", "DP×PP 2×2:"):
-        assert layout in out, out
+    assert "best layout: " in out and "run it: " in out
+    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 4 stages:", "DP×PP 2×2:", "TP 4:"):
+        assert f"  {layout}" in out, out
     result = hetrain_here("plan", "--params", "20e9", "--flops-per-sample", "1e13", "--activation-bytes", "1GiB",
                      "--blocks", "40", "--emulate", "a100-80g,a100-80g", "--global-batch", "8")
     # 20B parameters with AdamW state do not fit one 80 GB card: whatever the plan says, DP cannot be it

@@ -77,8 +77,6 @@ def test_frozen_base_costs_weights_only_and_planned_matches_measured():
     frozen_fp32 = (D + 1) * 4
     trainable = LAYERS * R * 2 * D
     state = frozen_bf16 + frozen_fp32 + trainable * 4 * (1 + 1 + 2)   # weights, grads, AdamW's 2 moments
-    all_trained = (LAYERS * D * D + D + 1 + trainable) * 4 * 4        # what counting every parameter gives
-    assert state < all_trained / 3
     for row in r0["memory"]:
         assert row["planned_state"] == pytest.approx(state), row
         assert row["held_state"] == pytest.approx(state), row          # the meter, from the tensors held

@@ -25,9 +25,9 @@ app = typer.Typer(
 @functools.cache
 def _register() -> None:
     """Once per process: main() may be called many times in one (the tests do)."""
-    from . import hardware, planning, train
+    from . import bench, hardware, planning, report, train
 
-    for module in (train, planning, hardware):
+    for module in (train, planning, bench, hardware, report):
         module.register(app)
 
 

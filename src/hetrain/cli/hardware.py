@@ -41,12 +41,11 @@ def _rank() -> int:
 
 
 def _print_doctor(m: machine.Machine, findings) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:      # piped or captured: wide enough to keep findings readable
-        console = Console(width=120)
+    from ..console import console as make_console
+
+    console = make_console(highlight=True, soft_wrap=False)   # wide off a terminal: one row per line in logs
     console.print(f"[bold]hetrain doctor[/bold] — {m.source}")
     devices = Table("device", "name", "memory", "cc", "catalog", "source", title="devices", title_justify="left")
     for d in m.devices:

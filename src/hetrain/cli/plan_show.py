@@ -1,6 +1,5 @@
-"""What `hetrain plan` prints besides the plan's JSON: the plan as a table with its reasons, the
-memory per device under each sharding when the model does not fit plain data parallelism, and data
-parallelism against pipelines and DP×PP."""
+"""What `hetrain plan` prints besides the plan's JSON: the plan as a table with its reasons, and
+the topology lines of `hetrain simulate` (every layout ranked: layouts_show.py)."""
 
 from __future__ import annotations
 
@@ -9,69 +8,14 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import UsageError
 from ..hardware.units import format_bytes
-from ..planning.cost import GRAD_ELEMENT_BYTES
 from ..planning.plan import Plan
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    from ..console import console      # wide off a terminal: one table row per line in logs
 
-
-def show_sharding(profiles, grad_bytes: int, margin: float) -> str | None:
-    """When the model state does not fit plain data parallelism: memory per device under each
-    sharding (planning/memory.py), and the one the runtime's sharding='auto' would take."""
-    from ..planning.memory import DeviceMemory, choose_sharding, sharding_options
-
-    devices = [DeviceMemory(label=p.device, capacity=p.memory_bytes * (1 - margin),
-                            activations=p.activation_fixed_bytes + p.activation_bytes_per_sample) for p in profiles]
-    options = sharding_options(max(1, grad_bytes // GRAD_ELEMENT_BYTES), devices)   # parameters
-    con = _console()
-    t = Table(title="memory per device by sharding (model state + one sample's activations)",
-              title_justify="left", show_edge=False, pad_edge=False)
-    t.add_column("sharding")
-    for d in devices:
-        t.add_column(f"{d.label} ({format_bytes(d.capacity)} usable)", overflow="fold")
-    t.add_column("fits")
-    for o in options:
-        t.add_row(o.strategy, *(format_bytes(b) for b in o.peak), "yes" if o.fits(devices) else "no")
-    con.print(t)
-    try:
-        option, why = choose_sharding(options, devices)
-    except UsageError:
-        return None
-    return (f"shard it: hetrain.init(sharding={option.strategy!r}) fits ({why}); the default sharding='auto' "
-            "chooses it at run time")
-
-
-def show_layouts(profiles, blocks: int | None, grad_bytes: int, global_batch: int, link, margin: float) -> None:
-    """Data parallelism against pipelines and DP×PP for these devices (planning/parallelism.py),
-    the choice with its reason. Blocks are taken as equal, from the whole-model profile."""
-    from ..planning.parallelism import compare_parallelism
-    from ..planning.pipeline_split import PipelineProfile, StageDevice
-
-    con = _console()
-    if len(profiles) < 2:
-        return
-    if not blocks:
-        con.print("  parallelism: data parallel (pipelines not compared: the model's block count is "
-                  "unknown; pass --blocks N)", markup=False)
-        return
-    fastest = min(profiles, key=lambda p: p.per_sample_s)
-    layer = PipelineProfile.uniform(
-        n_blocks=blocks, seconds_per_sample=fastest.per_sample_s,
-        activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=grad_bytes,
-        source=f"{blocks} equal blocks from {fastest.device}'s whole-model profile")
-    devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
-               for p in profiles]
-    try:
-        choice = compare_parallelism(layer, devices, global_batch=global_batch, memory_margin=margin, link=link)
-    except UsageError as e:
-        con.print(f"  parallelism: {e.what}; {e.fix}", markup=False)
-        return
-    for line in choice.describe():
-        con.print(line, markup=False)
+    return console()
 
 
 def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:

@@ -52,8 +52,26 @@ def main(argv: list[str]) -> None:
                 ht.print(f"blocks: {len(stack[1])} {type(stack[1][0]).__name__} in {stack[0]!r} (the model's stack "
                          "of identical blocks), for comparing pipelines")
         write_json_atomic(job["out"], {"config": cfg.to_dict(), "measurements": measured.to_dict(),
-                                       "blocks": blocks})
+                                       "blocks": blocks, "model": _model_facts(model, optimizer, blocks)})
     ht.close()
+
+
+def _model_facts(model, optimizer, blocks) -> dict:
+    """What every layout's memory divides (planning/layouts.ModelState): all parameters, those
+    that train, their element sizes, the optimizer, and the parameters outside the blocks."""
+    from ..runtime.memory.device_memory import optimizer_kind
+    from ..runtime.parallel.blocks import repeated_blocks
+
+    params = list(model.parameters())
+    train = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    stack = repeated_blocks(model)
+    inside = sum(p.numel() for b in stack[1] for p in b.parameters()) if stack else 0
+    return {"params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in train),
+            "param_bytes": train[0].element_size() if train else 4,
+            "frozen_param_bytes": frozen[0].element_size() if frozen else 4,
+            "optimizer": optimizer_kind(optimizer) or "adamw", "blocks": blocks,
+            "root_params": sum(p.numel() for p in params) - inside if stack else 0}
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -30,6 +31,11 @@ def run(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
     checkpoint_dir: Optional[str] = typer.Option(
         None, "--checkpoint-dir", help="checkpoint here (overrides the script's checkpoint_dir); resumes from it"),
+    metrics_dir: Optional[str] = typer.Option(
+        None, "--metrics-dir", help="rank 0 appends one JSON line per step to DIR/metrics.jsonl (default: "
+                                    "CHECKPOINT_DIR/metrics when checkpointing); `hetrain report DIR` draws it"),
+    status_every: Optional[int] = typer.Option(
+        None, "--status-every", help="rank 0 prints a status line per device every N steps"),
     allow_fallback: bool = typer.Option(
         False, "--allow-fallback",
         help="a device that cannot run the script's precision runs the nearest it can (bf16 -> fp16 on a V100)"),
@@ -65,6 +71,10 @@ def run(
         raise UsageError(f"--emulate-link-gbs {emulate_link_gbs:g} must be in (0, 10000]", "e.g. --emulate-link-gbs 1.0")
     if faults is not None:
         _check_faults(faults, emulate, multi_node=nnodes is not None)
+    if status_every is not None and status_every < 0:
+        raise UsageError(f"--status-every {status_every} is negative", "give a number of steps, e.g. --status-every 10")
+    if metrics_dir is not None:
+        _check_metrics_dir(metrics_dir)
     if slurm:
         given = [flag for flag, v in (("--nnodes", nnodes), ("--node-rank", node_rank),
                                       ("--rdzv-endpoint", rdzv_endpoint), ("--rdzv-id", rdzv_id)) if v is not None]
@@ -81,11 +91,20 @@ def run(
                       timeout_s=rdzv_timeout, last_call_s=rdzv_last_call)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
-                          config={"checkpoint_dir": checkpoint_dir, "allow_fallback": allow_fallback or None,
+                          config={"checkpoint_dir": checkpoint_dir, "metrics_dir": metrics_dir,
+                                  "status_every": status_every, "allow_fallback": allow_fallback or None,
                                   "precision": precision, "faults": faults, "compression": compression,
                                   "emulate_link_gbs": emulate_link_gbs})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
+
+
+def _check_metrics_dir(path: str) -> None:
+    """--metrics-dir must be (or become) a directory we can write: said before anything starts."""
+    existing = next((p for p in (path, *(str(a) for a in Path(path).parents)) if os.path.exists(p)), ".")
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--metrics-dir {path!r}: {existing!r} is not a writable directory",
+                         "give a directory you can write (it is made if missing)")
 
 
 def _check_faults(spec: str, emulate: str | None, *, multi_node: bool = False) -> None:
@@ -119,6 +138,8 @@ def demo(
                                   help="auto (each card's own: bf16 from compute capability 8.0, else fp16; "
                                        "computed in fp32 where this CPU runs that slowly), fp32, bf16 or fp16"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the run's figures to this file"),
+    metrics_dir: Optional[str] = typer.Option(
+        None, "--metrics-dir", help="one JSON line per step in DIR/metrics.jsonl; `hetrain report DIR` draws it"),
 ) -> None:
     """Train a small GPT on Python's own docs across an emulated mixed cluster (no GPU needed)."""
     started = time.perf_counter()
@@ -129,11 +150,13 @@ def demo(
         raise UsageError(f"--global-batch {global_batch} must be at least 1")
     if json_path:
         check_writable(json_path, "--json")      # before training, not after it
+    if metrics_dir is not None:
+        _check_metrics_dir(metrics_dir)
     args = ["--steps", str(steps), "--global-batch", str(global_batch), "--precision", precision]
     if json_path:
         args += ["--json", json_path]
     launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,
-                          emulate=emulate)
+                          emulate=emulate, config={"metrics_dir": metrics_dir})
     typer.echo(launch.describe(), err=True)
     code = run_launch(launch)
     if code == 0 and json_path and os.path.isfile(json_path):

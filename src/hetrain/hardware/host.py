@@ -31,6 +31,7 @@ from ..files import cache_dir, write_json_atomic
 
 HOST_FACTS_ENV = "HETRAIN_HOST_FACTS"
 SCHEMA = 1
+MATMUL = (512, 256, 512)   # the measured matmul: (M×K) @ (K×N), 2·M·K·N FLOPs (the emulated devices' peak)
 SLOW = 1.5          # a dtype this many times slower than fp32 does not keep an emulated speed true
 # The flags that decide low-precision speed: x86 (AVX512-BF16, AMX, AVX512-FP16) and ARM (bf16, fp16 SIMD).
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "avx512_fp16", "amx_fp16",
@@ -59,6 +60,12 @@ class HostFacts:
         if precision == "fp32" or not self.block_ms.get("fp32"):
             return 1.0
         return self.block_ms.get(precision, self.block_ms["fp32"]) / self.block_ms["fp32"]
+
+    def matmul_flops(self, precision: str) -> float | None:
+        """One thread's measured matmul FLOP/s in `precision` (None: not measured)."""
+        ms = self.matmul_ms.get(precision)
+        m, k, n = MATMUL
+        return 2 * m * k * n / (ms / 1e3) if ms else None
 
     def keeps_speed(self, precision: str) -> bool:
         """Whether an emulated device computing `precision` here still runs at its catalog speed."""
@@ -144,7 +151,8 @@ def measure() -> HostFacts:
     torch.set_num_threads(1)
     try:
         g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(512, 256, generator=g), torch.randn(256, 512, generator=g)
+        m, k, n = MATMUL
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         block = torch.nn.TransformerEncoderLayer(128, 4, dim_feedforward=512, dropout=0.0, batch_first=True)
         x = torch.randn(8, 64, 128, generator=g)
         matmul_ms, block_ms = {}, {}

@@ -182,6 +182,8 @@ class Candidate:
     stages: int = 1
     sizes: tuple[int, ...] = ()        # blocks per stage (PP, DP×PP)
     shares: tuple[int, ...] = ()       # samples per replica (DP: per device)
+    memory: tuple[float, ...] = ()     # PP, DP×PP: peak bytes per device, in rank order
+    sync_s: float = 0.0                # PP, DP×PP: the stages' gradient all-reduce over the replicas
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,13 +231,15 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
 def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice], *, global_batch: int,
                         micro_batches: int = 8, schedule: str = "1f1b", state_factor: float = ADAMW_STATE_FACTOR,
                         memory_margin: float = 0.10, link: Link | None = None,
-                        prefer_simpler_within: float = 0.05, grad_fraction: float = 1.0) -> ParallelismChoice:
+                        prefer_simpler_within: float = 0.05, grad_fraction: float = 1.0,
+                        require_fit: bool = True) -> ParallelismChoice:
     """Predict data parallelism (every device holds the model, hetero shares), one pipeline over all
     devices, and every DP×PP layout (replicas of p consecutive devices, p dividing the device
     count), then pick the fastest that fits memory. A simpler layout (DP, then PP, then DP×PP) wins
     when it is within `prefer_simpler_within` of the fastest: fewer moving parts for the same speed.
     Fine-tuning: `grad_fraction` of each block's parameter bytes have gradients to all-reduce
-    (the trainable part; its memory is in `state_factor`).
+    (the trainable part; its memory is in `state_factor`). `require_fit=False`: when nothing
+    fits, return every candidate (the choice is the first, not fitting) instead of raising.
 
     Raises UsageError when nothing fits, with each candidate's reason and what to try.
 
@@ -262,6 +266,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         name = f"PP {stages} stages" if d == 1 else f"DP×PP {d}×{stages}"
         kind = "pp" if d == 1 else "dp×pp"
         m = micro_batches if schedule == "gpipe" else max(micro_batches, stages)
+        m = min(m, max(1, global_batch // d))        # at least one sample per micro-batch
         try:
             if d == 1:   # one pipeline: the min-max split the runtime uses
                 one = split_pipeline(profile, devices, micro_batches=m,
@@ -281,11 +286,13 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         rep = h.replicas[0]
         cands.append(Candidate(
             name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
-            shares=h.shares,
+            shares=h.shares, memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), sync_s=sync,
             detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
                     f"{rep.bubble_fraction:.0%}" + (f", replica shares {'/'.join(map(str, h.shares))}" if d > 1 else "")
                     + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
     fitting = [c for c in cands if c.fits]
+    if not fitting and not require_fit:
+        return ParallelismChoice(choice=cands[0], reason="no layout fits memory", candidates=tuple(cands))
     if not fitting:
         raise UsageError("no layout fits memory: " + "; ".join(f"{c.name}: {c.detail}" for c in cands),
                          "try activation checkpointing, sharding parameters and optimizer state (FSDP), "

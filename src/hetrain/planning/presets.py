@@ -72,6 +72,12 @@ SHAPES: dict[str, dict] = {
                      note="Llama 3.1 8B shape (MLP 14336, 8 KV heads), 2048-token samples"),
     "mistral-7b": dict(params=7_241_732_096, layers=32, d_model=4096, seq_len=2048, vocab=32000, k=46.0,
                        note="Mistral 7B v0.1 shape (MLP 14336, 8 KV heads), 2048-token samples"),
+    # Sailor (SOSP 2025) trains "OPT-350" as a Megatron GPT of OPT-350M's shape (its artifact's
+    # training_config_opt_350.json): 24 layers, d 1024, 16 heads, 2048-token samples, OPT's
+    # vocabulary; tied embeddings, so 24·12,596,224 + 50272·1024 + 2048·1024 + 2048 parameters.
+    # (Hugging Face's OPT-350M projects its embeddings to 512 and has 331M.)
+    "opt-350m": dict(params=355_887_104, layers=24, d_model=1024, seq_len=2048, vocab=50272,
+                     note="OPT-350M's shape as Sailor trains it (Megatron GPT), 2048-token samples"),
     "vit-b16": dict(params=86_567_656, layers=12, d_model=768, seq_len=197, vocab=1000, per_token_logits=False,
                     note="ViT-B/16 at 224×224 (196 patches + class token)"),
     "demo-gpt": dict(params=829_696, layers=4, d_model=128, seq_len=64, vocab=256,
@@ -86,6 +92,16 @@ PRESETS: dict[str, ModelSpec] = {
         assumptions=("224×224 images; 4.1 G multiply-adds forward (×2 FLOPs, ×3 with backward); ~9M "
                      "convolution-output elements, 3 saved tensors each at bf16 ≈ 54 MB/sample; "
                      "checkpointing per stage keeps ~30%")),
+    # From EfficientNet-B0's block table (Tan & Le 2019, Table 1: stem 32, MBConv stages
+    # e1-16, e6-24×2, e6-40×2, e6-80×3, e6-112×3, e6-192×4, e6-320, head 1280) walked at 224×224:
+    # 5,288,548 parameters (timm's and torchvision's count), 0.386 G multiply-adds, 6.74M
+    # convolution outputs (expand, depthwise, project; squeeze-excite is negligible).
+    "efficientnet-b0": ModelSpec(
+        name="efficientnet-b0", params=5_288_548, flops_per_sample=3 * 2 * 0.386e9,
+        activation_bytes_per_sample=3 * 2 * 6.74e6, activation_precision="bf16", checkpoint_fraction=0.3,
+        assumptions=("224×224 images; 0.386 G multiply-adds forward (×2 FLOPs, ×3 with backward); 6.74M "
+                     "convolution-output elements, 3 saved tensors each at 16-bit ≈ 40 MB/sample (as for "
+                     "resnet50); checkpointing per stage keeps ~30%")),
 }
 
 # Key/value projection width of the presets with grouped-query attention (the others: d).

@@ -95,7 +95,7 @@ def cluster_profiles(cluster: Sequence[ClusterDevice], model: ModelSpec, *, prec
     out = []
     for d in cluster:
         if ratios == "spec":
-            flops = anchor_peak * efficiency * d.speed
+            flops = anchor_peak * efficiency * d.speed / anchor.speed     # the fastest at efficiency × its peak
             why = (f"{efficiency:.0%} of {anchor.gpu.key}'s {anchor_why}" if d is anchor or d.speed == 1.0
                    else f"{d.speed:.2f} × {anchor.gpu.key}'s ({d.speed_source})")
         else:

@@ -12,6 +12,7 @@ from ..vocabulary import (CHECKPOINTINGS, COMPRESSION_REQUESTS, LOSS_WEIGHTINGS,
                           SHARDING_REQUESTS)
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
+METRICS_SUBDIR = "metrics"      # metrics_dir's default, inside checkpoint_dir: the run's figures stay with it
 # What each annotation accepts: a bool is not a number here, and a float field takes an int.
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
 _WORDS = {"int": "a whole number", "float": "a finite number", "bool": "True or False", "str": "a string"}
@@ -47,6 +48,9 @@ class Config:
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
     verbose: bool = True                 # rank 0 prints the plan and summaries
+    status_every: int = 0                # verbose: rank 0 prints one status line every N steps (0: none)
+    metrics_dir: str | None = None       # rank 0 appends metrics.jsonl here (runtime/loop/metrics.py); None:
+                                         # checkpoint_dir/metrics when checkpointing, else off; '': off
     # resilience
     rebalance: bool = True               # move shares when measured speeds change (runtime/resilience/rebalance.py)
     rebalance_threshold: float = 0.08    # ...only for a predicted step-time gain above this
@@ -128,6 +132,8 @@ class Config:
         if not 0 < self.preempt_grace_s <= 3600:
             raise bad(f"preempt_grace_s={self.preempt_grace_s!r}",
                       "give the seconds to wait for the step boundary after SIGTERM, e.g. 30 (at most 3600)")
+        if self.status_every < 0:
+            raise bad(f"status_every={self.status_every}", "use a number of steps >= 1, or 0 for no status lines")
         if not 0 <= self.rebalance_threshold:
             raise bad(f"rebalance_threshold={self.rebalance_threshold}", "use a fraction >= 0, e.g. 0.08")
 
@@ -149,6 +155,12 @@ class Config:
         overrides = {k: v for k, v in launch.get("config", {}).items() if k in known and v is not None}
         defaults = {k: v for k, v in launch.get("defaults", {}).items() if k in known and getattr(self, k) is None}
         return replace(self, **defaults, **overrides)
+
+    def metrics_path(self) -> str | None:
+        """Where metrics.jsonl goes: metrics_dir, or checkpoint_dir/metrics; None: nowhere."""
+        if self.metrics_dir is not None:
+            return self.metrics_dir or None
+        return os.path.join(self.checkpoint_dir, METRICS_SUBDIR) if self.checkpoint_dir else None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -203,6 +203,8 @@ class Engine:
 
     def _release(self) -> None:
         self.job.preemption.uninstall()
+        if self.job.recorder is not None:      # metrics.jsonl and TensorBoard's files, complete
+            self.job.recorder.close()
         gc.unfreeze()
         if self.job.checkpointer is not None:   # checkpoint_dir's lock: another job may use it now
             self.job.checkpointer.close()

@@ -50,6 +50,8 @@ class Job:
     optimizer: torch.optim.Optimizer | None = None
     memory_plan: object = None               # memory.MemoryPlan
     rebalancer: object = None                # rebalance.Rebalancer
+    flops: object = None                     # loop.flops.FlopFacts: FLOPs per sample, every rank's peak
+    recorder: object = None                  # loop.metrics.Recorder: metrics.jsonl and status lines
     extra_state: dict = field(default_factory=dict)   # register_state(): name -> obj with state_dict
     resumed: object = None                   # resume.Resumed: a resumed checkpoint's state, for register_state() after prepare()
     # -- counters the run keeps -------------------------------------------------------------------
@@ -57,6 +59,7 @@ class Job:
     ooms: int = 0                  # out-of-memory errors recovered on this rank
     redone_steps: int = 0          # steps redone by all ranks after an OOM in a gradient sync
     rebalances: int = 0            # share changes made by the rebalancer
+    met_at: float = 0.0            # perf_counter when the ranks last met: a step's agreement, or prepare()'s end
 
     @property
     def rank(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ from .memory import device_memory as memory
 from .resilience import resume as persist
 from .resilience.store import Checkpointer
 from .config import Config
+from .loop import flops, metrics
 from .loop.sampler import GlobalCursorSampler
 from .job import Job
 from .measure.joint import check_given_plan, measure_job, show_plan
@@ -53,23 +55,30 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     check_link_request(job)                           # emulate_link_gbs on real GPUs: refused here
     check_compression_request(job.config.compression, backend=job.ctx.backend,
                               blocked_by=f"parallel={kind!r}" if kind != "dp" else None)
+    counted = None
     if kind in ("pp", "dp-pp"):
         prepare_pipelined(job, model, optimizer, kind, loss_fn, given_plan, measured,
                           pipeline or {"schedule": "1f1b", "stages": None, "micro_batches": None})
     else:
-        prepare_data_parallel(job, model, optimizer, forward, given_plan, kind, loss_fn)
+        counted = prepare_data_parallel(job, model, optimizer, forward, given_plan, kind, loss_fn)
+    job.flops = flops.agree_flop_facts(job, counted)  # MFU's parts, on every rank            (collective)
     show_plan(job.log, job.plan, job.total_steps)
     job.log.info(f"layout: {job.plan.describe_layout()}")
+    job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
+    job.met_at = time.perf_counter()                  # the first step's period starts here, on every rank
     freeze_heap()
 
 
-def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan | None, kind: str, loss_fn) -> None:
-    """'dp' and 'tp': the whole model (or a shard of every layer) on every rank."""
+def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan | None, kind: str, loss_fn):
+    """'dp' and 'tp': the whole model (or a shard of every layer) on every rank. Returns rank 0's
+    count of the model's FLOPs per sample (loop/flops.py; data parallel only), or None."""
     measure_setup(job, model, optimizer)
     job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, kind)           # (collective)
     if kind == "tp" and job.plan.layout != "tp":
         job.plan = tensor_plan(job.plan)
+    # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
+    counted = flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
     cfg = job.config
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches) is adopted before the model is
     # set up for it: activation checkpointing and sharding follow the plan that will run.
@@ -98,6 +107,7 @@ def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan 
     job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
+    return counted
 
 
 def prepare_pipelined(job: Job, model, optimizer, kind: str, loss_fn, given_plan: Plan | None, measured,
@@ -140,18 +150,19 @@ def decide_auto(job: Job, model, optimizer, loss_fn) -> tuple[str, tuple | None]
         job.log.info(f"parallel=auto chose dp: no blocks found to cut pipelines between ({e.what.split(':')[0]})")
         return "dp", None
     from ..planning.parallelism import compare_parallelism
-    from ..planning.memory import state_factor
 
     kind_opt = memory.optimizer_kind(optimizer) or "adamw"
+    factor, grad_fraction, _ = choose.model_state([model], kind_opt)     # frozen parameters: weights only
     devices = stages.device_table(job)                                                                 # (collective)
-    fits, why = choose.state_fits(model, devices, factor=state_factor(kind_opt), margin=job.config.memory_margin)
+    fits, why = choose.state_fits(model, devices, factor=factor, margin=job.config.memory_margin)
     if fits:       # the common case decided without measuring anything
         job.log.info(f"parallel=auto chose dp: {why}")
         return "dp", None
     profile, devices = stages.measure_blocks(job, parts, devices)                                     # (collective)
     try:
         choice = compare_parallelism(profile, devices, global_batch=job.config.global_batch,
-                                     state_factor=state_factor(kind_opt), memory_margin=job.config.memory_margin)
+                                     state_factor=factor, grad_fraction=grad_fraction,
+                                     memory_margin=job.config.memory_margin)
     except UsageError as e:
         raise UsageError(f"parallel='auto': {e.what}", e.fix) from None
     kind, why = choose.auto(job, model=model, optimizer_kind=kind_opt, parts=parts, profile=profile,

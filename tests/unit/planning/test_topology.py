@@ -39,4 +39,3 @@ def test_a_spec_s_links_and_what_the_slow_one_costs():
     assert t.node_links[1].bandwidth_gbs == catalog_link([c.devices[2].gpu] * 4).bandwidth_gbs   # from the catalog
     joined = hierarchical_allreduce_seconds([2, 4], S, t.node_links, t.node_links[1])
     assert t.joined_s == pytest.approx(joined) and t.sync_s > joined
-    assert t.net_cost_s == pytest.approx(t.sync_s - joined)

@@ -92,15 +92,23 @@ class MemoryMeter:
         self.saved_is_state = None  # predicate: a saved tensor that is model state, not an activation
         self.activations = 0      # saved by the forward in flight
         self.peak = 0
+        self.step_peak = 0        # the most held since start_step() (the metrics' memory per step)
         self._seen: set[int] = set()
         self._skip: set[int] = set()  # storages that are already counted as fixed (parameters)
         self._counted: dict[object, list[int]] = {}   # signature: [activation bytes, forwards since]
         self.hooked_forwards = 0      # forwards counted tensor by tensor (the rest were looked up)
 
+    def reach(self, total: int) -> None:
+        self.peak = max(self.peak, total)
+        self.step_peak = max(self.step_peak, total)
+
+    def start_step(self) -> None:
+        self.step_peak = self.fixed
+
     def set_fixed(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.fixed = model_state_bytes(model, optimizer) + self.transient
         self._skip = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-        self.peak = max(self.peak, self.fixed)
+        self.reach(self.fixed)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _local(t).untyped_storage()    # a DTensor (TP, FSDP2) saves its local shard
@@ -110,7 +118,7 @@ class MemoryMeter:
             self._seen.add(ptr)
             self.activations += storage.nbytes()
             total = self.fixed + self.activations
-            self.peak = max(self.peak, total)
+            self.reach(total)
             if self.cap is not None and total > self.cap:
                 raise torch.OutOfMemoryError(
                     f"{self.label}: out of memory (emulated): needs {format_bytes(total)} "
@@ -129,7 +137,7 @@ class MemoryMeter:
             known[1] += 1
             self.activations = known[0]
             yield self
-            self.peak = max(self.peak, self.fixed + known[0])
+            self.reach(self.fixed + known[0])
             return
         self._seen.clear()
         self.activations = 0

@@ -30,6 +30,7 @@ class DeviceHooks:
         self.clock = time.perf_counter if cuda else time.thread_time
         self.compute_s = 0.0       # this attempt of the step: forward + backward, unthrottled
         self.busy_s = 0.0          # ... as the device experiences it
+        self.sync_s = 0.0          # ... and the wall time its last backward was blocked in the gradient sync
         # the micro-batch in flight (one at a time): when it started, its forward, what is booked
         self._busy0 = self._started = self._forward_s = self._booked = 0.0
 
@@ -38,11 +39,28 @@ class DeviceHooks:
         return self.clock()
 
     def attempt_start(self) -> None:
-        self.compute_s, self.busy_s = 0.0, 0.0
+        self.compute_s, self.busy_s, self.sync_s = 0.0, 0.0, 0.0
 
     def attempt_busy_s(self) -> float:
         """The busy time of the step's micro-batches, for the step's agreement table."""
         return self.busy_s
+
+    def wall_mark(self, mb):
+        """Before a backward: where the wall clock (and the run queue) stand, for the last one."""
+        return (time.perf_counter(), runqueue_s()) if mb.last else None
+
+    def backward_wall(self, mark, backward_s: float) -> None:
+        """The last micro-batch's backward runs the gradient sync: the wall time it took beyond
+        its own compute (this clock: the thread's CPU time on a CPU) is time blocked there (the
+        all-reduce, and any wait in it for slower peers), less the time the thread was ready but
+        not running (a busy host; it stays in the step's remainder, not in the sync)."""
+        if mark is not None:
+            wall0, queued0 = mark
+            queued = runqueue_s() - queued0
+            self.sync_s = max(0.0, time.perf_counter() - wall0 - backward_s - queued)
+
+    def attempt_sync_s(self) -> float:
+        return self.sync_s
 
     # -- a micro-batch --------------------------------------------------------------------------
     def micro_batch_start(self, mb, step_index: int) -> None:
@@ -71,7 +89,8 @@ class DeviceHooks:
 
     # -- the rest of the step -------------------------------------------------------------------
     def step_start(self, step_index: int) -> None:
-        """Before the step's first micro-batch (faults set the slowdown in force, or strike)."""
+        """Before the step's first micro-batch (faults set the slowdown in force, or strike; the
+        step's memory peak starts afresh)."""
 
     def optimizer(self):
         return contextlib.nullcontext()
@@ -85,6 +104,19 @@ class DeviceHooks:
     def peak_bytes(self) -> float:
         return 0.0
 
+    def step_peak_bytes(self) -> float:
+        """The most this device held since the step started (0: not measured, a plain CPU)."""
+        return 0.0
+
+
+def runqueue_s() -> float:
+    """Seconds this thread has waited, runnable, for a CPU (Linux schedstat; 0 where unknown)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
 
 class CudaHooks(DeviceHooks):
     """Compute time from CUDA events: start, before backward, after backward of every micro-batch,
@@ -95,6 +127,11 @@ class CudaHooks(DeviceHooks):
         self.device = device
         self._times: list = []
         self._events: list = []
+        self._run_peak = 0.0     # the allocator's peak is reset every step: the run's is kept here
+
+    def step_start(self, step_index: int) -> None:
+        self._run_peak = self.peak_bytes()
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def attempt_start(self) -> None:
         super().attempt_start()
@@ -131,7 +168,21 @@ class CudaHooks(DeviceHooks):
         ratio = sum(ratios) / len(ratios) if ratios else 2.0
         return sum(fwd + (fwd * ratio if last else bwd) for last, fwd, bwd in ms) / 1e3
 
+    def wall_mark(self, mb):
+        return None          # the sync is read from the CUDA events instead
+
+    def attempt_sync_s(self) -> float:
+        """The last backward's GPU time beyond its estimate (attempt_busy_s): the sync it waited for."""
+        if not self._times:
+            return 0.0
+        ms = [(last, s.elapsed_time(f), f.elapsed_time(b)) for last, (s, f, b) in self._times]
+        busy = self.attempt_busy_s() * 1e3
+        return max(0.0, sum(fwd + bwd for _, fwd, bwd in ms) - busy) / 1e3
+
     def peak_bytes(self) -> float:
+        return max(self._run_peak, float(torch.cuda.max_memory_allocated(self.device)))
+
+    def step_peak_bytes(self) -> float:
         return float(torch.cuda.max_memory_allocated(self.device))
 
 
@@ -154,6 +205,7 @@ class EmulatedHooks(DeviceHooks):
         return self.clock() + self.throttle.slept_seconds
 
     def step_start(self, step_index: int) -> None:
+        self.meter.start_step()
         faults = self.faults
         if not faults:
             return
@@ -272,6 +324,9 @@ class EmulatedHooks(DeviceHooks):
 
     def peak_bytes(self) -> float:
         return float(self.meter.peak)
+
+    def step_peak_bytes(self) -> float:
+        return float(self.meter.step_peak)
 
 
 def has_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...errors import UsageError, did_you_mean
 from ...hardware.units import format_bytes
-from ...planning.memory import DeviceMemory, sharding_options
+from ...planning.memory import DeviceMemory, sharding_options, state_bytes
 from ...planning.plan import Plan
 from ...vocabulary import PARALLEL_REQUESTS
 
@@ -52,6 +52,24 @@ def check_request(kind: str, *, loss_fn, world_size: int) -> None:
                          "use 4, 6, 8... devices, or parallel='pp'")
 
 
+def model_state(modules, optimizer_kind: str) -> tuple[float, float, dict]:
+    """(state factor, gradient fraction, sharding_options' fine-tuning arguments) of these modules'
+    parameters: model-state bytes per parameter byte (memory.state_bytes, frozen parameters as
+    weights only) and the trainable fraction of the parameter bytes (what DDP all-reduces)."""
+    params = [p for m in modules if m is not None for p in m.parameters()]
+    n = sum(p.numel() for p in params)
+    train = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    pbytes = train[0].element_size() if train else (params[0].element_size() if params else 4)
+    fine = dict(trainable=sum(p.numel() for p in train),
+                frozen_param_bytes=frozen[0].element_size() if frozen else None)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    if not weights:
+        return 1.0, 1.0, fine
+    total = state_bytes(n, optimizer=optimizer_kind, param_bytes=pbytes, **fine).total
+    return total / weights, sum(p.numel() * p.element_size() for p in train) / weights, fine
+
+
 def state_fits(model, devices, *, factor: float, margin: float) -> tuple[bool, str]:
     """Does the whole model's training state (parameters, gradients, optimizer: `factor` × the
     parameter bytes) leave room on every device? Half the usable memory is kept for activations
@@ -81,6 +99,7 @@ def auto(job, *, model, optimizer_kind: str, parts, profile, devices, choice) ->
            for d in devices if d.memory_bytes]
     if len(mem) == len(devices):
         options = sharding_options(n, mem, optimizer=optimizer_kind, param_bytes=pbytes,
+                                   **model_state([model], optimizer_kind)[2],
                                    unit_params=[sum(p.numel() for p in b.parameters()) for b in parts.blocks],
                                    root_params=n - sum(sum(p.numel() for p in b.parameters()) for b in parts.blocks))
         fitting = [o for o in options if o.strategy != "none" and o.fits(mem)]

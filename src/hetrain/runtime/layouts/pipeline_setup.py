@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
-from ...planning.memory import state_factor
 from ...planning.parallelism import split_hybrid
 from ...planning.pipeline_split import evaluate_split
 from ...planning.plan import DevicePlan, Plan
 from ..parallel.blocks import PipelineParts
+from .choose import model_state
 from ..parallel.pipeline import Pipeline
 from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
                                          unmeasured_profile)
@@ -46,7 +46,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     replicas' shares by throughput, each replica's micro-batch size."""
     cfg, w = job.config, job.world_size
     check_choice(schedule, SCHEDULES, "prepare(schedule=...)")
-    factor = state_factor(optimizer_kind)
+    factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]   # frozen: weights only
     if kind == "pp":
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput

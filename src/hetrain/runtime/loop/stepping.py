@@ -44,6 +44,7 @@ class StepState:
     loss_sum: torch.Tensor = None                    # Σ loss · units, on the device (read once per step)
     mb: MicroBatch | None = None                     # the micro-batch in the user's hands
     table: agree.Table | None = None                 # the step's agreement, once every rank has reported
+    period_s: float = 0.0                            # wall time from the previous agreement to this one
 
 
 class StepLoop:
@@ -84,6 +85,7 @@ class StepLoop:
             outcome = yield from job.layout.rank_pass(self, state)   # runtime/layouts/
             table = self._exchange(state, outcome)
             if table.any("fatal"):
+                _record(job, "oom_fatal", step=step.index, table=table)
                 raise DoesNotFit(_fatal_message(table, job.plan), FATAL_FIX)
             self._amend_micro_batches(table, step)
             state.micro = job.plan.devices[job.rank].micro_batch    # a redo runs the amended plan (a pipeline: all its stages)
@@ -94,6 +96,10 @@ class StepLoop:
             job.redone_steps += 1
             job.layout.redo(job)
         state.table = table
+        # Agreement to agreement: every rank's micro-batches of the step lie inside this period
+        # (finish()'s `elapsed`, finish to finish, also holds this rank's optimizer step jitter).
+        now = time.perf_counter()
+        state.period_s, job.met_at = now - job.met_at, now
 
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
@@ -102,7 +108,7 @@ class StepLoop:
             loss_sum = units = 0.0
         values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
                   state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending,
-                  job.preemption.requested)
+                  job.preemption.requested, job.hooks.attempt_sync_s(), job.hooks.step_peak_bytes())
         return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
                               rank=job.rank, world_size=job.world_size, device=job.device)
 
@@ -121,9 +127,11 @@ class StepLoop:
                 devices[d.rank] = replace(d, micro_batch=m, max_micro_batch=m)
                 changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
         if changes:
+            before = job.plan
             job.plan = job.plan.evolve(
                 note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices))
             job.log.info(f"plan v{job.plan.version}: {job.plan.note}")
+            _record(job, "oom", step=step.index, before=before, redone=table.any("desync"))
 
     # -- backward -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, tokens) -> None:
@@ -142,10 +150,11 @@ class StepLoop:
         scaled = job.precision.scale(loss * factor)               # the job-wide loss scale (fp16)
         mb.backward_done = True
         job.hooks.before_backward(mb)
-        t0 = job.hooks.clock()
+        t0, mark = job.hooks.clock(), job.hooks.wall_mark(mb)
         try:
             with job.hooks.backward_scope(mb, state.step.index, job.model.module):
                 scaled.backward()
+            job.hooks.backward_wall(mark, job.hooks.clock() - t0)
         except torch.OutOfMemoryError as e:
             if not job.config.oom_recovery:
                 raise
@@ -176,7 +185,7 @@ class StepLoop:
         if cfg.grad_clip is not None:
             job.layout.clip(job, cfg.grad_clip)
         with job.hooks.optimizer():
-            job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
+            stepped = job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
         opt.zero_grad(set_to_none=True)
         job.hooks.after_optimizer(job.layout.held(job), opt)
 
@@ -185,7 +194,8 @@ class StepLoop:
         step.loss = table.sum("loss_sum") / total_units
         step.samples_per_s = cfg.global_batch / elapsed
         if self.on_step is not None:
-            self.on_step(step, table, elapsed)
+            self.on_step(step, table, elapsed, job.plan.shares)
+        _record(job, "step", step=step, table=table, period=state.period_s, stepped=stepped)
         job.steps_done += 1
         self.state = None
         if cfg.sample_log:
@@ -195,6 +205,8 @@ class StepLoop:
             job.rebalancer.observe(job.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))
             decision = job.rebalancer.propose(job.plan, step=job.steps_done)
             if decision is not None:
+                _record(job, "rebalance", step=step.index, before=job.plan, after=decision.plan,
+                        message=decision.message)
                 job.plan = decision.plan
                 job.rebalances += 1
                 job.log.info(decision.message)
@@ -218,6 +230,12 @@ class StepLoop:
         if self.stop_signals is not None and job.steps_done < job.total_steps:
             raise Preempted(preempt.stop_message(signals=self.stop_signals, step=job.steps_done, saved=saved))
 
+
+
+def _record(job: Job, what: str, **facts) -> None:
+    """The run's record (runtime/loop/metrics.py: metrics.jsonl and status lines, rank 0), when prepare() made one."""
+    if job.recorder is not None:
+        job.recorder.record(what, **facts)
 
 
 def _fatal_message(table: agree.Table, plan) -> str:

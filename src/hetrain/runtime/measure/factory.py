@@ -1,11 +1,12 @@
 """A model factory named on the command line (`hetrain plan --model-factory`): 'pkg.module:function'
 or 'path/to/script.py:function', returning (model, optimizer, dataset[, collate_fn]) as they
 would be passed to ht.prepare. Loaded by the CLI (to fail before any process starts) and by each
-of `hetrain plan`'s workers (cli/plan_worker.py)."""
+of `hetrain plan`'s and `hetrain bench`'s workers (cli/plan_worker.py, benching/worker.py)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import sys
 from pathlib import Path
@@ -37,9 +38,18 @@ def load_factory(spec: str):
                          "check the module name and PYTHONPATH, or give a script path") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UsageError(f"--model-factory: {target!r} has no function {name!r}",
-                         "define it: def make(): return model, optimizer, dataset")
+        found = defined_functions(module)
+        has = f"it defines {', '.join(found)}" if found else "it defines no function"
+        raise UsageError(f"--model-factory: {target!r} has no function {name!r} ({has})",
+                         (f"name one of them, e.g. --model-factory {target}:{found[0]}, or define " if found
+                          else "define ") + f"{name}(): return model, optimizer, dataset")
     return fn
+
+
+def defined_functions(module) -> list[str]:
+    """The public functions `module` itself defines (not those it imports), for naming them."""
+    return sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                  and v.__module__ == module.__name__)
 
 
 def absolute(spec: str) -> str:

@@ -146,9 +146,10 @@ def measured_peak(device: torch.device, emulated) -> float | None:
 
 
 def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, device: torch.device,
-           emulated, log) -> list[dict]:
-    """Every rank's planned and measured peak, side by side (a collective; rank 0 prints)."""
-    peak = measured_peak(device, emulated)
+           emulated, log, peak: float | None = None) -> list[dict]:
+    """Every rank's planned and measured peak, side by side (a collective; rank 0 prints). `peak`:
+    the run's peak as the device hooks kept it (CUDA's allocator peak is reset every step)."""
+    peak = peak or measured_peak(device, emulated)
     cap = emulated.meter.cap if emulated is not None else (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     mp = memory_plan
@@ -214,8 +215,7 @@ def wrap_for_plan(job, model, optimizer, forward):
     meter = job.emulated.meter if job.emulated is not None else None
     strategy = cfg.sharding
     if strategy == "auto":
-        strategy = _auto_sharding(job, model, optimizer, n_params=n_params, param_bytes=param_bytes,
-                                  act_bytes=act_bytes, counts=counts)
+        strategy = _auto_sharding(job, model, optimizer, act_bytes=act_bytes, counts=counts)
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
                          block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter)
@@ -241,8 +241,7 @@ def wrap_for_plan(job, model, optimizer, forward):
     return wrapped, mp, oom_recovery
 
 
-def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, act_bytes: float | None,
-                   counts: dict) -> str:
+def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: dict) -> str:
     """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
@@ -263,7 +262,7 @@ def _auto_sharding(job, model, optimizer, *, n_params: int, param_bytes: int, ac
     blocks = [b for _, b in find_blocks(model, cfg.checkpoint_blocks)]
     in_units = {id(p) for b in blocks for p in b.parameters()}
     options = sharding_options(
-        n_params, devices, optimizer=optimizer_kind(optimizer) or "sgd", param_bytes=param_bytes,
+        counts["n_params"], devices, optimizer=optimizer_kind(optimizer) or "sgd", param_bytes=counts["param_bytes"],
         unit_params=[sum(p.numel() for p in b.parameters()) for b in blocks],
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         accumulates=[bool(a) for a in table.column("accumulates")], trainable=counts["trainable"],

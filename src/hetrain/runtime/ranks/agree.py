@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 # The values every rank sends at the end of each step (runtime/loop/stepping.py), in this order.
 # "warnings": how many warnings the rank holds for rank 0 to print (runtime/ranks/log.py); "stop":
-# the stop signal the rank received, or 0 (runtime/resilience/preempt.py).
+# the stop signal the rank received, or 0 (runtime/resilience/preempt.py). "sync_s" and "peak_bytes"
+# (the step's gradient-sync wait and memory peak) are for the metrics (runtime/loop/metrics.py) only.
 STEP_KEYS = ("units", "loss_sum", "compute_s", "busy_s", "fixed_s", "micro", "desync", "fatal", "version",
-             "warnings", "stop")
+             "warnings", "stop", "sync_s", "peak_bytes")
 
 
 class Table:

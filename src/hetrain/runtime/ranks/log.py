@@ -10,21 +10,19 @@ what it still holds itself (runtime/resilience/worker_errors.py).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from ...console import console
+
 
 def _console() -> Console:
-    """Rich's console; 120 columns when output goes to a file or pipe (not 80), so tables of
-    per-rank figures stay one row per rank in logs."""
-    console = Console(highlight=False, soft_wrap=True)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(highlight=False, soft_wrap=True, width=120)
-    return console
+    """hetrain's console (hetrain/console.py): wide when output goes to a file or pipe, so tables
+    of per-rank figures stay one row per rank in logs."""
+    return console()
 
 
 def merge_warnings(per_rank: Sequence[Sequence[str]]) -> list[str]:

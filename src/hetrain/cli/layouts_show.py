@@ -1,0 +1,67 @@
+"""Every layout ranked (planning/layouts.py) as `hetrain simulate` and `hetrain plan` print it:
+one table (samples/s, memory per device against what it has, communication per step), the
+winner and why, how to run it, and when nothing fits, what would."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..hardware.units import format_bytes
+from ..planning.layouts import LayoutRanking, seconds
+
+WIDE = 6        # devices beyond this: memory as the fullest device, not one column each
+
+
+def _console() -> Console:
+    from ..console import console      # wide off a terminal: one table row per line in logs
+
+    return console()
+
+
+def _memory_cells(row, ranking: LayoutRanking) -> list[str]:
+    cells = []
+    for used, cap in zip(row.memory, ranking.capacity):
+        cells.append("-" if used is None else format_bytes(used) + (f"/{format_bytes(cap)}" if cap else ""))
+    return cells
+
+
+def _fullest(row, ranking: LayoutRanking) -> str:
+    known = [(u / c if c else 0.0, u, d) for u, c, d in zip(row.memory, ranking.capacity, ranking.devices)
+             if u is not None]
+    if not known:
+        return "-"
+    frac, used, dev = max(known)
+    return f"{format_bytes(used)} on {dev}" + (f" ({frac:.0%} of usable)" if frac else "")
+
+
+def show_ranking(ranking: LayoutRanking, *, title: str) -> None:
+    con = _console()
+    wide = len(ranking.devices) > WIDE
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for c in ("#", "layout", "samples/s", "vs DP", "comm/step"):
+        t.add_column(c, overflow="fold")
+    if wide:
+        t.add_column("fullest device", overflow="fold")
+    else:
+        for d, cap in zip(ranking.devices, ranking.capacity):
+            t.add_column(f"{d.split(' ')[0]} memory", overflow="fold")
+    dp = next((r for r in ranking.rows if r.family == "DP" and r.fits), None)
+    for i, r in enumerate(ranking.rows, 1):
+        comm = f"{format_bytes(r.comm_bytes)}, {seconds(r.comm_s)}" if r.fits else "-"
+        vs = f"×{r.samples_per_s / dp.samples_per_s:.2f}" if dp and r.fits else "-"
+        mem = [_fullest(r, ranking)] if wide else _memory_cells(r, ranking)
+        t.add_row(str(i) if r.fits else "-", r.name, f"{r.samples_per_s:.1f}" if r.fits else "does not fit", vs,
+                  comm, *mem)
+    con.print(t)
+    con.print("memory: peak per device (model state + activations) / usable (its memory less the margin); "
+              "comm/step: bytes each device moves, and the seconds the step waits for them", markup=False)
+    if ranking.best is not None:
+        con.print(f"best layout: {ranking.why}", markup=False)
+        con.print(f"  run it: {ranking.best.run}", markup=False)
+    for r in ranking.rows:
+        con.print(f"  {r.name}: {r.detail}", markup=False)
+    if ranking.best is None:
+        con.print("no layout fits memory. What would make one fit:", markup=False)
+        for line in ranking.to_fit:
+            con.print(f"  • {line}", markup=False)

@@ -1,0 +1,342 @@
+"""Every layout the runtime runs, ranked for one model on one mixed cluster (pure: no torch).
+
+    layout            what each device holds                      communication per step
+    DP                the whole model state                       all-reduce of the gradients (G)
+    DP + ZeRO-1       optimizer state 1/W                         + all-gather of the parameters (P)
+    DP + capacity     optimizer state ∝ its free memory           + the same all-gather (uneven slices)
+    FSDP2             params, grads, state 1/W (+2 units)         all-gather P twice + reduce-scatter G
+                      (whole params and grads on a rank that
+                      accumulates micro-batches: wrap.py)
+    PP, DP×PP         its stage's blocks                          activations between stages; the
+                                                                  stages' G over the replicas
+    TP                every layer 1/W                             4 activation all-reduces per layer
+
+Data-parallel layouts share hetrain's planner (planner.make_plan): shares by speed, micro-batches
+by memory, activation checkpointing per device where one sample needs it. Only the bytes of model
+state each device holds change (memory.state_bytes), and the collectives the sharding adds. The
+pipelines come from parallelism.compare_parallelism, which sizes their stages to each device's
+speed. TP is costed as the runtime runs it: one group over every device. Every layer is split
+evenly, so every rank waits for the slowest.
+
+The ranking is by predicted samples/s among the layouts that fit. The recommendation is the
+fastest, or a simpler one within `prefer_simpler_within` of it (order: DP, ZeRO-1, capacity,
+FSDP2, PP, DP×PP, TP: fewer collectives for the same speed). When nothing fits, `to_fit` says what
+would make one fit (layout_fit.py).
+
+Sizes. One make_plan per data-parallel layout (4, FSDP up to 3 when ranks turn to accumulating),
+plus one compare_parallelism: the search's cost is theirs (their docstrings give it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..errors import UsageError
+from ..hardware.units import format_bytes
+from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
+from .memory import capacity_fractions, state_bytes
+from .options import PlanOptions, ring_link
+from .planner import make_plan
+from .profile import DeviceProfile
+
+# Bytes all-reduced per sample under Megatron tensor parallelism, as a fraction of the activation
+# bytes kept per sample: per layer 4 all-reduces of s·h bf16 values (2 forward, 2 backward) = 8·s·h
+# bytes against ≈ 34·s·h saved (Korthikanti et al. 2022, without the attention scores).
+TP_COMM_PER_ACTIVATION = 8 / 34
+# What one stage sends the next per sample, as a fraction of one block's saved activations: a
+# transformer block's output is s·h values (2 bytes at bf16) against ≈ 34·s·h bytes it keeps.
+BOUNDARY_PER_ACTIVATION = 2 / 34
+MAX_MICRO_BATCHES = 128           # pipelines: the most micro-batches tried per step
+ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "PP", "DP×PP", "TP")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelState:
+    """The model as memory sees it: what each layout divides."""
+
+    params: int                         # all parameters
+    trainable: int                      # with gradients and optimizer state
+    optimizer: str = "adamw"
+    param_bytes: int = 4                # trainable weights (fp32 masters)
+    frozen_param_bytes: float = 4       # frozen weights (bf16: 2)
+    blocks: int | None = None           # equal blocks a pipeline can cut between; FSDP's units
+    root_params: int = 0                # parameters outside the blocks
+
+    @classmethod
+    def from_spec(cls, spec, *, precision: str = "bf16", optimizer: str = "adamw") -> ModelState:
+        """A catalog model (profile.ModelSpec): a frozen part is kept at the training precision
+        (cost.fixed_bytes's rule), what trains in fp32."""
+        from .cost import ELEMENT_BYTES
+
+        return cls(params=spec.params, trainable=spec.trainable, optimizer=optimizer, blocks=spec.blocks,
+                   frozen_param_bytes=ELEMENT_BYTES[precision] if spec.frozen else 4)
+
+    def state(self, sharding: str, *, world_size: int, fraction: float | None = None,
+              accumulates: bool = False):
+        units = (max(0, self.params - self.root_params) // self.blocks,) * self.blocks if self.blocks else ()
+        return state_bytes(self.params, sharding=sharding, world_size=world_size, fraction=fraction,
+                           optimizer=self.optimizer, param_bytes=self.param_bytes, trainable=self.trainable,
+                           frozen_param_bytes=self.frozen_param_bytes, unit_params=units,
+                           root_params=self.root_params if self.blocks else self.params, accumulates=accumulates)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.trainable * self.param_bytes + (self.params - self.trainable) * self.frozen_param_bytes
+
+    @property
+    def grad_bytes(self) -> float:
+        return self.trainable * self.param_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRow:
+    name: str                              # 'DP + ZeRO-1', 'PP 3 stages', 'DP×PP 2×2', 'TP 4'
+    family: str                            # one of ORDER
+    fits: bool
+    samples_per_s: float                   # 0 when it does not fit
+    memory: tuple[float | None, ...]       # peak bytes per device (None: not known / unused)
+    comm_bytes: float                      # bytes each device moves per step (sent + received)
+    comm_s: float                          # communication seconds added to the step (not overlapped)
+    detail: str                            # how it runs, or why it does not fit
+    run: str                               # how to ask the runtime for it
+    recompute: tuple[str, ...] = ()        # devices that checkpoint activations (compute ×4/3)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRanking:
+    rows: tuple[LayoutRow, ...]            # fitting ones by samples/s, then the rest
+    devices: tuple[str, ...]
+    capacity: tuple[float | None, ...]     # usable bytes per device
+    best: LayoutRow | None
+    why: str                               # why the winner wins (or why none fits)
+    to_fit: tuple[str, ...] = ()           # when none fits: what would make one fit
+
+    def to_dict(self) -> dict:
+        return {"rows": [r.to_dict() for r in self.rows], "devices": list(self.devices),
+                "capacity": list(self.capacity), "best": self.best.name if self.best else None,
+                "why": self.why, "to_fit": list(self.to_fit)}
+
+
+def seconds(s: float) -> str:
+    """'1.11 ms', '13.3 s': for people."""
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def _ring(w: int) -> float:
+    return 2 * (w - 1) / w if w > 1 else 0.0
+
+
+# -- data parallel, with or without sharding --------------------------------------------------
+def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accumulating: frozenset[int]):
+    w = len(profiles)
+    fractions = [None] * w
+    if sharding == "capacity":
+        whole = state.state("none", world_size=1)
+        free = [(p.memory_bytes * (1 - o.memory_margin) if p.memory_bytes else 2.0 ** 60)
+                - p.memory_needed(1) + p.fixed_bytes - whole.params - whole.grads for p in profiles]
+        if max(free) <= 0:
+            raise UsageError(f"whole parameters and gradients ({format_bytes(whole.params + whole.grads)}) and one "
+                             "sample leave no device room for optimizer state", "")
+        fractions = list(capacity_fractions(free))
+    return [replace(p, fixed_bytes=int(state.state(sharding, world_size=w, fraction=fractions[i],
+                                                   accumulates=i in accumulating).total))
+            for i, p in enumerate(profiles)]
+
+
+def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str) -> LayoutRow:
+    family = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2"}[sharding]
+    run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
+           else f"hetrain.init(sharding={sharding!r})")
+    w = len(profiles)
+    accumulating: frozenset[int] = frozenset()
+    for _ in range(3):     # FSDP: a rank that accumulates holds whole parameters (wrap.py); re-plan it
+        try:
+            shaped = _with_state(profiles, state, sharding, o, accumulating)
+            plan = make_plan(shaped, replace(o, allow_exclusion=False))
+        except UsageError as e:
+            return LayoutRow(name=family, family=family, fits=False, samples_per_s=0.0, memory=(None,) * w,
+                             comm_bytes=0.0, comm_s=0.0, detail=e.what, run=run)
+        now = frozenset(d.rank for d in plan.devices if d.n_micro > 1) if sharding == "fsdp" else accumulating
+        if now <= accumulating:
+            break
+        accumulating = accumulating | now
+    pred = plan.predicted
+    link = ring_link(shaped, o)
+    grads, weights = state.grad_bytes, state.weight_bytes
+    moved, extra = _ring(w) * grads, 0.0
+    if sharding in ("zero1", "capacity"):      # the owners broadcast their updated slices
+        extra = all_gather_seconds(w, state.trainable * state.param_bytes, link)
+        moved += state.trainable * state.param_bytes * (w - 1) / w
+    elif sharding == "fsdp" and w > 1:         # all-gather forward and backward, reduce-scatter, not all-reduce
+        gather = all_gather_seconds(w, weights, link)
+        crit = pred["compute_s"]
+        # Each gather is prefetched under compute (forward ≈ 1/3, backward ≈ 2/3 of it); the first
+        # unit's is never hidden. The reduce-scatter is half DDP's all-reduce: kept as DDP's (cautious).
+        extra = max(gather / max(state.blocks or 1, 1), gather - crit / 3) + max(0.0, gather - crit * 2 / 3)
+        moved = (2 * weights + grads) * (w - 1) / w
+    step = pred["step_s"] + extra
+    ckpt = [d.device for d in plan.devices if d.checkpointing]
+    acc = [d.device for d in plan.devices if d.n_micro > 1]
+    detail = (f"shares {'/'.join(str(d.share) for d in plan.devices)}, micro-batches "
+              + "/".join(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices)
+              + (f"; activation checkpointing on {', '.join(ckpt)}" if ckpt else ""))
+    if sharding == "fsdp" and acc:
+        detail += f"; {', '.join(acc)} accumulate, so they hold whole parameters and gradients during the step"
+    return LayoutRow(name=family, family=family, fits=True, samples_per_s=o.global_batch / step,
+                     memory=tuple(float(d.predicted_memory_bytes or 0) for d in plan.devices),
+                     comm_bytes=moved, comm_s=pred.get("comm_exposed_s", 0.0) + extra, detail=detail, run=run,
+                     recompute=tuple(ckpt))
+
+
+# -- tensor parallel over every device ---------------------------------------------------------
+def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
+    w, b, margin = len(profiles), o.global_batch, o.memory_margin
+    name, run = f"TP {w}", "ht.prepare(..., parallel='tp')"
+    st = state.state("fsdp", world_size=w, accumulates=False)
+    held = st.params + st.grads + st.optimizer          # every weight split W ways, nothing gathered
+    caps = []
+    for p in profiles:
+        if p.memory_bytes is None:
+            caps.append(b)
+            continue
+        room = p.memory_bytes * (1 - margin) - held - p.activation_fixed_bytes / w
+        caps.append(int(room // (p.activation_bytes_per_sample / w)) if p.activation_bytes_per_sample else b)
+    m = min(min(caps), b)
+    if m < 1:
+        short = min(profiles, key=lambda p: p.memory_bytes or math.inf)
+        return LayoutRow(name=name, family="TP", fits=False, samples_per_s=0.0, memory=(None,) * w, comm_bytes=0.0,
+                         comm_s=0.0, run=run, detail=f"1/{w} of the model state ({format_bytes(held)}) and one "
+                         f"sample's activations do not fit {short.device}")
+    n_micro = math.ceil(b / m)
+    slowest = max(profiles, key=lambda p: p.per_sample_s)
+    compute = (n_micro * slowest.overhead_s + b * slowest.per_sample_s) / w
+    per_sample = TP_COMM_PER_ACTIVATION * max(p.activation_bytes_per_sample for p in profiles)
+    link = ring_link(profiles, o)
+    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, link) if w > 1 else 0.0
+    step = compute + comm + max(p.optimizer_s for p in profiles) / w
+    mem = tuple(held + (p.activation_fixed_bytes + p.activation_bytes_per_sample * m) / w for p in profiles)
+    return LayoutRow(name=name, family="TP", fits=True, samples_per_s=b / step, memory=mem,
+                     comm_bytes=_ring(w) * b * per_sample, comm_s=comm, run=run,
+                     detail=f"every layer split {w} ways, so every device runs at {slowest.device}'s speed; "
+                            f"micro-batch {m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str) -> list[LayoutRow]:
+    from .parallelism import compare_parallelism
+    from .pipeline_split import PipelineProfile, StageDevice
+
+    w = len(profiles)
+    if w < 2 or not state.blocks:
+        return []
+    fastest = min(profiles, key=lambda p: p.per_sample_s)
+    layer = PipelineProfile.uniform(
+        n_blocks=state.blocks, seconds_per_sample=fastest.per_sample_s,
+        activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=state.weight_bytes,
+        boundary_bytes=BOUNDARY_PER_ACTIVATION * fastest.activation_bytes_per_sample / state.blocks,
+        source=f"{state.blocks} equal blocks from {fastest.device}'s whole-model profile")
+    devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
+               for p in profiles]
+    factor = state.state("none", world_size=1).total / max(state.weight_bytes, 1.0)
+    link = ring_link(profiles, o)
+    # More micro-batches make each smaller (less activation memory in flight, a smaller bubble):
+    # a layout that does not fit at 8 is tried again at 16, 32, ... up to one sample per micro-batch.
+    found: dict[str, object] = {}
+    m = 8
+    while True:
+        choice = compare_parallelism(layer, devices, global_batch=o.global_batch, schedule=schedule,
+                                     state_factor=factor, memory_margin=o.memory_margin, link=link,
+                                     micro_batches=m, require_fit=False,
+                                     grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
+        for c in choice.candidates:
+            # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
+            was = found.get(c.name)
+            if c.kind != "dp" and (was is None or (not was.fits and m * c.replicas <= o.global_batch)
+                                   or c.samples_per_s > was.samples_per_s):
+                found[c.name] = c
+        if all(c.fits for c in found.values()) or m >= min(o.global_batch, MAX_MICRO_BATCHES):
+            break
+        m *= 2
+    candidates = list(found.values())
+    rows = []
+    for c in candidates:
+        if c.kind == "dp":
+            continue
+        family = "PP" if c.kind == "pp" else "DP×PP"
+        stage_grads = state.grad_bytes / max(c.stages, 1)
+        # Each stage's gradients over the replicas; activations forward and their gradients back.
+        moved = _ring(c.replicas) * stage_grads + 2 * o.global_batch / c.replicas * layer.boundary_bytes
+        # The sends are inside each stage's time (pipeline_split.py); shown: one boundary's whole step.
+        sends = 2 * send_seconds(o.global_batch / c.replicas * layer.boundary_bytes, link) if c.stages > 1 else 0.0
+        rows.append(LayoutRow(
+            name=c.name, family=family, fits=c.fits, samples_per_s=c.samples_per_s,
+            memory=c.memory if c.fits else (None,) * w, comm_bytes=moved if c.fits else 0.0, comm_s=c.sync_s + sends,
+            detail=c.detail,
+            run="ht.prepare(..., parallel='pp')" if family == "PP" else "ht.prepare(..., parallel='dp-pp')"))
+    return rows
+
+
+# -- the ranking -------------------------------------------------------------------------------
+def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, options: PlanOptions,
+                 schedule: str = "1f1b", prefer_simpler_within: float = 0.05) -> LayoutRanking:
+    """Predict every layout on these devices (profiles hold each device's speed, memory and
+    activations; their fixed_bytes are replaced by each layout's own) and rank them."""
+    from .layout_fit import what_would_fit
+
+    profiles = list(profiles)
+    if not profiles:
+        raise UsageError("no devices to rank layouts on", "give at least one device")
+    rows = [_dp_row(profiles, state, options, s) for s in ("none", "zero1", "capacity", "fsdp")]
+    if len(profiles) > 1:
+        rows += _pipeline_rows(profiles, state, options, schedule=schedule)
+        rows.append(_tp_row(profiles, state, options))
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
+    rest = [r for r in rows if not r.fits]
+    capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)
+    devices = tuple(p.device for p in profiles)
+    if not fitting:
+        return LayoutRanking(rows=tuple(rest), devices=devices, capacity=capacity, best=None,
+                             why="no layout fits memory", to_fit=tuple(what_would_fit(profiles, state, options)))
+    fastest = fitting[0]
+    best = min((r for r in fitting if r.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
+               key=lambda r: (ORDER.index(r.family), -r.samples_per_s))
+    why = [f"{best.name}: {best.samples_per_s:.1f} samples/s predicted"]
+    if best is not fastest:
+        why.append(f"within {prefer_simpler_within:.0%} of the fastest ({fastest.name}, "
+                   f"{fastest.samples_per_s:.1f}) with fewer collectives")
+    else:
+        runner = next((r for r in fitting if r is not best), None)
+        if runner is not None:
+            why.append(f"{best.samples_per_s / runner.samples_per_s:.2f}× the next ({runner.name}, "
+                       f"{runner.samples_per_s:.1f})" + _because(best, runner))
+    dp = next(r for r in rows if r.family == "DP")
+    if not dp.fits:
+        why.append(f"plain DP does not fit ({dp.detail})")
+    others = [r for r in rest if r is not dp]
+    if others:
+        why.append(f"{', '.join(r.name for r in others)} do{'es' if len(others) == 1 else ''} not fit memory")
+    ordered = [best] + [r for r in fitting if r is not best] + rest
+    return LayoutRanking(rows=tuple(ordered), devices=devices, capacity=capacity, best=best, why="; ".join(why))
+
+
+def _because(best: LayoutRow, runner: LayoutRow) -> str:
+    """One reason the winner beats the runner-up, from what they predict."""
+    if runner.samples_per_s >= best.samples_per_s * 0.99:
+        return f": {runner.name} predicts the same within 1%, {best.name} has fewer collectives"
+    if runner.family == "TP":
+        return ": TP runs every device at the slowest one's speed"
+    if runner.comm_s > best.comm_s + 1e-9 and (runner.comm_s - best.comm_s) * runner.samples_per_s > 0.02:
+        return f": {seconds(runner.comm_s)} of {runner.name}'s communication per step against {seconds(best.comm_s)}"
+    if runner.recompute and not best.recompute:
+        return (f": {runner.name} recomputes activations on {', '.join(runner.recompute)} (checkpointing, compute "
+                f"×4/3) to fit; {best.name} fits without it")
+    if runner.family in ("PP", "DP×PP"):
+        return ": the pipeline's fill and drain (bubble) idles its stages"
+    if best.family in ("PP", "DP×PP"):
+        return ": each device holds only its stage, leaving room for larger micro-batches"
+    return ""

@@ -1,0 +1,106 @@
+"""`hetrain bench` as a user meets it: one command measures each device alone, an equal split and
+hetrain on the user's model (real jobs through hetrain's launcher), prints the table and writes
+the JSON and the chart; bad input is one line with the fix before anything runs. No assertion on
+which configuration is faster: the timings are this shared host's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clirun import hetrain, hetrain_here
+
+FACTORY = Path(__file__).parent / "scripts" / "bench_factory.py"
+SPEC = "a100-80g,rtx3090"
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    r = hetrain("bench", "--model-factory", f"{FACTORY}:make", "--emulate", SPEC, "--steps", "2", "--warmup", "1",
+                "--global-batch", "15", "--json", str(tmp / "bench.json"), "--png", str(tmp / "bench.png"),
+                env={"HETRAIN_CACHE": str(tmp / "cache")})
+    return r, tmp
+
+
+def test_bench_runs_every_configuration_and_its_figures_agree(bench):
+    r, tmp = bench
+    assert r.returncode == 0, r.stderr[-3000:]
+    for phase in ("[1/4] device 0 alone", "[2/4] device 1 alone", "[3/4] hetrain", "[4/4] equal split"):
+        assert phase in r.stderr, r.stderr                      # progress: which phase
+    assert "step 3/3" in r.stderr                               # ...and which step (1 warm-up + 2 timed)
+    data = json.loads((tmp / "bench.json").read_text())
+    for key in ("alone", "equal_split", "hetrain", "speedup_vs_equal", "efficiency", "host"):
+        assert key in data, data
+    assert data["devices"] == ["a100-80g#0 (emulated)", "rtx3090#1 (emulated)"] and data["emulated"] is True
+    assert [a["device"] for a in data["alone"]] == data["devices"]
+    for a in data["alone"]:
+        assert a["samples_per_s"] > 0 and a["peak_memory_bytes"] > 0 and a["micro_batch"] >= 1
+    equal, het = data["equal_split"], data["hetrain"]
+    assert equal["shares"] == [8, 7] and "equal-split plan" in equal["how"]     # 15 split evenly
+    assert sum(het["shares"]) == 15 and min(het["shares"]) >= 1
+    for run in (equal, het):
+        assert run["samples_per_s"] > 0 and len(run["peak_memory_bytes"]) == 2
+        assert all(b > 0 for b in run["peak_memory_bytes"])
+    assert data["speedup_vs_equal"] == pytest.approx(het["samples_per_s"] / equal["samples_per_s"])
+    total = sum(a["samples_per_s"] for a in data["alone"])
+    assert data["efficiency"] == pytest.approx(het["samples_per_s"] / total)
+    assert data["sum_of_alone_samples_per_s"] == pytest.approx(total)
+    fastest = max(a["samples_per_s"] for a in data["alone"])
+    assert data["speedup_vs_fastest_alone"] == pytest.approx(het["samples_per_s"] / fastest)
+    host = data["host"]
+    assert host["cpu"] and host["cores"] >= 1 and host["torch"] and host["emulated"] is True
+    assert (data["steps"], data["warmup"], data["global_batch"]) == (2, 1, 15)
+
+
+def test_bench_prints_the_table_and_draws_the_chart(bench):
+    r, tmp = bench
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    het = json.loads((tmp / "bench.json").read_text())["hetrain"]
+    rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]] for line in lines if "│" in line}
+    assert list(rows) == ["a100-80g#0 (emulated) alone", "rtx3090#1 (emulated) alone", "equal split (shares 8/7)",
+                          f"hetrain (shares {'/'.join(map(str, het['shares']))})"]
+    assert float(rows[list(rows)[-1]][0]) == pytest.approx(het["samples_per_s"], abs=0.06)
+    assert all(len(cells) == 4 and "iB" in cells[3] for cells in rows.values())   # samples/s, ×2, memory
+    assert any(line.startswith("efficiency: hetrain") for line in lines)
+    assert any("1 untimed warm-up" in line for line in lines) and any("not torch DDP" in line for line in lines)
+    png = (tmp / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def one_line_error(r, *words):
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert len(errors) == 1 and "fix:" in r.stderr, r.stderr
+    assert "[1/" not in r.stderr and "launching" not in r.stderr          # checked before any run
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--model-factory", f"{FACTORY}:nomake"), ("has no function 'nomake'", "it defines make, not_a_factory",
+                                                 f"{FACTORY}:make")),
+    (("--model-factory", f"{FACTORY}:make", "--steps", "0"), ("--steps 0 must be at least 1",)),
+    (("--model-factory", f"{FACTORY}:make", "--steps", "-3"), ("--steps -3 must be at least 1",)),
+    (("--model-factory", f"{FACTORY}:make", "--png", "{tmp}/missing/chart.png"), ("--png", "does not exist")),
+    (("--model-factory", f"{FACTORY}:make", "--json", "{tmp}/missing/out.json"), ("--json", "does not exist")),
+    (("--model-factory", f"{FACTORY}:make", "--global-batch", "1"), ("--global-batch 1 is smaller than the 2",)),
+    (("--model-factory", f"{FACTORY}:make", "--emulate", "a100-80g"), ("nothing to split",)),
+    (("--model-factory", f"{FACTORY}:make", "--emulate", "a100-80g,rtx-309"), ("rtx3090",)),
+])
+def test_bad_input_is_one_line_before_anything_runs(tmp_path, args, words):
+    emulate = () if "--emulate" in args else ("--emulate", SPEC)
+    one_line_error(hetrain_here("bench", *emulate, *(a.format(tmp=tmp_path) for a in args)), *words)
+
+
+def test_no_gpu_and_no_emulate_says_how_to_emulate():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bench would run on it")
+    one_line_error(hetrain_here("bench", "--model-factory", f"{FACTORY}:make"), "no GPU here and no --emulate",
+                   "--emulate a100-80g,rtx3090")

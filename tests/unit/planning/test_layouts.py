@@ -1,0 +1,120 @@
+"""Every layout ranked (planning/layouts.py): each row agrees with the planner it is built on, the
+memory of each sharding is the state it divides, and the advice for a model that fits nowhere
+works when followed."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+
+import pytest
+
+from hetrain.hardware.cluster import parse_cluster_spec
+from hetrain.planning.collectives import Link
+from hetrain.planning.layouts import ORDER, ModelState, rank_layouts
+from hetrain.planning.options import PlanOptions
+from hetrain.planning.planner import make_plan
+from hetrain.planning.presets import fine_tuned, preset
+from hetrain.planning.profile import DeviceProfile
+from hetrain.planning.simulate import cluster_profiles
+
+P = 50_000_000          # parameters of the hand-made model: 800 MB of AdamW state
+
+
+def _profiles(speeds, memory=None, act=20e6):
+    return [DeviceProfile(device=f"dev{i}", source="given", overhead_s=0.001, per_sample_s=0.01 / s,
+                          fixed_bytes=16 * P, activation_bytes_per_sample=act, memory_bytes=memory)
+            for i, s in enumerate(speeds)]
+
+
+def _row(ranking, family):
+    return next(r for r in ranking.rows if r.family == family)
+
+
+def test_every_layout_is_ranked_and_dp_is_the_planners_prediction():
+    profiles = _profiles([1.0, 1.0, 0.67, 0.67])
+    opts = PlanOptions(global_batch=64, grad_bytes=4 * P)
+    ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P, blocks=8), options=opts)
+    assert {r.family for r in ranking.rows} == set(ORDER)
+    reference = make_plan(profiles, opts).predicted["samples_per_s"]     # the planner alone
+    assert _row(ranking, "DP").samples_per_s == pytest.approx(reference, rel=1e-9)
+    rates = [r.samples_per_s for r in ranking.rows if r.fits and r is not ranking.best]
+    assert rates == sorted(rates, reverse=True)
+    assert ranking.best.samples_per_s >= 0.95 * max(r.samples_per_s for r in ranking.rows)
+
+
+def test_sharded_memory_is_the_state_each_device_no_longer_holds():
+    # Memory not capped: every sharding runs the same shares and micro-batches, so the peaks differ
+    # by exactly the state each device drops: optimizer state (8 bytes/parameter) · (1 − 1/W).
+    profiles = _profiles([1.0, 1.0, 0.5])
+    opts = PlanOptions(global_batch=30, grad_bytes=4 * P)
+    ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P), options=opts)
+    dp, zero = _row(ranking, "DP"), _row(ranking, "DP + ZeRO-1")
+    for whole, sharded in zip(dp.memory, zero.memory):
+        assert whole - sharded == pytest.approx(8 * P * (1 - 1 / 3), rel=1e-6)
+    assert zero.comm_bytes > dp.comm_bytes          # the parameters' all-gather after the step
+
+
+def test_fsdp_on_a_rank_that_accumulates_holds_whole_parameters():
+    # 16 MB/sample, 1.2 GB usable: fully sharded (267 MB) leaves room for ~58 samples at once,
+    # whole parameters and gradients (400+200... MB) for fewer; a share of 100 must accumulate.
+    profiles = _profiles([1.0, 1.0, 1.0], memory=int(1.5e9), act=16e6)
+    state = ModelState(params=P, trainable=P, blocks=10)
+    ranking = rank_layouts(profiles, state=state, options=PlanOptions(global_batch=300, grad_bytes=4 * P))
+    fsdp = _row(ranking, "FSDP2")
+    assert fsdp.fits and "accumulate" in fsdp.detail
+    whole = state.state("fsdp", world_size=3, accumulates=True).total
+    assert whole == pytest.approx(4 * P + 4 * P + 8 * P / 3)
+    assert all(m >= whole for m in fsdp.memory)
+
+
+def test_a_slow_link_makes_the_pipeline_win_and_says_why():
+    profiles = _profiles([1.0, 1.0])
+    slow = Link(bandwidth_gbs=0.01, source="given")
+    ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P, blocks=8),
+                           options=PlanOptions(global_batch=64, grad_bytes=4 * P, link=slow))
+    assert ranking.best.family in ("PP", "TP")
+    assert "communication" in ranking.why or "collectives" in ranking.why
+
+
+def test_tensor_parallel_runs_at_the_slowest_devices_speed():
+    profiles = _profiles([1.0, 0.25])
+    ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P, blocks=8),
+                           options=PlanOptions(global_batch=64, grad_bytes=4 * P))
+    tp = _row(ranking, "TP")
+    slowest_alone = 64 / (0.001 + 64 * 0.04)        # the slow device's rate on the whole batch
+    assert tp.samples_per_s <= 2 * slowest_alone * 1.0001
+
+
+def _catalog(spec, model, batch):
+    profiles = cluster_profiles(parse_cluster_spec(spec).devices, model)
+    opts = PlanOptions(global_batch=batch, grad_bytes=model.trainable * 4)
+    return profiles, opts, rank_layouts(profiles, state=ModelState.from_spec(model), options=opts)
+
+
+def test_llama_8b_fits_nowhere_and_the_advice_works():
+    model = preset("llama-8b")
+    profiles, opts, ranking = _catalog("a100-80g,rtx3090,rtx3090", model, 64)
+    assert ranking.best is None and all(not r.fits for r in ranking.rows)
+    devices_line = next(t for t in ranking.to_fit if t.startswith("FSDP2 fits on"))
+    n = int(re.match(r"FSDP2 fits on (\d+) devices", devices_line).group(1))
+    smallest = min(profiles, key=lambda p: p.memory_bytes)
+    state = ModelState.from_spec(model)
+    fsdp = lambda k: _row(rank_layouts([replace(smallest, device=f"d{i}") for i in range(k)], state=state,
+                                       options=replace(opts, global_batch=k)), "FSDP2")
+    assert fsdp(n).fits and not fsdp(n - 1).fits
+    trainable_line = next(t for t in ranking.to_fit if t.startswith("DP fits when at most"))
+    t = int(re.search(r"at most ([\d,]+)", trainable_line).group(1).replace(",", ""))
+    tuned = lambda k: _row(rank_layouts(profiles, state=replace(state, trainable=k, frozen_param_bytes=2),
+                                        options=replace(opts, grad_bytes=4 * k)), "DP")
+    assert tuned(t).fits and not tuned(int(t * 1.2)).fits
+
+
+def test_lora_on_the_seed_cluster_fits_and_counts_only_the_adapters():
+    model = fine_tuned("llama-8b", lora_rank=16)
+    _, _, ranking = _catalog("a100-80g,rtx3090,rtx3090,rtx3090", model, 64)
+    assert ranking.best is not None
+    dp = _row(ranking, "DP")
+    assert dp.fits and dp.comm_bytes == pytest.approx(2 * 3 / 4 * 4 * model.trainable)
+    assert math.isfinite(ranking.best.samples_per_s) and ranking.best.run
