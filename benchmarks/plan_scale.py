@@ -12,14 +12,17 @@ simulate` and `hetrain plan` call, in process, each timed on its own:
   topology   planning/topology.py topology_sync (the hierarchical all-reduce and its ring link)
   profiles   planning/simulate.py cluster_profiles (catalog estimates per device)
   make_plan  planning/planner.py make_plan (shares, micro-batches, checkpointing)
-  layouts    planning/parallelism.py compare_parallelism, as cli/plan_show.py show_layouts calls
-             it: DP vs one pipeline vs every DP×PP layout over equal blocks of the preset
+  compare    planning/parallelism.py compare_parallelism over equal blocks of the preset: DP vs one
+             pipeline vs every DP×PP layout (the search made fast; rank_layouts calls it)
+  rank       planning/layouts.py rank_layouts, as `hetrain simulate` calls it (cli/simulate.py):
+             every layout (DP, ZeRO-1, capacity, FSDP, PP, DP×PP, TP) ranked
 
-Each size runs --repeats times; the median is reported. Then the command end to end, as a
+Each size runs --repeats times; the median is reported. The total is the sum of the phases
+(compare runs again inside rank, so it is counted twice: an upper bound). Then the command end to end, as a
 subprocess (a fresh interpreter: imports included): `hetrain simulate` and `hetrain plan --model`
-(which also compares the layouts) on the same spec.
+(both rank every layout) on the same spec.
 
-Targets (2 cores): the whole plan < 1 s at 64 devices and < 10 s at 1,024, the layout search at
+Targets (2 cores): the whole plan < 1 s at 64 devices and < 10 s at 1,024, compare_parallelism at
 1,024 devices <= 2 s (the layout ranking calls it once per plan, with several make_plan calls).
 The report says PASS or MISS for each; it does not fail on a miss (a shared host is noisy).
 """
@@ -44,7 +47,7 @@ NODE_KINDS = ("8xa100-80g/nvlink", "8xrtx3090/pcie4", "8xv100-32g/nvlink", "8xt4
 SIZES = (8, 128)                      # nodes of 8 devices
 TARGETS = {64: 1.0, 1024: 10.0}       # seconds, the whole plan in process
 LAYOUTS_TARGET_1024 = 2.0
-PHASES = ("parse", "topology", "profiles", "make_plan", "layouts")
+PHASES = ("parse", "topology", "profiles", "make_plan", "compare", "rank")
 
 
 def cluster_spec(nodes: int) -> str:
@@ -55,6 +58,7 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     """One plan of the spec, each phase timed; returns the times and the layout chosen."""
     from hetrain.hardware.cluster import parse_cluster_spec
     from hetrain.planning.cost import GRAD_ELEMENT_BYTES
+    from hetrain.planning.layouts import ModelState, rank_layouts
     from hetrain.planning.options import PlanOptions
     from hetrain.planning.parallelism import compare_parallelism
     from hetrain.planning.pipeline_split import PipelineProfile, StageDevice
@@ -84,7 +88,7 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     make_plan(profiles, PlanOptions(global_batch=batch, grad_bytes=grad_bytes, link=topology.link))
     t["make_plan"] = clock() - start
 
-    start = clock()     # as cli/plan_show.py show_layouts builds it
+    start = clock()     # equal blocks from the fastest device's profile, as the layout ranking builds them
     fastest = min(profiles, key=lambda p: p.per_sample_s)
     layer = PipelineProfile.uniform(n_blocks=m.blocks, seconds_per_sample=fastest.per_sample_s,
                                     activation_bytes_per_sample=fastest.activation_bytes_per_sample,
@@ -92,8 +96,14 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
                for p in profiles]
     choice = compare_parallelism(layer, devices, global_batch=batch, memory_margin=0.10, link=topology.link)
-    t["layouts"] = clock() - start
-    return t, choice.choice.name
+    t["compare"] = clock() - start
+
+    start = clock()     # as cli/simulate.py _rank
+    state = ModelState.from_spec(m, precision="bf16", optimizer="adamw")
+    ranking = rank_layouts(profiles, state=state, options=PlanOptions(global_batch=batch, grad_bytes=grad_bytes,
+                                                                       link=topology.link, memory_margin=0.10))
+    t["rank"] = clock() - start
+    return t, f"{choice.choice.name}; ranked best: {ranking.best.name if ranking.best else 'none fits'}"
 
 
 def cli_once(command: str, spec: str, model: str, devices: int) -> float:
@@ -138,8 +148,8 @@ def main() -> None:
                "phases_s": median, "total_s": total, "target_s": TARGETS[n],
                "verdict": verdict(total, TARGETS[n]), "runs": runs}
         if n == 1024:
-            row["layouts_target_s"] = LAYOUTS_TARGET_1024
-            row["layouts_verdict"] = verdict(median["layouts"], LAYOUTS_TARGET_1024)
+            row["compare_target_s"] = LAYOUTS_TARGET_1024
+            row["compare_verdict"] = verdict(median["compare"], LAYOUTS_TARGET_1024)
         if not args.no_cli:
             row["cli_s"] = {c: statistics.median(cli_once(c, spec, args.model, n) for _ in range(max(1, args.repeats // 2)))
                             for c in ("simulate", "plan")}
@@ -153,11 +163,11 @@ def main() -> None:
         print(f"{row['devices']:>8} " + " ".join(f"{row['phases_s'][ph]:>10.3f}" for ph in PHASES)
               + f" {row['total_s']:>8.3f}  <{row['target_s']:<4g} {row['verdict']}  {cli}{row['layout']}")
     big = out["sizes"]["1024"]
-    print(f"layout search at 1024 devices: {big['phases_s']['layouts']:.3f} s (target <= {LAYOUTS_TARGET_1024:g} s) "
-          f"{big['layouts_verdict']}")
+    print(f"compare_parallelism at 1024 devices: {big['phases_s']['compare']:.3f} s (target <= "
+          f"{LAYOUTS_TARGET_1024:g} s) {big['compare_verdict']}")
     if not args.no_cli:
-        print("simulate / plan: the command end to end in a fresh interpreter (imports included); "
-              "plan also compares the layouts")
+        print("simulate / plan: the command end to end in a fresh interpreter (imports included, "
+              "every layout ranked)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
