@@ -17,7 +17,24 @@
 from .errors import HetrainError, UsageError
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
-from .runtime.engine import Engine, init
 
 __version__ = "0.1.0"
 __all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
+
+# The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`
+# run without it.
+_LAZY = {"init": "init", "Engine": "Engine"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from .runtime import engine
+
+        value = getattr(engine, _LAZY[name])
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -40,6 +40,10 @@ from ..hardware.units import format_bytes as _gib
 from .collectives import FREE_LINK, Link, send_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .plan import split_evenly
+from .stage_plan import PipelineSplit, StagePlan, bubble_fraction
+
+__all__ = ["BlockCost", "PipelineProfile", "StageDevice", "StagePlan", "PipelineSplit", "StageCosts",
+           "bubble_fraction", "in_flight", "stage_devices", "split_pipeline", "evaluate_split"]
 
 _EPS = 1e-12
 
@@ -130,97 +134,6 @@ def stage_devices(cluster) -> tuple[StageDevice, ...]:
     return tuple(StageDevice(name=d.label, speed=d.speed, memory_bytes=d.memory_bytes) for d in cluster)
 
 
-# -- results ----------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class StagePlan:
-    index: int
-    device: str
-    speed: float
-    start: int                         # first block (inclusive)
-    stop: int                          # last block (exclusive)
-    seconds_per_micro: float           # compute + send of one micro-batch, forward + backward
-    in_flight: int                     # micro-batches whose activations this stage holds at once
-    param_bytes: float                 # its parameters (as many gradient bytes to all-reduce, DP×PP)
-    state_bytes: float                 # parameters + gradients + optimizer state
-    activation_bytes: float            # in_flight micro-batches of activations (+ received inputs)
-    memory_cap: float | None           # usable bytes (device memory less the margin); None: unlimited
-
-    @property
-    def n_blocks(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_cap is None or self.memory_bytes <= self.memory_cap
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSplit:
-    """A partition of the blocks into stages, with what it predicts."""
-
-    stages: tuple[StagePlan, ...]
-    schedule: str
-    micro_batches: int
-    micro_batch_size: int
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Blocks per stage, e.g. (8, 4)."""
-        return tuple(s.n_blocks for s in self.stages)
-
-    @property
-    def bounds(self) -> tuple[tuple[int, int], ...]:
-        return tuple((s.start, s.stop) for s in self.stages)
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.stages)
-
-    @property
-    def bubble_fraction(self) -> float:
-        return bubble_fraction(self.n_stages, self.micro_batches)
-
-    @property
-    def bottleneck(self) -> StagePlan:
-        return max(self.stages, key=lambda s: s.seconds_per_micro)
-
-    @property
-    def step_seconds(self) -> float:
-        """Fill-drain estimate: Σ_s t_s + (m − 1)·max_s t_s."""
-        t = [s.seconds_per_micro for s in self.stages]
-        return sum(t) + (self.micro_batches - 1) * max(t)
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.micro_batches * self.micro_batch_size / max(self.step_seconds, _EPS)
-
-    @property
-    def fits(self) -> bool:
-        return all(s.fits for s in self.stages)
-
-    def describe(self) -> list[str]:
-        """One line per stage, for people."""
-        lines = []
-        for s in self.stages:
-            cap = f" of {_gib(s.memory_cap)}" if s.memory_cap is not None else ""
-            lines.append(f"stage {s.index} on {s.device} (speed {s.speed:.3g}): blocks {s.start}-{s.stop - 1} "
-                         f"({s.n_blocks}), {s.seconds_per_micro * 1e3:.3g} ms/micro-batch, "
-                         f"{s.in_flight} in flight, {_gib(s.memory_bytes)}{cap}")
-        return lines
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """(p − 1)/(m + p − 1): the idle share of a pipeline of p equal stages over m micro-batches."""
-    if stages < 1 or micro_batches < 1:
-        raise UsageError(f"{stages} stages and {micro_batches} micro-batches", "use at least one of each")
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
 def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at its peak under `schedule`."""
     _check_schedule(schedule)
@@ -234,8 +147,11 @@ def _check_schedule(schedule: str) -> None:
 
 # -- one pipeline -----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Setup:
-    """Everything a stage's cost depends on, precomputed as prefix sums."""
+class StageCosts:
+    """Everything a stage's cost depends on, precomputed as prefix sums. `stage` builds a
+    StagePlan for devices[s] at micro_batch_size; the DP×PP search (planning/hybrid_search.py)
+    calls the same `totals` / `seconds_per_micro` / `memory` for other devices and micro-batch
+    sizes, so its numbers are these, bit for bit."""
 
     profile: PipelineProfile
     devices: tuple[StageDevice, ...]
@@ -251,7 +167,7 @@ class _Setup:
 
     @classmethod
     def make(cls, profile, devices, *, schedule, micro_batches, micro_batch_size, state_factor,
-             memory_margin, link: Link | None) -> _Setup:
+             memory_margin, link: Link | None) -> StageCosts:
         _check_schedule(schedule)
         p, n = len(devices), profile.n_blocks
         if p < 1:
@@ -278,8 +194,10 @@ class _Setup:
     def p(self) -> int:
         return len(self.devices)
 
-    def stage(self, s: int, a: int, b: int) -> StagePlan:
-        prof, dev, mu, p = self.profile, self.devices[s], self.micro_batch_size, self.p
+    def totals(self, s: int, a: int, b: int) -> tuple[float, float, float]:
+        """Per sample at speed 1.0: seconds, activation bytes and parameter bytes of stage s
+        holding blocks [a, b), with the first/last parts on the first/last stage."""
+        prof, p = self.profile, self.p
         seconds, acts, params = self.sec[b] - self.sec[a], self.act[b] - self.act[a], self.par[b] - self.par[a]
         for part, here in ((prof.first, s == 0), (prof.last, s == p - 1)):
             if part is not None and here:
@@ -288,15 +206,32 @@ class _Setup:
                 params += part.param_bytes
         if p == 1 and prof.first is not None and prof.last is not None:
             params -= prof.tied_param_bytes      # one stage holds the tied weight once
-        t = mu * seconds / dev.speed
-        if s < p - 1:   # send the activation on, receive its gradient back
-            t += 2 * send_seconds(mu * prof.boundary_bytes, self.link)
-        flight = in_flight(self.schedule, s, p, self.micro_batches)
-        received = prof.boundary_bytes if s > 0 else 0.0
-        cap = None if dev.memory_bytes is None else dev.memory_bytes * (1 - self.memory_margin)
-        return StagePlan(index=s, device=dev.name, speed=dev.speed, start=a, stop=b, seconds_per_micro=t,
-                         in_flight=flight, param_bytes=params, state_bytes=self.state_factor * params,
-                         activation_bytes=flight * mu * (acts + received), memory_cap=cap)
+        return seconds, acts, params
+
+    def seconds_per_micro(self, s: int, seconds: float, speed: float, mu: int) -> float:
+        """Compute, plus sending the activation on and receiving its gradient back (not the last stage)."""
+        t = mu * seconds / speed
+        if s < self.p - 1:
+            t += 2 * send_seconds(mu * self.profile.boundary_bytes, self.link)
+        return t
+
+    def memory(self, s: int, acts: float, params: float, mu: int) -> tuple[int, float, float]:
+        """(micro-batches in flight, state bytes, activation bytes incl. the received inputs)."""
+        flight = in_flight(self.schedule, s, self.p, self.micro_batches)
+        received = self.profile.boundary_bytes if s > 0 else 0.0
+        return flight, self.state_factor * params, flight * mu * (acts + received)
+
+    def cap(self, memory_bytes: float | None) -> float | None:
+        return None if memory_bytes is None else memory_bytes * (1 - self.memory_margin)
+
+    def stage(self, s: int, a: int, b: int) -> StagePlan:
+        dev, mu = self.devices[s], self.micro_batch_size
+        seconds, acts, params = self.totals(s, a, b)
+        flight, state, activations = self.memory(s, acts, params, mu)
+        return StagePlan(index=s, device=dev.name, speed=dev.speed, start=a, stop=b,
+                         seconds_per_micro=self.seconds_per_micro(s, seconds, dev.speed, mu), in_flight=flight,
+                         param_bytes=params, state_bytes=state, activation_bytes=activations,
+                         memory_cap=self.cap(dev.memory_bytes))
 
     def split(self, sizes: Sequence[int], reasons: tuple[str, ...] = ()) -> PipelineSplit:
         edges = (0, *itertools.accumulate(sizes))
@@ -305,7 +240,7 @@ class _Setup:
                              micro_batch_size=self.micro_batch_size, reasons=reasons)
 
 
-def _min_max_dp(setup: _Setup, key) -> tuple[tuple[int, ...], tuple] | None:
+def _min_max_dp(setup: StageCosts, key) -> tuple[tuple[int, ...], tuple] | None:
     """Contiguous split minimising (max_s key, Σ_s key) over stages that fit (key → None: skip).
 
     best[s][j]: the best value with stages 0..s−1 covering blocks [0, j). O(p·n²)."""
@@ -342,8 +277,11 @@ def split_pipeline(profile: PipelineProfile, devices: Sequence[StageDevice], *, 
     slowest stage's time per micro-batch, every stage fitting its device's memory.
 
     Raises UsageError when no split exists (more stages than blocks) or none fits memory, naming
-    the stage that overflows in the least-memory split and what to try."""
-    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
+    the stage that overflows in the least-memory split and what to try.
+
+    Complexity: O(n) prefix sums, then the min-max DP over (stage, last block) pairs, O(p·n²)
+    stage costs for p stages and n blocks (once more to explain a split that does not fit)."""
+    setup = StageCosts.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
                         micro_batch_size=micro_batch_size, state_factor=state_factor, memory_margin=memory_margin)
     found = _min_max_dp(setup, lambda st: st.seconds_per_micro if st.fits else None)
     if found is None:
@@ -370,7 +308,7 @@ def evaluate_split(profile: PipelineProfile, devices: Sequence[StageDevice], siz
                    state_factor: float = ADAMW_STATE_FACTOR, memory_margin: float = 0.10,
                    link: Link | None = None) -> PipelineSplit:
     """What a given split (blocks per stage) predicts; `fits` says whether it fits memory."""
-    setup = _Setup.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
+    setup = StageCosts.make(profile, devices, schedule=schedule, micro_batches=micro_batches, link=link,
                         micro_batch_size=micro_batch_size, state_factor=state_factor, memory_margin=memory_margin)
     sizes = tuple(int(k) for k in sizes)
     if len(sizes) != setup.p or any(k < 1 for k in sizes) or sum(sizes) != profile.n_blocks:
@@ -380,7 +318,7 @@ def evaluate_split(profile: PipelineProfile, devices: Sequence[StageDevice], siz
     return setup.split(sizes, (f"split {'/'.join(map(str, sizes))} given",))
 
 
-def _no_fit(setup: _Setup) -> UsageError:
+def _no_fit(setup: StageCosts) -> UsageError:
     """Explain why no split fits: the split needing the least memory, and its worst stage."""
     least = _min_max_dp(setup, lambda st: st.memory_bytes / st.memory_cap if st.memory_cap else 0.0)
     worst = max(setup.split(least[0]).stages, key=lambda st: st.memory_bytes / (st.memory_cap or math.inf))

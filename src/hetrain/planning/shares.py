@@ -78,14 +78,26 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
     n = len(times)
     if n == 0 or batch < n * minimum:
         return None
+    # Equal devices have equal caps: each kind (equal StepTimes) is counted once, times how many,
+    # so a level costs K caps for K kinds, not one per device. The sums are the same integers.
+    first: dict[int, StepTime] = {}
+    for t in times:
+        first.setdefault(id(t), t)
+    kind_index: dict[StepTime, int] = {}
+    by_id = {i: kind_index.setdefault(t, len(kind_index)) for i, t in first.items()}
+    kinds = list(kind_index)
+    kind_of = [by_id[id(t)] for t in times]
+    sizes = [0] * len(kinds)
+    for k in kind_of:
+        sizes[k] += 1
 
     def count(level: float) -> int:
-        return sum(max(minimum, t.share_within(level, batch)) for t in times)
+        return sum(c * max(minimum, t.share_within(level, batch)) for t, c in zip(kinds, sizes))
 
     # Below lo not every device can take its minimum (with minimum 0: no device one sample).
-    lo = max(t.seconds(minimum) for t in times) if minimum else min(t.seconds(1) for t in times)
+    lo = max(t.seconds(minimum) for t in kinds) if minimum else min(t.seconds(1) for t in kinds)
     # At hi the device quickest at the whole batch takes all of it, so count(hi) >= batch.
-    hi = max(lo, min(t.seconds(batch) for t in times))
+    hi = max(lo, min(t.seconds(batch) for t in kinds))
     over = count(lo) - batch
     if over >= 0:
         hi = lo
@@ -93,7 +105,7 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
         over = count(hi) - batch
         for _ in range(_BISECTIONS):
             # Any level with count >= batch gives the same answer: stop once few are over.
-            if over <= n or hi - lo <= 1e-13 * hi:
+            if over <= len(kinds) or hi - lo <= 1e-13 * hi:
                 break
             mid = (lo + hi) / 2
             c = count(mid) - batch
@@ -101,16 +113,25 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
                 hi, over = mid, c
             else:
                 lo = mid
-    shares = [max(minimum, t.share_within(hi, batch)) for t in times]
+    caps = [max(minimum, t.share_within(hi, batch)) for t in kinds]
+    shares = [caps[k] for k in kind_of]
     # Back from whoever finishes last; ties: the higher index first (the lower keeps its sample).
-    heap = [(-t.seconds(s), -r) for r, (t, s) in enumerate(zip(times, shares)) if s > minimum]
+    # The devices of one kind start equal, so they give back highest index first: the kind
+    # stands in the heap as its highest device not yet popped, the next one pushed as it pops.
+    members: list[list[int]] = [[] for _ in kinds]
+    for r, k in enumerate(kind_of):
+        members[k].append(r)
+    heap = [(-kinds[k].seconds(caps[k]), -members[k][-1], k, len(members[k]) - 1)
+            for k in range(len(kinds)) if caps[k] > minimum]
     heapq.heapify(heap)
     for _ in range(sum(shares) - batch):
-        _, r = heapq.heappop(heap)
+        t, r, k, at = heapq.heappop(heap)
+        if at > 0:      # the kind's next device, still at its cap
+            heapq.heappush(heap, (t, -members[k][at - 1], k, at - 1))
         r = -r
         shares[r] -= 1
         if shares[r] > minimum:
-            heapq.heappush(heap, (-times[r].seconds(shares[r]), -r))
+            heapq.heappush(heap, (-times[r].seconds(shares[r]), -r, -1, 0))
     return tuple(shares)
 
 
@@ -129,7 +150,8 @@ def proportional_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int
             f"global batch {global_batch} is smaller than the {n} devices",
             f"use a global batch of at least {n} (every device needs one sample), or fewer devices",
         )
-    return solve_shares(global_batch, [StepTime(per_sample=1 / s) for s in speeds])
+    times = {s: StepTime(per_sample=1 / s) for s in set(speeds)}      # one per distinct speed
+    return solve_shares(global_batch, [times[s] for s in speeds])
 
 
 def _linear(per_sample_s: Sequence[float], fixed_s: Sequence[float] | None) -> list[StepTime]:
