@@ -18,21 +18,42 @@ def _console() -> Console:
     return console()
 
 
+MANY = 16       # devices beyond this: one row per kind of device with the same plan
+
+
+def _kinds(devices):
+    """[(first device, its ranks)]: every device when there are few; else one per kind (the label
+    up to its '#') with the same share, micro-batches, precision and checkpointing."""
+    if len(devices) <= MANY:
+        return [(d, [d.rank]) for d in devices]
+    groups: dict[tuple, list] = {}
+    for d in devices:
+        key = (d.device.split("#")[0], d.share, d.micro_batch, d.n_micro, d.precision, d.checkpointing)
+        groups.setdefault(key, []).append(d)
+    return [(g[0], [d.rank for d in g]) for g in groups.values()]
+
+
 def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:
     con = _console()
     t = Table(title=f"plan: global batch {result.global_batch} over {result.world_size} device(s)",
               title_justify="left", show_edge=False, pad_edge=False)
     for c in ("rank", "device", "share", "micro-batch", "precision", "checkpointing", "compute/step", "memory"):
         t.add_column(c, overflow="fold")
-    for d in result.devices:
-        t.add_row(str(d.rank), d.device, str(d.share), f"{d.micro_batch} x{d.n_micro}", d.precision,
-                  "on" if d.checkpointing else "off",
+    groups = _kinds(result.devices)
+    for d, ranks in groups:
+        t.add_row(str(d.rank) if len(ranks) == 1 else f"{len(ranks)} ranks", d.device
+                  + (f" and {len(ranks) - 1} like it" if len(ranks) > 1 else ""), str(d.share),
+                  f"{d.micro_batch} x{d.n_micro}", d.precision, "on" if d.checkpointing else "off",
                   f"{(d.predicted_compute_s or 0) * 1e3:.1f} ms",
                   format_bytes(d.predicted_memory_bytes) if d.predicted_memory_bytes else "-")
     con.print(t)
-    for d in result.devices:
+    if len(groups) < len(result.devices):
+        con.print(f"  {result.world_size} devices: one row per kind of device with the same plan "
+                  "(every rank's: the plan file or --json)", markup=False)
+    for d, ranks in groups:
         for r in d.reasons:
-            con.print(f"  rank {d.rank}: {r}", markup=False)
+            con.print(f"  rank {d.rank}" + (f" (and {len(ranks) - 1} like it)" if len(ranks) > 1 else "") + f": {r}",
+                      markup=False)
     for line in filter(None, result.note.split("; ")):
         con.print(f"  {line}", markup=False)
     for e in result.excluded:

@@ -16,7 +16,7 @@ from rich.table import Table
 from ..errors import UsageError
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster_spec
-from ..hardware.units import format_bytes
+from ..hardware.units import compact, device_kinds, format_bytes
 from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
 from ..planning.memory import STATE_VALUES
 from ..planning.presets import PRESETS
@@ -136,7 +136,10 @@ def simulate(
         if ranking is not None and ranking.best is None:
             raise typer.Exit(2)
         return
-    title = f"{spec.name} on {cluster}, global batch {global_batch}, {precision}"
+    where = cluster if len(cluster) <= 100 else (
+        f"{len(devices)} devices ({device_kinds([d.label for d in devices], limit=0)})"
+        + (f" on {len(parsed.topology.nodes)} nodes" if parsed.topology.named else ""))
+    title = f"{spec.name} on {where}, global batch {global_batch}, {precision}"
     if sim is not None:
         _show_simulation(sim, spec, profiles, title, net_lines, optimizer, precision)
     if ranking is not None:
@@ -163,6 +166,20 @@ def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_b
     return rank_layouts(profiles, state=state, options=options)
 
 
+MANY = 16      # devices beyond this: one row per kind of device (same figures), with its count
+
+
+def _kinds(rows):
+    """(row, count): every row when there are few; else one per distinct (kind, figures)."""
+    if len(rows) <= MANY:
+        return [(r, 1) for r in rows]
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        key = (r.device.split("#")[0], r.standalone_samples_per_s, r.ddp_share, r.hetrain_share, r.note)
+        groups.setdefault(key, []).append(r)
+    return [(g[0], len(g)) for g in groups.values()]
+
+
 def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, optimizer: str, precision: str) -> None:
     from ..planning.simulate import describe_memory
 
@@ -176,7 +193,7 @@ def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, opti
         t.add_row(s.name, f"{s.samples_per_s:.1f}" if s.samples_per_s else "-",
                   f"{s.samples_per_s / single:.2f}" if single and s.samples_per_s else "-",
                   f"{s.efficiency:.0%}" if s.samples_per_s else "-",
-                  ", ".join(describe_memory(m) for m in s.memory_per_device))
+                  compact([describe_memory(m) for m in s.memory_per_device], sep=", ", limit=MANY))
     con.print(t)
     con.print("efficiency: of the sum of every device's standalone samples/s", markup=False)
     for s in sim.strategies:
@@ -184,9 +201,9 @@ def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, opti
     d = Table(title="per device", title_justify="left", show_edge=False, pad_edge=False)
     for c in ("device", "alone samples/s", "DDP share", "hetrain share", "adds", "note"):
         d.add_column(c, overflow="fold")
-    for row in sim.devices:
-        d.add_row(row.device, f"{row.standalone_samples_per_s:.1f}", str(row.ddp_share or "-"),
-                  str(row.hetrain_share or "left out"),
+    for row, count in _kinds(sim.devices):
+        d.add_row(row.device + (f" (and {count - 1} like it)" if count > 1 else ""),
+                  f"{row.standalone_samples_per_s:.1f}", str(row.ddp_share or "-"), str(row.hetrain_share or "left out"),
                   "-" if row.adds_samples_per_s is None else f"{row.adds_samples_per_s:+.1f}/s", row.note)
     con.print(d)
     for line in [*sim.answers, *net_lines]:

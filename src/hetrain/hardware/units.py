@@ -38,3 +38,24 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def compact(values, *, sep: str = "/", limit: int = 8) -> str:
+    """'12/8/8' for a few values; for many, each distinct value with its count, in order of first
+    appearance ('12 ×256, 8 ×512 (768 values)'), so a 1,024-device line stays readable."""
+    items = [str(v) for v in values]
+    if len(items) <= limit:
+        return sep.join(items)
+    counts: dict[str, int] = {}
+    for v in items:
+        counts[v] = counts.get(v, 0) + 1
+    return ", ".join(f"{v} ×{n}" for v, n in counts.items()) + f" ({len(items)} values)"
+
+
+def device_kinds(labels, *, limit: int = 6) -> str:
+    """'a100-80g#0, rtx3090#1' for a few devices; for many, each kind with its count
+    ('rtx3090 ×256, t4 ×256'): the label up to its '#'."""
+    labels = list(labels)
+    if len(labels) <= limit:
+        return ", ".join(labels)
+    return compact([label.split("#")[0].split(" ")[0] for label in labels], limit=0).rsplit(" (", 1)[0]

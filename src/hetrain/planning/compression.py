@@ -162,7 +162,7 @@ def choose(request: str, *, grad_bytes: float, ring: int, link: Link, step_s: fl
         return CompressionChoice(name="none", reason=f"gradient compression none: this job runs {blocked_by} "
                                  "(compression is for plain data parallelism, sharding='none')")
     if ring <= 1:
-        return CompressionChoice(name="none", reason=f"gradient compression none: one device, no gradient sync"
+        return CompressionChoice(name="none", reason="gradient compression none: one device, no gradient sync"
                                  + (f" (compression={request!r} asked for)" if request != "auto" else ""))
     options = predict(grad_bytes=grad_bytes, ring=ring, link=link, step_s=step_s, exposed_s=exposed_s,
                       grad_shapes=grad_shapes, powersgd_rank=powersgd_rank, window_s=window_s)

@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from ..errors import UsageError
+from ..hardware.units import compact
 from .pipeline_split import PipelineSplit, StageCosts, StageDevice
 from .shares import proportional_shares
 
@@ -153,7 +154,7 @@ def best_split(costs: StageCosts, groups: Sequence[Sequence[StageDevice]], candi
         if min(least) < m:              # the bound cannot tell: the shares decide
             shares, least, _ = search.shares(speeds)
             if min(least) < m:
-                raise UsageError(f"replica shares {list(shares)} for {d} replicas, global batch {B}, "
+                raise UsageError(f"replica shares [{compact(shares, sep=', ')}] for {d} replicas, global batch {B}, "
                                  f"{m} micro-batches", f"give {d} shares of at least {m} that sum to {B}")
         if search.ruled_out(rows, least, None if best_rate is None else best_rate * BETTER):
             continue

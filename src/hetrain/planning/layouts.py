@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import UsageError
-from ..hardware.units import format_bytes
+from ..hardware.units import compact, device_kinds, format_bytes
 from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
 from .memory import capacity_fractions, state_bytes
 from .options import PlanOptions, ring_link
@@ -124,7 +124,7 @@ class LayoutRanking:
 
 def seconds(s: float) -> str:
     """'1.11 ms', '13.3 s': for people."""
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
 def _ring(w: int) -> float:
@@ -182,11 +182,11 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str) -> Layou
     step = pred["step_s"] + extra
     ckpt = [d.device for d in plan.devices if d.checkpointing]
     acc = [d.device for d in plan.devices if d.n_micro > 1]
-    detail = (f"shares {'/'.join(str(d.share) for d in plan.devices)}, micro-batches "
-              + "/".join(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices)
-              + (f"; activation checkpointing on {', '.join(ckpt)}" if ckpt else ""))
+    detail = (f"shares {compact(d.share for d in plan.devices)}, micro-batches "
+              + compact(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices)
+              + (f"; activation checkpointing on {device_kinds(ckpt)}" if ckpt else ""))
     if sharding == "fsdp" and acc:
-        detail += f"; {', '.join(acc)} accumulate, so they hold whole parameters and gradients during the step"
+        detail += f"; {device_kinds(acc)} accumulate, so they hold whole parameters and gradients during the step"
     return LayoutRow(name=family, family=family, fits=True, samples_per_s=o.global_batch / step,
                      memory=tuple(float(d.predicted_memory_bytes or 0) for d in plan.devices),
                      comm_bytes=moved, comm_s=pred.get("comm_exposed_s", 0.0) + extra, detail=detail, run=run,
@@ -265,7 +265,7 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
     candidates = list(found.values())
     rows = []
     for c in candidates:
-        if c.kind == "dp":
+        if c.kind == "dp" or c.stages > state.blocks:      # more stages than blocks: never a layout
             continue
         family = "PP" if c.kind == "pp" else "DP×PP"
         stage_grads = state.grad_bytes / max(c.stages, 1)
@@ -333,7 +333,7 @@ def _because(best: LayoutRow, runner: LayoutRow) -> str:
     if runner.comm_s > best.comm_s + 1e-9 and (runner.comm_s - best.comm_s) * runner.samples_per_s > 0.02:
         return f": {seconds(runner.comm_s)} of {runner.name}'s communication per step against {seconds(best.comm_s)}"
     if runner.recompute and not best.recompute:
-        return (f": {runner.name} recomputes activations on {', '.join(runner.recompute)} (checkpointing, compute "
+        return (f": {runner.name} recomputes activations on {device_kinds(runner.recompute)} (checkpointing, compute "
                 f"×4/3) to fit; {best.name} fits without it")
     if runner.family in ("PP", "DP×PP"):
         return ": the pipeline's fill and drain (bubble) idles its stages"

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..hardware.units import format_bytes as _gib
+from ..hardware.units import compact, format_bytes as _gib
 from .collectives import FREE_LINK, Link, allreduce_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .hybrid_search import best_split, renamed, replica_kinds
@@ -92,7 +92,7 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
         shares = tuple(int(b) for b in shares)
         how = "given"
     if len(shares) != d or sum(shares) != global_batch or min(shares) < micro_batches:
-        raise UsageError(f"replica shares {list(shares)} for {d} replicas, global batch {global_batch}, "
+        raise UsageError(f"replica shares [{compact(shares, sep=', ')}] for {d} replicas, global batch {global_batch}, "
                          f"{micro_batches} micro-batches",
                          f"give {d} shares of at least {micro_batches} that sum to {global_batch}")
     costed: dict[tuple[int, int], PipelineSplit] = {}      # (kind, micro-batch size) -> its split
@@ -104,7 +104,7 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
         reps.append(renamed(costed[(k, mu)], g))
     reasons = (f"{d} replicas × {stages} stages, blocks per stage {'/'.join(map(str, reps[0].sizes))} "
                "in every replica (data parallelism averages the same blocks stage by stage)",
-               f"replica shares {'/'.join(map(str, shares))} of {global_batch}: {how}")
+               f"replica shares {compact(shares)} of {global_batch}: {how}")
     return HybridSplit(sizes=reps[0].sizes, replicas=tuple(reps), shares=tuple(shares), global_batch=global_batch,
                        reasons=reasons)
 
@@ -224,7 +224,7 @@ def _dp_candidate(profile, devices, *, global_batch, state_factor, memory_margin
                      samples_per_s=global_batch / max(compute + sync, _EPS), replicas=len(devices),
                      shares=shares,
                      detail=f"every device holds the whole model ({_gib(state)} with gradients and optimizer); "
-                            f"shares {'/'.join(map(str, shares))} by speed"
+                            f"shares {compact(shares)} by speed"
                             + (f"; gradient all-reduce {sync * 1e3:.3g} ms" if sync else ""))
 
 
@@ -288,7 +288,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
             name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
             shares=h.shares, memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), sync_s=sync,
             detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
-                    f"{rep.bubble_fraction:.0%}" + (f", replica shares {'/'.join(map(str, h.shares))}" if d > 1 else "")
+                    f"{rep.bubble_fraction:.0%}" + (f", replica shares {compact(h.shares)}" if d > 1 else "")
                     + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
     fitting = [c for c in cands if c.fits]
     if not fitting and not require_fit:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..hardware.cluster import ClusterDevice
-from ..hardware.units import format_bytes
+from ..hardware.units import compact, device_kinds, format_bytes
 from .collectives import Link
 from .cost import DEFAULT_EFFICIENCY, PCIE_GBS, Assignment, catalog_link, estimate_profile, peak_flops, standalone
 from .plan import Plan
@@ -25,6 +25,7 @@ from .profile import DeviceProfile, ModelSpec
 
 RATIOS = ("spec", "peak")
 MARGINAL_MAX_DEVICES = 16        # 'what each device adds' re-plans once per device
+MANY_LINES = 8                   # beyond this many devices left out: one answer per kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,10 +161,11 @@ def simulate(profiles: Sequence[DeviceProfile], *, global_batch: int, grad_bytes
     het_assign = {index[d.device]: Assignment(profile=profiles[index[d.device]], share=d.share,
                                               micro_batch=d.micro_batch, checkpointing=d.checkpointing)
                   for d in plan.devices}
-    het_why = (f"shares {'/'.join(str(d.share) for d in plan.devices)} by measured-or-estimated speed, "
+    het_why = (f"shares {compact(d.share for d in plan.devices)} by measured-or-estimated speed, "
                f"micro-batches by each device's memory")
     if plan.excluded:
-        het_why += "; left out: " + "; ".join(f"{e.device} ({e.reason.split(':')[0]})" for e in plan.excluded)
+        het_why += "; left out: " + compact([f"{e.device.split('#')[0]} ({e.reason.split(':')[0]})"
+                                             for e in plan.excluded], sep="; ", limit=MANY_LINES)
     hetrain = Strategy(name="hetrain", samples_per_s=pred["samples_per_s"], efficiency=eff(pred["samples_per_s"]),
                        step_s=pred["step_s"], memory_per_device=_memory(profiles, het_assign), why=het_why)
 
@@ -201,7 +203,7 @@ def _answers(profiles, alone, best, single, ddp_s, het, ddp, plan, adds) -> list
     name = profiles[best].device
     others = [p.device for i, p in enumerate(profiles) if i != best]
     if others and single.samples_per_s:
-        line = (f"adding {', '.join(others)} to {name}: hetrain ×{het.samples_per_s / single.samples_per_s:.2f} "
+        line = (f"adding {device_kinds(others)} to {name}: hetrain ×{het.samples_per_s / single.samples_per_s:.2f} "
                 f"({het.samples_per_s - single.samples_per_s:+.1f} samples/s)")
         if ddp_s.samples_per_s:
             line += f", plain DDP ×{ddp_s.samples_per_s / single.samples_per_s:.2f}"
@@ -233,8 +235,15 @@ def _answers(profiles, alone, best, single, ddp_s, het, ddp, plan, adds) -> list
             out.append(f"under hetrain every device finishes together (compute {crit.predicted_compute_s * 1e3:.1f} "
                        f"ms, set by {crit.device}); exposed sync {exposed * 1e3:.1f} ms, optimizer "
                        f"{pred['optimizer_s'] * 1e3:.1f} ms")
-    for e in plan.excluded:
-        out.append(f"{e.device} is left out: {e.reason}; {e.fix}")
+    if len(plan.excluded) <= MANY_LINES:
+        for e in plan.excluded:
+            out.append(f"{e.device} is left out: {e.reason}; {e.fix}")
+    else:                    # one line per kind of device left out, its first reason as the example
+        kinds: dict[str, list] = {}
+        for e in plan.excluded:
+            kinds.setdefault(e.device.split("#")[0], []).append(e)
+        for kind, left in kinds.items():
+            out.append(f"{len(left)} {kind} devices are left out, e.g. {left[0].device}: {left[0].reason}; {left[0].fix}")
     return out
 
 

@@ -40,9 +40,16 @@ class TopologySync:
         """What the link between nodes adds to every all-reduce of the gradient."""
         return self.sync_s - self.joined_s
 
-    def describe_nodes(self) -> str:
-        return "; ".join(f"{name}: {n} device(s), {link.bandwidth_gbs:.3g} GB/s ({link.source})"
-                         for name, n, link in zip(self.node_names, self.node_sizes, self.node_links))
+    def describe_nodes(self, *, limit: int = 8) -> str:
+        """Each node's devices and link; beyond `limit` nodes, one entry per kind of node."""
+        if len(self.node_names) <= limit:
+            return "; ".join(f"{name}: {n} device(s), {link.bandwidth_gbs:.3g} GB/s ({link.source})"
+                             for name, n, link in zip(self.node_names, self.node_sizes, self.node_links))
+        kinds: dict[tuple, list[str]] = {}
+        for name, n, link in zip(self.node_names, self.node_sizes, self.node_links):
+            kinds.setdefault((n, link.bandwidth_gbs, link.source), []).append(name)
+        return "; ".join(f"{len(names)} nodes ({names[0]}, ...) of {n} device(s), {gbs:.3g} GB/s ({source})"
+                         for (n, gbs, source), names in kinds.items())
 
     def to_dict(self) -> dict:
         return {"nodes": [{"name": name, "devices": n, "link_gbs": link.bandwidth_gbs, "link": link.source}
