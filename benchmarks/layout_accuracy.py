@@ -134,7 +134,8 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     m, opt, _ = factory()
     blocks = len(find_parts(m).blocks)
     ranking = rank_layouts(profiles, state=ModelState(**_model_facts(m, opt, blocks)), options=options)
-    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout)}
+    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
+            "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 
 
 def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str) -> dict:
@@ -225,7 +226,7 @@ def main(args, chosen: list[str]) -> dict:
               "host": host.to_dict(), "host_summary": host.describe(), "global_batch": args.global_batch,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "rounds": args.rounds, "dilate": args.dilate,
               "targets": {"speed": SPEED_TARGET, "memory": MEMORY_TARGET},
-              "rankings": {k: v["ranking"] for k, v in rankings.items()}, "layouts": rows,
+              "rankings": rankings, "layouts": rows,
               "load_note": "other_work_cores: CPU the rest of the host used during each run (near 0 on a quiet host)"}
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(table(rows))
