@@ -100,6 +100,7 @@ def worker(argv: list[str]) -> None:
         summary["step_seconds"] = [b - a for a, b in zip(marks, marks[1:])]
         if pipe is not None:
             summary["pipeline_split"] = {"sizes": list(pipe.split.sizes), "bubble": pipe.split.bubble_fraction}
+        summary["planned_memory"] = [d.predicted_memory_bytes for d in ht.plan.devices]
         write_json_atomic(out, summary)
     ht.close()
 
@@ -188,6 +189,8 @@ def compare(name: str, spec: str, pred: dict, runs: list[dict]) -> dict:
            "speed_error": pred["samples_per_s"] / got - 1,
            "predicted_memory": pred["memory"], "measured_memory": peaks,
            "predicted_peak": max(pmem) if pmem else None, "measured_peak": max(peaks),
+           "step_seconds": [[round(t, 4) for t in s["step_seconds"]] for s in runs],
+           "runtime_predicted_memory": runs[0].get("planned_memory"),
            "detail": pred["detail"], "shares": runs[0]["shares"], "micro_batches": runs[0]["micro_batches"],
            "other_work_cores": [round(s["other_work_cores"], 2) for s in runs],
            "attempts": [s["attempts"] for s in runs]}
