@@ -16,7 +16,20 @@ Measured: rank 0 times every step; the first two steps (warm-up, first allocatio
 lazy init) are left out. Peak memory per rank is the emulated meter's (parameters, gradients,
 optimizer state and saved activations, as counted in runtime/devices/emulation.py).
 
-    python benchmarks/plan_accuracy.py --layout all --json out.json [--steps 12] [--dilate 3]
+Targets: samples/s within 10%, peak memory (the largest device's) within 15%.
+
+Reading the figures on a shared host (other_work_cores: the CPU the rest of the host used during
+the run). Data-parallel ranks are throttled by their CPU time, so other work slows them only by
+what it takes from the cores. A pipeline stage is throttled by the wall time of each piece
+(parallel/pipeline_stage.py: so a uniformly slowed CPU keeps the devices' ratio), so other work
+that stretches a piece by x stretches the emulated device by x too, and a busy host reads as a
+slower pipeline. FSDP2 runs a collective per unit and pass (all-gathers forward and backward, a
+reduce-scatter): each waits for both ranks to be scheduled, which a loaded host delays. Only a
+quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
+had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
+use --dilate 2 (the pipeline model does not play out core sharing; the data-parallel one does).
+
+    python benchmarks/plan_accuracy.py --layout all --json out.json --global-batch 32 --steps 12 --dilate 2
 """
 
 from __future__ import annotations
