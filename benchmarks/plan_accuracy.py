@@ -36,6 +36,9 @@ after the gradient sync, which lengthens the step a little.
 
     python benchmarks/plan_accuracy.py --json out.json [--steps 40] [--rounds 1] [--no-ddp]
                                        [--max-other-cores 0.2 --retries 5]   # on a shared host
+
+With --layout dp|fsdp|capacity|pp|dp-pp|all, each layout's row of the layout ranking is checked
+against a run of that layout instead (benchmarks/layout_accuracy.py).
 """
 
 from __future__ import annotations
@@ -125,11 +128,11 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
                           # with (with it on, the equal-split runs drifted to hetrain's own split).
                           config={"rebalance": False, **({"plan": plan_path} if plan_path else {})},
                           run_dir=os.path.join(workdir, tag))
-    busy0, ours0, t0 = _host_busy_s(), _children_cpu_s(), time.perf_counter()
+    busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
     proc = subprocess.run(list(launch.argv), env={**_env(cache), **launch.env}, capture_output=True, text=True,
                           timeout=900)
     wall = time.perf_counter() - t0
-    others = max(0.0, (_host_busy_s() - busy0) - (_children_cpu_s() - ours0)) / wall
+    others = max(0.0, (host_busy_s() - busy0) - (children_cpu_s() - ours0)) / wall
     if proc.returncode != 0:
         raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads(Path(out).read_text())
@@ -137,7 +140,7 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
     return summary
 
 
-def _host_busy_s() -> float:
+def host_busy_s() -> float:
     """CPU seconds the whole host has been busy (all cores), from /proc/stat."""
     try:
         with open("/proc/stat") as f:
@@ -147,7 +150,7 @@ def _host_busy_s() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _children_cpu_s() -> float:
+def children_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
@@ -183,7 +186,19 @@ def main(argv=None) -> dict:
                    help="run every emulated device D× slower (speeds / D): on a busy shared host the "
                         "devices then mostly sleep, which keeps other work's contention out of the figures "
                         "(and the cluster's own: use 1 on a quiet host to test the contention model)")
+    p.add_argument("--layout", choices=["dp", "fsdp", "capacity", "pp", "dp-pp", "all"],
+                   help="instead: check the layout ranking's row for this layout (or all) against a run of it "
+                        "(benchmarks/layout_accuracy.py)")
+    p.add_argument("--model", default="4,128,64", help="with --layout: the demo GPT's layers,d_model,seq_len")
     args = p.parse_args(argv)
+    if args.layout:
+        import layout_accuracy
+
+        if not args.dilate >= 1:
+            raise SystemExit("--dilate must be >= 1")
+        sys.path.insert(0, str(REPO / "src"))
+        chosen = list(layout_accuracy.LAYOUTS) if args.layout == "all" else [args.layout]
+        return layout_accuracy.main(args, chosen)
 
     sys.path.insert(0, str(REPO / "src"))
     from hetrain.hardware.cluster import parse_cluster

@@ -253,7 +253,8 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
                                      state_factor=factor, memory_margin=o.memory_margin, link=link,
                                      micro_batches=m, require_fit=False,
                                      grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
-        for c in choice.candidates:
+        for c in (with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m, schedule=schedule)
+                  for c in choice.candidates):
             # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
             was = found.get(c.name)
             if c.kind != "dp" and (was is None or (not was.fits and m * c.replicas <= o.global_batch)
@@ -279,6 +280,26 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
             detail=c.detail,
             run="ht.prepare(..., parallel='pp')" if family == "PP" else "ht.prepare(..., parallel='dp-pp')"))
     return rows
+
+
+def with_fixed_cost(c, fastest: DeviceProfile, *, global_batch: int, micro_batches: int, schedule: str):
+    """A pipeline candidate with each micro-batch's fixed cost added (compare_parallelism's block
+    costs are per sample only). A micro-batch of µ samples costs a + b·µ (the profile's fit), and
+    a stage runs every micro-batch's forward and backward pieces, so each stage pays a fixed part
+    per micro-batch that does not shrink with µ: with uniform blocks it is spread over them like
+    the per-sample part, so every stage's micro-batch time, and the fill-drain step, grows by the
+    factor 1 + a/(b·µ). µ is the replica's micro-batch (share / m, as the runtime cuts it); with
+    replicas of different shares the smallest µ (the largest factor) is kept: the slowest replica
+    sets the step. The replicas' gradient all-reduce is not stretched."""
+    if c.kind == "dp" or not c.fits or not fastest.per_sample_s > 0:
+        return c
+    d = max(c.replicas, 1)
+    m = micro_batches if schedule == "gpipe" else max(micro_batches, c.stages)
+    m = min(m, max(1, global_batch // d))            # as compare_parallelism caps it
+    mu = math.ceil(min(c.shares or (global_batch,)) / m)
+    grow = 1 + fastest.overhead_s / (fastest.per_sample_s * mu)
+    step = global_batch / c.samples_per_s - c.sync_s
+    return replace(c, samples_per_s=global_batch / (step * grow + c.sync_s))
 
 
 # -- the ranking -------------------------------------------------------------------------------

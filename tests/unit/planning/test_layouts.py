@@ -118,3 +118,31 @@ def test_lora_on_the_seed_cluster_fits_and_counts_only_the_adapters():
     dp = _row(ranking, "DP")
     assert dp.fits and dp.comm_bytes == pytest.approx(2 * 3 / 4 * 4 * model.trainable)
     assert math.isfinite(ranking.best.samples_per_s) and ranking.best.run
+
+
+def test_a_pipelines_micro_batches_each_pay_the_profiles_fixed_cost():
+    # Same devices, one with a fixed cost per micro-batch: 64 samples in 8 micro-batches of 8, so
+    # every stage's micro-batch time (and the fill-drain step) grows by 1 + a / (b · 8).
+    def pp(overhead):
+        profiles = [replace(p, overhead_s=overhead) for p in _profiles([1.0, 0.5], act=1e3)]
+        ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P, blocks=8),
+                               options=PlanOptions(global_batch=64, grad_bytes=4 * P))
+        return _row(ranking, "PP")
+
+    free, fixed = pp(0.0), pp(0.04)
+    assert free.name == fixed.name == "PP 2 stages"
+    assert free.samples_per_s / fixed.samples_per_s == pytest.approx(1 + 0.04 / (0.01 * 8), rel=1e-9)
+
+
+def test_dp_pp_fixed_cost_follows_the_smallest_replicas_micro_batch_and_spares_the_sync():
+    from hetrain.planning.layouts import with_fixed_cost
+    from hetrain.planning.parallelism import Candidate
+
+    c = Candidate(name="DP×PP 2×2", kind="dp×pp", fits=True, samples_per_s=32 / 0.5, detail="", replicas=2,
+                  stages=2, shares=(19, 13), sync_s=0.1)
+    fastest = _profiles([1.0], act=1e3)[0]            # a = 1 ms, b = 10 ms per sample
+    out = with_fixed_cost(c, fastest, global_batch=32, micro_batches=8, schedule="1f1b")
+    mu = 2                                             # ceil(13 / 8): the smaller replica's micro-batch
+    assert 32 / out.samples_per_s == pytest.approx(0.4 * (1 + 0.001 / (0.01 * mu)) + 0.1, rel=1e-9)
+    assert with_fixed_cost(replace(c, fits=False), fastest, global_batch=32, micro_batches=8,
+                           schedule="1f1b") == replace(c, fits=False)

@@ -66,6 +66,10 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
         splits, shares, reasons = h.replicas, h.shares, h.reasons
+    # The pipeline's own prediction from the measured blocks (the slowest replica sets the step),
+    # kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
+    step_s = max(sp.step_seconds for sp in splits)
+    predicted = {"samples_per_s": cfg.global_batch / step_s, "step_s": step_s} if step_s > 0 else {}
     plans = []
     for r, dev in enumerate(devices):
         replica, stage = divmod(r, stages)
@@ -80,7 +84,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
             predicted_memory_bytes=int(st.memory_bytes),
             reasons=(f"stage {stage} of replica {replica}: blocks {st.start}-{st.stop - 1}", *reasons)))
     return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, group=stages,
-                stage_blocks=splits[0].sizes, schedule=schedule,
+                stage_blocks=splits[0].sizes, schedule=schedule, predicted=predicted,
                 note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
 
 

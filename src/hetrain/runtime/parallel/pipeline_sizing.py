@@ -33,7 +33,10 @@ def device_table(ht) -> list[StageDevice]:
         memory = float(torch.cuda.get_device_properties(ht.device).total_memory)
     table = agree.exchange({"speed": speed, "memory": memory}, rank=ht.rank, world_size=ht.world_size,
                            device=ht.device)
-    fastest = max(table.column("speed"))
+    # Emulated: the block costs are this CPU's, the speed-1.0 time, so the spec's speeds are kept as
+    # they are (a cluster run slower than the CPU, as `--dilate` does, then predicts its own speed);
+    # real GPUs: rank 0's device is measured, so speeds are relative to the fastest.
+    fastest = max(table.column("speed")) if ht.emulated is None else 1.0
     labels = [None] * ht.world_size
     dist.all_gather_object(labels, ht.device_label)
     return [StageDevice(name=labels[r], speed=table.row(r)["speed"] / fastest,

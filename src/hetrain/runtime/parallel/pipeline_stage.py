@@ -143,9 +143,14 @@ class MeteredStage(PipelineStage):
                 raise injected_oom(fault)
 
     def _check_cap(self, chunk: int) -> None:
-        """An emulated device: the bytes held now (model state + activations in flight) past its cap
-        is the error a real device's allocator would have raised during this forward."""
+        """An emulated device: the bytes held now (model state + activations in flight) count
+        toward its peak, and past its cap are the error a real device's allocator would have raised
+        during this forward."""
         meter = self._meter
+        if meter is not None:
+            # The stage's activations are counted here, not by the meter's own forward hooks: its
+            # peak (the summary's peak_bytes) must include them, or a stage reports its state alone.
+            meter.peak = max(meter.peak, meter.fixed + self._flight.bytes)
         if meter is not None and meter.cap is not None and meter.fixed + self._flight.bytes > meter.cap:
             raise torch.OutOfMemoryError(
                 f"emulated {format_bytes(meter.cap)}: {format_bytes(meter.fixed)} of model state + "

@@ -1,0 +1,272 @@
+"""How well does the layout ranking predict each layout? Rank, run each layout for real, compare.
+
+`hetrain plan --model-factory` ranks every layout (planning/layouts.rank_layouts); this checks
+each row that runs on emulation here against a real run of that layout on the same emulated
+cluster: DP (sharding 'none'), FSDP2 (sharding='fsdp'), DP + capacity (sharding='capacity') and
+a 2-stage pipeline (parallel='pp') on a mixed pair, DP×PP 2×2 (parallel='dp-pp') on four devices.
+
+Predicted: for each cluster `hetrain plan --model-factory THIS_FILE:factory --measurements M.json`
+runs first (the job's own processes measure the model; profiles are cached in HETRAIN_CACHE), and
+the ranking is computed from M.json exactly as cli/planning.py computes the one it prints
+(planning_profiles, options_from_measurements, ModelState from plan_worker's model facts). The
+training runs that follow read the same cached profiles. Pipelines also record the runtime's own
+prediction (the pipeline plan it makes from its measured blocks).
+
+Measured: rank 0 times every step; the first two steps (warm-up, first allocations, FSDP2's
+lazy init) are left out. Peak memory per rank is the emulated meter's (parameters, gradients,
+optimizer state and saved activations, as counted in runtime/devices/emulation.py).
+
+Targets: samples/s within 10%, peak memory (the largest device's) within 15%.
+
+Reading the figures on a shared host (other_work_cores: the CPU the rest of the host used during
+the run). Data-parallel ranks are throttled by their CPU time, so other work slows them only by
+what it takes from the cores. A pipeline stage is throttled by the wall time of each piece
+(parallel/pipeline_stage.py: so a uniformly slowed CPU keeps the devices' ratio), so other work
+that stretches a piece by x stretches the emulated device by x too, and a busy host reads as a
+slower pipeline. FSDP2 runs a collective per unit and pass (all-gathers forward and backward, a
+reduce-scatter): each waits for both ranks to be scheduled, which a loaded host delays. Only a
+quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
+had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
+use --dilate 2 (the pipeline model does not play out core sharing; the data-parallel one does).
+
+    python benchmarks/plan_accuracy.py --layout all --json out.json --global-batch 32 --steps 12 --dilate 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SPEED_TARGET, MEMORY_TARGET = 0.10, 0.15
+CLUSTERS = {"2dev": "a100-80g:1.0,rtx3090:0.67",
+            "4dev": "a100-80g:1.0,a100-80g:1.0,rtx3090:0.67,rtx3090:0.67"}
+LAYOUTS = {   # name: (cluster, prepare(parallel=...), Config.sharding, the ranking's row family)
+    "dp": ("2dev", "dp", "none", "DP"),
+    "fsdp": ("2dev", "dp", "fsdp", "FSDP2"),
+    "capacity": ("2dev", "dp", "capacity", "DP + capacity"),
+    "pp": ("2dev", "pp", "none", "PP"),
+    "dp-pp": ("4dev", "dp-pp", "none", "DP×PP"),
+}
+MODEL_ENV = "HETRAIN_LAYOUT_ACCURACY_MODEL"     # "layers,d_model,seq_len": the factory's GPT
+WARMUP_STEPS = 2
+
+
+# -- the model: the same in `hetrain plan` and in the training runs ---------------------------
+def model_shape() -> tuple[int, int, int]:
+    layers, d, seq = (int(v) for v in os.environ.get(MODEL_ENV, "4,128,64").split(","))
+    return layers, d, seq
+
+
+def factory():
+    """(model, optimizer, dataset): the demo GPT on random tokens (the timing needs no text)."""
+    import torch
+
+    from hetrain.demo.gpt import GPT, GPTConfig
+
+    layers, d, seq = model_shape()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=seq, d_model=d, n_layers=layers, n_heads=max(1, d // 32)))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (4096, seq + 1), generator=g)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), data
+
+
+def loss_fn(out, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+
+# -- inside each training process -------------------------------------------------------------
+def worker(argv: list[str]) -> None:
+    """One training job of one layout (argv: parallel, sharding, global batch, steps, precision, out)."""
+    parallel, sharding, batch, steps, precision, out = argv
+    import hetrain
+    from hetrain.files import write_json_atomic
+
+    ht = hetrain.init(global_batch=int(batch), max_steps=int(steps), seed=0, precision=precision,
+                      sharding=sharding, rebalance=False, verbose=False)   # each run keeps its plan
+    model, opt, data = factory()
+    model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=loss_fn)
+    marks = [time.perf_counter()]
+    for step in batches:
+        for mb in step:
+            with mb:
+                ht.backward(ht.loss(mb))
+        ht.step()
+        marks.append(time.perf_counter())
+    summary = ht.summary()
+    layout = ht.job.layout
+    pipe = getattr(layout, "pipe", None)
+    if ht.is_main:
+        steady = marks[1 + WARMUP_STEPS:]
+        timed = len(steady) - 1
+        summary["steady_samples_per_s"] = (timed * int(batch) / (steady[-1] - steady[0])) if timed > 0 else None
+        summary["step_seconds"] = [b - a for a, b in zip(marks, marks[1:])]
+        if pipe is not None:
+            summary["pipeline_split"] = {"sizes": list(pipe.split.sizes), "bubble": pipe.split.bubble_fraction}
+        summary["planned_memory"] = [d.predicted_memory_bytes for d in ht.plan.devices]
+        write_json_atomic(out, summary)
+    ht.close()
+
+
+# -- the driver -------------------------------------------------------------------------------
+def _env(cache: str, model: str) -> dict:
+    return {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "HETRAIN_CACHE": cache, MODEL_ENV: model, "COLUMNS": "160"}
+
+
+def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
+    """`hetrain plan --model-factory` on this cluster, then its ranking computed from what the
+    job's processes measured, as cli/planning.py computes the table it prints."""
+    from hetrain.cli.plan_worker import _model_facts      # the facts `hetrain plan` gives ModelState
+    from hetrain.planning.layouts import ModelState, rank_layouts
+    from hetrain.runtime.config import Config
+    from hetrain.runtime.measure.measurements import Measurements, options_from_measurements, planning_profiles
+    from hetrain.runtime.parallel.blocks import find_parts
+
+    path = os.path.join(workdir, f"measured-{len(spec.split(','))}dev.json")
+    cmd = [sys.executable, "-m", "hetrain", "plan", "--model-factory", f"{Path(__file__).resolve()}:factory",
+           "--emulate", spec, "--global-batch", str(args.global_batch), "--precision", args.precision,
+           "--measurements", path, "--json"]
+    proc = subprocess.run(cmd, env=_env(cache, model), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"hetrain plan failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    measured = Measurements.from_json(Path(path).read_text())
+    config = Config(global_batch=args.global_batch, precision=args.precision, emulate=spec)
+    profiles = list(planning_profiles(measured, config))
+    options = options_from_measurements(measured, config, profiles=profiles)
+    os.environ[MODEL_ENV] = model
+    m, opt, _ = factory()
+    blocks = len(find_parts(m).blocks)
+    ranking = rank_layouts(profiles, state=ModelState(**_model_facts(m, opt, blocks)), options=options)
+    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
+            "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
+
+
+def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str) -> dict:
+    """One training run of a layout; again while other work used more than --max-other-cores."""
+    from plan_accuracy import children_cpu_s, host_busy_s
+
+    from hetrain.launch import build_launch
+
+    _, parallel, sharding, _ = LAYOUTS[name]
+    for attempt in range(args.retries + 1):
+        out = os.path.join(workdir, f"{tag}-a{attempt}.json")
+        launch = build_launch(target=str(Path(__file__).resolve()), emulate=spec, run_dir=os.path.join(workdir, tag),
+                              target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
+                                           args.precision, out))
+        busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
+        proc = subprocess.run(list(launch.argv), env={**_env(cache, model), **launch.env}, capture_output=True,
+                              text=True, timeout=900)
+        wall = time.perf_counter() - t0
+        others = max(0.0, (host_busy_s() - busy0) - (children_cpu_s() - ours0)) / wall
+        if proc.returncode != 0:
+            raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        summary = json.loads(Path(out).read_text())
+        summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall)
+        if args.max_other_cores is None or others <= args.max_other_cores:
+            break
+        print(f"{tag}: other work used {others:.2f} cores during the run; again", file=sys.stderr)
+        time.sleep(args.retry_wait)
+    return summary
+
+
+def row_of(name: str, ranking: dict, stages: int | None = None) -> dict:
+    family = LAYOUTS[name][3]
+    rows = [r for r in ranking["rows"] if r["family"] == family]
+    if family == "PP":
+        rows = [r for r in rows if r["name"] == f"PP {stages} stages"]
+    elif family == "DP×PP":
+        rows = [r for r in rows if r["name"].endswith(f"×{stages}")]
+    if not rows:
+        raise SystemExit(f"the ranking has no {family} row: {[r['name'] for r in ranking['rows']]}")
+    return rows[0]
+
+
+def compare(name: str, spec: str, pred: dict, runs: list[dict]) -> dict:
+    got = statistics.median(s["steady_samples_per_s"] for s in runs)
+    peaks = [max(r["ranks"][k]["peak_bytes"] for r in runs) for k in range(len(runs[0]["ranks"]))]
+    pmem = [m for m in pred["memory"] if m is not None]
+    row = {"layout": name, "row": pred["name"], "cluster": spec, "fits": pred["fits"],
+           "predicted_samples_per_s": pred["samples_per_s"], "measured_samples_per_s": got,
+           "summary_samples_per_s": statistics.median(s["samples_per_s"] for s in runs),
+           "speed_error": pred["samples_per_s"] / got - 1,
+           "predicted_memory": pred["memory"], "measured_memory": peaks,
+           "predicted_peak": max(pmem) if pmem else None, "measured_peak": max(peaks),
+           "step_seconds": [[round(t, 4) for t in s["step_seconds"]] for s in runs],
+           "runtime_predicted_memory": runs[0].get("planned_memory"),
+           "detail": pred["detail"], "shares": runs[0]["shares"], "micro_batches": runs[0]["micro_batches"],
+           "other_work_cores": [round(s["other_work_cores"], 2) for s in runs],
+           "attempts": [s["attempts"] for s in runs]}
+    row["memory_error"] = row["predicted_peak"] / row["measured_peak"] - 1 if pmem and peaks else None
+    own = [s["predicted"].get("samples_per_s") for s in runs if s.get("predicted")]
+    if LAYOUTS[name][1] != "dp":
+        row["runtime_predicted_samples_per_s"] = own[0] if own and own[0] else None
+        row["pipeline_split"] = runs[0].get("pipeline_split")
+    row["pass"] = abs(row["speed_error"]) <= SPEED_TARGET and (
+        row["memory_error"] is None or abs(row["memory_error"]) <= MEMORY_TARGET)
+    return row
+
+
+def main(args, chosen: list[str]) -> dict:
+    from plan_accuracy import dilate
+
+    from hetrain.hardware.host import host_facts
+
+    clusters = {k: dilate(v, args.dilate) for k, v in CLUSTERS.items()}
+    model = args.model
+    rows, rankings = [], {}
+    with tempfile.TemporaryDirectory(prefix="hetrain-layout-accuracy-") as work:
+        cache = os.path.join(work, "cache")
+        for key in dict.fromkeys(LAYOUTS[n][0] for n in chosen):
+            rankings[key] = ranking_for(clusters[key], args, cache, work, model)
+        runs: dict[str, list[dict]] = {n: [] for n in chosen}
+        for r in range(args.rounds):          # interleaved, so drift hits every layout alike
+            for n in chosen:
+                runs[n].append(run_layout(n, clusters[LAYOUTS[n][0]], args, cache, work, model, f"{n}-r{r}"))
+        for n in chosen:
+            key = LAYOUTS[n][0]
+            stages = 2 if LAYOUTS[n][1] != "dp" else None
+            rows.append(compare(n, clusters[key], row_of(n, rankings[key]["ranking"], stages), runs[n]))
+    host = host_facts()
+    result = {"model": f"demo GPT (layers, d_model, seq = {model}), AdamW, random tokens",
+              "host": host.to_dict(), "host_summary": host.describe(), "global_batch": args.global_batch,
+              "steps": args.steps, "warmup_steps": WARMUP_STEPS, "rounds": args.rounds, "dilate": args.dilate,
+              "targets": {"speed": SPEED_TARGET, "memory": MEMORY_TARGET},
+              "rankings": rankings, "layouts": rows,
+              "load_note": "other_work_cores: CPU the rest of the host used during each run (near 0 on a quiet host)"}
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    return result
+
+
+def table(rows: list[dict]) -> str:
+    def mib(b):
+        return f"{b / 2**20:.2f}" if b else "-"
+
+    def pct(e):
+        return f"{e:+.1%}" if e is not None else "-"
+
+    head = (f"{'layout':<10}{'row':<14}{'pred/s':>8}{'meas/s':>8}{'err':>8}{'runtime/s':>10}"
+            f"{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<12}result")
+    lines = [head]
+    for r in rows:
+        own = r.get("runtime_predicted_samples_per_s")
+        lines.append(f"{r['layout']:<10}{r['row']:<14}{r['predicted_samples_per_s']:>8.1f}"
+                     f"{r['measured_samples_per_s']:>8.1f}{pct(r['speed_error']):>8}"
+                     f"{(f'{own:.1f}' if own else '-'):>10}{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
+                     f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<12}{'PASS' if r['pass'] else 'MISS'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    worker(sys.argv[2:])
