@@ -154,7 +154,7 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
 
 def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str) -> dict:
     """One training run of a layout; again while other work used more than --max-other-cores."""
-    from plan_accuracy import children_cpu_s, host_busy_s
+    from hostload import children_cpu_s, host_busy_s
 
     from hetrain.launch import build_launch
 
@@ -218,7 +218,7 @@ def compare(name: str, spec: str, pred: dict, runs: list[dict]) -> dict:
 
 
 def main(args, chosen: list[str]) -> dict:
-    from plan_accuracy import dilate
+    from hostload import dilate
 
     from hetrain.hardware.host import host_facts
 

@@ -46,13 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hostload import children_cpu_s, dilate, host_busy_s
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = {        # name: emulated cluster spec
@@ -84,16 +85,6 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
                      straggle=pred.get("straggle", 0.0), straggle_stretch=pred.get("straggle_stretch", 1.0),
                      contention=pred.get("contention", 1.0),
                      contention_at=int(pred.get("contention_at", 1))).samples_per_s
-
-
-def dilate(spec: str, factor: float) -> str:
-    """'a100-80g:1.0,t4:0.35@24MiB' with every speed divided by `factor`."""
-    out = []
-    for item in spec.split(","):
-        name, rest = item.split(":", 1)
-        speed, _, mem = rest.partition("@")
-        out.append(f"{name}:{float(speed) / factor:.4g}" + (f"@{mem}" if mem else ""))
-    return ",".join(out)
 
 
 def _env(cache: str) -> dict:
@@ -138,21 +129,6 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
     summary = json.loads(Path(out).read_text())
     summary["other_work_cores"] = others
     return summary
-
-
-def host_busy_s() -> float:
-    """CPU seconds the whole host has been busy (all cores), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return 0.0
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def equal_split_plan(planned: dict, workdir: str, tag: str) -> str:

@@ -18,7 +18,7 @@ from .errors import HetrainError, UsageError
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
 
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
 
 # The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`

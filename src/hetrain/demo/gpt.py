@@ -67,6 +67,28 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class GPTEmbed(nn.Module):
+    """The demo GPT's input side: token + position embeddings."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding):
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """The demo GPT's output side: final norm and the (tied) head."""
+
+    def __init__(self, ln_f: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -91,6 +113,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def pipeline_parts(self):
+        """The cuts a pipeline makes (runtime/parallel/blocks.find_parts asks for them): the
+        embeddings, the blocks, then the final norm and the tied head."""
+        from ..runtime.parallel.blocks import PipelineParts
+
+        return PipelineParts(first=GPTEmbed(self.tok, self.pos), blocks=tuple(self.blocks),
+                             last=GPTHead(self.ln_f, self.head))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

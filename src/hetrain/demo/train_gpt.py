@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import hetrain
+from ..runtime.engine import init
 from .gpt import GPT, GPTConfig
 from .text import ByteWindows, pydoc_bytes, split
 from ..report import StepProgress, write_json
@@ -36,7 +36,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ht = hetrain.init(global_batch=args.global_batch, max_steps=args.steps, seed=args.seed,
+    ht = init(global_batch=args.global_batch, max_steps=args.steps, seed=args.seed,
                       precision=args.precision)
 
     # Data: the standard library's pydoc topics, as bytes; 5% held out.

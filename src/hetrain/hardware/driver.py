@@ -72,7 +72,7 @@ def _host() -> dict:
 def torch_part(facts: dict) -> list[dict]:
     import torch
 
-    from .. import __version__
+    from ..version import __version__
 
     v = facts["versions"]
     v.update(hetrain=__version__, torch=torch.__version__, torch_cuda=torch.version.cuda)

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ... import files
-from ...files import write_text_atomic
+from ...files import cache_dir as _files_cache_dir, write_text_atomic
 from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
@@ -51,7 +50,7 @@ MAX_RUNS = 5                   # …in at most this many runs (the median is kep
 # -- cache ------------------------------------------------------------------------------------
 def cache_dir() -> Path | None:
     """Where profiles are kept, or None when caching is off."""
-    return files.cache_dir("profiles")
+    return _files_cache_dir("profiles")
 
 
 def model_signature(model: torch.nn.Module, optimizer, sample, *, precision: str, max_size: int) -> str:

@@ -40,28 +40,6 @@ class PipelineParts:
             raise UsageError("PipelineParts has no blocks", "give the model's list of blocks")
 
 
-class GPTEmbed(nn.Module):
-    """The demo GPT's input side: token + position embeddings."""
-
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding):
-        super().__init__()
-        self.tok, self.pos = tok, pos
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-
-
-class GPTHead(nn.Module):
-    """The demo GPT's output side: final norm and the (tied) head."""
-
-    def __init__(self, ln_f: nn.Module, head: nn.Linear):
-        super().__init__()
-        self.ln_f, self.head = ln_f, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
 def repeated_blocks(model: nn.Module) -> tuple[str, tuple[nn.Module, ...]] | None:
     """The model's stack of identical blocks, wherever it is: the nn.ModuleList of two or more
     children of one class with the same parameter shapes that holds the most parameters, as
@@ -81,13 +59,8 @@ def repeated_blocks(model: nn.Module) -> tuple[str, tuple[nn.Module, ...]] | Non
 
 def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
     """The blocks to cut between, or a UsageError saying how to describe them."""
-    from ...demo.gpt import GPT
-
     if isinstance(model, PipelineParts):
         return model
-    if isinstance(model, GPT):
-        return PipelineParts(first=GPTEmbed(model.tok, model.pos), blocks=tuple(model.blocks),
-                             last=GPTHead(model.ln_f, model.head))
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return PipelineParts(blocks=tuple(model))
     if isinstance(model, nn.TransformerEncoder):     # its forward: the layers in turn, then the norm
@@ -96,7 +69,8 @@ def find_parts(model: nn.Module | PipelineParts) -> PipelineParts:
         return model.pipeline_parts()
     raise UsageError(
         f"cannot split a {type(model).__name__} into pipeline stages: hetrain finds the blocks of an "
-        "nn.Sequential, an nn.ModuleList or the demo GPT, and does not trace arbitrary forwards",
+        "nn.Sequential, an nn.ModuleList, an nn.TransformerEncoder or a model with pipeline_parts() "
+        "(the demo GPT), and does not trace arbitrary forwards",
         "pass PipelineParts(first=..., blocks=..., last=...) whose composition is the model's forward "
         "(or give the model a pipeline_parts() method returning one); or use data parallelism "
         "(hetrain.init + prepare) with activation checkpointing or sharding if the model fits")

@@ -7,7 +7,8 @@ import torch
 
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.errors import UsageError
-from hetrain.runtime.parallel.blocks import GPTEmbed, GPTHead, PipelineParts, StageModule, find_parts, profile_blocks
+from hetrain.demo.gpt import GPTEmbed, GPTHead
+from hetrain.runtime.parallel.blocks import PipelineParts, StageModule, find_parts, profile_blocks
 from hetrain.runtime.parallel.pipeline import _padded_rows
 
 
