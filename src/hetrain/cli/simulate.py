@@ -79,9 +79,10 @@ def simulate(
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the GPU catalog and exit"),
     list_presets: bool = typer.Option(False, "--list-presets", help="list the model presets and exit"),
 ) -> None:
-    """Predict a mixed cluster without running anything: fastest single device vs plain DDP vs hetrain.
+    """Predict a mixed cluster without running anything: fastest device, plain DDP, hetrain, every layout.
 
-    Answers "what does adding an RTX 3090 to my A100 buy me?" and "which card is the bottleneck?".
+    Answers "what does adding an RTX 3090 to my A100 buy me?", "which card is the bottleneck?" and
+    "which layout (DP, ZeRO-1, capacity, FSDP2, PP, DP×PP, TP) fits, and which is fastest?".
     Compute comes from FLOPs per sample and the catalog (an estimate; `hetrain plan` measures).
     """
     from ..planning.simulate import cluster_profiles
