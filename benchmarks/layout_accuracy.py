@@ -127,8 +127,8 @@ def _env(cache: str, model: str) -> dict:
 def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     """`hetrain plan --model-factory` on this cluster, then its ranking computed from what the
     job's processes measured, as cli/planning.py computes the table it prints."""
-    from hetrain.cli.plan_worker import _model_facts      # the facts `hetrain plan` gives ModelState
-    from hetrain.planning.layouts import ModelState, rank_layouts
+    from hetrain.cli.plan_worker import model_facts      # the facts `hetrain plan` gives ModelState
+    from hetrain.planning.layouts import ModelState, measured_pipeline, rank_layouts
     from hetrain.runtime.config import Config
     from hetrain.runtime.measure.measurements import Measurements, options_from_measurements, planning_profiles
     from hetrain.runtime.parallel.blocks import find_parts
@@ -147,7 +147,8 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     os.environ[MODEL_ENV] = model
     m, opt, _ = factory()
     blocks = len(find_parts(m).blocks)
-    ranking = rank_layouts(profiles, state=ModelState(**_model_facts(m, opt, blocks)), options=options)
+    ranking = rank_layouts(profiles, state=ModelState(**model_facts(m, opt, blocks)), options=options,
+                           pipeline=measured_pipeline(measured.pipeline))
     return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
             "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 

@@ -40,6 +40,7 @@ def main(argv: list[str]) -> None:
     prepare_to_measure(ht.job, model, optimizer, dataset, collate)
     cfg = ht.config
     measured = measure_job(ht.job, model, optimizer, default_forward)
+    measured = _with_blocks(ht, model, measured)
     if ht.is_main:
         from ..runtime.parallel.blocks import find_parts, repeated_blocks
 
@@ -52,11 +53,33 @@ def main(argv: list[str]) -> None:
                 ht.print(f"blocks: {len(stack[1])} {type(stack[1][0]).__name__} in {stack[0]!r} (the model's stack "
                          "of identical blocks), for comparing pipelines")
         write_json_atomic(job["out"], {"config": cfg.to_dict(), "measurements": measured.to_dict(),
-                                       "blocks": blocks, "model": _model_facts(model, optimizer, blocks)})
+                                       "blocks": blocks, "model": model_facts(model, optimizer, blocks)})
     ht.close()
 
 
-def _model_facts(model, optimizer, blocks) -> dict:
+def _with_blocks(ht, model, measured):
+    """The measurements plus the blocks' costs as the runtime sizes a pipeline from them
+    (layouts/pipeline_setup.measure_blocks: collective, every rank), when the model's blocks can
+    be cut and there are devices to cut them over; else as they are."""
+    import dataclasses
+
+    from ..errors import UsageError
+    from ..runtime.layouts import pipeline_setup
+    from ..runtime.parallel.blocks import find_parts
+
+    if ht.world_size < 2:
+        return measured
+    try:
+        parts = find_parts(model)
+    except UsageError:          # every rank alike: the same model
+        return measured
+    profile, devices = pipeline_setup.measure_blocks(ht.job, parts)
+    return dataclasses.replace(measured, pipeline={
+        "profile": profile.to_dict(),
+        "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
+
+
+def model_facts(model, optimizer, blocks) -> dict:
     """What every layout's memory divides (planning/layouts.ModelState): all parameters, those
     that train, their element sizes, the optimizer, and the parameters outside the blocks."""
     from ..runtime.memory.device_memory import optimizer_kind

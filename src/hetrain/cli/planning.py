@@ -27,7 +27,7 @@ from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..planning.cost import GRAD_ELEMENT_BYTES
-from ..planning.layouts import ModelState, rank_layouts
+from ..planning.layouts import ModelState, measured_pipeline, rank_layouts
 from ..planning.profile import ModelSpec
 from ..runtime.config import Config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
@@ -135,7 +135,8 @@ def plan(
 
         def make():
             return make_plan(profiles, options)
-    ranking = rank_layouts(profiles, state=state, options=options) if len(profiles) > 1 else None
+    pipeline = measured_pipeline(measured.pipeline) if model_factory else None     # the runtime's blocks
+    ranking = rank_layouts(profiles, state=state, options=options, pipeline=pipeline) if len(profiles) > 1 else None
     try:
         result = make()
     except UsageError as e:

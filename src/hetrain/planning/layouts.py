@@ -227,7 +227,17 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
 
 
 # -- pipelines ---------------------------------------------------------------------------------
-def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str) -> list[LayoutRow]:
+def measured_pipeline(data: dict | None):
+    """(PipelineProfile, [StageDevice]) from what `hetrain plan` measured (Measurements.pipeline),
+    or None."""
+    from .pipeline_split import PipelineProfile, StageDevice
+
+    if not data:
+        return None
+    return PipelineProfile.from_dict(data["profile"]), [StageDevice(**d) for d in data["devices"]]
+
+
+def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
     from .parallelism import compare_parallelism
     from .pipeline_split import PipelineProfile, StageDevice
 
@@ -235,13 +245,16 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
     if w < 2 or not state.blocks:
         return []
     fastest = min(profiles, key=lambda p: p.per_sample_s)
-    layer = PipelineProfile.uniform(
-        n_blocks=state.blocks, seconds_per_sample=fastest.per_sample_s,
-        activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=state.weight_bytes,
-        boundary_bytes=BOUNDARY_PER_ACTIVATION * fastest.activation_bytes_per_sample / state.blocks,
-        source=f"{state.blocks} equal blocks from {fastest.device}'s whole-model profile")
-    devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s, memory_bytes=p.memory_bytes)
-               for p in profiles]
+    if pipeline is not None:     # the blocks as the runtime measured them, and its devices
+        layer, devices = pipeline
+    else:                        # equal blocks from the whole-model profile (catalog, or blocks unmeasured)
+        layer = PipelineProfile.uniform(
+            n_blocks=state.blocks, seconds_per_sample=fastest.per_sample_s,
+            activation_bytes_per_sample=fastest.activation_bytes_per_sample, param_bytes=state.weight_bytes,
+            boundary_bytes=BOUNDARY_PER_ACTIVATION * fastest.activation_bytes_per_sample / state.blocks,
+            source=f"{state.blocks} equal blocks from {fastest.device}'s whole-model profile")
+        devices = [StageDevice(name=p.device, speed=fastest.per_sample_s / p.per_sample_s,
+                               memory_bytes=p.memory_bytes) for p in profiles]
     factor = state.state("none", world_size=1).total / max(state.weight_bytes, 1.0)
     link = ring_link(profiles, o)
     # More micro-batches make each smaller (less activation memory in flight, a smaller bubble):
@@ -304,9 +317,10 @@ def with_fixed_cost(c, fastest: DeviceProfile, *, global_batch: int, micro_batch
 
 # -- the ranking -------------------------------------------------------------------------------
 def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, options: PlanOptions,
-                 schedule: str = "1f1b", prefer_simpler_within: float = 0.05) -> LayoutRanking:
+                 schedule: str = "1f1b", prefer_simpler_within: float = 0.05, pipeline=None) -> LayoutRanking:
     """Predict every layout on these devices (profiles hold each device's speed, memory and
-    activations; their fixed_bytes are replaced by each layout's own) and rank them."""
+    activations; their fixed_bytes are replaced by each layout's own) and rank them. `pipeline`:
+    (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks."""
     from .layout_fit import what_would_fit
 
     profiles = list(profiles)
@@ -314,7 +328,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
         raise UsageError("no devices to rank layouts on", "give at least one device")
     rows = [_dp_row(profiles, state, options, s) for s in ("none", "zero1", "capacity", "fsdp")]
     if len(profiles) > 1:
-        rows += _pipeline_rows(profiles, state, options, schedule=schedule)
+        rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
         rows.append(_tp_row(profiles, state, options))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
     rest = [r for r in rows if not r.fits]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
 from ..vocabulary import SCHEDULES
@@ -93,6 +93,16 @@ class PipelineProfile:
         block = BlockCost(seconds=seconds_per_sample / n_blocks,
                           activation_bytes=activation_bytes_per_sample / n_blocks, param_bytes=param_bytes / n_blocks)
         return cls(blocks=(block,) * n_blocks, boundary_bytes=boundary_bytes, source=source)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PipelineProfile:
+        """The profile `to_dict` wrote (JSON: `hetrain plan`'s measured blocks)."""
+        part = lambda d: None if d is None else BlockCost(**d)      # noqa: E731
+        return cls(**{**data, "blocks": tuple(BlockCost(**b) for b in data["blocks"]),
+                      "first": part(data.get("first")), "last": part(data.get("last"))})
 
     @property
     def n_blocks(self) -> int:

@@ -146,3 +146,24 @@ def test_dp_pp_fixed_cost_follows_the_smallest_replicas_micro_batch_and_spares_t
     assert 32 / out.samples_per_s == pytest.approx(0.4 * (1 + 0.001 / (0.01 * mu)) + 0.1, rel=1e-9)
     assert with_fixed_cost(replace(c, fits=False), fastest, global_batch=32, micro_batches=8,
                            schedule="1f1b") == replace(c, fits=False)
+
+
+def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
+    """`hetrain plan` hands the ranking the blocks the runtime measured (Measurements.pipeline):
+    a heavy first block moves the split off the equal-blocks one, and the JSON round trip keeps it."""
+    from hetrain.planning.layouts import measured_pipeline
+    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, split_pipeline
+
+    heavy = PipelineProfile(blocks=(BlockCost(seconds=0.03, param_bytes=4e6, activation_bytes=1e6),)
+                            + (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 3)
+    data = {"profile": heavy.to_dict(), "devices": [{"name": f"dev{i}", "speed": 1.0, "memory_bytes": None}
+                                                     for i in range(2)]}
+    layer, devices = measured_pipeline(data)
+    assert layer == heavy and [d.name for d in devices] == ["dev0", "dev1"]
+    profiles = _profiles([1.0, 1.0])
+    state = ModelState(params=P, trainable=P, blocks=4)
+    opts = PlanOptions(global_batch=32, grad_bytes=4 * P)
+    pp = lambda **kw: _row(rank_layouts(profiles, state=state, options=opts, **kw), "PP")
+    assert "blocks per stage 2/2" in pp().detail                     # equal blocks: the middle
+    want = split_pipeline(heavy, devices, micro_batches=8, micro_batch_size=4).sizes
+    assert want == (1, 3) and "blocks per stage 1/3" in pp(pipeline=(layer, devices)).detail

@@ -51,6 +51,10 @@ class Measurements:
     inter_node_s: float = 0.0
     backend: str = ""                                # the process group's: gloo | nccl ('' : one device)
     grad_shapes: tuple[tuple[int, ...], ...] = ()    # rank 0's trainable parameters (PowerSGD's bytes)
+    # `hetrain plan` only: the blocks' costs as a pipeline would be sized from them (the runtime's
+    # measure_blocks) and the devices they were measured for, so the ranking's pipelines are the
+    # runtime's: {"profile": PipelineProfile.to_dict(), "devices": [{name, speed, memory_bytes}]}.
+    pipeline: dict | None = None
 
     @property
     def world_size(self) -> int:
