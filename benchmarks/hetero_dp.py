@@ -87,8 +87,10 @@ def _autocast(args, rank: int):
     return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
 
-def worker_plain(args) -> float:
-    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation."""
+def worker_plain(args, hook=None) -> float:
+    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation.
+    `hook(ddp, world)`: called once on the DDP model (benchmarks/multi_node.py registers its
+    emulated link and compression there)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,6 +105,8 @@ def worker_plain(args) -> float:
     dist.init_process_group("gloo")
     model, data = _model_and_data(args)
     ddp = DDP(model) if world > 1 else model
+    if hook is not None:
+        hook(ddp, world)
     autocast = _autocast(args, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hetero_dp import _autocast, _loss, _model_and_data, timed_hetrain  # noqa: E402 — the same model, data, loop
+from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
 
 NODES = ("a100-80g:1.0", "rtx3090:0.67")
 CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
@@ -39,52 +39,16 @@ CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
 
 # -- inside each worker process ----------------------------------------------------------------
 def worker_plain(args) -> float:
-    """Plain DDP with an equal split, throttled like hetrain's emulation, its all-reduce through
-    the same emulated link (and torch's fp16 hook when asked)."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from hetrain.hardware.cluster import parse_cluster
-    from hetrain.runtime.devices.emulation import Throttle
+    """Plain DDP with an equal split, throttled like hetrain's emulation (hetero_dp.worker_plain),
+    its all-reduce through the same emulated link (and torch's fp16 hook when asked)."""
     from hetrain.runtime.devices.link import LinkThrottle
     from hetrain.runtime.resilience.oom import install
     from hetrain.runtime.sharding.comm_hooks import GradientHook
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    throttle = Throttle(parse_cluster(args.spec)[rank].speed)
-    dist.init_process_group("gloo")
-    model, data = _model_and_data(args)
-    ddp = DDP(model)
-    install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
-    autocast = _autocast(args, rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
-    loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
-    t0 = None
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        x, y = next(loader)
-        t = time.thread_time()
-        with autocast():
-            loss = _loss(ddp, x, y)
-        forward_cpu = time.thread_time() - t
-        guess = throttle.before_backward(forward_cpu)
-        t = time.thread_time()
-        loss.backward()
-        throttle.after_backward(forward_cpu, guess, time.thread_time() - t)
-        with throttle.compute():
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    del ddp
-    dist.destroy_process_group()
-    return args.steps * args.global_batch / seconds
+    def link(ddp, world):
+        install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
+
+    return plain_ddp(args, hook=link)
 
 
 def worker_hetrain(args) -> tuple[float, str]:
