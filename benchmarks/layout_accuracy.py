@@ -128,9 +128,9 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     """`hetrain plan --model-factory` on this cluster, then its ranking computed from what the
     job's processes measured, as cli/planning.py computes the table it prints."""
     from hetrain.cli.plan_worker import model_facts      # the facts `hetrain plan` gives ModelState
-    from hetrain.planning.layouts import ModelState, measured_pipeline, rank_layouts
+    from hetrain.planning.layouts import ModelState
     from hetrain.runtime.config import Config
-    from hetrain.runtime.measure.measurements import Measurements, options_from_measurements, planning_profiles
+    from hetrain.runtime.measure.measurements import Measurements, rank_from_measurements
     from hetrain.runtime.parallel.blocks import find_parts
 
     path = os.path.join(workdir, f"measured-{len(spec.split(','))}dev.json")
@@ -142,13 +142,11 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
         raise SystemExit(f"hetrain plan failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     measured = Measurements.from_json(Path(path).read_text())
     config = Config(global_batch=args.global_batch, precision=args.precision, emulate=spec)
-    profiles = list(planning_profiles(measured, config))
-    options = options_from_measurements(measured, config, profiles=profiles)
     os.environ[MODEL_ENV] = model
     m, opt, _ = factory()
     blocks = len(find_parts(m).blocks)
-    ranking = rank_layouts(profiles, state=ModelState(**model_facts(m, opt, blocks)), options=options,
-                           pipeline=measured_pipeline(measured.pipeline))
+    ranking, profiles, options = rank_from_measurements(         # what `hetrain plan` ranks
+        measured, config, state=ModelState(**model_facts(m, opt, blocks)))
     return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
             "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 

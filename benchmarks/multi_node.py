@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
+from harness import free_port  # noqa: E402 — the tests' loopback port, as checkpoint_io.py uses
 
 NODES = ("a100-80g:1.0", "rtx3090:0.67")
 CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
@@ -60,16 +61,10 @@ def worker_hetrain(args) -> tuple[float, str]:
 
 
 # -- the driver --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(name: str, args) -> dict:
     """One job of two launchers (one per node) on one rendezvous; rank 0's figures."""
     mode, compression = CONFIGS[name]
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         work = ["--worker", mode, "--compression", compression, "--spec", ",".join(NODES), "--out", str(out),

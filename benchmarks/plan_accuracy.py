@@ -167,20 +167,17 @@ def main(argv=None) -> dict:
                         "(benchmarks/layout_accuracy.py)")
     p.add_argument("--model", default="4,128,64", help="with --layout: the demo GPT's layers,d_model,seq_len")
     args = p.parse_args(argv)
+    if not args.dilate >= 1:
+        raise SystemExit("--dilate must be >= 1")
+    sys.path.insert(0, str(REPO / "src"))
     if args.layout:
         import layout_accuracy
 
-        if not args.dilate >= 1:
-            raise SystemExit("--dilate must be >= 1")
-        sys.path.insert(0, str(REPO / "src"))
         chosen = list(layout_accuracy.LAYOUTS) if args.layout == "all" else [args.layout]
         return layout_accuracy.main(args, chosen)
 
-    sys.path.insert(0, str(REPO / "src"))
     from hetrain.hardware.cluster import parse_cluster
 
-    if not args.dilate >= 1:
-        raise SystemExit("--dilate must be >= 1")
     clusters = {name: dilate(spec, args.dilate) for name, spec in CLUSTERS.items()}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows = []

@@ -23,14 +23,14 @@ __all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "HetrainError", "Us
 
 # The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`
 # run without it.
-_LAZY = {"init": "init", "Engine": "Engine"}
+_LAZY = ("init", "Engine")
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         from .runtime import engine
 
-        value = getattr(engine, _LAZY[name])
+        value = getattr(engine, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 PIPED_WIDTH = 200
 MAX_WIDTH = 1000        # a table wider than this (a pathological cell) folds after all
@@ -41,9 +43,6 @@ class LogConsole(Console):
     rows is boxed, so a folded cell stays readable, and at its own width it would be ~950 columns."""
 
     def print(self, *objects, **kwargs) -> None:
-        from rich.measure import Measurement
-        from rich.table import Table
-
         tables = [o for o in objects if isinstance(o, Table) and not o.show_lines]
         needed = max((Measurement.get(self, self.options.update_width(MAX_WIDTH), t).maximum for t in tables),
                      default=0)

@@ -45,3 +45,15 @@ def hetrain_here(*args: str, columns: str | None = "120") -> subprocess.Complete
     finally:
         os.environ.pop("COLUMNS", None) if saved is None else os.environ.__setitem__("COLUMNS", saved)
     return subprocess.CompletedProcess(["hetrain", *args], code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(result, *words):
+    """A usage error as users must see it: exit 2, one `hetrain: error` line and its fix, no
+    traceback, and each of `words` in it."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert len(errors) == 1, result.stderr
+    assert "fix:" in result.stderr, result.stderr
+    for w in words:
+        assert w in result.stderr, result.stderr

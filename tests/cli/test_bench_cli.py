@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import clirun
 from clirun import hetrain, hetrain_here
 
 FACTORY = Path(__file__).parent / "scripts" / "bench_factory.py"
@@ -72,13 +73,8 @@ def test_bench_prints_the_table_and_draws_the_chart(bench):
 
 
 def one_line_error(r, *words):
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "Traceback" not in r.stderr
-    errors = [line for line in r.stderr.splitlines() if line.startswith("hetrain: error")]
-    assert len(errors) == 1 and "fix:" in r.stderr, r.stderr
+    clirun.one_line_error(r, *words)
     assert "[1/" not in r.stderr and "launching" not in r.stderr          # checked before any run
-    for w in words:
-        assert w in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args, words", [

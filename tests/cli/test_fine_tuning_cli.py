@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from clirun import hetrain_here
-from test_planning_cli import one_line_error
+from clirun import hetrain_here, one_line_error
 
 CLUSTER = "a100-80g,rtx3090,rtx3090"
 

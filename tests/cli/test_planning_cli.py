@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from clirun import hetrain, hetrain_here
+from clirun import hetrain, hetrain_here, one_line_error
 from hetrain.planning.plan import Plan
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.measurements import Measurements, plan_from_measurements
@@ -21,16 +21,6 @@ from hetrain.runtime.measure.measurements import Measurements, plan_from_measure
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path / "cache"))
-
-
-def one_line_error(result, *words):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
-    assert len(errors) == 1, result.stderr
-    assert "fix:" in result.stderr, result.stderr
-    for w in words:
-        assert w in result.stderr, result.stderr
 
 
 def test_simulate_answers_what_a_3090_buys_and_which_card_is_the_bottleneck():

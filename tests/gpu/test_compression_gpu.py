@@ -29,7 +29,8 @@ def worker(rank, world, compressions=("bf16", "fp16", "powersgd"), backend="nccl
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hetrain.runtime.sharding.comm_hooks import GradientHook, install
+    from hetrain.runtime.resilience.oom import install
+    from hetrain.runtime.sharding.comm_hooks import GradientHook
 
     cuda = backend == "nccl"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

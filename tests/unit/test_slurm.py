@@ -1,7 +1,6 @@
 """`hetrain run --slurm`: the rendezvous from a Slurm job step's environment (no Slurm needed),
 the host list forms, and each bad input's one-line message."""
 
-import os
 import re
 import stat
 import subprocess
@@ -161,4 +160,4 @@ def test_the_sbatch_example_runs_one_launcher_per_node_with_the_flags_it_documen
     # the comment's explicit flags are what from_slurm gives for the job it describes
     r = from_slurm(step(SLURM_JOB_ID="4242"))
     assert "hetrain run " + " ".join(r.flags()) + " ..." in text
-    assert "shared" in text.lower() and os.path.basename(SBATCH) == "slurm_multinode.sbatch"
+    assert "shared" in text.lower()

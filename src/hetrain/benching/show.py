@@ -54,17 +54,15 @@ def print_table(result: BenchResult) -> None:
 
 def draw_png(result: BenchResult, path: str) -> None:
     """A bar per configuration, the sum of the standalone figures as a dashed line (the ideal)."""
-    import matplotlib
-
-    matplotlib.use("Agg")           # no display needed, and none is touched
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure      # the object API: no pyplot, no global backend (as reporting/plots.py)
 
     s = result.setup
     table = rows(result)
     names = [name.replace(" (", "\n(") for name, _, _ in table]
     values = [sps for _, sps, _ in table]
     colors = ["#9aa5b1"] * len(result.alone) + ["#e0a458", "#2a9d8f"]
-    fig, ax = plt.subplots(figsize=(max(6.4, 1.6 * len(table) + 1.5), 4.8), dpi=110)
+    fig = Figure(figsize=(max(6.4, 1.6 * len(table) + 1.5), 4.8), dpi=110)
+    ax = fig.subplots()
     bars = ax.bar(range(len(table)), values, color=colors, width=0.65)
     failed = [r.error is not None for r in result.alone] + [False, False]
     ax.bar_label(bars, labels=["cannot run it" if f else f"{v:.1f}" for v, f in zip(values, failed)], padding=3,
@@ -83,4 +81,3 @@ def draw_png(result: BenchResult, path: str) -> None:
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, format="png")
-    plt.close(fig)

@@ -46,14 +46,12 @@ def main(argv: list[str]) -> None:
     if ht.is_main:
         write_json_atomic(job["out"], {
             "samples_per_s": steps * ht.config.global_batch / seconds,
-            "seconds": seconds,
             "plan": json.loads(ht.plan.to_json()),
             "devices": [d.device for d in ht.plan.devices],
             "shares": list(ht.plan.shares),
             "micro_batches": [d.micro_batch for d in ht.plan.devices],
             "peak_memory_bytes": [int(r["peak_bytes"]) for r in summary["ranks"]],
             "rebalances": summary["rebalances"],
-            "ooms": [int(r["ooms"]) for r in summary["ranks"]],
         })
     ht.close()
 

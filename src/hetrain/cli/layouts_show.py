@@ -4,19 +4,14 @@ winner and why, how to run it, and when nothing fits, what would."""
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
+
+from ..console import console
 
 from ..hardware.units import format_bytes
 from ..planning.layouts import LayoutRanking, seconds
 
 WIDE = 6        # devices beyond this: memory as the fullest device, not one column each
-
-
-def _console() -> Console:
-    from ..console import console      # wide off a terminal: one table row per line in logs
-
-    return console()
 
 
 def _memory_cells(row, ranking: LayoutRanking) -> list[str]:
@@ -36,7 +31,7 @@ def _fullest(row, ranking: LayoutRanking) -> str:
 
 
 def show_ranking(ranking: LayoutRanking, *, title: str) -> None:
-    con = _console()
+    con = console()
     wide = len(ranking.devices) > WIDE
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     for c in ("#", "layout", "samples/s", "vs DP", "comm/step"):

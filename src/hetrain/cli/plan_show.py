@@ -5,41 +5,23 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rich.console import Console
 from rich.table import Table
 
-from ..hardware.units import format_bytes
+from ..console import console
+
+from ..hardware.units import by_kind, format_bytes
 from ..planning.plan import Plan
 
 
-def _console() -> Console:
-    from ..console import console      # wide off a terminal: one table row per line in logs
-
-    return console()
-
-
-MANY = 16       # devices beyond this: one row per kind of device with the same plan
-
-
-def _kinds(devices):
-    """[(first device, its ranks)]: every device when there are few; else one per kind (the label
-    up to its '#') with the same share, micro-batches, precision and checkpointing."""
-    if len(devices) <= MANY:
-        return [(d, [d.rank]) for d in devices]
-    groups: dict[tuple, list] = {}
-    for d in devices:
-        key = (d.device.split("#")[0], d.share, d.micro_batch, d.n_micro, d.precision, d.checkpointing)
-        groups.setdefault(key, []).append(d)
-    return [(g[0], [d.rank for d in g]) for g in groups.values()]
-
-
 def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:
-    con = _console()
+    con = console()
     t = Table(title=f"plan: global batch {result.global_batch} over {result.world_size} device(s)",
               title_justify="left", show_edge=False, pad_edge=False)
     for c in ("rank", "device", "share", "micro-batch", "precision", "checkpointing", "compute/step", "memory"):
         t.add_column(c, overflow="fold")
-    groups = _kinds(result.devices)
+    groups = [(g[0], [d.rank for d in g]) for g in by_kind(          # same plan: one row
+        result.devices, label=lambda d: d.device,
+        same=lambda d: (d.share, d.micro_batch, d.n_micro, d.precision, d.checkpointing))]
     for d, ranks in groups:
         t.add_row(str(d.rank) if len(ranks) == 1 else f"{len(ranks)} ranks", d.device
                   + (f" and {len(ranks) - 1} like it" if len(ranks) > 1 else ""), str(d.share),

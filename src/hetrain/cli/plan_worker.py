@@ -40,38 +40,33 @@ def main(argv: list[str]) -> None:
     prepare_to_measure(ht.job, model, optimizer, dataset, collate)
     cfg = ht.config
     measured = measure_job(ht.job, model, optimizer, default_forward)
-    measured = _with_blocks(ht, model, measured)
-    if ht.is_main:
-        from ..runtime.parallel.blocks import find_parts, repeated_blocks
+    from ..runtime.parallel.blocks import find_parts, repeated_blocks
 
-        try:
-            blocks = len(find_parts(model).blocks)
-        except UsageError:                    # a model no one here wrote: count its stack of blocks
-            stack = repeated_blocks(model)
-            blocks = len(stack[1]) if stack else None     # None: pipelines not compared; --blocks can say
-            if stack:
-                ht.print(f"blocks: {len(stack[1])} {type(stack[1][0]).__name__} in {stack[0]!r} (the model's stack "
-                         "of identical blocks), for comparing pipelines")
+    try:
+        parts = find_parts(model)
+    except UsageError:                        # a model no one here wrote: no cuts, but maybe a stack
+        parts = None
+    measured = _with_blocks(ht, parts, measured)
+    if ht.is_main:
+        stack = repeated_blocks(model)
+        blocks = len(parts.blocks) if parts is not None else len(stack[1]) if stack else None   # None: --blocks can say
+        if parts is None and stack:
+            ht.print(f"blocks: {len(stack[1])} {type(stack[1][0]).__name__} in {stack[0]!r} (the model's stack "
+                     "of identical blocks), for comparing pipelines")
         write_json_atomic(job["out"], {"config": cfg.to_dict(), "measurements": measured.to_dict(),
-                                       "blocks": blocks, "model": model_facts(model, optimizer, blocks)})
+                                       "blocks": blocks, "model": model_facts(model, optimizer, blocks, stack=stack)})
     ht.close()
 
 
-def _with_blocks(ht, model, measured):
+def _with_blocks(ht, parts, measured):
     """The measurements plus the blocks' costs as the runtime sizes a pipeline from them
     (layouts/pipeline_setup.measure_blocks: collective, every rank), when the model's blocks can
-    be cut and there are devices to cut them over; else as they are."""
+    be cut (`parts`: every rank alike, the same model) and there are devices to cut them over."""
     import dataclasses
 
-    from ..errors import UsageError
     from ..runtime.layouts import pipeline_setup
-    from ..runtime.parallel.blocks import find_parts
 
-    if ht.world_size < 2:
-        return measured
-    try:
-        parts = find_parts(model)
-    except UsageError:          # every rank alike: the same model
+    if ht.world_size < 2 or parts is None:
         return measured
     profile, devices = pipeline_setup.measure_blocks(ht.job, parts)
     return dataclasses.replace(measured, pipeline={
@@ -79,16 +74,17 @@ def _with_blocks(ht, model, measured):
         "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
 
 
-def model_facts(model, optimizer, blocks) -> dict:
+def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
     """What every layout's memory divides (planning/layouts.ModelState): all parameters, those
-    that train, their element sizes, the optimizer, and the parameters outside the blocks."""
+    that train, their element sizes, the optimizer, and the parameters outside the blocks.
+    `stack`: blocks.repeated_blocks(model) when the caller has it (False: found here)."""
     from ..runtime.memory.device_memory import optimizer_kind
     from ..runtime.parallel.blocks import repeated_blocks
 
     params = list(model.parameters())
     train = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
-    stack = repeated_blocks(model)
+    stack = repeated_blocks(model) if stack is False else stack
     inside = sum(p.numel() for b in stack[1] for p in b.parameters()) if stack else 0
     return {"params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in train),
             "param_bytes": train[0].element_size() if train else 4,

@@ -20,26 +20,19 @@ from dataclasses import replace
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from ..errors import UsageError
 from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..planning.cost import GRAD_ELEMENT_BYTES
-from ..planning.layouts import ModelState, measured_pipeline, rank_layouts
+from ..planning.layouts import ModelState, rank_layouts
 from ..planning.profile import ModelSpec
 from ..runtime.config import Config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
 from .model_options import check_common, link_option, model_spec, positive_int
 from .layouts_show import show_ranking
 from .plan_show import show_plan
-
-
-def _console() -> Console:
-    from ..console import console      # wide off a terminal: one table row per line in logs
-
-    return console()
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -112,14 +105,12 @@ def plan(
     config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
                     memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate)
     if model_factory:
-        from ..runtime.measure.measurements import options_from_measurements, plan_from_measurements, planning_profiles
+        from ..runtime.measure.measurements import plan_from_measurements, rank_from_measurements
 
         measured, config, found, facts = _measure_in_job(model_factory, config)
         blocks = blocks or found
-        grad_bytes, profiles = measured.grad_bytes, list(planning_profiles(measured, config))
-        options = options_from_measurements(measured, config, link=link, profiles=profiles)
-        used_link = options.link
-        state = ModelState(**{**facts, "blocks": blocks})
+        ranking, profiles, options = rank_from_measurements(measured, config, link=link,
+                                                            state=ModelState(**{**facts, "blocks": blocks}))
         if measurements:
             write_text_atomic(measurements, measured.to_json())
 
@@ -129,14 +120,13 @@ def plan(
         spec = model_spec(model, params, flops_per_sample, activation_bytes, trainable_params, lora)
         blocks = blocks or spec.blocks
         profiles, default_link = _estimate(spec, cluster, precision)
-        grad_bytes, used_link = spec.trainable * GRAD_ELEMENT_BYTES, link or default_link
-        options = plan_options(config, grad_bytes=grad_bytes, link=used_link, allow_exclusion=allow_exclusion)
+        options = plan_options(config, grad_bytes=spec.trainable * GRAD_ELEMENT_BYTES, link=link or default_link,
+                               allow_exclusion=allow_exclusion)
         state = replace(ModelState.from_spec(spec, precision=precision), blocks=blocks)
+        ranking = rank_layouts(profiles, state=state, options=options) if len(profiles) > 1 else None
 
         def make():
             return make_plan(profiles, options)
-    pipeline = measured_pipeline(measured.pipeline) if model_factory else None     # the runtime's blocks
-    ranking = rank_layouts(profiles, state=state, options=options, pipeline=pipeline) if len(profiles) > 1 else None
     try:
         result = make()
     except UsageError as e:

@@ -10,25 +10,20 @@ import math
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from ..console import console
 
 from ..errors import UsageError
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster_spec
-from ..hardware.units import compact, device_kinds, format_bytes
+from ..hardware.units import MANY_DEVICES, by_kind, compact, device_kinds, format_bytes
 from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
 from ..planning.memory import STATE_VALUES
 from ..planning.presets import PRESETS
 from ..planning.profile import ModelSpec
 from .model_options import check_common, link_option, model_spec
 from .plan_show import topology_lines
-
-
-def _console() -> Console:
-    from ..console import console      # wide off a terminal: one table row per line in logs
-
-    return console()
 
 
 def _list_gpus() -> None:
@@ -38,7 +33,7 @@ def _list_gpus() -> None:
     for g in catalog.all_gpus():
         t.add_row(g.key, ", ".join(g.aliases), f"{g.bf16_tflops:g}", f"{g.fp32_tflops:g}",
                   format_bytes(g.memory_bytes), f"{g.speed_index:g}")
-    _console().print(t)
+    console().print(t)
 
 
 def _list_presets() -> None:
@@ -48,7 +43,7 @@ def _list_presets() -> None:
     for name, m in PRESETS.items():
         t.add_row(name, f"{m.params / 1e6:,.1f}M", f"{m.flops_per_sample:.3g}",
                   format_bytes(m.activation_bytes_per_sample), m.assumptions)
-    _console().print(t)
+    console().print(t)
 
 
 def simulate(
@@ -167,24 +162,10 @@ def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_b
     return rank_layouts(profiles, state=state, options=options)
 
 
-MANY = 16      # devices beyond this: one row per kind of device (same figures), with its count
-
-
-def _kinds(rows):
-    """(row, count): every row when there are few; else one per distinct (kind, figures)."""
-    if len(rows) <= MANY:
-        return [(r, 1) for r in rows]
-    groups: dict[tuple, list] = {}
-    for r in rows:
-        key = (r.device.split("#")[0], r.standalone_samples_per_s, r.ddp_share, r.hetrain_share, r.note)
-        groups.setdefault(key, []).append(r)
-    return [(g[0], len(g)) for g in groups.values()]
-
-
 def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, optimizer: str, precision: str) -> None:
     from ..planning.simulate import describe_memory
 
-    con = _console()
+    con = console()
     single = sim.strategies[0].samples_per_s
     t = Table(title=f"simulated (no processes, catalog estimates): {title}", title_justify="left",
               show_edge=False, pad_edge=False)
@@ -194,7 +175,7 @@ def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, opti
         t.add_row(s.name, f"{s.samples_per_s:.1f}" if s.samples_per_s else "-",
                   f"{s.samples_per_s / single:.2f}" if single and s.samples_per_s else "-",
                   f"{s.efficiency:.0%}" if s.samples_per_s else "-",
-                  compact([describe_memory(m) for m in s.memory_per_device], sep=", ", limit=MANY))
+                  compact([describe_memory(m) for m in s.memory_per_device], sep=", ", limit=MANY_DEVICES))
     con.print(t)
     con.print("efficiency: of the sum of every device's standalone samples/s", markup=False)
     for s in sim.strategies:
@@ -202,7 +183,8 @@ def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, opti
     d = Table(title="per device", title_justify="left", show_edge=False, pad_edge=False)
     for c in ("device", "alone samples/s", "DDP share", "hetrain share", "adds", "note"):
         d.add_column(c, overflow="fold")
-    for row, count in _kinds(sim.devices):
+    for row, count in ((g[0], len(g)) for g in by_kind(sim.devices, label=lambda r: r.device, same=lambda r: (
+            r.standalone_samples_per_s, r.ddp_share, r.hetrain_share, r.note))):
         d.add_row(row.device + (f" (and {count - 1} like it)" if count > 1 else ""),
                   f"{row.standalone_samples_per_s:.1f}", str(row.ddp_share or "-"), str(row.hetrain_share or "left out"),
                   "-" if row.adds_samples_per_s is None else f"{row.adds_samples_per_s:+.1f}/s", row.note)

@@ -59,3 +59,18 @@ def device_kinds(labels, *, limit: int = 6) -> str:
     if len(labels) <= limit:
         return ", ".join(labels)
     return compact([label.split("#")[0].split(" ")[0] for label in labels], limit=0).rsplit(" (", 1)[0]
+
+
+MANY_DEVICES = 16       # tables with more devices than this: one row per kind of device
+
+
+def by_kind(items, *, label, same, many: int = MANY_DEVICES) -> list[list]:
+    """Items grouped for a table: each alone when there are at most `many`; else one group per
+    kind of device (label(item) up to its '#') with the same `same(item)`, in first-seen order."""
+    items = list(items)
+    if len(items) <= many:
+        return [[i] for i in items]
+    groups: dict[tuple, list] = {}
+    for i in items:
+        groups.setdefault((label(i).split("#")[0], same(i)), []).append(i)
+    return list(groups.values())

@@ -39,6 +39,20 @@ BETTER = 1 + 1e-9        # how much faster a later candidate must be to replace 
 _SLACK = 1e-9            # relative slack on the share bound, far above float rounding (~1e-16)
 
 
+def batch_error(global_batch: int, d: int, m: int) -> UsageError | None:
+    """Why `global_batch` cannot give d replicas m micro-batches each (None: it can)."""
+    if global_batch >= d * m:
+        return None
+    return UsageError(f"global batch {global_batch} cannot give {d} replicas {m} micro-batches each",
+                      f"use a global batch of at least {d * m}, or fewer micro-batches")
+
+
+def shares_error(shares: Sequence[int], d: int, global_batch: int, m: int) -> UsageError:
+    """Replica shares that do not give each of d replicas m micro-batches of the global batch."""
+    return UsageError(f"replica shares [{compact(shares, sep=', ')}] for {d} replicas, global batch {global_batch}, "
+                      f"{m} micro-batches", f"give {d} shares of at least {m} that sum to {global_batch}")
+
+
 def replica_kinds(groups: Sequence[Sequence[StageDevice]]) -> tuple[list[Sequence[StageDevice]], list[int]]:
     """Replicas with the same (speed, memory) at every stage position are one kind: (the first
     replica of each kind, each replica's kind). O(D·p)."""
@@ -154,8 +168,7 @@ def best_split(costs: StageCosts, groups: Sequence[Sequence[StageDevice]], candi
         if min(least) < m:              # the bound cannot tell: the shares decide
             shares, least, _ = search.shares(speeds)
             if min(least) < m:
-                raise UsageError(f"replica shares [{compact(shares, sep=', ')}] for {d} replicas, global batch {B}, "
-                                 f"{m} micro-batches", f"give {d} shares of at least {m} that sum to {B}")
+                raise shares_error(shares, d, B, m)
         if search.ruled_out(rows, least, None if best_rate is None else best_rate * BETTER):
             continue
         _, _, pairs = search.shares(speeds)

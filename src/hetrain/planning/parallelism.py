@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..hardware.units import compact, format_bytes as _gib
 from .collectives import FREE_LINK, Link, allreduce_seconds
 from .memory import ADAMW_STATE_FACTOR
-from .hybrid_search import best_split, renamed, replica_kinds
+from .hybrid_search import batch_error, best_split, renamed, replica_kinds, shares_error
 from .pipeline_split import (PipelineProfile, PipelineSplit, StageCosts, StageDevice, evaluate_split,
                              split_pipeline)
 from .shares import proportional_shares
@@ -80,10 +80,8 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
     common = dict(schedule=schedule, micro_batches=micro_batches, state_factor=state_factor,
                   memory_margin=memory_margin, link=link)
     if shares is None:
-        if global_batch < d * micro_batches:
-            raise UsageError(f"global batch {global_batch} cannot give {d} replicas {micro_batches} "
-                             "micro-batches each", f"use a global batch of at least {d * micro_batches}, "
-                             "or fewer micro-batches")
+        if (error := batch_error(global_batch, d, micro_batches)) is not None:
+            raise error
         per_sample = [evaluate_split(profile, g, sizes, micro_batch_size=1, **common) for g in kinds]
         speeds = [1.0 / max(per_sample[k].bottleneck.seconds_per_micro, _EPS) for k in kind_of]
         shares = proportional_shares(global_batch, speeds)
@@ -92,9 +90,7 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
         shares = tuple(int(b) for b in shares)
         how = "given"
     if len(shares) != d or sum(shares) != global_batch or min(shares) < micro_batches:
-        raise UsageError(f"replica shares [{compact(shares, sep=', ')}] for {d} replicas, global batch {global_batch}, "
-                         f"{micro_batches} micro-batches",
-                         f"give {d} shares of at least {micro_batches} that sum to {global_batch}")
+        raise shares_error(shares, d, global_batch, micro_batches)
     costed: dict[tuple[int, int], PipelineSplit] = {}      # (kind, micro-batch size) -> its split
     reps = []
     for g, k, b in zip(groups, kind_of, shares):
@@ -141,8 +137,8 @@ def split_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], *, st
                                      micro_batch_size=math.ceil(global_batch / d / micro_batches),
                                      schedule=schedule, state_factor=state_factor, memory_margin=memory_margin,
                                      link=link).sizes]
-    if global_batch < d * micro_batches:      # evaluate_hybrid says it, as for the first candidate
-        evaluate_hybrid(profile, devices, next(iter(candidates)), **common)
+    if (error := batch_error(global_batch, d, micro_batches)) is not None:
+        raise error
     costs = StageCosts.make(profile, groups[0], schedule=schedule, micro_batches=micro_batches, micro_batch_size=1,
                             state_factor=state_factor, memory_margin=memory_margin, link=link)
     sizes = best_split(costs, groups, candidates, global_batch=global_batch)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..hardware.cluster import ClusterSpec
 from ..hardware.links import LinkSpec
-from .collectives import Link, hierarchical_allreduce_seconds, hierarchical_link
+from .collectives import Link, hierarchical_allreduce_seconds, link_from_measurement
 from .cost import catalog_link
 
 
@@ -88,4 +88,4 @@ def topology_sync(cluster: ClusterSpec, grad_bytes: float) -> TopologySync:
                   f"all-reduce across them over {net.source}")
     return TopologySync(node_names=tuple(n.name for n in topo.nodes), node_sizes=sizes, node_links=intra,
                         net=net, sync_s=sync, joined_s=joined,
-                        link=hierarchical_link(sizes, grad_bytes, intra, inter, source))
+                        link=link_from_measurement(sum(sizes), grad_bytes, sync, source))    # hierarchical_link's

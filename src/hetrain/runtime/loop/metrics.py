@@ -26,7 +26,6 @@ restart appear again; the later line is the one that counts (hetrain report read
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -67,10 +66,8 @@ def open_recorder(job: Job):
 
 def _tensorboard(directory: str):
     """torch's SummaryWriter when the optional tensorboard package is installed; else None."""
-    if importlib.util.find_spec("tensorboard") is None:
-        return None
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter    # ImportError without tensorboard
     except ImportError:
         return None
     return SummaryWriter(log_dir=directory, flush_secs=10)

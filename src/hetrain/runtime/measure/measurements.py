@@ -267,3 +267,16 @@ def profiles_come_from(m: Measurements) -> str:
     cached = sum(m.cached)
     return f"profiles: {cached} of {m.world_size} from the cache, {m.world_size - cached} measured"
 
+
+
+def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link | None = None):
+    """Every layout ranked (planning/layouts.rank_layouts) on what the ranks measured, as `hetrain
+    plan --model-factory` prints it: the planner's profiles and options, the blocks the runtime
+    measured for pipelines. Returns (ranking or None for one device, profiles, options)."""
+    from ...planning.layouts import measured_pipeline, rank_layouts
+
+    profiles = list(planning_profiles(m, config))
+    options = options_from_measurements(m, config, link=link, profiles=profiles)
+    ranking = (rank_layouts(profiles, state=state, options=options, pipeline=measured_pipeline(m.pipeline))
+               if len(profiles) > 1 else None)
+    return ranking, profiles, options

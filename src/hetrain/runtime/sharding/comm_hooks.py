@@ -74,6 +74,16 @@ class GradientHook:
     def __call__(self, bucket) -> torch.futures.Future:
         if self.serial and self._previous is not None:
             self._previous.wait()
+        if self.throttle is None:            # compression alone: nothing to time or count
+            future = self.inner(self.state, bucket)
+        else:
+            future = self._throttled(bucket)
+        if self.serial:
+            self._previous = future
+        return future
+
+    def _throttled(self, bucket) -> torch.futures.Future:
+        """The bucket's collective, held back by the emulated link for the bytes it sends."""
         started = time.perf_counter()
         buffer = bucket.buffer()
         sent = float(buffer.numel() * buffer.element_size())
@@ -85,10 +95,7 @@ class GradientHook:
             sent = buffer.numel() * 2.0
         elif not vanilla:                    # what this bucket's PowerSGD all-reduces (its factors, the rest whole)
             sent = (state.total_numel_after_compression - before) * float(buffer.element_size())
-        if self.throttle is not None:
-            future = self.throttle.then(future, started, sent)
-        self._previous = future
-        return future
+        return self.throttle.then(future, started, sent)
 
     @staticmethod
     def ddp_hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)

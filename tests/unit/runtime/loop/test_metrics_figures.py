@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,6 +29,10 @@ def test_an_emulated_devices_peak_is_the_cpu_threads_matmul_rate_times_its_speed
     host = HostFacts(cpu="x", flags=(), torch="2", matmul_ms={"fp32": 1.0})
     assert host.matmul_flops("fp32") == pytest.approx(2 * 512 * 256 * 512 / 1e-3)
     assert host.matmul_flops("bf16") is None
+    job = SimpleNamespace(precision=SimpleNamespace(compute="fp32"), host=host,
+                          emulated=SimpleNamespace(spec=SimpleNamespace(speed=0.5)))
+    assert flops.local_peak(job) == pytest.approx(0.5 * 2 * 512 * 256 * 512 / 1e-3)     # × its speed
+    assert flops.local_peak(SimpleNamespace(**{**vars(job), "precision": SimpleNamespace(compute="bf16")})) is None
 
 
 def test_flops_per_sample_measured_for_a_linear_layer_and_the_model_left_as_it_was():
