@@ -88,7 +88,9 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     make_plan(profiles, PlanOptions(global_batch=batch, grad_bytes=grad_bytes, link=topology.link))
     t["make_plan"] = clock() - start
 
-    start = clock()     # equal blocks from the fastest device's profile, one search at 8 micro-batches (the ranking's own call, with its state and boundary bytes, is timed in rank)
+    # Equal blocks from the fastest device's profile, one search at 8 micro-batches: the search
+    # alone (the ranking's own calls, with its model state and boundary bytes, are timed in rank).
+    start = clock()
     fastest = min(profiles, key=lambda p: p.per_sample_s)
     layer = PipelineProfile.uniform(n_blocks=m.blocks, seconds_per_sample=fastest.per_sample_s,
                                     activation_bytes_per_sample=fastest.activation_bytes_per_sample,
