@@ -13,13 +13,32 @@ The Plan changes only when
   * the predicted step time improves by more than `threshold` (default 8%) and by more than
     `min_gain_s` (default 2 ms: below that, a small model's step is dominated by jitter),
   * the same proposal (within one sample per device) comes out of `confirm` (default 3)
-    consecutive steps, so neither one noisy window nor a half-updated estimate moves shares,
+    consecutive steps, so neither one noisy window nor a half-updated estimate moves shares; of
+    `window` (default 8) consecutive steps when the predicted gain is under 3× the threshold
+    (on the 2-core host here one rank ran 30-40% slower for 5-50 steps at a time, at unchanged
+    shares, and each such burst predicted a gain of 8-17%),
   * and at least `cooldown` steps (default 4) have passed since the last change: no flip-flop.
 
 After a change every window starts afresh: the next proposal, a move back included, rests only on
 steps measured at the new shares. A time model is never exact (a device's time per sample can
 differ at 41 samples from what 38 predicted), and timings from before the move, mixed into the
 median, made shares swing back and forth (38/26 -> 41/23 -> 36/28 -> 39/25 on a quiet host).
+
+A move must pay off, measured. The per-sample model that proposes a move is fitted at the shares in
+force, and a device's time per sample can depend on the split itself (on emulated devices the rank
+that finishes last computes while both ranks' gradient all-reduces take CPU, so whichever device
+is the bottleneck measures slower: each split then makes the other look better, and shares swung
+11 times in the demo's 300 steps on a noisy host). So every move is a trial: once `min_samples + 2`
+steps ran at the new shares, the step measured there is compared with the step measured before
+the move. Not in seconds: the two windows ran tens of seconds apart, and a shared host's speed
+drifts by more than the gain being judged. The figure is the step's imbalance, the slowest
+rank's busy + fixed time over the ranks' mean (the median over the window, from the agreed table,
+so every rank judges alike): the total work of a step is the same at any split and a drift of
+the host's speed scales every rank alike, so the step time at the split is proportional to it
+while the drift cancels. Lower by at least `threshold / 2`: kept, and the rebalancer goes on.
+Higher by more than that: the shares go back. Either way short of a gain, it
+then holds: no further move until some rank's speed changes at unchanged shares (the `jump` test
+below), which a split-dependent bias cannot fake and a real slowdown does at once.
 
 Noise does not move shares: estimates are medians over up to `window` steps (a burst of load
 from another process on a shared host moves a median less than a mean). A real change does,
@@ -62,6 +81,9 @@ class Rebalancer:
         self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
         self.fixed: list[list[float]] = [[] for _ in range(world_size)]
         self.alpha = [0.0] * world_size
+        self.steps: list[float] = []    # measured imbalance (slowest rank's work ÷ the mean), at these shares
+        self._trial: dict | None = None  # the move being judged: shares and measured step before it
+        self._holding = False           # a move did not pay: hold until a speed changes at fixed shares
 
     # -- measurements -------------------------------------------------------------------------
     @staticmethod
@@ -85,7 +107,13 @@ class Rebalancer:
                 base = sum(earlier) / len(earlier)
                 if all(v > base * (1 + self.jump) for v in recent) or all(v < base / (1 + self.jump) for v in recent):
                     del ps[:-3], fx[:-3]           # a new regime: forget the old speed
+                    self._holding, self._trial = False, None
+                    del self.steps[:-3]
             del ps[:-self.window], fx[:-self.window]
+        if all(b > 0 for b in busy_s):
+            work = [b + max(f, 0.0) for b, f in zip(busy_s, fixed_s)]
+            self.steps.append(max(work) * len(work) / sum(work))
+            del self.steps[:-self.window]
 
     def estimates(self) -> tuple[list[float], list[float]] | None:
         """Seconds per sample and fixed seconds per step, per rank; None until enough data."""
@@ -102,35 +130,67 @@ class Rebalancer:
             return None
         t, f = est
         old = list(plan.shares)
+        self._since_change += 1
+        if self._trial is not None:
+            return self._judge(plan, t, step)
+        if self._holding:
+            return None
         new = list(balanced_shares(plan.global_batch, t, f))
         before, after = step_time(old, t, f), step_time(new, t, f)
         gain = before / after - 1
-        self._since_change += 1
         if new == old or gain <= self.threshold or before - after <= self.min_gain_s:
             self._streak, self._last = 0, None
             return None
         same = self._last is not None and all(abs(a - b) <= 1 for a, b in zip(new, self._last))
         self._streak = self._streak + 1 if same else 1
         self._last = new
-        if self._streak < self.confirm or self._since_change < self.cooldown:
+        # A small gain needs a longer streak than a large one: a burst of host load that slows one
+        # rank for a few steps predicts a gain just over the threshold, a device that really
+        # halved its speed predicts tens of percent and is followed after `confirm` steps.
+        needed = self.confirm if gain >= 3 * self.threshold else max(self.confirm, self.window)
+        if self._streak < needed or self._since_change < self.cooldown:
             return None
+        if len(self.steps) >= self.min_samples:
+            self._trial = {"shares": old, "step_s": statistics.median(self.steps)}
+        timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
+                            for d in plan.devices)
+        return self._move(plan, new, t, step, f"measured {timings}; predicted step {before * 1e3:.0f} -> "
+                                              f"{after * 1e3:.0f} ms (+{gain:.0%})")
+
+    def _judge(self, plan: Plan, t: list[float], step: int) -> Decision | None:
+        """The move under trial, once enough steps ran at its shares: keep it if the measured
+        imbalance fell by threshold / 2, else hold (and go back if it rose by as much)."""
+        if len(self.steps) < self.min_samples + 2:
+            return None
+        trial, self._trial = self._trial, None
+        now, before = statistics.median(self.steps), trial["step_s"]
+        if now <= before * (1 - self.threshold / 2):
+            return None                                    # it paid: rebalance on as before
+        self._holding = True
+        if now < before * (1 + self.threshold / 2):
+            return None                                    # no measurable gain: stay, and hold
+        return self._move(plan, trial["shares"], t, step,
+                          f"back: the move did not pay (slowest rank ×{now:.2f} the mean at "
+                          f"{'/'.join(map(str, plan.shares))}, ×{before:.2f} before it); held "
+                          f"there until a device's speed changes")
+
+    def _move(self, plan: Plan, new: list[int], t: list[float], step: int, why: str) -> Decision:
         self._streak, self._last, self._since_change = 0, None, 0
         self.per_sample = [[] for _ in range(self.world_size)]   # evidence at the new shares only
         self.fixed = [[] for _ in range(self.world_size)]
+        self.steps = []
         fastest = min(t)
         devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank], self.micro_batch_cap)
                         for d, s in zip(plan.devices, new))
-        timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
-                            for d in plan.devices)
         message = (f"rebalanced at step {step} (plan v{plan.version} -> v{plan.version + 1}): shares "
-                   f"{'/'.join(map(str, old))} -> {'/'.join(map(str, new))}; measured {timings}; "
-                   f"predicted step {before * 1e3:.0f} -> {after * 1e3:.0f} ms (+{gain:.0%})")
+                   f"{'/'.join(map(str, plan.shares))} -> {'/'.join(map(str, new))}; {why}")
         return Decision(plan=plan.evolve(note=message, devices=devices), message=message)
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"per_sample": self.per_sample, "fixed": self.fixed, "streak": self._streak,
-                "last": self._last, "since_change": self._since_change}
+                "last": self._last, "since_change": self._since_change, "steps": self.steps,
+                "trial": self._trial, "holding": self._holding}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly where it was (same world size), so a resumed run rebalances at the same
@@ -139,6 +199,8 @@ class Rebalancer:
             self.per_sample = [list(v) for v in state["per_sample"]]
             self.fixed = [list(v) for v in state["fixed"]]
             self._streak, self._last, self._since_change = state["streak"], state["last"], state["since_change"]
+            self.steps = list(state.get("steps", []))   # checkpoints from before trials: no trial
+            self._trial, self._holding = state.get("trial"), state.get("holding", False)
 
 
 def _with_share(d: DevicePlan, share: int, per_sample: float, speed: float, cap: int | None) -> DevicePlan:

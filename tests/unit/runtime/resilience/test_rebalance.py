@@ -86,3 +86,40 @@ def test_after_a_change_only_steps_at_the_new_shares_count():
         rb2.observe(p2, busy_s=[d.share * 0.02 for d in p2.devices], fixed_s=[0.0, 0.0])
     t, _ = rb2.estimates()
     assert t == pytest.approx([0.02, 0.02], rel=1e-12)          # exactly the new steps' figures
+
+
+def feed_bottleneck_bias(rb: Rebalancer, p: Plan, speeds, steps, bias=1.25):
+    """Like `feed`, but the rank with the most work measures `bias`× slower, as on emulated
+    devices where the last rank computes while both ranks' all-reduces take CPU: at any split the
+    other split looks better."""
+    changes = []
+    for i in range(steps):
+        busy = [d.share * 0.01 / v for d, v in zip(p.devices, speeds)]
+        last = max(range(len(busy)), key=busy.__getitem__)
+        busy[last] *= bias
+        rb.observe(p, busy_s=busy, fixed_s=[0.0] * len(speeds))
+        decision = rb.propose(p, step=i)
+        if decision:
+            p = decision.plan
+            changes.append((i, p.shares, decision.message))
+    return p, changes
+
+
+def test_a_move_that_does_not_pay_goes_back_and_then_holds():
+    """A split-dependent bias makes every split propose the other; the trial of the first move
+    measures a slower step, so the shares go back and stay (before: a swing every few steps)."""
+    rb = Rebalancer(world_size=2)
+    p, changes = feed_bottleneck_bias(rb, plan((60, 40)), [1.0, 0.667], 300)
+    assert len(changes) == 2, changes
+    assert changes[1][1] == (60, 40) and "did not pay" in changes[1][2]
+    # held, but not deaf: a real slowdown at these shares is followed at once
+    p, more = feed(rb, p, [0.5, 0.667], 15)
+    assert more and more[0][0] <= 6 and p.shares == (43, 57)
+
+
+def test_a_move_is_kept_when_the_measured_step_got_faster():
+    rb = Rebalancer(world_size=2)
+    p, _ = feed(rb, plan((60, 40)), [1.0, 0.667], 10)
+    p, changes = feed(rb, p, [0.5, 0.667], 40)
+    assert len(changes) == 1 and p.shares == (43, 57)
+    assert not rb.state_dict()["holding"] and rb.state_dict()["trial"] is None
