@@ -9,6 +9,15 @@ place of the sequence), the demo GPT with the same global batch:
   ddp-equal  (fast pair)    plain DDP on two identical fast devices
   hetrain    (fast pair)    hetrain on the same identical pair (its overhead where no split helps)
 
+Each run's throughput is taken at its median step (global batch ÷ the median step time): on the
+2-core host here one process now and then ran 30-40% slower for 5-50 steps at a time with nothing
+else running, and such a burst, landing in one config's run and not in the other's, moved a
+whole-window ratio by up to 15% (identical-pair ratios of 0.86-0.98 within one run). The median
+step does not see a burst that covers less than half the run, and it would hide an overhead
+that hetrain paid only now and then, so the output also gives each config's whole-window figure
+and its share of slow steps (over 1.25× its median): a per-step cost shows in the first, a
+periodic one in the last.
+
 Figures (see --json), each the median over rounds of the ratio within a round (runs seconds apart,
 so the host's drift between rounds cancels): efficiency = hetrain / Σ alone (on 2 shared cores two processes slow each
 other, which no split can fix); balance_efficiency = hetrain(mixed) / (ddp(fast pair) × Σs / (n ×
@@ -87,8 +96,9 @@ def _autocast(args, rank: int):
     return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
 
-def worker_plain(args, hook=None) -> float:
-    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation.
+def worker_plain(args, hook=None) -> tuple[float, list[float]]:
+    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation:
+    (samples/s over the timed steps, each timed step's seconds).
     `hook(ddp, world)`: called once on the DDP model (benchmarks/multi_node.py registers its
     emulated link and compression there)."""
     import torch
@@ -111,11 +121,13 @@ def worker_plain(args, hook=None) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
     loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
-    t0 = None
+    t0, marks = None, []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
             t0 = time.perf_counter()
+        if t0 is not None:
+            marks.append(time.perf_counter())
         x, y = next(loader)
         t = time.thread_time()                 # the same emulation as hetrain's engine:
         with autocast():
@@ -129,19 +141,27 @@ def worker_plain(args, hook=None) -> float:
             opt.step()
         opt.zero_grad(set_to_none=True)
     dist.barrier()
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
+    seconds = end - t0
     del ddp
     dist.destroy_process_group()
-    return args.steps * args.global_batch / seconds
+    return args.steps * args.global_batch / seconds, _step_seconds(marks, end)
 
 
-def worker_hetrain(args) -> float:
-    return timed_hetrain(args, emulate=args.spec, verbose=False)[0]
+def _step_seconds(marks: list[float], end: float) -> list[float]:
+    return [b - a for a, b in zip(marks, marks[1:] + [end])]
 
 
-def timed_hetrain(args, **init) -> tuple[float, object]:
+def worker_hetrain(args) -> tuple[float, list[float]]:
+    marks: list[float] = []
+    sps = timed_hetrain(args, emulate=args.spec, verbose=False, marks=marks)[0]
+    return sps, _step_seconds(marks[args.warmup:], marks[-1])
+
+
+def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, object]:
     """hetrain on the demo GPT: (samples/s over the timed steps, the plan it ran). `init`: more
-    hetrain.init() settings (benchmarks/multi_node.py adds its link and compression)."""
+    hetrain.init() settings (benchmarks/multi_node.py adds its link and compression); `marks`:
+    gets the clock at every step's end (the first `warmup` ones included)."""
     import torch
 
     import hetrain
@@ -152,14 +172,16 @@ def timed_hetrain(args, **init) -> tuple[float, object]:
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, batches = ht.prepare(model, opt, data)
-    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: _loss(m, *batch))
+    on_step = (lambda step: marks.append(time.perf_counter())) if marks is not None else (lambda step: None)
+    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: _loss(m, *batch),
+                          on_step=on_step)
     plan = ht.plan
     ht.close()
     return args.steps * args.global_batch / seconds, plan
 
 
 # -- the driver --------------------------------------------------------------------------------
-def launch(name: str, args) -> float:
+def launch(name: str, args) -> dict:
     mode, spec = CONFIGS[name]
     world = len(spec.split(","))
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +193,7 @@ def launch(name: str, args) -> float:
                "--precision", args.precision]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())["samples_per_s"]
+        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -193,9 +215,9 @@ def main() -> None:
     args = p.parse_args()
 
     if args.worker:
-        sps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
+        sps, steps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
         if int(os.environ.get("RANK", 0)) == 0:
-            Path(args.out).write_text(json.dumps({"samples_per_s": sps}))
+            Path(args.out).write_text(json.dumps({"samples_per_s": sps, "step_s": steps}))
         return
 
     # A profile cache of this run alone: a cache left by another run (another commit, or measured
@@ -204,15 +226,23 @@ def main() -> None:
     # hetrain config measures and the rest reuse it, as a user's restarted job would.
     cache = tempfile.mkdtemp(prefix="hetrain-bench-cache-")
     os.environ["HETRAIN_CACHE"] = cache
-    runs: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    runs: dict[str, list[float]] = {name: [] for name in CONFIGS}       # whole timed window
+    steady: dict[str, list[float]] = {name: [] for name in CONFIGS}     # at the run's median step
+    slow_steps: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for r in range(args.rounds):
         # Position in the sequence matters on a shared host (a config run last in every round ran
         # ~2% slower here): odd rounds go backwards.
         for name in (list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]):
-            runs[name].append(launch(name, args))
-            print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s", flush=True)
+            got = launch(name, args)
+            runs[name].append(got["samples_per_s"])
+            typical = statistics.median(got["step_s"])
+            steady[name].append(args.global_batch / typical)
+            slow_steps[name].append(sum(t > 1.25 * typical for t in got["step_s"]) / len(got["step_s"]))
+            print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s "
+                  f"({steady[name][-1]:.1f} at the median step)", flush=True)
     shutil.rmtree(cache, ignore_errors=True)
-    med = {name: statistics.median(v) for name, v in runs.items()}
+    whole = {name: statistics.median(v) for name, v in runs.items()}
+    med = {name: statistics.median(v) for name, v in steady.items()}
 
     # Each figure is a ratio of runs made minutes apart on a shared host whose speed drifts (10%
     # between two runs of this benchmark here): taken within each round, from runs made seconds
@@ -225,8 +255,12 @@ def main() -> None:
         "speedup_vs_equal": lambda r: r["hetrain-mixed"] / r["ddp-equal-mixed"],
         "identical_pair_ratio": lambda r: r["hetrain-fast-pair"] / r["ddp-equal-fast-pair"],
     }
-    per_round = {k: [f({name: runs[name][i] for name in runs}) for i in range(args.rounds)] for k, f in ratios.items()}
+    per_round = {k: [f({name: steady[name][i] for name in steady}) for i in range(args.rounds)]
+                 for k, f in ratios.items()}
     figures = {k: statistics.median(v) for k, v in per_round.items()}
+    per_round_whole = {k: [f({name: runs[name][i] for name in runs}) for i in range(args.rounds)]
+                       for k, f in ratios.items()}
+    figures_whole = {k: statistics.median(v) for k, v in per_round_whole.items()}
     from hetrain.hardware.host import host_facts
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
     from hetrain.runtime.devices.emulation import EmulatedDevice
@@ -243,19 +277,24 @@ def main() -> None:
              "rounds": args.rounds, "cpu_threads_per_device": 1, "host_cores": os.cpu_count()}
 
     alone = med["alone-fast"]
-    print(f"\n{'config':<36}{'samples/s':>10}{'speedup':>9}   (median of {args.rounds}, vs alone-fast)")
+    print(f"\n{'config':<36}{'samples/s':>10}{'speedup':>9}{'window':>9}{'slow steps':>12}"
+          f"   (median of {args.rounds}: at each run's median step, vs alone-fast; "
+          f"window: over the whole timed window; slow: steps over 1.25x the run's median)")
     rows = [("A100-80G alone (emulated)", "alone-fast"), ("RTX 3090 alone (emulated, 0.67)", "alone-slow"),
             ("DDP equal split, A100 + 3090", "ddp-equal-mixed"), ("hetrain, A100 + 3090", "hetrain-mixed"),
             ("DDP, 2x A100", "ddp-equal-fast-pair"), ("hetrain, 2x A100", "hetrain-fast-pair")]
     for label, name in rows:
-        print(f"{label:<36}{med[name]:>10.1f}{med[name] / alone:>8.2f}x")
+        print(f"{label:<36}{med[name]:>10.1f}{med[name] / alone:>8.2f}x{whole[name]:>9.1f}"
+              f"{statistics.median(slow_steps[name]):>11.0%}")
     print()
     for k, v in figures.items():
-        print(f"{k:<22} {v:.3f}   (median of the rounds' {', '.join(f'{x:.3f}' for x in per_round[k])})")
+        print(f"{k:<22} {v:.3f}   (median of the rounds' {', '.join(f'{x:.3f}' for x in per_round[k])}; "
+              f"whole window {figures_whole[k]:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "per_round": per_round, "samples_per_s": med,
-                                               "runs": runs, "setup": setup,
-                                               "host": host.to_dict()}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            **figures, "per_round": per_round, "samples_per_s": med, "step_samples_per_s": steady,
+            "whole_window": {**figures_whole, "per_round": per_round_whole, "samples_per_s": whole, "runs": runs},
+            "slow_step_fraction": slow_steps, "setup": setup, "host": host.to_dict()}, indent=2))
     print(f"host: {host.describe()}; precision {args.precision}: the cards run {policy.name}, "
           f"computed in {policy.compute}")
 

@@ -49,7 +49,7 @@ def worker_plain(args) -> float:
     def link(ddp, world):
         install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
 
-    return plain_ddp(args, hook=link)
+    return plain_ddp(args, hook=link)[0]
 
 
 def worker_hetrain(args) -> tuple[float, str]:
