@@ -30,7 +30,7 @@ own (bf16 on both, compute capability >= 8.0), computed in fp32 on a host whose 
 slowly (hetrain.planning.precision's emulation rule), so the emulated speeds stay true. The plain
 DDP baseline uses the same rule and the same autocast, so both sides compute alike on any host.
 
-    python benchmarks/hetero_dp.py --json out.json [--rounds 5] [--steps 40] [--precision auto]
+    python benchmarks/hetero_dp.py --json out.json [--rounds 7] [--steps 40] [--precision auto]
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def launch(name: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=int, default=7,
                    help="interleaved repetitions, every other one in reverse order; medians are reported")
     p.add_argument("--steps", type=int, default=40, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5)
