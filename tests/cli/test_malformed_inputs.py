@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from clirun import hetrain
@@ -244,6 +244,7 @@ def test_the_malformed_inputs_the_new_user_reported():
 
 # -- the files hetrain reads -------------------------------------------------------------------
 @SWEEP
+@example(spec="noise:rank=0,step=0")      # found by the sweep: without factor=, noise got slow's default 2.0
 @given(spec=st.one_of(
     junk_text,
     st.builds(lambda kind, fields: f"{kind}:{fields}",

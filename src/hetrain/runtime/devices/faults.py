@@ -86,6 +86,8 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
         phases = {"oom": ("forward", "backward"), "die": ("start", "backward", "checkpoint")}.get(kind)
         if phases and kind == "die":
             fields.setdefault("phase", "start")
+        if kind == "noise":
+            fields.setdefault("factor", 0.1)     # Fault's default (2.0, a slowdown) is no noise amplitude
         if "phase" in fields and (phases is None or fields["phase"] not in phases):
             raise UsageError(f"fault phase {fields['phase']!r} in {item!r}",
                              f"{kind} takes phase=" + " | ".join(phases) if phases else f"{kind} takes no phase")
