@@ -121,13 +121,12 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
     loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
-    t0, marks = None, []
+    t0, ends = None, []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
             t0 = time.perf_counter()
-        if t0 is not None:
-            marks.append(time.perf_counter())
+            ends.append(t0)                    # the first timed step starts here
         x, y = next(loader)
         t = time.thread_time()                 # the same emulation as hetrain's engine:
         with autocast():
@@ -140,22 +139,24 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
         with throttle.compute():
             opt.step()
         opt.zero_grad(set_to_none=True)
+        if t0 is not None:
+            ends.append(time.perf_counter())
     dist.barrier()
-    end = time.perf_counter()
-    seconds = end - t0
+    seconds = time.perf_counter() - t0
     del ddp
     dist.destroy_process_group()
-    return args.steps * args.global_batch / seconds, _step_seconds(marks, end)
+    return args.steps * args.global_batch / seconds, _durations(ends)
 
 
-def _step_seconds(marks: list[float], end: float) -> list[float]:
-    return [b - a for a, b in zip(marks, marks[1:] + [end])]
+def _durations(ends: list[float]) -> list[float]:
+    """Each timed step's seconds, from the clock at the start of the first and at every end."""
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def worker_hetrain(args) -> tuple[float, list[float]]:
-    marks: list[float] = []
-    sps = timed_hetrain(args, emulate=args.spec, verbose=False, marks=marks)[0]
-    return sps, _step_seconds(marks[args.warmup:], marks[-1])
+    ends: list[float] = []
+    sps = timed_hetrain(args, emulate=args.spec, verbose=False, marks=ends)[0]
+    return sps, _durations(ends[args.warmup - 1:])     # from the last warm-up step's end
 
 
 def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, object]:
@@ -213,6 +214,8 @@ def main() -> None:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first timed step's start is the last warm-up step's end)")
 
     if args.worker:
         sps, steps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
