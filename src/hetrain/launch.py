@@ -8,7 +8,6 @@ spray of environment variables.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from .errors import HetrainError, Preempted, UsageError, say
 from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
+from .launching.agent import restarts_only_when_they_can_help
 from .launching.nodes import Rendezvous, check_reachable
 from .runtime.config import LAUNCH_ENV, METRICS_SUBDIR, Config
 from .runtime.resilience.lock import CHECKPOINT_LOCK
@@ -271,7 +271,7 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     try:
-        with _restarts_only_when_they_can_help(run_dir):
+        with restarts_only_when_they_can_help(run_dir):
             run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
         if launch.hosts_rendezvous:
             # The other nodes' agents close the rendezvous after the exit barrier, through the
@@ -311,87 +311,3 @@ def _report_stop(errors: list[dict], signum) -> int:
     print(f"hetrain: stopped by {signal_name(signum)} before the workers reported a step "
           "boundary (they were starting, or did not answer in time): nothing new was saved", file=sys.stderr)
     return Preempted.exit_code
-
-
-@contextlib.contextmanager
-def _restarts_only_when_they_can_help(run_dir: str):
-    """While torchrun runs here: its agent, except that a worker error a restart cannot fix (bad
-    input, a model that does not fit, a preemption: `restartable` in the worker's error record)
-    ends the job instead of using up --max-restarts on the same failure. torchrun builds its agent
-    by name in launcher.api; we put ours there for the duration, and put torchrun's back after."""
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.agent.server.api import WorkerState
-
-    from .runtime.resilience.worker_errors import clear_errors, read_errors
-
-    original = launcher_api.LocalElasticAgent
-
-    class Agent(original):
-        # A group with a failed member is stopped with SIGTERM, then SIGKILL after a wait: torchrun
-        # waits a fixed 30 s (not --shutdown-timeout), both when its process context closes itself
-        # on the first failed worker (PContext._poll calls close() with no timeout) and in
-        # _stop_workers. Nothing can be saved then: the checkpoint is collective and a member is
-        # gone, so the next attempt resumes from the last one anyway. A live survivor's collective
-        # fails on the dead peer's closed sockets and it exits on its own within this grace; a hung
-        # (SIGSTOPped) one never answers SIGTERM, and waiting for it only delays the restart or the
-        # job's end. Workers that stopped at a step boundary (Preempted: a signal, or a node
-        # joining) keep torchrun's wait: the others may still be writing that checkpoint.
-        failed_stop_grace_s = 5
-
-        def _start_workers(self, worker_group):
-            started = super()._start_workers(worker_group)
-            pcontext = self._pcontext
-            close = pcontext.close
-
-            def close_after_a_failure(death_sig=None, timeout=None):
-                if timeout is None:      # the context's own close: all workers done, or one failed
-                    codes = [f.exitcode for f in getattr(pcontext, "_failures", {}).values()]
-                    failed = any(code != Preempted.exit_code for code in codes)
-                    timeout = self.failed_stop_grace_s if failed else 30   # 30: torchrun's default
-                return close(death_sig, timeout)
-
-            pcontext.close = close_after_a_failure
-            return started
-
-        def _stop_workers(self, worker_group):
-            if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-                self._shutdown(timeout=self.failed_stop_grace_s)
-            else:
-                super()._stop_workers(worker_group)
-
-        def _monitor_workers(self, worker_group):
-            result = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-                errors = read_errors(run_dir)
-                if errors and all(e.get("kind") == "Preempted" for e in errors) and _nodes_waiting(worker_group):
-                    # Another node's agent took in a waiting node and stopped its workers; ours
-                    # stopped with them at the same saved step. Not a failure: the membership
-                    # change torchrun handles for a healthy group (restart, no restart used).
-                    result.state = WorkerState.HEALTHY
-                elif self._remaining_restarts > 0 and any(not e.get("restartable", True) for e in errors):
-                    self._remaining_restarts = 0
-            return result
-
-        def _restart_workers(self, worker_group):
-            # A membership change (a node waiting to join: the group is healthy) or a failure; the
-            # old attempt's error records are read by now (_monitor_workers) and are not the next one's.
-            if worker_group.state == WorkerState.HEALTHY:
-                print("hetrain: a node is waiting to join: every node restarts its workers to take it in "
-                      "(they save at the next step boundary; the shares are planned again)", file=sys.stderr)
-            else:
-                print(f"hetrain: a worker failed or a node was lost: restarting on the nodes present "
-                      f"({self._remaining_restarts} restart(s) left after this one)", file=sys.stderr)
-            clear_errors(run_dir)
-            super()._restart_workers(worker_group)
-
-    def _nodes_waiting(worker_group) -> bool:
-        try:
-            return worker_group.spec.rdzv_handler.num_nodes_waiting() > 0
-        except Exception:      # noqa: BLE001 — a rendezvous that cannot say: treat as a failure
-            return False
-
-    launcher_api.LocalElasticAgent = Agent
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original
