@@ -138,3 +138,17 @@ def test_a_burst_under_the_jump_test_does_not_undo_a_move_that_paid():
     # a real 2x slowdown is still followed at once: the jump releases the hold and the bound
     p, more = feed(rb, p, [0.5, 0.667], 15)
     assert more and more[0][0] <= 6 and p.shares == (43, 57)
+
+
+def test_a_biased_but_steady_split_still_converges_inside_the_bound():
+    """Time per sample growing with the share (√ of share ÷ 60/40's): each move overshoots less
+    than the last, so every one lands inside the bound and the shares settle near 60/40."""
+    rb, p, changes = Rebalancer(world_size=2), plan((50, 50)), []
+    for i in range(300):
+        busy = [d.share * 0.01 / v * (d.share / r) ** 0.5 for d, v, r in zip(p.devices, [1.0, 0.667], [60, 40])]
+        rb.observe(p, busy_s=busy, fixed_s=[0.0, 0.0])
+        decision = rb.propose(p, step=i)
+        if decision:
+            p = decision.plan
+            changes.append(p.shares[0])
+    assert changes == [65, 57, 62]
