@@ -173,9 +173,9 @@ def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, objec
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, batches = ht.prepare(model, opt, data)
-    on_step = (lambda step: marks.append(time.perf_counter())) if marks is not None else (lambda step: None)
+    marks = [] if marks is None else marks
     seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: _loss(m, *batch),
-                          on_step=on_step)
+                          on_step=lambda step: marks.append(time.perf_counter()))
     plan = ht.plan
     ht.close()
     return args.steps * args.global_batch / seconds, plan
@@ -258,12 +258,12 @@ def main() -> None:
         "speedup_vs_equal": lambda r: r["hetrain-mixed"] / r["ddp-equal-mixed"],
         "identical_pair_ratio": lambda r: r["hetrain-fast-pair"] / r["ddp-equal-fast-pair"],
     }
-    per_round = {k: [f({name: steady[name][i] for name in steady}) for i in range(args.rounds)]
-                 for k, f in ratios.items()}
-    figures = {k: statistics.median(v) for k, v in per_round.items()}
-    per_round_whole = {k: [f({name: runs[name][i] for name in runs}) for i in range(args.rounds)]
-                       for k, f in ratios.items()}
-    figures_whole = {k: statistics.median(v) for k, v in per_round_whole.items()}
+    def within_rounds(values: dict[str, list[float]]) -> tuple[dict, dict]:
+        per = {k: [f({name: v[i] for name, v in values.items()}) for i in range(args.rounds)] for k, f in ratios.items()}
+        return per, {k: statistics.median(v) for k, v in per.items()}
+
+    per_round, figures = within_rounds(steady)
+    per_round_whole, figures_whole = within_rounds(runs)
     from hetrain.hardware.host import host_facts
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
     from hetrain.runtime.devices.emulation import EmulatedDevice

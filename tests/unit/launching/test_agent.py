@@ -3,10 +3,11 @@ per attempt, and a node joining told apart from a failure with a fresh read of t
 
 from __future__ import annotations
 
-import json
+import time
 
 import pytest
 
+from hetrain.errors import Preempted
 from hetrain.launching import agent as agent_module
 from hetrain.launching.agent import nodes_waiting, restarts_only_when_they_can_help
 
@@ -102,14 +103,28 @@ def test_nobody_waiting_or_a_rendezvous_that_cannot_say_is_no_joiner(handler):
     assert handler.reads >= (1 if handler.fails else 2)    # a failing store is not asked again
 
 
-def test_the_check_reads_fresh_over_more_than_the_cache_span():
-    assert agent_module.WAITING_CHECK_S > 2 * agent_module.RDZV_STATE_CACHE_S
+class StaleFor:
+    """num_nodes_waiting() from a copy that shows the joiner only `seconds` after the first read,
+    as torch's cached copy does when the joiner came just after this agent's last fresh read."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.first = seconds, None
+
+    def num_nodes_waiting(self) -> int:
+        self.first = self.first or time.monotonic()
+        return int(time.monotonic() - self.first >= self.seconds)
 
 
-def _record(run_dir, rank, kind="Preempted"):
-    (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "attempt": 0, "what": "x", "fix": "y", "exit_code": 75, "agreed": True,
-         "restartable": False, "kind": kind}))
+def test_by_default_the_check_outlasts_the_rendezvous_cache():
+    """With its default span the check sees a joiner that the cache hides for its whole second."""
+    assert nodes_waiting(StaleFor(agent_module.RDZV_STATE_CACHE_S + 0.05))
+
+
+def _record(run_dir, rank):
+    """A worker's record of a stop at a saved step, written as a worker writes it."""
+    from hetrain.runtime.resilience.worker_errors import write_error
+
+    write_error(str(run_dir), rank, Preempted("preempted (SIGTERM on rank 0)", "run the same command to resume"))
 
 
 def test_error_records_are_cleared_when_the_next_attempts_workers_start(monkeypatch, tmp_path):
