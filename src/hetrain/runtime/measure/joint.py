@@ -35,7 +35,19 @@ from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_s
 if TYPE_CHECKING:
     from ..job import Job
 
-SYNC_RUNS = 5
+SYNC_RUNS = 5          # synchronised backwards the sync probe times on GPUs (NCCL: little noise)
+# On a shared CPU (gloo, emulated devices) the same probe also gives the stragglers and the
+# contention the plan predicts with, and its runs scatter: in 4 60-step demos each, on a 2-core
+# AMD EPYC VM, 5 runs predicted samples/s 3.5-13.4% off (contention read 1.08-1.37), 15 runs
+# 0.1-9.6% off (1.19-1.31), for about 2 s more at start-up. What is left is mostly the host's own
+# drift (benchmarks/host_drift.py: a fixed matmul loop there varied 17% between 2 s windows).
+CPU_SYNC_RUNS = 15
+
+
+def sync_runs(backend: str) -> int:
+    """How many runs the sync probe times: the same on every rank (it is a collective), as the
+    backend is."""
+    return SYNC_RUNS if backend == "nccl" else CPU_SYNC_RUNS
 
 
 def measure_job(job: Job, model, optimizer, forward) -> Measurements:
@@ -100,16 +112,17 @@ def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
     agreement = agree.exchange({"agree_s": time_agreement(job.device)}, rank=job.rank,
                                world_size=job.world_size, device=job.device)
     rows = [table.row(r) for r in range(job.world_size)]
+    runs = sync_runs(job.ctx.backend)
     inter = {"inter_node_s": max(table.column("inter_node_s"))} if "inter_node_s" in rows[0] else {}
     return {**inter, "allreduce_s": tuple(table.column("allreduce_s")),
-            "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(SYNC_RUNS)) for row in rows),
-            "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(SYNC_RUNS)) for row in rows),
+            "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(runs)) for row in rows),
+            "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(runs)) for row in rows),
             "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
 def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, float]:
     """Collectives: one gradient-sized all-reduce (the link; on a job of several nodes also one
-    among the nodes' leaders only: the inter-node link) and SYNC_RUNS synchronised backwards
+    among the nodes' leaders only: the inter-node link) and sync_runs synchronised backwards
     through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
     on the same micro-batch size). The DDP used for it is temporary: the real wrapper
     (runtime/sharding/wrap.py) is chosen after the plan. The probe batch is loaded first, locally,
@@ -133,14 +146,15 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, f
         inter["inter_node_s"] = time_inter_node_allreduce(
             probe_bytes, job.device, leaders=nodes.leaders, rank=job.rank, timeout_s=cfg.timeout_s,
             throttle=throttle_for(job, ring=nodes.count)) * scale
+    runs = sync_runs(job.ctx.backend)
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
         syncs, computes = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
-                                             precision=job.precision.compute, runs=SYNC_RUNS, throttle=throttle)
+                                             precision=job.precision.compute, runs=runs, throttle=throttle)
     finally:
         del ddp
         gc.collect()
-    return {**inter, **_sync_row(allreduce_s, syncs, computes or [0.0] * SYNC_RUNS, probe_size=m)}
+    return {**inter, **_sync_row(allreduce_s, syncs, computes or [0.0] * runs, probe_size=m)}
 
 
 def _sync_row(allreduce_s: float, syncs, computes, *, probe_size: int) -> dict[str, float]:

@@ -32,7 +32,7 @@ class Measurements:
 
     `profiles` is None when there was nothing to measure (one device, memory not limited). The
     probe fields are empty for one device; with W > 1 they hold each rank's row of the sync probe
-    (SYNC_RUNS runs each) and of the agreement probe."""
+    (joint.sync_runs runs each) and of the agreement probe."""
 
     labels: tuple[str, ...]                          # each rank's device
     precisions: tuple[str, ...]                      # each rank's precision, as the plan records it
