@@ -77,7 +77,6 @@ def main(argv=None) -> dict:
         ht.print(f"validation loss {summary['val_loss']:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
         ht.print("sample: " + repr(generate(model.module, b"def ", 80, ht.device)))
         if args.json:
-            predicted = summary["predicted"].get("samples_per_s")
             # the summary's figures, and the demo's own headline ones by name (`hetrain demo` adds wall_s)
             predicted = summary["predicted"].get("samples_per_s")
             measured = summary["samples_per_s"]
