@@ -10,6 +10,7 @@ import pytest
 from hetrain.errors import Preempted
 from hetrain.launching import agent as agent_module
 from hetrain.launching.agent import nodes_waiting, restarts_only_when_they_can_help
+from hetrain.runtime.resilience.worker_errors import write_error
 
 
 def _agent(monkeypatch, run_dir, pcontext):
@@ -122,8 +123,6 @@ def test_by_default_the_check_outlasts_the_rendezvous_cache():
 
 def _record(run_dir, rank):
     """A worker's record of a stop at a saved step, written as a worker writes it."""
-    from hetrain.runtime.resilience.worker_errors import write_error
-
     write_error(str(run_dir), rank, Preempted("preempted (SIGTERM on rank 0)", "run the same command to resume"))
 
 

@@ -106,13 +106,13 @@ def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
     """The sync probe's table and the agreement probe, once every rank is known to be profiled.
     A collective. What can fail on one rank alone is settled on all before the next collective
     (sync_probes.settle): every rank raises the same error, none is left waiting."""
-    mine = _measure_sync(job, model, grad_bytes, profiles, forward)
+    runs = sync_runs(job.ctx.backend)
+    mine = _measure_sync(job, model, grad_bytes, profiles, forward, runs=runs)
     table = agree.exchange(mine, rank=job.rank, world_size=job.world_size, device=job.device)
     # Every rank is known to be here: the step's agreement all-reduce, timed.
     agreement = agree.exchange({"agree_s": time_agreement(job.device)}, rank=job.rank,
                                world_size=job.world_size, device=job.device)
     rows = [table.row(r) for r in range(job.world_size)]
-    runs = sync_runs(job.ctx.backend)
     inter = {"inter_node_s": max(table.column("inter_node_s"))} if "inter_node_s" in rows[0] else {}
     return {**inter, "allreduce_s": tuple(table.column("allreduce_s")),
             "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(runs)) for row in rows),
@@ -120,9 +120,9 @@ def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
             "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
-def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, float]:
+def _measure_sync(job: Job, model, grad_bytes, profiles, forward, *, runs: int) -> dict[str, float]:
     """Collectives: one gradient-sized all-reduce (the link; on a job of several nodes also one
-    among the nodes' leaders only: the inter-node link) and sync_runs synchronised backwards
+    among the nodes' leaders only: the inter-node link) and `runs` synchronised backwards
     through DDP (the sync this job leaves exposed, and each rank's compute before it; every rank
     on the same micro-batch size). The DDP used for it is temporary: the real wrapper
     (runtime/sharding/wrap.py) is chosen after the plan. The probe batch is loaded first, locally,
@@ -146,7 +146,6 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward) -> dict[str, f
         inter["inter_node_s"] = time_inter_node_allreduce(
             probe_bytes, job.device, leaders=nodes.leaders, rank=job.rank, timeout_s=cfg.timeout_s,
             throttle=throttle_for(job, ring=nodes.count)) * scale
-    runs = sync_runs(job.ctx.backend)
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
         syncs, computes = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
