@@ -24,7 +24,9 @@ what it takes from the cores. A pipeline stage is throttled by the wall time of 
 (parallel/pipeline_stage.py: so a uniformly slowed CPU keeps the devices' ratio), so other work
 that stretches a piece by x stretches the emulated device by x too, and a busy host reads as a
 slower pipeline. FSDP2 runs a collective per unit and pass (all-gathers forward and backward, a
-reduce-scatter): each waits for both ranks to be scheduled, which a loaded host delays. Only a
+reduce-scatter): each waits for both ranks to be scheduled, which a loaded host delays. The
+ranking's FSDP2 row is DP's step plus what `hetrain plan` timed an FSDP2 step beyond a DDP one
+(runtime/measure/fsdp_probe.py), so its error is DP's plus the probe's. Only a
 quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
 had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
 use --dilate 2 (the pipeline model does not play out core sharing; the data-parallel one does).

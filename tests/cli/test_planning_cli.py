@@ -200,6 +200,8 @@ def test_plan_ranks_every_layout_for_a_stock_transformer_encoder(tmp_path):
     for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 2 stages:", "TP 2:"):
         assert f"  {layout}" in r.stdout, r.stdout
     assert "best layout: " in r.stdout and "blocks unknown" not in r.stdout
+    # FSDP2's step beside DDP's, timed in the job's processes (runtime/measure/fsdp_probe.py)
+    assert "FSDP2 measured: a step" in r.stdout + r.stderr and "measured here: +" in r.stdout
 
 
 def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):

@@ -47,6 +47,7 @@ def main(argv: list[str]) -> None:
     except UsageError:                        # a model no one here wrote: no cuts, but maybe a stack
         parts = None
     measured = _with_blocks(ht, parts, measured)
+    measured = _with_fsdp(ht, model, optimizer, measured, default_forward)
     if ht.is_main:
         stack = repeated_blocks(model)
         blocks = len(parts.blocks) if parts is not None else len(stack[1]) if stack else None   # None: --blocks can say
@@ -72,6 +73,27 @@ def _with_blocks(ht, parts, measured):
     return dataclasses.replace(measured, pipeline={
         "profile": profile.to_dict(),
         "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
+
+
+def _with_fsdp(ht, model, optimizer, measured, forward):
+    """The measurements plus what FSDP2 adds to a step here (runtime/measure/fsdp_probe.py:
+    collective, every rank), when there are blocks to shard and devices to shard them over."""
+    import dataclasses
+
+    from ..runtime.measure.fsdp_probe import time_fsdp_excess
+    from ..runtime.memory.activation_checkpointing import find_blocks
+
+    blocks = [name for name, _ in find_blocks(model, ht.config.checkpoint_blocks)]
+    if ht.world_size < 2 or not blocks or not measured.probe_size:
+        return measured
+    job = ht.job
+    batch = job.load(range(min(measured.probe_size, len(job.dataset))))
+    found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,
+                             precision=job.precision.compute,
+                             throttle=job.emulated.throttle if job.emulated is not None else None)
+    ht.print(f"FSDP2 measured: a step {found['fsdp_s'] * 1e3:.0f} ms against DDP's {found['ddp_s'] * 1e3:.0f} ms "
+             f"({found['micro_batch']} samples a rank, median of {found['runs']})")
+    return dataclasses.replace(measured, fsdp={**found, "backend": measured.backend})
 
 
 def model_facts(model, optimizer, blocks, *, stack=False) -> dict:

@@ -5,6 +5,8 @@
     DP + ZeRO-1       optimizer state 1/W                         + all-gather of the parameters (P)
     DP + capacity     optimizer state ∝ its free memory           + the same all-gather (uneven slices)
     FSDP2             params, grads, state 1/W (+2 units)         all-gather P twice + reduce-scatter G
+                                                                  (timed by `hetrain plan` when it can:
+                                                                  runtime/measure/fsdp_probe.py)
                       (whole params and grads on a rank that
                       accumulates micro-batches: wrap.py)
     PP, DP×PP         its stage's blocks                          activations between stages; the
@@ -148,7 +150,7 @@ def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accu
             for i, p in enumerate(profiles)]
 
 
-def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str) -> LayoutRow:
+def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_excess_s: float | None = None) -> LayoutRow:
     family = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2"}[sharding]
     run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
            else f"hetrain.init(sharding={sharding!r})")
@@ -173,18 +175,23 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str) -> Layou
         extra = all_gather_seconds(w, state.trainable * state.param_bytes, link)
         moved += state.trainable * state.param_bytes * (w - 1) / w
     elif sharding == "fsdp" and w > 1:         # all-gather forward and backward, reduce-scatter, not all-reduce
-        gather = all_gather_seconds(w, weights, link)
-        crit = pred["compute_s"]
-        # Each gather is prefetched under compute (forward ≈ 1/3, backward ≈ 2/3 of it); the first
-        # unit's is never hidden. The reduce-scatter is half DDP's all-reduce: kept as DDP's (cautious).
-        extra = max(gather / max(state.blocks or 1, 1), gather - crit / 3) + max(0.0, gather - crit * 2 / 3)
         moved = (2 * weights + grads) * (w - 1) / w
+        if fsdp_excess_s is not None:          # timed on these devices (runtime/measure/fsdp_probe.py)
+            extra = fsdp_excess_s
+        else:
+            gather = all_gather_seconds(w, weights, link)
+            crit = pred["compute_s"]
+            # Each gather is prefetched under compute (forward ≈ 1/3, backward ≈ 2/3 of it); the first
+            # unit's is never hidden. The reduce-scatter is half DDP's all-reduce: kept as DDP's (cautious).
+            extra = max(gather / max(state.blocks or 1, 1), gather - crit / 3) + max(0.0, gather - crit * 2 / 3)
     step = pred["step_s"] + extra
     ckpt = [d.device for d in plan.devices if d.checkpointing]
     acc = [d.device for d in plan.devices if d.n_micro > 1]
     detail = (f"shares {compact(d.share for d in plan.devices)}, micro-batches "
               + compact(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices)
               + (f"; activation checkpointing on {device_kinds(ckpt)}" if ckpt else ""))
+    if sharding == "fsdp" and fsdp_excess_s is not None and w > 1:
+        detail += f"; FSDP2's collectives and their work measured here: +{seconds(fsdp_excess_s)} a step"
     if sharding == "fsdp" and acc:
         detail += f"; {device_kinds(acc)} accumulate, so they hold whole parameters and gradients during the step"
     return LayoutRow(name=family, family=family, fits=True, samples_per_s=o.global_batch / step,
@@ -317,16 +324,19 @@ def with_fixed_cost(c, fastest: DeviceProfile, *, global_batch: int, micro_batch
 
 # -- the ranking -------------------------------------------------------------------------------
 def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, options: PlanOptions,
-                 schedule: str = "1f1b", prefer_simpler_within: float = 0.05, pipeline=None) -> LayoutRanking:
+                 schedule: str = "1f1b", prefer_simpler_within: float = 0.05, pipeline=None,
+                 fsdp_excess_s: float | None = None) -> LayoutRanking:
     """Predict every layout on these devices (profiles hold each device's speed, memory and
     activations; their fixed_bytes are replaced by each layout's own) and rank them. `pipeline`:
-    (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks."""
+    (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks.
+    `fsdp_excess_s`: an FSDP2 step's seconds beyond DP's, as `hetrain plan` timed them (else modelled)."""
     from .layout_fit import what_would_fit
 
     profiles = list(profiles)
     if not profiles:
         raise UsageError("no devices to rank layouts on", "give at least one device")
-    rows = [_dp_row(profiles, state, options, s) for s in ("none", "zero1", "capacity", "fsdp")]
+    rows = [_dp_row(profiles, state, options, s, fsdp_excess_s if s == "fsdp" else None)
+            for s in ("none", "zero1", "capacity", "fsdp")]
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
         rows.append(_tp_row(profiles, state, options))

@@ -167,3 +167,18 @@ def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
     assert "blocks per stage 2/2" in pp().detail                     # equal blocks: the middle
     want = split_pipeline(heavy, devices, micro_batches=8, micro_batch_size=4).sizes
     assert want == (1, 3) and "blocks per stage 1/3" in pp(pipeline=(layer, devices)).detail
+
+
+def test_a_measured_fsdp_excess_replaces_the_modelled_collectives():
+    # `hetrain plan` times an FSDP2 step beside a DDP step (runtime/measure/fsdp_probe.py): the
+    # FSDP2 row is then DP's step (same shares, memory not capped) plus that measured excess.
+    profiles = _profiles([1.0, 0.5])
+    opts = PlanOptions(global_batch=30, grad_bytes=4 * P)
+    state = ModelState(params=P, trainable=P, blocks=4)
+    modelled = _row(rank_layouts(profiles, state=state, options=opts), "FSDP2")
+    ranking = rank_layouts(profiles, state=state, options=opts, fsdp_excess_s=0.05)
+    fsdp, dp = _row(ranking, "FSDP2"), _row(ranking, "DP")
+    dp_step = 30 / dp.samples_per_s
+    assert 30 / fsdp.samples_per_s == pytest.approx(dp_step + 0.05, rel=1e-6)
+    assert fsdp.samples_per_s < modelled.samples_per_s and "measured here: +50 ms a step" in fsdp.detail
+    assert "measured" not in modelled.detail and fsdp.memory == modelled.memory

@@ -55,6 +55,9 @@ class Measurements:
     # measure_blocks) and the devices they were measured for, so the ranking's pipelines are the
     # runtime's: {"profile": PipelineProfile.to_dict(), "devices": [{name, speed, memory_bytes}]}.
     pipeline: dict | None = None
+    # `hetrain plan` only: an FSDP2 step's seconds beyond a DDP step's, timed (fsdp_probe.py):
+    # {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch", "backend"}.
+    fsdp: dict | None = None
 
     @property
     def world_size(self) -> int:
@@ -277,6 +280,7 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
 
     profiles = list(planning_profiles(m, config))
     options = options_from_measurements(m, config, link=link, profiles=profiles)
-    ranking = (rank_layouts(profiles, state=state, options=options, pipeline=measured_pipeline(m.pipeline))
+    ranking = (rank_layouts(profiles, state=state, options=options, pipeline=measured_pipeline(m.pipeline),
+                            fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)
     return ranking, profiles, options

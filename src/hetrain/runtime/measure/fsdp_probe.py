@@ -1,0 +1,104 @@
+"""`hetrain plan` only: what FSDP2 adds to a step on this job's devices and backend, measured.
+
+The ranking's FSDP2 row (planning/layouts.py) is plain DP's step plus FSDP2's collectives: an
+all-gather of every unit before its forward and again before its backward, and a reduce-scatter
+of its gradients. On NCCL the gathers are prefetched under compute on their own stream, and the
+bytes model holds. On gloo (the CPU: emulation, and CPU-only jobs) nothing overlaps: every
+collective is waited for in the calling thread, costs gloo's ~1-2 ms latency, and FSDP2's own
+work around it (copy-in, copy-out, DTensor bookkeeping, hooks) is CPU time, which an emulated
+device is throttled on like any compute. Measured on the demo GPT (4 blocks, 2 ranks, 16 samples
+each, a 2-core EPYC): a step 1.48x DDP's (+30 ms CPU, +35 ms waiting), where the bytes model
+gave +1%. No formula here would hold across hosts, so `hetrain plan` times it:
+
+    excess = median over runs of an FSDP2 step − median of a DDP step
+
+both on the same micro-batch on every rank, forward + backward, each rank's compute throttled
+as in training (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed), from a
+barrier to a barrier (the slowest rank sets both). The model is wrapped as the runtime wraps it
+(runtime/sharding/wrap.py: each block reshards after forward, the root does not), on a copy: the
+job's own model is left as it was. The excess is per step: FSDP2's collectives run once a step
+whatever the micro-batch (a rank that accumulates gathers once and keeps the units, wrap.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..devices.precision_policy import DTYPES
+from .probe import as_scalar
+
+RUNS = 5            # timed steps of each wrapper, alternating (after one warm-up of each)
+
+
+def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: list[str], batch, *,
+                     forward: Callable, device: torch.device, precision: str, throttle=None,
+                     runs: int = RUNS) -> dict:
+    """Seconds an FSDP2 step takes beyond a DDP step, on this job (a collective: every rank calls
+    it with the same model, `blocks`: the dotted names of the blocks FSDP2 shards one by one).
+    Each runs on its own copy of the model with its own copy of the optimizer (the same class and
+    settings, fresh: its first step, untimed, makes its state), forward, backward and optimizer
+    step. Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..sharding.wrap import rebuild_optimizer
+
+    dtype = DTYPES.get(precision)
+    cuda = device.type == "cuda"
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    sharded, plain = copy.deepcopy(model), copy.deepcopy(model)
+    for name in blocks:
+        fully_shard(sharded.get_submodule(name), mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    ddp = DDP(plain, device_ids=[device.index] if cuda else None, broadcast_buffers=False)
+    names = {p: n for n, p in model.named_parameters()}
+    fresh = _stateless(optimizer)
+    runs_on = []
+    for copied in (plain, sharded):
+        new = dict(copied.named_parameters())
+        runs_on.append(rebuild_optimizer(fresh, {p: new[n] for p, n in names.items()}, who="the FSDP2 probe"))
+
+    def step(module, opt) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        with throttle.compute() if throttle is not None else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+                loss = as_scalar(forward(module, batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    try:
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            step(ddp, runs_on[0]), step(sharded, runs_on[1])     # warm-up: buckets, lazy init, state
+            times = [(step(ddp, runs_on[0]), step(sharded, runs_on[1])) for _ in range(runs)]
+    finally:
+        del ddp, sharded, plain, runs_on
+        gc.collect()
+    ddp_s = statistics.median(t[0] for t in times)
+    fsdp_s = statistics.median(t[1] for t in times)
+    return {"excess_s": max(0.0, fsdp_s - ddp_s), "fsdp_s": fsdp_s, "ddp_s": ddp_s, "runs": runs,
+            "micro_batch": len(batch[0]) if isinstance(batch, (tuple, list)) else None}
+
+
+def _stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer like this one with no state (rebuild_optimizer wants a fresh one): profiling
+    may have stepped the job's own."""
+    if not optimizer.state:
+        return optimizer
+    twin = copy.copy(optimizer)
+    twin.state = type(optimizer.state)()
+    return twin

@@ -1,0 +1,62 @@
+"""`hetrain plan`'s FSDP2 probe (runtime/measure/fsdp_probe.py) on two real gloo ranks: it times
+an FSDP2 step beside a DDP step on copies of the model and optimizer, and leaves the job's own
+model, its gradients and its optimizer as they were. The timing is a measurement: the test
+checks it is one (positive, from the runs asked for), not how large it is on this host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def worker(rank, world):
+    import torch.distributed as dist
+
+    from hetrain.runtime.measure.fsdp_probe import time_fsdp_excess
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(12, 8, generator=g)
+    batch = (x, x.sum(1, keepdim=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def forward(m, b):
+        return F.mse_loss(m(b[0]), b[1])
+
+    found = time_fsdp_excess(model, opt, ["blocks.0", "blocks.1", "blocks.2"], batch, forward=forward,
+                             device=torch.device("cpu"), precision="fp32", runs=3)
+    same = all(torch.equal(before[n], p) and not hasattr(p, "device_mesh") for n, p in model.named_parameters())
+    grads = [p.grad for p in model.parameters()]
+    dist.destroy_process_group()
+    return {**found, "unchanged": same, "no_grads": all(gr is None for gr in grads), "no_state": not opt.state}
+
+
+def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_was():
+    r0, r1 = run_ranks(worker, 2, timeout=120)
+    for r in (r0, r1):
+        assert r["unchanged"] and r["no_grads"] and r["no_state"]
+        assert r["fsdp_s"] > 0 and r["ddp_s"] > 0 and r["runs"] == 3 and r["micro_batch"] == 12
+        assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])
