@@ -23,6 +23,7 @@ the tensor that crossed the cap. Inputs the signature cannot describe are always
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -51,10 +52,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, else the tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, else the tensor.
+    No DTensor exists before torch.distributed.tensor is imported, so it is looked up, not
+    imported only to ask."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ are entered by every rank."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,12 +16,14 @@ from ...planning.pipeline_split import evaluate_split
 from ...planning.plan import DevicePlan, Plan
 from ..parallel.blocks import PipelineParts
 from .choose import model_state
-from ..parallel.pipeline import Pipeline
 from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
                                          unmeasured_profile)
 from ...vocabulary import SCHEDULES, check_choice
 from ..model import PreparedModel
 from .pipelined import PipelineLayout
+
+if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is built, not by every job
+    from ..parallel.pipeline import Pipeline
 
 
 def measure_blocks(job, parts: PipelineParts, devices=None):
@@ -126,6 +129,7 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     replica, stage = divmod(job.rank, stages)
     grid = [[r * stages + s for s in range(stages)] for r in range(replicas)]
     pp_group, dp_group = _groups(job, grid) if replicas > 1 else (None, None)                        # (collective)
+    from ..parallel.pipeline import Pipeline
     pipe = Pipeline(parts=parts, names=param_names(model), split=stage_split(plan, parts, profile, devices, replica),
                     stage_index=stage, rank_grid=grid, replica=replica, loss_fn=loss_fn, device=job.device,
                     emulated=job.emulated, precision=job.precision, faults=job.faults,

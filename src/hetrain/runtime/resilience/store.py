@@ -33,8 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ...errors import HetrainError, UsageError
 from ..sharding.state import load_state_dicts, save_state_dicts, set_loaded_state
@@ -42,6 +40,14 @@ from . import manifest as mf
 from .lock import CHECKPOINT_LOCK, try_lock
 from .manifest import FORMAT, KIND, MANIFEST, META, Refused
 from .safe_meta import load_meta
+
+
+def dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is first written or read: a job
+    that never checkpoints does not pay its import (tests/unit/test_lazy_torch.py)."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
 
 
 def model_signature(model: torch.nn.Module) -> str:
@@ -139,7 +145,7 @@ class Checkpointer:
         dist.barrier()
         model_sd, optim_sd = (states.save_dicts() if states is not None          # (collective under capacity
                               else save_state_dicts(model, optimizer))           #  sharding)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp().save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if midway is not None:
             midway()
         mine = None
@@ -229,8 +235,10 @@ class Checkpointer:
         keyed by the whole model's names, land where this job holds them)."""
         model_sd, optim_sd = states.load_dicts() if states is not None else load_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp().load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:   # noqa: BLE001  DCP's is a BaseException
             # every rank asks for its own entries and DCP gathers every rank's failure: all raise this
             raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: {_last_line(e)}",

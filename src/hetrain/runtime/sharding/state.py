@@ -25,11 +25,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
 
 from ...errors import HetrainError
 from .capacity import CapacityShardedOptimizer
+
+
+def _dcp_state():
+    """torch.distributed.checkpoint.state_dict, imported on first use: a job that never saves
+    or loads does not pay its import."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class Piece:
 def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.save. A collective under capacity sharding."""
     if not _split(optimizer):
-        return get_state_dict(model, optimizer)
+        return _dcp_state().get_state_dict(model, optimizer)
     pieces = _local_pieces(model, optimizer)
     state = {p.name: {k: _part(v, p) for k, v in p.optim.state[p.local].items()} for p in pieces if p.whole}
     if isinstance(optimizer, CapacityShardedOptimizer):
@@ -64,7 +70,7 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """(model, optimizer) state dicts for dcp.load to fill: under zero1/capacity, the whole entries
     of every parameter this rank owns a part of. Local."""
     if not _split(optimizer):
-        return get_state_dict(model, optimizer)
+        return _dcp_state().get_state_dict(model, optimizer)
     state = {p.name: {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
                           else (v.clone() if isinstance(v, torch.Tensor) else v))
                       for k, v in p.optim.state[p.local].items()}
@@ -75,13 +81,13 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, model_sd: dict, optim_sd: dict) -> None:
     """Put what dcp.load filled (from load_state_dicts) into the model and optimizer. Local."""
     if not _split(optimizer):
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        _dcp_state().set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return
     groups = optim_sd["param_groups"]
     if len(groups) != len(optimizer.param_groups):     # before anything is overwritten
         raise HetrainError(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
                            f"{len(optimizer.param_groups)}", "resume with the optimizer the checkpoint was saved with")
-    set_model_state_dict(model, model_sd)
+    _dcp_state().set_model_state_dict(model, model_sd)
     for p in _pieces(model, optimizer):
         saved, held = optim_sd["state"][p.name], p.optim.state[p.local]
         for k, v in saved.items():
@@ -131,7 +137,7 @@ def _local_pieces(model: nn.Module, optimizer) -> list[Piece]:
 
 
 def _dcp_layout(model: nn.Module, optimizer, state: dict) -> tuple[dict, dict]:
-    return get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
+    return _dcp_state().get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
 
 
 def _offsets(params, names):
