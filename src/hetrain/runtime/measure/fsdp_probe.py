@@ -47,18 +47,13 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     Each runs on its own copy of the model with its own copy of the optimizer (the same class and
     settings, fresh: its first step, untimed, makes its state), forward, backward and optimizer
     step. Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ..sharding.wrap import rebuild_optimizer
+    from ..sharding.wrap import rebuild_optimizer, shard_blocks
 
     dtype = DTYPES.get(precision)
     cuda = device.type == "cuda"
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     sharded, plain = copy.deepcopy(model), copy.deepcopy(model)
-    for name in blocks:
-        fully_shard(sharded.get_submodule(name), mesh=mesh, reshard_after_forward=True)
-    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    shard_blocks(sharded, [sharded.get_submodule(name) for name in blocks], device=device,
+                 world_size=dist.get_world_size())
     ddp = DDP(plain, device_ids=[device.index] if cuda else None, broadcast_buffers=False)
     names = {p: n for n, p in model.named_parameters()}
     fresh = _stateless(optimizer)

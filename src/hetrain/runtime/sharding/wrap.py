@@ -178,19 +178,25 @@ def _capacity(model, optimizer, device, rank, world_size, free_bytes) -> Wrapped
         + f" ({why}); elements per rank " + ", ".join(str([s[r] for s in sizes]) for r in range(world_size))])
 
 
-def _fsdp(model, optimizer, device, world_size, block_type, accumulates, meter) -> Wrapped:
+def shard_blocks(model: nn.Module, blocks, *, device: torch.device, world_size: int) -> None:
+    """FSDP2 as hetrain applies it, in place: each block its own unit, resharded after its
+    forward; the root (what is left) kept gathered between forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(device.type, (world_size,))
+    for b in blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def _fsdp(model, optimizer, device, world_size, block_type, accumulates, meter) -> Wrapped:
     names = {p: n for n, p in model.named_parameters()}
     blocks = [m for _, m in find_blocks(model, block_type)]
     unit_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     in_units = {id(p) for b in blocks for p in b.parameters()}
     root_params = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
-    mesh = init_device_mesh(device.type, (world_size,))
-    for b in blocks:
-        fully_shard(b, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    shard_blocks(model, blocks, device=device, world_size=world_size)
     new = dict(model.named_parameters())
     opt = rebuild_optimizer(optimizer, {p: new[n] for p, n in names.items()})
     element = next(iter(new.values())).element_size() if new else 4
