@@ -12,6 +12,7 @@ import sys
 import typer
 
 from ..errors import HetrainError, say
+from ..process_exit import skip_final_collection
 
 app = typer.Typer(
     name="hetrain",
@@ -33,6 +34,7 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the command; always ends in SystemExit with its exit code."""
+    skip_final_collection()     # the launcher's exit, after its workers': ~0.5 s sooner
     _register()
     try:
         code = app(args=argv, prog_name="hetrain", standalone_mode=False)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..errors import UsageError, did_you_mean
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
+from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config
 from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
 from .ranks.nodes import join_nodes
@@ -85,6 +86,7 @@ class Engine:
         self._prepared_at = 0                  # steps done when prepare() returned (resumed ones included)
         self._closed = False
         torch.manual_seed(config.seed)
+        skip_final_collection()             # first: it then runs after _at_exit (atexit is LIFO)
         atexit.register(self._at_exit)
 
     # -- facts --------------------------------------------------------------------------------
