@@ -2,9 +2,9 @@
 
 Each rank is a fresh process with the torchrun environment variables set, so the code under test
 joins the group exactly as it does under torchrun. The processes are forked from a `forkserver`
-that has imported torch and hetrain's runtime (and nothing else: it never runs a test, starts a
-thread or touches CUDA), not `spawn`ed: each rank would otherwise import them again, ~4-6 s of CPU
-a rank on a 2-core machine, which is most of a small distributed test. A rank that raises, hangs past
+that has imported torch, torch._dynamo and hetrain's runtime (and nothing else: it never runs a
+test, starts a thread or touches CUDA), not `spawn`ed: each rank would otherwise import them again,
+~4-6 s of CPU a rank on a 2-core machine, which is most of a small distributed test. A rank that raises, hangs past
 the deadline, or dies at exit (e.g. gloo's SIGABRT at teardown) fails the test, with every rank's
 error shown side by side.
 """
@@ -53,8 +53,10 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, caller_env: dict, 
 
 
 # What the fork server imports once. hetrain reads its environment when a job starts, not on import,
-# so the variables each rank sets in _entry still reach it.
-PRELOAD = ["torch", "torch.distributed", "hetrain.runtime.engine"]
+# so the variables each rank sets in _entry still reach it. torch._dynamo because torch's optimizers
+# import it on their first step (optim/optimizer.py, _use_grad_for_differentiable): ~1 s of CPU a
+# rank, and tests/dist took 118-122 s without it in the preload against 66 s with it (one host, quiet).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine"]
 
 
 def _context():
