@@ -9,8 +9,10 @@ Predicted: for each cluster `hetrain plan --model-factory THIS_FILE:factory --me
 runs first (the job's own processes measure the model; profiles are cached in HETRAIN_CACHE), and
 the ranking is computed from M.json exactly as cli/planning.py computes the one it prints
 (planning_profiles, options_from_measurements, ModelState from plan_worker's model facts). The
-training runs that follow read the same cached profiles. Pipelines also record the runtime's own
-prediction (the pipeline plan it makes from its measured blocks).
+training runs that follow read the same cached profiles, and the same cached pipeline measurement
+(the blocks and how much longer a stage runs them, runtime/measure/block_cache.py), so a
+pipeline's run has the split the ranking costed. Pipelines also record the runtime's own
+prediction (the pipeline plan it makes from that measurement).
 
 Measured: rank 0 times every step; the first two steps (warm-up, first allocations, FSDP2's
 lazy init) are left out. Peak memory per rank is the emulated meter's (parameters, gradients,

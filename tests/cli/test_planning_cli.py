@@ -7,6 +7,8 @@ a process, so the real command line is covered too."""
 
 from __future__ import annotations
 
+import re
+
 import json
 import textwrap
 
@@ -227,11 +229,19 @@ def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
     runtime_plan, _ = plan_from_measurements(measured, Config(global_batch=24, emulate=spec))
     assert plan == runtime_plan                               # every field, every device's
     assert all(d.per_sample_s and d.fixed_s is not None for d in plan.devices)   # the rebalancer's model too
+    # the pipeline's blocks and how much longer a stage runs them, timed on each rank
+    # (runtime/measure/pipeline_probe.py), kept for the job that follows (runtime/measure/block_cache.py)
+    assert re.search(r"pipeline blocks measured: .*a stage runs them x[\d.]+ \+ [\d.]+ ms a block", r.stdout + r.stderr), \
+        r.stderr
+    assert measured.pipeline["profile"]["block_s"] > 0
 
     again = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:make", "--emulate", spec,
                     "--global-batch", "24", "--json", "--measurements", str(tmp_path / "again.json"))
     assert again.returncode == 0 and "2 of 2 from the cache" in again.stderr   # measured once, reused
     assert Measurements.from_json((tmp_path / "again.json").read_text()).profiles == measured.profiles
+    again_pipeline = Measurements.from_json((tmp_path / "again.json").read_text()).pipeline["profile"]
+    assert again_pipeline["source"].endswith("(cached)")
+    assert again_pipeline["blocks"] == measured.pipeline["profile"]["blocks"]
     assert Plan.from_json(again.stdout).world_size == 2        # stdout is the plan alone
 
     out = tmp_path / "ran"

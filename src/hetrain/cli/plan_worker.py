@@ -70,6 +70,7 @@ def _with_blocks(ht, parts, measured):
     if ht.world_size < 2 or parts is None:
         return measured
     profile, devices = pipeline_setup.measure_blocks(ht.job, parts)
+    ht.print(f"pipeline blocks measured: {profile.source}")
     return dataclasses.replace(measured, pipeline={
         "profile": profile.to_dict(),
         "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})

@@ -98,8 +98,8 @@ class _Search:
         for s in range(len(sizes)):
             key = (s, edges[s], edges[s + 1])
             if key not in self.stages:
-                tot = self.costs.totals(*key)
-                self.stages[key] = tot, tuple(self.costs.seconds_per_micro(s, tot[0], g[s].speed, 1)
+                tot = (*self.costs.totals(*key), key[2] - key[1])      # + the stage's block count
+                self.stages[key] = tot, tuple(self.costs.seconds_per_micro(s, tot[0], g[s].speed, 1, blocks=tot[3])
                                               for g in self.kinds)
             out.append(self.stages[key])
         return out
@@ -114,7 +114,7 @@ class _Search:
         """Kind k's step seconds at micro-batch size mu (PipelineSplit.step_seconds), and whether
         every stage fits (StagePlan.fits)."""
         c, g, caps = self.costs, self.kinds[k], self.caps[k]
-        ts = [c.seconds_per_micro(s, tot[0], g[s].speed, mu) for s, (tot, _) in enumerate(rows)]
+        ts = [c.seconds_per_micro(s, tot[0], g[s].speed, mu, blocks=tot[3]) for s, (tot, _) in enumerate(rows)]
         fits = True
         for s, (tot, _) in enumerate(rows):
             if caps[s] is not None:

@@ -273,7 +273,9 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
                                      state_factor=factor, memory_margin=o.memory_margin, link=link,
                                      micro_batches=m, require_fit=False,
                                      grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
-        for c in (with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m, schedule=schedule)
+        # A measured pipeline's stages already cost as stages run (PipelineProfile.stage_factor, block_s).
+        for c in (c if layer.stage_factor != 1.0 or layer.block_s else
+                  with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m, schedule=schedule)
                   for c in choice.candidates):
             # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
             was = found.get(c.name)

@@ -11,8 +11,12 @@ cost measured on one device and scaled to speed 1.0 (the cluster's fastest devic
                          4 for AdamW in fp32).
 
 A pipeline of p stages runs m micro-batches of µ samples. Stage s (device speed v_s) holding
-blocks [a, b) takes t_s = µ · Σ_{i∈[a,b)} seconds_i / v_s per micro-batch, plus two sends over the
-link, when one is given (its output on, that output's gradient back: collectives.send_seconds).
+blocks [a, b) takes t_s = (f · µ · Σ_{i∈[a,b)} seconds_i + (b − a) · o) / v_s per micro-batch,
+plus two sends over the link, when one is given (its output on, that output's gradient back:
+collectives.send_seconds). f (`stage_factor`) and o (`block_s`) are how a stage runs a block
+against the block's profiled time: o seconds a block per micro-batch whatever its size (the
+pipeline machinery around every op) and f per row (measured where a pipeline is sized,
+runtime/measure/pipeline_probe.py; 1 and 0 when not measured).
 With fixed per-stage times a fill-drain pipeline lasts Σ_s t_s + (m − 1)·max_s t_s, so the
 slowest stage sets the pace: the split minimises max_s t_s (then Σ_s t_s). On a mixed machine a
 uniform split leaves the fast devices waiting for the slow one; sizing stages by speed (a device
@@ -75,12 +79,22 @@ class PipelineProfile:
     last: BlockCost | None = None      # runs after the blocks, on the last stage
     boundary_bytes: float = 0.0        # activation bytes per sample sent from one stage to the next
     tied_param_bytes: float = 0.0      # parameters the first and last parts share (held twice)
+    # How a stage runs a block of profiled time s: a micro-batch of µ rows takes block_s + f·µ·s
+    # (measured by runtime/measure/pipeline_probe.py; 1 and 0: not measured).
+    stage_factor: float = 1.0
+    block_s: float = 0.0
     source: str = "given"              # e.g. 'measured on rank 0 (speed 1.0), 4 samples'
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise UsageError("the model has no blocks to split into stages",
                              "give a model with a list of blocks (nn.Sequential, ModuleList, or PipelineParts)")
+        if not (self.stage_factor > 0 and math.isfinite(self.stage_factor)):
+            raise UsageError(f"stage_factor={self.stage_factor!r} must be a finite number > 0",
+                             "measure the pipeline again, or give a positive factor (1: the blocks' own time)")
+        if not (self.block_s >= 0 and math.isfinite(self.block_s)):
+            raise UsageError(f"block_s={self.block_s!r} must be a finite number >= 0",
+                             "measure the pipeline again, or give seconds >= 0 a block per micro-batch")
 
     @classmethod
     def uniform(cls, *, n_blocks: int, seconds_per_sample: float, activation_bytes_per_sample: float,
@@ -218,9 +232,12 @@ class StageCosts:
             params -= prof.tied_param_bytes      # one stage holds the tied weight once
         return seconds, acts, params
 
-    def seconds_per_micro(self, s: int, seconds: float, speed: float, mu: int) -> float:
-        """Compute, plus sending the activation on and receiving its gradient back (not the last stage)."""
-        t = mu * seconds / speed
+    def seconds_per_micro(self, s: int, seconds: float, speed: float, mu: int, *, blocks: int = 0) -> float:
+        """Compute (µ samples of the stage's `blocks` blocks, as a stage runs them: stage_factor
+        a row, block_s a block), plus sending the activation on and receiving its gradient back
+        (not the last stage)."""
+        prof = self.profile
+        t = (mu * seconds * prof.stage_factor + blocks * prof.block_s) / speed
         if s < self.p - 1:
             t += 2 * send_seconds(mu * self.profile.boundary_bytes, self.link)
         return t
@@ -239,7 +256,8 @@ class StageCosts:
         seconds, acts, params = self.totals(s, a, b)
         flight, state, activations = self.memory(s, acts, params, mu)
         return StagePlan(index=s, device=dev.name, speed=dev.speed, start=a, stop=b,
-                         seconds_per_micro=self.seconds_per_micro(s, seconds, dev.speed, mu), in_flight=flight,
+                         seconds_per_micro=self.seconds_per_micro(s, seconds, dev.speed, mu, blocks=b - a),
+                         in_flight=flight,
                          param_bytes=params, state_bytes=state, activation_bytes=activations,
                          memory_cap=self.cap(dev.memory_bytes))
 

@@ -169,6 +169,28 @@ def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
     assert want == (1, 3) and "blocks per stage 1/3" in pp(pipeline=(layer, devices)).detail
 
 
+def test_a_measured_stage_factor_replaces_the_whole_model_fixed_cost_stretch():
+    """Blocks measured with how a stage runs them (stage_factor, runtime/measure/pipeline_probe.py):
+    each stage pays it in the split's own costing, so the row is that split's prediction, not
+    stretched again by the whole model's fixed cost (with_fixed_cost); unmeasured (1), the stretch
+    stays."""
+    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice, split_pipeline
+
+    blocks = (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 4
+    devices = [StageDevice(name=f"dev{i}", speed=1.0) for i in range(2)]
+    profiles = _profiles([1.0, 1.0])                   # a = 1 ms a micro-batch, b = 10 ms a sample
+    state = ModelState(params=P, trainable=P, blocks=4)
+    opts = PlanOptions(global_batch=32, grad_bytes=4 * P, link=Link(bandwidth_gbs=1e9, latency_s=0.0))
+    pp = lambda prof: _row(rank_layouts(profiles, state=state, options=opts,      # noqa: E731
+                                        pipeline=(prof, devices)), "PP")
+    fixed = PipelineProfile(blocks=blocks, stage_factor=1.3)
+    split = split_pipeline(fixed, devices, micro_batches=8, micro_batch_size=4)
+    assert pp(fixed).samples_per_s == pytest.approx(split.samples_per_s, rel=1e-6)
+    plain = PipelineProfile(blocks=blocks)
+    bare = split_pipeline(plain, devices, micro_batches=8, micro_batch_size=4).samples_per_s
+    assert pp(plain).samples_per_s == pytest.approx(bare / (1 + 0.001 / (0.01 * 4)), rel=1e-3)
+
+
 def test_a_measured_fsdp_excess_replaces_the_modelled_collectives():
     # `hetrain plan` times an FSDP2 step beside a DDP step (runtime/measure/fsdp_probe.py): the
     # FSDP2 row is then DP's step (same shares, memory not capped) plus that measured excess.

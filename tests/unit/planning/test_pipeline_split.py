@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -126,3 +127,35 @@ def test_tied_weight_counts_once_on_a_single_stage_and_twice_across_stages():
     assert one.stages[0].state_bytes == 100.0
     assert [s.state_bytes for s in two.stages] == [100.0, 100.0]
     assert prof.param_bytes == 100.0
+
+
+def test_a_stage_s_factor_stretches_every_stage_s_blocks_and_survives_the_json_round_trip():
+    """stage_factor: a stage's pieces' time over its blocks' profiled time (runtime/measure/
+    pipeline_probe.py measures it). Stage time f·µ·Σ seconds / speed: the split is the same, the
+    step f times longer."""
+    plain = profile(12)                                  # 1 ms a sample a block
+    slower = replace(plain, stage_factor=1.4)
+    split = evaluate_split(slower, devices(1.0, 0.5), (8, 4), micro_batches=8, micro_batch_size=4)
+    assert [s.seconds_per_micro for s in split.stages] == pytest.approx([1.4 * 4 * 8e-3, 1.4 * 4 * 4e-3 / 0.5])
+    bare = split_pipeline(plain, devices(1.0, 0.5), micro_batches=8, micro_batch_size=4)
+    stretched = split_pipeline(slower, devices(1.0, 0.5), micro_batches=8, micro_batch_size=4)
+    assert bare.sizes == stretched.sizes == (8, 4)
+    assert bare.samples_per_s / stretched.samples_per_s == pytest.approx(1.4)
+    assert PipelineProfile.from_dict(slower.to_dict()) == slower
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(UsageError, match="stage_factor"):
+            replace(plain, stage_factor=bad)
+
+
+def test_a_fixed_cost_per_block_is_paid_per_micro_batch_at_the_device_s_speed():
+    """block_s: seconds a block per micro-batch whatever its size (the machinery around its ops),
+    paid at the stage's device speed, so it weighs most at small micro-batches."""
+    plain = profile(12)                                  # 1 ms a sample a block
+    fixed = replace(plain, block_s=0.004)                # 4 ms a block a micro-batch
+    split = evaluate_split(fixed, devices(1.0, 0.5), (8, 4), micro_batches=8, micro_batch_size=4)
+    assert [s.seconds_per_micro for s in split.stages] == pytest.approx([8 * (4e-3 + 4e-3), 4 * (4e-3 + 4e-3) / 0.5])
+    one = evaluate_split(fixed, devices(1.0, 0.5), (8, 4), micro_batches=8, micro_batch_size=1)
+    assert [s.seconds_per_micro for s in one.stages] == pytest.approx([8 * (1e-3 + 4e-3), 4 * (1e-3 + 4e-3) / 0.5])
+    assert PipelineProfile.from_dict(fixed.to_dict()) == fixed
+    with pytest.raises(UsageError, match="block_s"):
+        replace(plain, block_s=-1.0)

@@ -4,16 +4,20 @@ are entered by every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
 from ...planning.parallelism import split_hybrid
 from ...planning.pipeline_split import evaluate_split
 from ...planning.plan import DevicePlan, Plan
+from ..measure.pipeline_probe import time_stage_cost
+from ..measure import block_cache
 from ..parallel.blocks import PipelineParts
 from .choose import model_state
 from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
@@ -27,10 +31,27 @@ if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is b
 
 
 def measure_blocks(job, parts: PipelineParts, devices=None):
-    """Every rank's device and the blocks' costs, agreed (collective)."""
+    """Every rank's device and the blocks' costs with how much longer a stage runs them, agreed
+    (collective); emulated, from the cache when this CPU measured this model before (`hetrain
+    plan`'s measurement is then the one the job sizes its stages from)."""
     devices = devices if devices is not None else device_table(job)                                   # (collective)
     example = job.load(range(min(4, len(job.dataset))))[0]
-    return agreed_profile(job, parts, example, devices)                                               # (collective)
+    cache = block_cache.path_for(parts, example, job, devices) if job.emulated is not None and job.rank == 0 else None
+    box = [block_cache.read(cache)]
+    dist.broadcast_object_list(box, src=0)                                                            # (collective)
+    if box[0] is not None:
+        return box[0], devices
+    profile, devices = agreed_profile(job, parts, example, devices)                                   # (collective)
+    found = time_stage_cost(parts, profile, example, device=job.device, precision=job.precision,    # (collective)
+                            speed=job.emulated.spec.speed if job.emulated is not None else None)
+    ranks = ", ".join(f"x{f:.2f} + {b * 1e3:.2f} ms" for f, b in found["ranks"])
+    profile = dataclasses.replace(profile, stage_factor=found["factor"], block_s=found["block_s"], source=(
+        f"{profile.source}; a stage runs them x{found['factor']:.2f} + {found['block_s'] * 1e3:.2f} ms a block "
+        f"per micro-batch (a block as a one-stage pipeline at 1 and {found['micro_batch']} rows, on each rank "
+        f"in turn: {ranks})"))
+    if job.rank == 0:
+        block_cache.write(cache, profile)
+    return profile, devices
 
 
 def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) -> int:

@@ -14,6 +14,7 @@ so the whole model need not fit one device).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -120,11 +121,14 @@ def _unique_param_bytes(module: nn.Module) -> int:
 
 
 def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch.device | None = None,
-                   repeats: int = 5) -> PipelineProfile:
+                   repeats: int = 5, precision=None) -> PipelineProfile:
     """Forward + backward time and saved-activation bytes of each part on `example` (one
     micro-batch), per sample. Times are this thread's CPU time on CPU (throttling excluded) and
-    synchronised wall time on CUDA; the least of `repeats` runs (preemption only adds time)."""
+    synchronised wall time on CUDA; the least of `repeats` runs (preemption only adds time).
+    `precision`: the device's PrecisionPolicy, whose autocast every part runs under, as a stage
+    runs it (parallel/pipeline_stage.py): a bf16 stage's blocks cost what bf16 costs there."""
     device = device or example.device
+    autocast = (lambda: precision.autocast(device.type)) if precision is not None else contextlib.nullcontext
     cuda = device.type == "cuda"
     clock = time.perf_counter if cuda else time.thread_time
     samples = example.shape[0]
@@ -139,7 +143,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
             part.to(device)        # one part at a time: the whole model need not fit this device
             inp = x.detach().requires_grad_(x.is_floating_point())
             counter = SavedBytes(param_storage_ptrs(part))
-            with counter.hooks():
+            with counter.hooks(), autocast():
                 out = part(inp)
             grad = torch.ones_like(out)
             out.backward(grad)
@@ -148,12 +152,16 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
             seconds = math.inf
             for _ in range(repeats):
                 t0 = clock()
-                part(inp).backward(grad)
+                with autocast():
+                    out_again = part(inp)
+                out_again.backward(grad)
                 if cuda:
                     torch.cuda.synchronize(device)
                 seconds = min(seconds, clock() - t0)
             costs[name] = BlockCost(seconds=seconds / samples, activation_bytes=counter.bytes / samples,
                                     param_bytes=_unique_param_bytes(part), name=name)
+            if out.dtype in (torch.bfloat16, torch.float16):
+                out = out.float()        # activations cross stages in fp32 (pipeline_stage._to_fp32)
             if name.startswith("block") and not boundary:
                 boundary = out.numel() * out.element_size() / samples
             x = out.detach()

@@ -47,14 +47,16 @@ def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None,
                    devices: list[StageDevice]) -> tuple[PipelineProfile, list[StageDevice]]:
     """The block costs every rank sizes the split from (rank 0's, at speed 1.0), and the devices.
 
-    Emulated: rank 0's CPU time is the speed-1.0 time and the speeds are the cluster spec's. Real
-    GPUs: every rank measures the blocks on its own device, and a device's speed is the fastest
-    total time over its own (measured, not the catalog's guess)."""
+    Emulated: rank 0's CPU time is the speed-1.0 time and the speeds are the cluster spec's, under
+    rank 0's autocast (a mixed bf16/fp16 cluster is costed at rank 0's precision). Real GPUs: every
+    rank measures the blocks on its own device, under its own autocast, and a device's speed is the
+    fastest total time over its own (measured, not the catalog's guess)."""
     if example is None:
         raise UsageError("sizing a pipeline needs a micro-batch of inputs to time the blocks",
                          "give the dataset (inputs, targets) samples")
     measure_all = ht.emulated is None and ht.device.type == "cuda"
-    mine = profile_blocks(parts, example, device=ht.device) if (measure_all or ht.rank == 0) else None
+    mine = (profile_blocks(parts, example, device=ht.device, precision=ht.precision)
+            if (measure_all or ht.rank == 0) else None)
     if measure_all:
         totals = agree.exchange({"seconds": mine.seconds_per_sample}, rank=ht.rank, world_size=ht.world_size,
                                 device=ht.device).column("seconds")
