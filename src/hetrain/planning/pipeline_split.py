@@ -232,7 +232,7 @@ class StageCosts:
             params -= prof.tied_param_bytes      # one stage holds the tied weight once
         return seconds, acts, params
 
-    def seconds_per_micro(self, s: int, seconds: float, speed: float, mu: int, *, blocks: int = 0) -> float:
+    def seconds_per_micro(self, s: int, seconds: float, speed: float, mu: int, *, blocks: int) -> float:
         """Compute (µ samples of the stage's `blocks` blocks, as a stage runs them: stage_factor
         a row, block_s a block), plus sending the activation on and receiving its gradient back
         (not the last stage)."""

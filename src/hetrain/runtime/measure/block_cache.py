@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from ...errors import HetrainError
-from ...files import cache_dir, write_text_atomic
+from ...files import cache_dir, write_json_atomic
 from ...planning.pipeline_split import PipelineProfile
 
 VERSION = 4             # 4: a factor and a fixed cost per block, from two sizes
@@ -59,6 +59,6 @@ def write(path: Path | None, profile: PipelineProfile) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"version": VERSION, "profile": profile.to_dict()}))
+        write_json_atomic(path, {"version": VERSION, "profile": profile.to_dict()})
     except OSError:
         pass                    # a read-only home is not a reason to fail a run

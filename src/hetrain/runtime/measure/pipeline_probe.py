@@ -1,38 +1,38 @@
-"""How much longer a block takes as a pipeline stage runs it than alone, measured where a pipeline
-is sized (layouts/pipeline_setup.measure_blocks: in `hetrain plan`, and in a job unless the cache
-has it).
+"""How much longer a block takes as a pipeline stage runs it than alone, measured where a pipeline is
+sized (layouts/pipeline_setup.measure_blocks: in `hetrain plan`, and in a job unless the cache has
+it).
 
 The pipeline model (planning/pipeline_split.py) costs a stage's micro-batch from its blocks, timed
 one by one (parallel/blocks.profile_blocks). A stage runs more than its blocks: the pipelining
 schedule's forward_one_chunk and backward_one_chunk (argument flattening, detaching the inputs,
-stage_backward's autograd call), hetrain's metering around each piece (its autocast, the
-saved-bytes count on emulated devices, a hook per saved tensor) and, on an emulated device, the
-sleep after every piece, which leaves the next piece on cold caches. Most of that is per op, so it
-grows with the blocks a stage holds and not with the micro-batch's rows. Measured on the demo GPT
-(4 blocks of d=128, micro-batches of 4, an AMX Xeon, bf16): the whole model as a stage took
-6.62 ms a micro-batch beyond its blocks' 14.9, one block 1.76 beyond its 3.7; the ranking, which
-had stretched the blocks by the whole model's fixed cost per micro-batch, predicted the 2-stage
-pipeline 44% too fast. So each rank times the first block as a one-stage pipeline (a copy: the
-job's model is left as it was; one block, as the model may not fit one device), fed what `first`
-makes of the example, at 1 row and at the example's µ rows, and fits
+stage_backward's autograd call), hetrain's metering around each piece (its autocast, the saved-bytes
+count on emulated devices, a hook per saved tensor) and, on an emulated device, the sleep after
+every piece, which leaves the next piece on cold caches. Most of that is per op, so it grows with
+the blocks a stage holds and not with the micro-batch's rows. Measured on the demo GPT (4 blocks of
+d=128, micro-batches of 4, an AMX Xeon, fp32, emulated speeds 0.5 and 0.335): the whole model as a
+one-stage pipeline took 6.62 ms a micro-batch beyond its blocks' ~14.9, its first block alone 1.76
+ms beyond its 3.46; the ranking, which had stretched the blocks by the whole model's fixed cost per
+micro-batch, predicted the 2-stage pipeline 44% too fast (bf16). So each rank times the first block
+as a one-stage pipeline (a copy: the job's model is left as it was; one block, as the model may not
+fit one device), fed what `first` makes of the example, at 1 row and at the example's µ rows, and
+fits
 
     t(µ) = block_s + stage_factor · µ · s         (s: the block's profiled seconds a row)
 
-(here x1.24 + 1.00 ms a block in bf16, x1.02 + 1.09 ms in fp32). It runs on a process group of
-its own rank, under its device's autocast and, emulated, a throttle of its own device's speed (a
-fresh one: the job's throttle keeps its books). A piece's time is its wall time less its throttle
-sleep, as the runtime meters it (pipeline_stage.MeteredStage.timed); on CUDA, whose pieces return
-before their kernels finish, the step's synchronised wall time. The ranks measure one at a time,
-as the blocks are measured (four probes at once on 2 cores read 10.7 ms a micro-batch where the
-same four in turn read 5.4-7.5 ms: contention, which the pipeline model does not play out), and
-the ranks' medians are kept: the same figures on every rank.
+(the same host and model: x1.05 + 1.02 ms a block in fp32, x0.92 + 1.89 ms in bf16, whose autocast
+adds work per op). It runs on a process group of its own rank, under its device's autocast and,
+emulated, a throttle of its own device's speed (a fresh one: the job's throttle keeps its books). A
+piece's time is its wall time less its throttle sleep, as the runtime meters it
+(pipeline_stage.MeteredStage.timed); on CUDA, whose pieces return before their kernels finish, the
+step's synchronised wall time. The ranks measure one at a time, as the blocks are measured (a
+whole-model version of this probe, four ranks on 2 cores, fp32, read 10.7 ms a micro-batch all at
+once and 5.4-7.5 ms in turn: contention, which the pipeline model does not play out), and the ranks'
+medians are kept: the same figures on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import statistics
 import time
 
@@ -58,14 +58,11 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
     big = int(x.shape[0])
     sizes = (1, big) if big > 1 else (1,)
     times = {}
-    try:
-        for turn in range(world):     # one rank at a time (see the module's note), the others wait
-            if turn == rank:
-                times = {mu: _time_block(parts, x[:mu], device=device, micro_batches=micro_batches, group=solo,
-                                         precision=precision, speed=speed, steps=steps) for mu in sizes}
-            dist.barrier()
-    finally:
-        gc.collect()
+    for turn in range(world):     # one rank at a time (see the module's note), the others wait
+        if turn == rank:
+            times = {mu: _time_block(parts, x[:mu], device=device, micro_batches=micro_batches, group=solo,
+                                     precision=precision, speed=speed, steps=steps) for mu in sizes}
+        dist.barrier()
     s = profile.blocks[0].seconds
     if len(sizes) == 2 and s > 0:     # the line through both sizes: slope f·s, intercept o
         factor = max((times[big] - times[1]) / ((big - 1) * s), 1e-3)
@@ -116,11 +113,10 @@ def _time_block(parts, x: torch.Tensor, *, device, micro_batches: int, group, pr
 def _block_input(parts, example: torch.Tensor, device: torch.device, precision) -> torch.Tensor:
     """What the first block takes: the example through `first` (a copy, on the device), in fp32
     as activations cross stages."""
+    from ..parallel.blocks import stage_autocast, to_fp32
+
     x = example.to(device)
     if parts.first is None:
         return x
-    first = copy.deepcopy(parts.first).to(device)
-    with torch.no_grad(), precision.autocast(device.type) if precision is not None else contextlib.nullcontext():
-        x = first(x)
-    del first
-    return (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x).detach()
+    with torch.no_grad(), stage_autocast(precision, device.type):
+        return to_fp32(copy.deepcopy(parts.first).to(device)(x))

@@ -94,6 +94,22 @@ class StageModule(nn.Module):
         return self.last(x) if self.last is not None else x
 
 
+# -- how a stage computes (parallel/pipeline_stage.py), and its blocks are measured alike -------
+def stage_autocast(precision, device_type: str):
+    """The device's autocast (runtime/devices/precision_policy.py: a no-op for fp32), or none without a policy."""
+    return precision.autocast(device_type) if precision is not None else contextlib.nullcontext()
+
+
+def to_fp32(out):
+    """Activations cross stages in fp32 (or the model's float64), whatever each stage computes in:
+    the receive buffers have one dtype, and a bf16 stage may feed an fp16 one."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+    if isinstance(out, tuple):
+        return tuple(to_fp32(o) for o in out)
+    return out
+
+
 # -- measuring the blocks ---------------------------------------------------------------------
 class SavedBytes:
     """Bytes of the tensors autograd saves for backward (parameters excluded), deduplicated."""
@@ -128,7 +144,6 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
     `precision`: the device's PrecisionPolicy, whose autocast every part runs under, as a stage
     runs it (parallel/pipeline_stage.py): a bf16 stage's blocks cost what bf16 costs there."""
     device = device or example.device
-    autocast = (lambda: precision.autocast(device.type)) if precision is not None else contextlib.nullcontext
     cuda = device.type == "cuda"
     clock = time.perf_counter if cuda else time.thread_time
     samples = example.shape[0]
@@ -143,7 +158,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
             part.to(device)        # one part at a time: the whole model need not fit this device
             inp = x.detach().requires_grad_(x.is_floating_point())
             counter = SavedBytes(param_storage_ptrs(part))
-            with counter.hooks(), autocast():
+            with counter.hooks(), stage_autocast(precision, device.type):
                 out = part(inp)
             grad = torch.ones_like(out)
             out.backward(grad)
@@ -152,7 +167,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
             seconds = math.inf
             for _ in range(repeats):
                 t0 = clock()
-                with autocast():
+                with stage_autocast(precision, device.type):
                     out_again = part(inp)
                 out_again.backward(grad)
                 if cuda:
@@ -160,8 +175,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
                 seconds = min(seconds, clock() - t0)
             costs[name] = BlockCost(seconds=seconds / samples, activation_bytes=counter.bytes / samples,
                                     param_bytes=_unique_param_bytes(part), name=name)
-            if out.dtype in (torch.bfloat16, torch.float16):
-                out = out.float()        # activations cross stages in fp32 (pipeline_stage._to_fp32)
+            out = to_fp32(out)           # what the next stage receives
             if name.startswith("block") and not boundary:
                 boundary = out.numel() * out.element_size() / samples
             x = out.detach()

@@ -5,7 +5,6 @@ rows of padded micro-batches, weighted by D·units_k/N."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ from torch.distributed.pipelining import PipelineStage
 from ...hardware.units import format_bytes
 from ..devices.faults import injected_oom
 from ..loop import reduce
-from .blocks import SavedBytes
+from .blocks import SavedBytes, stage_autocast, to_fp32
 
 
 class Flight:
@@ -97,10 +96,10 @@ class MeteredStage(PipelineStage):
             parent = super().forward_maybe_with_nosync
             try:
                 self._strike(chunk, "forward")
-                with _autocast(self._precision, self.device.type):
+                with stage_autocast(self._precision, self.device.type):
                     out = self._flight.forward(chunk, lambda: parent(*args, **kwargs))
                 self._check_cap(chunk)
-                return _to_fp32(out) if not self.is_last else out
+                return to_fp32(out) if not self.is_last else out
             except torch.OutOfMemoryError as e:
                 self._fail("forward", chunk, e)
                 self._flight.backward_done(chunk)
@@ -157,21 +156,6 @@ class MeteredStage(PipelineStage):
                 f"{format_bytes(self._flight.bytes)} of activations for {len(self._flight.held)} micro-batch(es) in flight")
 
 
-def _autocast(precision, device_type: str):
-    """The device's autocast (runtime/devices/precision_policy.py: a no-op for fp32), or none without a policy."""
-    return precision.autocast(device_type) if precision is not None else contextlib.nullcontext()
-
-
-def _to_fp32(out):
-    """Activations cross stages in fp32 (or the model's float64), whatever each stage computes in:
-    the receive buffers have one dtype, and a bf16 stage may feed an fp16 one."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
-    if isinstance(out, tuple):
-        return tuple(_to_fp32(o) for o in out)
-    return out
-
-
 class RowLoss:
     """The schedule's loss: targets arrive as row ids (-1: padding); the user's mean loss over the
     real rows of micro-batch k, weighted by D·units_k/N (runtime/loop/reduce.py) and by the
@@ -203,7 +187,7 @@ class RowLoss:
             real = rows >= 0
             first = int(rows[real][0])
             k = max(i for i, s in enumerate(self.starts) if s <= first)
-            with _autocast(self.precision, output.device.type):
+            with stage_autocast(self.precision, output.device.type):
                 loss = self.loss_fn(output[real], self.targets[rows[real]])
             units = self.units[k]
             self.parts[k] = loss.detach().double() * units
