@@ -31,7 +31,9 @@ ranking's FSDP2 row is DP's step plus what `hetrain plan` timed an FSDP2 step be
 (runtime/measure/fsdp_probe.py), so its error is DP's plus the probe's. Only a
 quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
 had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
-use --dilate 2 (the pipeline model does not play out core sharing; the data-parallel one does).
+use --dilate 2. Both models play out the cores being shared (the data-parallel one step by step,
+cost.shared_cpu_finish; the pipelines' from each stage's duty, planning/core_sharing.py, whose
+stretch the row's detail prints).
 
     python benchmarks/plan_accuracy.py --layout all --json out.json --global-batch 32 --steps 12 --dilate 2
 """

@@ -49,6 +49,7 @@ from ..errors import UsageError
 from ..hardware.catalog import GpuSpec
 from ..hardware.links import NVLINK_EFFICIENCY, PCIE_GBS  # noqa: F401 — PCIE_GBS: simulate imports it from here
 from .collectives import Link, allreduce_seconds
+from .core_sharing import cpu_rate
 from .memory import state_bytes
 from .plan import split_evenly
 from .profile import DeviceProfile, ModelSpec
@@ -284,7 +285,7 @@ def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float
 
     `contention`: how much slower a job computes while `contention_at` jobs compute on separate
     cores (measured); k jobs at once slow each other by 1 + (contention − 1)·(k − 1)/(contention_at − 1),
-    nothing when one computes alone."""
+    nothing when one computes alone (core_sharing.cpu_rate, which pipelines use too)."""
     queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
     pos = [0] * len(queue)
     left = [q[0][1] if q else 0.0 for q in queue]
@@ -295,10 +296,7 @@ def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float
         if not live:
             return finish
         running = [j for j in live if queue[j][pos[j]][0]]
-        rate = min(1.0, cores / (len(running) + load)) if running else 1.0
-        at_once = min(len(running), cores)
-        if contention > 1.0 and contention_at > 1 and at_once > 1:
-            rate /= 1.0 + (contention - 1.0) * min(1.0, (at_once - 1) / (contention_at - 1))
+        rate = cpu_rate(len(running), cores=cores, load=load, contention=contention, contention_at=contention_at)
         dt = min(left[j] / (rate if queue[j][pos[j]][0] else 1.0) for j in live)
         t += dt
         for j in live:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from ..errors import UsageError
 from ..hardware.units import compact, device_kinds, format_bytes
 from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
+from .core_sharing import on_shared_cores
 from .memory import capacity_fractions, state_bytes
 from .options import PlanOptions, ring_link
 from .planner import make_plan
@@ -274,8 +275,9 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
                                      micro_batches=m, require_fit=False,
                                      grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
         # A measured pipeline's stages already cost as stages run (PipelineProfile.stage_factor, block_s).
-        for c in (c if layer.stage_factor != 1.0 or layer.block_s else
-                  with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m, schedule=schedule)
+        for c in (on_shared_cores(c if layer.stage_factor != 1.0 or layer.block_s else
+                                  with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m,
+                                                  schedule=schedule), o)
                   for c in choice.candidates):
             # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
             was = found.get(c.name)

@@ -180,6 +180,7 @@ class Candidate:
     shares: tuple[int, ...] = ()       # samples per replica (DP: per device)
     memory: tuple[float, ...] = ()     # PP, DP×PP: peak bytes per device, in rank order
     sync_s: float = 0.0                # PP, DP×PP: the stages' gradient all-reduce over the replicas
+    split: HybridSplit | None = None   # PP, DP×PP: the replicas' splits it was costed from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +284,7 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         cands.append(Candidate(
             name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
             shares=h.shares, memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), sync_s=sync,
+            split=h,
             detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
                     f"{rep.bubble_fraction:.0%}" + (f", replica shares {compact(h.shares)}" if d > 1 else "")
                     + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
