@@ -45,7 +45,7 @@ T must exceed the CPU's own time per sample with two devices computing at once, 
 slower than asked and the host's drift comes back: `--clock auto` (the default) sets T to 3×
 the fast device's forward+backward CPU time per sample, measured first in this process (median
 of 8 steps at the pair's micro-batch, under the precision it computes in); the contention
-measured between two devices on such hosts was x1.05-1.66. `--clock wall` gives the wall clock,
+measured between two devices at job starts on that host was x1.00-1.66. `--clock wall` gives the wall clock,
 `--clock 10` a 10 ms clock.
 
     python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--precision auto]

@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from .stage_plan import fill_drain_seconds
+
 _ROUNDS = 30
 _TOLERANCE = 1e-6
 
@@ -83,7 +85,7 @@ def stretched_step(replicas: Sequence, sync_s: float = 0.0, *, cores: float, loa
         at, longest = 0, 0.0
         for split in replicas:
             t = [s.seconds_per_micro * stretch[at + i] for i, s in enumerate(split.stages)]
-            longest = max(longest, sum(t) + (split.micro_batches - 1) * max(t))
+            longest = max(longest, fill_drain_seconds(t, split.micro_batches))
             at += len(t)
         return longest + sync_s
 

@@ -73,8 +73,7 @@ class PipelineSplit:
     @property
     def step_seconds(self) -> float:
         """Fill-drain estimate: Σ_s t_s + (m − 1)·max_s t_s."""
-        t = [s.seconds_per_micro for s in self.stages]
-        return sum(t) + (self.micro_batches - 1) * max(t)
+        return fill_drain_seconds([s.seconds_per_micro for s in self.stages], self.micro_batches)
 
     @property
     def samples_per_s(self) -> float:
@@ -93,6 +92,11 @@ class PipelineSplit:
                          f"({s.n_blocks}), {s.seconds_per_micro * 1e3:.3g} ms/micro-batch, "
                          f"{s.in_flight} in flight, {_gib(s.memory_bytes)}{cap}")
         return lines
+
+
+def fill_drain_seconds(stage_seconds, micro_batches: int) -> float:
+    """A fill-drain pipeline's step: Σ_s t_s + (m − 1)·max_s t_s for stages of t_s a micro-batch."""
+    return sum(stage_seconds) + (micro_batches - 1) * max(stage_seconds)
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
