@@ -35,6 +35,17 @@ def worker(rank, world):
 def test_dp_x_pp_matches_one_big_batch_with_uneven_replica_shares_and_clipping():
     results = run_ranks(worker, 4, timeout=240)
     planned, given = zip(*results)
+    # The pipelines' own prediction: four emulated stages on this host's cores, each stretched by
+    # the others computing beside it (planning/core_sharing.py), the same on every rank.
+    import os
+
+    got = planned[0]["predicted"]
+    assert all(r["predicted"] == got for r in planned), [r["predicted"] for r in planned]
+    cores = len(os.sched_getaffinity(0))
+    if cores < 4:
+        assert got["host_cores"] == cores and got["stage_stretch"] > 1.0, got
+        assert got["step_s"] > got["alone_step_s"] > 0, got
+    assert got["samples_per_s"] * got["step_s"] == pytest.approx(12), got
     for r in planned + given:
         assert r["steps"] == 2, r
         assert r["grad_error"] < EXACT and r["loss_error"] < EXACT and r["param_error"] < EXACT, r

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
+from ...planning.core_sharing import stretched_step
 from ...planning.parallelism import split_hybrid
 from ...planning.pipeline_split import evaluate_split
 from ...planning.plan import DevicePlan, Plan
@@ -90,10 +92,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
         splits, shares, reasons = h.replicas, h.shares, h.reasons
-    # The pipeline's own prediction from the measured blocks (the slowest replica sets the step),
-    # kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
-    step_s = max(sp.step_seconds for sp in splits)
-    predicted = {"samples_per_s": cfg.global_batch / step_s, "step_s": step_s} if step_s > 0 else {}
+    predicted = predict_step(job, splits)
     plans = []
     for r, dev in enumerate(devices):
         replica, stage = divmod(r, stages)
@@ -110,6 +109,28 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, group=stages,
                 stage_blocks=splits[0].sizes, schedule=schedule, predicted=predicted,
                 note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
+
+
+def predict_step(job, splits) -> dict:
+    """The pipeline's own prediction from the measured blocks (the slowest replica sets the step),
+    kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
+
+    Emulated, the stages are processes of this one host and share its cores: each stage's pieces
+    are stretched by the others computing beside it (planning/core_sharing.py, as the layout
+    ranking costs them). Processor sharing alone here: the contention a data-parallel job
+    measures at its start is not measured by a pipeline job, nor is the replicas' gradient
+    all-reduce (`hetrain plan`'s ranking has both)."""
+    step_s = max(sp.step_seconds for sp in splits)
+    if not step_s > 0:
+        return {}
+    predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
+    if job.emulated is not None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        shared, stretch = stretched_step(splits, cores=cores)
+        if shared > step_s:
+            predicted.update(samples_per_s=job.config.global_batch / shared, step_s=shared, alone_step_s=step_s,
+                             host_cores=cores, stage_stretch=max(stretch))   # the plan keeps numbers only
+    return predicted
 
 
 def _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches) -> int:
@@ -211,3 +232,8 @@ def show_split(job, pipe: Pipeline) -> None:
              f"of {plan.devices[0].micro_batch}")
     # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
     show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)
+    got = plan.predicted
+    if "stage_stretch" in got:
+        job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
+                     f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
+                     f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
