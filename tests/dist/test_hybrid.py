@@ -9,6 +9,8 @@ embedding/head weight on both ends; grad_clip= clips the norm over every stage o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import run_ranks
@@ -37,8 +39,6 @@ def test_dp_x_pp_matches_one_big_batch_with_uneven_replica_shares_and_clipping()
     planned, given = zip(*results)
     # The pipelines' own prediction: four emulated stages on this host's cores, each stretched by
     # the others computing beside it (planning/core_sharing.py), the same on every rank.
-    import os
-
     got = planned[0]["predicted"]
     assert all(r["predicted"] == got for r in planned), [r["predicted"] for r in planned]
     cores = len(os.sched_getaffinity(0))
