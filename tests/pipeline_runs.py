@@ -111,7 +111,7 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
         out.update(
             names=sorted(mine), device=ht.device.type, backend=ht.ctx.backend, on_device=all(p.device == ht.device for p in model.parameters()), sizes=pipe.split.sizes, stage=pipe.stage_index, replica=pipe.replica,
             share=ht.plan.devices[ht.rank].share, micro=ht.plan.devices[ht.rank].micro_batch,
-            predicted=dict(ht.plan.predicted),
+            predicted=dict(ht.plan.predicted), split_step_s=pipe.split.step_seconds,
             peak_in_flight=pipe.peak_in_flight, planned_in_flight=pipe.split.stages[pipe.stage_index].in_flight,
             bubble=pipe.split.bubble_fraction, micro_batches=pipe.split.micro_batches,
             activation_bytes=pipe.peak_activation_bytes,

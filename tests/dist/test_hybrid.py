@@ -45,7 +45,8 @@ def test_dp_x_pp_matches_one_big_batch_with_uneven_replica_shares_and_clipping()
     if cores < 4:
         assert got["host_cores"] == cores and got["stage_stretch"] > 1.0, got
         assert got["step_s"] > got["alone_step_s"] > 0, got
-    assert got["samples_per_s"] * got["step_s"] == pytest.approx(12), got
+    # ... stretched from the fill-drain step of the slowest replica the stages were built from
+    assert got.get("alone_step_s", got["step_s"]) == pytest.approx(max(r["split_step_s"] for r in planned)), got
     for r in planned + given:
         assert r["steps"] == 2, r
         assert r["grad_error"] < EXACT and r["loss_error"] < EXACT and r["param_error"] < EXACT, r

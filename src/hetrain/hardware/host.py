@@ -119,6 +119,12 @@ def _times(ratio: float) -> str:
 
 
 # -- what this CPU is (no torch needed) -------------------------------------------------------
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; the machine's count where the OS
+    has no affinity call): what emulated devices, threads of this host, share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_identity() -> tuple[str, tuple[str, ...]]:
     """(model name, the relevant flags), from /proc/cpuinfo (Linux, x86 and ARM)."""
     name, flags = "", set()

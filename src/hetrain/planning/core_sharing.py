@@ -19,11 +19,13 @@ computing (a Poisson-binomial count over the u_q). That stretches t_p, which len
 changes every u: `stretched_step` iterates the three to a fixed point (a few rounds: a stretch
 that lengthens T lowers the duties that caused it).
 
-Independence is the approximation: in a pipeline the stages' pieces follow each other (stage 1's
-forward starts when stage 0's ends), which makes two stages of one replica compute at once less
-often than independent ones would, and replicas computing in step more often. It is what the
-pipeline model lacked (without it, `benchmarks/plan_accuracy.py --layout dp-pp --dilate 2` read
-DP×PP 2×2 on 2 cores 29-46% faster than it ran: four emulated devices wanting 1.3 cores on average).
+Independence is the approximation, and it under-counts: a stage starts a piece as soon as its
+input arrives, so the stages of one replica often start computing together, and replicas that
+step together do too. Timed piece by piece on a 2-core AMD EPYC VM (DP×PP 2×2 in fp32,
+`benchmarks/plan_accuracy.py --layout dp-pp --dilate 2`), the four stages' pieces lasted
+x1.29-1.40 their CPU time where this model gives up to x1.16. It is still what the pipeline model
+lacked: without it the same benchmark read DP×PP 29-46% faster than it ran (four emulated devices
+wanting 1.3 cores on average).
 
 Cost: O(W²) per round for W processes (each process's count distribution over the others); only
 emulated clusters, whose processes are threads of one host, reach it."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
+from ...hardware.host import usable_cores
 from ...planning.core_sharing import stretched_step
 from ...planning.parallelism import split_hybrid
 from ...planning.pipeline_split import evaluate_split
@@ -125,7 +125,7 @@ def predict_step(job, splits) -> dict:
         return {}
     predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
     if job.emulated is not None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         shared, stretch = stretched_step(splits, cores=cores)
         if shared > step_s:
             predicted.update(samples_per_s=job.config.global_batch / shared, step_s=shared, alone_step_s=step_s,

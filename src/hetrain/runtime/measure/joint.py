@@ -17,7 +17,6 @@ sync probe settles its local work the same way (sync_probes.settle) before each 
 from __future__ import annotations
 
 import gc
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import HetrainError, UsageError
+from ...hardware.host import usable_cores
 from ...planning.plan import Plan
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
@@ -81,7 +81,7 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
     """This rank's profile (runtime/measure/profiler.py, cached). Local: no collective."""
     cfg, emu = job.config, job.emulated.spec if job.emulated is not None else None
     mine: dict = {"profile": None, "cached": False, "error": None, "label": job.device_label, "precision": job.precision.name,
-                  "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  "host_cores": usable_cores(),
                   "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
                   # what planning/compression.py predicts PowerSGD's bytes from
                   "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad]}
