@@ -74,7 +74,8 @@ def pipeline_plan(layout: str, *, blocks, schedule: str, shares, micro, world: i
 
 
 def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_clip: float | None = None,
-          emulate: str | None = None, shrink_rank: int | None = None, precision: str = "auto", **prepare):
+          emulate: str | None = None, shrink_rank: int | None = None, precision: str = "auto",
+          emulate_sample_s: float | None = None, **prepare):
     """One hetrain job over `steps` steps of `case`; returns what each check needs, with the errors
     against the reference. Every rank calls it (the process group is the caller's).
     `shrink_rank`: after the first step, cap that rank's emulated memory at what it holds already,
@@ -84,7 +85,7 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
 
     ref = reference(case, n=n, global_batch=global_batch, steps=steps, grad_clip=grad_clip)
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=SEED, grad_clip=grad_clip, emulate=emulate,
-                      precision=precision, verbose=False)
+                      precision=precision, emulate_sample_s=emulate_sample_s, verbose=False)
     model, (x, y), loss_fn = make_case(case, n)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grads": []}
@@ -116,6 +117,11 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
             bubble=pipe.split.bubble_fraction, micro_batches=pipe.split.micro_batches,
             activation_bytes=pipe.peak_activation_bytes,
             compute_s=pipe.compute_s + pipe.stage.compute_s if pipe.stage is not None else pipe.compute_s,
+            busy_s=pipe.busy_s + pipe.stage.busy_s if pipe.stage is not None else pipe.busy_s,
+            speed=ht.emulated.spec.speed if emulate else 1.0,
+            # on the controlled clock: the split's stages at speed 1, and a micro-batch's clocked seconds here
+            stage_s_at_speed_1=[st.seconds_per_micro * st.speed for st in pipe.split.stages],
+            clocked_micro_s=pipe._clocked_micro_s(pipe.split.micro_batch_size),
             # the throttle's books: the compute it timed (the stage's pieces, the optimizer step)
             # and the sleeps, slept or still owed
             throttled_s=ht.emulated.throttle.cpu_seconds if emulate else 0.0,

@@ -29,9 +29,10 @@ class Stack(torch.nn.Module):
         return self.out(x)
 
 
-def worker(rank, world):
+def worker(rank, world, clock=None):
     import torch.distributed as dist
 
+    from hetrain.runtime.devices.emulation import Throttle
     from hetrain.runtime.measure.fsdp_probe import time_fsdp_excess
 
     dist.init_process_group("gloo")
@@ -46,12 +47,15 @@ def worker(rank, world):
     def forward(m, b):
         return F.mse_loss(m(b[0]), b[1])
 
+    throttle = Throttle(1.0 / (1 + rank), sample_s=clock) if clock else None     # speeds 1 and 0.5
     found = time_fsdp_excess(model, opt, ["blocks.0", "blocks.1", "blocks.2"], batch, forward=forward,
-                             device=torch.device("cpu"), precision="fp32", runs=3)
+                             device=torch.device("cpu"), precision="fp32", runs=3 if clock is None else 2,
+                             throttle=throttle)
     same = all(torch.equal(before[n], p) and not hasattr(p, "device_mesh") for n, p in model.named_parameters())
     grads = [p.grad for p in model.parameters()]
     dist.destroy_process_group()
-    return {**found, "unchanged": same, "no_grads": all(gr is None for gr in grads), "no_state": not opt.state}
+    return {**found, "unchanged": same, "no_grads": all(gr is None for gr in grads), "no_state": not opt.state,
+            "throttled_s": throttle.cpu_seconds if throttle else 0.0}
 
 
 def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_was():
@@ -59,4 +63,16 @@ def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_wa
     for r in (r0, r1):
         assert r["unchanged"] and r["no_grads"] and r["no_state"]
         assert r["fsdp_s"] > 0 and r["ddp_s"] > 0 and r["runs"] == 3 and r["micro_batch"] == 12
+        assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])
+
+
+def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forward_and_backward():
+    # 12 rows at 20 ms a sample: 0.24 s at speed 1, 0.48 s at 0.5; from barrier to barrier each
+    # step lasts at least the slower rank's clocked length (Throttle.before_backward's clock, as
+    # the engine runs it), whatever the host's CPU does
+    r0, r1 = run_ranks(worker, 2, 0.02, timeout=120)
+    for r in (r0, r1):
+        assert r["unchanged"] and r["no_grads"] and r["no_state"] and r["runs"] == 2
+        assert r["ddp_s"] >= 12 * 0.02 / 0.5 and r["fsdp_s"] >= 12 * 0.02 / 0.5, r
+        assert r["throttled_s"] > 0
         assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])

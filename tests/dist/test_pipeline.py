@@ -99,6 +99,35 @@ def test_gpt_two_stages_gpipe_and_1f1b_uneven_blocks_micro_batches_and_clipping_
     assert rtx["throttled_s"] >= rtx["compute_s"] > 0
 
 
+def test_on_the_controlled_clock_each_piece_lasts_its_share_of_the_clock():
+    # 50 ms a sample at speed 1, far above the tiny GPT's CPU time: a stage's forward and
+    # backward of a micro-batch last its blocks' share of µ·50 ms ÷ speed, its waits inside
+    clock = 0.05
+    run = dict(GPT, parallel="pp", schedule="1f1b", micro_batches=2, emulate="a100-80g:1.0,rtx3090:0.5",
+               emulate_sample_s=clock)
+    results = run_ranks(worker, 2, [run])
+    stages = [r for (r,) in results]
+    for r in stages:
+        check_exact(r)
+    a100, rtx = stages
+    assert a100["sizes"] == rtx["sizes"]
+    # the split was sized from the blocks on the clock (PipelineProfile.on_clock): the stages'
+    # micro-batch at speed 1 share µ x clock between them (no link: the runtime costs no sends)
+    mu = a100["micro"]
+    assert sum(a100["stage_s_at_speed_1"]) == pytest.approx(mu * clock, rel=1e-9)
+    assert [r["clocked_micro_s"] for r in stages] == pytest.approx(a100["stage_s_at_speed_1"], rel=1e-9)
+    # no sharing of the host's cores to predict: the waits are inside the sleeps
+    assert "host_cores" not in a100["predicted"]
+    for r in stages:
+        # each piece lasts the longer of its clocked length and its wall time (Throttle.pay_clocked),
+        # so the stage was busy at least its micro-batches' clocked seconds and at most those plus
+        # its compute (and each sleep's wake-up, 20 ms allowed a piece on a busy host)
+        clocked = r["steps"] * r["micro_batches"] * r["clocked_micro_s"] / r["speed"]
+        pieces = 2 * r["steps"] * r["micro_batches"]
+        assert clocked <= r["busy_s"] <= clocked + r["compute_s"] + 0.02 * pieces, r
+    assert a100["clocked_micro_s"] > rtx["clocked_micro_s"]     # the faster device runs more of the model
+
+
 def test_sequential_three_stages_gpipe_and_1f1b_and_too_many_stages():
     stack = dict(case="stack", n=20, global_batch=10, steps=2)
     runs = [dict(stack, blocks=(1, 3, 2), schedule="gpipe", micro=3),

@@ -68,6 +68,9 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"),
     blocks: Optional[int] = typer.Option(None, "--blocks", help="blocks (layers) a pipeline could cut between, "
                                          "to compare DP, PP and DP×PP (default: from the model or preset)"),
+    # the emulated devices' controlled clock (Config.emulate_sample_s), as a job given it runs:
+    # for the accuracy benchmarks (benchmarks/controlled_clock.py), not a user's plan
+    emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True),
 ) -> None:
     """Plan a job: each device's share, micro-batches and predicted throughput, with the reasons.
 
@@ -103,7 +106,8 @@ def plan(
         if path:
             check_writable(path, flag)          # before measuring, not after it
     config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
-                    memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate)
+                    memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate,
+                    emulate_sample_s=emulate_sample_s)
     if model_factory:
         from ..runtime.measure.measurements import plan_from_measurements, rank_from_measurements
 

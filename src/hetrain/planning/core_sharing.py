@@ -110,8 +110,9 @@ def on_shared_cores(c, o):
     """A pipeline candidate (parallelism.Candidate) of emulated devices under PlanOptions `o`, with
     the host's cores shared: each stage's pieces stretched by the others computing beside it.
     Unchanged off emulation (`host_cores` None), for data parallelism (cost.py plays its step
-    out) and when it does not fit."""
-    if o.host_cores is None or c.kind == "dp" or not c.fits or c.split is None:
+    out), when it does not fit, and on the controlled clock (a stage's piece then lasts its clocked
+    length, its waits for a core inside the sleep: runtime/parallel/pipeline_stage.py)."""
+    if o.host_cores is None or o.clocked or c.kind == "dp" or not c.fits or c.split is None:
         return c
     alone = c.split.step_seconds + c.sync_s
     step, stretch = stretched_step(c.split.replicas, c.sync_s, cores=o.host_cores, load=o.host_load,

@@ -17,7 +17,13 @@ step (on a shared host, whichever process the scheduler left behind), so the ste
 the slowest device's average. A job measures this at its start: all ranks run the same backward
 at once, and `straggle` is how far the last one trails their average. That probe runs every
 device flat out (contention `straggle_stretch`); a step whose devices sleep part of the time
-contends less, and trails in proportion to its own stretch beyond 1 (`straggle_at`).
+contends less, and trails in proportion to its own stretch beyond 1 (`straggle_at`). The trail
+comes from the CPU's jitter, so it is a fraction of the compute that the CPU times: all of it on a
+GPU or an emulated device on the CPU's own clock (its compute is its CPU time ÷ its speed), but on
+the controlled clock (`clocked`: a micro-batch lasts m·T/speed, the sleep making up what the CPU
+did not take) only the last backward, which runs after the step's sleep: its CPU time, about 2/3
+of its micro-batch's. Charged on the whole step there, it read the capped 1 : 0.35 pair of
+benchmarks/plan_accuracy.py 3-8% slower than it ran, round after round.
 
 Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
 precision, times a stated efficiency (model FLOPs utilisation, default 40%).
@@ -215,12 +221,14 @@ class StepCost:
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
               host_cores: float | None = None, host_load: float = 0.0,
               sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
-              straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1) -> StepCost:
+              straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
+              clocked: bool = False) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
     with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
     `sync_s`: the exposed gradient sync as measured (instead of the ring model's); `agree_s`:
     the per-step agreement all-reduce (hetrain's; plain DDP has none); `straggle`, measured at
-    contention `straggle_stretch`: see the module docstring."""
+    contention `straggle_stretch`, and `clocked` (emulated devices on the controlled clock): see
+    the module docstring."""
     alone = [a.compute_s() for a in assignments]
     opt_alone = [a.profile.optimizer_s for a in assignments]
     if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
@@ -239,7 +247,11 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
         comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
     else:
         comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
-    straggle_s = compute[crit] * straggle_at(straggle, straggle_stretch, max(factors)) if len(compute) > 1 else 0.0
+    jitter = compute[crit]                # the compute whose CPU time shows in the step
+    if clocked:
+        jitter = last.profile.micro_seconds(last.micro_sizes[-1], checkpointing=last.checkpointing) \
+            * last.profile.cpu_share * factors[crit] * 2 / 3
+    straggle_s = jitter * straggle_at(straggle, straggle_stretch, max(factors)) if len(compute) > 1 else 0.0
     step = compute[crit] + straggle_s + comm.exposed_s + agree_s + opt
     return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
                     comm=comm, stretch_by_device=factors, bottleneck=crit, agree_s=agree_s,

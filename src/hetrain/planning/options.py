@@ -32,6 +32,7 @@ class PlanOptions:
     contention_at: int = 1               # ...with this many computing at once (the probe's)
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
+    clocked: bool = False                # emulated devices on the controlled clock (cost.py: what can trail)
 
     def __post_init__(self) -> None:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:

@@ -265,9 +265,14 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         m = micro_batches if schedule == "gpipe" else max(micro_batches, stages)
         m = min(m, max(1, global_batch // d))        # at least one sample per micro-batch
         try:
-            if d == 1:   # one pipeline: the min-max split the runtime uses
-                one = split_pipeline(profile, devices, micro_batches=m,
-                                     micro_batch_size=math.ceil(global_batch / m), **common)
+            if d == 1:   # one pipeline: the min-max split the runtime uses, which sizes its stages
+                # without a link (a pipeline job measures none), then costed with its sends: on a
+                # near tie the sends alone chose another split (2/2 against the runtime's 3/1) whose
+                # memory was not the memory of the run
+                mu = math.ceil(global_batch / m)
+                one = split_pipeline(profile, devices, micro_batches=m, micro_batch_size=mu,
+                                     **{**common, "link": FREE_LINK})
+                one = evaluate_split(profile, devices, one.sizes, micro_batches=m, micro_batch_size=mu, **common)
                 h = HybridSplit(sizes=one.sizes, replicas=(one,), shares=(global_batch,),
                                 global_batch=global_batch)
             else:

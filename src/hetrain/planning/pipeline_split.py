@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UsageError
 from ..vocabulary import SCHEDULES
@@ -95,6 +95,30 @@ class PipelineProfile:
         if not (self.block_s >= 0 and math.isfinite(self.block_s)):
             raise UsageError(f"block_s={self.block_s!r} must be a finite number >= 0",
                              "measure the pipeline again, or give seconds >= 0 a block per micro-batch")
+
+    def stage_seconds(self, start: int, stop: int, *, first: bool, last: bool) -> float:
+        """Per sample at speed 1: blocks [start, stop), with the first/last part on the first/last stage."""
+        parts = [*self.blocks[start:stop], *([self.first] if first else []), *([self.last] if last else [])]
+        return sum(p.seconds for p in parts if p is not None)
+
+    def on_clock(self, sample_s: float) -> PipelineProfile:
+        """These blocks on the controlled clock (Config.emulate_sample_s; data parallelism's is
+        runtime/measure/measurements.on_controlled_clock): the whole model's forward and backward
+        last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
+        them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'
+        share of the clock (runtime/parallel/pipeline_stage.py), whatever its CPU took."""
+        total = self.stage_seconds(0, len(self.blocks), first=True, last=True)
+        if not sample_s > 0 or not total > 0:
+            raise UsageError(f"the controlled clock's {sample_s!r} s a sample over blocks of {total!r} s",
+                             "give a positive clock, and blocks with a measured time")
+        scale = sample_s / total
+
+        def clocked(part: BlockCost | None) -> BlockCost | None:
+            return None if part is None else replace(part, seconds=part.seconds * scale)
+
+        return replace(self, blocks=tuple(clocked(b) for b in self.blocks), first=clocked(self.first),
+                       last=clocked(self.last), stage_factor=1.0, block_s=0.0,
+                       source=f"{self.source}; on the controlled clock: {sample_s * 1e3:g} ms a sample at speed 1")
 
     @classmethod
     def uniform(cls, *, n_blocks: int, seconds_per_sample: float, activation_bytes_per_sample: float,

@@ -67,7 +67,8 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
                      grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
                      host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
                      agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
-                     straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at)
+                     straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at,
+                     clocked=o.clocked)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -269,7 +270,8 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
     if cost.agree_s:
         predicted["agree_s"] = cost.agree_s
     if o.straggle:
-        predicted.update(straggle=o.straggle, straggle_stretch=o.straggle_stretch, straggle_s=cost.straggle_s)
+        predicted.update(straggle=o.straggle, straggle_stretch=o.straggle_stretch, straggle_s=cost.straggle_s,
+                         clocked=float(o.clocked))    # numbers only: 1.0 on the controlled clock
     if o.contention > 1.0:
         predicted.update(contention=o.contention, contention_at=float(o.contention_at))
     if math.isfinite(link.bandwidth_gbs):

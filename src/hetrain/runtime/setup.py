@@ -118,6 +118,7 @@ def prepare_pipelined(job: Job, model, optimizer, kind: str, loss_fn, given_plan
     else:
         parts = find_parts(model)
         profile, devices = stages.measure_blocks(job, parts)                                          # (collective)
+    profile = stages.on_clock(job, profile)
     if given_plan is not None and given_plan.layout == kind:
         job.plan = check_given_plan(job, given_plan)
     else:

@@ -89,6 +89,21 @@ def test_stragglers_and_the_agreement_lengthen_the_step():
     assert step_cost([a], global_batch=40, grad_bytes=0, link=FREE_LINK, straggle=0.1).straggle_s == 0.0
 
 
+def test_on_the_controlled_clock_only_the_last_backward_can_trail():
+    from dataclasses import replace
+
+    # the clock's profiles: 10 ms a sample at speed 1 and 20 at 0.5, of which 3 ms a sample is CPU
+    a = Assignment(profile=replace(_prof(0.01), cpu_share=0.3), share=40, micro_batch=10)
+    b = Assignment(profile=replace(_prof(0.02), cpu_share=0.15), share=20, micro_batch=20)
+    kw = dict(global_batch=60, grad_bytes=0, link=FREE_LINK, straggle=0.1)
+    wall, clocked = step_cost([a, b], **kw), step_cost([a, b], **kw, clocked=True)
+    assert wall.straggle_s == pytest.approx(0.1 * 0.4)           # the whole step's compute can trail
+    # a is critical (0.4 s, ties b): its last micro-batch of 10 holds 30 ms of CPU, 2/3 of it the backward
+    assert clocked.bottleneck == 0
+    assert clocked.straggle_s == pytest.approx(0.1 * 10 * 0.01 * 0.3 * 2 / 3)
+    assert clocked.step_s == pytest.approx(wall.step_s - wall.straggle_s + clocked.straggle_s)
+
+
 def test_straggling_measured_under_contention_scales_with_the_steps_own_contention():
     assert straggle_at(0.03, 1.0, 1.0) == 0.03            # measured without contention: as measured
     assert straggle_at(0.15, 1.5, 1.25) == pytest.approx(0.075)

@@ -159,3 +159,17 @@ def test_a_fixed_cost_per_block_is_paid_per_micro_batch_at_the_device_s_speed():
     assert PipelineProfile.from_dict(fixed.to_dict()) == fixed
     with pytest.raises(UsageError, match="block_s"):
         replace(plain, block_s=-1.0)
+
+
+def test_blocks_on_the_controlled_clock_share_it_as_measured():
+    prof = PipelineProfile(blocks=(BlockCost(seconds=2.0), BlockCost(seconds=1.0), BlockCost(seconds=1.0)),
+                           first=BlockCost(seconds=0.5), last=BlockCost(seconds=0.5), stage_factor=1.3, block_s=0.01)
+    clocked = prof.on_clock(0.01)
+    # the whole model lasts the clock a sample at speed 1, its parts keeping their shares
+    assert clocked.stage_seconds(0, 3, first=True, last=True) == pytest.approx(0.01)
+    assert clocked.stage_seconds(0, 1, first=True, last=False) == pytest.approx(0.01 * 2.5 / 5)
+    assert clocked.stage_seconds(1, 3, first=False, last=True) == pytest.approx(0.01 * 2.5 / 5)
+    # a stage runs them in exactly that: no per-block or per-row excess
+    assert (clocked.stage_factor, clocked.block_s) == (1.0, 0.0) and "controlled clock" in clocked.source
+    with pytest.raises(UsageError, match="controlled clock"):
+        prof.on_clock(0.0)

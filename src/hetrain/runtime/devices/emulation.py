@@ -208,6 +208,15 @@ class Throttle:
         self.charge(cpu_seconds)
         self.settle()
 
+    def pay_clocked(self, length_s: float, cpu_seconds: float, wall_seconds: float) -> None:
+        """A pipeline piece on the controlled clock: it lasts `length_s` (its rows' share of the
+        clock at speed 1) ÷ speed, slowdown and noise included, the sleep making up what its wall
+        time left. Its waits for a core are inside that wall time, so they come out of the sleep; a
+        piece that outlasted its length shows as a slower device, never as a negative sleep."""
+        self.cpu_seconds += cpu_seconds
+        self.owed += max(0.0, length_s * (self._stretch() + 1) - wall_seconds)
+        self.settle()
+
     @contextmanager
     def compute(self):
         """Throttle a piece of work that has no collective inside (e.g. the optimizer step)."""

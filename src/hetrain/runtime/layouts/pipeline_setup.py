@@ -56,6 +56,13 @@ def measure_blocks(job, parts: PipelineParts, devices=None):
     return profile, devices
 
 
+def on_clock(job, profile):
+    """The blocks as this job's stages run them: on the controlled clock when the job has one
+    (Config.emulate_sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
+    clock = job.config.emulate_sample_s
+    return profile.on_clock(clock) if clock is not None and job.emulated is not None and profile is not None else profile
+
+
 def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) -> int:
     """The pipeline's micro-batches per step: asked for, or 2-4 per stage (at most 8) to keep the
     bubble small, but no more than `most` (the samples of a replica's share)."""
@@ -119,12 +126,13 @@ def predict_step(job, splits) -> dict:
     are stretched by the others computing beside it (planning/core_sharing.py, as the layout
     ranking costs them). Processor sharing alone here: the contention a data-parallel job
     measures at its start is not measured by a pipeline job, nor is the replicas' gradient
-    all-reduce (`hetrain plan`'s ranking has both)."""
+    all-reduce (`hetrain plan`'s ranking has both). On the controlled clock a piece lasts its
+    clocked length, its waits for a core inside its sleep: no sharing to pay for."""
     step_s = max(sp.step_seconds for sp in splits)
     if not step_s > 0:
         return {}
     predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
-    if job.emulated is not None:
+    if job.emulated is not None and job.config.emulate_sample_s is None:
         cores = usable_cores()
         shared, stretch = stretched_step(splits, cores=cores)
         if shared > step_s:

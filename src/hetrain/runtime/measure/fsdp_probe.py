@@ -13,8 +13,10 @@ gave +1%. No formula here would hold across hosts, so `hetrain plan` times it:
     excess = median over runs of an FSDP2 step − median of a DDP step
 
 both on the same micro-batch on every rank, forward + backward, each rank's compute throttled
-as in training (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed), from a
-barrier to a barrier (the slowest rank sets both). The model is wrapped as the runtime wraps it
+as in training (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the
+controlled clock, forward+backward lasting its clocked length, so FSDP2's own CPU work inside it
+costs nothing and its collectives' waits remain), from a barrier to a barrier (the slowest rank
+sets both). The model is wrapped as the runtime wraps it
 (runtime/sharding/wrap.py: each block reshards after forward, the root does not), on a copy: the
 job's own model is left as it was. The excess is per step: FSDP2's collectives run once a step
 whatever the micro-batch (a rank that accumulates gathers once and keeps the units, wrap.py).
@@ -62,14 +64,26 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         new = dict(copied.named_parameters())
         runs_on.append(rebuild_optimizer(fresh, {p: new[n] for p, n in names.items()}, who="the FSDP2 probe"))
 
+    clocked = throttle is not None and throttle.sample_s is not None
+    rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
+
     def step(module, opt) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        with throttle.compute() if throttle is not None else contextlib.nullcontext():
+        with throttle.compute() if throttle is not None and not clocked else contextlib.nullcontext():
+            c0 = time.thread_time()
             with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = as_scalar(forward(module, batch))
+            if clocked:     # as the engine runs the controlled clock: the forward+backward last their
+                # clocked length, the CPU inside it (FSDP2's own work too), the collectives' waits on top
+                forward_cpu = time.thread_time() - c0
+                guess = throttle.before_backward(forward_cpu, samples=rows)
+                c0 = time.thread_time()
             loss.backward()
-            opt.step()
+            if clocked:
+                throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
+            with throttle.compute() if clocked else contextlib.nullcontext():
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(device)
@@ -86,7 +100,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     ddp_s = statistics.median(t[0] for t in times)
     fsdp_s = statistics.median(t[1] for t in times)
     return {"excess_s": max(0.0, fsdp_s - ddp_s), "fsdp_s": fsdp_s, "ddp_s": ddp_s, "runs": runs,
-            "micro_batch": len(batch[0]) if isinstance(batch, (tuple, list)) else None}
+            "micro_batch": rows if isinstance(batch, (tuple, list)) else None}
 
 
 def _stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

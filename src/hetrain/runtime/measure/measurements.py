@@ -99,7 +99,8 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         micro_batch_cap=config.micro_batch, allow_exclusion=allow_exclusion,
         allow_checkpointing=config.checkpointing != "none",
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
-        contention=contention, contention_at=contention_at, host_cores=host_cores)
+        contention=contention, contention_at=contention_at, host_cores=host_cores,
+        clocked=bool(config.emulate) and config.emulate_sample_s is not None)
 
 
 def straggle(compute_s) -> float:
@@ -280,7 +281,10 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
 
     profiles = list(planning_profiles(m, config))
     options = options_from_measurements(m, config, link=link, profiles=profiles)
-    ranking = (rank_layouts(profiles, state=state, options=options, pipeline=measured_pipeline(m.pipeline),
+    pipeline = measured_pipeline(m.pipeline)
+    if pipeline is not None and config.emulate and config.emulate_sample_s is not None:
+        pipeline = (pipeline[0].on_clock(config.emulate_sample_s), pipeline[1])     # as the job's stages run
+    ranking = (rank_layouts(profiles, state=state, options=options, pipeline=pipeline,
                             fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)
     return ranking, profiles, options

@@ -142,10 +142,21 @@ class Pipeline:
         meter = self._emulated.meter if self._emulated is not None else None
         self.stage = MeteredStage(self.module, self.stage_index, self.num_stages, self.device, group=self._pp_group,
                                   throttle=self._emulated.throttle if self._emulated is not None else None,
-                                  flight=self._flight, meter=meter, precision=self._precision, faults=self._faults)
+                                  flight=self._flight, meter=meter, precision=self._precision, faults=self._faults,
+                                  clock_s=self._clocked_micro_s(mu))
         self._loss = RowLoss(self._loss_fn, replicas=self.replicas, stage=self.stage, precision=self._precision)
         self.schedule = _SCHEDULE_CLASSES[self.schedule_name](self.stage, m, loss_fn=self._loss, scale_grads=False)
         self._built = (m, mu)
+
+    def _clocked_micro_s(self, mu: int) -> float | None:
+        """A micro-batch of µ rows through this stage on the controlled clock, at speed 1: its
+        parts' share of the clock (self.profile, put on the clock by the job: PipelineProfile.
+        on_clock). None off the clock, or with no profile (the pieces then keep the CPU's time)."""
+        throttle = self._emulated.throttle if self._emulated is not None else None
+        if throttle is None or throttle.sample_s is None or self.profile is None:
+            return None
+        start, stop = self.split.bounds[self.stage_index]
+        return mu * self.profile.stage_seconds(start, stop, first=self.is_first, last=self.is_last)
 
     def run(self, inputs: Sequence, targets: Sequence, units: Sequence[float], *, global_batch: int,
             step_index: int) -> tuple[float, str | None]:

@@ -47,9 +47,11 @@ class MeteredStage(PipelineStage):
     """A PipelineStage whose per-micro-batch compute pieces run under this device's autocast, are
     throttled and metered, and survive an out-of-memory error (see `_stand_in`)."""
 
-    def __init__(self, *args, throttle=None, flight: Flight, meter=None, precision=None, faults=None, **kwargs):
+    def __init__(self, *args, throttle=None, flight: Flight, meter=None, precision=None, faults=None,
+                 clock_s: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._throttle = throttle
+        self._clock_s = clock_s              # a micro-batch's forward+backward on the controlled clock, speed 1
         self._flight = flight
         self._meter = meter
         self._precision = precision
@@ -62,30 +64,34 @@ class MeteredStage(PipelineStage):
     def begin_step(self, step_index: int, count: int) -> None:
         self.failed, self._step, self._count = None, step_index, count
 
-    def timed(self, run: Callable):
+    def timed(self, run: Callable, share: float = 0.0):
         # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
         # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
-        # the devices' speed ratio even when a shared CPU slows every process.
-        t0 = time.perf_counter()
+        # the devices' speed ratio even when a shared CPU slows every process. On the controlled
+        # clock a piece lasts its `share` of the micro-batch's clocked forward+backward (forward
+        # 1/3, backward 2/3; the loss, outside the blocks' profile, its own time), whatever it took.
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return run()
         finally:
             spent = time.perf_counter() - t0
             self.compute_s += spent
-            if self._throttle is not None:
+            if self._throttle is not None and self._clock_s is not None:
+                self._throttle.pay_clocked(self._clock_s * share, time.thread_time() - c0, spent)
+            elif self._throttle is not None:
                 self._throttle.pay(spent)
             self.busy_s += time.perf_counter() - t0
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         parent = super().forward_one_chunk
         self._chunk = fwd_chunk_id
-        return self.timed(lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output))
+        return self.timed(lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output), share=1 / 3)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         parent = super().backward_one_chunk
         self._chunk = bwd_chunk_id
         out = self.timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                        last_backward=last_backward))
+                                        last_backward=last_backward), share=2 / 3)
         self._flight.backward_done(bwd_chunk_id)
         return out
 

@@ -135,3 +135,16 @@ def test_a_recount_keeps_the_most_a_data_dependent_graph_saved():
     assert large > small
     model(few.requires_grad_())                      # looked up: the most found, not the last
     assert meter.activations == large
+
+
+def test_a_clocked_pipeline_piece_lasts_its_length_over_the_speed_with_its_waits_inside():
+    from hetrain.runtime.devices.emulation import Throttle
+
+    # 10 ms at speed 1 lasts 25 ms at 0.4: a piece that took 14 ms of wall (6 of CPU, the rest
+    # waiting for a core) sleeps the 11 ms left, whatever its CPU took
+    throttle = Throttle(0.4, sample_s=0.001)
+    throttle.pay_clocked(0.010, 0.006, 0.014)
+    assert throttle.slept_seconds == pytest.approx(0.011) and throttle.cpu_seconds == pytest.approx(0.006)
+    # a piece that outlasted its length sleeps nothing and owes nothing: a slower device, not a debt
+    throttle.pay_clocked(0.010, 0.030, 0.030)
+    assert throttle.slept_seconds == pytest.approx(0.011) and throttle.owed == 0.0
