@@ -30,23 +30,10 @@ own (bf16 on both, compute capability >= 8.0), computed in fp32 on a host whose 
 slowly (hetrain.planning.precision's emulation rule), so the emulated speeds stay true. The plain
 DDP baseline uses the same rule and the same autocast, so both sides compute alike on any host.
 
-Clock. An emulated device's compute lasts what the CPU took ÷ its speed (the wall clock), or, by
-default, a micro-batch of m samples lasts m·T/speed on a controlled clock (runtime/devices/
-emulation.Throttle's `sample_s`, as the tests use it): the CPU still computes every sample and the
-sleep makes up the rest. Why not the wall clock: on some hosts the CPU's own drift is larger than
-what this benchmark resolves. On a 2-core AMD EPYC VM with avx512_bf16, one process training the
-demo GPT alone in bf16 (no torch.distributed, nothing else running) took 110-165 ms a step, in
-phases of seconds (fp32: 147-171 ms); each 40-step run lands in a different phase, and identical-
-pair ratios went 0.75-0.97 from round to round. On the controlled clock the devices keep their
-speeds exactly, as GPUs do; everything outside the emulated forward and backward (the gradient
-sync, the optimizer's CPU time ÷ speed, hetrain's own work per step, plain DDP's) stays on the
-wall clock, so the figures still measure the split and both sides' overheads, not a formula.
-T must exceed the CPU's own time per sample with two devices computing at once, or a device runs
-slower than asked and the host's drift comes back: `--clock auto` (the default) sets T to 3×
-the fast device's forward+backward CPU time per sample, measured first in this process (median
-of 8 steps at the pair's micro-batch, under the precision it computes in); the contention
-measured between two devices at job starts on that host was x1.00-1.66. `--clock wall` gives the wall clock,
-`--clock 10` a 10 ms clock.
+Clock: by default a controlled clock, every emulated micro-batch of m samples lasting m·T/speed
+(benchmarks/controlled_clock.py: what it is, why, and how `--clock auto` sets T); both sides
+(plain DDP and hetrain) run on it, and everything outside the emulated forward and backward stays
+on the wall clock, so the figures still measure the split and both sides' overheads.
 
     python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--precision auto]
     python benchmarks/hetero_dp.py --json out.json --clock wall
@@ -56,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -66,7 +52,10 @@ import tempfile
 import time
 from pathlib import Path
 
-FAST, SLOW = "a100-80g:1.0", "rtx3090:0.67"
+from controlled_clock import (FAST, add_clock_arguments, card_autocast, clock_s, describe_clock, loss_of,
+                              model_and_data, resolve_clock)
+
+SLOW = "rtx3090:0.67"
 CONFIGS = {   # name: (mode, cluster spec)
     "alone-fast": ("plain", FAST),
     "alone-slow": ("plain", SLOW),
@@ -79,41 +68,11 @@ CONFIGS = {   # name: (mode, cluster spec)
 
 # -- inside each worker process ----------------------------------------------------------------
 def _model_and_data(args):
-    import torch
-
-    from hetrain.demo.gpt import GPT, GPTConfig
-    from hetrain.demo.text import ByteWindows, pydoc_bytes
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                          n_heads=max(1, args.d_model // 32)))
-    return model, ByteWindows(pydoc_bytes(), args.seq_len)
-
-
-def _loss(model, x, y):
-    import torch.nn.functional as F
-
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return model_and_data(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers)
 
 
 def _autocast(args, rank: int):
-    """What a careful user runs on that card, by hetrain's rule: autocast to the card's precision
-    (or the precision asked for), computed in fp32 where this host's CPU runs it slowly."""
-    import contextlib
-
-    import torch
-
-    from hetrain.hardware.cluster import parse_cluster
-    from hetrain.hardware.host import host_facts
-    from hetrain.runtime.devices.emulation import EmulatedDevice
-    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
-
-    policy = PrecisionPolicy.local(args.precision, device=torch.device("cpu"), host=host_facts(),
-                                   emulated=EmulatedDevice(parse_cluster(args.spec)[rank]))
-    if policy.error is not None:
-        raise policy.error
-    dtype = policy.dtype
-    return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    return card_autocast(args.precision, args.spec, rank)
 
 
 def worker_plain(args, hook=None) -> tuple[float, list[float]]:
@@ -131,7 +90,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    throttle = Throttle(parse_cluster(args.spec)[rank].speed, sample_s=_clock_s(args))
+    throttle = Throttle(parse_cluster(args.spec)[rank].speed, sample_s=clock_s(args))
     dist.init_process_group("gloo")
     model, data = _model_and_data(args)
     ddp = DDP(model) if world > 1 else model
@@ -150,7 +109,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
         x, y = next(loader)
         t = time.thread_time()                 # the same emulation as hetrain's engine:
         with autocast():
-            loss = _loss(ddp, x, y)
+            loss = loss_of(ddp, x, y)
         forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/devices/emulation.py)
         guess = throttle.before_backward(forward_cpu, samples=len(x))
         t = time.thread_time()
@@ -168,38 +127,6 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     return args.steps * args.global_batch / seconds, _durations(ends)
 
 
-def _clock_s(args) -> float | None:
-    """--clock-ms as seconds per sample at speed 1 (None: the wall clock, devices as fast as the CPU)."""
-    return args.clock_ms / 1000 if getattr(args, "clock_ms", None) else None
-
-
-def calibrate_clock_ms(args) -> tuple[float, float]:
-    """(the controlled clock's ms a sample at speed 1, the CPU ms a sample it comes from): the fast
-    device's forward + backward CPU time per sample in this process, one thread, at the pair's
-    micro-batch and the precision it computes in (median of 8 steps after 3), ×3 rounded up to
-    0.5 ms (see the module docstring)."""
-    import torch
-
-    torch.set_num_threads(1)
-    model, data = _model_and_data(args)
-    autocast = _autocast(argparse.Namespace(precision=args.precision, spec=FAST), 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = max(1, args.global_batch // 2)
-    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(n))))
-    per_sample = []
-    for step in range(11):
-        t = time.thread_time()
-        with autocast():
-            loss = _loss(model, x, y)
-        loss.backward()
-        if step >= 3:
-            per_sample.append((time.thread_time() - t) / n)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    cpu_ms = statistics.median(per_sample) * 1e3
-    return math.ceil(3 * cpu_ms * 2) / 2, cpu_ms
-
-
 def _durations(ends: list[float]) -> list[float]:
     """Each timed step's seconds, from the clock at the start of the first and at every end."""
     return [b - a for a, b in zip(ends, ends[1:])]
@@ -207,7 +134,7 @@ def _durations(ends: list[float]) -> list[float]:
 
 def worker_hetrain(args) -> tuple[float, list[float]]:
     ends: list[float] = []
-    clock = {"emulate_sample_s": _clock_s(args)} if _clock_s(args) else {}
+    clock = {"emulate_sample_s": clock_s(args)} if clock_s(args) else {}
     sps = timed_hetrain(args, emulate=args.spec, verbose=False, marks=ends, **clock)[0]
     return sps, _durations(ends[args.warmup - 1:])     # from the last warm-up step's end
 
@@ -227,7 +154,7 @@ def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, objec
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, batches = ht.prepare(model, opt, data)
     marks = [] if marks is None else marks
-    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: _loss(m, *batch),
+    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: loss_of(m, *batch),
                           on_step=lambda step: marks.append(time.perf_counter()))
     plan = ht.plan
     ht.close()
@@ -264,11 +191,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: each card's own, computed in fp32 where this CPU runs it slowly")
-    p.add_argument("--clock", default="auto",
-                   help="auto (default): a controlled clock, every emulated micro-batch of m samples lasting "
-                        "m x T / speed, T calibrated here; a number: T in ms; wall: the CPU's time / speed "
-                        "(see the module docstring)")
-    p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)   # the workers' T
+    add_clock_arguments(p)
     p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -281,19 +204,7 @@ def main() -> None:
             args.rounds = 7 if args.clock == "wall" else 3
         if args.rounds < 1:
             p.error(f"--rounds {args.rounds}: give at least 1")
-        if args.clock == "wall":
-            args.clock_ms = None
-        elif args.clock == "auto":
-            args.clock_ms, cpu_ms = calibrate_clock_ms(args)
-            print(f"clock: {args.clock_ms:g} ms a sample at speed 1 (3x the {cpu_ms:.2f} ms of CPU a sample "
-                  f"the fast device's forward and backward took here)", flush=True)
-        else:
-            try:
-                args.clock_ms = float(args.clock)
-            except ValueError:
-                p.error(f"--clock {args.clock!r}: give auto, wall, or the ms a sample takes at speed 1 (e.g. 10)")
-            if not 0 < args.clock_ms <= 1000:
-                p.error(f"--clock {args.clock}: give a positive number of ms, at most 1000")
+        resolve_clock(args, p, micro_batch=max(1, args.global_batch // 2))    # the pair's micro-batch
 
     if args.worker:
         sps, steps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
@@ -356,8 +267,7 @@ def main() -> None:
                            "why": policy.choice.reason if policy.choice else ""},
              "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
              "rounds": args.rounds, "cpu_threads_per_device": 1, "host_cores": os.cpu_count(),
-             "clock": (f"controlled: {args.clock_ms:g} ms a sample at speed 1" if args.clock_ms
-                       else "wall: each device's CPU time / its speed")}
+             "clock": describe_clock(args)}
 
     alone = med["alone-fast"]
     print(f"\n{'config':<36}{'samples/s':>10}{'speedup':>9}{'window':>9}{'slow steps':>12}"

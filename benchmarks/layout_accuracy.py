@@ -20,6 +20,14 @@ optimizer state and saved activations, as counted in runtime/devices/emulation.p
 
 Targets: samples/s within 10%, peak memory (the largest device's) within 15%.
 
+Clock (plan_accuracy.py's --clock, `auto` by default; benchmarks/controlled_clock.py says why):
+every layout runs on the controlled clock (Config's emulate_sample_s) and is ranked as a job on
+that clock ranks it: a data-parallel micro-batch of m samples lasts m·T/speed
+(runtime/measure/measurements.on_controlled_clock), a pipeline stage's piece its rows' share of
+T, by the blocks' measured shares of the model's time (PipelineProfile.on_clock; the waits for a
+core come out of the piece's sleep, so the stages' sharing of the host's cores costs nothing
+there). `--clock wall` runs and ranks every layout on the CPU's own time.
+
 Rounds (--rounds, 3 by default): each round ranks from its own probes (its own cache) and then
 runs every layout, so on a host whose speed drifts in phases of seconds the predictions sample
 the drift as the runs do; the median prediction is compared with the median run, memory round by
@@ -53,6 +61,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from controlled_clock import clock_s, describe_clock
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_TARGET, MEMORY_TARGET = 0.10, 0.15
@@ -98,13 +108,15 @@ def loss_fn(out, y):
 
 # -- inside each training process -------------------------------------------------------------
 def worker(argv: list[str]) -> None:
-    """One training job of one layout (argv: parallel, sharding, global batch, steps, precision, out)."""
-    parallel, sharding, batch, steps, precision, out = argv
+    """One training job of one layout (argv: parallel, sharding, global batch, steps, precision,
+    the controlled clock's seconds a sample or 'wall', out)."""
+    parallel, sharding, batch, steps, precision, clock, out = argv
     import hetrain
     from hetrain.files import write_json_atomic
 
     ht = hetrain.init(global_batch=int(batch), max_steps=int(steps), seed=0, precision=precision,
-                      sharding=sharding, rebalance=False, verbose=False)   # each run keeps its plan
+                      sharding=sharding, rebalance=False, verbose=False,   # each run keeps its plan
+                      emulate_sample_s=None if clock == "wall" else float(clock))
     model, opt, data = factory()
     model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=loss_fn)
     marks = [time.perf_counter()]
@@ -147,12 +159,16 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     path = os.path.join(workdir, f"measured-{len(spec.split(','))}dev.json")
     cmd = [sys.executable, "-m", "hetrain", "plan", "--model-factory", f"{Path(__file__).resolve()}:factory",
            "--emulate", spec, "--global-batch", str(args.global_batch), "--precision", args.precision,
-           "--measurements", path, "--json"]
+           "--measurements", path, "--json",
+           *(["--emulate-sample-s", repr(clock_s(args))] if clock_s(args) else [])]   # its FSDP2 probe on the clock
     proc = subprocess.run(cmd, env=_env(cache, model), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"hetrain plan failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     measured = Measurements.from_json(Path(path).read_text())
-    config = Config(global_batch=args.global_batch, precision=args.precision, emulate=spec)
+    # the ranking as a job on the controlled clock makes it (measurements.planning_profiles and
+    # rank_from_measurements put the profiles and the pipeline's blocks on that clock)
+    config = Config(global_batch=args.global_batch, precision=args.precision, emulate=spec,
+                    emulate_sample_s=clock_s(args))
     os.environ[MODEL_ENV] = model
     m, opt, _ = factory()
     blocks = len(find_parts(m).blocks)
@@ -169,11 +185,12 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
     from hetrain.launch import build_launch
 
     _, parallel, sharding, _ = LAYOUTS[name]
+    clock = clock_s(args)
     for attempt in range(args.retries + 1):
         out = os.path.join(workdir, f"{tag}-a{attempt}.json")
         launch = build_launch(target=str(Path(__file__).resolve()), emulate=spec, run_dir=os.path.join(workdir, tag),
                               target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
-                                           args.precision, out))
+                                           args.precision, "wall" if clock is None else repr(clock), out))
         busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
         proc = subprocess.run(list(launch.argv), env={**_env(cache, model), **launch.env}, capture_output=True,
                               text=True, timeout=900)
@@ -202,7 +219,7 @@ def row_of(name: str, ranking: dict, stages: int | None = None) -> dict:
     return rows[0]
 
 
-def compare(name: str, spec: str, preds: list[dict], runs: list[dict]) -> dict:
+def compare(name: str, spec: str, preds: list[dict], runs: list[dict], clock: str) -> dict:
     """The ranking's row against the runs of its layout, round by round (preds[r]: round r's
     row, runs[r]: its run); the medians over rounds are what the targets judge."""
     pred = preds[0]
@@ -214,7 +231,7 @@ def compare(name: str, spec: str, preds: list[dict], runs: list[dict]) -> dict:
     # ranking and the runtime), and each round's row is compared with its own run.
     mem_errors = [max(m for m in p["memory"] if m is not None) / max(k["peak_bytes"] for k in s["ranks"]) - 1
                   for p, s in zip(preds, runs) if any(m is not None for m in p["memory"])]
-    row = {"layout": name, "row": pred["name"], "cluster": spec, "fits": pred["fits"],
+    row = {"layout": name, "row": pred["name"], "cluster": spec, "fits": pred["fits"], "clock": clock,
            "predicted_samples_per_s": predicted, "measured_samples_per_s": got,
            "summary_samples_per_s": statistics.median(s["samples_per_s"] for s in runs),
            "speed_error": predicted / got - 1,
@@ -259,11 +276,14 @@ def main(args, chosen: list[str]) -> dict:
         for n in chosen:
             key = LAYOUTS[n][0]
             stages = 2 if LAYOUTS[n][1] != "dp" else None
-            rows.append(compare(n, clusters[key], [row_of(n, rk["ranking"], stages) for rk in rankings[key]], runs[n]))
+            clock = clock_s(args)
+            rows.append(compare(n, clusters[key], [row_of(n, rk["ranking"], stages) for rk in rankings[key]], runs[n],
+                                f"controlled, {clock * 1e3:g} ms a sample" if clock else "wall"))
     host = host_facts()
     result = {"model": f"demo GPT (layers, d_model, seq = {model}), AdamW, random tokens",
               "host": host.to_dict(), "host_summary": host.describe(), "global_batch": args.global_batch,
               "steps": args.steps, "warmup_steps": WARMUP_STEPS, "rounds": args.rounds, "dilate": args.dilate,
+              "clock": describe_clock(args),
               "targets": {"speed": SPEED_TARGET, "memory": MEMORY_TARGET},
               "rankings": rankings, "layouts": rows,
               "load_note": "other_work_cores: CPU the rest of the host used during each run (near 0 on a quiet host)"}
@@ -280,14 +300,15 @@ def table(rows: list[dict]) -> str:
         return f"{e:+.1%}" if e is not None else "-"
 
     head = (f"{'layout':<10}{'row':<14}{'pred/s':>8}{'meas/s':>8}{'err':>8}{'runtime/s':>10}"
-            f"{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<12}result")
+            f"{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}{'clock':<12}result")
     lines = [head]
     for r in rows:
         own = r.get("runtime_predicted_samples_per_s")
         lines.append(f"{r['layout']:<10}{r['row']:<14}{r['predicted_samples_per_s']:>8.1f}"
                      f"{r['measured_samples_per_s']:>8.1f}{pct(r['speed_error']):>8}"
                      f"{(f'{own:.1f}' if own else '-'):>10}{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
-                     f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<12}{'PASS' if r['pass'] else 'MISS'}")
+                     f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<19}"
+                     f"{r['clock'].split(',')[0]:<12}{'PASS' if r['pass'] else 'MISS'}")
     return "\n".join(lines)
 
 
