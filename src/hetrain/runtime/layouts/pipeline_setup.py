@@ -60,7 +60,9 @@ def on_clock(job, profile):
     """The blocks as this job's stages run them: on the controlled clock when the job has one
     (Config.emulate_sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
     clock = job.config.emulate_sample_s
-    return profile.on_clock(clock) if clock is not None and job.emulated is not None and profile is not None else profile
+    if clock is None or job.emulated is None or profile is None:
+        return profile
+    return profile.on_clock(clock)
 
 
 def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) -> int:
