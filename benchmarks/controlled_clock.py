@@ -83,15 +83,14 @@ def add_clock_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_clock(args, p: argparse.ArgumentParser, *, micro_batch: int) -> None:
-    """Set args.clock_ms from --clock (None: the wall clock); `auto` calibrates here, at the fast
-    device's `micro_batch`, and says what it chose. Bad values: one line, exit 2."""
+    """Set args.clock_ms from --clock (None: the wall clock); `auto` calibrates here, on the model
+    args.seq_len, args.d_model, args.layers at the fast device's `micro_batch`, and says what it
+    chose. Bad values: one line, exit 2."""
     if args.clock == "wall":
         args.clock_ms = None
     elif args.clock == "auto":
         args.clock_ms, cpu_ms = calibrate_clock_ms(precision=args.precision, micro_batch=micro_batch,
-                                                   seq_len=getattr(args, "seq_len", 64),
-                                                   d_model=getattr(args, "d_model", 128),
-                                                   layers=getattr(args, "layers", 4))
+                                                   seq_len=args.seq_len, d_model=args.d_model, layers=args.layers)
         print(f"clock: {args.clock_ms:g} ms a sample at speed 1 (3x the {cpu_ms:.2f} ms of CPU a sample "
               f"the fast device's forward and backward took here)", flush=True)
     else:

@@ -209,20 +209,18 @@ def main(argv=None) -> dict:
     if not args.dilate >= 1:
         raise SystemExit("--dilate must be >= 1")
     sys.path.insert(0, str(REPO / "src"))
+    # the model trained (--model with --layout, else the demo's), and its clock, calibrated at the
+    # fast device's share of the 1 : 0.67 pair
+    args.layers, args.d_model, args.seq_len = (int(v) for v in (args.model if args.layout else "4,128,64").split(","))
+    resolve_clock(args, p, micro_batch=max(1, round(args.global_batch / 1.67)))
     if args.layout:
         import layout_accuracy
-
-        args.layers, args.d_model, args.seq_len = (int(v) for v in args.model.split(","))
-        # every layout's clock, calibrated at the fast device's share of the 1 : 0.67 pair
-        resolve_clock(args, p, micro_batch=max(1, round(args.global_batch / 1.67)))
 
         chosen = list(layout_accuracy.LAYOUTS) if args.layout == "all" else [args.layout]
         return layout_accuracy.main(args, chosen)
 
     from hetrain.hardware.cluster import parse_cluster
 
-    # the fast device's micro-batch in the 1 : 0.67 pair, where the clock is calibrated
-    resolve_clock(args, p, micro_batch=max(1, round(args.global_batch / 1.67)))
     clusters = {name: dilate(spec, args.dilate) for name, spec in CLUSTERS.items()}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows = []

@@ -247,10 +247,8 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
         comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
     else:
         comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
-    jitter = compute[crit]                # the compute whose CPU time shows in the step
-    if clocked:
-        jitter = last.profile.micro_seconds(last.micro_sizes[-1], checkpointing=last.checkpointing) \
-            * last.profile.cpu_share * factors[crit] * 2 / 3
+    # the compute whose CPU time shows in the step: on the clock, the last backward's CPU
+    jitter = window * last.profile.cpu_share if clocked else compute[crit]
     straggle_s = jitter * straggle_at(straggle, straggle_stretch, max(factors)) if len(compute) > 1 else 0.0
     step = compute[crit] + straggle_s + comm.exposed_s + agree_s + opt
     return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
