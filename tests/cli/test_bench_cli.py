@@ -21,7 +21,7 @@ SPEC = "a100-80g,rtx3090"
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     r = hetrain("bench", "--model-factory", f"{FACTORY}:make", "--emulate", SPEC, "--steps", "2", "--warmup", "1",
-                "--global-batch", "15", "--json", str(tmp / "bench.json"), "--png", str(tmp / "bench.png"),
+                "--global-batch", "15", "--rounds", "2", "--json", str(tmp / "bench.json"), "--png", str(tmp / "bench.png"),
                 env={"HETRAIN_CACHE": str(tmp / "cache")})
     return r, tmp
 
@@ -29,10 +29,20 @@ def bench(tmp_path_factory):
 def test_bench_runs_every_configuration_and_its_figures_agree(bench):
     r, tmp = bench
     assert r.returncode == 0, r.stderr[-3000:]
-    for phase in ("[1/4] device 0 alone", "[2/4] device 1 alone", "[3/4] hetrain", "[4/4] equal split"):
-        assert phase in r.stderr, r.stderr                      # progress: which phase
+    for phase in ("[1/8] round 1/2: device 0 alone", "[2/8] round 1/2: device 1 alone",
+                  "[3/8] round 1/2: hetrain: the planner's split", "[4/8] round 1/2: equal split",
+                  "[5/8] round 2/2: equal split", "[6/8] round 2/2: hetrain: its plan from round 1",
+                  "[7/8] round 2/2: device 1 alone", "[8/8] round 2/2: device 0 alone"):
+        assert phase in r.stderr, r.stderr                      # progress: which phase, interleaved
     assert "step 3/3" in r.stderr                               # ...and which step (1 warm-up + 2 timed)
     data = json.loads((tmp / "bench.json").read_text())
+    assert data["rounds"] == 2 and data["orders"] == [["alone0", "alone1", "hetrain", "equal"],
+                                                      ["equal", "hetrain", "alone1", "alone0"]]
+    for run in (*data["alone"], data["equal_split"], data["hetrain"]):    # the median of 2 rounds: their mean
+        assert len(run["rounds"]) == 2 and run["samples_per_s"] == pytest.approx(sum(run["rounds"]) / 2)
+    # the same rebalancing setting on both sides (off), and hetrain ran its round-1 plan again
+    assert data["hetrain"]["rebalance"] is False and data["equal_split"]["rebalance"] is False
+    assert data["hetrain"]["rebalances"] == 0
     for key in ("alone", "equal_split", "hetrain", "speedup_vs_equal", "efficiency", "host"):
         assert key in data, data
     assert data["devices"] == ["a100-80g#0 (emulated)", "rtx3090#1 (emulated)"] and data["emulated"] is True
@@ -63,9 +73,13 @@ def test_bench_prints_the_table_and_draws_the_chart(bench):
     het = json.loads((tmp / "bench.json").read_text())["hetrain"]
     rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]] for line in lines if "│" in line}
     assert list(rows) == ["a100-80g#0 (emulated) alone", "rtx3090#1 (emulated) alone", "equal split (shares 8/7)",
-                          f"hetrain (shares {'/'.join(map(str, het['shares']))})"]
-    assert float(rows[list(rows)[-1]][0]) == pytest.approx(het["samples_per_s"], abs=0.06)
-    assert all(len(cells) == 4 and "iB" in cells[3] for cells in rows.values())   # samples/s, ×2, memory
+                          f"hetrain (shares {'/'.join(map(str, het['shares']))})", "ceiling: Σ alone"]
+    assert float(rows[list(rows)[-2]][0]) == pytest.approx(het["samples_per_s"], abs=0.06)
+    total = sum(a["samples_per_s"] for a in json.loads((tmp / "bench.json").read_text())["alone"])
+    assert float(rows["ceiling: Σ alone"][0]) == pytest.approx(total, abs=0.06)   # the ceiling, printed
+    assert any(line.startswith("rounds: 2, interleaved") for line in lines)
+    assert all(len(cells) == 4 and "iB" in cells[3] for name, cells in rows.items()   # samples/s, ×2, memory
+               if not name.startswith("ceiling"))
     assert any(line.startswith("efficiency: hetrain") for line in lines)
     assert any("1 untimed warm-up" in line for line in lines) and any("not torch DDP" in line for line in lines)
     png = (tmp / "bench.png").read_bytes()
@@ -82,6 +96,7 @@ def one_line_error(r, *words):
                                                  f"{FACTORY}:make")),
     (("--model-factory", f"{FACTORY}:make", "--steps", "0"), ("--steps 0 must be at least 1",)),
     (("--model-factory", f"{FACTORY}:make", "--steps", "-3"), ("--steps -3 must be at least 1",)),
+    (("--model-factory", f"{FACTORY}:make", "--rounds", "0"), ("--rounds 0 must be at least 1", "--rounds 3")),
     (("--model-factory", f"{FACTORY}:make", "--png", "{tmp}/missing/chart.png"), ("--png", "does not exist")),
     (("--model-factory", f"{FACTORY}:make", "--json", "{tmp}/missing/out.json"), ("--json", "does not exist")),
     (("--model-factory", f"{FACTORY}:make", "--global-batch", "1"), ("--global-batch 1 is smaller than the 2",)),

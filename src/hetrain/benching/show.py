@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..console import console
 from ..hardware.units import format_bytes
-from .runs import EQUAL_SPLIT_HOW, BenchResult, busy_host
+from .runs import EQUAL_SPLIT_HOW, HETRAIN_HOW, BenchResult, busy_host
 
 
 def rows(result: BenchResult) -> list[tuple[str, float, str]]:
@@ -34,6 +34,8 @@ def print_table(result: BenchResult) -> None:
         t.add_column(c, justify="right" if c.startswith(("samples", "×")) else "left")
     for name, sps, memory in rows(result):
         t.add_row(name, f"{sps:.1f}", f"{sps / fastest:.2f}", f"{sps / equal:.2f}", memory)
+    ceiling = result.sum_alone       # no split of these devices can beat the sum of their standalone figures
+    t.add_row("ceiling: Σ alone", f"{ceiling:.1f}", f"{ceiling / fastest:.2f}", f"{ceiling / equal:.2f}", "-")
     con.print(t)
     for label, r in zip(result.labels, result.alone):
         if r.error:
@@ -42,7 +44,15 @@ def print_table(result: BenchResult) -> None:
               f"= {result.efficiency:.0%} (the sum of every device's standalone figure is the ideal)", markup=False)
     con.print(f"hetrain: {result.speedup_vs_equal:.2f}× the equal split, {result.speedup_vs_fastest:.2f}× "
               f"{result.labels[result.fastest_alone]} alone", markup=False)
-    con.print(f"equal split: {EQUAL_SPLIT_HOW}", markup=False)
+    con.print(f"equal split: {EQUAL_SPLIT_HOW}; hetrain: {HETRAIN_HOW}", markup=False)
+    if s.rounds > 1:
+        spread = lambda r: f"{min(r.rounds or [r.samples_per_s]):.1f}-{max(r.rounds or [r.samples_per_s]):.1f}"  # noqa: E731
+        con.print(f"rounds: {s.rounds}, interleaved (every other round in reverse order); each figure is the median "
+                  f"of its rounds (hetrain {spread(result.hetrain)}, equal split {spread(result.equal_split)} "
+                  "samples/s)", markup=False)
+    else:
+        con.print("rounds: 1 (no median: a drift of the host's speed during the bench falls on one configuration; "
+                  "--rounds 3 interleaves them)", markup=False)
     con.print(f"timing: {s.steps} steps after {s.warmup} untimed warm-up step(s), between barriers on every rank; "
               "loss = the model output's mean (what hetrain's measurements use)", markup=False)
     con.print(f"host: {result.host.get('describe', result.host.get('cpu', '?'))}, {result.host.get('cores')} cores, "

@@ -14,6 +14,7 @@ from ..vocabulary import PRECISION_REQUESTS, check_choice
 
 DEFAULT_STEPS = 10      # a 2-device emulated bench of a small model in about a minute on 2 cores
 DEFAULT_WARMUP = 2
+DEFAULT_ROUNDS = 3      # benching.runs.DEFAULT_ROUNDS, without importing the runs before parsing
 
 
 def bench(
@@ -25,6 +26,8 @@ def bench(
     warmup: int = typer.Option(DEFAULT_WARMUP, "--warmup", help="untimed steps before them"),
     global_batch: int = typer.Option(64, "--global-batch", help="samples per step, all devices together"),
     precision: str = typer.Option("auto", "--precision", help="auto (each card's own), fp32, bf16 or fp16"),
+    rounds: int = typer.Option(DEFAULT_ROUNDS, "--rounds", help="interleaved rounds of every configuration; each "
+                               "figure is the median of its rounds"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the figures here"),
     png_path: Optional[str] = typer.Option(None, "--png", help="draw a bar chart of the configurations here"),
 ) -> None:
@@ -36,6 +39,9 @@ def bench(
 
     if steps < 1:
         raise UsageError(f"--steps {steps} must be at least 1", "give the timed steps per run, e.g. --steps 20")
+    if rounds < 1:
+        raise UsageError(f"--rounds {rounds} must be at least 1",
+                         f"give the interleaved rounds, e.g. --rounds {DEFAULT_ROUNDS} (each figure is their median)")
     check_choice(precision, PRECISION_REQUESTS, "--precision")
     for path, flag in ((json_path, "--json"), (png_path, "--png")):
         if path:
@@ -45,7 +51,7 @@ def bench(
     devices = _devices(emulate)
     load_factory(model_factory)                 # a bad spec or a missing function: one line, now
     setup = BenchSetup(factory=absolute(model_factory), emulate=emulate, devices=devices, global_batch=global_batch,
-                       steps=steps, warmup=warmup, precision=precision)
+                       steps=steps, warmup=warmup, precision=precision, rounds=rounds)
     try:
         result = run_bench(setup, say=lambda line: typer.echo(line, err=True))
     except RunFailed as e:

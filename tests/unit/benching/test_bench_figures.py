@@ -75,7 +75,7 @@ def test_a_device_that_cannot_run_alone_counts_zero_and_says_why(tmp_path, capsy
     result = BenchResult(setup=setup, alone=(run(100.0, [16], [10]), Run.failed("rtx3090@6MiB", "the model fits on no device")),
                          equal_split=run(80.0, [8, 8], [6, 6]), hetrain=run(90.0, [12, 4], [7, 5]), host={"cores": 2})
     out = result.to_dict()
-    assert out["alone"][1] == {"device": "d1", "samples_per_s": 0.0, "peak_memory_bytes": 0, "micro_batch": 0,
+    assert out["alone"][1] == {"device": "d1", "samples_per_s": 0.0, "peak_memory_bytes": 0, "micro_batch": 0, "rounds": [],
                                "error": "the model fits on no device"}
     assert out["efficiency"] == pytest.approx(0.9) and out["speedup_vs_fastest_alone"] == pytest.approx(0.9)
     print_table(result)
@@ -83,3 +83,45 @@ def test_a_device_that_cannot_run_alone_counts_zero_and_says_why(tmp_path, capsy
     assert "d1 alone cannot run it: the model fits on no device (0 samples/s standalone)" in printed
     draw_png(result, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rounds_interleave_and_each_figure_is_the_median_of_its_rounds(monkeypatch):
+    """run_bench with the launches replaced by a host whose speed drifts down round after round:
+    the order reverses every other round, both multi-device sides run with rebalancing off (hetrain
+    on its round-1 plan from round 2 on), and each figure is its rounds' median."""
+    import json as _json
+
+    from hetrain.benching import runs as runs_mod
+
+    launched, speed = [], {"alone0": 100.0, "alone1": 60.0, "hetrain": 150.0, "equal": 120.0}
+    plan = hetrain_plan([40, 24], [None, None])
+
+    def fake_launch(setup, tmp, name, phase, *, config, device=None):
+        key, k = name.rsplit("-", 1)
+        launched.append((key, int(k), dict(config)))
+        drift = 1.0 - 0.1 * len(launched) / 12          # the host slows as the bench goes on
+        shares = (64,) if device else (plan.shares if key == "hetrain" else (32, 32))
+        return Run(samples_per_s=speed[key] * drift, devices=tuple(f"d{i}" for i in range(len(shares))),
+                   shares=shares, micro_batches=shares, peak_memory_bytes=(5,) * len(shares),
+                   plan=_json.loads(plan.to_json()))
+
+    monkeypatch.setattr(runs_mod, "_launch", fake_launch)
+    monkeypatch.setattr(runs_mod, "_load_average", lambda: 0.0)
+    setup = BenchSetup(factory="f.py:make", emulate="a100-80g,rtx3090", devices=("a100-80g", "rtx3090"),
+                       global_batch=64, steps=2, warmup=1, rounds=3)
+    said = []
+    result = runs_mod.run_bench(setup, say=said.append)
+    order = [(key, k) for key, k, _ in launched]
+    forward = ["alone0", "alone1", "hetrain", "equal"]
+    assert order == [(n, 0) for n in forward] + [(n, 1) for n in reversed(forward)] + [(n, 2) for n in forward]
+    assert [o for o in result.orders] == [tuple(forward), tuple(reversed(forward)), tuple(forward)]
+    for key, k, config in launched:
+        if key in ("hetrain", "equal"):
+            assert config["rebalance"] is False                      # the same setting on both sides
+            assert ("plan" in config) == (key == "equal" or k > 0)   # hetrain re-runs its round-1 plan
+    for r, key in ((result.hetrain, "hetrain"), (result.equal_split, "equal"), (result.alone[0], "alone0")):
+        assert len(r.rounds) == 3 and r.samples_per_s == sorted(r.rounds)[1]
+        assert r.rounds[0] > r.rounds[1] > r.rounds[2]               # the drift, kept per round
+    assert said[0].startswith("[1/12] round 1/3: device 0 alone") and said[-1].startswith("[12/12] round 3/3")
+    with pytest.raises(UsageError, match="--rounds 0 must be at least 1"):
+        BenchSetup(factory="f.py:make", emulate="x", devices=("a", "b"), global_batch=4, steps=1, warmup=0, rounds=0)
