@@ -1,0 +1,345 @@
+"""HetrainStrategy: a Lightning Fabric strategy whose ranks are hetrain's job.
+
+    fabric = Fabric(strategy=HetrainStrategy(global_batch=64, max_steps=100))
+    fabric.launch()                                  # joins hetrain's job (hetrain.init)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, shuffle=True))   # the data first: hetrain
+    model, optimizer = fabric.setup(model, optimizer)   # plans the split by measuring the model on it
+    for step in loader:                              # one optimizer step over the whole global batch
+        for mb in step:                              # this rank's share, in micro-batches that fit
+            with mb:
+                fabric.backward(model(**mb.batch).loss)   # weighted by the micro-batch's size
+        optimizer.step()                             # hetrain's step: agreement, optimizer, rebalance
+    fabric.strategy.close()
+
+Why a ParallelStrategy of its own and not a DDPStrategy subclass: everything DDPStrategy adds is
+what hetrain does differently. Its launcher spawns processes (hetrain's job is started by `hetrain
+run` / torchrun, one process per device, emulated or real); its `_setup_distributed` builds the
+process group (hetrain.init joins the job, gathers every node's devices and agrees the host's
+facts); its setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps
+DDP or a sharding with the OOM guard and the comm hook); its backward-sync control would call
+no_sync on a module hetrain already runs under no_sync for every micro-batch but the last. So the
+strategy implements Fabric's Strategy API on top of the Engine instead of overriding DDP's.
+
+What Fabric gives up under it (each refused with the fix, never silently changed): its launcher
+(`fabric run`, spawn), its precision plugins (hetrain picks each device's precision:
+HetrainStrategy(precision=...)), its DistributedSampler and DataLoader batch size (hetrain splits
+the global batch), fabric.clip_gradients (HetrainStrategy(grad_clip=...)), separate setup of the
+model and optimizer (hetrain wraps them together), several optimizers and pipelines. Fabric's
+no_backward_sync warns and does nothing, as for any strategy without sync control: hetrain already
+syncs once per step.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack, nullcontext
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.fabric.plugins import Precision
+from lightning.fabric.plugins.environments import (
+    LightningEnvironment,
+    TorchElasticEnvironment,
+)
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+from ...errors import UsageError, did_you_mean
+from ...runtime.config import Config
+from ...runtime.engine import Engine, init
+from ...runtime.measure.probe import default_forward
+from ...runtime.ranks.dist import env_rank
+from .data import StepLoader, TrainingData, training_data
+
+# Set on the DataLoader, which Fabric users already do; two places to say it would be two answers.
+FROM_THE_LOADER = ("shuffle", "drop_last")
+
+
+class HetrainPrecision(Precision):
+    """Fabric's precision plugin under HetrainStrategy: every forward through the model Fabric set
+    up (and fabric.autocast()) runs in this device's own precision, hetrain's autocast. Loss
+    scaling, unscaling and the agreed skip of an overflowed step are inside hetrain's backward and
+    step, so the plugin adds nothing else."""
+
+    def __init__(self, strategy: HetrainStrategy):
+        super().__init__()
+        self.strategy = strategy
+
+    def forward_context(self):
+        engine = self.strategy.engine
+        return engine.autocast() if engine is not None else nullcontext()
+
+
+class HetrainStrategy(ParallelStrategy):
+    """Fabric's strategy for mixed devices: uneven per-rank shares, the big-batch gradient, one
+    agreed step, OOM recovery and rebalancing (hetrain's loop, driven through Fabric's verbs).
+
+    `global_batch` and every other keyword are hetrain.init's (hetrain.runtime.config.Config:
+    max_steps, epochs, precision, sharding, grad_clip, checkpoint_dir, emulate, ...; `plan` fixes
+    every rank's share). `forward(model, batch)` is how hetrain calls the model when it measures
+    it before training (default: model(**batch) for dicts, model(x) for (x, y)).
+    """
+
+    def __init__(self, *, global_batch: int, plan=None, forward=default_forward, **config: Any):
+        _check_config(global_batch, config)
+        super().__init__()
+        self.config = {"global_batch": global_batch, **config}
+        self.given_plan = plan
+        self.forward = forward
+        self.engine: Engine | None = None        # hetrain's job, joined by fabric.launch()
+        self.data: TrainingData | None = None    # the training DataLoader's facts (setup_dataloaders)
+        self.steps = None                        # hetrain's Steps, from fabric.setup(model, optimizer)
+        self._num_nodes = 1                      # Fabric(num_nodes=...), set by Fabric's connector
+
+    # -- what Fabric's connector hands over: checked, since hetrain decides these itself -----------
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else HetrainPrecision(self)
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        # None while constructing: Fabric's connector then sets the plugin its flags chose.
+        if precision is not None and type(precision) is not Precision and not isinstance(precision, HetrainPrecision):
+            chosen = getattr(precision, "precision", None)
+            raise UsageError(
+                f"Fabric's precision {type(precision).__name__}" + (f" ({chosen!r})" if chosen else "")
+                + " under HetrainStrategy: hetrain sets each device's precision itself (bf16 where the card has it, "
+                "fp16 with one job-wide loss scale elsewhere)",
+                "leave Fabric's precision at its default ('32-true') and pass HetrainStrategy(precision='auto' | "
+                "'bf16' | 'fp16' | 'fp32'); for a float64 model, call model.double() before fabric.setup")
+        self._precision = precision if precision is None or isinstance(precision, HetrainPrecision) \
+            else HetrainPrecision(self)
+
+    @property
+    def cluster_environment(self):
+        return self._cluster_environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, env) -> None:
+        # torchrun's variables (TorchElastic), or the same ones set by hand / a single process
+        # (Lightning's fallback): what hetrain.init joins by. Slurm, MPI, LSF... name ranks in
+        # their own variables that hetrain would not see, so every process would train alone.
+        if env is not None and type(env) not in (TorchElasticEnvironment, LightningEnvironment):
+            raise UsageError(
+                f"Fabric's cluster environment {type(env).__name__} under HetrainStrategy: hetrain joins the job "
+                "by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR), which `hetrain run` sets",
+                "launch with `hetrain run` (`hetrain run --slurm` under Slurm) and drop the ClusterEnvironment plugin")
+        self._cluster_environment = env
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        """None: Fabric adds no DistributedSampler; hetrain samples every rank's uneven share."""
+        return None
+
+    # -- ranks and device: the job's --------------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return self.engine.rank if self.engine is not None else env_rank()[0]
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size if self.engine is not None else env_rank()[1]
+
+    @property
+    def local_rank(self) -> int:
+        return self.engine.ctx.local_rank if self.engine is not None else int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def node_rank(self) -> int:
+        if self.engine is not None and self.engine.job.nodes is not None:
+            return self.engine.job.nodes.node_of[self.engine.rank]
+        return int(os.environ.get("GROUP_RANK", "0"))
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.joined().device
+
+    def joined(self) -> Engine:
+        if self.engine is None:
+            raise UsageError("HetrainStrategy has not joined hetrain's job yet",
+                             "call fabric.launch() first (under `hetrain run` or torchrun it starts no processes)")
+        return self.engine
+
+    def setup_environment(self) -> None:
+        """fabric.launch(): join hetrain's job (its process group, every node's devices, the plan's
+        inputs) instead of Fabric's own process group."""
+        if self.engine is not None:
+            return
+        self.check_world()
+        engine = init(plan=self.given_plan, **self.config)                      # (collective)
+        with ExitStack() as undo:
+            undo.push(engine)     # a setting refused below: release the job without a barrier, as on any error
+            self.check_device(engine)
+            undo.pop_all()
+        self.engine = engine
+        rank_zero_only.rank = utils_rank_zero_only.rank = engine.rank     # Fabric's rank-zero printing
+        super().setup_environment()                                        # the accelerator readies the device
+
+    def check_world(self) -> None:
+        """Fabric's accelerator, devices and num_nodes against what the launcher started, before
+        joining: a refused setting leaves no job behind."""
+        if Config(**self.config).with_launch_file().emulate and not isinstance(self.accelerator, CPUAccelerator):
+            raise UsageError(f"Fabric chose {type(self.accelerator).__name__}, but this job emulates its devices on "
+                             "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
+        devices, nodes = len(self.parallel_devices or ()), self.num_nodes
+        if isinstance(self.accelerator, CPUAccelerator) and devices == 1 and nodes == 1:
+            return        # Fabric's CPU default ('auto' is one device): emulated ranks, one per process
+        world = env_rank()[1]
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        job_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if devices != local or nodes != job_nodes:
+            raise UsageError(
+                f"Fabric(devices={devices}, num_nodes={nodes}) but the job has {local} process(es) on this node and "
+                f"{job_nodes} node(s) ({world} in all), as `hetrain run` / torchrun started them",
+                f"pass Fabric(devices={local}, num_nodes={job_nodes}), or leave both at their defaults and launch one "
+                "process per device with `hetrain run`")
+
+    def check_device(self, engine: Engine) -> None:
+        """Fabric's accelerator and this rank's device against the one hetrain runs it on."""
+        device = engine.device
+        wanted = CUDAAccelerator if device.type == "cuda" else CPUAccelerator
+        if not isinstance(self.accelerator, wanted):
+            what = "an emulated device" if engine.emulated is not None else str(device)
+            raise UsageError(
+                f"Fabric's accelerator is {type(self.accelerator).__name__}, but hetrain runs rank {engine.rank} on "
+                f"{what} ({device})",
+                "pass Fabric(accelerator='cpu') for emulated devices" if device.type == "cpu"
+                else "pass Fabric(accelerator='cuda'), or leave it at 'auto'")
+        if device.type == "cuda":    # check_world saw one Fabric device per local process
+            fabric_device = self.parallel_devices[engine.ctx.local_rank]
+            if fabric_device != device:
+                raise UsageError(f"Fabric's devices put local rank {engine.ctx.local_rank} on {fabric_device}, "
+                                 f"hetrain on {device} (one process per visible GPU, in order)",
+                                 "choose the GPUs with CUDA_VISIBLE_DEVICES and leave Fabric's devices at 'auto'")
+
+    # -- setup: hetrain's prepare(), with the data first -----------------------------------------
+    def process_dataloader(self, dataloader):
+        """The first DataLoader set up is the training data (hetrain's steps); later ones
+        (evaluation) are returned as they are: every rank iterates all of each."""
+        if self.data is not None:
+            return dataloader
+        self.data = training_data(dataloader)
+        return StepLoader(self)
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        engine = self.joined()
+        if len(optimizers) != 1:
+            raise UsageError(f"fabric.setup with {len(optimizers)} optimizers under HetrainStrategy",
+                             "pass exactly one optimizer: fabric.setup(model, optimizer)")
+        if self.data is None:
+            raise UsageError("fabric.setup(model, optimizer) before the training data: hetrain sizes each "
+                             "device's share and micro-batch by measuring the model on that data",
+                             "call fabric.setup_dataloaders(train_loader) first, then fabric.setup(model, optimizer)")
+        if self.steps is not None:
+            raise UsageError("fabric.setup was called twice under HetrainStrategy", "set up one model per job")
+        # prepare() makes the sampler from these two: the DataLoader's word, as for Fabric's own sampler.
+        engine.job.config = replace(engine.job.config, shuffle=self.data.shuffle, drop_last=self.data.drop_last)
+        model, optimizer, self.steps = engine.prepare(module, optimizers[0], self.data.dataset,
+                                                      collate_fn=self.data.collate_fn, forward=self.forward,
+                                                      parallel="dp")                             # (collective)
+        if scheduler is not None:
+            if getattr(scheduler, "optimizer", None) is not optimizer:
+                raise UsageError("the LR scheduler's optimizer is not the one fabric.setup(model, optimizer) returns "
+                                 "(hetrain's sharding may replace the optimizer)",
+                                 "build the scheduler on the optimizer fabric.setup(model, optimizer) returns, then "
+                                 "fabric.strategy.engine.register_state('lr_scheduler', scheduler)")
+            engine.register_state("lr_scheduler", scheduler)   # checkpointed with the job, restored on resume
+        return model, [optimizer], scheduler
+
+    def setup_module(self, module):
+        raise UsageError("fabric.setup(model) / fabric.setup_module without the optimizer under HetrainStrategy: "
+                         "hetrain wraps the model and its optimizer together (sharding may replace the optimizer)",
+                         "call fabric.setup(model, optimizer) once")
+
+    def setup_optimizer(self, optimizer):
+        raise UsageError("fabric.setup_optimizers under HetrainStrategy: hetrain wraps the model and its optimizer "
+                         "together", "call fabric.setup(model, optimizer) once")
+
+    def module_to_device(self, module) -> None:
+        module.to(self.root_device)
+
+    # -- the step: hetrain's verbs behind Fabric's ------------------------------------------------
+    def backward(self, tensor, module, *args, tokens=None, **kwargs) -> None:
+        """fabric.backward(loss): weighted by this micro-batch's size (or `tokens=`, under
+        loss_weighting='tokens'), so the step's gradient is the big-batch gradient."""
+        if args or kwargs:
+            raise UsageError(f"fabric.backward(loss, ...) with {[*args, *kwargs]}: hetrain runs each micro-batch's "
+                             "backward itself, weighted", "call fabric.backward(loss) (tokens=N under "
+                             "loss_weighting='tokens')")
+        self.joined().backward(tensor, tokens=tokens)
+
+    def optimizer_step(self, optimizer, **kwargs):
+        """optimizer.step(): hetrain's step (the agreed optimizer step or skip, rebalancing,
+        checkpoints). Returns hetrain's Step, whose `loss` is the global batch's."""
+        if kwargs:
+            raise UsageError("optimizer.step(closure=...) under HetrainStrategy: a step's micro-batches run once, "
+                             "in the loop", "call optimizer.step() after the step's micro-batches")
+        return self.joined().step()
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        raise UsageError("fabric.clip_gradients under HetrainStrategy: before optimizer.step() the gradient is not "
+                         "final yet (hetrain unscales and corrects it in the step)",
+                         f"pass HetrainStrategy(grad_clip={max_norm}): hetrain clips the global norm in the step")
+
+    def clip_gradients_value(self, module, optimizer, clip_val):
+        raise UsageError("fabric.clip_gradients(clip_val=...) under HetrainStrategy: hetrain clips by norm, in the "
+                         "step", "pass HetrainStrategy(grad_clip=MAX_NORM) instead")
+
+    # -- Fabric's collectives, on the job's process group ----------------------------------------
+    def all_reduce(self, tensor, group=None, reduce_op="mean"):
+        """In place, as Fabric's DDP does: 'mean'/'avg' sums and divides; other names are ReduceOps."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        if isinstance(reduce_op, str):
+            mean = reduce_op.lower() in ("mean", "avg")
+            op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, reduce_op.upper())
+        else:
+            mean, op = False, dist.ReduceOp.SUM if reduce_op is None else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if mean:
+            n = dist.get_world_size(group)
+            return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
+        return tensor
+
+    def barrier(self, name=None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- the end ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave hetrain's job cleanly (a collective: every rank calls it). Fabric has no end of
+        its own to hook this to."""
+        if self.engine is not None:
+            self.engine.close()
+
+    def teardown(self) -> None:
+        self.close()
+        super().teardown()
+
+
+def _check_config(global_batch, config: dict) -> None:
+    """hetrain.init's keywords, checked when the strategy is made (Fabric(...) time), not at launch."""
+    known = [f.name for f in fields(Config)]
+    for name in config:
+        if name in FROM_THE_LOADER:
+            raise UsageError(f"HetrainStrategy({name}=...): the training DataLoader says it",
+                             f"pass {name}= to the DataLoader you give fabric.setup_dataloaders")
+        if name not in known:
+            raise UsageError(f"HetrainStrategy: unknown keyword {name!r}{did_you_mean(name, known)}",
+                             f"remove {name}=, or use a keyword of hetrain.runtime.config.Config")
+    Config(global_batch=global_batch, **config)    # every value checked, one UsageError naming the fix
