@@ -26,9 +26,9 @@ app = typer.Typer(
 @functools.cache
 def _register() -> None:
     """Once per process: main() may be called many times in one (the tests do)."""
-    from . import bench, hardware, planning, report, train
+    from . import bench, hardware, planning, report, sweep, train
 
-    for module in (train, planning, bench, hardware, report):
+    for module in (train, planning, bench, hardware, report, sweep):
         module.register(app)
 
 

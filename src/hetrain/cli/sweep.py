@@ -1,0 +1,98 @@
+"""`hetrain sweep`: hyperparameter trials at once over mixed devices, on Optuna (sweeping/)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+from ..files import check_writable, write_json_atomic
+
+
+def sweep(
+    objective: str = typer.Argument(..., help="the objective file: space(trial) -> dict, train(params, ctx) -> "
+                                    "float, and optionally memory(params) -> dict for placement"),
+    emulate: Optional[str] = typer.Option(None, "--emulate", help="emulated devices, e.g. a100-80g,rtx3090 "
+                                          "(default: this machine's GPUs, a trial per GPU at a time)"),
+    trials: int = typer.Option(..., "--trials", help="trials the study should have finished (a resumed sweep "
+                               "counts the ones it already has)"),
+    storage: str = typer.Option("sweep.db", "--storage", help="the study's SQLite file (created, or continued)"),
+    study: Optional[str] = typer.Option(None, "--study", help="the study's name (default: the objective file's)"),
+    pruner: str = typer.Option("median", "--pruner", help="median (Optuna's MedianPruner) or none"),
+    direction: str = typer.Option("minimize", "--direction", help="minimize or maximize train()'s value"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the figures and every trial here"),
+    emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True,
+                                                     help="emulated devices on a controlled clock (benchmarks)"),
+) -> None:
+    """Run an Optuna study's trials at once, one per device, the bigger trials on the bigger cards
+    (the planner's memory model decides what fits where); the study is kept in SQLite, so the same
+    command resumes it after a crash. A trial runs on one device (groups of devices per trial: not yet)."""
+    from ..integrations import require
+
+    require("optuna", extra="sweep", feature="hetrain sweep")
+    from ..sweeping.runner import DIRECTIONS, PRUNERS, SweepSetup, run_sweep
+    from ..sweeping.summary import print_table, to_dict
+    from ..vocabulary import check_choice
+
+    if trials < 1:
+        raise UsageError(f"--trials {trials} must be at least 1", "give the number of trials, e.g. --trials 20")
+    check_choice(pruner, PRUNERS, "--pruner")
+    check_choice(direction, DIRECTIONS, "--direction")
+    _check_storage(storage)
+    if json_path:
+        check_writable(json_path, "--json")
+    if emulate_sample_s is not None and not 0 < emulate_sample_s <= 10:
+        raise UsageError(f"--emulate-sample-s {emulate_sample_s}", "give the clock's seconds per sample, e.g. 0.002")
+    slots, targets = _devices(emulate)
+    setup = SweepSetup(objective=os.path.abspath(objective), storage=storage, study=study or Path(objective).stem,
+                       trials=trials, slots=slots, targets=targets, pruner=pruner, direction=direction,
+                       sample_s=emulate_sample_s)
+    from ..sweeping.objective import load_objective
+
+    load_objective(setup.objective)            # a missing file or function: one line, before any worker
+    result = run_sweep(setup, say=lambda line: typer.echo(line, err=True))
+    print_table(result)
+    if json_path:
+        write_json_atomic(json_path, to_dict(result))
+        typer.echo(f"wrote {json_path}")
+
+
+def _check_storage(path: str) -> None:
+    """The SQLite file must be creatable (or writable) now, not after the first trial."""
+    p = Path(path)
+    for parent in p.resolve().parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"--storage {path!r}: {str(parent)!r} is a file, not a directory",
+                             "give a path in a directory, e.g. --storage sweep.db")
+    check_writable(path, "--storage")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"--storage {path!r} is not writable", "give a file you can write, or another --storage")
+
+
+def _devices(emulate: str | None):
+    from ..sweeping.placement import Slot
+
+    if emulate is not None:
+        from ..hardware.cluster import parse_cluster
+
+        devices = parse_cluster(emulate)
+        return (tuple(Slot(index=d.index, label=f"{d.label} (emulated)", memory_bytes=d.memory_bytes, speed=d.speed)
+                      for d in devices), ("emulated",) * len(devices))
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("no GPU here and no --emulate", "sweep on emulated devices: --emulate a100-80g,rtx3090")
+    slots = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        slots.append(Slot(index=i, label=f"{props.name}#{i}", memory_bytes=props.total_memory,
+                          speed=props.multi_processor_count / 100))   # a rank for placement ties, not a figure
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return tuple(slots), tuple(visible[i] if i < len(visible) else str(i) for i in range(len(slots)))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(sweep)

@@ -1,0 +1,100 @@
+"""The user's objective file, and what each trial is handed.
+
+    # sweep.py
+    def space(trial):                 # Optuna's suggestions: the trial's hyperparameters
+        return {"width": trial.suggest_categorical("width", [64, 256]), "lr": trial.suggest_float(...)}
+    def memory(params):               # optional: what the planner's memory model needs
+        return {"params": 12 * params["width"] ** 2, "batch": 32, "activation_bytes_per_sample": 4e4}
+    def train(params, ctx):           # runs on ctx.device; returns the value to optimize
+        for step in range(100):
+            with ctx.compute(samples=32):   # an emulated device's speed (a no-op on a GPU)
+                loss = ...
+            ctx.report(loss, step)          # intermediate value: the pruner may stop the trial here
+        return loss
+
+`space` runs in the scheduler (it asks Optuna for every trial), `train` in the worker process of
+the device the trial was placed on, with `torch` limited to one thread there when emulated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import UsageError
+
+REQUIRED = ("space", "train")
+
+
+def load_objective(path: str) -> ModuleType:
+    """The file as a module, with `space` and `train` checked; `if __name__ == "__main__":` keeps
+    anything else it runs out."""
+    file = Path(path)
+    if not file.is_file() or file.suffix != ".py":
+        raise UsageError(f"hetrain sweep: {path!r} is not a Python file",
+                         "give the objective file: a .py defining space(trial) and train(params, ctx)")
+    sys.path.insert(0, str(file.resolve().parent))
+    spec = importlib.util.spec_from_file_location(f"_hetrain_sweep_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise UsageError(f"hetrain sweep: {path!r} defines no {' and no '.join(missing)}()",
+                         "define space(trial) -> dict of hyperparameters and train(params, ctx) -> float "
+                         "(see `hetrain sweep --help`)")
+    if hasattr(module, "memory") and not callable(module.memory):
+        raise UsageError(f"hetrain sweep: {path!r}: memory is not a function", "define memory(params) -> dict, or drop it")
+    return module
+
+
+class Pruned(Exception):
+    """Raised by TrialContext.report when the pruner stops the trial (optuna.TrialPruned in the
+    worker is turned into this, so the runner needs no Optuna type to recognise it)."""
+
+
+@dataclass
+class TrialContext:
+    """What `train(params, ctx)` is handed."""
+
+    number: int                      # the Optuna trial number
+    params: dict
+    device: str                      # torch device string: "cpu" (emulated) or "cuda:0"
+    label: str                       # e.g. "rtx3090#1 (emulated)"
+    speed: float = 1.0               # emulated: the device's speed (1 = the A100 one CPU thread plays)
+    sample_s: float | None = None    # the controlled clock: a compute of m samples lasts m·sample_s/speed
+    emulated: bool = True
+    trial: object = None             # the worker's optuna.trial.Trial (report / should_prune)
+    reports: int = 0
+    compute_s: float = field(default=0.0)
+
+    def report(self, value: float, step: int) -> None:
+        """An intermediate value at `step`; raises when the pruner stops the trial (let it
+        propagate: the sweep records the trial as pruned)."""
+        self.trial.report(float(value), int(step))
+        self.reports += 1
+        if self.trial.should_prune():
+            raise Pruned(f"pruned at step {step}")
+
+    @contextmanager
+    def compute(self, samples: int | None = None):
+        """Run a piece of training at the device's speed. Emulated: its CPU time c lasts c/speed
+        (a sleep of c·(1/speed − 1)), or on the controlled clock `samples`·sample_s/speed whatever
+        the CPU took (the sleep makes up the rest). On a GPU: nothing added."""
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            if self.emulated:
+                wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
+                if self.sample_s is not None and samples is not None:
+                    owed = samples * self.sample_s / self.speed - wall
+                else:
+                    owed = cpu * (1 / self.speed - 1)
+                if owed > 0:
+                    time.sleep(owed)
+            self.compute_s += time.perf_counter() - t_wall

@@ -1,0 +1,56 @@
+"""What `hetrain sweep` prints and writes: trials per device, busy time and utilisation, the best trial."""
+
+from __future__ import annotations
+
+from ..console import console
+from ..hardware.units import format_bytes
+from .runner import SweepResult
+
+
+def utilisation(result: SweepResult, index: int) -> float:
+    """A device's busy time (its trials' wall time in its worker) ÷ this run's wall time."""
+    return result.tally[index].busy_s / result.wall_s if result.wall_s > 0 else 0.0
+
+
+def print_table(result: SweepResult) -> None:
+    from rich.table import Table
+
+    s = result.setup
+    con = console()
+    t = Table(title=f"hetrain sweep: {s.objective}, study {s.study!r} in {s.storage}, {s.trials} trials, "
+              f"{s.direction}, pruner {s.pruner}", title_justify="left", show_edge=False, pad_edge=False)
+    for c in ("device", "memory", "complete", "pruned", "failed", "busy s", "utilisation", "largest trial"):
+        t.add_column(c, justify="left" if c == "device" else "right")
+    for slot in s.slots:
+        tally = result.tally[slot.index]
+        t.add_row(slot.label, format_bytes(slot.memory_bytes), str(tally.complete), str(tally.pruned),
+                  str(tally.failed), f"{tally.busy_s:.1f}", f"{utilisation(result, slot.index):.0%}",
+                  format_bytes(tally.largest_bytes) if tally.largest_bytes else "-")
+    con.print(t)
+    if result.unplaced:
+        con.print(f"{result.unplaced} trial(s) fit no device and failed (the reason is in each trial's line above "
+                  "and in the study: user attribute 'reason')", markup=False)
+    ran = len(result.ran)
+    con.print(f"this run: {ran} trial(s) in {result.wall_s:.1f} s" + (
+        f", after {result.finished_before} finished earlier in the study" if result.finished_before else "")
+        + "; utilisation = a device's busy time ÷ this run's wall time", markup=False)
+    if result.best is not None:
+        b = result.best
+        con.print(f"best: trial {b['number']}, value {b['value']:.6g}, on {b['device']}, params {b['params']}",
+                  markup=False)
+    else:
+        con.print("best: none yet (no trial has completed)", markup=False)
+
+
+def to_dict(result: SweepResult) -> dict:
+    s = result.setup
+    return {
+        "objective": s.objective, "storage": s.storage, "study": s.study, "trials": s.trials,
+        "direction": s.direction, "pruner": s.pruner, "wall_s": result.wall_s,
+        "finished_before": result.finished_before,
+        "devices": [{"device": slot.label, "memory_bytes": slot.memory_bytes, "speed": slot.speed,
+                     "complete": result.tally[slot.index].complete, "pruned": result.tally[slot.index].pruned,
+                     "failed": result.tally[slot.index].failed, "busy_s": result.tally[slot.index].busy_s,
+                     "utilisation": utilisation(result, slot.index)} for slot in s.slots],
+        "trials_run": result.ran, "best": result.best,
+    }
