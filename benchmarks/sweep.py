@@ -31,7 +31,7 @@ import time
 
 import torch
 
-BATCH, STEPS, WIDTH = 32, 120, 256
+BATCH, STEPS, WIDTH = 32, 1500, 256
 
 
 def space(trial):

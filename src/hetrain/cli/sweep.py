@@ -35,12 +35,12 @@ def sweep(
     require("optuna", extra="sweep", feature="hetrain sweep")
     from ..sweeping.runner import DIRECTIONS, PRUNERS, SweepSetup, run_sweep
     from ..sweeping.summary import print_table, to_dict
-    from ..vocabulary import check_choice
 
     if trials < 1:
         raise UsageError(f"--trials {trials} must be at least 1", "give the number of trials, e.g. --trials 20")
-    check_choice(pruner, PRUNERS, "--pruner")
-    check_choice(direction, DIRECTIONS, "--direction")
+    for value, allowed, flag in ((pruner, PRUNERS, "--pruner"), (direction, DIRECTIONS, "--direction")):
+        if value not in allowed:
+            raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}", f"use {flag} {allowed[0]}")
     _check_storage(storage)
     if json_path:
         check_writable(json_path, "--json")

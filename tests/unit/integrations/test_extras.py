@@ -49,7 +49,6 @@ def test_a_missing_library_is_one_usage_error_naming_the_pip_command():
 
 
 @pytest.mark.parametrize("module, blocked, extra", [
-    ("hetrain.integrations.transformers", "transformers", "hf"),
     ("hetrain.integrations.lightning", "lightning", "lightning"),
 ])
 def test_an_integration_without_its_extra_names_the_extra(module, blocked, extra):
@@ -59,3 +58,10 @@ def test_an_integration_without_its_extra_names_the_extra(module, blocked, extra
                 f"try:\n    import {module}\nexcept UsageError as e:\n    print('FIX', e.fix)\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == f'FIX pip install "hetrain[{extra}]"', r.stdout + r.stderr
+
+
+def test_hetrain_sweep_without_optuna_names_the_sweep_extra():
+    r = _python("import sys\nsys.modules['optuna'] = None\nfrom hetrain.cli import main\n"
+                "main(['sweep', 'x.py', '--trials', '1', '--emulate', 'a100-80g'])")
+    assert r.returncode == 2, r.stderr
+    assert 'fix: pip install "hetrain[sweep]"' in r.stderr and "Traceback" not in r.stderr
