@@ -50,6 +50,7 @@ def test_a_missing_library_is_one_usage_error_naming_the_pip_command():
 
 @pytest.mark.parametrize("module, blocked, extra", [
     ("hetrain.integrations.lightning", "lightning", "lightning"),
+    ("hetrain.integrations.transformers", "transformers", "hf"),
 ])
 def test_an_integration_without_its_extra_names_the_extra(module, blocked, extra):
     # sys.modules[name] = None makes `import name` raise ImportError, as an absent package does

@@ -1,0 +1,140 @@
+"""TrainingArguments read as hetrain's job: the global batch rule, the settings that map, and the
+ones that conflict (one UsageError each, naming the fix; never silently changed).
+
+The global batch. A stock Trainer on W equal GPUs takes
+
+    per_device_train_batch_size x gradient_accumulation_steps x W
+
+samples per optimizer step. hetrain keeps that number, so a script's learning rate, warm-up and
+step counts mean what they meant, and splits it unevenly: each device takes a share in proportion
+to its measured speed, in micro-batches sized to its memory. `per_device_train_batch_size` is then
+the MEAN share of a device, not any one device's batch, and `gradient_accumulation_steps` only
+scales the global batch (each device accumulates as many micro-batches as its share needs). Pass
+`hetrain={"global_batch": N}` to name the global batch directly; it must agree with the product.
+
+What maps, and to what:
+    max_steps > 0 / num_train_epochs      max_steps / epochs
+    max_grad_norm                         grad_clip (0: none)
+    bf16 / fp16 / neither                 precision 'bf16' / 'fp16' / 'fp32' (hetrain={"precision": "auto"}:
+                                          each device its own)
+    seed (data_seed when set)             seed: hetrain's data order
+    dataloader_drop_last                  drop_last
+    train_sampling_strategy               'random': shuffle; 'sequential': no shuffle
+    save_strategy / save_steps            checkpoint_every (hetrain's exact state in output_dir/hetrain)
+    save_total_limit                      keep_checkpoints
+    activation_checkpointing              checkpointing='all' (False: the plan's choice)
+Everything else hetrain.init takes comes through `Trainer(..., hetrain={...})`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import fields
+
+from ...errors import UsageError, did_you_mean
+from ...runtime.config import Config
+
+HETRAIN_STATE = "hetrain"     # the subdirectory of output_dir that holds hetrain's checkpoints
+# hetrain={...} keys the Trainer's arguments decide (the table above): two places would be two answers.
+FROM_ARGS = {"max_steps": "max_steps / num_train_epochs", "epochs": "num_train_epochs",
+             "grad_clip": "max_grad_norm", "seed": "seed", "drop_last": "dataloader_drop_last",
+             "shuffle": "train_sampling_strategy", "checkpoint_dir": "output_dir",
+             "checkpoint_every": "save_steps", "keep_checkpoints": "save_total_limit",
+             "resume": "trainer.train(resume_from_checkpoint=...)"}
+
+
+def _value(v):
+    return getattr(v, "value", v)      # the Trainer's enums (SaveStrategy.STEPS) by their string
+
+
+def conflicts(args, *, model_init) -> None:
+    """The TrainingArguments hetrain's loop cannot honour: the first one found, as one UsageError."""
+    def refuse(what: str, fix: str):
+        raise UsageError(f"hetrain's Trainer: TrainingArguments({what})", fix)
+
+    if args.auto_find_batch_size:
+        refuse("auto_find_batch_size=True): hetrain sizes every device's micro-batch from its memory, and on an "
+               "OOM halves it and redoes the step without changing the global batch",
+               "remove auto_find_batch_size=True")
+    if args.deepspeed or args.fsdp or getattr(args, "parallelism_config", None) is not None:
+        refuse("deepspeed / fsdp / parallelism_config): hetrain wraps the model itself (DDP with uneven shares, or "
+               "its own sharding)", 'remove them; pass Trainer(..., hetrain={"sharding": "fsdp"}) (or "zero1", '
+               '"capacity") to shard')
+    if _value(args.train_sampling_strategy) not in ("random", "sequential"):
+        refuse(f"train_sampling_strategy={_value(args.train_sampling_strategy)!r}): hetrain's sampler picks every "
+               "step's samples from one global stream, cut unevenly by the plan",
+               "use train_sampling_strategy='random' (shuffled) or 'sequential'")
+    if args.dataloader_num_workers:
+        refuse(f"dataloader_num_workers={args.dataloader_num_workers}): hetrain loads each micro-batch's samples "
+               "in this process, when the plan calls for them", "remove dataloader_num_workers")
+    if _value(args.eval_strategy) != "no" or args.load_best_model_at_end:
+        refuse(f"eval_strategy={_value(args.eval_strategy)!r}, load_best_model_at_end={args.load_best_model_at_end}): "
+               "hetrain's Trainer trains; evaluation during training is not wired through its ranks",
+               "use eval_strategy='no' and load_best_model_at_end=False (evaluate the saved model afterwards)")
+    if _value(args.save_strategy) == "best":
+        refuse("save_strategy='best'): it needs evaluation during training", "use save_strategy='steps' or 'epoch'")
+    if args.torch_compile:
+        refuse("torch_compile=True): hetrain measures and wraps the eager model", "remove torch_compile=True")
+    if args.neftune_noise_alpha is not None or args.use_liger_kernel:
+        refuse("neftune_noise_alpha / use_liger_kernel): not applied by hetrain's loop", "remove them")
+    if args.push_to_hub:
+        refuse("push_to_hub=True): hetrain's Trainer saves locally", "remove push_to_hub; push output_dir afterwards")
+    if model_init is not None:
+        refuse("model_init=...): hyperparameter search over mixed devices is `hetrain sweep`",
+               "pass model=...; for a search, see `hetrain sweep --help`")
+
+
+def global_batch(args, world_size: int, hetrain: dict) -> int:
+    """per_device_train_batch_size x gradient_accumulation_steps x world size, or hetrain's
+    global_batch when it agrees (the module docstring says why)."""
+    product = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    given = hetrain.get("global_batch")
+    if given is not None and given != product:
+        raise UsageError(
+            f"hetrain's Trainer: hetrain={{'global_batch': {given}}} but per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} x gradient_accumulation_steps {args.gradient_accumulation_steps} x "
+            f"{world_size} device(s) = {product} samples per step (hetrain keeps the Trainer's global batch and "
+            "splits it unevenly)",
+            f"drop global_batch from hetrain=, or set per_device_train_batch_size x gradient_accumulation_steps to "
+            f"{given} / {world_size}" + ("" if given % world_size else f" (e.g. per_device_train_batch_size="
+                                          f"{given // world_size}, gradient_accumulation_steps=1)"))
+    return product
+
+
+def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dict:
+    """hetrain.init's keywords for this Trainer run (without `resume`, which train() decides)."""
+    known = [f.name for f in fields(Config)]
+    for name in hetrain:
+        if name in FROM_ARGS:
+            raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}}; TrainingArguments decides it "
+                             f"({FROM_ARGS[name]})", f"remove {name!r} from hetrain= and set {FROM_ARGS[name]}")
+        if name not in known:
+            raise UsageError(f"hetrain's Trainer: unknown hetrain= key {name!r}{did_you_mean(name, known)}",
+                             "use keywords of hetrain.runtime.config.Config")
+    batch = global_batch(args, world_size, hetrain)
+    config = {"global_batch": batch, "seed": args.data_seed if args.data_seed is not None else args.seed,
+              "drop_last": args.dataloader_drop_last, "shuffle": _value(args.train_sampling_strategy) == "random",
+              "grad_clip": args.max_grad_norm or None,
+              "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
+    if args.max_steps > 0:
+        config["max_steps"] = args.max_steps
+    else:
+        config["epochs"] = float(args.num_train_epochs)
+    if args.activation_checkpointing or args.gradient_checkpointing:
+        config["checkpointing"] = "all"
+    save = _value(args.save_strategy)
+    if save != "no":
+        per_epoch = (dataset_len // batch) if args.dataloader_drop_last else math.ceil(dataset_len / batch)
+        config["checkpoint_dir"] = os.path.join(args.output_dir, HETRAIN_STATE)
+        config["checkpoint_every"] = max(1, per_epoch) if save == "epoch" else _save_steps(args, per_epoch)
+        config["keep_checkpoints"] = args.save_total_limit or 3
+    return {**config, **hetrain}
+
+
+def _save_steps(args, per_epoch: int) -> int:
+    steps = args.save_steps
+    if 0 < steps < 1:      # a fraction of the run, as the Trainer reads it
+        total = args.max_steps if args.max_steps > 0 else math.ceil(per_epoch * args.num_train_epochs)
+        steps = math.ceil(total * steps)
+    return max(1, int(steps))

@@ -1,0 +1,183 @@
+"""The Hugging Face Trainer on hetrain (hetrain.integrations.transformers): a stock Trainer script
+with one changed import trains a tiny GPT-2 on two emulated ranks with uneven shares, through an
+out-of-memory error, and equals one plain process training on the concatenated big batch; a run
+stopped by a callback on one rank stops on both, and resumes from its Trainer checkpoint to the
+same parameters as the run that never stopped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from hetrain.planning.plan import DevicePlan, Plan
+
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason='needs pip install "hetrain[hf]"')]
+
+N, T, V, STEPS = 80, 12, 64, 4
+PER_DEVICE, ACCUM = 4, 2                # the Trainer's global batch: 4 x 2 x 2 devices = 16 samples a step
+SHARES, MICROS = (10, 6), (4, 6)        # hetrain's uneven split of it: rank 0 runs 4, 4, 2; rank 1 one of 6
+FAULTS = "oom:rank=1,step=1,micro=0,phase=forward"    # rank 1's micro-batch 6 -> 3, redone
+
+
+def write_plan(path) -> str:
+    devices = tuple(DevicePlan(rank=r, device=name, speed=speed, share=s, micro_batch=m)
+                    for r, (name, speed, s, m) in enumerate(zip(("a100-80g", "rtx3090"), (1.0, 0.67), SHARES, MICROS)))
+    path.write_text(Plan(global_batch=sum(SHARES), devices=devices).to_json())
+    return str(path)
+
+
+def token_data():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, V, (N, T), generator=g)
+    y = x.clone()
+    y[torch.rand(N, T, generator=g) < 0.3] = -100     # uneven counted tokens per sample
+    return x, y
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x, self.y = token_data()
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def gpt2():
+    """A tiny GPT-2 from a config (no download), in float64 (GPT-2's LayerNorm stays in float64;
+    Llama's RMSNorm would compute in float32)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).double()
+
+
+def lm_loss(logits, labels):
+    """The causal LM's mean loss over the counted tokens, in float64 (transformers' own loss casts the
+    logits to float32, whose rounding would hide a 1e-7 difference in the weighting)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def float64_loss(outputs, labels, num_items_in_batch=None):     # Trainer(compute_loss_func=...)
+    return lm_loss(outputs.logits, labels)
+
+
+def arguments(out_dir):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out_dir, per_device_train_batch_size=PER_DEVICE,
+                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-2,
+                             optim="adamw_torch", lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
+                             train_sampling_strategy="sequential", save_strategy="steps", save_steps=2,
+                             logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True)
+
+
+def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=None):
+    from transformers import TrainerCallback
+
+    from hetrain.integrations.transformers import Trainer
+
+    class StopOnOneRank(TrainerCallback):     # an early stop only rank 1 asks for: both ranks must stop
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == stop_at:
+                control.should_training_stop = True
+
+    trainer = Trainer(model=gpt2(), args=arguments(out_dir), train_dataset=Tokens(), compute_loss_func=float64_loss,
+                      callbacks=[StopOnOneRank()] if stop_at else None,
+                      hetrain={"plan": plan_path, "emulate": "a100-80g,rtx3090", "loss_weighting": "tokens",
+                               "rebalance": False, "verbose": False, "faults": faults})
+    result = trainer.train(resume_from_checkpoint=resume)
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "global_step": result.global_step,
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "plan": trainer.hetrain_plan, "lr": [e["learning_rate"] for e in trainer.state.log_history
+                                                  if "learning_rate" in e]}
+
+
+def reference(steps: int = STEPS):
+    """One process, no hetrain, no Trainer: AdamW on the mean loss over every counted token of each
+    step's 16 samples (the sampler is sequential: step s is samples 16s..16s+15), clipped to norm 1,
+    the learning rate decaying linearly to 0 over STEPS steps."""
+    x, y = token_data()
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (STEPS - s) / STEPS))
+    losses = []
+    for s in range(steps):
+        idx = torch.arange(16 * s, 16 * s + 16)
+        loss = lm_loss(model(input_ids=x[idx]).logits, y[idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        losses.append(loss.item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, [p.detach() for p in model.parameters()]
+
+
+def max_diff(a, b) -> float:
+    return max((u - v).abs().max().item() for u, v in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    d = tmp_path_factory.mktemp("whole")
+    return d, run_ranks(worker, 2, str(d / "out"), write_plan(d / "plan.json"), None, None, FAULTS, timeout=150)
+
+
+def test_a_stock_trainer_with_one_changed_import_equals_the_big_batch_on_uneven_shares(whole):
+    _, runs = whole
+    ref_losses, ref_params = reference()
+    for r in runs:
+        assert r["global_step"] == STEPS
+        assert max_diff(r["params"], ref_params) <= 1e-9
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-9)          # the Trainer's log: the global loss
+        assert r["lr"] == pytest.approx([1e-2 * (STEPS - s - 1) / STEPS for s in range(STEPS)])
+        plan = r["plan"]
+        assert [d.share for d in plan.devices] == list(SHARES)
+        assert [d.micro_batch for d in plan.devices] == [4, 3]             # rank 1's OOM halved its 6
+    # The tolerance can see a wrong weighting: one process on rank 0's 10 samples alone differs.
+    x, y = token_data()
+    model = gpt2()
+    lm_loss(model(input_ids=x[:10]).logits, y[:10]).backward()
+    one = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    lm_loss(model(input_ids=x[:16]).logits, y[:16]).backward()
+    assert max_diff(one, [p.grad for p in model.parameters()]) > 1e-4
+
+
+def test_the_checkpoints_keep_the_trainers_layout(whole):
+    from transformers import GPT2LMHeadModel
+
+    d, runs = whole
+    out = d / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    last = out / "checkpoint-4"
+    assert {"config.json", "model.safetensors", "trainer_state.json", "hetrain.json"} <= {p.name for p in last.iterdir()}
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == 4
+    assert (out / "hetrain" / "step-00000004").is_dir()
+    loaded = GPT2LMHeadModel.from_pretrained(last).double()
+    assert max_diff(list(loaded.parameters()), runs[0]["params"]) == 0.0
+
+
+def test_a_stop_asked_by_one_rank_stops_both_and_resumes_from_the_trainer_checkpoint_exactly(whole, tmp_path):
+    _, runs = whole
+    out, plan = str(tmp_path / "out"), write_plan(tmp_path / "plan.json")
+    stopped = run_ranks(worker, 2, out, plan, 2, None, None, timeout=150)
+    assert [r["global_step"] for r in stopped] == [2, 2]
+    resumed = run_ranks(worker, 2, out, plan, None, True, None, timeout=150)
+    for r, w in zip(resumed, runs):
+        assert r["global_step"] == STEPS
+        assert max_diff(r["params"], w["params"]) <= 1e-12       # as if it had never stopped
+        assert r["losses"] == pytest.approx(w["losses"], abs=1e-12)   # the log history continues from checkpoint-2

@@ -1,0 +1,84 @@
+"""TrainingArguments read as hetrain's job (hetrain.integrations.hf.arguments): the global batch rule,
+what maps to what, and every conflicting argument refused with its fix."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason='needs pip install "hetrain[hf]"')
+
+
+def args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+
+def test_the_global_batch_is_the_stock_trainers_on_as_many_equal_devices(tmp_path):
+    from hetrain.integrations.transformers import global_batch
+
+    a = args(tmp_path, per_device_train_batch_size=6, gradient_accumulation_steps=4)
+    assert global_batch(a, 1, {}) == 24
+    assert global_batch(a, 3, {}) == 72
+    assert global_batch(a, 3, {"global_batch": 72}) == 72     # said twice, the same: accepted
+
+
+def test_a_global_batch_that_disagrees_with_the_arguments_names_both_and_the_fix(tmp_path):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import global_batch
+
+    a = args(tmp_path, per_device_train_batch_size=6, gradient_accumulation_steps=4)
+    with pytest.raises(UsageError) as e:
+        global_batch(a, 2, {"global_batch": 64})
+    assert "per_device_train_batch_size 6 x gradient_accumulation_steps 4 x 2 device(s) = 48" in e.value.what
+    assert "e.g. per_device_train_batch_size=32, gradient_accumulation_steps=1" in e.value.fix
+
+
+def test_the_arguments_that_map(tmp_path):
+    from hetrain.integrations.transformers import job_config
+
+    a = args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=30, bf16=True,
+             max_grad_norm=0.5, seed=7, dataloader_drop_last=True, train_sampling_strategy="sequential",
+             save_steps=10, save_total_limit=2, activation_checkpointing=True)
+    c = job_config(a, world_size=2, dataset_len=100, hetrain={"emulate": "a100-80g,rtx3090"})
+    assert c == {"global_batch": 16, "seed": 7, "drop_last": True, "shuffle": False, "grad_clip": 0.5,
+                 "precision": "bf16", "max_steps": 30, "checkpointing": "all",
+                 "checkpoint_dir": str(tmp_path / "hetrain"), "checkpoint_every": 10, "keep_checkpoints": 2,
+                 "emulate": "a100-80g,rtx3090"}
+    e = job_config(args(tmp_path, num_train_epochs=2, save_strategy="epoch", data_seed=3, max_grad_norm=0.0),
+                   world_size=1, dataset_len=20, hetrain={})
+    # 20 samples at a global batch of 8: three steps an epoch (the last one straddles, as nothing is dropped)
+    assert (e["epochs"], e["checkpoint_every"], e["seed"], e["grad_clip"], e["precision"]) == (2.0, 3, 3, None, "fp32")
+    assert "checkpoint_dir" not in job_config(args(tmp_path, save_strategy="no"), world_size=1, dataset_len=8,
+                                              hetrain={})
+
+
+@pytest.mark.parametrize("given, said, fix", [
+    ({"auto_find_batch_size": True}, "auto_find_batch_size=True", "remove auto_find_batch_size"),
+    ({"train_sampling_strategy": "group_by_length"}, "'group_by_length'", "train_sampling_strategy='random'"),
+    ({"dataloader_num_workers": 2}, "dataloader_num_workers=2", "remove dataloader_num_workers"),
+    ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'", "eval_strategy='no'"),
+    ({"torch_compile": True}, "torch_compile=True", "remove torch_compile"),
+])
+def test_every_argument_hetrain_cannot_honour_is_refused_with_the_fix(tmp_path, given, said, fix):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.hf.arguments import conflicts
+
+    with pytest.raises(UsageError) as e:
+        conflicts(args(tmp_path, **given), model_init=None)
+    assert said in e.value.what and fix in e.value.fix
+
+
+def test_hetrain_keys_the_arguments_decide_are_refused(tmp_path):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import job_config
+
+    with pytest.raises(UsageError) as e:
+        job_config(args(tmp_path), world_size=1, dataset_len=8, hetrain={"max_steps": 5})
+    assert "TrainingArguments decides it" in e.value.what and "set max_steps / num_train_epochs" in e.value.fix
+    with pytest.raises(UsageError) as e:
+        job_config(args(tmp_path), world_size=1, dataset_len=8, hetrain={"precison": "auto"})
+    assert "did you mean: precision" in e.value.what
