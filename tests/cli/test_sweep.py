@@ -1,16 +1,25 @@
 """`hetrain sweep` as a user meets it: trials at once on an emulated A100 + 3090 (a controlled clock,
 so nothing depends on this host's speed), the wide trials only on the card that holds them, the
-median pruner stopping the trials that report far worse, the table, and bad input as one line."""
+median pruner stopping the trials that report far worse, the table, bad input as one line; a sweep
+killed outright (scheduler and workers) resumed by the same command; a worker killed alone replaced.
+
+The kills wait on the study's own file (what a trial's state is, whether it has reported), polled
+with generous deadlines, never on sleeps tuned to this host's speed."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
 import pytest
-
-from clirun import hetrain, hetrain_here, one_line_error
+from clirun import SRC, hetrain, hetrain_here, one_line_error
 
 OBJECTIVE = Path(__file__).parent / "scripts" / "sweep_objective.py"
 SPEC = "a100-80g@64MiB,rtx3090@4MiB"
@@ -62,3 +71,186 @@ def test_an_objective_without_train_says_what_to_define(tmp_path):
     bad.write_text("def space(trial):\n    return {}\n")
     one_line_error(hetrain_here("sweep", str(bad), "--emulate", SPEC, "--trials", "1",
                                 "--storage", str(tmp_path / "s.db")), "defines no train()", "train(params, ctx)")
+
+
+def test_a_trial_that_fits_no_device_stops_the_sweep_as_one_line(tmp_path):
+    # the wide trials (6.3 MiB) fit no 4 MiB card: trial 0 is one of them
+    one_line_error(hetrain("sweep", str(OBJECTIVE), "--emulate", "rtx3090@4MiB", "--trials", "2",
+                           "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
+                   "trial 0", "fits no device", "the largest device, rtx3090#0", "narrow the search space",
+                   "bigger devices")
+    study = optuna.load_study(study_name="sweep_objective", storage=f"sqlite:///{tmp_path / 's.db'}")
+    assert study.trials[0].state.name == "FAIL" and study.trials[0].user_attrs["unplaced"] is True
+
+
+# ---- kills: a sweep started as a user would, in its own session (its own process group) ----
+
+def start_sweep(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "120"}
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "hetrain", "sweep", *args], stdout=out, stderr=err, text=True,
+                                env=env, start_new_session=True)
+
+
+def trials_in(db: Path) -> dict[int, dict]:
+    """The study's trials, read straight from its SQLite file (read only, so the poll never takes a
+    write lock): number -> {state, reports, attrs}; {} while the file or its tables do not exist."""
+    if not db.exists():
+        return {}
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = con.execute("SELECT t.number, t.state, (SELECT COUNT(*) FROM trial_intermediate_values v "
+                               "WHERE v.trial_id = t.trial_id) FROM trials t").fetchall()
+            attrs = con.execute("SELECT t.number, a.key, a.value_json FROM trial_user_attributes a "
+                                "JOIN trials t ON a.trial_id = t.trial_id").fetchall()
+        finally:
+            con.close()
+    except sqlite3.OperationalError:        # not made yet, or being made
+        return {}
+    out = {number: {"state": state, "reports": reports, "attrs": {}} for number, state, reports in rows}
+    for number, key, value in attrs:
+        out[number]["attrs"][key] = json.loads(value)
+    return out
+
+
+def wait_for(proc: subprocess.Popen, db: Path, until, what: str, tmp_path: Path, name: str, deadline_s=240):
+    """Poll the study until `until(trials)` is true; the sweep ending first, or the deadline, fails."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        trials = trials_in(db)
+        if until(trials):
+            return trials
+        if proc.poll() is not None:
+            pytest.fail(f"the sweep ended (exit {proc.returncode}) before {what}: {trials}\n"
+                        + (tmp_path / f"{name}.err").read_text()[-3000:])
+        time.sleep(0.1)
+    pytest.fail(f"no {what} within {deadline_s} s: {trials_in(db)}")
+
+
+def group_gone(pgid: int, deadline_s: float = 60) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
+    db = tmp_path / "s.db"
+    # 6 steps of 32 samples at 30 ms: a trial lasts ~6 s on the A100, ~9 s on the 3090
+    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db), "--emulate-sample-s", "0.03"]
+    proc = start_sweep(tmp_path, "first", *args)
+    try:
+        wait_for(proc, db, lambda ts: any(t["state"] == "COMPLETE" for t in ts.values()) and any(
+            t["state"] == "RUNNING" and t["reports"] >= 1 for t in ts.values()),
+            "a complete trial and one running (reported) at once", tmp_path, "first")
+        os.killpg(proc.pid, signal.SIGKILL)             # the scheduler and every worker
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert group_gone(proc.pid), "a process of the killed sweep is still alive"
+    at_kill = trials_in(db)
+    running = sorted(n for n, t in at_kill.items() if t["state"] == "RUNNING")
+    done_before = {n: t for n, t in at_kill.items() if t["state"] in ("COMPLETE", "PRUNED", "FAIL")}
+    assert running and done_before
+
+    again = hetrain("sweep", *args, "--json", str(tmp_path / "again.json"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "in use by another" not in again.stderr           # the kernel freed the dead sweep's flock
+    assert f"resumed: {len(running)} trial(s)" in again.stderr, again.stderr
+    assert f"{len(running)} interrupted trial(s) resumed" in again.stdout, again.stdout
+    study = optuna.load_study(study_name="sweep_objective", storage=f"sqlite:///{db}")
+    trials = {t.number: t for t in study.get_trials()}
+    interrupted = sorted(n for n, t in trials.items() if t.user_attrs.get("interrupted"))
+    assert interrupted == running and all(trials[n].state.name == "FAIL" for n in interrupted)
+    counted = [t for t in trials.values() if not t.user_attrs.get("interrupted")]
+    assert len(counted) == 6 and all(t.state.name in ("COMPLETE", "PRUNED") for t in counted)
+    for n, t in done_before.items():                          # what had finished is left as it was
+        assert trials[n].state.name == t["state"]
+    for n in interrupted:                                     # each re-run once, with its parameters
+        retries = [t for t in counted if t.user_attrs.get("retry_of") == n]
+        assert len(retries) == 1, (n, [t.user_attrs for t in counted])
+        if trials[n].params:                                  # empty only if killed between ask and space()
+            assert retries[0].params == trials[n].params
+    lrs = [t.params["lr"] for t in counted]
+    assert len(set(lrs)) == len(lrs)                          # no hyperparameters run twice
+    ran = json.loads((tmp_path / "again.json").read_text())["trials_run"]
+    assert len(ran) == 6 - len(done_before)                   # this run ran only what was missing
+    # complete: the same command once more runs nothing
+    third = hetrain("sweep", *args)
+    assert third.returncode == 0 and "6 trial(s) already finished; 0 to go" in third.stderr, third.stderr
+
+
+def test_a_worker_killed_mid_trial_fails_that_trial_and_a_new_worker_takes_over(tmp_path):
+    db, out = tmp_path / "s.db", tmp_path / "s.json"
+    # one device, so the trials after the kill can only run on its new worker; ~8 s a trial
+    args = [str(OBJECTIVE), "--emulate", "a100-80g@64MiB", "--trials", "3", "--storage", str(db),
+            "--emulate-sample-s", "0.04", "--pruner", "none", "--json", str(out)]
+    proc = start_sweep(tmp_path, "sweep", *args)
+    try:
+        at = wait_for(proc, db, lambda ts: 0 in ts and ts[0]["state"] == "RUNNING" and ts[0]["reports"] >= 1
+                      and "worker_pid" in ts[0]["attrs"], "trial 0 running on its worker", tmp_path, "sweep")
+        victim = at[0]["attrs"]["worker_pid"]
+        os.kill(victim, signal.SIGKILL)                        # the worker alone, not the scheduler
+        assert proc.wait(timeout=240) == 0, (tmp_path / "sweep.err").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    stdout, stderr = (tmp_path / "sweep.out").read_text(), (tmp_path / "sweep.err").read_text()
+    study = optuna.load_study(study_name="sweep_objective", storage=f"sqlite:///{db}")
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"], stderr[-3000:]
+    assert trials[0].user_attrs["worker_died"] == -signal.SIGKILL
+    assert "died (exit code -9)" in trials[0].user_attrs["reason"]
+    new = {t.user_attrs["worker_pid"] for t in trials[1:]}
+    assert victim not in new and len(new) == 1                 # one new worker ran the rest
+    assert "the worker of a100-80g#0 (emulated) died (exit code -9) during trial 0: a new one started" in stderr
+    data = json.loads(out.read_text())
+    assert data["devices"][0]["worker_deaths"] == 1 and data["devices"][0]["failed"] == 1
+    assert data["devices"][0]["complete"] == 2 and not data["devices"][0]["left_out"]
+    header = next(line for line in stdout.splitlines() if line.startswith("device"))
+    row = next(line for line in stdout.splitlines() if line.startswith("a100-80g#0"))
+    assert header.split("┃")[-1].strip() == "worker died" and row.split("│")[-1].strip() == "1"
+    assert "during trial 0, which failed; a new one took over" in stdout
+
+
+def test_a_scheduler_killed_alone_leaves_no_worker_training(tmp_path):
+    db = tmp_path / "s.db"
+    # 6 steps of ~1.3 s (A100) or ~1.9 s (3090): a worker left training would report all 6
+    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "4", "--storage", str(db), "--emulate-sample-s", "0.04"]
+    proc = start_sweep(tmp_path, "sweep", *args)
+    try:
+        at = wait_for(proc, db, lambda ts: any(t["state"] == "RUNNING" and 1 <= t["reports"] <= 3
+                                               and "worker_pid" in t["attrs"] for t in ts.values()),
+                      "a trial running on its worker, early", tmp_path, "sweep")
+        os.kill(proc.pid, signal.SIGKILL)                      # the scheduler alone
+        proc.wait(timeout=60)
+        assert group_gone(proc.pid, deadline_s=120), "workers outlived their scheduler"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    after = trials_in(db)
+    for n, t in at.items():
+        if t["state"] == "RUNNING" and t["reports"] >= 1:
+            # its worker stopped at the step under way when the scheduler died, not at the trial's end
+            assert after[n]["reports"] <= t["reports"] + 1 < 6, (n, t, after[n])
+
+
+def test_a_storage_another_sweep_holds_is_one_line(tmp_path):
+    import fcntl
+
+    db = tmp_path / "s.db"
+    with open(f"{db}.lock", "a") as held:                     # as a running sweep holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        one_line_error(hetrain_here("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "2", "--storage", str(db)),
+                       "is in use by another hetrain sweep", "give another --storage")

@@ -29,7 +29,9 @@ def sweep(
 ) -> None:
     """Run an Optuna study's trials at once, one per device, the bigger trials on the bigger cards
     (the planner's memory model decides what fits where); the study is kept in SQLite, so the same
-    command resumes it after a crash. A trial runs on one device (groups of devices per trial: not yet)."""
+    command resumes it after a crash (a trial left running is run again), and a worker that dies is
+    replaced. A trial runs on one device: one that fits no device stops the sweep (groups of devices
+    per trial are not supported)."""
     from ..integrations import require
 
     require("optuna", extra="sweep", feature="hetrain sweep")

@@ -19,6 +19,7 @@ the device the trial was placed on, with `torch` limited to one thread there whe
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -71,10 +72,16 @@ class TrialContext:
     trial: object = None             # the worker's optuna.trial.Trial (report / should_prune)
     reports: int = 0
     compute_s: float = field(default=0.0)
+    parent: int | None = None        # the scheduler's pid: the trial stops once it is gone
+
+    def _check_parent(self) -> None:
+        if self.parent is not None and os.getppid() != self.parent:
+            raise SystemExit("hetrain sweep: the scheduler is gone; this trial's worker stops")
 
     def report(self, value: float, step: int) -> None:
         """An intermediate value at `step`; raises when the pruner stops the trial (let it
         propagate: the sweep records the trial as pruned)."""
+        self._check_parent()
         self.trial.report(float(value), int(step))
         self.reports += 1
         if self.trial.should_prune():
@@ -98,3 +105,4 @@ class TrialContext:
                 if owed > 0:
                     time.sleep(owed)
             self.compute_s += time.perf_counter() - t_wall
+            self._check_parent()

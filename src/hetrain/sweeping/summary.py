@@ -19,20 +19,27 @@ def print_table(result: SweepResult) -> None:
     con = console()
     t = Table(title=f"hetrain sweep: {s.objective}, study {s.study!r} in {s.storage}, {s.trials} trials, "
               f"{s.direction}, pruner {s.pruner}", title_justify="left", show_edge=False, pad_edge=False)
-    for c in ("device", "memory", "complete", "pruned", "failed", "busy s", "utilisation", "largest trial"):
+    died = bool(result.deaths)
+    columns = ["device", "memory", "complete", "pruned", "failed", "busy s", "utilisation", "largest trial"]
+    for c in columns + (["worker died"] if died else []):
         t.add_column(c, justify="left" if c == "device" else "right")
     for slot in s.slots:
         tally = result.tally[slot.index]
-        t.add_row(slot.label, format_bytes(slot.memory_bytes), str(tally.complete), str(tally.pruned),
-                  str(tally.failed), f"{tally.busy_s:.1f}", f"{utilisation(result, slot.index):.0%}",
-                  format_bytes(tally.largest_bytes) if tally.largest_bytes else "-")
+        row = [slot.label, format_bytes(slot.memory_bytes), str(tally.complete), str(tally.pruned),
+               str(tally.failed), f"{tally.busy_s:.1f}", f"{utilisation(result, slot.index):.0%}",
+               format_bytes(tally.largest_bytes) if tally.largest_bytes else "-"]
+        if died:
+            row.append(f"{tally.deaths}" + (" (left out)" if tally.retired else ""))
+        t.add_row(*row)
     con.print(t)
-    if result.unplaced:
-        con.print(f"{result.unplaced} trial(s) fit no device and failed (the reason is in each trial's line above "
-                  "and in the study: user attribute 'reason')", markup=False)
+    for d in result.deaths:
+        con.print(f"the worker of {d['device']} died (exit code {d['exit_code']})"
+                  + (f" during trial {d['trial']}, which failed" if d["trial"] is not None else " between trials")
+                  + ("; a new one took over" if d["restarted"] else "; the device was left out"), markup=False)
     ran = len(result.ran)
     con.print(f"this run: {ran} trial(s) in {result.wall_s:.1f} s" + (
         f", after {result.finished_before} finished earlier in the study" if result.finished_before else "")
+        + (f"; {len(result.resumed)} interrupted trial(s) resumed" if result.resumed else "")
         + "; utilisation = a device's busy time ÷ this run's wall time", markup=False)
     if result.best is not None:
         b = result.best
@@ -47,10 +54,11 @@ def to_dict(result: SweepResult) -> dict:
     return {
         "objective": s.objective, "storage": s.storage, "study": s.study, "trials": s.trials,
         "direction": s.direction, "pruner": s.pruner, "wall_s": result.wall_s,
-        "finished_before": result.finished_before,
+        "finished_before": result.finished_before, "resumed": result.resumed, "worker_deaths": result.deaths,
         "devices": [{"device": slot.label, "memory_bytes": slot.memory_bytes, "speed": slot.speed,
                      "complete": result.tally[slot.index].complete, "pruned": result.tally[slot.index].pruned,
                      "failed": result.tally[slot.index].failed, "busy_s": result.tally[slot.index].busy_s,
-                     "utilisation": utilisation(result, slot.index)} for slot in s.slots],
+                     "utilisation": utilisation(result, slot.index), "worker_deaths": result.tally[slot.index].deaths,
+                     "left_out": result.tally[slot.index].retired} for slot in s.slots],
         "trials_run": result.ran, "best": result.best,
     }
