@@ -9,7 +9,7 @@ ZeRO, PP, TP) is one more entry in a result's `columns`. Ratios are compared, no
 samples/s: the catalog estimates compute from datasheet peaks × 40%, which is not what any of
 these setups measured. docs/published-results.md explains each difference.
 
-    seed     the seed's table (DESIGN.md): A100 120 samples/s alone, RTX 3090 80, both 190
+    seed     the seed's table (the product's founding figures): A100 120 samples/s alone, RTX 3090 80, both 190
     sailor   Sailor (Strati et al., SOSP 2025) Fig. 1: 16 A100 + 16 V100 ≈ 1.15× 16 A100 (OPT-350M)
     timm     timm PR #580: 2×A6000 + 2×2080Ti, EfficientNet-B0, 2000 → 2500 img/s with per-GPU batches
 
@@ -184,7 +184,7 @@ class Result:
 
 
 RESULTS = (
-    Result(key="seed", title="seed: A100 + RTX 3090", source="DESIGN.md, Reference figures",
+    Result(key="seed", title="seed: A100 + RTX 3090", source="the seed's reference figures (docs/published-results.md)",
            configuration=f"--cluster {SEED_CLUSTER} --model {SEED_MODEL} --global-batch {SEED_BATCH}",
            metrics=(
                Metric(name="RTX 3090 / A100 alone", published=80 / 120,

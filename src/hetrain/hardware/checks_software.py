@@ -12,7 +12,7 @@ from .findings import DoctorOptions, Finding, skipped
 from .machine import Machine
 
 PLANNED = "a planned cluster: no driver or torch build to check"
-# Driver series with known multi-GPU problems (USER-NEEDS B2): (prefix, what, fix).
+# Driver series with known multi-GPU problems (the issues cited in each line): (prefix, what, fix).
 BAD_DRIVERS = (
     ("545.", "P2P copies fail or hang on 545 drivers (pytorch#119638, nccl#1127)",
      "update the NVIDIA driver to 550 or later"),

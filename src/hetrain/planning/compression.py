@@ -142,7 +142,7 @@ def check_request(request: str, *, backend: str, blocked_by: str | None = None) 
                          f"data parallelism, and this job runs {blocked_by}",
                          "for compression use parallel='dp' with sharding='none', or leave compression='auto'")
     if request == "bf16" and backend != "nccl":
-        # torch's bf16_compress_hook raises TypeError on gloo (TORCH-CPU-FACTS): refused up front
+        # torch's bf16_compress_hook raises TypeError on gloo (measured, torch 2.13): refused up front
         # rather than swapped for fp16, whose range (±65504) is not bf16's
         raise UsageError(f"compression='bf16' needs NCCL (CUDA): torch's bf16_compress_hook does not run on "
                          f"{backend or 'gloo'} (CPU and emulated devices)",

@@ -192,8 +192,8 @@ class Engine:
 
     def _at_exit(self) -> None:
         """An interpreter exit without close() (an error the script caught, say): free the DDP
-        wrapper before the process group goes, which is what stops gloo aborting at exit (SIGABRT,
-        TORCH-CPU-FACTS). No barrier: peers may be gone."""
+        wrapper before the process group goes, which is what stops gloo aborting at exit (SIGABRT:
+        ranks/dist.py's docstring). No barrier: peers may be gone."""
         if self._closed:
             return
         self._closed = True

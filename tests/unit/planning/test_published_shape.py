@@ -1,4 +1,4 @@
-"""The simulator reproduces the shape of the seed's published table (DESIGN.md: A100 120 samples/s
+"""The simulator reproduces the shape of the seed's published table (the product's founding figures: A100 120 samples/s
 alone, RTX 3090 80, both 190; equal-split DDP 2 × 80): the figures benchmarks/published.py prints,
 computed by the same function, so the benchmark and this test cannot drift apart."""
 

@@ -1,6 +1,6 @@
 """Joining and leaving the process group, reliably, with or without torchrun.
 
-Two measured traps (../shared/TORCH-CPU-FACTS.md) shape this module:
+Two traps, measured with torch 2.13 + gloo on CPU, shape this module:
   * After a torchrun restart, gloo workers read the previous attempt's addresses from the agent's
     shared TCPStore and fail in connectFullMesh (pytorch#135712). Every attempt therefore gets its
     own key space: PrefixStore(f"hetrain/attempt{TORCHELASTIC_RESTART_COUNT}", store).
