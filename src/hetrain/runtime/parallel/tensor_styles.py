@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ...errors import UsageError
-from ..memory.activation_checkpointing import find_blocks
+from ..user_objects import find_blocks
 
 Q, K, V = ("q", "q_proj", "query", "wq"), ("k", "k_proj", "key", "wk"), ("v", "v_proj", "value", "wv")
 OUT = ("proj", "o_proj", "out_proj", "c_proj", "dense", "wo")

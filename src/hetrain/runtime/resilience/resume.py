@@ -46,7 +46,7 @@ def save(job) -> Path:
         "scaler": job.scaler.state_dict() if job.scaler is not None else None,
         "rng": rngs,
         "extra": {name: obj.state_dict() for name, obj in job.extra_state.items()},
-        "model_signature": model_signature(job.model.module),
+        "model_signature": job.model_signature or model_signature(job.model.module),   # the user's model's
         "global_batch": job.config.global_batch,
         "world_size": job.world_size,
         "layout": job.plan.describe_layout(),
@@ -75,6 +75,9 @@ def find_checkpoint(job, model) -> Found | None:
     """Collective: the newest whole checkpoint, checked against this job before anything of it is
     used (a checkpoint of another model or global batch is refused, and nothing is written)."""
     cfg, ck = job.config, job.checkpointer
+    # The user's model, as given: a layout may shard it into parts of other shapes (TP by speed)
+    # or rename parameters (GPT-2's Conv1Ds as Linears), so save() writes this one, not the wrapped model's.
+    job.model_signature = signature = model_signature(model)
     path = ck.latest()
     if path is None:
         if cfg.resume == "must":
@@ -85,7 +88,6 @@ def find_checkpoint(job, model) -> Found | None:
         raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
                          "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
     meta = ck.read_meta(path)    # (collective) loaded safely by rank 0, refused on every rank together
-    signature = model_signature(model)
     if meta["model_signature"] != signature:
         raise UsageError(f"checkpoint {path} was saved from a different model "
                          f"(signature {meta['model_signature']}, this model {signature})",

@@ -1,0 +1,226 @@
+"""Tensor parallelism split by speed against the even split, on an emulated 1 : 0.6 pair.
+
+One run trains a Hugging Face GPT-2 (transformers, built from a config: no downloads; 8 heads,
+dropout off) with `ht.prepare(..., parallel="tp")` on an emulated A100 (speed 1.0) and RTX 3090
+(0.6), in two configs with the same global batch:
+  tp-even    hetrain.init(tp_split="even"):  DTensor, every layer cut in half (4/4 heads)
+  tp-speed   hetrain.init(tp_split="speed"): heads and MLP columns by speed (5/3 heads, 320/192 columns)
+and, with --fast-pair, tp-even on two A100s (an upper bound for the mixed pair).
+
+The configs run interleaved in rounds, every other round in reverse order (so machine drift hits
+both alike and neither always runs first); each run's throughput is the global batch ÷ its median
+step, and each figure is the median over rounds of the ratio within a round (runs seconds apart).
+
+Clock: by default a controlled clock (benchmarks/controlled_clock.py says what and why): every
+emulated micro-batch of m samples on a TP rank lasts m·T·share/speed, `share` the rank's part of
+the model's Linear weights (runtime/layouts/tensor.py), T calibrated here as 8× the whole model's
+forward+backward CPU time a sample in one process. 8×, not the 3× of benchmarks/controlled_clock.py:
+a TP rank's CPU time a step is far above its share of the single-process one (DTensor's dispatch,
+two all-reduces per layer on gloo, two processes on the 2 shared cores here), and at 3× the even
+split ran CPU-bound, so its DTensor overhead showed as the split's gain (one round: 1.60). What is
+not clock (the all-reduces' waits, the optimizer's CPU time ÷ speed, the loop's own work) stays on
+the wall clock, so the figure still carries each side's overheads; `clock_only` is the ratio the
+clock alone gives (the slowest rank's T·share/speed, even over by speed), to read it against.
+`--clock wall`: the CPU's time ÷ speed.
+
+    PYTHONPATH=src python benchmarks/tensor_split.py --json out.json [--rounds 3] [--steps 8] [--fast-pair]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
+CONFIGS = {   # name: (tp_split, cluster spec)
+    "tp-even": ("even", f"{FAST},{SLOW}"),
+    "tp-speed": ("speed", f"{FAST},{SLOW}"),
+    "tp-even-fast-pair": ("even", f"{FAST},{FAST}"),
+}
+
+
+def gpt2(args):
+    """The benchmark's GPT-2 (seeded) and its byte windows of the pydoc text."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers,
+                     n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg), ByteWindows(pydoc_bytes(), args.seq_len)
+
+
+def loss_of(model, x, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+
+
+def calibrate_clock_ms(args) -> tuple[float, float]:
+    """(T in ms, the CPU ms a sample it comes from): the whole model's forward + backward CPU time
+    a sample, one thread, at the global batch (median of 6 steps after 2), ×8 rounded up to 0.5 ms."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, data = gpt2(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = args.global_batch
+    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(n))))
+    per_sample = []
+    for step in range(8):
+        t = time.thread_time()
+        loss_of(model, x, y).backward()
+        if step >= 2:
+            per_sample.append((time.thread_time() - t) / n)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    cpu_ms = statistics.median(per_sample) * 1e3
+    return math.ceil(8 * cpu_ms * 2) / 2, cpu_ms
+
+
+# -- inside each worker process ----------------------------------------------------------------
+def worker(args) -> dict:
+    import torch
+
+    import hetrain
+    from hetrain.benching.worker import timed_steps  # `hetrain bench`'s timed loop
+
+    torch.set_num_threads(1)
+    ends: list[float] = []
+    clock = {"emulate_sample_s": args.clock_ms / 1000} if args.clock_ms else {}
+    ht = hetrain.init(global_batch=args.global_batch, precision="fp32", max_steps=args.warmup + args.steps,
+                      emulate=args.spec, tp_split=args.split, verbose=False, **clock)
+    model, data = gpt2(args)
+    model, _, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
+                                     parallel="tp")
+    seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: loss_of(m, *batch),
+                          on_step=lambda step: ends.append(time.perf_counter()))
+    steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
+    throttle = ht.job.emulated.throttle        # this rank's clock: T x its share of the model's Linears
+    got = {"samples_per_s": args.steps * args.global_batch / seconds, "step_s": steps,
+           "speeds": [round(d.speed, 3) for d in ht.plan.devices],
+           "micro_batch": [d.micro_batch for d in ht.plan.devices],
+           "clock_s_per_sample": throttle.sample_s / throttle.speed if throttle.sample_s else None}
+    ht.close()
+    return got
+
+
+# -- the driver --------------------------------------------------------------------------------
+def launch(name: str, args) -> dict:
+    split, spec = CONFIGS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--worker", "--split", split, "--spec", spec, "--out", str(out), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
+               "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads),
+               *(["--clock-ms", str(args.clock_ms)] if args.clock_ms else [])]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+        clock = [r["clock_s_per_sample"] for r in ranks]
+        return {**ranks[0], "clock_s_per_sample": clock}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions, every other one reversed")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--fast-pair", action="store_true", help="also run the even split on two A100s (the ceiling)")
+    p.add_argument("--clock", default="auto",
+                   help="auto (default): controlled clock, T calibrated here; a number: T in ms; wall: the wall clock")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--split", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first timed step starts at the last warm-up step's end)")
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    if not args.worker and args.clock not in ("auto", "wall"):
+        try:
+            args.clock_ms = float(args.clock)
+        except ValueError:
+            p.error(f"--clock {args.clock!r}: give auto, wall, or the ms a sample takes at speed 1 (e.g. 10)")
+        if not 0 < args.clock_ms <= 1000:
+            p.error(f"--clock {args.clock}: give a positive number of ms, at most 1000")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        got = worker(args)
+        Path(f"{args.out}.{os.environ.get('RANK', '0')}").write_text(json.dumps(got))
+        return
+    if args.clock == "auto":
+        args.clock_ms, cpu_ms = calibrate_clock_ms(args)
+        print(f"clock: {args.clock_ms:g} ms a sample at speed 1 (8x the {cpu_ms:.2f} ms of CPU a sample the "
+              "whole model's forward and backward took here)", flush=True)
+    load_before = os.getloadavg()
+    names = [n for n in CONFIGS if args.fast_pair or n != "tp-even-fast-pair"]
+    cache = tempfile.mkdtemp(prefix="hetrain-bench-cache-")   # this run's own profiles, none left by another
+    os.environ["HETRAIN_CACHE"] = cache
+    steady: dict[str, list[float]] = {n: [] for n in names}
+    seen: dict[str, dict] = {}
+    started = time.perf_counter()
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            got = launch(name, args)
+            steady[name].append(args.global_batch / statistics.median(got["step_s"]))
+            seen[name] = {"speeds": got["speeds"], "micro_batch": got["micro_batch"],
+                          "clock_s_per_sample": got["clock_s_per_sample"]}
+            print(f"round {r + 1}/{args.rounds}  {name:<18} {steady[name][-1]:7.1f} samples/s at the median step "
+                  f"({got['samples_per_s']:.1f} over the window)", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    per_round = {"speed_vs_even": [s / e for s, e in zip(steady["tp-speed"], steady["tp-even"])]}
+    if args.fast_pair:   # the mixed pair split by speed against two fast devices
+        per_round["speed_vs_fast_pair"] = [s / f for s, f in zip(steady["tp-speed"], steady["tp-even-fast-pair"])]
+    figures = {k: statistics.median(v) for k, v in per_round.items()}
+    if args.clock_ms:    # the slowest rank's clock a sample, even over by speed: the clock's own ratio
+        figures["clock_only"] = max(seen["tp-even"]["clock_s_per_sample"]) / max(seen["tp-speed"]["clock_s_per_sample"])
+    load = {"before": load_before, "after": os.getloadavg(), "cpu_count": os.cpu_count()}
+    for name in names:
+        print(f"{name:<18} {statistics.median(steady[name]):7.1f} samples/s (median of {args.rounds}; "
+              f"plan speeds {seen[name]['speeds']}, micro-batches {seen[name]['micro_batch']})")
+    for k, v in figures.items():
+        print(f"{k:<16} {v:.3f}   " + (f"(median of the rounds' {', '.join(f'{x:.3f}' for x in per_round[k])})"
+                                      if k in per_round else "(the clock alone: slowest rank's T x share / speed)"))
+    print(f"host load (1/5/15 min) {'/'.join(f'{x:.2f}' for x in load['before'])} before, "
+          f"{'/'.join(f'{x:.2f}' for x in load['after'])} after, on {load['cpu_count']} cores; "
+          f"{time.perf_counter() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            **figures, "per_round": per_round, "samples_per_s": {n: statistics.median(v) for n, v in steady.items()},
+            "step_samples_per_s": steady, "plans": seen, "load": load,
+            "setup": {"model": f"HF GPT-2 {args.layers} layers d={args.d_model} {args.heads} heads seq {args.seq_len}, "
+                               "AdamW, fp32", "cluster": f"{FAST},{SLOW}", "global_batch": args.global_batch,
+                      "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                      "clock": f"controlled: {args.clock_ms:g} ms a sample at speed 1" if args.clock_ms else "wall"}},
+            indent=2))
+
+
+if __name__ == "__main__":
+    main()

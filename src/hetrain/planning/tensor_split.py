@@ -1,0 +1,87 @@
+"""Tensor parallelism split by speed, costed for the layout ranking (pure: no torch).
+
+The runtime's `tp_split='speed'` (runtime/parallel/tensor_uneven.py) gives rank r a fraction f_r
+of every layer's heads and MLP columns, in proportion to its speed v_r = 1 / its seconds per
+sample. Each rank computes every sample through its fraction of each layer, so the step is
+
+    max over r of  f_r · (n_micro · a_r + B · b_r)  +  the activation all-reduces  +  max f_r · optimizer_r
+
+(a_r, b_r: the device's seconds per micro-batch and per sample for the whole model; B the global
+batch). With f_r = v_r / Σv every rank's part lasts B / Σv: the devices' speeds add up, where the
+even split (layouts._tp_row, f_r = 1/W) runs every rank at the slowest one's pace, B · b_slowest / W.
+The all-reduces are the even split's: every rank sends and receives the whole activations of
+each layer (2 per layer forward, 2 backward), whatever its part. Memory: rank r holds f_r of the
+model state and of the activations, as the even split holds 1/W.
+
+`units`: when the head (key/value group) count is known, f_r are the runtime's whole units
+(planning.shares.proportional_shares, the same solver the runtime uses); else the exact fractions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..hardware.units import format_bytes
+from .collectives import allreduce_seconds
+from .layouts import TP_COMM_PER_ACTIVATION, LayoutRow, ModelState, seconds
+from .options import PlanOptions, ring_link
+from .profile import DeviceProfile
+from .shares import proportional_shares
+
+FAMILY = "TP by speed"
+RUN = "hetrain.init(tp_split='speed') and ht.prepare(..., parallel='tp')"
+
+
+def speed_fractions(per_sample_s: Sequence[float], units: int | None = None) -> tuple[float, ...]:
+    """Each rank's fraction of every layer: ∝ 1 / seconds per sample; in whole `units` if given."""
+    speeds = [1 / t for t in per_sample_s]
+    if units is not None:
+        return tuple(c / units for c in proportional_shares(units, speeds))
+    total = sum(speeds)
+    return tuple(v / total for v in speeds)
+
+
+def tp_compute_seconds(profiles: Sequence[DeviceProfile], fractions: Sequence[float], *, batch: int,
+                       n_micro: int) -> tuple[float, ...]:
+    """Each rank's compute seconds per step: its fraction of the whole batch through the whole model."""
+    return tuple(f * (n_micro * p.overhead_s + batch * p.per_sample_s) for p, f in zip(profiles, fractions))
+
+
+def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOptions, *,
+                 units: int | None = None) -> LayoutRow:
+    """The ranking's row for TP over every device, split by speed (see the module docstring)."""
+    w, b = len(profiles), o.global_batch
+    name = f"TP {w} by speed"
+    fractions = speed_fractions([p.per_sample_s for p in profiles], units)
+    whole = state.state("none", world_size=1)
+    held = [f * (whole.params + whole.grads + whole.optimizer) for f in fractions]
+    caps = []
+    for p, f, h in zip(profiles, fractions, held):
+        if p.memory_bytes is None or not p.activation_bytes_per_sample:
+            caps.append(b)
+            continue
+        room = p.memory_bytes * (1 - o.memory_margin) - h - f * p.activation_fixed_bytes
+        caps.append(int(room // (f * p.activation_bytes_per_sample)))
+    m = min(min(caps), b)
+    if m < 1:
+        i = min(range(w), key=lambda k: caps[k])
+        return LayoutRow(name=name, family=FAMILY, fits=False, samples_per_s=0.0, memory=(None,) * w,
+                         comm_bytes=0.0, comm_s=0.0, run=RUN,
+                         detail=f"{fractions[i]:.0%} of the model state ({format_bytes(held[i])}) and one sample's "
+                                f"activations do not fit {profiles[i].device}")
+    n_micro = math.ceil(b / m)
+    compute = tp_compute_seconds(profiles, fractions, batch=b, n_micro=n_micro)
+    per_sample = TP_COMM_PER_ACTIVATION * max(p.activation_bytes_per_sample for p in profiles)
+    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, ring_link(profiles, o)) \
+        if w > 1 else 0.0
+    step = max(compute) + comm + max(f * p.optimizer_s for p, f in zip(profiles, fractions))
+    mem = tuple(h + f * (p.activation_fixed_bytes + p.activation_bytes_per_sample * m)
+                for p, f, h in zip(profiles, fractions, held))
+    ring = 2 * (w - 1) / w if w > 1 else 0.0
+    return LayoutRow(name=name, family=FAMILY, fits=True, samples_per_s=b / step, memory=mem,
+                     comm_bytes=ring * b * per_sample, comm_s=comm, run=RUN,
+                     detail=f"every layer split {w} ways in proportion to speed "
+                            f"({'/'.join(f'{f:.0%}' for f in fractions)} of its heads and MLP columns), so the "
+                            f"devices finish their parts together ({seconds(max(compute))} of compute); "
+                            f"micro-batch {m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
