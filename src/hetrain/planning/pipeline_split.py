@@ -46,10 +46,14 @@ from .memory import ADAMW_STATE_FACTOR
 from .plan import split_evenly
 from .stage_plan import PipelineSplit, StagePlan, bubble_fraction
 
-__all__ = ["BlockCost", "PipelineProfile", "StageDevice", "StagePlan", "PipelineSplit", "StageCosts",
+__all__ = ["RESPLIT_NOTE", "BlockCost", "PipelineProfile", "StageDevice", "StagePlan", "PipelineSplit", "StageCosts",
            "bubble_fraction", "in_flight", "stage_devices", "split_pipeline", "evaluate_split"]
 
 _EPS = 1e-12
+# What a plain pipeline's plan and ranking say of the runtime's online re-split
+# (runtime/resilience/resplit.py): the split above is where it starts, not where it must stay.
+RESPLIT_NOTE = ("re-split online: when a stage's measured speed changes, blocks move between stages "
+                "with their optimizer state at a step boundary (when the faster split fits memory)")
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -102,8 +106,8 @@ class PipelineProfile:
         return sum(p.seconds for p in parts if p is not None)
 
     def on_clock(self, sample_s: float) -> PipelineProfile:
-        """These blocks on the controlled clock (Config.emulate_sample_s; data parallelism's is
-        runtime/measure/measurements.on_controlled_clock): the whole model's forward and backward
+        """These blocks on the controlled clock (Config.emulate_sample_s; data parallelism's
+        profile is measured on it instead, runtime/measure/profiler.py): the whole model's forward and backward
         last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
         them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'
         share of the clock (runtime/parallel/pipeline_stage.py), whatever its CPU took."""

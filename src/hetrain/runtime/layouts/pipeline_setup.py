@@ -16,7 +16,7 @@ from ...errors import UsageError
 from ...hardware.host import usable_cores
 from ...planning.core_sharing import stretched_step
 from ...planning.parallelism import split_hybrid
-from ...planning.pipeline_split import evaluate_split
+from ...planning.pipeline_split import RESPLIT_NOTE, evaluate_split
 from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
@@ -97,10 +97,10 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     if kind == "pp":
         split = plan_split(profile, devices, None, micro_batches=m, micro_batch_size=math.ceil(cfg.global_batch / m),
                            **common)
-        splits, shares, reasons = [split], (cfg.global_batch,), split.reasons
+        splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, kind))
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
-        splits, shares, reasons = h.replicas, h.shares, h.reasons
+        splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, kind))
     predicted = predict_step(job, splits)
     plans = []
     for r, dev in enumerate(devices):
@@ -216,6 +216,44 @@ def _groups(job, grid):
         if job.rank in ranks:
             mine["dp"] = group
     return mine["pp"], mine["dp"]
+
+
+# Why DP×PP keeps its planned split (the plan's reasons say it, and the job's log when it starts).
+NO_RESPLIT_HYBRID = ("no online re-split under DP×PP: the replicas average their gradients stage by stage, "
+                     "so every replica's stage must keep the same blocks; the split stays as planned "
+                     "(parallel='pp' re-splits online)")
+
+
+def _resplit_reason(cfg, kind: str) -> tuple[str, ...]:
+    if not cfg.rebalance:
+        return ()
+    return (RESPLIT_NOTE + "; rebalance=False keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
+
+
+def make_resplitter(job, devices, optimizer_kind: str):
+    """parallel='pp': what moves blocks between stages when a stage's measured speed changes
+    (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
+    replicas share one split), with rebalance=False, or on one device."""
+    cfg, plan, pipe = job.config, job.plan, job.layout.pipe
+    if cfg.rebalance and plan.layout == "dp-pp":
+        job.log.info(NO_RESPLIT_HYBRID)
+    if not cfg.rebalance or plan.layout != "pp" or plan.world_size < 2 or pipe.profile is None:
+        return None
+    from ..resilience.resplit import Resplitter, Sizing
+
+    parts = pipe.parts
+    factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]
+    sizing = Sizing(profile=pipe.profile, devices=tuple(devices), schedule=plan.schedule or "1f1b",
+                    state_factor=factor, memory_margin=cfg.memory_margin)
+
+    def move(split, version: int) -> str | None:      # a collective of the pipeline
+        why = pipe.resplit(split, job.optimizer, version=version)
+        if why is None and job.emulated is not None:
+            job.emulated.meter.set_fixed(pipe.module, job.optimizer)   # the stage's new state counts now
+        return why
+
+    return Resplitter(sizing=sizing, sizes=plan.stage_blocks, move=move, log=job.log,
+                      threshold=cfg.rebalance_threshold)
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:

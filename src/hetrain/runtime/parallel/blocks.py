@@ -86,6 +86,12 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(parts.blocks[start:stop])
         self.last = parts.last if is_last else None
 
+    def reslice(self, parts: PipelineParts, start: int, stop: int) -> None:
+        """Hold blocks [start, stop) from now on (an online re-split: resilience/resplit.py). The
+        module object stays the same, so what holds it (the prepared model, the checkpoint's
+        stage state) sees the new blocks; `first` and `last` stay with their stages."""
+        self.blocks = nn.ModuleList(parts.blocks[start:stop])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first is not None:
             x = self.first(x)

@@ -89,6 +89,7 @@ class Pipeline:
         self.device = device
         self._emulated, self._precision, self._faults = emulated, precision, faults
         self._pp_group, self._dp_group = pp_group, dp_group
+        self.parts, self.rank_grid = parts, rank_grid
         start, stop = split.bounds[stage_index]
         self.module = StageModule(parts, start, stop, is_first=stage_index == 0,
                                   is_last=stage_index == self.num_stages - 1).to(device)
@@ -97,7 +98,10 @@ class Pipeline:
         self._loss_fn = loss_fn
         self._built: tuple[int, int] | None = None      # (micro-batches, µ) the stage was built for
         self.stage = self.schedule = self._loss = None
-        self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index, timeout_s)
+        self._timeout_s = timeout_s
+        self._tied_made: dict = {}                     # the tied weights' groups made so far, by holders
+        self._tied = _tied_groups(parts, split, rank_grid, replica, stage_index, timeout_s, self._tied_made)
+        self.group_names: list[list[str]] = []         # the optimizer's param groups by whole-model name
         self.compute_s = self.busy_s = 0.0             # of the stages built before the current one
         self.profile = None                              # the block costs the split was sized from
 
@@ -202,6 +206,37 @@ class Pipeline:
             reduce.scale_gradients(own, max_norm / (norm + 1e-6))
         return norm
 
+    def resplit(self, split: PipelineSplit, optimizer: torch.optim.Optimizer, *, version: int) -> str | None:
+        """Run `split` (the same blocks, cut elsewhere) from the next step on: a collective of the
+        pipeline, at a step boundary (runtime/resilience/resplit.py decides it). The blocks this stage
+        gains arrive with their parameters, buffers and optimizer state (parallel/pipeline_move.py),
+        the stage and schedule are built afresh at the next step (its receive buffers and shapes
+        are the new boundary's), and the tied weights' groups follow their holders. Returns None, or
+        why nothing moved (the same on every rank)."""
+        from .pipeline_move import move_blocks
+
+        old = self.split.bounds[self.stage_index]
+        why = move_blocks(parts=self.parts, old_bounds=self.split.bounds, new_bounds=split.bounds,
+                          stage=self.stage_index, ranks=self.rank_grid[self.replica], optimizer=optimizer,
+                          device=self.device, names=self._names, group_names=self.group_names, version=version,
+                          sizes=split.sizes, group=self._pp_group)
+        if why is not None:
+            return why
+        start, stop = split.bounds[self.stage_index]
+        self.module.reslice(self.parts, start, stop)
+        self.module.to(self.device)
+        if self.device.type != "cpu":    # what this stage no longer trains leaves its memory
+            held = {id(p) for p in self.module.parameters()}
+            for block in self.parts.blocks[old[0]:old[1]]:
+                if not any(id(p) in held for p in block.parameters()):
+                    block.to("cpu")
+        self.split = split
+        self._flight.skip = param_storage_ptrs(self.module)
+        self._tied = _tied_groups(self.parts, split, self.rank_grid, self.replica, self.stage_index,
+                                  self._timeout_s, self._tied_made)
+        self._built = None
+        return None
+
     def describe(self) -> list[str]:
         return [*self.split.describe(), f"bubble fraction {self.split.bubble_fraction:.0%} = (p−1)/(m+p−1), "
                 f"p={self.num_stages}, m={self.split.micro_batches}"]
@@ -224,9 +259,11 @@ def _padded_rows(sizes: Sequence[int], mu: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica: int, stage_index: int,
-                 timeout_s: float):
+                 timeout_s: float, made: dict):
     """Process groups for parameters held by more than one stage, and this stage's share of them.
-    Every rank creates every group, in the same order (torch requires it), with the job's timeout."""
+    Every rank creates every group, in the same order (torch requires it), with the job's timeout;
+    `made` keeps them by (holders, replica), so a re-split whose tied weights stay where they were
+    (the first and last parts never move) creates none."""
     from datetime import timedelta
 
     per_stage = []
@@ -244,7 +281,9 @@ def _tied_groups(parts: PipelineParts, split: PipelineSplit, rank_grid, replica:
     out = []
     for stages, pids in sorted(by_stages.items()):
         for r, ranks in enumerate(rank_grid):
-            group = dist.new_group([ranks[s] for s in stages], timeout=timedelta(seconds=timeout_s))
+            if (stages, r) not in made:
+                made[stages, r] = dist.new_group([ranks[s] for s in stages], timeout=timedelta(seconds=timeout_s))
+            group = made[stages, r]
             if r == replica and stage_index in stages:
                 mine = per_stage[stage_index]
                 out.append(([mine[pid] for pid in pids], group))
