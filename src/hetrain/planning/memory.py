@@ -8,6 +8,7 @@ Model state of a data-parallel rank, for P parameters of `param_bytes` each:
     zero1      P              P              k·P / W                  even split (ZeroRedundancyOptimizer)
     capacity   P              P              k·P · f_r                f_r ∝ free memory of rank r
     fsdp       P / W          P / W          k·P / W                  + transient unsharded units
+    capacity-full  P · f_r    P · f_r        k·P · f_r                + transient gathered units
 
 Fine-tuning (some parameters frozen, e.g. LoRA adapters on a frozen base): of P parameters only
 the T trainable ones have gradients and optimizer state; the P − T frozen ones are weights only,
@@ -28,6 +29,13 @@ Capacity-proportional sharding gives rank r the fraction f_r = free_r / Σ free 
 state, which minimises max_r(state_r / free_r): every device is filled to the same fraction,
 so an 80 GB + 24 GB pair holds what an even split (capped by the 24 GB card) cannot.
 
+Capacity-full sharding splits all three by f_r. Its transient (`full_shard_transient`) is what it
+holds gathered: the root and two blocks (the one computing, the one prefetched), each with its
+flat gradient while it is reduced, so (root + 2·largest block)·2; a rank that accumulates keeps
+the whole trainable model gathered and its whole gradient. f_r ∝ (usable − transient −
+activations)_r, which fills every device to the same fraction; the bound, against an even split,
+is Σ free / (W · min free): (80 + 24) / (2 · 24) ≈ 2.17× for an 80 GB + 24 GB pair.
+
 Activations per sample, for a model of L repeated blocks: `outside + L·block_saved` without
 checkpointing; with it, `outside + L·block_input + block_saved` (each block keeps its input; one
 block's inside is recomputed at a time during backward).
@@ -40,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..vocabulary import SHARDINGS
+from ..vocabulary import AUTO_SHARDINGS, SHARDINGS
 
 
 # Optimizer state values per parameter (each `state_bytes`, fp32 in torch's optimizers).
@@ -111,6 +119,14 @@ def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, f
         if not 0 <= f <= 1:
             raise UsageError(f"capacity fraction {f} is not in [0, 1]", "pass this device's share of the state")
         return StateBytes(params=p, grads=g, optimizer=opt * f)
+    if sharding == "capacity-full":
+        f = 1.0 / world_size if fraction is None else fraction
+        if not 0 <= f <= 1:
+            raise UsageError(f"capacity fraction {f} is not in [0, 1]", "pass this device's share of the state")
+        transient = full_shard_transient(unit_params, root_params, param_bytes=param_bytes, accumulates=accumulates,
+                                         trainable=t)
+        return StateBytes(params=float(t) * param_bytes * f + float(n_params - t) * frozen_bytes, grads=g * f,
+                          optimizer=opt * f, transient=transient)
     # fsdp
     if accumulates:
         transient = (p + g) - (p + g) / world_size      # whole parameters and gradients during the step
@@ -119,6 +135,15 @@ def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, f
         transient = (root_params + 2 * largest) * (p / n_params if n_params else param_bytes)
     return StateBytes(params=p / world_size, grads=g / world_size, optimizer=opt / world_size,
                       transient=min(transient, p + g))
+
+
+def full_shard_transient(unit_params: Sequence[int], root_params: int, *, param_bytes: float,
+                         accumulates: bool = False, trainable: int | None = None) -> float:
+    """Bytes a capacity-full rank holds beyond its shards (see the module's docstring)."""
+    if accumulates:
+        whole = trainable if trainable is not None else root_params + sum(unit_params)
+        return 2.0 * whole * param_bytes
+    return 2.0 * (root_params + 2 * max(unit_params, default=0)) * param_bytes
 
 
 def state_factor(optimizer: str = "adamw", *, param_bytes: int = 4, state_bytes_per_value: int = 4) -> float:
@@ -228,7 +253,7 @@ def sharding_options(n_params: int, devices: Sequence[DeviceMemory], *, optimize
     except UsageError:
         fractions = tuple(1.0 / w for _ in devices)
     out = []
-    for strategy in SHARDINGS:
+    for strategy in AUTO_SHARDINGS:       # capacity-full is asked for by name (vocabulary.py)
         states = tuple(
             state_bytes(n_params, sharding=strategy, fraction=fractions[r], unit_params=unit_params,
                         root_params=root_params, accumulates=acc[r], **common)

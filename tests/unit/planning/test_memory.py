@@ -95,3 +95,16 @@ def test_the_catalog_estimate_and_pipeline_stages_use_this_model_state():
     assert ADAMW_STATE_FACTOR == 4.0 == state_factor("adam")
     assert state_factor("sgd") == 2.0
     assert state_factor("adamw", param_bytes=2) == 6.0      # bf16 parameters and gradients, fp32 moments
+
+
+def test_capacity_full_splits_parameters_gradients_and_state_by_the_fraction():
+    """1000 fp32 parameters (root 200, two blocks of 400), AdamW, a quarter on this device: a quarter
+    of each kind, plus the root and two blocks gathered, each with its flat gradient."""
+    s = state_bytes(1000, sharding="capacity-full", world_size=2, fraction=0.25, unit_params=[400, 400],
+                    root_params=200)
+    assert (s.params, s.grads, s.optimizer) == (1000.0, 1000.0, 2000.0)
+    assert s.transient == 2 * (200 + 2 * 400) * 4
+    acc = state_bytes(1000, sharding="capacity-full", world_size=2, fraction=0.25, unit_params=[400, 400],
+                      root_params=200, accumulates=True)
+    assert acc.transient == 2 * 1000 * 4          # everything gathered, with its whole gradient
+    assert "capacity-full" not in {o.strategy for o in sharding_options(1000, pair())}   # asked for by name only

@@ -34,7 +34,7 @@ class DataLayout:
     # -- the loop -------------------------------------------------------------------------------
     def loss(self, job, mb: MicroBatch) -> torch.Tensor:
         """`loss_fn(model(inputs), targets)` under this rank's autocast (ht.loss)."""
-        inputs, targets = _pair(mb.batch, self.name)
+        inputs, targets = inputs_and_targets(mb.batch, self.name)
         with job.precision.autocast(job.device.type):
             return self.loss_fn(job.model(inputs), targets)
 
@@ -123,6 +123,9 @@ class DataLayout:
 
     # -- the step's end ------------------------------------------------------------------------
     def clip(self, job, max_norm: float) -> None:
+        if hasattr(job.sync, "clip_grad_norm"):     # capacity-full: slices' norms summed over the ranks
+            job.sync.clip_grad_norm(max_norm)
+            return
         torch.nn.utils.clip_grad_norm_([p for p in job.model.parameters() if p.grad is not None], max_norm)
 
     def states(self, job):
@@ -137,7 +140,7 @@ class DataLayout:
         pass
 
 
-def _pair(batch, layout: str):
+def inputs_and_targets(batch, layout: str):
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch
     raise UsageError(f"ht.loss(mb) under parallel={layout!r} takes batches of (inputs, targets), "

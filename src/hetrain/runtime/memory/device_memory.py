@@ -21,24 +21,7 @@ from ...planning.memory import (DeviceMemory, StateBytes, choose_sharding, shard
 from ..ranks import agree
 from ..sharding import wrap as sharding
 from ..devices.emulation import MemoryMeter
-from ..measure.probe import as_scalar, default_forward
-
-
-def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """The planning model's name for a torch optimizer, subclasses included (None: unknown)."""
-    d, o = optimizer.defaults, torch.optim
-    if isinstance(optimizer, o.SGD):
-        return "sgd-momentum" if d.get("momentum", 0) else "sgd"
-    if isinstance(optimizer, (o.Adam, o.AdamW)):
-        base = "adamw" if isinstance(optimizer, o.AdamW) else "adam"
-        return base + ("-amsgrad" if d.get("amsgrad") else "")
-    if isinstance(optimizer, o.RMSprop):
-        return "rmsprop-momentum" if d.get("momentum", 0) else "rmsprop"
-    for cls, name in ((o.Adagrad, "adagrad"), (o.Adamax, "adamax"), (o.NAdam, "nadam"), (o.RAdam, "radam"),
-                      (o.Adadelta, "adadelta")):
-        if isinstance(optimizer, cls):
-            return name
-    return None
+from ..user_objects import as_scalar, default_forward, optimizer_kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +204,7 @@ def wrap_for_plan(job, model, optimizer, forward):
                          block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter)
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
-    oom_recovery = cfg.oom_recovery
+    oom_recovery = cfg.oom_recovery and wrapped.strategy != "capacity-full"   # off there: sharding/wrap.py
     if wrapped.strategy == "fsdp" and oom_recovery:
         # An OOM mid-step leaves collectives owed to the peers: learn one step's, to complete them
         # (runtime/sharding/fsdp_guard.py). Two samples: BatchNorm cannot train on one.

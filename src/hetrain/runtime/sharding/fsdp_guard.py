@@ -154,7 +154,7 @@ class FSDPGuard:
 def one_step(model: nn.Module, batch, *, forward, autocast, device: torch.device) -> None:
     """One forward/backward that leaves nothing behind: gradients cleared, RNG and buffers
     (BatchNorm statistics) as they were."""
-    from ..measure.probe import as_scalar
+    from ..user_objects import as_scalar
 
     buffers = [b.detach().clone() for b in model.buffers()]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

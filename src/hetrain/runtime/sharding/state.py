@@ -10,6 +10,7 @@ sharding none / fsdp: DCP's get_state_dict / set_state_dict.
 zero1: ZeroRedundancyOptimizer gives each parameter whole to one rank (its local `.optim`); that
     rank alone contributes the parameter's entries (DCP saves plain tensors per rank; the keys of
     different ranks are disjoint, so the checkpoint holds each entry once).
+capacity-full: capacity_full_state.py, the same layout (whole parameters too, from the slices).
 capacity: a rank owns a contiguous slice of each param group's flat buffer (capacity.py), so a
     parameter's state may straddle two or more ranks. At save the pieces of such a parameter are
     reduced onto the rank owning its first element, which contributes it whole.
@@ -57,6 +58,8 @@ class Piece:
 
 def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.save. A collective under capacity sharding."""
+    if _full(optimizer):
+        return _full_state().save_dicts(model, optimizer)
     if not _split(optimizer):
         return _dcp_state().get_state_dict(model, optimizer)
     pieces = _local_pieces(model, optimizer)
@@ -69,6 +72,8 @@ def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.load to fill: under zero1/capacity, the whole entries
     of every parameter this rank owns a part of. Local."""
+    if _full(optimizer):
+        return _full_state().load_dicts(model, optimizer)
     if not _split(optimizer):
         return _dcp_state().get_state_dict(model, optimizer)
     state = {p.name: {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
@@ -80,6 +85,9 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 
 def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, model_sd: dict, optim_sd: dict) -> None:
     """Put what dcp.load filled (from load_state_dicts) into the model and optimizer. Local."""
+    if _full(optimizer):
+        _full_state().set_loaded(model, optimizer, model_sd=model_sd, optim_sd=optim_sd)
+        return
     if not _split(optimizer):
         _dcp_state().set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return
@@ -102,6 +110,18 @@ def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode
 
 
 # -- who owns what ----------------------------------------------------------------------------------
+def _full(optimizer) -> bool:
+    from .capacity_full_wrap import FullShardedOptimizer
+
+    return isinstance(optimizer, FullShardedOptimizer)
+
+
+def _full_state():
+    from . import capacity_full_state
+
+    return capacity_full_state
+
+
 def _split(optimizer) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

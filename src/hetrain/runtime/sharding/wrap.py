@@ -5,6 +5,8 @@
     zero1      DDP + ZeroRedundancyOptimizer             optimizer state: an even 1/W
     capacity   DDP + CapacityShardedOptimizer            optimizer state: ∝ its free memory
     fsdp       FSDP2 fully_shard per block + root        params, grads, state: 1/W (+ units in use)
+    capacity-full  flat units per block + root           params, grads, state: ∝ its free memory
+                   (capacity_full.py)                    (+ units in use)
 
 Why the big-batch math survives every one of them: hetrain weights each micro-batch's loss by
 W·n_rk/N (runtime/loop/reduce.py) because the synchroniser divides the summed gradient by W. DDP's
@@ -37,7 +39,7 @@ from ...errors import UsageError
 from ...vocabulary import SHARDINGS
 from ...hardware.units import format_bytes
 from ...planning.memory import capacity_fractions
-from ..memory.activation_checkpointing import find_blocks
+from ..user_objects import find_blocks
 from .capacity import CapacityShardedOptimizer, constructor_defaults
 
 
@@ -142,6 +144,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, d
         return _zero1(model, optimizer, device, world_size)
     if strategy == "capacity":
         return _capacity(model, optimizer, device, rank, world_size, free_bytes)
+    if strategy == "capacity-full":
+        return _capacity_full(model, optimizer, rank, world_size, free_bytes, block_type, accumulates, meter)
     return _fsdp(model, optimizer, device, world_size, block_type, accumulates, meter)
 
 
@@ -176,6 +180,22 @@ def _capacity(model, optimizer, device, rank, world_size, free_bytes) -> Wrapped
     return Wrapped("capacity", ddp, sharded, ddp, fraction=fractions[rank], lines=[
         "sharding=capacity: optimizer state split " + " / ".join(f"{f:.0%}" for f in fractions)
         + f" ({why}); elements per rank " + ", ".join(str([s[r] for s in sizes]) for r in range(world_size))])
+
+
+def _capacity_full(model, optimizer, rank, world_size, free_bytes, block_type, accumulates, meter) -> Wrapped:
+    from ..user_objects import optimizer_kind
+    from .capacity_full_wrap import FullSync, shard_fully
+
+    blocks = [m for _, m in find_blocks(model, block_type)]
+    sharding, opt, lines = shard_fully(model, optimizer, rank=rank, world_size=world_size, blocks=blocks,
+                                       free_bytes=free_bytes, accumulates=accumulates, meter=meter,
+                                       optimizer_kind=optimizer_kind(optimizer))
+    units = [u.numel for u in sharding.blocks]
+    lines.append("  in-loop OOM recovery is off under capacity-full (an OOM between its collectives would leave "
+                 "peers waiting): an OOM ends the attempt and --max-restarts resumes with smaller micro-batches")
+    return Wrapped("capacity-full", model, opt, FullSync(sharding), lines=lines,
+                   fraction=sharding.fractions[rank], units=units,
+                   root_params=sharding.root.numel if sharding.root is not None else 0)
 
 
 def shard_blocks(model: nn.Module, blocks, *, device: torch.device, world_size: int) -> None:
