@@ -1,11 +1,21 @@
 """The controlled clock the benchmarks share, and the demo GPT it is calibrated on.
 
 An emulated device's compute lasts what the CPU took ÷ its speed (the wall clock), or, on a
-controlled clock, a micro-batch of m samples lasts m·T/speed (runtime/devices/emulation.Throttle's
-`sample_s`, `hetrain.init(emulate_sample_s=)`, as the tests use it): the CPU still computes every
-sample and the sleep makes up the rest. Everything outside the emulated forward and backward (the
-gradient sync, the optimizer's CPU time ÷ speed, the loop's own work per step) stays on the wall
-clock.
+controlled clock, a micro-batch of m samples lasts (a + m·T)/speed (runtime/devices/emulation.
+Throttle's `micro_s` and `sample_s`, `hetrain.init(emulate_micro_s=, emulate_sample_s=)`): the CPU
+still computes every sample and the sleep makes up the rest. Everything outside the emulated
+forward and backward (the gradient sync, the optimizer's CPU time ÷ speed, the loop's own work
+per step) stays on the wall clock.
+
+What the planner is told of the clock: nothing. The job's profiler times each device through its
+own throttle, as training runs it (runtime/measure/profiler.py), and fits a + b·m to what it timed,
+so the benchmarks that compare a plan with a run (plan_accuracy.py, layout_accuracy.py) check the
+profile's fit, the split and the micro-batches against a device whose speed holds still. The
+fixed part a is there so that they can fail: with a = 0 a device's time is proportional to its
+samples and any split by measured rate is right; with a = MICRO_SAMPLES·T (4 samples' worth,
+about what one of this GPT's micro-batches costs a GPU in launches at small sizes) a device
+that must run many small micro-batches (a memory-capped one) costs more than its rate says, and a
+profile that missed a, or a planner that ignored it, splits wrongly.
 
 Why a clock: an emulated device stands for a GPU, whose speed holds from one minute to the next;
 a virtual CPU's does not. On a 2-core AMD EPYC VM (avx512_bf16), one process training the demo
@@ -13,15 +23,16 @@ GPT alone took 110-165 ms a step in bf16 in phases of seconds, and `benchmarks/h
 measured a 2-s probe of two processes computing at once up to 32% off that phase's mean. On the
 wall clock every figure that compares two runs, or a prediction from a probe of seconds with a run
 a minute later, carries that drift; on the controlled clock the devices keep their speeds as GPUs
-do, and what is left to compare is what the benchmark is about (the split, the micro-batches, the
-sync, the optimizer, each side's overheads).
+do. What the clock imposes is each device's compute: the accuracy benchmarks report that share of
+the step (`imposed_share`) beside each error, and run the wall clock too, read against
+host_drift.py's figure.
 
 T must exceed the CPU's own time per sample with the devices computing at once, or a device runs
 slower than asked and the drift comes back: `--clock auto` sets T to 3× the fast device's
 forward+backward CPU time per sample, measured first in the driver (median of 8 steps at the
 given micro-batch, under the precision the card computes in); the contention measured between two
 devices at job starts on that VM was x1.00-1.66. `--clock wall` keeps the wall clock, `--clock 10`
-a 10 ms clock.
+a 10 ms clock; `--clock auto,wall` (the accuracy benchmarks' default) both, interleaved.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import statistics
 import time
 
 FAST = "a100-80g:1.0"     # the device the clock is calibrated on (speed 1)
+MICRO_SAMPLES = 4.0       # the clock's fixed part of a micro-batch, in samples' worth of T (see above)
 
 
 # -- the demo GPT, as the benchmarks train it ------------------------------------------------
@@ -74,18 +86,45 @@ def card_autocast(precision: str, spec: str, rank: int = 0):
 
 
 # -- the clock ------------------------------------------------------------------------------
-def add_clock_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clock", default="auto",
-                   help="auto (default): a controlled clock, every emulated micro-batch of m samples lasting "
-                        "m x T / speed, T calibrated here; a number: T in ms; wall: the CPU's time / speed "
-                        "(benchmarks/controlled_clock.py says why)")
+def add_clock_arguments(p: argparse.ArgumentParser, *, default: str = "auto", micro: bool = False) -> None:
+    """--clock (and, with `micro`, --clock-micro: the clock's fixed part; without, there is none)."""
+    p.add_argument("--clock", default=default,
+                   help=f"{default} (default). auto: a controlled clock, every emulated micro-batch of m samples "
+                        "lasting (a + m x T) / speed, T calibrated here (a: --clock-micro); a number: T in ms; wall: the CPU's time / speed; "
+                        "auto,wall: both, interleaved (benchmarks/controlled_clock.py says why)")
     p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)   # the workers' T
+    if not micro:
+        return
+    p.add_argument("--clock-micro", type=float, default=MICRO_SAMPLES,
+                   help=f"the controlled clock's fixed part of every micro-batch, in samples' worth of T "
+                        f"(default {MICRO_SAMPLES:g}; the planner is not told it); 0: none")
+
+
+def resolve_clocks(args, p: argparse.ArgumentParser, *, micro_batch: int) -> list[argparse.Namespace]:
+    """Each clock --clock names (comma-separated, e.g. auto,wall), resolved as resolve_clock does
+    (auto calibrated once): a namespace each with clock, clock_ms, clock_micro_ms."""
+    out, calibrated = [], None
+    for name in [c.strip() for c in str(args.clock).split(",") if c.strip()]:
+        one = argparse.Namespace(**{**vars(args), "clock": name})
+        if name == "auto" and calibrated is not None:
+            one.clock_ms, one.clock_micro_ms = calibrated
+        else:
+            resolve_clock(one, p, micro_batch=micro_batch)
+            if name == "auto":
+                calibrated = (one.clock_ms, one.clock_micro_ms)
+        out.append(one)
+    if not out:
+        p.error("--clock: give auto, wall, a number of ms, or a comma-separated list of them")
+    return out
 
 
 def resolve_clock(args, p: argparse.ArgumentParser, *, micro_batch: int) -> None:
     """Set args.clock_ms from --clock (None: the wall clock); `auto` calibrates here, on the model
     args.seq_len, args.d_model, args.layers at the fast device's `micro_batch`, and says what it
     chose. Bad values: one line, exit 2."""
+    args.clock_micro_ms = None
+    if getattr(args, "clock_micro", 0.0) < 0:
+        p.error(f"--clock-micro {args.clock_micro}: give the fixed part in samples' worth of T, >= 0")
     if args.clock == "wall":
         args.clock_ms = None
     elif args.clock == "auto":
@@ -100,6 +139,21 @@ def resolve_clock(args, p: argparse.ArgumentParser, *, micro_batch: int) -> None
             p.error(f"--clock {args.clock!r}: give auto, wall, or the ms a sample takes at speed 1 (e.g. 10)")
         if not 0 < args.clock_ms <= 1000:
             p.error(f"--clock {args.clock}: give a positive number of ms, at most 1000")
+    if args.clock_ms:
+        args.clock_micro_ms = getattr(args, "clock_micro", 0.0) * args.clock_ms or None
+
+
+def clock_micro_s(args) -> float | None:
+    """The controlled clock's fixed seconds per micro-batch at speed 1 (None: none, or the wall clock)."""
+    return args.clock_micro_ms / 1000 if clock_s(args) and getattr(args, "clock_micro_ms", None) else None
+
+
+def clock_config(args) -> dict:
+    """The hetrain.init keywords of this clock (empty: the wall clock)."""
+    if not clock_s(args):
+        return {}
+    micro = clock_micro_s(args)
+    return {"emulate_sample_s": clock_s(args), **({"emulate_micro_s": micro} if micro else {})}
 
 
 def clock_s(args) -> float | None:
@@ -108,8 +162,11 @@ def clock_s(args) -> float | None:
 
 
 def describe_clock(args) -> str:
-    return (f"controlled: {args.clock_ms:g} ms a sample at speed 1" if getattr(args, "clock_ms", None)
-            else "wall: each device's CPU time / its speed")
+    if not getattr(args, "clock_ms", None):
+        return "wall: each device's CPU time / its speed"
+    micro = getattr(args, "clock_micro_ms", None)
+    return (f"controlled: {micro:g} ms a micro-batch + {args.clock_ms:g} ms a sample at speed 1" if micro
+            else f"controlled: {args.clock_ms:g} ms a sample at speed 1")
 
 
 def calibrate_clock_ms(*, precision: str, micro_batch: int, seq_len: int = 64, d_model: int = 128,

@@ -68,6 +68,13 @@ def summary(per_proc: list[list[float]]) -> dict:
             "probe_error_max": max(off), "probe_error_median": statistics.median(off)}
 
 
+def probe_drift(*, seconds: float = 10.0, window: float = 2.0, procs: int = 2) -> dict:
+    """The drift the accuracy benchmarks read their wall-clock errors against: `procs` processes
+    at once (as emulated devices run) for `seconds`, how far one `window` (a probe's length) is
+    from the whole phase's mean (summary()'s figures, and the settings)."""
+    return {**summary(phase(procs, seconds, window)), "seconds": seconds, "window_s": window, "procs": procs}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="write the figures here")

@@ -71,6 +71,7 @@ def plan(
     # the emulated devices' controlled clock (Config.emulate_sample_s), as a job given it runs:
     # for the accuracy benchmarks (benchmarks/controlled_clock.py), not a user's plan
     emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True),
+    emulate_micro_s: Optional[float] = typer.Option(None, "--emulate-micro-s", hidden=True),
 ) -> None:
     """Plan a job: each device's share, micro-batches and predicted throughput, with the reasons.
 
@@ -107,7 +108,7 @@ def plan(
             check_writable(path, flag)          # before measuring, not after it
     config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
                     memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate,
-                    emulate_sample_s=emulate_sample_s)
+                    emulate_sample_s=emulate_sample_s, emulate_micro_s=emulate_micro_s)
     if model_factory:
         from ..runtime.measure.measurements import plan_from_measurements, rank_from_measurements
 

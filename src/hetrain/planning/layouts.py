@@ -52,7 +52,7 @@ TP_COMM_PER_ACTIVATION = 8 / 34
 # transformer block's output is s·h values (2 bytes at bf16) against ≈ 34·s·h bytes it keeps.
 BOUNDARY_PER_ACTIVATION = 2 / 34
 MAX_MICRO_BATCHES = 128           # pipelines: the most micro-batches tried per step
-ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "PP", "DP×PP", "TP")
+ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "PP", "DP×PP", "TP", "TP by speed")   # tensor_split.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,6 +335,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
     (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks.
     `fsdp_excess_s`: an FSDP2 step's seconds beyond DP's, as `hetrain plan` timed them (else modelled)."""
     from .layout_fit import what_would_fit
+    from .tensor_split import speed_tp_row
 
     profiles = list(profiles)
     if not profiles:
@@ -344,6 +345,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
         rows.append(_tp_row(profiles, state, options))
+        rows.append(speed_tp_row(profiles, state, options))      # TP split by speed: tensor_split.py
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
     rest = [r for r in rows if not r.fits]
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)

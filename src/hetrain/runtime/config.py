@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from ..errors import UsageError
 from ..vocabulary import (CHECKPOINTINGS, COMPRESSION_REQUESTS, LOSS_WEIGHTINGS, PRECISION_REQUESTS, RESUME_MODES,
-                          SHARDING_REQUESTS)
+                          SHARDING_REQUESTS, TP_SPLITS)
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 METRICS_SUBDIR = "metrics"      # metrics_dir's default, inside checkpoint_dir: the run's figures stay with it
@@ -29,6 +29,7 @@ class Config:
     allow_fallback: bool = False         # a device that cannot run `precision` runs the nearest it can
     sharding: str = "auto"               # auto: shard only when the model does not fit | none (DDP) | zero1
                                          # | fsdp | capacity (optimizer state split by free memory)
+                                         # | capacity-full (parameters, gradients and state split so)
     checkpointing: str = "plan"          # activation checkpointing: where the plan says | all | none
     checkpoint_blocks: str | None = None # class name of the blocks to checkpoint (None: every ModuleList's)
     micro_batch: int | None = None       # cap on every device's micro-batch (None: from memory)
@@ -38,12 +39,15 @@ class Config:
     emulate: str | None = None           # cluster spec: one emulated device per rank
     emulate_sample_s: float | None = None  # a clock tests control: an emulated micro-batch of m samples
                                          # lasts m·this/speed, whatever its CPU took (None: CPU time)
+    emulate_micro_s: float | None = None   # on that clock, a fixed part per micro-batch: (this + m·sample_s)/speed
     emulate_link_gbs: float | None = None  # emulated devices on several nodes: the inter-node link's GB/s;
                                          # gradient all-reduces and the link probe are slowed to it
                                          # (runtime/devices/link.py; None: loopback, unthrottled)
     compression: str = "auto"            # gradient compression: auto | none | fp16 | bf16 | powersgd
                                          # (DDP comm hooks; planning/compression.py says when auto picks one)
     powersgd_rank: int = 4               # PowerSGD's matrix approximation rank (compression='powersgd')
+    tp_split: str = "even"               # parallel='tp': every layer evenly (DTensor) | speed: heads and MLP
+                                         # columns in proportion to each device's speed (parallel/tensor_uneven.py)
     plan: str | None = None              # path of a saved Plan (JSON) to run instead of splitting
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     memory_margin: float = 0.10          # fraction of device memory kept free when sizing micro-batches
@@ -74,7 +78,7 @@ class Config:
             if types is None or (value is None and optional == "None"):
                 continue
             if (not isinstance(value, types) or (base != "bool" and isinstance(value, bool))
-                    or (base == "float" and not math.isfinite(value))):
+                    or (base == "float" and not math.isfinite(float(value)))):
                 kind = _WORDS[base] + (" (or None)" if optional == "None" else "")
                 raise bad(f"{f.name}={value!r} is not {kind}", f"pass {f.name} as {kind}"
                           + (", or leave it out" if f.default is not MISSING else ""))
@@ -103,10 +107,18 @@ class Config:
         if self.emulate_sample_s is not None and not 0 < self.emulate_sample_s <= 10:
             raise bad(f"emulate_sample_s={self.emulate_sample_s!r}",
                       "give the controlled clock's seconds per sample, e.g. 0.002, or None for CPU time")
+        if self.emulate_micro_s is not None and not (0 <= self.emulate_micro_s <= 10 and self.emulate_sample_s is not None):
+            raise bad(f"emulate_micro_s={self.emulate_micro_s!r}",
+                      "give the controlled clock's fixed seconds per micro-batch (0 to 10, e.g. 0.004) together "
+                      "with emulate_sample_s, or None")
         if self.emulate_link_gbs is not None and not 0 < self.emulate_link_gbs <= 10_000:
             raise bad(f"emulate_link_gbs={self.emulate_link_gbs!r}",
                       "give the emulated inter-node link's bandwidth in GB/s (0 < GB/s <= 10000), e.g. "
                       "emulate_link_gbs=1.0, or None for an unthrottled link")
+        if self.tp_split not in TP_SPLITS:
+            raise bad(f"tp_split={self.tp_split!r} is not one of {', '.join(TP_SPLITS)}",
+                      "use tp_split='speed' (heads and MLP columns in proportion to each device's speed, for "
+                      "parallel='tp' on mixed devices) or tp_split='even' (the default)")
         if self.compression not in COMPRESSION_REQUESTS:
             raise bad(f"compression={self.compression!r}", f"use one of {COMPRESSION_REQUESTS}")
         if not 1 <= self.powersgd_rank <= 1024:

@@ -35,7 +35,7 @@ from .devices.hooks import make_hooks
 from .job import Job
 from .ranks.log import RankLog
 from .devices.precision_policy import PrecisionPolicy
-from .measure.probe import default_forward
+from .user_objects import default_forward
 from .resilience import resume as persist
 from .setup import prepare_job
 from .measure.joint import read_plan_file
@@ -60,7 +60,8 @@ class Engine:
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.verbose)
         # Every node's devices, gathered (collective): --emulate names this node's own devices.
         ctx, config, nodes, cluster = join_nodes(ctx, config, log)
-        emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s) if cluster is not None else None
+        emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s,
+                                  micro_s=config.emulate_micro_s) if cluster is not None else None
         faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
                                rank=ctx.rank, attempt=ctx.restart)
         if faults and emulated is None:

@@ -132,7 +132,8 @@ def prepare_pipelined(job: Job, model, optimizer, kind: str, loss_fn, given_plan
                                                    loss_fn)                                          # (collective)
     pipe = job.layout.pipe
     job.model = stages.StagedModel(model, pipe.module, None)
-    job.sync = job.guard = job.rebalancer = None      # the pipeline syncs its own gradients; shares stay
+    job.sync = job.guard = None                       # the pipeline syncs its own gradients; shares stay
+    job.rebalancer = stages.make_resplitter(job, devices, memory.optimizer_kind(optimizer) or "adamw")  # pp: blocks move online
     persist.check_registered(job, optimizer)
     if job.emulated is not None:
         job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
@@ -184,26 +185,11 @@ def tensor_plan(plan: Plan) -> Plan:
 
 
 def tp_wrap(job: Job, model, optimizer):
-    """The model's layers sharded over every rank (parallel/tensor.py) and the optimizer rebuilt over
-    the sharded parameters (collective)."""
-    from .parallel.tensor import tensor_parallel
-    from .sharding.wrap import Wrapped, rebuild_optimizer
+    """The model's layers sharded over every rank, evenly or by speed, and the optimizer rebuilt
+    over the sharded parameters (runtime/layouts/tensor.py; collective)."""
+    from .layouts.tensor import wrap
 
-    computes = {e["compute"] for e in job.precision.all_choices}
-    if len(computes) > 1:   # every rank decides from the same gathered choices: all raise together
-        raise UsageError(
-            "tensor parallelism runs the shards of each layer in lockstep, in one dtype (their collectives "
-            "exchange it), but these ranks would compute " + ", ".join(
-                f"rank {e['rank']} {e['compute']}" for e in job.precision.all_choices),
-            "pass one precision for the whole job (precision='fp16' or 'fp32'), or put equal devices in the "
-            "tensor-parallel group and mixed ones in pipeline stages (parallel='pp')")
-    names = {p: n for n, p in model.named_parameters()}
-    tensor_parallel(model)
-    new = dict(model.named_parameters())
-    opt = rebuild_optimizer(optimizer, {p: new[n] for p, n in names.items()})
-    return Wrapped("tp", model, opt, None, lines=[
-        f"parallel=tp: every layer split over {job.world_size} devices (DTensor); in-loop OOM recovery is off "
-        "(runtime/layouts/tensor.py says why): an OOM ends the attempt and --max-restarts resumes smaller"])
+    return wrap(job, model, optimizer)
 
 
 def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:

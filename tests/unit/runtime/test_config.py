@@ -26,6 +26,8 @@ from hetrain.runtime.engine import init
     ({"global_batch": 8, "precision": 16}, "precision=16 is not a string"),
     ({"global_batch": 8, "emulate": " "}, "emulate='' names no devices"),
     ({"global_batch": 8, "emulate_link_gbs": 0}, "emulate_link_gbs=0"),
+    ({"global_batch": 8, "emulate_micro_s": 0.01}, "emulate_micro_s=0.01"),       # no clock to add it to
+    ({"global_batch": 8, "emulate_sample_s": 0.002, "emulate_micro_s": -1.0}, "emulate_micro_s=-1.0"),
     ({"global_batch": 8, "compression": "zip"}, "compression='zip'"),
     ({"global_batch": 8, "powersgd_rank": 0}, "powersgd_rank=0"),
     ({"global_batch": 8, "compression": "fp16", "sharding": "fsdp"}, "compression='fp16' with sharding='fsdp'"),

@@ -167,19 +167,29 @@ class Throttle:
     sleep is owed; a model with a collective in every forward, such as SyncBatchNorm, would see
     the slow device's delay at its last forward instead of spread over its micro-batches).
 
-    A controlled clock (`sample_s`, for tests that need a timing relation to hold on any host and
-    under load): a micro-batch of m samples then lasts m·sample_s·slowdown/speed, whatever its
-    CPU took; the CPU still computes it for real, and the sleep makes up the difference (a CPU
-    slower than the clock shows as a device slower than asked, never as a negative sleep).
+    A controlled clock (`sample_s`, and `micro_s` seconds per micro-batch whatever its size; for
+    tests and benchmarks that need a timing relation to hold on any host and under load): a
+    micro-batch of m samples then lasts (micro_s + m·sample_s)·slowdown/speed, whatever its CPU
+    took; the CPU still computes it for real, and the sleep makes up the difference (a CPU slower
+    than the clock shows as a device slower than asked, never as a negative sleep). Nothing else
+    is told the clock: the profiler times a device on it as training does (a `fresh()` throttle,
+    its forward and backward through `before_backward`/`after_backward`, the time being the
+    thread's CPU time plus the sleeps, as the device's hooks count busy time).
     """
 
-    def __init__(self, speed: float, *, seed: int = 0, sample_s: float | None = None):   # seed: per device
+    def __init__(self, speed: float, *, seed: int = 0, sample_s: float | None = None,   # seed: per device
+                 micro_s: float | None = None):
         if not 0 < speed <= 1:
             raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
         if sample_s is not None and not sample_s > 0:
             raise ValueError(f"the controlled clock's seconds per sample must be positive, got {sample_s}")
+        if micro_s is not None and (sample_s is None or not micro_s >= 0):
+            raise ValueError(f"the controlled clock's seconds per micro-batch must be >= 0, on a clock "
+                             f"(sample_s), got {micro_s}")
         self.speed = speed
         self.sample_s = sample_s
+        self.micro_s = micro_s or 0.0
+        self._seed = seed
         self.slowdown = 1.0         # extra multiplier on compute time (fault injection)
         self.noise = 0.0            # ±amplitude of random timing noise around its mean (faults)
         self._rng = random.Random(seed)
@@ -187,6 +197,20 @@ class Throttle:
         self.slept_seconds = 0.0
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
+
+    @property
+    def clocked(self) -> bool:
+        return self.sample_s is not None
+
+    def fresh(self) -> Throttle:
+        """A throttle of the same device and clock with books of its own (for a probe: the
+        device's throttle keeps the training's)."""
+        return Throttle(self.speed, seed=self._seed, sample_s=self.sample_s,
+                        micro_s=self.micro_s if self.sample_s is not None else None)
+
+    def busy(self) -> float:
+        """This thread's CPU time plus the sleeps: the device's busy time (devices/hooks.py)."""
+        return time.thread_time() + self.slept_seconds
 
     def _stretch(self) -> float:
         """Emulated seconds per CPU second, beyond the CPU second itself."""
@@ -233,7 +257,8 @@ class Throttle:
         self._last_stretch = self._stretch()
         self.cpu_seconds += forward_cpu + guess
         if self.sample_s is not None:    # the controlled clock: the micro-batch lasts what it says
-            self.owed += samples * self.sample_s * (self._last_stretch + 1) - (forward_cpu + guess)
+            length = self.micro_s + samples * self.sample_s
+            self.owed += length * (self._last_stretch + 1) - (forward_cpu + guess)
             self._last_stretch = -1.0    # the backward's real CPU is already inside that length
         else:
             self.owed += (forward_cpu + guess) * self._last_stretch
@@ -252,9 +277,9 @@ class Throttle:
 class EmulatedDevice:
     """This rank's emulated GPU: a throttle and a memory meter."""
 
-    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None):
+    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None, micro_s: float | None = None):
         self.spec = spec
-        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s)
+        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s, micro_s=micro_s)
         self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
 
     @property

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..devices.precision_policy import DTYPES
-from .probe import as_scalar
+from ..user_objects import as_scalar
 
 RUNS = 5            # timed steps of each wrapper, alternating (after one warm-up of each)
 

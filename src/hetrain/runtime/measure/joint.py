@@ -66,6 +66,7 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
     facts = {"labels": tuple(g["label"] for g in gathered), "precisions": tuple(g["precision"] for g in gathered),
              "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"],
              "grad_shapes": tuple(tuple(s) for s in gathered[0]["grad_shapes"]), "backend": job.ctx.backend,
+             "n_params": gathered[0]["n_params"], "n_trainable": gathered[0]["n_trainable"],
              "nodes": job.nodes.count if job.nodes is not None else 1}
     if gathered[0]["profile"] is None:      # a single device with unlimited memory
         return Measurements(profiles=None, **facts)
@@ -84,7 +85,9 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
                   "host_cores": usable_cores(),
                   "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
                   # what planning/compression.py predicts PowerSGD's bytes from
-                  "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad]}
+                  "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad],
+                  "n_params": sum(p.numel() for p in model.parameters()),
+                  "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     cap = None
     if emu is None and job.device.type == "cuda":
         cap = torch.cuda.get_device_properties(job.device).total_memory
@@ -95,7 +98,8 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
         mine["profile"], mine["cached"] = profile_device(
             model, optimizer, lambda m: job.load(range(min(m, n))), device=job.device, label=job.device_label,
             forward=forward, precision=job.precision.compute, memory_bytes=cap,
-            max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu)
+            max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu,
+            throttle=job.emulated.throttle if job.emulated is not None else None)   # on a controlled clock: timed on it
     except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
         mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
                          isinstance(e, UsageError))

@@ -51,6 +51,8 @@ class Measurements:
     inter_node_s: float = 0.0
     backend: str = ""                                # the process group's: gloo | nccl ('' : one device)
     grad_shapes: tuple[tuple[int, ...], ...] = ()    # rank 0's trainable parameters (PowerSGD's bytes)
+    n_params: int = 0                                # rank 0's parameters, all of them (0: not counted)
+    n_trainable: int = 0                             # …and those that train (requires_grad)
     # `hetrain plan` only: the blocks' costs as a pipeline would be sized from them (the runtime's
     # measure_blocks) and the devices they were measured for, so the ranking's pipelines are the
     # runtime's: {"profile": PipelineProfile.to_dict(), "devices": [{name, speed, memory_bytes}]}.
@@ -119,9 +121,12 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     profiles say (shared cache and memory bandwidth): in the sync probe every rank runs the same
     micro-batch at the same moment; the median over ranks of (median probe seconds ÷ the profile's
     CPU seconds for that micro-batch), less the core sharing the cost model already plays out
-    (n / cores when more devices than cores). 1.0 where not measured, on the controlled clock, or
-    when the probe's micro-batch is too short to time (under 5 ms of CPU: DDP's and gloo's fixed
-    costs would be read as contention). At most 2: what was measured here is 1.05-1.25."""
+    (n / cores when more devices than cores). 1.0 where not measured, or when the probe's
+    micro-batch is too short to time (under 5 ms of CPU: DDP's and gloo's fixed costs would be
+    read as contention). At most 2: what was measured here is 1.05-1.25. On the controlled clock
+    1.0 too, as the emulator runs it: a micro-batch's sleep is its clocked length less the CPU time
+    it took, so a CPU that contention slows sleeps less and the device keeps its time (waits for a
+    core are not CPU time, and the cost model plays those out)."""
     if not config.emulate or config.emulate_sample_s is not None or m.probe_size < 1 or not m.compute_s:
         return 1.0
     ratios = []
@@ -136,28 +141,16 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     return min(2.0, max(1.0, statistics.median(ratios) / sharing))
 
 
-def on_controlled_clock(p: DeviceProfile, spec, sample_s: float) -> DeviceProfile:
-    """A profile on the controlled clock (emulate_sample_s): a micro-batch of m samples lasts
-    m·sample_s/speed, no fixed part; the host CPU it occupies stays what was measured."""
-    device_s = sample_s / spec.speed
-    return replace(p, overhead_s=0.0, per_sample_s=device_s,
-                   cpu_share=min(1.0, p.per_sample_s * p.cpu_share / device_s),
-                   source=p.source + f"; on the controlled clock: {sample_s * 1e3:g} ms/sample at speed 1")
-
-
 def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, ...]:
     """The profiles the planner is given: on an emulated cluster every rank measured the same CPU,
-    so the measurements are pooled (less noise than any one rank's), and put on the controlled
-    clock when the config asks for one."""
+    so the measurements are pooled (less noise than any one rank's). On the controlled clock the
+    profiles are what the ranks measured on it (the profiler times a device through its own
+    throttle, runtime/measure/profiler.py): the planner is not told the clock."""
     from .profiler import pool_emulated      # here, not at the top: profiler imports torch
 
     profiles = list(m.profiles or ())
-    if config.emulate and profiles:
-        specs = list(parse_cluster(config.emulate))
-        if len(profiles) > 1:
-            profiles = pool_emulated(profiles, specs)
-        if config.emulate_sample_s is not None:
-            profiles = [on_controlled_clock(p, s, config.emulate_sample_s) for p, s in zip(profiles, specs)]
+    if config.emulate and len(profiles) > 1:
+        profiles = pool_emulated(profiles, list(parse_cluster(config.emulate)))
     return tuple(profiles)
 
 
@@ -229,8 +222,19 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     left_out = {e.device for e in plan.excluded}
     kept = [p for p in profiles if p.device not in left_out]
     plan = replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
-                                       for d, p in zip(plan.devices, kept)))
+                                       for d, p in zip(plan.devices, kept)),
+                   note="; ".join(filter(None, [plan.note, fine_tuning_note(m)])))
     return _link_and_compression(plan, m, config, options.link, layout), profiles
+
+
+def fine_tuning_note(m: Measurements) -> str:
+    """The plan's word on a model with a frozen part (LoRA and other fine-tuning): its profiles'
+    model state was measured as held, so the frozen parameters are weights only. '' otherwise."""
+    if not 0 < m.n_params or m.n_trainable >= m.n_params:
+        return ""
+    return (f"fine-tuning (LoRA or a frozen base): {m.n_trainable:,} of {m.n_params:,} parameters trainable "
+            f"({m.n_trainable / m.n_params:.1%}), the frozen {m.n_params - m.n_trainable:,} costed as weights "
+            "only (no gradients, no optimizer state) and left out of the gradient sync")
 
 
 def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None, layout: str) -> Plan:

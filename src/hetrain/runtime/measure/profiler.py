@@ -18,6 +18,14 @@ Emulated devices. Each one is a single CPU thread, so what is measured is this t
 emulator sleeps c·(1/s − 1) after each compute piece of c CPU-seconds, so the device's seconds are
 c/s, of which a fraction s occupies a host core (`cpu_share`, which the cost model uses to account
 for devices contending for the host's cores).
+
+On the controlled clock (Config.emulate_sample_s) a device's compute lasts what its clock says,
+not c/s, and the profiler is not told the clock: it times the device as training runs it, each
+forward and backward through a fresh throttle of the device's own (devices/emulation.Throttle:
+the sleep before the backward, the guess of the backward settled after it), the time being the
+thread's CPU time plus the sleeps (the device's busy time, as its hooks count it), and fits
+a + b·m to that as to any device's times. `cpu_share` is then measured too: the CPU seconds over
+the device's seconds, over all the sizes timed. Such a profile is cached per clock and speed.
 """
 
 from __future__ import annotations
@@ -39,9 +47,11 @@ from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
 from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
-from .probe import as_scalar, default_forward
+from ..user_objects import as_scalar, default_forward
 
-PROFILER_VERSION = 2             # 2: times forwards without the emulated meter's hooks (training looks them up)
+PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
+                                # 3: frozen parameters in the optimizer get no state; 4: devices on the
+                                # controlled clock timed through their throttle
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -131,11 +141,13 @@ def _sizes(limit: int) -> list[int]:
 def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
             label: str, forward: Callable = default_forward, precision: str = "fp32",
             memory_bytes: int | None = None, max_size: int = MAX_SIZE, cpu_clock: bool = False,
-            budget_s: float = 5.0) -> DeviceProfile:
+            budget_s: float = 5.0, throttle=None) -> DeviceProfile:
     """Measure this device; the model's parameters, gradients, buffers and RNG are left as found.
 
     `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
-    time (emulated devices) instead of the wall clock."""
+    time (emulated devices) instead of the wall clock. `throttle`: an emulated device's throttle
+    on the controlled clock (a fresh one: its books change), through which every forward and
+    backward runs, timed by its busy time (CPU + sleeps)."""
     cuda = device.type == "cuda"
     dtype = DTYPES.get(precision)
 
@@ -146,7 +158,8 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         with autocast():
             return forward(m, b)
 
-    clock = time.thread_time if cpu_clock and not cuda else time.perf_counter
+    clocked = throttle is not None and throttle.clocked and not cuda
+    clock = throttle.busy if clocked else time.thread_time if cpu_clock and not cuda else time.perf_counter
     now = _synced(clock, device)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     started = time.perf_counter()
@@ -191,38 +204,50 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         act_fixed, act_per = fit_linear([first, sizes[-1]], [at_first, activations(sizes[-1])]) \
             if sizes[-1] > first else (0.0, at_first / first)
 
-        timed_sizes, seconds, forward_parts = [], [], []
+        timed_sizes, seconds, forward_parts, cpu_seconds = [], [], [], []
         for m in sizes:
             batch = load(m)
-            runs = []
+            runs, cpu_runs = [], []
             for k in range(MAX_RUNS + 1):
-                t0 = now()
+                t0, c0 = now(), time.thread_time()
                 # Without the emulated meter's hooks: training counts a forward's activations once
                 # and then looks them up (emulate.MemoryMeter), so the hooks are not its cost.
                 loss = as_scalar(fwd(model, batch))
-                t1 = now()
+                t1, forward_cpu = now(), time.thread_time() - c0
+                if clocked:                  # the device's clock, as training runs it (Throttle)
+                    guess = throttle.before_backward(forward_cpu, samples=m)
+                c1 = time.thread_time()
                 loss.backward()
-                spent = now() - t0
+                if clocked:
+                    throttle.after_backward(forward_cpu, guess, time.thread_time() - c1)
+                    throttle.settle()
+                spent, cpu = now() - t0, time.thread_time() - c0
                 if k == 0:
                     continue                 # warm-up: a new size allocates (and faults in) new memory
                 runs.append(spent)
-                forward_parts.append((t1 - t0) / max(spent, 1e-12))
+                cpu_runs.append(cpu)
+                # the forward's part of the work (on the clock, of its CPU work: cost.py's use)
+                forward_parts.append(forward_cpu / max(cpu, 1e-12) if clocked else (t1 - t0) / max(spent, 1e-12))
                 if sum(runs) >= MIN_TIMED_S:
                     break
             timed_sizes.append(m)
             seconds.append(statistics.median(runs))
+            cpu_seconds.append(statistics.median(cpu_runs))
             if time.perf_counter() - started > budget_s and len(timed_sizes) >= 2:
                 break                        # bounded: fit what was measured
-        optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda)
+        optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda,
+                                             pace=throttle.compute if clocked else contextlib.nullcontext)
         model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
     a, b = fit_linear(timed_sizes, seconds)
-    what = "CPU time of one thread" if clock is time.thread_time else "wall time"
+    what = ("busy time on its controlled clock (CPU + sleeps)" if clocked else
+            "CPU time of one thread" if clock is time.thread_time else "wall time")
+    share = {"cpu_share": min(1.0, sum(cpu_seconds) / sum(seconds))} if clocked and sum(seconds) > 0 else {}
     return DeviceProfile(
         device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
-        overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed,
+        overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed, **share,
         activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
         memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
         sizes=tuple(timed_sizes), seconds=tuple(seconds))
@@ -239,24 +264,29 @@ def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], fl
     return now
 
 
-def _time_optimizer(model, optimizer, device, clock, cuda) -> tuple[float, int]:
+def _time_optimizer(model, optimizer, device, clock, cuda, pace=contextlib.nullcontext) -> tuple[float, int]:
     """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
-    parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step."""
+    parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step.
+    `pace`: how the device runs the step (an emulated device on its clock: its throttle)."""
     if optimizer is None:
         return 0.0, model_state_bytes(model, None)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     need = sum(p.numel() * p.element_size() for p in params) * 4
     if cuda and torch.cuda.mem_get_info(device)[0] < 2 * need:
         # No room for a copy: state as AdamW would hold it, time unknown (bandwidth-bound, small).
-        return 0.0, model_state_bytes(model, optimizer) + 2 * sum(p.numel() * p.element_size() for p in params)
+        return 0.0, model_state_bytes(model, optimizer) + 2 * sum(p.numel() * p.element_size() for p in params
+                                                                  if p.requires_grad)
     twin = copy.deepcopy(optimizer)
     for original, clone in zip(params, (p for g in twin.param_groups for p in g["params"])):
+        if not original.requires_grad:
+            continue             # frozen (a LoRA base in AdamW(model.parameters())): never stepped, no state
         clone.grad = original.grad.detach().clone() if original.grad is not None else torch.zeros_like(clone)
     runs = []
     now = _synced(clock, device)
     for _ in range(3):
         t0 = now()
-        twin.step()
+        with pace():
+            twin.step()
         runs.append(now() - t0)
     state = [v for s in twin.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     fixed = model_state_bytes(model, None) + sum(t.numel() * t.element_size() for t in state)
@@ -270,6 +300,13 @@ def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
     return raw.scaled(1.0 / s, device=f"{spec.label} (emulated)", cpu_share=s, gpu=spec.gpu.key,
                       memory_bytes=spec.memory_bytes,
                       source=f"measured on this CPU, ×1/{s:.3g} for the emulated speed ({spec.speed_source})")
+
+
+def clocked(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
+    """A measurement on the emulated device `spec`'s controlled clock: its times are the device's
+    already (measured through its throttle), so only what it is called changes."""
+    return replace(raw, device=f"{spec.label} (emulated)", gpu=spec.gpu.key, memory_bytes=spec.memory_bytes,
+                   source=raw.source.replace(f"measured on {raw.device}", f"measured on {spec.label} (emulated)"))
 
 
 def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
@@ -304,22 +341,30 @@ def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> 
 def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
                    label: str, forward: Callable = default_forward, precision: str = "fp32",
                    memory_bytes: int | None = None, max_size: int = MAX_SIZE,
-                   emulate: ClusterDevice | None = None) -> tuple[DeviceProfile, bool]:
+                   emulate: ClusterDevice | None = None, throttle=None) -> tuple[DeviceProfile, bool]:
     """This device's profile, from the cache when this model was measured on this device before.
-    Returns (profile, came_from_cache)."""
+    Returns (profile, came_from_cache). `throttle`: the emulated device's own, when it runs on the
+    controlled clock (a fresh copy of it times the device; see the module's docstring)."""
     sample = load(1)
     if emulate is not None:
         memory_bytes = emulate.memory_bytes
+    on_clock = emulate is not None and throttle is not None and throttle.clocked
     signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
     key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
+    if on_clock:      # its times are this clock's at this speed: kept apart from any other's
+        clock = hashlib.sha256(repr((throttle.sample_s, throttle.micro_s, throttle.speed)).encode()).hexdigest()[:10]
+        key += f" clock {clock}"
     path = _cache_path(signature, key)
     raw, note = read_cache(path, key)
     cached = raw is not None
     if raw is None:
         raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
-                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None)
+                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None,
+                      throttle=throttle.fresh() if on_clock else None)
         _write_cache(path, raw)
-    if emulate is not None:
+    if on_clock:
+        profile = clocked(raw, emulate)
+    elif emulate is not None:
         profile = emulated(raw, emulate)
     else:
         profile = replace(raw, device=label, memory_bytes=memory_bytes,

@@ -19,7 +19,7 @@ import torch
 
 from ...errors import HetrainError
 from ..devices.precision_policy import DTYPES
-from .probe import as_scalar, default_forward
+from ..user_objects import as_scalar, default_forward
 
 
 

@@ -148,3 +148,18 @@ def test_a_clocked_pipeline_piece_lasts_its_length_over_the_speed_with_its_waits
     # a piece that outlasted its length sleeps nothing and owes nothing: a slower device, not a debt
     throttle.pay_clocked(0.010, 0.030, 0.030)
     assert throttle.slept_seconds == pytest.approx(0.011) and throttle.owed == 0.0
+
+
+def test_the_clocks_fixed_part_is_paid_once_per_micro_batch():
+    from hetrain.runtime.devices.emulation import Throttle
+
+    # (4 ms + 3 x 1 ms) / 0.5 = 14 ms for a micro-batch of 3, of which 2 ms forward and a 4 ms
+    # guessed backward are CPU: 8 ms of sleep; without the fixed part 6 ms less would be owed
+    for micro_s, sleep in ((0.004, 0.008), (None, 0.0)):
+        throttle = Throttle(0.5, sample_s=0.001, micro_s=micro_s)
+        guess = throttle.before_backward(0.002, samples=3)
+        assert guess == pytest.approx(0.004) and throttle.slept_seconds == pytest.approx(sleep)
+    with pytest.raises(ValueError):
+        Throttle(0.5, micro_s=0.004)             # a fixed part needs a clock
+    fresh = Throttle(0.5, sample_s=0.001, micro_s=0.004).fresh()
+    assert (fresh.speed, fresh.sample_s, fresh.micro_s, fresh.slept_seconds) == (0.5, 0.001, 0.004, 0.0)

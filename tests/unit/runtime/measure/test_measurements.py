@@ -142,3 +142,15 @@ def test_one_node_is_planned_as_before_whatever_compression_would_gain():
     plan, _ = plan_from_measurements(slow, Config(global_batch=24, emulate=SPEC))
     assert plan.compression == "none" and "compression" not in plan.note and "inter-node" not in plan.note
     assert "uncompressed_step_s" not in plan.predicted
+
+
+def test_a_model_with_a_frozen_part_is_planned_as_fine_tuning_and_says_so():
+    # counts as joint.py gathers them off rank 0's model: 16,384 of 738,432 train (a LoRA at r=8)
+    lora = measured(n_params=738_432, n_trainable=16_384)
+    assert Measurements.from_json(lora.to_json()) == lora
+    plan, _ = plan_from_measurements(lora, Config(global_batch=24, emulate=SPEC))
+    assert ("fine-tuning (LoRA or a frozen base): 16,384 of 738,432 parameters trainable (2.2%), the frozen "
+            "722,048 costed as weights only (no gradients, no optimizer state) and left out of the gradient "
+            "sync") in plan.note.split("; ")
+    for counts in ({"n_params": 738_432, "n_trainable": 738_432}, {}):      # all train, or not counted
+        assert "fine-tuning" not in plan_from_measurements(measured(**counts), Config(global_batch=24, emulate=SPEC))[0].note
