@@ -55,7 +55,6 @@ def run_split(args, data, plan=None):
     """One hetrain job of the small GPT as a 2-stage pipeline: the split hetrain sizes (plan None),
     or the given Plan's. Returns (the job's Plan, its pipeline's split and profile, the timed
     step seconds, the last loss). One warm-up step (metadata, first allocations) is not timed."""
-    import time
 
     import torch
     import torch.nn.functional as F

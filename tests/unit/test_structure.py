@@ -52,3 +52,126 @@ def test_every_module_stays_under_400_lines():
 def test_the_engine_coordinates_in_at_most_250_lines():
     engine = next(SRC.rglob("engine.py"))
     assert len(engine.read_text().splitlines()) <= 250
+
+
+OUTSIDE = re.compile(r"\.\./shared|TORCH-CPU-FACTS|USER-NEEDS|\bDESIGN\.md")
+
+
+def test_nothing_in_the_repository_cites_a_file_outside_it():
+    repo = SRC.parents[1]
+    cited = []
+    for folder in ("src", "tests", "benchmarks", "examples", "docs", ".ci"):
+        for path in sorted((repo / folder).rglob("*")):
+            if path.is_file() and path.suffix in (".py", ".md", ".json", ".toml", ".txt", "") and "__pycache__" not in path.parts:
+                for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    if OUTSIDE.search(line) and path.name != "test_structure.py":
+                        cited.append(f"{path.relative_to(repo)}:{i}")
+    for name in ("README.md", "pyproject.toml"):
+        cited += [f"{name}:{i}" for i, line in enumerate((repo / name).read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    assert not cited, "files outside the repository cited (say the fact where it is used instead):\n" + "\n".join(cited)
+
+
+# The layers, bottom first: a module imports only from its own layer's unit or a lower layer, at
+# module level or inside a function alike (an import inside a function still points somewhere).
+LAYERS = (
+    {"errors", "version"},
+    {"vocabulary", "files", "console", "process_exit"},
+    {"hardware", "report", "reporting"},
+    {"planning"},                       # pure: no torch.distributed
+    {"runtime"},                        # inside each rank; its own order below
+    {"parallel", "integrations", "launching", "demo", "sweeping"},
+    {"launch"},
+    {"benching"},
+    {"cli"},
+    {"__main__", "hetrain"},            # the package's face: `import hetrain`
+)
+# runtime/, bottom first. A subpackage (or top-level module) imports only from those below it.
+RUNTIME = ("config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience", "job",
+           "loop", "parallel", "measure", "layouts", "setup", "engine", "__init__")
+# Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
+PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(line, imported module, names) for every import of the file, wherever it is."""
+    mod = _module(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            if node.module is None:          # from . import a, b: each a module of the package
+                for n in names:
+                    yield node.lineno, f"{target}.{n}", []
+            else:
+                yield node.lineno, target, names
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+
+
+def _layer_of(module: str) -> tuple[int, int]:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "hetrain"
+    layer = next(i for i, names in enumerate(LAYERS) if top in names)
+    if top == "runtime":
+        return layer, RUNTIME.index(parts[2] if len(parts) > 2 else "__init__")
+    return layer, 0
+
+
+def _under_type_checking(path: Path) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines.update(range(inner.lineno, inner.end_lineno + 1))
+    return lines
+
+
+def test_the_layer_tables_name_every_package_and_runtime_part():
+    tops = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
+            if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    tops = {"hetrain" if t == "__init__" else t for t in tops}
+    assert tops == set().union(*LAYERS), tops ^ set().union(*LAYERS)
+    parts = {p.stem if p.is_file() else p.name for p in (SRC / "runtime").iterdir()
+             if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
+    assert parts == set(RUNTIME), parts ^ set(RUNTIME)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["runtime"] and len(parts) > 2 else ".".join(parts[:2])
+
+
+def test_imports_point_down_the_layers_and_runtimes_order():
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module(path)
+        me, typing_only = _layer_of(module), _under_type_checking(path)
+        for line, target, _ in _imports(path):
+            if not (target == "hetrain" or target.startswith("hetrain.")) or line in typing_only:
+                continue
+            if _unit(target) != _unit(module) and not _layer_of(target) < me:
+                wrong.append(f"{path.relative_to(SRC)}:{line} imports {target}")
+    assert not wrong, "imports that point up or across a layer:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for line, target, names in _imports(path):
+            if target in PRIVATE_IMPORTS:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private or any(part.startswith("_") and not part.startswith("__") for part in target.split(".")):
+                found.append(f"{path.relative_to(SRC)}:{line} from {target} import {', '.join(private) or '...'}")
+    assert not found, "private names imported across modules (make them public, or move them):\n" + "\n".join(found)

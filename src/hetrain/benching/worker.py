@@ -3,7 +3,7 @@
 `hetrain bench` launches this module as `hetrain run` launches a script (launch.py: torchrun, one
 process per GPU or emulated device), once per configuration. Every rank trains the factory's
 model as a user's loop does (hetrain.init, prepare, micro-batches, backward, step); the loss is
-the model output's mean, as hetrain's own measurements take it (runtime/measure/probe.py), which
+the model output's mean, as hetrain's own measurements take it (runtime/user_objects.py), which
 costs what a real loss costs next to the model. The first `warmup` steps are not timed; the
 timed steps run between two barriers, so the figure is the whole job's, not one rank's. Rank 0
 then writes the samples/s, the plan it ran (shares, devices) and every rank's peak memory.
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
     from ..report import StepProgress
     from ..runtime.engine import init
     from ..runtime.measure.factory import call_factory, load_factory
-    from ..runtime.measure.probe import as_scalar, default_forward
+    from ..runtime.user_objects import as_scalar, default_forward
 
     warmup, steps = job["warmup"], job["steps"]
     ht = init(**job["config"], max_steps=warmup + steps)

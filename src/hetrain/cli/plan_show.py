@@ -64,7 +64,7 @@ def topology_lines(topology, sim, grad_bytes: float) -> tuple[list[str], dict]:
     lines.append(f"between nodes: {topology.net.bandwidth_gbs:.3g} GB/s ({topology.net.source})")
     lines.append(f"gradient sync (all-reduce of {format_bytes(grad_bytes)}: a ring in each node, then across nodes, "
                  f"then in each node): {ms(topology.sync_s)} per step; {ms(topology.joined_s)} with the nodes joined "
-                 f"as fast as the slowest node's own link ({min(l.bandwidth_gbs for l in topology.node_links):.3g} "
+                 f"as fast as the slowest node's own link ({min(link.bandwidth_gbs for link in topology.node_links):.3g} "
                  f"GB/s): the link between nodes costs {ms(topology.net_cost_s)} of every step's sync")
     pred = sim.plan.predicted
     members = len(sim.plan.devices)

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
     from ..runtime.engine import init
     from ..runtime.measure.factory import call_factory, load_factory
     from ..runtime.measure.joint import measure_job
-    from ..runtime.measure.probe import default_forward
+    from ..runtime.user_objects import default_forward
     from ..runtime.setup import prepare_to_measure
 
     ht = init(**job["config"])          # from here on, an explained error is one line from the launcher

@@ -8,19 +8,52 @@ instead of reaching into the Engine's private attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..planning.plan import Plan
 from .config import Config
-from .loop.sampler import to_device
+from .user_objects import to_device
 from .ranks.dist import DistContext
 from .devices.faults import FaultInjector
 from .devices.hooks import DeviceHooks
 from .ranks.log import RankLog
 from .resilience.preempt import Preemption
 from .devices.precision_policy import PrecisionPolicy
+
+if TYPE_CHECKING:     # names for the fields' types only: importing them here would be circular
+    from ..hardware.host import HostFacts
+    from ..planning.profile import DeviceProfile
+    from .devices.emulation import EmulatedDevice
+    from .layouts.data import DataLayout
+    from .loop.flops import FlopFacts
+    from .loop.metrics import Recorder
+    from .loop.sampler import GlobalCursorSampler
+    from .memory.device_memory import MemoryPlan
+    from .model import PreparedModel
+    from .ranks.nodes import JobNodes
+    from .resilience.oom import SyncGuard
+    from .resilience.resume import Resumed
+    from .resilience.store import Checkpointer
+
+
+class GradientSync(Protocol):
+    """What the loop asks of the module that syncs gradients (DDP, FSDP2's adapter, a sharding's)."""
+
+    def no_sync(self) -> AbstractContextManager: ...
+
+
+class Rebalancing(Protocol):
+    """What the loop asks of whatever moves work between ranks when measured speeds change:
+    resilience/rebalance.Rebalancer (data-parallel shares), a pipeline's stage re-split."""
+
+    def observe(self, plan: Plan, *, busy_s: list[float], fixed_s: list[float]) -> None: ...
+    def propose(self, plan: Plan, *, step: int) -> Any: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass(eq=False)
@@ -31,29 +64,30 @@ class Job:
     hooks: DeviceHooks
     precision: PrecisionPolicy
     faults: FaultInjector
-    emulated: object = None                  # emulate.EmulatedDevice, on an emulated device
-    host: object = None                      # hardware.host.HostFacts, on an emulated device
-    preemption: Preemption = None            # the stop signal, if any (made by init(), always there)
-    nodes: object = None                     # ranks.nodes.JobNodes: which rank runs on which node
+    emulated: EmulatedDevice | None = None   # on an emulated device
+    host: HostFacts | None = None            # on an emulated device
+    preemption: Preemption | None = None     # the stop signal, if any (made by init(), always there)
+    nodes: JobNodes | None = None            # which rank runs on which node
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
-    dataset: object = None
+    dataset: Any = None                      # the user's map-style dataset
     collate: Callable | None = None
-    sampler: object = None                   # data.GlobalCursorSampler
+    sampler: GlobalCursorSampler | None = None
     total_steps: int = 0
-    checkpointer: object = None              # checkpoint.Checkpointer, with checkpoint_dir
+    checkpointer: Checkpointer | None = None  # with checkpoint_dir
     plan: Plan | None = None
-    layout: object = None                    # layouts/: how this rank runs a step (data, tensor, pipelined)
-    profiles: tuple | None = None            # every rank's DeviceProfile, when this job measured them
-    model: object = None                     # model.PreparedModel
-    sync: object = None                      # DDP, or FSDP2's adapter: .no_sync() on non-last micro-batches
-    guard: object = None                     # recovery.SyncGuard on DDP, when OOM recovery needs it
+    layout: DataLayout | None = None         # layouts/: how this rank runs a step (data, tensor, pipelined)
+    profiles: tuple[DeviceProfile, ...] | None = None   # every rank's, when this job measured them
+    model: PreparedModel | None = None
+    sync: GradientSync | None = None         # DDP, or FSDP2's adapter: .no_sync() on non-last micro-batches
+    guard: SyncGuard | None = None           # on DDP, when OOM recovery needs it
     optimizer: torch.optim.Optimizer | None = None
-    memory_plan: object = None               # memory.MemoryPlan
-    rebalancer: object = None                # rebalance.Rebalancer
-    flops: object = None                     # loop.flops.FlopFacts: FLOPs per sample, every rank's peak
-    recorder: object = None                  # loop.metrics.Recorder: metrics.jsonl and status lines
+    memory_plan: MemoryPlan | None = None
+    rebalancer: Rebalancing | None = None
+    flops: FlopFacts | None = None           # FLOPs per sample, every rank's peak
+    recorder: Recorder | None = None         # metrics.jsonl and status lines
     extra_state: dict = field(default_factory=dict)   # register_state(): name -> obj with state_dict
-    resumed: object = None                   # resume.Resumed: a resumed checkpoint's state, for register_state() after prepare()
+    model_signature: str | None = None       # the user's model's, before any wrapping (resilience/resume.py)
+    resumed: Resumed | None = None           # a resumed checkpoint's state, for register_state() after prepare()
     # -- counters the run keeps -------------------------------------------------------------------
     steps_done: int = 0
     ooms: int = 0                  # out-of-memory errors recovered on this rank
@@ -92,6 +126,8 @@ class Job:
 
     def load(self, indices) -> object:
         """The samples at these dataset indices, collated, on this rank's device."""
+        if self.collate is None:
+            raise RuntimeError("Job.load() before prepare() set the collate function")
         ds = self.dataset
         items = ds.__getitems__(list(indices)) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return to_device(self.collate(items), self.device)

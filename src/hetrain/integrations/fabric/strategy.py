@@ -51,7 +51,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from ...errors import UsageError, did_you_mean
 from ...runtime.config import Config
 from ...runtime.engine import Engine, init
-from ...runtime.measure.probe import default_forward
+from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
 from .data import StepLoader, TrainingData, training_data
 

@@ -28,7 +28,7 @@ from ...errors import UsageError
 from ...planning.plan import split_evenly
 from ..resilience import oom as recovery
 from ..loop.steps import MicroBatch
-from .data import DataLayout, _pair
+from .data import DataLayout, inputs_and_targets
 
 
 class PendingLoss:
@@ -57,7 +57,7 @@ class PipelineLayout(DataLayout):
         self._recorded: list[tuple[MicroBatch, float]] = []
 
     def loss(self, job, mb: MicroBatch) -> PendingLoss:
-        _pair(mb.batch, self.name)
+        inputs_and_targets(mb.batch, self.name)
         return PendingLoss(mb)
 
     def record(self, job, mb: MicroBatch, loss, units) -> None:

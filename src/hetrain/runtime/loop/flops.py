@@ -25,7 +25,7 @@ import torch
 
 from ...hardware import catalog
 from ...planning.cost import peak_flops
-from ..measure.probe import as_scalar
+from ..user_objects import as_scalar
 from ..ranks import agree
 
 MEANING_EMULATED = ("emulated: each CPU process against this CPU thread's measured matmul FLOP/s x the "

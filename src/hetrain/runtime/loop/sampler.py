@@ -113,12 +113,3 @@ class GlobalCursorSampler:
         self.epoch, self.cursor, self.step = int(state["epoch"]), int(state["cursor"]), int(state["step"])
 
 
-def to_device(obj, device: torch.device):
-    """A batch (tensor, or tuple/list/dict of them, nested) moved to `device`; other values as they are."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj

@@ -21,23 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ...errors import UsageError
 from ...planning.plan import Plan
+from ..user_objects import find_blocks
 
 _MARK = "_hetrain_checkpointed"
-
-
-def find_blocks(model: nn.Module, block_type: str | None = None) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the blocks to checkpoint, in model order."""
-    if block_type is not None:
-        return [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type and m is not model]
-    found, inside = [], set()
-    for name, m in model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
-            continue   # a list inside a block we already take: the outer block is the unit
-        if isinstance(m, nn.ModuleList):
-            for i, child in enumerate(m):
-                found.append((f"{name}.{i}" if name else str(i), child))
-                inside.add(f"{name}.{i}" if name else str(i))
-    return found
 
 
 def _checkpointed(forward, *args, **kwargs):

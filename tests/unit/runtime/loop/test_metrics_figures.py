@@ -10,7 +10,7 @@ import torch
 from hetrain.hardware.host import HostFacts
 from hetrain.runtime.config import Config
 from hetrain.runtime.loop import flops, metrics
-from hetrain.runtime.measure.probe import default_forward
+from hetrain.runtime.user_objects import default_forward
 
 
 def test_mfu_is_achieved_flops_over_the_peak():
