@@ -9,6 +9,7 @@
                                                                   runtime/measure/fsdp_probe.py)
                       (whole params and grads on a rank that
                       accumulates micro-batches: wrap.py)
+    capacity-full     params, grads, state ∝ free memory (+units)  as FSDP2, modelled (uneven slices)
     PP, DP×PP         its stage's blocks                          activations between stages; the
                                                                   stages' G over the replicas
     TP                every layer 1/W                             4 activation all-reduces per layer
@@ -17,15 +18,14 @@ Data-parallel layouts share hetrain's planner (planner.make_plan): shares by spe
 by memory, activation checkpointing per device where one sample needs it. Only the bytes of model
 state each device holds change (memory.state_bytes), and the collectives the sharding adds. The
 pipelines come from parallelism.compare_parallelism, which sizes their stages to each device's
-speed. TP is costed as the runtime runs it: one group over every device. Every layer is split
-evenly, so every rank waits for the slowest.
+speed. TP: one group over every device, split evenly or by speed (tensor_split.py).
 
 The ranking is by predicted samples/s among the layouts that fit. The recommendation is the
 fastest, or a simpler one within `prefer_simpler_within` of it (order: DP, ZeRO-1, capacity,
-FSDP2, PP, DP×PP, TP: fewer collectives for the same speed). When nothing fits, `to_fit` says what
+FSDP2, capacity-full, PP, DP×PP, TP: fewer collectives for the same speed). When nothing fits, `to_fit` says what
 would make one fit (layout_fit.py).
 
-Sizes. One make_plan per data-parallel layout (4, FSDP up to 3 when ranks turn to accumulating),
+Sizes. One make_plan per data-parallel layout (5, FSDP and capacity-full up to 3 when ranks turn to accumulating),
 plus one compare_parallelism: the search's cost is theirs (their docstrings give it).
 """
 
@@ -52,7 +52,9 @@ TP_COMM_PER_ACTIVATION = 8 / 34
 # transformer block's output is s·h values (2 bytes at bf16) against ≈ 34·s·h bytes it keeps.
 BOUNDARY_PER_ACTIVATION = 2 / 34
 MAX_MICRO_BATCHES = 128           # pipelines: the most micro-batches tried per step
-ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "PP", "DP×PP", "TP", "TP by speed")   # tensor_split.py
+ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP", "TP", "TP by speed")   # tensor_split.py
+FAMILIES = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2", "capacity-full": "capacity-full"}
+GATHERED = ("fsdp", "capacity-full")   # parameters gathered per unit: a rank that accumulates holds them whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +140,11 @@ def _ring(w: int) -> float:
 def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accumulating: frozenset[int]):
     w = len(profiles)
     fractions = [None] * w
+    if sharding == "capacity-full":      # state in proportion to the room left by activations and gathered units
+        units = state.state(sharding, world_size=w, fraction=0.0).total
+        fractions = list(capacity_fractions([max(0.0, (p.memory_bytes * (1 - o.memory_margin) if p.memory_bytes
+                                                       else 2.0 ** 60) - p.memory_needed(1) + p.fixed_bytes - units)
+                                             for p in profiles]))
     if sharding == "capacity":
         whole = state.state("none", world_size=1)
         free = [(p.memory_bytes * (1 - o.memory_margin) if p.memory_bytes else 2.0 ** 60)
@@ -152,7 +159,7 @@ def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accu
 
 
 def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_excess_s: float | None = None) -> LayoutRow:
-    family = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2"}[sharding]
+    family = FAMILIES[sharding]
     run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
            else f"hetrain.init(sharding={sharding!r})")
     w = len(profiles)
@@ -164,7 +171,7 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
         except UsageError as e:
             return LayoutRow(name=family, family=family, fits=False, samples_per_s=0.0, memory=(None,) * w,
                              comm_bytes=0.0, comm_s=0.0, detail=e.what, run=run)
-        now = frozenset(d.rank for d in plan.devices if d.n_micro > 1) if sharding == "fsdp" else accumulating
+        now = frozenset(d.rank for d in plan.devices if d.n_micro > 1) if sharding in GATHERED else accumulating
         if now <= accumulating:
             break
         accumulating = accumulating | now
@@ -175,7 +182,7 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
     if sharding in ("zero1", "capacity"):      # the owners broadcast their updated slices
         extra = all_gather_seconds(w, state.trainable * state.param_bytes, link)
         moved += state.trainable * state.param_bytes * (w - 1) / w
-    elif sharding == "fsdp" and w > 1:         # all-gather forward and backward, reduce-scatter, not all-reduce
+    elif sharding in ("fsdp", "capacity-full") and w > 1:   # gathers forward and backward, a reduce to owners
         moved = (2 * weights + grads) * (w - 1) / w
         if fsdp_excess_s is not None:          # timed on these devices (runtime/measure/fsdp_probe.py)
             extra = fsdp_excess_s
@@ -341,7 +348,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
     if not profiles:
         raise UsageError("no devices to rank layouts on", "give at least one device")
     rows = [_dp_row(profiles, state, options, s, fsdp_excess_s if s == "fsdp" else None)
-            for s in ("none", "zero1", "capacity", "fsdp")]
+            for s in ("none", "zero1", "capacity", "fsdp", "capacity-full")]
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
         rows.append(_tp_row(profiles, state, options))

@@ -204,3 +204,22 @@ def test_a_measured_fsdp_excess_replaces_the_modelled_collectives():
     assert 30 / fsdp.samples_per_s == pytest.approx(dp_step + 0.05, rel=1e-6)
     assert fsdp.samples_per_s < modelled.samples_per_s and "measured here: +50 ms a step" in fsdp.detail
     assert "measured" not in modelled.detail and fsdp.memory == modelled.memory
+
+
+def test_capacity_full_trains_on_the_pair_what_even_fsdp2_cannot_and_holds_state_by_room():
+    # An 80:24 pair (scaled to 0.8 and 0.24 GB) and a 50M-parameter model: 800 MB of AdamW state
+    # (16 B/parameter). Even FSDP2 puts 400 MB on the small card, over its room; capacity-full puts
+    # state in proportion to the room each card has left after one sample's activations.
+    gb = 1e9
+    profiles = _profiles([1.0, 0.67], act=1e6)
+    profiles = [replace(profiles[0], memory_bytes=0.8 * gb), replace(profiles[1], memory_bytes=0.24 * gb)]
+    opts = PlanOptions(global_batch=16, grad_bytes=4 * P, memory_margin=0.0)
+    ranking = rank_layouts(profiles, state=ModelState(params=P, trainable=P, blocks=8), options=opts)
+    full, fsdp = _row(ranking, "capacity-full"), _row(ranking, "FSDP2")
+    assert not fsdp.fits and full.fits
+    room = [0.8 * gb - 1e6, 0.24 * gb - 1e6]
+    expected = [16 * P * r / sum(room) for r in room]          # each card's share of the state, by room
+    for held, want in zip(full.memory, expected):
+        assert held >= want                                      # its shards, plus activations and units
+    assert full.memory[0] / full.memory[1] == pytest.approx(room[0] / room[1], rel=0.35)
+    assert ranking.best is not None and ranking.best.fits
