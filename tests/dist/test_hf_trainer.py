@@ -15,13 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hf_tiny import gpt2, token_data as tokens_of
+from hf_tiny import Tokens as TokensOf
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                  reason='needs pip install "hetrain[hf]"')]
 
-N, T, V, STEPS = 80, 12, 64, 4
+N, STEPS = 80, 4
 PER_DEVICE, ACCUM = 4, 2                # the Trainer's global batch: 4 x 2 x 2 devices = 16 samples a step
 SHARES, MICROS = (10, 6), (4, 6)        # hetrain's uneven split of it: rank 0 runs 4, 4, 2; rank 1 one of 6
 FAULTS = "oom:rank=1,step=1,micro=0,phase=forward"    # rank 1's micro-batch 6 -> 3, redone
@@ -35,33 +37,12 @@ def write_plan(path) -> str:
 
 
 def token_data():
-    g = torch.Generator().manual_seed(5)
-    x = torch.randint(0, V, (N, T), generator=g)
-    y = x.clone()
-    y[torch.rand(N, T, generator=g) < 0.3] = -100     # uneven counted tokens per sample
-    return x, y
+    return tokens_of(N)
 
 
-class Tokens(torch.utils.data.Dataset):
+class Tokens(TokensOf):
     def __init__(self):
-        self.x, self.y = token_data()
-
-    def __len__(self):
-        return N
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.y[i]}
-
-
-def gpt2():
-    """A tiny GPT-2 from a config (no download), in float64 (GPT-2's LayerNorm stays in float64;
-    Llama's RMSNorm would compute in float32)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).double()
+        super().__init__(N)
 
 
 def lm_loss(logits, labels):

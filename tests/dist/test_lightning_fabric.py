@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from harness import run_ranks
+from hf_tiny import gpt2, token_data as tokens_of
+from hf_tiny import Tokens as TokensOf
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = [pytest.mark.dist,
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.dist,
                                  importlib.util.find_spec("transformers") is None,
                                  reason='needs pip install "hetrain[lightning,hf]"')]
 
-N, T, V, STEPS = 48, 12, 64, 3
+N, STEPS = 48, 3
 SHARES, MICROS = (10, 6), (4, 6)        # rank 0: 3 micro-batches (4, 4, 2); rank 1: one of 6
 # Rank 1 runs out of memory in its first forward of step 1 (micro-batch 6 -> 3, redone locally);
 # rank 0 in its last backward of step 2, inside the gradient sync (4 -> 2, the step redone by both).
@@ -37,35 +39,12 @@ def make_plan() -> Plan:
 
 
 def token_data():
-    g = torch.Generator().manual_seed(5)
-    x = torch.randint(0, V, (N, T), generator=g)
-    y = x.clone()
-    y[torch.rand(N, T, generator=g) < 0.3] = -100     # uneven counted tokens per sample
-    return x, y
+    return tokens_of(N)
 
 
-class Tokens(torch.utils.data.Dataset):
+class Tokens(TokensOf):
     def __init__(self):
-        self.x, self.y = token_data()
-
-    def __len__(self):
-        return N
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.y[i]}
-
-
-def gpt2():
-    """A tiny GPT-2 from a config (no download), in float64. GPT-2 rather than Llama: Llama's RMSNorm
-    computes in float32 even in a float64 model, so its gradient carries float32 rounding of
-    whatever scale passes through it (token weighting's provisional one does), about 6e-8 relative;
-    GPT-2's LayerNorm stays in float64."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).double()      # float64: the comparison is not blurred by rounding
+        super().__init__(N)
 
 
 def lm_loss(model, input_ids, labels):

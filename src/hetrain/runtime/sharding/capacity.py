@@ -36,6 +36,12 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
 
 
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (not its scalar step counts): what it adds to memory."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's defaults that its constructor takes (AdamW's defaults also hold
     'decoupled_weight_decay', which AdamW() does not accept)."""
@@ -128,10 +134,7 @@ class CapacityShardedOptimizer(torch.optim.Optimizer):
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this optimizer adds to the model state on this rank: the slice's state (its
         parameter and gradient are views of the model's; for memory accounting)."""
-        out = []
-        for state in self.optim.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return out
+        return state_tensors(self.optim)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -21,7 +21,7 @@ from torch import nn
 from ...errors import UsageError
 from ...hardware.units import format_bytes
 from ...planning.memory import capacity_fractions, full_shard_transient, partition_bounds, state_values
-from .capacity import ELEMENTWISE, constructor_defaults
+from .capacity import ELEMENTWISE, constructor_defaults, state_tensors
 from .capacity_full import FullSharding, Segment, Slot, Unit
 
 
@@ -42,10 +42,7 @@ class FullShardedOptimizer(torch.optim.Optimizer):
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The optimizer state this rank holds (its slices' parameters and gradients are the model's)."""
-        out = []
-        for state in self.optim.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return out
+        return state_tensors(self.optim)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
