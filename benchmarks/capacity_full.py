@@ -21,11 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+import largest_model
+from largest_model import report
 
 SPEC = "a100-80g@80MiB,rtx3090@24MiB"
 GLOBAL_BATCH, SEQ, VOCAB, LAYERS, HEADS = 8, 32, 256, 16, 4
@@ -58,13 +58,12 @@ def worker(sharding: str, width: int, steps: int, out_dir: str) -> None:
                       precision="fp32", timeout_s=120, verbose=False, oom_recovery=False, rebalance=False,
                       memory_margin=MARGIN)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
+    mdl = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * steps, SEQ), generator=g),
                                           torch.randint(0, VOCAB, (GLOBAL_BATCH * steps, SEQ), generator=g))
-    result = {"rank": rank, "status": "ok"}
-    try:
-        model, opt, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
+    def train() -> dict:
+        model, opt, batches = ht.prepare(mdl, torch.optim.AdamW(mdl.parameters(), lr=1e-3), data)
         for step in batches:
             for mb in step:
                 with mb:
@@ -72,60 +71,16 @@ def worker(sharding: str, width: int, steps: int, out_dir: str) -> None:
                     ht.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
             ht.step()
         summary = ht.summary()
-        result["held"] = [m["held_state"] for m in summary["memory"]]
-        result["caps"] = [m["cap"] for m in summary["memory"]]
-        result["samples_per_s"] = summary["samples_per_s"]
-    except torch.OutOfMemoryError as e:
-        result = {"rank": rank, "status": "oom", "error": str(e)[:300]}
-    except hetrain.HetrainError as e:
-        if "out of memory" not in e.what and "does not fit" not in e.what:
-            raise
-        result = {"rank": rank, "status": "oom", "error": e.what[:300]}
-    except RuntimeError as e:     # a peer ran out of memory and left: gloo reports the lost connection
-        result = {"rank": rank, "status": "peer-failed", "error": str(e)[:300]}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    if result["status"] == "ok":
-        ht.close()
-    else:
-        os._exit(3)   # peers may be gone: no teardown barrier
+        return {"held": [m["held_state"] for m in summary["memory"]], "caps": [m["cap"] for m in summary["memory"]],
+                "samples_per_s": summary["samples_per_s"]}
+
+    report(ht, rank, out_dir, train)
 
 
 # -- the driver --------------------------------------------------------------------------------
 def trial(sharding: str, width: int, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", sharding, "--width", str(width), "--steps", str(steps), "--out", tmp]
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=600)
-        results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
-    statuses = [r["status"] for r in results]
-    if proc.returncode == 0 and statuses == ["ok", "ok"]:
-        return {"fits": True, **results[0]}
-    if "oom" in statuses:
-        return {"fits": False, "error": next(r for r in results if r["status"] == "oom")["error"]}
-    raise RuntimeError(f"{sharding} width {width}: neither trained nor ran out of memory "
-                       f"(exit {proc.returncode}, {statuses}):\n{proc.stderr[-3000:]}")
-
-
-def largest(sharding: str, lo: int, hi: int, log) -> tuple[int, dict, list]:
-    """Binary search over widths lo..hi (multiples of WIDTH_STEP): the largest that trains 2 steps."""
-    tried, best, best_r = [], None, None
-    a, b = lo // WIDTH_STEP, hi // WIDTH_STEP
-    while a <= b:
-        mid = (a + b) // 2
-        width, t0 = mid * WIDTH_STEP, time.perf_counter()
-        r = trial(sharding, width, 2)
-        tried.append({"width": width, "params": n_params(width), "trains": r["fits"]})
-        log(f"  {sharding:<14} width {width:>4} ({n_params(width) / 1e6:5.2f}M params): "
-            f"{'trains' if r['fits'] else 'out of memory'}  [{time.perf_counter() - t0:.0f} s]")
-        if r["fits"]:
-            best, best_r, a = width, r, mid + 1
-        else:
-            b = mid - 1
-    if best is None:
-        raise RuntimeError(f"{sharding}: even width {lo} does not train")
-    return best, best_r, tried
+    return largest_model.trial(__file__, ["--worker", sharding, "--width", str(width), "--steps", str(steps)],
+                               f"{sharding} width {width}")
 
 
 def main() -> None:
@@ -146,7 +101,8 @@ def main() -> None:
     say = lambda s: print(s, flush=True)   # noqa: E731
     rows = {}
     for sharding in STRATEGIES:
-        width, r, tried = largest(sharding, args.lo, args.hi, say)
+        width, r, tried = largest_model.largest(lambda w, s=sharding: trial(s, w, 2), sharding, args.lo, args.hi,
+                                                WIDTH_STEP, n_params, say)
         rows[sharding] = {"d_model": width, "max_params": n_params(width), "held_bytes_per_device": r["held"],
                           "memory_cap_per_device": r["caps"], "trials": tried}
     ratio = rows["capacity-full"]["max_params"] / rows["fsdp"]["max_params"]

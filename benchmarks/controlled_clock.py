@@ -174,23 +174,29 @@ def calibrate_clock_ms(*, precision: str, micro_batch: int, seq_len: int = 64, d
     """(the controlled clock's ms a sample at speed 1, the CPU ms a sample it comes from): the fast
     device's forward + backward CPU time per sample in this process, one thread, at `micro_batch`
     and the precision it computes in (median of 8 steps after 3), ×3 rounded up to 0.5 ms."""
+
+    model, data = model_and_data(seq_len=seq_len, d_model=d_model, layers=layers)
+    cpu_ms = cpu_ms_per_sample(model, data, max(1, micro_batch), loss_of, autocast=card_autocast(precision, FAST))
+    return math.ceil(3 * cpu_ms * 2) / 2, cpu_ms
+
+
+def cpu_ms_per_sample(model, data, n: int, loss_of, *, autocast=contextlib.nullcontext, steps: int = 8,
+                      skip: int = 3) -> float:
+    """The model's forward + backward CPU ms per sample on one thread, at a batch of `n` of `data`
+    (median of `steps` timed steps after `skip` untimed ones, AdamW stepping between them)."""
     import torch
 
     torch.set_num_threads(1)
-    model, data = model_and_data(seq_len=seq_len, d_model=d_model, layers=layers)
-    autocast = card_autocast(precision, FAST)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = max(1, micro_batch)
     x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(n))))
     per_sample = []
-    for step in range(11):
+    for step in range(skip + steps):
         t = time.thread_time()
         with autocast():
             loss = loss_of(model, x, y)
         loss.backward()
-        if step >= 3:
+        if step >= skip:
             per_sample.append((time.thread_time() - t) / n)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    cpu_ms = statistics.median(per_sample) * 1e3
-    return math.ceil(3 * cpu_ms * 2) / 2, cpu_ms
+    return statistics.median(per_sample) * 1e3

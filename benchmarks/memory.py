@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+import largest_model
+from largest_model import report
 
 SPEC = "a100-80g@80MiB,rtx3090@24MiB"
 GLOBAL_BATCH, SEQ, VOCAB, LAYERS, HEADS, STEPS = 16, 64, 256, 4, 4, 3
@@ -68,13 +68,12 @@ def worker(strategy: str, width: int, out_dir: str, precision: str = "auto") -> 
                       precision=precision, timeout_s=120, verbose=False,
                       oom_recovery=False, rebalance=False)   # each strategy runs exactly its plan
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
+    mdl = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ), generator=g),
                                           torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ), generator=g))
-    result = {"rank": rank, "status": "ok"}
-    try:
-        model, opt, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
+    def train() -> dict:
+        model, opt, batches = ht.prepare(mdl, torch.optim.AdamW(mdl.parameters(), lr=1e-3), data)
         for step in batches:
             for mb in step:
                 with mb:
@@ -84,65 +83,17 @@ def worker(strategy: str, width: int, out_dir: str, precision: str = "auto") -> 
                     ht.backward(loss)
             ht.step()
         memory = ht.summary()["memory"]
-        result["measured"] = [m["measured"] for m in memory]
-        result["planned"] = [m["planned"] for m in memory]
-        result["caps"] = [m["cap"] for m in memory]
-    except torch.OutOfMemoryError as e:
-        result = {"rank": rank, "status": "oom", "error": str(e)}
-    except hetrain.HetrainError as e:
-        if "out of memory" not in e.what:
-            raise
-        result = {"rank": rank, "status": "oom", "error": e.what}
-    except RuntimeError as e:     # a peer ran out of memory and left: gloo reports the lost connection
-        result = {"rank": rank, "status": "peer-failed", "error": str(e)[:300]}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    if result["status"] == "ok":
-        ht.close()
-    else:
-        os._exit(3)   # peers may be gone: no teardown barrier
+        return {"measured": [m["measured"] for m in memory], "planned": [m["planned"] for m in memory],
+                "caps": [m["cap"] for m in memory]}
+
+    report(ht, rank, out_dir, train)
 
 
 # -- the driver --------------------------------------------------------------------------------
 def trial(strategy: str, width: int, precision: str = "auto") -> dict:
     """Run the job in fresh processes; {'fits': bool, ...}. Raises on anything but success or OOM."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               __file__, "--worker", strategy, "--width", str(width), "--out", tmp, "--precision", precision]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
-    statuses = [r["status"] for r in results]
-    if proc.returncode == 0 and statuses == ["ok", "ok"]:
-        return {"fits": True, **results[0]}
-    if "oom" in statuses:
-        oom = [r for r in results if r["status"] == "oom"]
-        return {"fits": False, "oom_rank": oom[0]["rank"], "error": oom[0]["error"]}
-    raise RuntimeError(f"{strategy} width {width}: neither trained nor ran out of memory "
-                       f"(exit {proc.returncode}, {statuses}):\n{proc.stderr[-3000:]}")
-
-
-def largest(strategy: str, lo: int, hi: int, step: int, log, precision: str = "auto") -> tuple[int, dict, int]:
-    """Binary search over widths lo..hi (multiples of `step`): the largest that trains."""
-    trials = 0
-    best, best_result = None, None
-    a, b = lo // step, hi // step
-    while a <= b:
-        mid = (a + b) // 2
-        width = mid * step
-        t0 = time.perf_counter()
-        r = trial(strategy, width, precision)
-        trials += 1
-        log(f"  {strategy:<13} width {width:>4} ({n_params(width) / 1e6:5.2f}M params): "
-            f"{'trains' if r['fits'] else 'out of memory on rank ' + str(r['oom_rank'])}  "
-            f"[{time.perf_counter() - t0:.0f} s]")
-        if r["fits"]:
-            best, best_result, a = width, r, mid + 1
-        else:
-            b = mid - 1
-    if best is None:
-        raise RuntimeError(f"{strategy}: even width {lo} does not train")
-    return best, best_result, trials
+    return largest_model.trial(__file__, ["--worker", strategy, "--width", str(width), "--precision", precision],
+                               f"{strategy} width {width}")
 
 
 def main() -> None:
@@ -164,13 +115,13 @@ def main() -> None:
     rows = []
     t0 = time.perf_counter()
     for strategy in args.strategies.split(","):
-        width, r, trials = largest(strategy, WIDTH_STEP, args.max_width, WIDTH_STEP, lambda s: print(s, flush=True),
-                                  args.precision)
+        width, r, tried = largest_model.largest(lambda w, s=strategy: trial(s, w, args.precision), strategy, WIDTH_STEP,
+                                                args.max_width, WIDTH_STEP, n_params, lambda s: print(s, flush=True))
         shares, micros, ckpt, sharding = STRATEGIES[strategy]
         rows.append({"strategy": strategy, "max_params": n_params(width), "d_model": width,
                      "peak_bytes_per_device": r["measured"], "planned_bytes_per_device": r["planned"],
                      "memory_cap_per_device": r["caps"], "shares": list(shares), "micro_batches": list(micros),
-                     "checkpointing": list(ckpt), "sharding": sharding, "trials": trials})
+                     "checkpointing": list(ckpt), "sharding": sharding, "trials": len(tried)})
     base = rows[0]["max_params"]
     print(f"\n{'strategy':<14}{'max params':>12}{'vs ddp':>8}   peak per device (A100 80 : 3090 24, in MiB ~ GB)")
     for row in rows:

@@ -73,22 +73,10 @@ def loss_of(model, x, y):
 def calibrate_clock_ms(args) -> tuple[float, float]:
     """(T in ms, the CPU ms a sample it comes from): the whole model's forward + backward CPU time
     a sample, one thread, at the global batch (median of 6 steps after 2), ×8 rounded up to 0.5 ms."""
-    import torch
+    from controlled_clock import cpu_ms_per_sample
 
-    torch.set_num_threads(1)
     model, data = gpt2(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = args.global_batch
-    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(n))))
-    per_sample = []
-    for step in range(8):
-        t = time.thread_time()
-        loss_of(model, x, y).backward()
-        if step >= 2:
-            per_sample.append((time.thread_time() - t) / n)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    cpu_ms = statistics.median(per_sample) * 1e3
+    cpu_ms = cpu_ms_per_sample(model, data, args.global_batch, loss_of, steps=6, skip=2)
     return math.ceil(8 * cpu_ms * 2) / 2, cpu_ms
 
 

@@ -9,10 +9,10 @@ from torch import nn
 class BlockNet(nn.Module):
     """Repeated blocks in a ModuleList: the units FSDP2 shards and checkpointing wraps."""
 
-    def __init__(self, d: int = 8, h: int = 16):
+    def __init__(self, d: int = 8, h: int = 16, n: int = 2, block=None):
         super().__init__()
         self.inp = nn.Linear(d, h)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(2))
+        self.blocks = nn.ModuleList((block or _linear_tanh)(h) for _ in range(n))
         self.out = nn.Linear(h, 1)
 
     def forward(self, x):
@@ -20,6 +20,10 @@ class BlockNet(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
+
+
+def _linear_tanh(h: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(h, h), nn.Tanh())
 
 
 class Residual(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import run_ranks
-from nets import Residual
+from nets import BlockNet, Residual
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist
@@ -25,20 +25,9 @@ N, D = 192, 8
 EMULATE3 = "a100-80g@64MiB,rtx3090@24MiB,rtx3090@8MiB"
 
 
-class Deep(nn.Module):
+def Deep(h: int = 16, n: int = 3) -> nn.Module:
     """An input layer, `n` residual blocks (the units), a head."""
-
-    def __init__(self, h: int = 16, n: int = 3):
-        super().__init__()
-        self.inp = nn.Linear(D, h)
-        self.blocks = nn.ModuleList(Residual(h) for _ in range(n))
-        self.out = nn.Linear(h, 1)
-
-    def forward(self, x):
-        x = torch.tanh(self.inp(x))
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
+    return BlockNet(D, h, n, block=Residual)
 
 
 def make_plan(shares, micros) -> Plan:

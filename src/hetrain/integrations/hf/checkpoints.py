@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ...runtime.resilience.store import checkpoint_path, checkpoint_steps
 from .arguments import HETRAIN_STATE
 
 POINTER = "hetrain.json"
@@ -31,13 +32,8 @@ TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-def hetrain_step_dir(output_dir: str, step: int) -> Path:
-    return Path(output_dir) / HETRAIN_STATE / f"step-{step:08d}"
-
-
 def _hetrain_steps(output_dir: str) -> list[int]:
-    root = Path(output_dir) / HETRAIN_STATE
-    return sorted(int(p.name[5:]) for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
+    return checkpoint_steps(Path(output_dir) / HETRAIN_STATE)
 
 
 def _trainer_checkpoints(output_dir: str) -> list[tuple[int, Path]]:
@@ -77,15 +73,17 @@ def find(output_dir: str, resume_from_checkpoint) -> tuple[int, Path] | None:
 def write(trainer, model, step: int, *, keep: int) -> None:
     """Collective: checkpoint-`step` in the Trainer's layout (rank 0 writes), keeping the newest `keep`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    # A full state dict on every rank's call (gathers shards under FSDP; a plain copy under DDP).
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if trainer.is_world_process_zero():
+    state = None
+    if any(isinstance(p, DTensor) for p in model.parameters()):     # sharded (FSDP2): every rank gathers
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.is_world_process_zero():             # replicated: rank 0's own parameters are the model
         out = Path(trainer.args.output_dir) / f"checkpoint-{step}"
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         trainer.state.save_to_json(str(out / TRAINER_STATE))
-        (out / POINTER).write_text(json.dumps({"step": step, "hetrain_state": f"{HETRAIN_STATE}/step-{step:08d}"}))
+        (out / POINTER).write_text(json.dumps({"step": step, "hetrain_state": str(checkpoint_path(HETRAIN_STATE, step))}))
         for _, stale in _trainer_checkpoints(trainer.args.output_dir)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
     if dist.is_initialized():

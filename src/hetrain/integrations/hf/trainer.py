@@ -113,12 +113,12 @@ class Trainer(transformers.Trainer):
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
         every = engine.job.config.checkpoint_every if engine.job.config.checkpoint_dir else None
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        started, losses, first = time.time(), [], engine.steps_done
+        started, losses, first, count = time.time(), [], engine.steps_done, self.token_counter()
         for step in steps:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             for mb in step:
                 with mb:
-                    batch, tokens = mb.batch, self.tokens(mb.batch)
+                    batch, tokens = mb.batch, count(mb.batch) if count else None
                     with engine.autocast():     # a copy: compute_loss pops 'labels' from what it is given
                         loss = self.compute_loss(model, dict(batch) if isinstance(batch, dict) else batch)
                     engine.backward(loss, tokens=tokens)
@@ -147,18 +147,23 @@ class Trainer(transformers.Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
-    def tokens(self, batch) -> int | None:
-        """Under hetrain={'loss_weighting': 'tokens'}: the tokens this micro-batch's loss averaged over
-        (labels that are not -100; a causal LM predicts each from the one before it, so one fewer)."""
+    def token_counter(self):
+        """Under hetrain={'loss_weighting': 'tokens'}: batch -> the tokens its loss averaged over
+        (labels that are not -100; a causal LM predicts each from the one before it, so one fewer);
+        None under the default sample weighting. Decided once per run, not per micro-batch."""
         if self.engine.job.config.loss_weighting != "tokens":
             return None
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if labels is None:
-            raise UsageError("loss_weighting='tokens' but the batch has no 'labels'",
-                             "give the dataset 'labels', or use the default loss_weighting='samples'")
         base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model   # PEFT's wrapper
-        causal = type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()   # as compute_loss tells them
-        return int((labels[..., 1:] != -100).sum() if causal else (labels != -100).sum())
+        shift = 1 if type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else 0   # as compute_loss tells
+
+        def count(batch) -> int:
+            labels = batch.get("labels") if isinstance(batch, dict) else None
+            if labels is None:
+                raise UsageError("loss_weighting='tokens' but the batch has no 'labels'",
+                                 "give the dataset 'labels', or use the default loss_weighting='samples'")
+            return int((labels[..., shift:] != -100).sum())
+
+        return count
 
     def epoch_of(self, step, samples: int) -> float:
         """The Trainer's fractional epoch: the samples of the steps done over the dataset's length."""

@@ -70,6 +70,14 @@ class Decision:
     message: str
 
 
+def trial_verdict(now: float, before: float, threshold: float) -> str:
+    """A move on trial, judged by what it was meant to lower (a step's seconds, a stage's
+    imbalance): 'keep' if it fell by threshold / 2, 'back' if it rose by as much, else 'hold'."""
+    if now <= before * (1 - threshold / 2):
+        return "keep"
+    return "hold" if now < before * (1 + threshold / 2) else "back"
+
+
 class Rebalancer:
     def __init__(self, *, world_size: int, window: int = 8, threshold: float = 0.08,
                  jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 3,
@@ -178,10 +186,11 @@ class Rebalancer:
             return None
         trial, self._trial = self._trial, None
         now, before = statistics.median(self.steps), trial["step_s"]
-        if now <= before * (1 - self.threshold / 2):
+        verdict = trial_verdict(now, before, self.threshold)
+        if verdict == "keep":
             return None                                    # it paid: rebalance on as before
         self._holding = True
-        if now < before * (1 + self.threshold / 2):
+        if verdict == "hold":
             return None                                    # no measurable gain: stay, and hold
         return self._move(plan, trial["shares"], t, step,
                           f"back: the move did not pay (slowest rank ×{now:.2f} the mean at "

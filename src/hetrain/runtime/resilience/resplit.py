@@ -53,7 +53,7 @@ from ...hardware.units import format_bytes
 from ...planning.pipeline_split import (PipelineProfile, PipelineSplit, StageDevice, evaluate_split,
                                         split_pipeline)
 from ...planning.plan import Plan
-from .rebalance import Decision
+from .rebalance import Decision, trial_verdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,10 +218,11 @@ class Resplitter:
             return None
         trial, self._trial = self._trial, None
         now, before = statistics.median(self.imbalance), trial["imbalance"]
-        if now <= before * (1 - self.threshold / 2):
+        verdict = trial_verdict(now, before, self.threshold)
+        if verdict == "keep":
             return None                                    # it paid: re-split on as before
         self._holding = True
-        if now < before * (1 + self.threshold / 2):
+        if verdict == "hold":
             return None                                    # no measurable gain: stay, and hold
         current = self._evaluate(plan, self.sizes, speeds)
         back = self._evaluate(plan, trial["sizes"], speeds)

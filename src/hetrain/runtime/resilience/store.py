@@ -86,6 +86,23 @@ def hash_files(directory: Path, names, rank: int) -> dict | str:
         return f"rank {rank} could not hash its checkpoint files in {directory}: {getattr(e, 'strerror', None) or e}"
 
 
+def checkpoint_steps(directory: str | Path) -> list[int]:
+    """The steps of the checkpoint directories under `directory` (whole or not: latest() checks),
+    oldest first; one still being written (.tmp) is not one."""
+    out = []
+    for p in Path(directory).glob("step-*"):
+        if p.is_dir() and not p.name.endswith(".tmp"):
+            try:
+                out.append(int(p.name.split("-")[1]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int, rank: int, log):
         self.dir = Path(directory)
@@ -118,17 +135,10 @@ class Checkpointer:
             self._lock = None
 
     def steps(self) -> list[int]:
-        out = []
-        for p in self.dir.glob("step-*"):
-            if p.is_dir() and not p.name.endswith(".tmp"):
-                try:
-                    out.append(int(p.name.split("-")[1]))
-                except ValueError:
-                    continue
-        return sorted(out)
+        return checkpoint_steps(self.dir)
 
     def path(self, step: int) -> Path:
-        return self.dir / f"step-{step:08d}"
+        return checkpoint_path(self.dir, step)
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,

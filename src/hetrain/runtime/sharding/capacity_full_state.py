@@ -20,11 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...errors import HetrainError
-
-
-def _elementwise(value, shard: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == shard.numel()
+from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
 
 
 def _owners(seg, slot) -> list[int]:
@@ -63,7 +59,7 @@ def save_dicts(model, optimizer) -> tuple[dict, dict]:
     state = {}
     for seg in sharding.segments():
         held = local.state[seg.shard]
-        keys = sorted(k for k, v in held.items() if _elementwise(v, seg.shard))
+        keys = sorted(k for k, v in held.items() if elementwise(v, seg.shard))
         values = {"param": seg.shard.detach(), **{k: held[k] for k in keys}}
         a, _ = seg.owned
         for slot in seg.slots:
@@ -102,7 +98,7 @@ def load_dicts(model, optimizer) -> tuple[dict, dict]:
                 continue
             model_sd[slot.name] = torch.empty(slot.shape, dtype=seg.shard.dtype, device=seg.shard.device)
             state[slot.name] = {k: (torch.empty(slot.shape, dtype=v.dtype, device=v.device)
-                                    if _elementwise(v, seg.shard) else (v.clone() if isinstance(v, torch.Tensor) else v))
+                                    if elementwise(v, seg.shard) else (v.clone() if isinstance(v, torch.Tensor) else v))
                                 for k, v in held.items()}
     return model_sd, {"state": state, "param_groups": _groups(optimizer)}
 
@@ -110,10 +106,7 @@ def load_dicts(model, optimizer) -> tuple[dict, dict]:
 @torch.no_grad()
 def set_loaded(model, optimizer, *, model_sd: dict, optim_sd: dict) -> None:
     """Put what dcp.load filled (from load_dicts) into this rank's slices and their state. Local."""
-    groups = optim_sd["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise HetrainError(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
-                           f"{len(optimizer.param_groups)}", "resume with the optimizer the checkpoint was saved with")
+    groups = check_groups(optim_sd, optimizer)
     for k, v in _other_entries(model).items():
         v.detach().copy_(model_sd[k])
     local = optimizer.optim
@@ -126,12 +119,7 @@ def set_loaded(model, optimizer, *, model_sd: dict, optim_sd: dict) -> None:
                 continue
             lo, hi = part[0] - slot.offset, part[1] - slot.offset
             seg.shard.data[part[0] - a:part[1] - a] = model_sd[slot.name].reshape(-1)[lo:hi]
-            for k, v in optim_sd["state"][slot.name].items():
-                if k in held and _elementwise(held[k], seg.shard):
-                    held[k][part[0] - a:part[1] - a] = v.reshape(-1)[lo:hi]
-                elif isinstance(held.get(k), torch.Tensor):
-                    held[k].copy_(v)
-                else:
-                    held[k] = v
-    for mine, saved in zip(optimizer.param_groups, groups):
-        mine.update({k: v for k, v in saved.items() if k != "params"})   # lr & co; the step copies them down
+            restore_entries(held, optim_sd["state"][slot.name], seg.shard,
+                            lambda entry, v, a=a, part=part, lo=lo, hi=hi:
+                            entry[part[0] - a:part[1] - a].copy_(v.reshape(-1)[lo:hi]))
+    restore_groups(optimizer, groups)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import HetrainError
+from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
 from .capacity import CapacityShardedOptimizer
 
 
@@ -76,7 +76,7 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
         return _full_state().load_dicts(model, optimizer)
     if not _split(optimizer):
         return _dcp_state().get_state_dict(model, optimizer)
-    state = {p.name: {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if _elementwise(v, p.local)
+    state = {p.name: {k: (torch.empty(p.shape, dtype=v.dtype, device=v.device) if elementwise(v, p.local)
                           else (v.clone() if isinstance(v, torch.Tensor) else v))
                       for k, v in p.optim.state[p.local].items()}
              for p in _local_pieces(model, optimizer)}
@@ -91,22 +91,12 @@ def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode
     if not _split(optimizer):
         _dcp_state().set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return
-    groups = optim_sd["param_groups"]
-    if len(groups) != len(optimizer.param_groups):     # before anything is overwritten
-        raise HetrainError(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
-                           f"{len(optimizer.param_groups)}", "resume with the optimizer the checkpoint was saved with")
+    groups = check_groups(optim_sd, optimizer)
     _dcp_state().set_model_state_dict(model, model_sd)
     for p in _pieces(model, optimizer):
-        saved, held = optim_sd["state"][p.name], p.optim.state[p.local]
-        for k, v in saved.items():
-            if k in held and _elementwise(held[k], p.local):
-                held[k].view(-1)[p.at:p.at + p.hi - p.lo].copy_(v.reshape(-1)[p.lo:p.hi])
-            elif isinstance(held.get(k), torch.Tensor):
-                held[k].copy_(v)
-            else:
-                held[k] = v
-    for mine, saved in zip(optimizer.param_groups, groups):
-        mine.update({k: v for k, v in saved.items() if k != "params"})   # lr & co; the step copies them down
+        restore_entries(p.optim.state[p.local], optim_sd["state"][p.name], p.local,
+                        lambda held, v, p=p: held.view(-1)[p.at:p.at + p.hi - p.lo].copy_(v.reshape(-1)[p.lo:p.hi]))
+    restore_groups(optimizer, groups)
 
 
 # -- who owns what ----------------------------------------------------------------------------------
@@ -167,13 +157,9 @@ def _offsets(params, names):
         start += p.numel()
 
 
-def _elementwise(value, local: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == local.numel()
-
-
 def _part(value, piece: Piece):
     """A value of the local state as the piece's parameter sees it (its elements, its shape)."""
-    if not _elementwise(value, piece.local):
+    if not elementwise(value, piece.local):
         return value
     return value.reshape(-1)[piece.at:piece.at + piece.hi - piece.lo].view(piece.shape)
 
@@ -224,7 +210,7 @@ def _gather_straddling(model: nn.Module, optimizer: CapacityShardedOptimizer, pi
             piece = mine.get(name)
             entry = {}
             for k, v in held.items():
-                if not _elementwise(v, shard):
+                if not elementwise(v, shard):
                     entry[k] = v
                     continue
                 whole = torch.zeros(p.numel(), dtype=v.dtype, device=v.device)
