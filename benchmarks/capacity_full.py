@@ -47,6 +47,7 @@ def worker(sharding: str, width: int, steps: int, out_dir: str) -> None:
     import torch.nn.functional as F
 
     import hetrain
+    from hetrain import Emulation, Memory, Rebalancing, Reporting
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.planning.plan import DevicePlan, Plan
 
@@ -54,9 +55,10 @@ def worker(sharding: str, width: int, steps: int, out_dir: str) -> None:
     plan = Plan(global_batch=GLOBAL_BATCH, devices=tuple(
         DevicePlan(rank=r, device=name, speed=speed, share=SHARES[r], micro_batch=MICROS[r], checkpointing=CKPT[r])
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=steps,
-                      precision="fp32", timeout_s=120, verbose=False, oom_recovery=False, rebalance=False,
-                      memory_margin=MARGIN)
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulation=Emulation(cluster=SPEC),
+                      reporting=Reporting(verbose=False), memory=Memory(oom_recovery=False, margin=MARGIN),
+                      rebalancing=Rebalancing(enabled=False), sharding=sharding, max_steps=steps,
+                      precision="fp32", timeout_s=120)
     torch.manual_seed(0)
     mdl = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
     g = torch.Generator().manual_seed(0)

@@ -122,12 +122,15 @@ def worker(args) -> None:
     import torch.nn.functional as F
 
     import hetrain
+    from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
 
     parallel, sharding, _, _ = LAYOUTS[args.layout]
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=args.steps, checkpoint_dir=args.ckpt,
-                      checkpoint_every=args.every, sample_log=f"{args.ckpt}/samples", rebalance=False,
-                      micro_batch=MICRO, timeout_s=args.timeout, verbose=True, precision="fp32",
-                      sharding=sharding, emulate_sample_s=0.002)   # the controlled clock: splits by speed
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=args.steps,
+                      checkpoints=Checkpoints(dir=args.ckpt, every=args.every),
+                      reporting=Reporting(sample_log=f"{args.ckpt}/samples", verbose=True),
+                      rebalancing=Rebalancing(enabled=False), memory=Memory(max_micro_batch=MICRO),
+                      emulation=Emulation(sample_s=0.002), timeout_s=args.timeout, precision="fp32",
+                      sharding=sharding)   # the controlled clock: splits by speed
     g = torch.Generator().manual_seed(0)
     x = torch.randn(DATASET, 16, generator=g, dtype=torch.float64)
     data = torch.utils.data.TensorDataset(x, torch.sin(x[:, :4]).sum(1, keepdim=True))

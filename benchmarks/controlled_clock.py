@@ -2,7 +2,7 @@
 
 An emulated device's compute lasts what the CPU took ÷ its speed (the wall clock), or, on a
 controlled clock, a micro-batch of m samples lasts (a + m·T)/speed (runtime/devices/emulation.
-Throttle's `micro_s` and `sample_s`, `hetrain.init(emulate_micro_s=, emulate_sample_s=)`): the CPU
+Throttle's `micro_s` and `sample_s`, `hetrain.Emulation(micro_s=, sample_s=)`): the CPU
 still computes every sample and the sleep makes up the rest. Everything outside the emulated
 forward and backward (the gradient sync, the optimizer's CPU time ÷ speed, the loop's own work
 per step) stays on the wall clock.
@@ -149,11 +149,12 @@ def clock_micro_s(args) -> float | None:
 
 
 def clock_config(args) -> dict:
-    """The hetrain.init keywords of this clock (empty: the wall clock)."""
+    """This clock as fields of hetrain.Emulation (empty: the wall clock); a dict, so that a launch
+    file's JSON takes it as well as Emulation(**...) does."""
     if not clock_s(args):
         return {}
     micro = clock_micro_s(args)
-    return {"emulate_sample_s": clock_s(args), **({"emulate_micro_s": micro} if micro else {})}
+    return {"sample_s": clock_s(args), **({"micro_s": micro} if micro else {})}
 
 
 def clock_s(args) -> float | None:

@@ -134,8 +134,10 @@ def _durations(ends: list[float]) -> list[float]:
 
 def worker_hetrain(args) -> tuple[float, list[float]]:
     ends: list[float] = []
-    clock = {"emulate_sample_s": clock_s(args)} if clock_s(args) else {}
-    sps = timed_hetrain(args, emulate=args.spec, verbose=False, marks=ends, **clock)[0]
+    from hetrain import Emulation, Reporting
+
+    sps = timed_hetrain(args, emulation=Emulation(cluster=args.spec, sample_s=clock_s(args) or None),
+                        reporting=Reporting(verbose=False), marks=ends)[0]
     return sps, _durations(ends[args.warmup - 1:])     # from the last warm-up step's end
 
 

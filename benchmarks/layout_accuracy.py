@@ -126,12 +126,13 @@ def worker(argv: list[str]) -> None:
     the controlled clock's seconds a sample or 'wall', its seconds a micro-batch or 'none', out)."""
     parallel, sharding, batch, steps, precision, clock, micro, out = argv
     import hetrain
+    from hetrain import Emulation, Rebalancing, Reporting
     from hetrain.files import write_json_atomic
 
     ht = hetrain.init(global_batch=int(batch), max_steps=int(steps), seed=0, precision=precision,
-                      sharding=sharding, rebalance=False, verbose=False,   # each run keeps its plan
-                      emulate_sample_s=None if clock == "wall" else float(clock),
-                      emulate_micro_s=None if micro == "none" else float(micro))
+                      sharding=sharding, rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False),
+                      emulation=Emulation(sample_s=None if clock == "wall" else float(clock),
+                                          micro_s=None if micro == "none" else float(micro)))
     model, opt, data = factory()
     model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=loss_fn)
     marks = [time.perf_counter()]
@@ -169,7 +170,7 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     job's processes measured, as cli/planning.py computes the table it prints."""
     from hetrain.cli.plan_worker import model_facts      # the facts `hetrain plan` gives ModelState
     from hetrain.planning.layouts import ModelState
-    from hetrain.runtime.config import Config
+    from hetrain.runtime.config import Config, Emulation
     from hetrain.runtime.measure.measurements import Measurements, rank_from_measurements
     from hetrain.runtime.parallel.blocks import find_parts
 
@@ -186,7 +187,8 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     measured = Measurements.from_json(Path(path).read_text())
     # the ranking as a job on the controlled clock makes it (measurements.planning_profiles and
     # rank_from_measurements put the profiles and the pipeline's blocks on that clock)
-    config = Config(global_batch=args.global_batch, precision=args.precision, emulate=spec, **clock_config(args))
+    config = Config(global_batch=args.global_batch, precision=args.precision,
+                    emulation=Emulation(cluster=spec, **clock_config(args)))
     os.environ[MODEL_ENV] = model
     m, opt, _ = factory()
     blocks = len(find_parts(m).blocks)

@@ -56,6 +56,7 @@ def worker(strategy: str, width: int, out_dir: str, precision: str = "auto") -> 
     import torch.nn.functional as F
 
     import hetrain
+    from hetrain import Emulation, Memory, Rebalancing, Reporting
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.planning.plan import DevicePlan, Plan
 
@@ -64,9 +65,10 @@ def worker(strategy: str, width: int, out_dir: str, precision: str = "auto") -> 
     plan = Plan(global_batch=GLOBAL_BATCH, devices=tuple(
         DevicePlan(rank=r, device=name, speed=speed, share=shares[r], micro_batch=micros[r], checkpointing=ckpt[r])
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulate=SPEC, sharding=sharding, max_steps=STEPS,
-                      precision=precision, timeout_s=120, verbose=False,
-                      oom_recovery=False, rebalance=False)   # each strategy runs exactly its plan
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, plan=plan, emulation=Emulation(cluster=SPEC),
+                      reporting=Reporting(verbose=False), memory=Memory(oom_recovery=False),
+                      rebalancing=Rebalancing(enabled=False), sharding=sharding, max_steps=STEPS,
+                      precision=precision, timeout_s=120)    # each strategy runs exactly its plan
     torch.manual_seed(0)
     mdl = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=HEADS))
     g = torch.Generator().manual_seed(0)

@@ -55,8 +55,11 @@ def worker_plain(args) -> float:
 def worker_hetrain(args) -> tuple[float, str]:
     """hetrain's loop, timed (hetero_dp.timed_hetrain), on this node's devices (its launch file's
     --emulate), through the emulated link: (samples/s, the compression the plan ran)."""
-    sps, plan = timed_hetrain(args, compression=args.compression, emulate_link_gbs=args.link_gbs,
-                              sharding="none", verbose=args.verbose)
+    from hetrain import Compression, Emulation, Reporting
+
+    sps, plan = timed_hetrain(args, compression=Compression(method=args.compression),
+                              emulation=Emulation(link_gbs=args.link_gbs),    # the devices: the launch file's
+                              reporting=Reporting(verbose=args.verbose), sharding="none")
     return sps, plan.compression
 
 

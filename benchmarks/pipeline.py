@@ -60,10 +60,11 @@ def run_split(args, data, plan=None):
     import torch.nn.functional as F
 
     import hetrain
+    from hetrain import Reporting
     from hetrain.demo.gpt import GPT, GPTConfig
 
     ht = hetrain.init(global_batch=args.global_batch, max_steps=1 + args.steps, seed=0, precision=args.precision,
-                      verbose=plan is None and args.show_plan)
+                      reporting=Reporting(verbose=plan is None and args.show_plan))
     ht.emulated.throttle.speed /= args.dilate     # same 1 : 0.5 ratio, longer sleeps
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                     n_heads=max(1, args.d_model // 32))

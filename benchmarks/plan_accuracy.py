@@ -151,8 +151,8 @@ def _run_demo(spec: str, args, cache: str, workdir: str, tag: str, plan_path: st
                                        "--precision", args.precision, "--json", out),
                           # Rebalancing off: the run keeps the split whose prediction it is compared
                           # with (with it on, the equal-split runs drifted to hetrain's own split).
-                          config={"rebalance": False, **({"plan": plan_path} if plan_path else {}),
-                                  **clock_config(clock)},     # the planner is not told it: it measures
+                          config={"rebalancing": {"enabled": False}, **({"plan": plan_path} if plan_path else {}),
+                                  "emulation": clock_config(clock)},  # the planner is not told it: it measures
                           run_dir=os.path.join(workdir, tag))
     busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
     proc = subprocess.run(list(launch.argv), env={**_env(cache), **launch.env}, capture_output=True, text=True,

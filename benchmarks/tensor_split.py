@@ -85,13 +85,15 @@ def worker(args) -> dict:
     import torch
 
     import hetrain
+    from hetrain import Emulation, Reporting
     from hetrain.benching.worker import timed_steps  # `hetrain bench`'s timed loop
 
     torch.set_num_threads(1)
     ends: list[float] = []
-    clock = {"emulate_sample_s": args.clock_ms / 1000} if args.clock_ms else {}
+    clock = args.clock_ms / 1000 if args.clock_ms else None
     ht = hetrain.init(global_batch=args.global_batch, precision="fp32", max_steps=args.warmup + args.steps,
-                      emulate=args.spec, tp_split=args.split, verbose=False, **clock)
+                      emulation=Emulation(cluster=args.spec, sample_s=clock), reporting=Reporting(verbose=False),
+                      tp_split=args.split)
     model, data = gpt2(args)
     model, _, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
                                      parallel="tp")

@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
 from hetrain.integrations.lightning import HetrainStrategy
+from hetrain import Memory
 
-strategy = HetrainStrategy(global_batch=32, max_steps=30, grad_clip=1.0, micro_batch=8)
+strategy = HetrainStrategy(global_batch=32, max_steps=30, grad_clip=1.0, memory=Memory(max_micro_batch=8))
 fabric = Fabric(strategy=strategy)
 fabric.launch()                                   # joins the job `hetrain run` started; reads --emulate
 

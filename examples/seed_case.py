@@ -34,6 +34,7 @@ import hetrain
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
 from hetrain.hardware.cluster import parse_cluster
+from hetrain import Checkpoints, Reporting
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=30, help="optimizer steps (the test runs fewer)")
@@ -45,7 +46,8 @@ args = p.parse_args()
 # -- the job ------------------------------------------------------------------------------------
 GLOBAL_BATCH = 16
 ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=args.steps, seed=0,
-                  checkpoint_dir=args.ckpt, checkpoint_every=args.every, sample_log=f"{args.ckpt}/samples")
+                  checkpoints=Checkpoints(dir=args.ckpt, every=args.every),
+                  reporting=Reporting(sample_log=f"{args.ckpt}/samples"))
 
 # -- data: Python's own documentation, byte by byte (vocabulary 256) ---------------------------
 SEQ_LEN = 64
@@ -63,7 +65,7 @@ MiB = 2 ** 20
 ht.print(f"model: {model.num_params() / 1e6:.2f}M parameters ({CONFIG.n_layers} blocks of width {CONFIG.d_model}), "
          f"{param_bytes / MiB:.1f} MiB; training state {state / MiB:.1f} MiB (4x: parameters, gradients, "
          "AdamW's two moments)")
-for d in parse_cluster(ht.config.emulate) if ht.config.emulate else ():
+for d in parse_cluster(ht.config.emulation.cluster) if ht.config.emulation.cluster else ():
     cap = d.memory_bytes
     ht.print(f"  {d.label} holds {cap / MiB:.0f} MiB: the whole state {'fits' if state < cap else 'does not fit'}; "
              f"FSDP's half of it ({state / 2 / MiB:.1f} MiB) {'fits' if state / 2 < cap else 'does not fit'}")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from nets import Residual
+from hetrain import Emulation, Reporting
 
 LR, SEED = 0.1, 3
 
@@ -84,8 +85,9 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
     from hetrain.errors import HetrainError
 
     ref = reference(case, n=n, global_batch=global_batch, steps=steps, grad_clip=grad_clip)
-    ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=SEED, grad_clip=grad_clip, emulate=emulate,
-                      precision=precision, emulate_sample_s=emulate_sample_s, verbose=False)
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=SEED, grad_clip=grad_clip,
+                      emulation=Emulation(cluster=emulate, sample_s=emulate_sample_s),
+                      reporting=Reporting(verbose=False), precision=precision)
     model, (x, y), loss_fn = make_case(case, n)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grads": []}

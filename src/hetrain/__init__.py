@@ -17,9 +17,11 @@
 from .errors import HetrainError, UsageError
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
+from .runtime.config_groups import Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting
 
 from .version import __version__
-__all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
+__all__ = ["init", "Engine", "Config", "Checkpoints", "Rebalancing", "Compression", "Memory", "Reporting",
+           "Emulation", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
 
 # The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`
 # run without it.

@@ -24,12 +24,13 @@ from .hardware.cluster import parse_cluster
 from .hardware.doctor import launch_env_fixes
 from .launching.agent import restarts_only_when_they_can_help
 from .launching.nodes import Rendezvous, check_reachable
-from .runtime.config import LAUNCH_ENV, METRICS_SUBDIR, Config
+from .runtime.config import LAUNCH_ENV, METRICS_SUBDIR
+from .runtime.config_groups import Checkpoints
 from .runtime.resilience.lock import CHECKPOINT_LOCK
 
 HOST_LINGER_S = 3.0     # after a multi-node job: the rendezvous host stays while the others close it
-# preempt_grace_s's default, plus a minute to write the final checkpoint
-PREEMPT_SHUTDOWN_S = int(Config.__dataclass_fields__["preempt_grace_s"].default) + 60
+# Checkpoints.preempt_grace_s's default, plus a minute to write the final checkpoint
+PREEMPT_SHUTDOWN_S = int(Checkpoints().preempt_grace_s) + 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,8 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
                  config: dict | None = None, run_dir: str | None = None, rdzv: Rendezvous | None = None,
                  node_name: str | None = None) -> Launch:
     """The torchrun argv and environment for running `target` (a script path, or a module).
-    `rdzv`: this node's part of a multi-node job (launching/nodes.py), None for one node."""
+    `config`: what the command line sets, as Config's keywords with a dict per group (e.g.
+    {"checkpoints": {"dir": D}}); `emulate` joins it as {"emulation": {"cluster": ...}}. `rdzv`: this node's part of a multi-node job (launching/nodes.py), None for one node."""
     if not module and not Path(target).is_file():
         hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
         raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")
@@ -75,7 +77,7 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     _check_nproc(nproc, len(cluster) if cluster is not None else None, gpus)
     if run_dir is not None:
         _check_run_dir(run_dir)
-    if rdzv is not None and max_restarts and not (config or {}).get("checkpoint_dir"):
+    if rdzv is not None and max_restarts and not ((config or {}).get("checkpoints") or {}).get("dir"):
         raise UsageError("--max-restarts across nodes resumes from a checkpoint that every node must read",
                          "pass --checkpoint-dir DIR on a filesystem every node mounts (the same DIR on every node)")
     reasons: list[str] = []
@@ -131,17 +133,20 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetrain-")
     os.makedirs(run_dir, exist_ok=True)
     lock = _lock_run_dir(run_dir)      # before launch.json: a second job on this run dir changes nothing
-    defaults = {}
+    defaults: dict = {}
     if max_restarts:
-        defaults["checkpoint_dir"] = os.path.join(run_dir, "checkpoints")
+        defaults["checkpoints"] = {"dir": os.path.join(run_dir, "checkpoints")}
         reasons.append(f"--max-restarts={max_restarts}: a crashed or hung worker restarts the job from its last "
-                       f"checkpoint (in {defaults['checkpoint_dir']} unless the script sets checkpoint_dir)")
+                       f"checkpoint (in {defaults['checkpoints']['dir']} unless the script sets "
+                       "Checkpoints(dir=...))")
     launch_file = os.path.join(run_dir, "launch.json")
     node = {"name": node_name or socket.gethostname()}
     if rdzv is not None:
         reasons.append(f"node name {node['name']!r}" + ("" if node_name else " (the host name; --node-name sets it)"))
     with open(launch_file, "w") as f:
-        json.dump({"config": {"emulate": emulate, **(config or {})}, "defaults": defaults, "run_dir": run_dir,
+        config = dict(config or {})
+        config["emulation"] = {"cluster": emulate, **(config.get("emulation") or {})}
+        json.dump({"config": config, "defaults": defaults, "run_dir": run_dir,
                    "node": node}, f, indent=2)
     env[LAUNCH_ENV] = launch_file
 

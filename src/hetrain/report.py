@@ -21,7 +21,7 @@ class StepProgress:
 
     def __init__(self, ht, total: int, description: str = "training", *, on: bool | None = None,
                  every_s: float = LINE_EVERY_S):
-        self._on = (ht.is_main and ht.config.verbose) if on is None else on
+        self._on = (ht.is_main and ht.config.reporting.verbose) if on is None else on
         self._total = total
         self._description = description
         self._every_s = every_s

@@ -342,15 +342,19 @@ def test_a_profile_cache_from_another_host_is_measured_again():
 
 # -- inside the workers: hetrain.init() in a script ----------------------------------------------
 SCRIPT_CASES = {
-    "negative global batch": ("hetrain.init(global_batch=-1, emulate='a100-80g,rtx3090')", "global_batch=-1"),
+    "negative global batch": ("hetrain.init(global_batch=-1, emulation=hetrain.Emulation(cluster='a100-80g,rtx3090'))",
+                              "global_batch=-1"),
     "unknown keyword": ("hetrain.init(global_batch=8, bogus_keyword=1)", "'bogus_keyword'"),
-    "checkpoint_every": ("hetrain.init(global_batch=8, checkpoint_every=-3)", "checkpoint_every=-3"),
+    "old keyword": ("hetrain.init(global_batch=8, checkpoint_dir='ck')",
+                    "checkpoint_dir= is now checkpoints=Checkpoints(dir=...)"),
+    "checkpoint_every": ("hetrain.init(global_batch=8, checkpoints=hetrain.Checkpoints(every=-3))",
+                         "Checkpoints(every=-3"),
     "junk rank": ("hetrain.init(global_batch=8)", "RANK='junk'"),
     "plan file": ("hetrain.init(global_batch=8, plan='hello.json')", "hello.json"),
 }
 
 
-@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "plan file"])
+@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "plan file"])
 def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
     call, words = SCRIPT_CASES[case]
     (tmp_path / "hello.json").write_text('"hello"')

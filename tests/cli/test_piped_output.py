@@ -95,7 +95,7 @@ def test_the_ranks_log_keeps_an_emulated_label_and_a_long_reason_on_one_line():
 def test_progress_off_a_terminal_is_plain_lines_not_bar_redraws():
     from hetrain.report import StepProgress
 
-    ht = SimpleNamespace(is_main=True, config=SimpleNamespace(verbose=True))
+    ht = SimpleNamespace(is_main=True, config=SimpleNamespace(reporting=SimpleNamespace(verbose=True)))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         with StepProgress(ht, 5, every_s=0.0) as bar:          # a line at every step

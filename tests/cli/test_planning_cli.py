@@ -19,6 +19,7 @@ from hetrain.planning.plan import Plan
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.joint import SYNC_RUNS, sync_runs
 from hetrain.runtime.measure.measurements import Measurements, plan_from_measurements
+from hetrain import Emulation
 
 
 @pytest.fixture(autouse=True)
@@ -226,7 +227,7 @@ def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
     assert measured.world_size == 2 and len(measured.sync_s) == 2 and measured.agree_s   # the probes ran
     # on gloo, the sync probe's runs that also give the stragglers and the contention: every rank's
     assert {len(runs) for runs in measured.sync_s + measured.compute_s} == {sync_runs("gloo")} != {SYNC_RUNS}
-    runtime_plan, _ = plan_from_measurements(measured, Config(global_batch=24, emulate=spec))
+    runtime_plan, _ = plan_from_measurements(measured, Config(global_batch=24, emulation=Emulation(cluster=spec)))
     assert plan == runtime_plan                               # every field, every device's
     assert all(d.per_sample_s and d.fixed_s is not None for d in plan.devices)   # the rebalancer's model too
     # the pipeline's blocks and how much longer a stage runs them, timed on each rank

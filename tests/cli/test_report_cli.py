@@ -9,6 +9,7 @@ import pytest
 
 from clirun import hetrain_here
 from hetrain.reporting import plots, runlog
+from hetrain import Checkpoints, Reporting
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DEVICES = ("a100-80g#0 (emulated)", "rtx3090#1 (emulated)")
@@ -111,8 +112,9 @@ def test_run_passes_metrics_dir_and_status_every_to_the_workers_in_the_launch_fi
                      "--status-every", "5", str(script))
     assert r.returncode == 0, r.stderr
     monkeypatch.setenv(LAUNCH_ENV, launched[0].env[LAUNCH_ENV])
-    config = Config(global_batch=8, metrics_dir="/the/scripts", checkpoint_dir="/c").with_launch_file()
-    assert (config.metrics_path(), config.status_every) == (str(tmp_path / "m"), 5)   # the command line wins
+    config = Config(global_batch=8, reporting=Reporting(metrics_dir="/the/scripts"),
+                    checkpoints=Checkpoints(dir="/c")).with_launch_file()
+    assert (config.metrics_path(), config.reporting.status_every) == (str(tmp_path / "m"), 5)  # the command line wins
     r = hetrain_here("run", "--run-dir", str(tmp_path / "run2"), "--verbose", str(script))
     assert r.returncode == 0, r.stderr
     monkeypatch.setenv(LAUNCH_ENV, launched[1].env[LAUNCH_ENV])

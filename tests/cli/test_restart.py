@@ -142,7 +142,7 @@ def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, clea
     ckpt = clean_ckpt(clean_run, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
     before = sorted(p.name for p in ckpt.iterdir())
     result, _, _ = run(tmp_path, "b", 12, ckpt=ckpt, extra=("--width", "64"))   # a job that goes on from it
-    one_line(result, "different model", "new checkpoint_dir")
+    one_line(result, "different model", "new Checkpoints(dir=...)")
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
@@ -225,7 +225,7 @@ def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
     try:
         result, _, _ = run(tmp_path, "second", 2, ckpt=ckpt)
-        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another checkpoint_dir")
+        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another Checkpoints(dir=...)")
     finally:
         holder.kill()
         holder.wait()

@@ -12,7 +12,7 @@ with open(sys.argv[1], "a") as f:
     f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "?") + "\\n")
 import torch
 import hetrain
-ht = hetrain.init(global_batch=8, checkpoint_dir="/proc/hetrain-cannot-write")
+ht = hetrain.init(global_batch=8, checkpoints=hetrain.Checkpoints(dir="/proc/hetrain-cannot-write"))
 model = torch.nn.Linear(4, 1)
 data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
 ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)   # bad input: the same on every attempt

@@ -18,6 +18,7 @@ from torch import nn
 from harness import run_ranks
 from nets import BlockNet, Residual
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -56,7 +57,8 @@ def job(plan, steps, *, emulate, dtype=torch.float64, sharding="capacity-full", 
     x, y = data(dtype)
     model = net(dtype, **(net_kw or {}))
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=sharding, max_steps=steps,
-                      precision="fp32", emulate=emulate, verbose=False, rebalance=False, timeout_s=60, **extra)
+                      precision="fp32", emulation=Emulation(cluster=emulate), reporting=Reporting(verbose=False),
+                      rebalancing=Rebalancing(enabled=False), timeout_s=60, **extra)
     model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
     out = {"indices": [], "grads": [], "micro_counts": [], "strategy": ht.config.sharding}
     for step in batches:
@@ -173,7 +175,7 @@ def save_worker(rank, world, root):
 
     init_distributed(timeout_s=60, use_cuda=False)
     ref = job(ckpt_plan(2), STEPS, emulate="a100-80g@64MiB,rtx3090@24MiB", record=False,
-              checkpoint_dir=f"{root}/ck", checkpoint_every=CUT)
+              checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT))
     if rank == 0:                    # as if the job had died after saving step CUT
         shutil.rmtree(f"{root}/ck/step-{STEPS:08d}")
         shutil.copytree(f"{root}/ck", f"{root}/ck3")
@@ -183,14 +185,14 @@ def save_worker(rank, world, root):
     if rank == 0:                    # rank 0 alone resumes it on one device (unsharded)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         out["alone"] = job(ckpt_plan(1), STEPS, emulate="a100-80g@64MiB", record=False,
-                           checkpoint_dir=f"{root}/ck", checkpoint_every=CUT)
+                           checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT))
         dist.destroy_process_group()
     return out
 
 
 def resume_worker(rank, world, root):
-    return job(ckpt_plan(3), STEPS, emulate=EMULATE3, record=False, checkpoint_dir=f"{root}/ck3",
-               checkpoint_every=CUT)
+    return job(ckpt_plan(3), STEPS, emulate=EMULATE3, record=False,
+               checkpoints=Checkpoints(dir=f"{root}/ck3", every=CUT))
 
 
 def test_checkpoint_resumes_at_another_world_size(tmp_path):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -44,8 +45,9 @@ def worker(rank, world, steps):
     from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
 
     x, y = data()
-    ht = hetrain.init(global_batch=20, plan=make_plan(), emulate="a100-80g,rtx3090", precision="fp32",
-                      max_steps=steps, verbose=False)
+    ht = hetrain.init(global_batch=20, plan=make_plan(), emulation=Emulation(cluster="a100-80g,rtx3090"),
+                      reporting=Reporting(verbose=False), precision="fp32",
+                      max_steps=steps)
     model = model_for()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))

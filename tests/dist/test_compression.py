@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Compression, Emulation, Memory, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -65,7 +66,8 @@ class RecordingSGD(torch.optim.SGD):
 def train(rank, world, *, make_model, steps, dataset, lr=0.05, **config):
     import hetrain
 
-    ht = hetrain.init(max_steps=steps, verbose=False, rebalance=False, **config)
+    ht = hetrain.init(max_steps=steps, reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False),
+                      **config)
     model = make_model()
     opt = RecordingSGD(model.parameters(), lr=lr, momentum=0.9)
     model, opt, batches = ht.prepare(model, opt, dataset)
@@ -88,8 +90,9 @@ def train(rank, world, *, make_model, steps, dataset, lr=0.05, **config):
 def two_node_worker(rank, world, compression, faults):
     x, y = data()
     return train(rank, world, make_model=wide_model, steps=3, dataset=torch.utils.data.TensorDataset(x, y),
-                 global_batch=64, micro_batch=8, emulate=NODE_DEVICES[rank], emulate_link_gbs=LINK_GBS,
-                 compression=compression, faults=faults)
+                 global_batch=64, memory=Memory(max_micro_batch=8),
+                 emulation=Emulation(cluster=NODE_DEVICES[rank], link_gbs=LINK_GBS, faults=faults),
+                 compression=Compression(method=compression))
 
 
 def reference_grads(make_model, dataset_xy, records):
@@ -146,8 +149,10 @@ def powersgd_worker(rank, world):
         DevicePlan(rank=1, device="rtx3090", speed=0.67, share=40, micro_batch=40)))
     x, y = data()
     return train(rank, world, make_model=wide_model, steps=STEPS, dataset=torch.utils.data.TensorDataset(x, y),
-                 lr=2.0, global_batch=64, plan=plan, emulate=NODE_DEVICES[rank], emulate_link_gbs=LINK_GBS,
-                 compression="powersgd", powersgd_rank=8, faults="oom:rank=1,step=5,micro=-1,phase=backward")
+                 lr=2.0, global_batch=64, plan=plan,
+                 emulation=Emulation(cluster=NODE_DEVICES[rank], link_gbs=LINK_GBS,
+                                     faults="oom:rank=1,step=5,micro=-1,phase=backward"),
+                 compression=Compression(method="powersgd", powersgd_rank=8))
 
 
 def uncompressed_losses(indices):

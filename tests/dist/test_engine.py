@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Emulation, Memory, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -17,7 +18,8 @@ def tiny_gpt_job(emulate: str, global_batch: int, steps: int, **config):
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 
-    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, **config)
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulation=Emulation(cluster=emulate),
+                      reporting=Reporting(verbose=False), **config)
     model = GPT(GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = ByteWindows(pydoc_bytes()[:200_000], 32)
@@ -42,7 +44,7 @@ def tiny_gpt_job(emulate: str, global_batch: int, steps: int, **config):
 
 
 def capped_worker(rank, world):
-    return tiny_gpt_job("a100-80g,rtx3090@3MiB", 96, 4, rebalance=False)
+    return tiny_gpt_job("a100-80g,rtx3090@3MiB", 96, 4, rebalancing=Rebalancing(enabled=False))
 
 
 def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
@@ -64,7 +66,7 @@ def oom_worker(rank, world):
 
     plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="t4", speed=1, share=16, micro_batch=16),))
     try:
-        tiny_gpt_job("t4@2MiB", 16, 1, plan=plan, oom_recovery=False)
+        tiny_gpt_job("t4@2MiB", 16, 1, plan=plan, memory=Memory(oom_recovery=False))
     except torch.OutOfMemoryError as e:
         message = str(e)
     else:
@@ -84,7 +86,7 @@ def misuse_worker(rank, world):
     import hetrain
     from hetrain.errors import UsageError
 
-    ht = hetrain.init(global_batch=8, max_steps=2, verbose=False)
+    ht = hetrain.init(global_batch=8, max_steps=2, reporting=Reporting(verbose=False))
     model = torch.nn.Linear(3, 1)
     data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20, 1))
     model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
@@ -132,7 +134,7 @@ def wrong_world_worker(rank, world):
     from hetrain.errors import UsageError
 
     try:
-        hetrain.init(global_batch=8, emulate="a100-80g,rtx3090,t4")
+        hetrain.init(global_batch=8, emulation=Emulation(cluster="a100-80g,rtx3090,t4"))
     except UsageError as e:
         return e.what + " | " + e.fix
     return "accepted"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -72,7 +73,7 @@ def worker(rank, world, kind, plan, steps):
     x, y = regression_data() if kind == "samples" else token_data()
     model = regression_model() if kind == "samples" else token_model()
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, loss_weighting=kind,
-                      max_steps=steps, verbose=False)
+                      max_steps=steps, reporting=Reporting(verbose=False))
     opt = RecordingSGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))
     record = {"indices": [], "grads": None, "losses": [], "micro_counts": []}

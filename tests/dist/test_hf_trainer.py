@@ -77,8 +77,9 @@ def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=No
 
     trainer = Trainer(model=gpt2(), args=arguments(out_dir), train_dataset=Tokens(), compute_loss_func=float64_loss,
                       callbacks=[StopOnOneRank()] if stop_at else None,
-                      hetrain={"plan": plan_path, "emulate": "a100-80g,rtx3090", "loss_weighting": "tokens",
-                               "rebalance": False, "verbose": False, "faults": faults})
+                      hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
+                               "reporting": {"verbose": False},
+                               "emulation": {"cluster": "a100-80g,rtx3090", "faults": faults}})
     result = trainer.train(resume_from_checkpoint=resume)
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "global_step": result.global_step,
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from nets import Residual
 
 from harness import run_ranks
+from hetrain import Checkpoints, Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -78,10 +79,12 @@ def worker(rank, world, spec):
     import hetrain
 
     make, data, loss_fn = MODELS[spec["model"]]
-    ht = hetrain.init(global_batch=spec["batch"], max_steps=spec["steps"], emulate=spec.get("emulate", PAIR),
-                      checkpoint_dir=spec.get("ckpt"), checkpoint_every=1, sample_log=spec.get("samples"),
-                      faults=spec.get("faults"), loss_weighting="tokens" if spec.get("tokens") else "samples",
-                      precision=spec.get("precision", "fp32"), verbose=False)
+    ht = hetrain.init(global_batch=spec["batch"], max_steps=spec["steps"],
+                      emulation=Emulation(cluster=spec.get("emulate", PAIR), faults=spec.get("faults")),
+                      checkpoints=Checkpoints(dir=spec.get("ckpt"), every=1),
+                      reporting=Reporting(sample_log=spec.get("samples"), verbose=False),
+                      loss_weighting="tokens" if spec.get("tokens") else "samples",
+                      precision=spec.get("precision", "fp32"))
     warnings = []
     ht.log.warn = ht.log.warn_job = warnings.append
     net = make()

@@ -76,10 +76,12 @@ def worker(rank, world, plan, faults=FAULTS):
     from lightning.fabric import Fabric
     from torch.utils.data import DistributedSampler
 
+    from hetrain import Emulation, Rebalancing, Reporting
     from hetrain.integrations.lightning import HetrainStrategy
 
-    config = {"global_batch": plan.global_batch, "plan": plan, "emulate": "a100-80g,rtx3090",
-              "loss_weighting": "tokens", "max_steps": STEPS, "faults": faults, "rebalance": False, "verbose": False}
+    config = {"global_batch": plan.global_batch, "plan": plan, "loss_weighting": "tokens", "max_steps": STEPS,
+              "emulation": Emulation(cluster="a100-80g,rtx3090", faults=faults),
+              "rebalancing": Rebalancing(enabled=False), "reporting": Reporting(verbose=False)}
     bad = {   # before a job exists: at Fabric(...) and at launch, before joining
         "precision": refused(lambda: Fabric(accelerator="cpu", precision="bf16-mixed",
                                             strategy=HetrainStrategy(**config))),
@@ -195,7 +197,7 @@ def test_fabric_settings_that_conflict_with_hetrain_are_one_usage_error_naming_t
         what, fix = bad["DistributedSampler"]
         assert "a DistributedSampler" in what and "remove the sampler" in fix
         what, fix = bad["batch_size"]
-        assert "batch_size=4" in what and "HetrainStrategy(micro_batch=N)" in fix
+        assert "batch_size=4" in what and "HetrainStrategy(memory=Memory(max_micro_batch=N))" in fix
         assert "HetrainStrategy(grad_clip=1.0)" in bad["clip_gradients"][1]
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Emulation, Rebalancing, Reporting
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(importlib.util.find_spec("peft") is None or
@@ -74,7 +75,8 @@ def worker(rank, world, plan):
     model = lora_llama()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=STEPS, precision="fp32",
-                      sharding="none", emulate="a100-80g,rtx3090", rebalance=False, verbose=False)
+                      sharding="none", emulation=Emulation(cluster="a100-80g,rtx3090"),
+                      rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(tokens()))
     out = {"indices": [], "losses": [], "micro_sizes": []}

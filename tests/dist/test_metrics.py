@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -25,9 +26,10 @@ def worker(rank, world, checkpoint_dir, steps, faults):
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
 
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=steps, emulate="a100-80g,rtx3090", verbose=False,
-                      micro_batch=8, emulate_sample_s=SAMPLE_S, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=100, faults=faults, rebalance=False)
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=steps,
+                      emulation=Emulation(cluster="a100-80g,rtx3090", sample_s=SAMPLE_S, faults=faults),
+                      reporting=Reporting(verbose=False), memory=Memory(max_micro_batch=8),
+                      checkpoints=Checkpoints(dir=checkpoint_dir, every=100), rebalancing=Rebalancing(enabled=False))
     torch.manual_seed(0)
     x = torch.randint(0, 64, (96, 16), generator=torch.Generator().manual_seed(1))
     net = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from hetrain.planning.shares import proportional_shares
 from hetrain.runtime.resilience.resume import read_sample_log
+from hetrain import Emulation, Memory, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -30,10 +31,12 @@ def model(width=32, hidden=0):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None, momentum=0.9, **config):
+def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None, momentum=0.9, faults=None,
+          sample_log=None, **config):
     import hetrain
 
-    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, **config)
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulation=Emulation(cluster=emulate, faults=faults),
+                      reporting=Reporting(verbose=False, sample_log=sample_log), **config)
     net = net if net is not None else model(width, hidden)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=momentum)
     net, opt, batches = ht.prepare(net, opt, data(n))
@@ -52,7 +55,8 @@ def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None,
 
 
 def oom_worker(rank, world, faults, log_dir):
-    return train("a100-80g,rtx3090", 6, micro_batch=8, faults=faults, sample_log=log_dir, rebalance=False)
+    return train("a100-80g,rtx3090", 6, memory=Memory(max_micro_batch=8), rebalancing=Rebalancing(enabled=False),
+                 faults=faults, sample_log=log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def fatal_worker(rank, world):
     from hetrain.errors import HetrainError
 
     try:
-        train("a100-80g,rtx3090", 3, micro_batch=1, global_batch=4,
+        train("a100-80g,rtx3090", 3, memory=Memory(max_micro_batch=1), global_batch=4,
               faults="oom:rank=1,step=1,micro=0,phase=forward")
     except HetrainError as e:
         return e.what
@@ -120,8 +124,9 @@ def rebalance_worker(rank, world, faults, steps):
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 
-    ht = hetrain.init(global_batch=64, max_steps=steps, emulate="a100-80g:1.0,rtx3090:0.67",
-                      verbose=False, faults=faults, emulate_sample_s=SAMPLE_S)
+    ht = hetrain.init(global_batch=64, max_steps=steps,
+                      emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.67", faults=faults, sample_s=SAMPLE_S),
+                      reporting=Reporting(verbose=False))
     torch.manual_seed(0)
     net = GPT(GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -166,7 +171,7 @@ def buffered_worker(rank, world, micro_batch):
         DevicePlan(rank=1, device="rtx3090", speed=0.67, share=20, micro_batch=min(micro, 20))))
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    out = train("a100-80g,rtx3090", 4, net=net, momentum=0.0, rebalance=False, plan=plan,
+    out = train("a100-80g,rtx3090", 4, net=net, momentum=0.0, rebalancing=Rebalancing(enabled=False), plan=plan,
                 faults="oom:rank=1,step=2,micro=0,phase=forward")
     summary = out["summary"]
     return {"steps": summary["steps"], "ooms": summary["ranks"][rank]["ooms"],

@@ -18,6 +18,7 @@ from harness import run_ranks
 from nets import BlockNet
 from hetrain.planning.plan import DevicePlan, Plan
 from hetrain.runtime.resilience.resume import read_sample_log
+from hetrain import Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -57,8 +58,8 @@ def worker(rank, world, faults, log_dir, plan=PLAN, steps=STEPS):
     x, y = data()
     net = model()
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding="fsdp", max_steps=steps,
-                      precision="fp32", emulate="a100-80g,rtx3090", verbose=False, rebalance=False,
-                      faults=faults, sample_log=log_dir)
+                      precision="fp32", emulation=Emulation(cluster="a100-80g,rtx3090", faults=faults),
+                      reporting=Reporting(verbose=False, sample_log=log_dir), rebalancing=Rebalancing(enabled=False))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net, opt, batches = ht.prepare(net, opt, torch.utils.data.TensorDataset(x, y))
     guard = ht.job.guard

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from harness import run_ranks
+from hetrain import Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -32,7 +33,8 @@ def worker(rank, world, cache: str):
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 32))
-    ht = hetrain.init(global_batch=16, emulate="a100-80g,rtx3090:0.5", precision="fp32", verbose=False)
+    ht = hetrain.init(global_batch=16, emulation=Emulation(cluster="a100-80g,rtx3090:0.5"),
+                      reporting=Reporting(verbose=False), precision="fp32")
     prepare_to_measure(ht.job, model, opt, data, None)
     before = [p.detach().clone() for p in model.parameters()]
     parts = find_parts(model)

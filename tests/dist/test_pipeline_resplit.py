@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_ranks
+from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -68,8 +69,10 @@ def job(*, steps, schedule="1f1b", emulate=EMULATE, faults=FAULT, rebalance=True
     from pipeline_runs import pipeline_plan
 
     model, data = make()
-    ht = hetrain.init(global_batch=GB, max_steps=steps, seed=3, emulate=emulate, faults=faults, rebalance=rebalance,
-                      emulate_sample_s=CLOCK, checkpoint_dir=checkpoint_dir, verbose=False)
+    ht = hetrain.init(global_batch=GB, max_steps=steps, seed=3,
+                      emulation=Emulation(cluster=emulate, faults=faults, sample_s=CLOCK),
+                      rebalancing=Rebalancing(enabled=rebalance), checkpoints=Checkpoints(dir=checkpoint_dir),
+                      reporting=Reporting(verbose=False))
     parallel = "pp" if blocks is None else pipeline_plan("pp", blocks=blocks, schedule=schedule, shares=(GB,),
                                                          micro=(GB // MICRO,), world=2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -315,8 +318,9 @@ def hybrid_worker(rank, world):
 
     join_group()
     model, data = make()
-    ht = hetrain.init(global_batch=GB, max_steps=2, seed=3, emulate=",".join([EMULATE] * 2), faults=FAULT,
-                      emulate_sample_s=CLOCK / 4, verbose=False)      # (rebalance=True, the default)
+    ht = hetrain.init(global_batch=GB, max_steps=2, seed=3,
+                      emulation=Emulation(cluster=",".join([EMULATE] * 2), faults=FAULT, sample_s=CLOCK / 4),
+                      reporting=Reporting(verbose=False))      # (rebalancing on, the default)
     said = []
     original = ht.job.log.info
     ht.job.log.info = lambda m: (said.append(m), original(m))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -17,7 +18,8 @@ def planned_job(rank, world, emulate, global_batch, steps, plan=None):
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 
-    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulate=emulate, verbose=False, plan=plan)
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, emulation=Emulation(cluster=emulate),
+                      reporting=Reporting(verbose=False), plan=plan)
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

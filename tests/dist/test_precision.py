@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -53,8 +54,8 @@ def train_worker(rank, world, inject_at, agreed):
     import hetrain
 
     x, y = data()
-    ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="auto", max_steps=3,
-                      verbose=False)
+    ht = hetrain.init(global_batch=16, plan=make_plan(), emulation=Emulation(cluster=CLUSTER),
+                      reporting=Reporting(verbose=False), precision="auto", max_steps=3)
     warnings = []
     ht.log.warn = ht.log.warn_job = warnings.append
     model = model_for()
@@ -128,7 +129,8 @@ def bad_precision_worker(rank, world):
     from hetrain.errors import UsageError
 
     x, y = data()
-    first = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="bf16", verbose=False)
+    first = hetrain.init(global_batch=16, plan=make_plan(), emulation=Emulation(cluster=CLUSTER),
+                         reporting=Reporting(verbose=False), precision="bf16")
     try:
         first.prepare(model_for(), torch.optim.SGD(model_for().parameters(), lr=0.1),
                       torch.utils.data.TensorDataset(x, y))
@@ -136,8 +138,9 @@ def bad_precision_worker(rank, world):
     except UsageError as e:
         refused = (e.what, e.fix)
     # the same job with the fallback allowed (joins the same process group)
-    ht = hetrain.init(global_batch=16, plan=make_plan(), emulate=CLUSTER, precision="bf16",
-                      allow_fallback=True, max_steps=1, verbose=False)
+    ht = hetrain.init(global_batch=16, plan=make_plan(), emulation=Emulation(cluster=CLUSTER),
+                      reporting=Reporting(verbose=False), precision="bf16",
+                      allow_fallback=True, max_steps=1)
     import io
 
     from rich.console import Console

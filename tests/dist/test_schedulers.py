@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -46,8 +47,9 @@ def run(world, *, sharding, steps, ckpt=None, before=False, misuse: list | None 
     import hetrain
 
     ht = hetrain.init(global_batch=16, plan=make_plan(world), sharding=sharding, max_steps=steps,
-                      precision="fp32", emulate=",".join(EMULATE.split(",")[:world]), verbose=False,
-                      checkpoint_dir=ckpt, checkpoint_every=CUT, rebalance=False)
+                      precision="fp32", emulation=Emulation(cluster=",".join(EMULATE.split(",")[:world])),
+                      reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=CUT),
+                      rebalancing=Rebalancing(enabled=False))
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
+from hetrain import Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -55,8 +56,10 @@ def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=N
 
     x, y = data(dtype)
     model = model_for(dtype)
+    extra = dict(extra or {})
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=strategy, max_steps=steps,
-                      precision="fp32", emulate=emulate, verbose=False, **(extra or {}))
+                      precision="fp32", emulation=Emulation(cluster=emulate, faults=extra.pop("faults", None)),
+                      reporting=Reporting(verbose=False), **extra)
     warnings = []
     ht.log.warn = ht.log.warn_job = warnings.append
     opt = optimizer_for(opt_name, model.parameters())
@@ -80,7 +83,7 @@ def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=N
     summary = ht.summary()
     record["memory"], record["redone_steps"] = summary["memory"], summary["redone_steps"]
     record["ooms"] = [r["ooms"] for r in summary["ranks"]]
-    record["oom_recovery"] = ht.config.oom_recovery
+    record["oom_recovery"] = ht.config.memory.oom_recovery
     ht.close()
     return record
 
@@ -179,7 +182,8 @@ def test_sharded_state_survives_oom_recovery_in_the_gradient_sync(strategy):
     plan = make_plan((24, 40), (8, 40))
     steps = 3
     records = run_ranks(worker, 2, strategy, plan, steps, "sgd", torch.float32, "a100-80g,rtx3090",
-                        {"faults": "oom:rank=1,step=1,micro=-1,phase=backward", "rebalance": False})
+                        {"faults": "oom:rank=1,step=1,micro=-1,phase=backward",
+                         "rebalancing": Rebalancing(enabled=False)})
     assert records[0]["ooms"] == [0, 1] and records[0]["redone_steps"] == 1
     assert records[1]["micro_counts"] == [1, 1 + 2, 2]          # the failed pass, then 2 x 20 from then on
     check_equal_to_reference(records, plan, steps, "sgd", torch.float32, tol=1e-5)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -32,7 +33,8 @@ def worker(rank, world):
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
-    ht = hetrain.init(global_batch=8, max_steps=1, emulate="a100-80g,rtx3090", timeout_s=600, verbose=False)
+    ht = hetrain.init(global_batch=8, max_steps=1, emulation=Emulation(cluster="a100-80g,rtx3090"),
+                      reporting=Reporting(verbose=False), timeout_s=600)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:

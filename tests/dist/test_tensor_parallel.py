@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import run_ranks
+from hetrain import Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -109,7 +110,7 @@ def tp_worker(rank, world):
     from hetrain.runtime.parallel.tensor import tensor_parallel
 
     ref, x, y = make()
-    ht = hetrain.init(global_batch=6, verbose=False)
+    ht = hetrain.init(global_batch=6, reporting=Reporting(verbose=False))
     model = tensor_parallel(make()[0])
     logit_error, grad_error = errors(model, ref, x, y)
     q = model.blocks[0].attn.q.weight

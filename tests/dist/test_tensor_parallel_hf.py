@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_ranks
+from hetrain import Checkpoints, Emulation, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -235,8 +236,9 @@ def reference(kind: str, steps: int = STEPS) -> dict:
 def loop_worker(rank, world, kind, split, steps=STEPS, ckpt=None, parallel="tp"):
     import hetrain
 
-    ht = hetrain.init(global_batch=BATCH, max_steps=steps, emulate="a100-80g:1.0,rtx3090:0.6",
-                      emulate_sample_s=0.002, tp_split=split, verbose=False, checkpoint_dir=ckpt, checkpoint_every=1)
+    ht = hetrain.init(global_batch=BATCH, max_steps=steps,
+                      emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.6", sample_s=0.002),
+                      reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=1), tp_split=split)
     net = make(kind)
     model, _, batches = ht.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01), data(),
                                      parallel=parallel, loss_fn=loss_fn)

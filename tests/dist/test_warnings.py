@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Emulation, Rebalancing, Reporting
 
 pytestmark = pytest.mark.dist
 
@@ -18,8 +19,8 @@ def warning_worker(rank, world):
     import hetrain
     from rich.console import Console
 
-    ht = hetrain.init(global_batch=12, max_steps=3, emulate=",".join(["a100-80g"] * world), verbose=False,
-                      rebalance=False)
+    ht = hetrain.init(global_batch=12, max_steps=3, emulation=Emulation(cluster=",".join(["a100-80g"] * world)),
+                      reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False))
     if rank == 0:
         ht.log.console = Console(file=io.StringIO(), width=400)
     g = torch.Generator().manual_seed(0)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Reporting
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs CUDA: 2 GPUs for a 2-rank NCCL pipeline / tensor-parallel group")]
@@ -55,7 +56,7 @@ def tp_worker(rank, world):
     from hetrain.runtime.parallel.tensor import full_grad, tensor_parallel
 
     ref_loss, ref = reference()
-    ht = hetrain.init(global_batch=10, verbose=False)
+    ht = hetrain.init(global_batch=10, reporting=Reporting(verbose=False))
     model, x, y = make()
     model = tensor_parallel(model.to(ht.device))
     loss = loss_fn(model(x.to(ht.device)), y.to(ht.device))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain import Checkpoints, Rebalancing, Reporting
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -26,8 +27,9 @@ def job(steps: int, *, micro: int, ckpt: str | None = None, fraction: float | No
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
     plan = Plan(global_batch=512, devices=(DevicePlan(rank=0, device="cuda:0", speed=1.0, share=512,
                                                       micro_batch=micro),))
-    ht = hetrain.init(global_batch=512, max_steps=steps, plan=plan, precision="fp32", verbose=False,
-                      checkpoint_dir=ckpt, checkpoint_every=2, rebalance=False)
+    ht = hetrain.init(global_batch=512, max_steps=steps, plan=plan, precision="fp32",
+                      reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=2),
+                      rebalancing=Rebalancing(enabled=False))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, WIDTH, generator=g)
     data = torch.utils.data.TensorDataset(x, x[:, :1])

@@ -56,7 +56,8 @@ _JOB = """
 import sys
 import torch
 import hetrain
-ht = hetrain.init(global_batch=8, max_steps=2, verbose=False, emulate="a100-80g")   # the memory meter too
+ht = hetrain.init(global_batch=8, max_steps=2, reporting=hetrain.Reporting(verbose=False),
+                  emulation=hetrain.Emulation(cluster="a100-80g"))   # the memory meter too
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
 model = torch.nn.Linear(4, 1)
 model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)

@@ -238,7 +238,7 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
                     say(f"{head} hetrain: " + ("its plan from round 1" if planned else
                                                f"the planner's split over {len(setup.devices)} devices"))
                     config = {"plan": plan_file} if planned else {}
-                    runs[name].append(_launch(setup, tmp, f"{name}-{k}", "hetrain", config={**config, "rebalance": False}))
+                    runs[name].append(_launch(setup, tmp, f"{name}-{k}", "hetrain", config={**config, "rebalancing": {"enabled": False}}))
                     if not planned:
                         plan = Plan.from_json(json.dumps(runs[name][-1].plan))
                         write_text_atomic(plan_file, plan.to_json())
@@ -246,7 +246,7 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
                 else:
                     say(f"{head} equal split: {EQUAL_SPLIT_HOW}")
                     runs[name].append(_launch(setup, tmp, f"{name}-{k}", "equal split",
-                                              config={"plan": equal_file, "rebalance": False}))
+                                              config={"plan": equal_file, "rebalancing": {"enabled": False}}))
             if k == 0 and all(runs[n][0].error for n in names if n.startswith("alone")):
                 raise RunFailed(2)   # no device runs it alone; the reasons are printed above
     host = host_facts()
@@ -267,7 +267,7 @@ def _launch(setup: BenchSetup, tmp: str, name: str, phase: str, *, config: dict,
     run_dir = os.path.join(tmp, name)            # kept until the bench ends: a failed run's errors are read there
     write_json_atomic(job, {"factory": setup.factory, "phase": phase, "warmup": setup.warmup, "steps": setup.steps,
                             "out": out, "config": {"global_batch": setup.global_batch, "precision": setup.precision,
-                                                   "verbose": False, **config}})
+                                                   "reporting": {"verbose": False}, **config}})
     if setup.emulated:
         launch = build_launch(target="hetrain.benching.worker", target_args=(job,), module=True,
                               emulate=device or setup.emulate, run_dir=run_dir)

@@ -84,7 +84,7 @@ def _with_fsdp(ht, model, optimizer, measured, forward):
     from ..runtime.measure.fsdp_probe import time_fsdp_excess
     from ..runtime.memory.activation_checkpointing import find_blocks
 
-    blocks = [name for name, _ in find_blocks(model, ht.config.checkpoint_blocks)]
+    blocks = [name for name, _ in find_blocks(model, ht.config.memory.blocks)]
     if ht.world_size < 2 or not blocks or not measured.probe_size:
         return measured
     job = ht.job

@@ -28,7 +28,7 @@ from ..hardware.cluster import parse_cluster
 from ..planning.cost import GRAD_ELEMENT_BYTES
 from ..planning.layouts import ModelState, rank_layouts
 from ..planning.profile import ModelSpec
-from ..runtime.config import Config
+from ..runtime.config import Config, Emulation, Memory, make_config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
 from .model_options import check_common, link_option, model_spec, positive_int
 from .layouts_show import show_ranking
@@ -68,7 +68,7 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"),
     blocks: Optional[int] = typer.Option(None, "--blocks", help="blocks (layers) a pipeline could cut between, "
                                          "to compare DP, PP and DP×PP (default: from the model or preset)"),
-    # the emulated devices' controlled clock (Config.emulate_sample_s), as a job given it runs:
+    # the emulated devices' controlled clock (Emulation.sample_s), as a job given it runs:
     # for the accuracy benchmarks (benchmarks/controlled_clock.py), not a user's plan
     emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True),
     emulate_micro_s: Optional[float] = typer.Option(None, "--emulate-micro-s", hidden=True),
@@ -106,9 +106,10 @@ def plan(
     for path, flag in ((out, "--out"), (measurements, "--measurements")):
         if path:
             check_writable(path, flag)          # before measuring, not after it
-    config = Config(global_batch=global_batch, precision=precision, micro_batch=micro_batch,
-                    memory_margin=memory_margin, checkpointing=checkpointing, emulate=emulate,
-                    emulate_sample_s=emulate_sample_s, emulate_micro_s=emulate_micro_s)
+    config = Config(global_batch=global_batch, precision=precision,
+                    memory=Memory(margin=memory_margin, max_micro_batch=micro_batch,
+                                  activation_checkpointing=checkpointing),
+                    emulation=Emulation(cluster=emulate, sample_s=emulate_sample_s, micro_s=emulate_micro_s))
     if model_factory:
         from ..runtime.measure.measurements import plan_from_measurements, rank_from_measurements
 
@@ -168,15 +169,15 @@ def _measure_in_job(factory: str, config: Config):
         job, result = os.path.join(run_dir, "job.json"), os.path.join(run_dir, "measured.json")
         write_json_atomic(job, {"factory": absolute(factory), "config": config.to_dict(), "out": result})
         launch = build_launch(target="hetrain.cli.plan_worker", target_args=(job,), module=True,
-                              emulate=config.emulate, run_dir=run_dir)
+                              emulate=config.emulation.cluster, run_dir=run_dir)
         typer.echo(launch.describe(), err=True)
         code = run_launch(launch)
         if code:
             raise typer.Exit(code)      # the workers' error, printed once by the launcher
         with open(result) as f:
             measured = json.load(f)
-    return (Measurements.from_dict(measured["measurements"]), Config(**measured["config"]), measured["blocks"],
-            measured["model"])
+    config = make_config(measured["config"], where="hetrain plan: the measured config")
+    return Measurements.from_dict(measured["measurements"]), config, measured["blocks"], measured["model"]
 
 
 def _estimate(spec: ModelSpec, cluster, precision: str):

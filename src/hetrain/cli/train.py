@@ -33,7 +33,7 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the job this many times after a crash"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
     checkpoint_dir: Optional[str] = typer.Option(
-        None, "--checkpoint-dir", help="checkpoint here (overrides the script's checkpoint_dir); resumes from it"),
+        None, "--checkpoint-dir", help="checkpoint here (overrides the script's Checkpoints(dir=...)); resumes from it"),
     metrics_dir: Optional[str] = typer.Option(
         None, "--metrics-dir", help="rank 0 appends one JSON line per step to DIR/metrics.jsonl (default: "
                                     "CHECKPOINT_DIR/metrics when checkpointing); `hetrain report DIR` draws it"),
@@ -98,10 +98,11 @@ def run(
                       timeout_s=rdzv_timeout, last_call_s=rdzv_last_call)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
-                          config={"checkpoint_dir": checkpoint_dir, "metrics_dir": metrics_dir,
-                                  "status_every": status_every, "allow_fallback": allow_fallback or None,
-                                  "precision": precision, "faults": faults, "compression": compression,
-                                  "emulate_link_gbs": emulate_link_gbs})
+                          config={"checkpoints": {"dir": checkpoint_dir},
+                                  "reporting": {"metrics_dir": metrics_dir, "status_every": status_every},
+                                  "allow_fallback": allow_fallback or None, "precision": precision,
+                                  "emulation": {"faults": faults, "link_gbs": emulate_link_gbs},
+                                  "compression": {"method": compression}})
     typer.echo(launch.describe(), err=True)
     raise typer.Exit(run_launch(launch))
 
@@ -165,8 +166,8 @@ def demo(
     if json_path:
         args += ["--json", json_path]
     launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,
-                          emulate=emulate, config={"metrics_dir": metrics_dir,
-                                                   "status_every": VERBOSE_STATUS_EVERY if verbose else None})
+                          emulate=emulate, config={"reporting": {
+                              "metrics_dir": metrics_dir, "status_every": VERBOSE_STATUS_EVERY if verbose else None}})
     typer.echo(launch.describe(), err=True)
     code = run_launch(launch)
     if code == 0 and json_path and os.path.isfile(json_path):

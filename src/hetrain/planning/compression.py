@@ -138,15 +138,15 @@ def check_request(request: str, *, backend: str, blocked_by: str | None = None) 
     if request in ("auto", "none"):
         return
     if blocked_by:
-        raise UsageError(f"compression={request!r}: gradient compression is a DDP communication hook of plain "
+        raise UsageError(f"Compression(method={request!r}): gradient compression is a DDP communication hook of plain "
                          f"data parallelism, and this job runs {blocked_by}",
-                         "for compression use parallel='dp' with sharding='none', or leave compression='auto'")
+                         "for compression use parallel='dp' with sharding='none', or leave Compression(method='auto')")
     if request == "bf16" and backend != "nccl":
         # torch's bf16_compress_hook raises TypeError on gloo (measured, torch 2.13): refused up front
         # rather than swapped for fp16, whose range (±65504) is not bf16's
-        raise UsageError(f"compression='bf16' needs NCCL (CUDA): torch's bf16_compress_hook does not run on "
+        raise UsageError(f"Compression(method='bf16') needs NCCL (CUDA): torch's bf16_compress_hook does not run on "
                          f"{backend or 'gloo'} (CPU and emulated devices)",
-                         "use compression='fp16' (the same bytes saved), or 'auto'")
+                         "use Compression(method='fp16') (the same bytes saved), or 'auto'")
 
 
 def choose(request: str, *, grad_bytes: float, ring: int, link: Link, step_s: float, exposed_s: float,
@@ -163,7 +163,7 @@ def choose(request: str, *, grad_bytes: float, ring: int, link: Link, step_s: fl
                                  "(compression is for plain data parallelism, sharding='none')")
     if ring <= 1:
         return CompressionChoice(name="none", reason="gradient compression none: one device, no gradient sync"
-                                 + (f" (compression={request!r} asked for)" if request != "auto" else ""))
+                                 + (f" (Compression(method={request!r}) asked for)" if request != "auto" else ""))
     options = predict(grad_bytes=grad_bytes, ring=ring, link=link, step_s=step_s, exposed_s=exposed_s,
                       grad_shapes=grad_shapes, powersgd_rank=powersgd_rank, window_s=window_s)
     by_name = {o.name: o for o in options}
@@ -198,7 +198,7 @@ def choose(request: str, *, grad_bytes: float, ring: int, link: Link, step_s: fl
     best = max(gain, 0.0) if name == pick else 0.0
     if powersgd is not None and powersgd.gain(none) >= best + POWERSGD_NOTE_MARGIN:
         reason += (f"; PowerSGD (rank {powersgd_rank}) would give {effect(powersgd)}, but it approximates the "
-                   "gradient: ask for it with compression='powersgd'")
+                   "gradient: ask for it with Compression(method='powersgd')")
     return CompressionChoice(name=name, reason=reason, options=options)
 
 

@@ -106,7 +106,7 @@ class PipelineProfile:
         return sum(p.seconds for p in parts if p is not None)
 
     def on_clock(self, sample_s: float) -> PipelineProfile:
-        """These blocks on the controlled clock (Config.emulate_sample_s; data parallelism's
+        """These blocks on the controlled clock (Emulation.sample_s; data parallelism's
         profile is measured on it instead, runtime/measure/profiler.py): the whole model's forward and backward
         last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
         them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 
 FILE = "metrics.jsonl"
-HOW_TO_MAKE = ("run the job with --metrics-dir DIR (or hetrain.init(metrics_dir=DIR)); a job with a "
-               "checkpoint_dir writes CHECKPOINT_DIR/metrics")
+HOW_TO_MAKE = ("run the job with --metrics-dir DIR (or hetrain.init(reporting=Reporting(metrics_dir=DIR))); a job "
+               "with a checkpoint directory (Checkpoints(dir=D), --checkpoint-dir D) writes D/metrics")
 DEVICE_NUMBERS = ("compute_s", "wait_s", "sync_s", "share")
 
 

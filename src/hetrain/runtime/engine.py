@@ -14,16 +14,15 @@ import atexit
 import gc
 import os
 from collections.abc import Callable
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError, did_you_mean
+from ..errors import UsageError
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
-from .config import LAUNCH_ENV, Config
+from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
 from .ranks.nodes import join_nodes
 from .devices.emulation import EmulatedDevice, agree_host_facts
@@ -51,18 +50,18 @@ class Engine:
         # First: from here on an explained error is one line (the launch file, the spec, RANK...).
         install_excepthook(*env_rank(), lambda: getattr(self, "job", None))
         config = config.with_launch_file()
-        cluster = parse_cluster(config.emulate) if config.emulate else None
+        cluster = parse_cluster(config.emulation.cluster) if config.emulation.cluster else None
         if cluster is not None:
             torch.set_num_threads(1)   # one emulated device = one CPU thread, throttled from there
         use_cuda = cluster is None and torch.cuda.is_available()
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
-        log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.verbose)
+        log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.reporting.verbose)
         # Every node's devices, gathered (collective): --emulate names this node's own devices.
         ctx, config, nodes, cluster = join_nodes(ctx, config, log)
-        emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulate_sample_s,
-                                  micro_s=config.emulate_micro_s) if cluster is not None else None
-        faults = FaultInjector(parse_faults(config.faults or os.environ.get(FAULTS_ENV)),
+        emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulation.sample_s,
+                                  micro_s=config.emulation.micro_s) if cluster is not None else None
+        faults = FaultInjector(parse_faults(config.emulation.faults or os.environ.get(FAULTS_ENV)),
                                rank=ctx.rank, attempt=ctx.restart)
         if faults and emulated is None:
             raise UsageError("fault injection needs emulated devices", "add --emulate SPEC (or emulate=...)")
@@ -73,7 +72,7 @@ class Engine:
                                           allow_fallback=config.allow_fallback)
         self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
                        precision=precision, faults=faults, emulated=emulated, host=host,
-                       preemption=Preemption(grace_s=config.preempt_grace_s), nodes=nodes)
+                       preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes)
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
@@ -229,11 +228,7 @@ def init(*, plan: Plan | str | None = None, **config) -> Engine:
     """Join the job and read its configuration. Keyword arguments: see hetrain.runtime.config.Config;
     `plan` (a Plan, or the path of one saved as JSON) fixes every rank's share and micro-batch."""
     install_excepthook(*env_rank(), lambda: None)   # before the config is checked: bad input is one line
-    known = [f.name for f in fields(Config)]
-    for name in config:
-        if name not in known:
-            raise UsageError(f"hetrain.init: unknown keyword {name!r}{did_you_mean(name, known)}",
-                             f"remove {name}=, or use a keyword of hetrain.runtime.config.Config")
+    check_keywords(config)       # an old keyword: one error naming its new place
     if "global_batch" not in config:
         raise UsageError("hetrain.init: no global_batch given", "pass global_batch=N, the samples per optimizer "
                          "step over all devices")

@@ -53,7 +53,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         kind, measured = decide_auto(job, model, optimizer, loss_fn)                                # (collective)
     choose.check_request(kind, loss_fn=loss_fn, world_size=job.world_size)
     check_link_request(job)                           # emulate_link_gbs on real GPUs: refused here
-    check_compression_request(job.config.compression, backend=job.ctx.backend,
+    check_compression_request(job.config.compression.method, backend=job.ctx.backend,
                               blocked_by=f"parallel={kind!r}" if kind != "dp" else None)
     counted = None
     if kind in ("pp", "dp-pp"):
@@ -90,12 +90,12 @@ def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan 
         wrapped, job.memory_plan, oom_recovery = tp_wrap(job, model, optimizer), None, False        # (collective)
     else:
         wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward)  # (collective)
-    if oom_recovery != cfg.oom_recovery:              # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
-        job.config = cfg = replace(cfg, oom_recovery=oom_recovery)
+    if oom_recovery != cfg.memory.oom_recovery:       # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
+        job.config = cfg = replace(cfg, memory=replace(cfg.memory, oom_recovery=oom_recovery))
     job.layout = TensorLayout(loss_fn) if kind == "tp" else DataLayout(loss_fn)
     job.sync = wrapped.sync                           # DDP, FSDP2's adapter, or None (TP: nothing to sync)
     if kind != "tp":                                  # the compression this wrapper can run (comm_hooks.settle)
-        job.plan = comm_hooks.settle(job.plan, request=cfg.compression, strategy=wrapped.strategy,
+        job.plan = comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
                                      backend=job.ctx.backend, world_size=job.world_size)
     job.guard = make_sync_guard(job, wrapped)
     job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
@@ -103,7 +103,7 @@ def prepare_data_parallel(job: Job, model, optimizer, forward, given_plan: Plan 
     persist.check_registered(job, optimizer)          # state registered before prepare() on the replaced one: refused
     memory.show_wrapping(job.log, wrapped)
     if job.faults:                                    # injected faults strike inside the compute (devices/hooks.py)
-        job.hooks.attach_faults(model, block_type=cfg.checkpoint_blocks, sharded=wrapped.strategy == "fsdp")
+        job.hooks.attach_faults(model, block_type=cfg.memory.blocks, sharded=wrapped.strategy == "fsdp")
     job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
@@ -156,7 +156,7 @@ def decide_auto(job: Job, model, optimizer, loss_fn) -> tuple[str, tuple | None]
     kind_opt = memory.optimizer_kind(optimizer) or "adamw"
     factor, grad_fraction, _ = choose.model_state([model], kind_opt)     # frozen parameters: weights only
     devices = stages.device_table(job)                                                                 # (collective)
-    fits, why = choose.state_fits(model, devices, factor=factor, margin=job.config.memory_margin)
+    fits, why = choose.state_fits(model, devices, factor=factor, margin=job.config.memory.margin)
     if fits:       # the common case decided without measuring anything
         job.log.info(f"parallel=auto chose dp: {why}")
         return "dp", None
@@ -164,7 +164,7 @@ def decide_auto(job: Job, model, optimizer, loss_fn) -> tuple[str, tuple | None]
     try:
         choice = compare_parallelism(profile, devices, global_batch=job.config.global_batch,
                                      state_factor=factor, grad_fraction=grad_fraction,
-                                     memory_margin=job.config.memory_margin)
+                                     memory_margin=job.config.memory.margin)
     except UsageError as e:
         raise UsageError(f"parallel='auto': {e.what}", e.fix) from None
     kind, why = choose.auto(job, model=model, optimizer_kind=kind_opt, parts=parts, profile=profile,
@@ -212,8 +212,8 @@ def measure_setup(job: Job, model, optimizer) -> None:
     data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline_setup.py)."""
     model.to(job.device)
     count_model_state(job, model, optimizer)          # the emulated meter holds the model from here
-    if job.config.checkpointing == "all":             # before the probe: measure what will run
-        checkpointing.checkpoint_blocks(model, job.config.checkpoint_blocks)
+    if job.config.memory.activation_checkpointing == "all":  # before the probe: measure what will run
+        checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
 
 
 def make_sampler(cfg: Config, n: int) -> tuple[GlobalCursorSampler, int]:
@@ -225,9 +225,9 @@ def make_sampler(cfg: Config, n: int) -> tuple[GlobalCursorSampler, int]:
 
 
 def open_checkpoints(cfg: Config, rank: int, log) -> Checkpointer | None:
-    if not cfg.checkpoint_dir:
+    if not cfg.checkpoints.dir:
         return None
-    return Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints, rank=rank, log=log)
+    return Checkpointer(cfg.checkpoints.dir, keep=cfg.checkpoints.keep, rank=rank, log=log)
 
 
 def count_model_state(job: Job, model, optimizer) -> None:
@@ -247,7 +247,7 @@ def checkpoint_per_plan(job: Job, model) -> Plan:
     """Activation checkpointing on the devices whose plan needs it; the plan records every rank's
     agreed precision and checkpointing (a record: same version)."""
     plan, _ = checkpointing.apply_from_plan(model, job.precision.record_in(job.plan), job.rank,
-                                            mode=job.config.checkpointing, block_type=job.config.checkpoint_blocks)
+                                            mode=job.config.memory.activation_checkpointing, block_type=job.config.memory.blocks)
     return plan
 
 
@@ -257,18 +257,18 @@ def make_sync_guard(job: Job, wrapped):
     calls that hook and records the buckets a backward launched (FSDP2's adapter guards itself).
     Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
     cfg = job.config
-    guard = cfg.oom_recovery and job.world_size > 1
+    guard = cfg.memory.oom_recovery and job.world_size > 1
     if not isinstance(wrapped.sync, DDP):
         return wrapped.sync_guard() if guard else None
-    gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.powersgd_rank,
+    gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
                                        throttle=throttle_for(job), backend=job.ctx.backend)
     return recovery.install(wrapped.sync, gradient, guard=guard)
 
 
 def make_rebalancer(cfg: Config, world_size: int) -> Rebalancer | None:
-    if not (cfg.rebalance and world_size > 1):
+    if not (cfg.rebalancing.enabled and world_size > 1):
         return None
-    return Rebalancer(world_size=world_size, threshold=cfg.rebalance_threshold, micro_batch_cap=cfg.micro_batch)
+    return Rebalancer(world_size=world_size, threshold=cfg.rebalancing.threshold, micro_batch_cap=cfg.memory.max_micro_batch)
 
 
 def freeze_heap() -> None:

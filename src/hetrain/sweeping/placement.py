@@ -3,7 +3,7 @@
 A trial's memory need is what `planning.memory.state_bytes` gives for its parameters, optimizer
 and trainable count, plus its batch times its activation bytes per sample: the same model the
 job planner sizes micro-batches with. A device fits a trial when that need is within its memory
-less the job's margin (Config.memory_margin's default, 10%).
+less the job's margin (Memory.margin's default, 10%).
 
 The rule, bigger trials on bigger cards: devices are ranked by memory, then speed. When devices
 are free, the biggest free one is served first; the biggest card of the sweep takes the largest
@@ -22,7 +22,7 @@ from ..errors import UsageError
 from ..hardware.units import format_bytes
 from ..planning.memory import state_bytes
 
-MARGIN = 0.10      # fraction of a device's memory kept free, as Config.memory_margin's default
+MARGIN = 0.10      # fraction of a device's memory kept free, as Memory.margin's default
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import hetrain
+from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, required=True)
@@ -23,9 +24,10 @@ args = p.parse_args()
 # The controlled clock (2 ms a sample at speed 1): this model's real compute is ~0.2 ms a step, all
 # fixed costs, so a measured split is decided by timing noise (it can give the slow device one
 # sample, which an escaped OOM then cannot halve); on the clock the split is the speeds' 10/6.
-ht = hetrain.init(global_batch=16, max_steps=args.steps, checkpoint_dir=args.ckpt, checkpoint_every=args.every,
-                  resume=args.resume, sample_log=f"{args.ckpt}/samples", rebalance=False,
-                  timeout_s=args.timeout, verbose=True, emulate_sample_s=0.002)
+ht = hetrain.init(global_batch=16, max_steps=args.steps,
+                  checkpoints=Checkpoints(dir=args.ckpt, every=args.every, resume=args.resume),
+                  reporting=Reporting(sample_log=f"{args.ckpt}/samples", verbose=True),
+                  rebalancing=Rebalancing(enabled=False), emulation=Emulation(sample_s=0.002), timeout_s=args.timeout)
 g = torch.Generator().manual_seed(0)
 x = torch.randn(40, 8, generator=g)
 data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))

@@ -117,7 +117,7 @@ def test_rounds_interleave_and_each_figure_is_the_median_of_its_rounds(monkeypat
     assert [o for o in result.orders] == [tuple(forward), tuple(reversed(forward)), tuple(forward)]
     for key, k, config in launched:
         if key in ("hetrain", "equal"):
-            assert config["rebalance"] is False                      # the same setting on both sides
+            assert config["rebalancing"] == {"enabled": False}       # the same setting on both sides
             assert ("plan" in config) == (key == "equal" or k > 0)   # hetrain re-runs its round-1 plan
     for r, key in ((result.hetrain, "hetrain"), (result.equal_split, "equal"), (result.alone[0], "alone0")):
         assert len(r.rounds) == 3 and r.samples_per_s == sorted(r.rounds)[1]

@@ -7,6 +7,8 @@ import importlib.util
 
 import pytest
 
+from hetrain import Checkpoints, Config
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason='needs pip install "hetrain[hf]"')
 
@@ -43,16 +45,19 @@ def test_the_arguments_that_map(tmp_path):
     a = args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=30, bf16=True,
              max_grad_norm=0.5, seed=7, dataloader_drop_last=True, train_sampling_strategy="sequential",
              save_steps=10, save_total_limit=2, activation_checkpointing=True)
-    c = job_config(a, world_size=2, dataset_len=100, hetrain={"emulate": "a100-80g,rtx3090"})
+    c = job_config(a, world_size=2, dataset_len=100, hetrain={"emulation": {"cluster": "a100-80g,rtx3090"},
+                                                              "checkpoints": Checkpoints(preempt_grace_s=60)})
     assert c == {"global_batch": 16, "seed": 7, "drop_last": True, "shuffle": False, "grad_clip": 0.5,
-                 "precision": "bf16", "max_steps": 30, "checkpointing": "all",
-                 "checkpoint_dir": str(tmp_path / "hetrain"), "checkpoint_every": 10, "keep_checkpoints": 2,
-                 "emulate": "a100-80g,rtx3090"}
+                 "precision": "bf16", "max_steps": 30, "memory": {"activation_checkpointing": "all"},
+                 # a group given merges field by field with what the arguments decided
+                 "checkpoints": {"dir": str(tmp_path / "hetrain"), "every": 10, "keep": 2, "preempt_grace_s": 60},
+                 "emulation": {"cluster": "a100-80g,rtx3090"}}
+    assert Config(**c).checkpoints == Checkpoints(dir=str(tmp_path / "hetrain"), every=10, keep=2, preempt_grace_s=60)
     e = job_config(args(tmp_path, num_train_epochs=2, save_strategy="epoch", data_seed=3, max_grad_norm=0.0),
                    world_size=1, dataset_len=20, hetrain={})
     # 20 samples at a global batch of 8: three steps an epoch (the last one straddles, as nothing is dropped)
-    assert (e["epochs"], e["checkpoint_every"], e["seed"], e["grad_clip"], e["precision"]) == (2.0, 3, 3, None, "fp32")
-    assert "checkpoint_dir" not in job_config(args(tmp_path, save_strategy="no"), world_size=1, dataset_len=8,
+    assert (e["epochs"], e["checkpoints"]["every"], e["seed"], e["grad_clip"], e["precision"]) == (2.0, 3, 3, None, "fp32")
+    assert "checkpoints" not in job_config(args(tmp_path, save_strategy="no"), world_size=1, dataset_len=8,
                                               hetrain={})
 
 
@@ -82,3 +87,19 @@ def test_hetrain_keys_the_arguments_decide_are_refused(tmp_path):
     with pytest.raises(UsageError) as e:
         job_config(args(tmp_path), world_size=1, dataset_len=8, hetrain={"precison": "auto"})
     assert "did you mean: precision" in e.value.what
+
+
+@pytest.mark.parametrize("given, said, fix", [
+    ({"checkpoints": {"every": 5}}, "sets checkpoints.every; TrainingArguments decides it", "set save_steps"),
+    ({"checkpoints": Checkpoints(keep=1)}, "sets checkpoints.keep", "set save_total_limit"),
+    ({"checkpoint_dir": "x"}, "sets checkpoints.dir", "set output_dir"),      # an old name, where it went
+    ({"micro_batch": 4}, "micro_batch= is now memory=Memory(max_micro_batch=...)", "from hetrain import Memory"),
+    ({"memory": {"margn": 0.2}}, "Memory has no field 'margn' (did you mean: margin?)", "Memory takes margin"),
+])
+def test_hetrain_groups_and_old_names_in_the_trainer(tmp_path, given, said, fix):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import job_config
+
+    with pytest.raises(UsageError) as e:
+        Config(**job_config(args(tmp_path), world_size=1, dataset_len=8, hetrain=given))
+    assert said in e.value.what and fix in e.value.fix

@@ -50,7 +50,7 @@ def test_nccl_gets_bf16_and_gloo_refuses_an_explicit_bf16_naming_fp16():
     assert choose(backend="nccl").name == "bf16"
     with pytest.raises(UsageError) as e:
         choose("bf16", backend="gloo")
-    assert "bf16_compress_hook" in e.value.what and "compression='fp16'" in e.value.fix
+    assert "bf16_compress_hook" in e.value.what and "Compression(method='fp16')" in e.value.fix
 
 
 def test_what_the_link_does_not_explain_stays_in_the_sync():
@@ -88,7 +88,7 @@ def test_auto_never_picks_powersgd_but_says_when_it_would_gain_much_more():
     c = choose(gbs=1.0, grad_bytes=grad_bytes, shapes=shapes)
     assert c.name == "fp16"
     assert c.option("powersgd").gain(c.option("none")) > c.option("fp16").gain(c.option("none")) + 0.10
-    assert "PowerSGD (rank 4) would give" in c.reason and "compression='powersgd'" in c.reason
+    assert "PowerSGD (rank 4) would give" in c.reason and "Compression(method='powersgd')" in c.reason
     asked = choose("powersgd", gbs=1.0, grad_bytes=grad_bytes, shapes=shapes)
     assert asked.name == "powersgd" and "(asked for)" in asked.reason and "approximates the gradient" in asked.reason
 

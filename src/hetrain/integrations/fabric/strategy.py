@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack, nullcontext
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,8 +48,8 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from ...errors import UsageError, did_you_mean
-from ...runtime.config import Config
+from ...errors import UsageError
+from ...runtime.config import Config, make_config
 from ...runtime.engine import Engine, init
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
@@ -186,7 +186,7 @@ class HetrainStrategy(ParallelStrategy):
     def check_world(self) -> None:
         """Fabric's accelerator, devices and num_nodes against what the launcher started, before
         joining: a refused setting leaves no job behind."""
-        if Config(**self.config).with_launch_file().emulate and not isinstance(self.accelerator, CPUAccelerator):
+        if Config(**self.config).with_launch_file().emulation.cluster and not isinstance(self.accelerator, CPUAccelerator):
             raise UsageError(f"Fabric chose {type(self.accelerator).__name__}, but this job emulates its devices on "
                              "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
         devices, nodes = len(self.parallel_devices or ()), self.num_nodes
@@ -334,12 +334,9 @@ class HetrainStrategy(ParallelStrategy):
 
 def _check_config(global_batch, config: dict) -> None:
     """hetrain.init's keywords, checked when the strategy is made (Fabric(...) time), not at launch."""
-    known = [f.name for f in fields(Config)]
     for name in config:
         if name in FROM_THE_LOADER:
             raise UsageError(f"HetrainStrategy({name}=...): the training DataLoader says it",
                              f"pass {name}= to the DataLoader you give fabric.setup_dataloaders")
-        if name not in known:
-            raise UsageError(f"HetrainStrategy: unknown keyword {name!r}{did_you_mean(name, known)}",
-                             f"remove {name}=, or use a keyword of hetrain.runtime.config.Config")
-    Config(global_batch=global_batch, **config)    # every value checked, one UsageError naming the fix
+    # an old or unknown keyword, then every value: one UsageError naming the fix
+    make_config({"global_batch": global_batch, **config}, where="HetrainStrategy")

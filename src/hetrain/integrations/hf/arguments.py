@@ -20,10 +20,12 @@ What maps, and to what:
     seed (data_seed when set)             seed: hetrain's data order
     dataloader_drop_last                  drop_last
     train_sampling_strategy               'random': shuffle; 'sequential': no shuffle
-    save_strategy / save_steps            checkpoint_every (hetrain's exact state in output_dir/hetrain)
-    save_total_limit                      keep_checkpoints
-    activation_checkpointing              checkpointing='all' (False: the plan's choice)
-Everything else hetrain.init takes comes through `Trainer(..., hetrain={...})`.
+    save_strategy / save_steps            Checkpoints(dir=output_dir/hetrain, every=...): hetrain's exact state
+    save_total_limit                      Checkpoints(keep=...)
+    activation_checkpointing              Memory(activation_checkpointing='all') (False: the plan's choice)
+Everything else hetrain.init takes comes through `Trainer(..., hetrain={...})`; a group there (e.g.
+{"memory": {"margin": 0.2}} or Memory(margin=0.2)) sets only the fields it names, over what the
+TrainingArguments decided.
 """
 
 from __future__ import annotations
@@ -31,17 +33,19 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import fields
+from typing import Any
 
-from ...errors import UsageError, did_you_mean
-from ...runtime.config import Config
+from ...errors import UsageError
+from ...runtime.config import RENAMED, check_keywords
+from ...runtime.config_groups import GROUPS, as_group
 
 HETRAIN_STATE = "hetrain"     # the subdirectory of output_dir that holds hetrain's checkpoints
 # hetrain={...} keys the Trainer's arguments decide (the table above): two places would be two answers.
 FROM_ARGS = {"max_steps": "max_steps / num_train_epochs", "epochs": "num_train_epochs",
              "grad_clip": "max_grad_norm", "seed": "seed", "drop_last": "dataloader_drop_last",
-             "shuffle": "train_sampling_strategy", "checkpoint_dir": "output_dir",
-             "checkpoint_every": "save_steps", "keep_checkpoints": "save_total_limit",
-             "resume": "trainer.train(resume_from_checkpoint=...)"}
+             "shuffle": "train_sampling_strategy", "checkpoints.dir": "output_dir",
+             "checkpoints.every": "save_steps", "checkpoints.keep": "save_total_limit",
+             "checkpoints.resume": "trainer.train(resume_from_checkpoint=...)"}
 
 
 def _value(v):
@@ -104,14 +108,17 @@ def global_batch(args, world_size: int, hetrain: dict) -> int:
 
 def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dict:
     """hetrain.init's keywords for this Trainer run (without `resume`, which train() decides)."""
-    known = [f.name for f in fields(Config)]
-    for name in hetrain:
-        if name in FROM_ARGS:
-            raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}}; TrainingArguments decides it "
-                             f"({FROM_ARGS[name]})", f"remove {name!r} from hetrain= and set {FROM_ARGS[name]}")
-        if name not in known:
-            raise UsageError(f"hetrain's Trainer: unknown hetrain= key {name!r}{did_you_mean(name, known)}",
-                             "use keywords of hetrain.runtime.config.Config")
+    given = {name: _set_fields(name, value) for name, value in hetrain.items()}
+    for name, value in given.items():
+        # an old keyword is named by where it went (checkpoint_dir: 'checkpoints.dir'), so one that
+        # TrainingArguments decides says so rather than only that it moved
+        dotted = [f"{name}.{k}" for k in value] if name in GROUPS and isinstance(value, dict) else \
+            ([".".join(RENAMED[name])] if name in RENAMED and name not in GROUPS else [name])
+        for key in dotted:
+            if key in FROM_ARGS:
+                raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}} sets {key}; TrainingArguments "
+                                 f"decides it ({FROM_ARGS[key]})", f"remove it from hetrain= and set {FROM_ARGS[key]}")
+    check_keywords(given, where="hetrain's Trainer: hetrain=")      # an old or unknown key: one error
     batch = global_batch(args, world_size, hetrain)
     config = {"global_batch": batch, "seed": args.data_seed if args.data_seed is not None else args.seed,
               "drop_last": args.dataloader_drop_last, "shuffle": _value(args.train_sampling_strategy) == "random",
@@ -122,14 +129,29 @@ def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dic
     else:
         config["epochs"] = float(args.num_train_epochs)
     if args.activation_checkpointing or args.gradient_checkpointing:
-        config["checkpointing"] = "all"
+        config["memory"] = {"activation_checkpointing": "all"}
     save = _value(args.save_strategy)
     if save != "no":
         per_epoch = (dataset_len // batch) if args.dataloader_drop_last else math.ceil(dataset_len / batch)
-        config["checkpoint_dir"] = os.path.join(args.output_dir, HETRAIN_STATE)
-        config["checkpoint_every"] = max(1, per_epoch) if save == "epoch" else _save_steps(args, per_epoch)
-        config["keep_checkpoints"] = args.save_total_limit or 3
-    return {**config, **hetrain}
+        config["checkpoints"] = {
+            "dir": os.path.join(args.output_dir, HETRAIN_STATE),
+            "every": max(1, per_epoch) if save == "epoch" else _save_steps(args, per_epoch),
+            "keep": args.save_total_limit or 3}
+    for name, value in given.items():       # a group: field by field over what the arguments decided
+        config[name] = {**config.get(name, {}), **value} if name in GROUPS and isinstance(value, dict) else value
+    return config
+
+
+def _set_fields(name: str, value: Any) -> Any:
+    """A group given as its dataclass, as the dict of the fields it sets (those off their defaults),
+    so it merges with what the TrainingArguments decided; anything else as given."""
+    cls = GROUPS.get(name)
+    if cls is None or isinstance(value, dict) or name == "compression" and isinstance(value, str):
+        return value        # a bare compression string: check_keywords names its new form
+    if not isinstance(value, cls):
+        as_group(name, value)       # raises: what the group takes
+    default = cls()
+    return {f.name: getattr(value, f.name) for f in fields(cls) if getattr(value, f.name) != getattr(default, f.name)}
 
 
 def _save_steps(args, per_epoch: int) -> int:

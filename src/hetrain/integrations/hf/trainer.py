@@ -64,14 +64,15 @@ class Trainer(transformers.Trainer):
         world = dist.get_world_size() if dist.is_initialized() else env_rank()[1]
         dataset = self.train_data()
         config = job_config(args, world_size=world, dataset_len=len(dataset), hetrain=self.hetrain)
-        found = checkpoints.find(args.output_dir, resume_from_checkpoint) if "checkpoint_dir" in config else None
-        if resume_from_checkpoint not in (None, False) and "checkpoint_dir" not in config:
+        saves = "dir" in config.get("checkpoints", {})        # save_strategy != 'no' (arguments.job_config)
+        found = checkpoints.find(args.output_dir, resume_from_checkpoint) if saves else None
+        if resume_from_checkpoint not in (None, False) and not saves:
             raise UsageError("trainer.train(resume_from_checkpoint=...) with save_strategy='no'",
                              "use save_strategy='steps' (or 'epoch'), the one the run saved with")
         # A restart under `hetrain run --max-restarts` continues; a first launch starts fresh, as the
         # stock Trainer does, and is refused if output_dir already holds hetrain's checkpoints.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        config["resume"] = "must" if found else "auto" if restarted else "never"
+        config.setdefault("checkpoints", {})["resume"] = "must" if found else "auto" if restarted else "never"
         self.engine = engine = init(**config)                                               # (collective)
         try:
             return self.run(engine, dataset, found)
@@ -111,7 +112,7 @@ class Trainer(transformers.Trainer):
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
-        every = engine.job.config.checkpoint_every if engine.job.config.checkpoint_dir else None
+        every = engine.job.config.checkpoints.every if engine.job.config.checkpoints.dir else None
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         started, losses, first, count = time.time(), [], engine.steps_done, self.token_counter()
         for step in steps:
@@ -132,7 +133,7 @@ class Trainer(transformers.Trainer):
                           "samples_per_s": step.samples_per_s or 0.0}, start_time=started)
             last = self.state.global_step == engine.total_steps
             if every and (self.state.global_step % every == 0 or last):
-                checkpoints.write(self, self.model, self.state.global_step, keep=engine.job.config.keep_checkpoints)
+                checkpoints.write(self, self.model, self.state.global_step, keep=engine.job.config.checkpoints.keep)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.agreed_stop(engine, last):

@@ -75,7 +75,7 @@ class LinkThrottle:
 def throttle_for(job, *, ring: int | None = None) -> LinkThrottle | None:
     """The job's emulated inter-node link for a ring of `ring` ranks (default: all of them), or
     None: no emulate_link_gbs, real GPUs, or one node (its devices' link is not emulated)."""
-    gbs = job.config.emulate_link_gbs
+    gbs = job.config.emulation.link_gbs
     nodes = job.nodes
     if gbs is None or job.emulated is None or nodes is None or not nodes.spans_nodes:
         return None
@@ -87,13 +87,13 @@ def check_link_request(job) -> None:
     emulate, runtime/ranks/nodes.py), on one node a warning that it does nothing."""
     from ...errors import UsageError
 
-    gbs = job.config.emulate_link_gbs
+    gbs = job.config.emulation.link_gbs
     if gbs is None:
         return
     if job.emulated is None:
-        raise UsageError(f"emulate_link_gbs={gbs:g} emulates the inter-node link of emulated devices, but this "
+        raise UsageError(f"Emulation(link_gbs={gbs:g}) emulates the inter-node link of emulated devices, but this "
                          "job runs on real devices (their link is real)",
-                         "drop emulate_link_gbs, or emulate the devices (--emulate SPEC)")
+                         "drop link_gbs (--emulate-link-gbs), or emulate the devices (--emulate SPEC)")
     if job.nodes is None or not job.nodes.spans_nodes:
-        job.log.warn_job(f"emulate_link_gbs={gbs:g} does nothing here: it emulates the link between nodes, "
+        job.log.warn_job(f"Emulation(link_gbs={gbs:g}) does nothing here: it emulates the link between nodes, "
                          "and this job runs on one node")

@@ -95,7 +95,7 @@ def auto(job, *, model, optimizer_kind: str, parts, profile, devices, choice) ->
     n = sum(p.numel() for p in params)
     pbytes = params[0].element_size() if params else 4
     act = profile.activation_bytes_per_sample
-    mem = [DeviceMemory(label=d.name, capacity=d.memory_bytes * (1 - job.config.memory_margin), activations=act)
+    mem = [DeviceMemory(label=d.name, capacity=d.memory_bytes * (1 - job.config.memory.margin), activations=act)
            for d in devices if d.memory_bytes]
     if len(mem) == len(devices):
         options = sharding_options(n, mem, optimizer=optimizer_kind, param_bytes=pbytes,

@@ -59,7 +59,7 @@ class DataLayout:
                 chunk = step.indices[start:start + size]
                 start += size
                 mb = MicroBatch(batch=job.load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
-                                catch_oom=job.config.oom_recovery)
+                                catch_oom=job.config.memory.oom_recovery)
                 state.mb = mb
                 if mb.last and job.guard is not None:
                     job.guard.begin()

@@ -59,7 +59,7 @@ def measure_blocks(job, parts: PipelineParts, devices=None):
 def on_clock(job, profile):
     """The blocks as this job's stages run them: on the controlled clock when the job has one
     (Config.emulate_sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
-    clock = job.config.emulate_sample_s
+    clock = job.config.emulation.sample_s
     if clock is None or job.emulated is None or profile is None:
         return profile
     return profile.on_clock(clock)
@@ -93,7 +93,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
         raise UsageError(f"{stages} pipeline stages but the model has {profile.n_blocks} block(s)",
                          f"use at most {profile.n_blocks} stages (parallel='dp-pp' with fewer stages), or a model with more blocks")
     m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
-    common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory_margin)
+    common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory.margin)
     if kind == "pp":
         split = plan_split(profile, devices, None, micro_batches=m, micro_batch_size=math.ceil(cfg.global_batch / m),
                            **common)
@@ -134,7 +134,7 @@ def predict_step(job, splits) -> dict:
     if not step_s > 0:
         return {}
     predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
-    if job.emulated is not None and job.config.emulate_sample_s is None:
+    if job.emulated is not None and job.config.emulation.sample_s is None:
         cores = usable_cores()
         shared, stretch = stretched_step(splits, cores=cores)
         if shared > step_s:
@@ -152,7 +152,7 @@ def _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches) -> i
             h = split_hybrid(profile, devices, stages=p, global_batch=cfg.global_batch,
                              micro_batches=default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)),
                              schedule=schedule,
-                             state_factor=factor, memory_margin=cfg.memory_margin)
+                             state_factor=factor, memory_margin=cfg.memory.margin)
         except UsageError as e:
             why.append(f"{w // p}×{p}: {e.what}")
             continue
@@ -225,7 +225,7 @@ NO_RESPLIT_HYBRID = ("no online re-split under DP×PP: the replicas average thei
 
 
 def _resplit_reason(cfg, kind: str) -> tuple[str, ...]:
-    if not cfg.rebalance:
+    if not cfg.rebalancing.enabled:
         return ()
     return (RESPLIT_NOTE + "; rebalance=False keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
 
@@ -235,16 +235,16 @@ def make_resplitter(job, devices, optimizer_kind: str):
     (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
     replicas share one split), with rebalance=False, or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
-    if cfg.rebalance and plan.layout == "dp-pp":
+    if cfg.rebalancing.enabled and plan.layout == "dp-pp":
         job.log.info(NO_RESPLIT_HYBRID)
-    if not cfg.rebalance or plan.layout != "pp" or plan.world_size < 2 or pipe.profile is None:
+    if not cfg.rebalancing.enabled or plan.layout != "pp" or plan.world_size < 2 or pipe.profile is None:
         return None
     from ..resilience.resplit import Resplitter, Sizing
 
     parts = pipe.parts
     factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]
     sizing = Sizing(profile=pipe.profile, devices=tuple(devices), schedule=plan.schedule or "1f1b",
-                    state_factor=factor, memory_margin=cfg.memory_margin)
+                    state_factor=factor, memory_margin=cfg.memory.margin)
 
     def move(split, version: int) -> str | None:      # a collective of the pipeline
         why = pipe.resplit(split, job.optimizer, version=version)
@@ -253,7 +253,7 @@ def make_resplitter(job, devices, optimizer_kind: str):
         return why
 
     return Resplitter(sizing=sizing, sizes=plan.stage_blocks, move=move, log=job.log,
-                      threshold=cfg.rebalance_threshold)
+                      threshold=cfg.rebalancing.threshold)
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:

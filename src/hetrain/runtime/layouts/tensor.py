@@ -77,8 +77,8 @@ def wrap(job, model, optimizer):
     opt = rebuild(optimizer, {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
     share = compute_share(model)
     if job.emulated is not None:
-        if job.config.emulate_sample_s is not None:   # the clock times this rank's part of the model
-            job.emulated.throttle.sample_s = job.config.emulate_sample_s * share
+        if job.config.emulation.sample_s is not None:  # the clock times this rank's part of the model
+            job.emulated.throttle.sample_s = job.config.emulation.sample_s * share
         job.emulated.meter.set_fixed(model, opt)      # this rank's shards, not the whole model
     how = (f"in proportion to speed ({'/'.join(f'{s:.2f}' for s in speeds)}): " if by_speed
            else "evenly (DTensor): ")

@@ -1,6 +1,6 @@
 """The run's record, kept by rank 0: metrics.jsonl, TensorBoard scalars, and the status lines.
 
-metrics.jsonl (in Config.metrics_dir; by default checkpoint_dir/metrics when checkpointing, else
+metrics.jsonl (in Reporting.metrics_dir; by default Checkpoints.dir/metrics when checkpointing, else
 none) gets one JSON line per optimizer step and one per event, appended and flushed line by line
 (a crash loses nothing; a restart appends after what the attempt before it wrote):
 
@@ -41,7 +41,7 @@ FILE = "metrics.jsonl"
 def open_recorder(job: Job):
     """Rank 0's Recorder, or None (another rank, or neither a metrics dir nor status lines)."""
     cfg = job.config
-    status_every = cfg.status_every if cfg.verbose else 0
+    status_every = cfg.reporting.status_every if cfg.reporting.verbose else 0
     directory = cfg.metrics_path()
     if job.rank != 0 or (directory is None and not status_every):
         return None
@@ -52,7 +52,7 @@ def open_recorder(job: Job):
             out = open(os.path.join(directory, FILE), "a", encoding="utf-8")
         except OSError as e:     # rank 0 alone: a warning, not an error its peers would wait on
             job.log.warn_job(f"metrics off: cannot write {os.path.join(directory, FILE)} ({e.strerror or e}); "
-                             "give metrics_dir= (or --metrics-dir) a directory you can write")
+                             "give Reporting(metrics_dir=...) (or --metrics-dir) a directory you can write")
             directory = None
         else:
             tb = _tensorboard(directory)
@@ -177,7 +177,7 @@ def step_line(job: Job, step, table, period: float) -> dict:
 
 
 def status_lines(line: dict, *, total: int) -> list[str]:
-    """Config.status_every: the step, then one line per device."""
+    """Reporting.status_every: the step, then one line per device."""
     loss = f"{line['loss']:.4f}" if line["loss"] is not None else "-"
     sps = f"{line['samples_per_s']:.1f}" if line["samples_per_s"] is not None else "-"
     out = [f"status at step {line['step'] + 1}/{total}: loss {loss}, {sps} samples/s, plan v{line['plan_version']}"]

@@ -30,7 +30,7 @@ from . import reduce
 from ..job import Job
 from .steps import MicroBatch, Step
 
-FATAL_FIX = ("hetrain.init(checkpointing='all') (activation checkpointing), sharding='fsdp', a smaller "
+FATAL_FIX = ("hetrain.init(memory=Memory(activation_checkpointing='all')), sharding='fsdp', a smaller "
              "model or sequence, or a device with more memory")
 
 
@@ -156,7 +156,7 @@ class StepLoop:
                 scaled.backward()
             job.hooks.backward_wall(mark, job.hooks.clock() - t0)
         except torch.OutOfMemoryError as e:
-            if not job.config.oom_recovery:
+            if not job.config.memory.oom_recovery:
                 raise
             mb.failed = f"backward: {e}".splitlines()[0][:200]
             if mb.last and job.guard is not None:    # peers are inside this step's gradient
@@ -198,7 +198,7 @@ class StepLoop:
         _record(job, "step", step=step, table=table, period=state.period_s, stepped=stepped)
         job.steps_done += 1
         self.state = None
-        if cfg.sample_log:
+        if cfg.reporting.sample_log:
             persist.log_samples(job, step)
         self.fixed_s = job.hooks.busy() - busy0
         if job.rebalancer is not None:
@@ -213,7 +213,7 @@ class StepLoop:
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
         stop = table.any("stop")       # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)
         self.checkpoint_due = job.checkpointer is not None and (
-            stop or job.steps_done % cfg.checkpoint_every == 0 or job.steps_done == job.total_steps)
+            stop or job.steps_done % cfg.checkpoints.every == 0 or job.steps_done == job.total_steps)
         if stop:
             self.stop_signals = table.column("stop")
             job.preemption.at_boundary = True

@@ -132,7 +132,7 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward, *, runs: int) 
     (runtime/sharding/wrap.py) is chosen after the plan. The probe batch is loaded first, locally,
     and settled on every rank before any of them."""
     cfg, n = job.config, len(job.dataset)
-    caps = [p.max_micro_batch(margin=cfg.memory_margin) for p in profiles]
+    caps = [p.max_micro_batch(margin=cfg.memory.margin) for p in profiles]
     m = max(1, min([cfg.global_batch // job.world_size, n, MAX_SIZE] + [max(1, c // 2) for c in caps if c]))
     error = batch = None
     try:

@@ -97,12 +97,12 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
     margin, micro-batch cap, whether activation checkpointing may be planned) and what was
     measured or estimated (the rest)."""
     return PlanOptions(
-        global_batch=config.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=config.memory_margin,
-        micro_batch_cap=config.micro_batch, allow_exclusion=allow_exclusion,
-        allow_checkpointing=config.checkpointing != "none",
+        global_batch=config.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=config.memory.margin,
+        micro_batch_cap=config.memory.max_micro_batch, allow_exclusion=allow_exclusion,
+        allow_checkpointing=config.memory.activation_checkpointing != "none",
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
         contention=contention, contention_at=contention_at, host_cores=host_cores,
-        clocked=bool(config.emulate) and config.emulate_sample_s is not None)
+        clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None)
 
 
 def straggle(compute_s) -> float:
@@ -127,7 +127,7 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     1.0 too, as the emulator runs it: a micro-batch's sleep is its clocked length less the CPU time
     it took, so a CPU that contention slows sleeps less and the device keeps its time (waits for a
     core are not CPU time, and the cost model plays those out)."""
-    if not config.emulate or config.emulate_sample_s is not None or m.probe_size < 1 or not m.compute_s:
+    if not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1 or not m.compute_s:
         return 1.0
     ratios = []
     for p, runs in zip(profiles, m.compute_s):
@@ -149,8 +149,8 @@ def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, .
     from .profiler import pool_emulated      # here, not at the top: profiler imports torch
 
     profiles = list(m.profiles or ())
-    if config.emulate and len(profiles) > 1:
-        profiles = pool_emulated(profiles, list(parse_cluster(config.emulate)))
+    if config.emulation.cluster and len(profiles) > 1:
+        profiles = pool_emulated(profiles, list(parse_cluster(config.emulation.cluster)))
     return tuple(profiles)
 
 
@@ -168,7 +168,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
         sync_s = statistics.median(min(run) for run in zip(*m.sync_s))
         agree_s = min(m.agree_s)
         lag = straggle(m.compute_s)
-        if config.emulate:                   # the probe ran every device at full speed at once
+        if config.emulation.cluster:         # the probe ran every device at full speed at once
             stretch = max(1.0, n / m.host_cores)
             profiles = profiles if profiles is not None else planning_profiles(m, config)
             slower, at_once = contention(m, profiles, config), min(n, m.host_cores)
@@ -186,7 +186,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
         contention=slower, contention_at=at_once,
         # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
         # work on the host is not modelled: it comes and goes faster than a plan lives.
-        host_cores=m.host_cores if config.emulate else None)
+        host_cores=m.host_cores if config.emulation.cluster else None)
 
 
 def inter_node_link(m: Measurements) -> Link | None:
@@ -211,7 +211,7 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     'tp' for a data-parallel plan tensor parallelism takes over: no gradient compression there).
 
     On a job of several nodes the plan's notes state the inter-node link, and the gradient
-    compression is chosen (planning/compression.py; config.compression, 'auto' by default)."""
+    compression is chosen (planning/compression.py; config.compression.method, 'auto' by default)."""
     if m.profiles is None:                   # a single device with unlimited memory
         return _single_device(m, config), ()
     profiles = planning_profiles(m, config)
@@ -244,7 +244,7 @@ def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Lin
 
     inter = inter_node_link(m)
     if inter is not None:
-        emulated = f" (emulated: {config.emulate_link_gbs:g} GB/s)" if config.emulate_link_gbs and config.emulate else ""
+        emulated = f" (emulated: {config.emulation.link_gbs:g} GB/s)" if config.emulation.link_gbs and config.emulation.cluster else ""
         line = f"inter-node link {inter.bandwidth_gbs:.3g} GB/s{emulated}, {inter.source}"
         if link is not None and link.source == inter.source:
             line += ": the ring's slowest link"
@@ -253,15 +253,15 @@ def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Lin
     blocked = (f"parallel={layout!r}" if layout != "dp" else
                f"sharding={config.sharding!r}" if config.sharding not in ("auto", "none") else None)
     choice = compression.choose(
-        config.compression, grad_bytes=m.grad_bytes, ring=plan.world_size, link=link or FREE_LINK,
+        config.compression.method, grad_bytes=m.grad_bytes, ring=plan.world_size, link=link or FREE_LINK,
         step_s=plan.predicted.get("step_s", 0.0), exposed_s=plan.predicted.get("comm_exposed_s", 0.0),
         spans_nodes=m.nodes > 1, backend=m.backend, grad_shapes=m.grad_shapes,
-        powersgd_rank=config.powersgd_rank, blocked_by=blocked)
+        powersgd_rank=config.compression.powersgd_rank, blocked_by=blocked)
     return compression.apply(plan, choice)
 
 
 def _single_device(m: Measurements, config: Config) -> Plan:
-    micro = min(config.global_batch, config.micro_batch or config.global_batch)
+    micro = min(config.global_batch, config.memory.max_micro_batch or config.global_batch)
     return Plan(global_batch=config.global_batch, note="single device: the whole batch", devices=(
         DevicePlan(rank=0, device=m.labels[0], speed=1.0, share=config.global_batch, micro_batch=micro,
                    precision=m.precisions[0],
@@ -286,8 +286,8 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
     profiles = list(planning_profiles(m, config))
     options = options_from_measurements(m, config, link=link, profiles=profiles)
     pipeline = measured_pipeline(m.pipeline)
-    if pipeline is not None and config.emulate and config.emulate_sample_s is not None:
-        pipeline = (pipeline[0].on_clock(config.emulate_sample_s), pipeline[1])     # as the job's stages run
+    if pipeline is not None and config.emulation.cluster and config.emulation.sample_s is not None:
+        pipeline = (pipeline[0].on_clock(config.emulation.sample_s), pipeline[1])   # as the job's stages run
     ranking = (rank_layouts(profiles, state=state, options=options, pipeline=pipeline,
                             fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)

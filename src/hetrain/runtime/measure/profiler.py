@@ -19,7 +19,7 @@ emulator sleeps c·(1/s − 1) after each compute piece of c CPU-seconds, so the
 c/s, of which a fraction s occupies a host core (`cpu_share`, which the cost model uses to account
 for devices contending for the host's cores).
 
-On the controlled clock (Config.emulate_sample_s) a device's compute lasts what its clock says,
+On the controlled clock (Emulation.sample_s) a device's compute lasts what its clock says,
 not c/s, and the profiler is not told the clock: it times the device as training runs it, each
 forward and backward through a fresh throttle of the device's own (devices/emulation.Throttle:
 the sleep before the backward, the guess of the backward settled after it), the time being the

@@ -6,7 +6,7 @@ unchanged (the recomputation replays the same ops, RNG state included); the save
 drop from every block's inside to one tensor per block (measured on the demo GPT: 7x fewer bytes).
 
 Blocks are the modules of the model's ModuleLists (the GPT's `blocks`; the outermost lists only),
-or every module of a class the user names (`checkpoint_blocks='Block'`). The forward is replaced
+or every module of a class the user names (`Memory(blocks='Block')`). The forward is replaced
 on the block instance, not by wrapping the module, so parameter names, state_dict keys and
 `model.blocks[i]` stay as they were, and DDP/FSDP2 wrap the model exactly as without it.
 """
@@ -39,7 +39,7 @@ def checkpoint_blocks(model: nn.Module, block_type: str | None = None) -> list[s
         raise UsageError(
             "activation checkpointing was asked for, but the model has no blocks to checkpoint "
             + (f"(no module of class {block_type!r})" if block_type else "(no nn.ModuleList of blocks)"),
-            "keep the repeated layers in an nn.ModuleList, or name their class: checkpoint_blocks='Block'")
+            "keep the repeated layers in an nn.ModuleList, or name their class: memory=Memory(blocks='Block')")
     for _, block in blocks:
         if not getattr(block, _MARK, False):
             block.forward = functools.partial(_checkpointed, block.forward)

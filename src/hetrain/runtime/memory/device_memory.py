@@ -170,11 +170,11 @@ def _free_for_state(job, params, act_bytes: float | None) -> float | None:
     parameters, gradients and its micro-batch's activations. None when nothing caps memory."""
     cfg, emu, device = job.config, job.emulated, job.device
     if emu is not None and emu.meter.cap is not None:
-        return emu.meter.cap * (1 - cfg.memory_margin) - emu.meter.fixed - (act_bytes or 0.0)
+        return emu.meter.cap * (1 - cfg.memory.margin) - emu.meter.fixed - (act_bytes or 0.0)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        return free * (1 - cfg.memory_margin) - grads - (act_bytes or 0.0)
+        return free * (1 - cfg.memory.margin) - grads - (act_bytes or 0.0)
     return None
 
 
@@ -201,10 +201,10 @@ def wrap_for_plan(job, model, optimizer, forward):
         strategy = _auto_sharding(job, model, optimizer, act_bytes=act_bytes, counts=counts)
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
-                         block_type=cfg.checkpoint_blocks, accumulates=me.n_micro > 1, meter=meter)
+                         block_type=cfg.memory.blocks, accumulates=me.n_micro > 1, meter=meter)
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
-    oom_recovery = cfg.oom_recovery and wrapped.strategy != "capacity-full"   # off there: sharding/wrap.py
+    oom_recovery = cfg.memory.oom_recovery and wrapped.strategy != "capacity-full"  # off there: sharding/wrap.py
     if wrapped.strategy == "fsdp" and oom_recovery:
         # An OOM mid-step leaves collectives owed to the peers: learn one step's, to complete them
         # (runtime/sharding/fsdp_guard.py). Two samples: BatchNorm cannot train on one.
@@ -234,7 +234,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
     cap = emu.meter.cap if emu is not None else (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     me = plan.devices[job.rank]
-    table = agree.exchange({"usable": cap * (1 - cfg.memory_margin) if cap else -1.0, "act": act_bytes or 0.0,
+    table = agree.exchange({"usable": cap * (1 - cfg.memory.margin) if cap else -1.0, "act": act_bytes or 0.0,
                             "accumulates": float(me.n_micro > 1)},
                            rank=job.rank, world_size=job.world_size, device=device)
     usable = table.column("usable")
@@ -242,7 +242,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
         return "none"          # nothing to shard across, or memory not capped: nothing to decide
     devices = [DeviceMemory(label=d.device, capacity=u, activations=a)
                for d, u, a in zip(plan.devices, usable, table.column("act"))]
-    blocks = [b for _, b in find_blocks(model, cfg.checkpoint_blocks)]
+    blocks = [b for _, b in find_blocks(model, cfg.memory.blocks)]
     in_units = {id(p) for b in blocks for p in b.parameters()}
     options = sharding_options(
         counts["n_params"], devices, optimizer=optimizer_kind(optimizer) or "sgd", param_bytes=counts["param_bytes"],

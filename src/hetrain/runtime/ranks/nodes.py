@@ -131,11 +131,11 @@ def join_nodes(ctx, config, log):
     from ...hardware.node_versions import check_node_versions, versions_here
 
     nodes, job_spec, records = gather(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                                      local_world=ctx.local_world_size, spec=config.emulate,
+                                      local_world=ctx.local_world_size, spec=config.emulation.cluster,
                                       versions=versions_here() if ctx.world_size > 1 else None)
     cluster = parse_cluster(job_spec) if job_spec is not None else None
     if job_spec is not None:
-        config = replace(config, emulate=job_spec)
+        config = replace(config, emulation=replace(config.emulation, cluster=job_spec))
     ctx = replace(ctx, restart=agreed_restart(records))   # what depends on the attempt is alike on every rank
     if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node
         for warning in check_node_versions([r["versions"] for r in records], list(nodes.node_of),

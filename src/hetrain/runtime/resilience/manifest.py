@@ -89,7 +89,7 @@ def parse(data, step: int) -> dict | str | Refused:
             return Refused(f"the checkpoint is hetrain format {fmt}; this hetrain reads formats "
                            f"{', '.join(map(str, READS))}",
                            "resume it with the hetrain version that wrote it (or a newer one), "
-                           "or move it out of checkpoint_dir to start from an older one")
+                           "or move it out of the checkpoint directory to start from an older one")
     if data.get("step") != step or not _is_int(data.get("step")):
         return f"the manifest names step {data.get('step')!r}, not {step}"
     files = data.get("files")

@@ -78,8 +78,8 @@ class Preemption:
                  else "no checkpoint was saved in this run")
         self._on_expiry(Preempted(
             f"stopped by {signal_name(self.signum)}, but the step boundary was not reached within "
-            f"preempt_grace_s={self.grace_s:g}; {saved}",
-            "raise hetrain.init(preempt_grace_s=...) above one step's time (and torchrun's "
+            f"Checkpoints(preempt_grace_s={self.grace_s:g}); {saved}",
+            "raise Checkpoints(preempt_grace_s=...) above one step's time (and torchrun's "
             "--shutdown-timeout above that), or look for a rank that stopped responding"))
 
 
@@ -94,8 +94,8 @@ def stop_message(*, signals: list[float], step: int, saved: str | None) -> str:
     """What every rank says when the agreed stop is done (the same text on every rank)."""
     who = ", ".join(f"{signal_name(int(s))} on rank {r}" for r, s in enumerate(signals) if s)
     where = (f"checkpoint {saved} saved after step {step}; run the same command to resume from it" if saved
-             else f"after step {step}, with nothing saved (no checkpoint_dir: pass --checkpoint-dir or "
-                  "checkpoint_dir= so a preempted job can resume)")
+             else f"after step {step}, with nothing saved (no checkpoint directory: pass --checkpoint-dir "
+                  "or checkpoints=Checkpoints(dir=...) so a preempted job can resume)")
     return f"preempted ({who}): stopped at the step boundary, {where}"
 
 

@@ -83,7 +83,7 @@ class Rebalancer:
                  jump: float = 0.30, min_samples: int = 3, min_gain_s: float = 0.002, confirm: int = 3,
                  cooldown: int = 4, micro_batch_cap: int | None = None):
         self.world_size = world_size
-        self.micro_batch_cap = micro_batch_cap   # the user's micro_batch= cap, kept under any split
+        self.micro_batch_cap = micro_batch_cap   # the user's Memory(max_micro_batch=) cap, kept under any split
         self.window = window
         self.threshold = threshold
         self.jump = jump

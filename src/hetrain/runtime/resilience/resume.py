@@ -80,18 +80,18 @@ def find_checkpoint(job, model) -> Found | None:
     job.model_signature = signature = model_signature(model)
     path = ck.latest()
     if path is None:
-        if cfg.resume == "must":
-            raise UsageError(f"resume='must' but {ck.dir} holds no whole checkpoint",
-                             "point checkpoint_dir at a run that saved checkpoints, or use resume='auto'")
+        if cfg.checkpoints.resume == "must":
+            raise UsageError(f"Checkpoints(resume='must') but {ck.dir} holds no whole checkpoint",
+                             "point Checkpoints(dir=...) at a run that saved checkpoints, or use resume='auto'")
         return None
-    if cfg.resume == "never":
-        raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and resume='never'",
-                         "use another checkpoint_dir for a fresh run, or resume='auto' to continue it")
+    if cfg.checkpoints.resume == "never":
+        raise UsageError(f"{ck.dir} already holds checkpoints (newest: {path.name}) and Checkpoints(resume='never')",
+                         "use another Checkpoints(dir=...) for a fresh run, or resume='auto' to continue it")
     meta = ck.read_meta(path)    # (collective) loaded safely by rank 0, refused on every rank together
     if meta["model_signature"] != signature:
         raise UsageError(f"checkpoint {path} was saved from a different model "
                          f"(signature {meta['model_signature']}, this model {signature})",
-                         "resume with the same model definition, or use a new checkpoint_dir")
+                         "resume with the same model definition, or use a new Checkpoints(dir=...)")
     if meta["global_batch"] != cfg.global_batch:
         raise UsageError(f"checkpoint {path} was saved with global batch {meta['global_batch']}, "
                          f"this run asks for {cfg.global_batch}",
@@ -197,7 +197,7 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
         if smaller is None:   # every rank read the same record: all stop here together
             raise DoesNotFit(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
                              "1 sample in the previous attempt: the model does not fit there",
-                             "hetrain.init(checkpointing='all') or sharding='fsdp', a smaller model, "
+                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or sharding='fsdp', a smaller model, "
                              "or a device with more memory")
         g = plan.group    # a pipeline or TP group runs one micro-batch size: all of it shrinks
         for r in range((rank // g) * g, (rank // g + 1) * g):
@@ -227,7 +227,7 @@ def log_samples(job, step) -> None:
         key = _attempts[job] = list(gather(job, (time.time_ns(), job.ctx.restart))[0])   # rank 0's, on every rank
     if job.rank % job.plan.group:    # one rank per pipeline or TP group writes: each sample once
         return
-    directory = job.config.sample_log
+    directory = job.config.reporting.sample_log
     os.makedirs(directory, exist_ok=True)
     offset = job.plan.offsets()[job.rank]
     line = json.dumps({"step": step.index, "attempt": key, "offset": offset, "epochs": list(step.epochs),

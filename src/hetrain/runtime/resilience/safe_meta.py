@@ -24,7 +24,8 @@ from .manifest import READS, Refused
 
 SAFE_GLOBALS = (collections.OrderedDict, collections.defaultdict, collections.Counter, torch.Size)
 REQUIRED = ("step", "sampler", "plan", "rng", "model_signature", "global_batch")
-_MOVE = "move the checkpoint out of checkpoint_dir (the previous one is used), or use another checkpoint_dir"
+_MOVE = ("move the checkpoint out of the checkpoint directory (the previous one is used), or use another "
+         "Checkpoints(dir=...)")
 
 
 def load_meta(path: Path, *, step: int) -> dict | Refused:

@@ -125,8 +125,8 @@ class Checkpointer:
         problem = _broadcast(problem)
         if problem:
             kind, what = problem
-            raise UsageError(what, "wait for that job to finish, or give this one another checkpoint_dir"
-                             if kind == "in use" else "pass a checkpoint_dir (or --run-dir) you can write to")
+            raise UsageError(what, "wait for that job to finish, or give this one another Checkpoints(dir=...)"
+                             if kind == "in use" else "pass a Checkpoints(dir=...) (or --run-dir) you can write to")
 
     def close(self) -> None:
         """Let another job use the directory (the kernel does it too if this process dies)."""
@@ -168,12 +168,12 @@ class Checkpointer:
         failed = [s for s in shares if isinstance(s, str)]
         if failed:   # every rank has the same list: all stop here together
             raise HetrainError(f"checkpoint {final.name} was not saved: {failed[0]}",
-                               "check the checkpoint_dir's disk (space, permissions)")
+                               "check the checkpoint directory's disk (space, permissions)")
         outcome = self._complete(step, tmp, shares) if self.rank == 0 else None
         outcome = _broadcast(outcome)    # (collective) also what tells the peers the checkpoint is in place
         if outcome is not None:
             raise HetrainError(f"checkpoint {final.name} was not saved: {outcome}",
-                               "check the checkpoint_dir's disk (space, permissions)")
+                               "check the checkpoint directory's disk (space, permissions)")
         return final
 
     def _complete(self, step: int, tmp: Path, shares: list[dict]) -> str | None:
@@ -252,7 +252,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:   # noqa: BLE001  DCP's is a BaseException
             # every rank asks for its own entries and DCP gathers every rank's failure: all raise this
             raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: {_last_line(e)}",
-                             "resume with the model and optimizer it was saved from, or start a new checkpoint_dir") from None
+                             "resume with the model and optimizer it was saved from, or start a new Checkpoints(dir=...)") from None
         if states is not None:
             states.set_loaded(state["model"], state["optim"])
         else:

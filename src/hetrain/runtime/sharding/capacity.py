@@ -175,9 +175,9 @@ class CapacityShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         raise UsageError("a capacity-sharded optimizer's state is split over the ranks: it has no "
                          "state_dict of its own",
-                         "checkpoint with hetrain.init(checkpoint_dir=...), which saves every rank's slice")
+                         "checkpoint with hetrain.init(checkpoints=Checkpoints(dir=...)), which saves every rank's slice")
 
     def load_state_dict(self, state_dict):
         raise UsageError("a capacity-sharded optimizer's state is split over the ranks: it has no "
                          "load_state_dict of its own",
-                         "resume with hetrain.init(checkpoint_dir=...), which loads every rank's slice")
+                         "resume with hetrain.init(checkpoints=Checkpoints(dir=...)), which loads every rank's slice")

@@ -117,9 +117,9 @@ def test_record_in_plan_writes_every_ranks_precision():
 def test_config_defaults_and_validation():
     c = Config(global_batch=8)
     assert c.precision == "fp32" and c.sharding == "auto" and c.allow_fallback is False
-    assert c.checkpointing == "plan"
-    for bad in ({"precision": "fp8"}, {"sharding": "zero3"}, {"checkpointing": "sometimes"},
-                {"checkpoint_blocks": "not a name"}):
+    assert c.memory.activation_checkpointing == "plan"
+    for bad in ({"precision": "fp8"}, {"sharding": "zero3"}, {"memory": {"activation_checkpointing": "sometimes"}},
+                {"memory": {"blocks": "not a name"}}):
         with pytest.raises(UsageError) as e:
             Config(global_batch=8, **bad)
         assert "use" in e.value.fix or "give" in e.value.fix
@@ -134,4 +134,4 @@ def test_allow_fallback_reaches_the_workers_through_the_launch_file(tmp_path, mo
     assert json.loads(open(path).read())["config"]["allow_fallback"] is True
     monkeypatch.setenv(LAUNCH_ENV, path)
     cfg = Config(global_batch=8, precision="bf16").with_launch_file()
-    assert cfg.allow_fallback is True and cfg.emulate == "v100"
+    assert cfg.allow_fallback is True and cfg.emulation.cluster == "v100"

@@ -11,6 +11,7 @@ from hetrain.hardware.host import HostFacts
 from hetrain.runtime.config import Config
 from hetrain.runtime.loop import flops, metrics
 from hetrain.runtime.user_objects import default_forward
+from hetrain import Checkpoints, Reporting
 
 
 def test_mfu_is_achieved_flops_over_the_peak():
@@ -52,11 +53,12 @@ def test_flops_per_sample_measured_for_a_linear_layer_and_the_model_left_as_it_w
 
 def test_metrics_go_to_metrics_dir_or_beside_the_checkpoints():
     assert Config(global_batch=8).metrics_path() is None
-    assert Config(global_batch=8, checkpoint_dir="/c").metrics_path() == "/c/metrics"
-    assert Config(global_batch=8, checkpoint_dir="/c", metrics_dir="/m").metrics_path() == "/m"
-    assert Config(global_batch=8, checkpoint_dir="/c", metrics_dir="").metrics_path() is None
+    assert Config(global_batch=8, checkpoints=Checkpoints(dir="/c")).metrics_path() == "/c/metrics"
+    ckpt = Checkpoints(dir="/c")
+    assert Config(global_batch=8, checkpoints=ckpt, reporting=Reporting(metrics_dir="/m")).metrics_path() == "/m"
+    assert Config(global_batch=8, checkpoints=ckpt, reporting=Reporting(metrics_dir="")).metrics_path() is None
     with pytest.raises(Exception, match="status_every"):
-        Config(global_batch=8, status_every=-1)
+        Config(global_batch=8, reporting=Reporting(status_every=-1))
 
 
 def test_status_lines_name_each_device_with_its_figures():

@@ -13,6 +13,7 @@ from hetrain.runtime.config import Config
 from hetrain.runtime.measure.joint import SYNC_RUNS
 from hetrain.runtime.measure.measurements import (Measurements, options_from_measurements, plan_from_measurements,
                                           plan_options, straggle)
+from hetrain import Compression, Emulation, Memory
 
 MIB = 1024**2
 SPEC = "a100-80g:1.0,rtx3090:0.5@2MiB"
@@ -55,14 +56,15 @@ def test_measurements_round_trip_through_json_exactly():
 
 
 def test_the_config_decides_batch_margin_cap_and_checkpointing():
-    o = plan_options(Config(global_batch=24, micro_batch=4, memory_margin=0.2), grad_bytes=8, link=None)
+    o = plan_options(Config(global_batch=24, memory=Memory(max_micro_batch=4, margin=0.2)), grad_bytes=8, link=None)
     assert (o.global_batch, o.micro_batch_cap, o.memory_margin, o.allow_checkpointing, o.allow_exclusion) == \
         (24, 4, 0.2, True, False)
-    assert not plan_options(Config(global_batch=24, checkpointing="none"), grad_bytes=8, link=None).allow_checkpointing
+    no_checkpointing = Config(global_batch=24, memory=Memory(activation_checkpointing="none"))
+    assert not plan_options(no_checkpointing, grad_bytes=8, link=None).allow_checkpointing
 
 
 def test_the_probes_become_the_options_the_planner_is_given():
-    o = options_from_measurements(measured(), Config(global_batch=24, emulate=SPEC))
+    o = options_from_measurements(measured(), Config(global_batch=24, emulation=Emulation(cluster=SPEC)))
     assert o.sync_s == 0.002 and o.agree_s == 0.0003          # the least rank's, median run
     assert o.straggle == pytest.approx(0.012 / 0.011 - 1) and o.straggle_stretch == 1.0   # 2 ranks, 2 cores
     assert o.host_cores == 2 and o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.005 / 1e9)
@@ -70,18 +72,19 @@ def test_the_probes_become_the_options_the_planner_is_given():
 
 
 def test_a_device_that_needs_checkpointing_gets_it_unless_the_config_says_none():
-    plan, profiles = plan_from_measurements(measured(), Config(global_batch=24, emulate=SPEC))
+    plan, profiles = plan_from_measurements(measured(), Config(global_batch=24, emulation=Emulation(cluster=SPEC)))
     assert [d.checkpointing for d in plan.devices] == [False, True]
     assert sum(plan.shares) == 24 and "pooled" in profiles[0].source
     for d, p in zip(plan.devices, profiles):                  # the rebalancer's time model, per rank
         assert (d.per_sample_s, d.fixed_s) == (p.per_sample_s, p.overhead_s)
     with pytest.raises(UsageError):
-        plan_from_measurements(measured(), Config(global_batch=24, emulate=SPEC, checkpointing="none"))
+        plan_from_measurements(measured(), Config(global_batch=24, emulation=Emulation(cluster=SPEC),
+                                                  memory=Memory(activation_checkpointing="none")))
 
 
 def test_one_device_with_unlimited_memory_takes_the_whole_batch():
     m = Measurements(labels=("cpu (rank 0)",), precisions=("bf16",), profiles=None)
-    plan, profiles = plan_from_measurements(m, Config(global_batch=24, micro_batch=5))
+    plan, profiles = plan_from_measurements(m, Config(global_batch=24, memory=Memory(max_micro_batch=5)))
     assert profiles == () and plan.shares == (24,) and plan.devices[0].micro_batch == 5
     assert plan.devices[0].precision == "bf16" and plan.devices[0].device == "cpu (rank 0)"
 
@@ -97,14 +100,15 @@ def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
     # the probe's 8-sample micro-batch is 10 ms of CPU alone; both ranks took ~11.5 ms at once
     m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, host_cores=2,
                      compute_s=((0.0115, 0.0114, 0.0116), (0.0115, 0.0117, 0.0113)), probe_size=8)
-    config = Config(global_batch=16, emulate="a100-80g:1.0,rtx3090:0.5")
+    config = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5"))
     assert contention(m, profiles, config) == pytest.approx(1.15)
     # three devices on two cores: the 1.5x of sharing is the cost model's own, not contention
     m3 = Measurements(labels=("a", "b", "c"), precisions=("fp32",) * 3, profiles=profiles + (prof("c", 0.5),),
                       host_cores=2, compute_s=((0.018,),) * 3, probe_size=8)
-    config3 = Config(global_batch=16, emulate="a100-80g:1.0,rtx3090:0.5,rtx3090:0.5")
+    config3 = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5,rtx3090:0.5"))
     assert contention(m3, m3.profiles, config3) == pytest.approx(1.2)
-    assert contention(m, profiles, Config(global_batch=16, emulate=config.emulate, emulate_sample_s=0.01)) == 1.0
+    assert contention(m, profiles, Config(global_batch=16,
+                                          emulation=Emulation(cluster=config.emulation.cluster, sample_s=0.01))) == 1.0
 
 
 def test_a_probe_too_short_to_time_reads_as_no_contention():
@@ -114,7 +118,7 @@ def test_a_probe_too_short_to_time_reads_as_no_contention():
                          activation_bytes_per_sample=0.0, cpu_share=1.0)
     m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=(tiny, tiny), host_cores=2,
                      compute_s=((0.001,), (0.001,)), probe_size=4)       # 10x the profile: DDP's fixed costs
-    assert contention(m, m.profiles, Config(global_batch=8, emulate="a100-80g,a100-80g")) == 1.0
+    assert contention(m, m.profiles, Config(global_batch=8, emulation=Emulation(cluster="a100-80g,a100-80g"))) == 1.0
 
 
 def test_two_nodes_the_plan_states_the_inter_node_link_and_plans_compression_for_it():
@@ -123,7 +127,7 @@ def test_two_nodes_the_plan_states_the_inter_node_link_and_plans_compression_for
     two = measured(nodes=2, inter_node_s=0.040, backend="gloo", grad_shapes=((1024, 1024),),
                    sync_s=((0.040,) * SYNC_RUNS, (0.041,) * SYNC_RUNS))
     assert Measurements.from_json(two.to_json()) == two
-    config = Config(global_batch=24, emulate=SPEC, emulate_link_gbs=0.1)
+    config = Config(global_batch=24, emulation=Emulation(cluster=SPEC, link_gbs=0.1))
     o = options_from_measurements(two, config)
     assert o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.040 / 1e9) and "nodes' leaders" in o.link.source
     plan, _ = plan_from_measurements(two, config)
@@ -134,12 +138,12 @@ def test_two_nodes_the_plan_states_the_inter_node_link_and_plans_compression_for
     assert plan.predicted["step_s"] < plan.predicted["uncompressed_step_s"]
     # the same under tensor parallelism: no compression, said; and nothing asked, nothing compressed
     assert plan_from_measurements(two, config, layout="tp")[0].compression == "none"
-    assert plan_from_measurements(two, replace(config, compression="none"))[0].compression == "none"
+    assert plan_from_measurements(two, replace(config, compression=Compression(method="none")))[0].compression == "none"
 
 
 def test_one_node_is_planned_as_before_whatever_compression_would_gain():
     slow = measured(sync_s=((0.040,) * SYNC_RUNS, (0.041,) * SYNC_RUNS), backend="gloo")
-    plan, _ = plan_from_measurements(slow, Config(global_batch=24, emulate=SPEC))
+    plan, _ = plan_from_measurements(slow, Config(global_batch=24, emulation=Emulation(cluster=SPEC)))
     assert plan.compression == "none" and "compression" not in plan.note and "inter-node" not in plan.note
     assert "uncompressed_step_s" not in plan.predicted
 
@@ -148,9 +152,10 @@ def test_a_model_with_a_frozen_part_is_planned_as_fine_tuning_and_says_so():
     # counts as joint.py gathers them off rank 0's model: 16,384 of 738,432 train (a LoRA at r=8)
     lora = measured(n_params=738_432, n_trainable=16_384)
     assert Measurements.from_json(lora.to_json()) == lora
-    plan, _ = plan_from_measurements(lora, Config(global_batch=24, emulate=SPEC))
+    plan, _ = plan_from_measurements(lora, Config(global_batch=24, emulation=Emulation(cluster=SPEC)))
     assert ("fine-tuning (LoRA or a frozen base): 16,384 of 738,432 parameters trainable (2.2%), the frozen "
             "722,048 costed as weights only (no gradients, no optimizer state) and left out of the gradient "
             "sync") in plan.note.split("; ")
     for counts in ({"n_params": 738_432, "n_trainable": 738_432}, {}):      # all train, or not counted
-        assert "fine-tuning" not in plan_from_measurements(measured(**counts), Config(global_batch=24, emulate=SPEC))[0].note
+        config = Config(global_batch=24, emulation=Emulation(cluster=SPEC))
+        assert "fine-tuning" not in plan_from_measurements(measured(**counts), config)[0].note

@@ -10,6 +10,7 @@ import pytest
 
 from hetrain.runtime.resilience import oom
 from hetrain.runtime.resilience import resume
+from hetrain.runtime.config import Config, Reporting
 
 
 class FakeJob(SimpleNamespace):   # what log_samples reads of a job; hashed by identity, like Job
@@ -24,7 +25,7 @@ def attempt(directory, monkeypatch, *, clock, restart, shares):
     plan = Plan(global_batch=sum(shares), devices=tuple(
         DevicePlan(rank=r, device=f"d{r}", speed=1.0, share=s, micro_batch=s) for r, s in enumerate(shares)))
     return [FakeJob(rank=r, world_size=len(shares), plan=plan, ctx=SimpleNamespace(restart=restart),
-                            config=SimpleNamespace(sample_log=str(directory))) for r in range(len(shares))]
+                            config=Config(global_batch=sum(shares), reporting=Reporting(sample_log=str(directory)))) for r in range(len(shares))]
 
 
 def run_steps(jobs, steps, batch=16):

@@ -28,7 +28,7 @@ def test_a_checkpoint_dir_in_use_is_refused_naming_the_holder_and_left_as_it_is(
         with pytest.raises(UsageError) as e:
             Checkpointer(str(tmp_path), keep=2, rank=0, log=Log())
         assert f"in use by another hetrain job: pid {holder.pid} on host" in e.value.what
-        assert "another checkpoint_dir" in e.value.fix
+        assert "another Checkpoints(dir=...)" in e.value.fix
         assert stale.is_dir()
     finally:
         holder.kill()

@@ -15,6 +15,7 @@ from hetrain.planning.compression import POWERSGD_START_ITER
 from hetrain.runtime.devices.link import LinkThrottle, throttle_for
 from hetrain.runtime.ranks.nodes import JobNodes
 from hetrain.runtime.sharding.comm_hooks import GradientHook
+from hetrain.runtime.config import Config, Emulation
 
 
 def test_an_agreed_redo_puts_powersgds_state_back_as_the_failed_attempt_found_it():
@@ -55,7 +56,7 @@ def test_the_emulated_link_charges_the_ring_all_reduce_and_carries_one_transfer_
 
 
 def job(*, gbs=1.0, emulated=True, node_of=(0, 1)):
-    return SimpleNamespace(config=SimpleNamespace(emulate_link_gbs=gbs), emulated=object() if emulated else None,
+    return SimpleNamespace(config=Config(global_batch=8, emulation=Emulation(link_gbs=gbs)), emulated=object() if emulated else None,
                            nodes=JobNodes(names=tuple(f"n{i}" for i in sorted(set(node_of))), node_of=node_of),
                            world_size=len(node_of))
 
