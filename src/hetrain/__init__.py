@@ -18,8 +18,11 @@ from .errors import HetrainError, UsageError
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
 from .runtime.config_groups import Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting
-
+from .runtime.resilience.worker_errors import install_import_hook
 from .version import __version__
+
+install_import_hook()    # a bad value in a group made before init() is one line, as init()'s own are
+
 __all__ = ["init", "Engine", "Config", "Checkpoints", "Rebalancing", "Compression", "Memory", "Reporting",
            "Emulation", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
 

@@ -354,7 +354,8 @@ SCRIPT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "plan file"])
+@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "checkpoint_every",
+                                  "plan file"])
 def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
     call, words = SCRIPT_CASES[case]
     (tmp_path / "hello.json").write_text('"hello"')

@@ -150,7 +150,7 @@ WORKER = textwrap.dedent("""
     from factory import make
 
     plan_path, out = sys.argv[1], sys.argv[2]
-    ht = hetrain.init(global_batch=24, plan=plan_path, max_steps=2, verbose=False)
+    ht = hetrain.init(global_batch=24, plan=plan_path, max_steps=2, reporting=hetrain.Reporting(verbose=False))
     model, opt, data = make()
     model, opt, batches = ht.prepare(model, opt, data)
     local = []

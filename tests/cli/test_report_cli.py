@@ -118,7 +118,7 @@ def test_run_passes_metrics_dir_and_status_every_to_the_workers_in_the_launch_fi
     r = hetrain_here("run", "--run-dir", str(tmp_path / "run2"), "--verbose", str(script))
     assert r.returncode == 0, r.stderr
     monkeypatch.setenv(LAUNCH_ENV, launched[1].env[LAUNCH_ENV])
-    assert Config(global_batch=8).with_launch_file().status_every == train_cli.VERBOSE_STATUS_EVERY
+    assert Config(global_batch=8).with_launch_file().reporting.status_every == train_cli.VERBOSE_STATUS_EVERY
 
 
 def test_run_refuses_a_metrics_dir_it_could_not_make(tmp_path):

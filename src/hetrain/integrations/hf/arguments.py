@@ -118,7 +118,7 @@ def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dic
             if key in FROM_ARGS:
                 raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}} sets {key}; TrainingArguments "
                                  f"decides it ({FROM_ARGS[key]})", f"remove it from hetrain= and set {FROM_ARGS[key]}")
-    check_keywords(given, where="hetrain's Trainer: hetrain=")      # an old or unknown key: one error
+    check_keywords(given, where="hetrain's Trainer (hetrain={...})")      # an old or unknown key: one error
     batch = global_batch(args, world_size, hetrain)
     config = {"global_batch": batch, "seed": args.data_seed if args.data_seed is not None else args.seed,
               "drop_last": args.dataloader_drop_last, "shuffle": _value(args.train_sampling_strategy) == "random",

@@ -104,6 +104,32 @@ def install_excepthook(rank: int, world_size: int, job_of) -> None:
     sys.excepthook = hook
 
 
+def install_import_hook() -> None:
+    """Installed at `import hetrain`: a HetrainError raised before init() installs its hook is one
+    line (or, under `hetrain run`, the launcher's one line) too. A script builds its configuration
+    groups before calling init(), and each group checks itself when made: `Checkpoints(every=-3)`
+    must not be a traceback where `hetrain.init(global_batch=-1)` is one line. Anything else goes to
+    the hook there was; init() replaces this one (`hetrain_previous`)."""
+    if hasattr(sys.excepthook, "hetrain_previous"):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, HetrainError):
+            report_and_exit(exc, rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1))
+        previous(exc_type, exc, tb)
+
+    hook.hetrain_previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:      # a junk RANK is init()'s error to name; here the error at hand is said
+        return default
+
+
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
