@@ -61,7 +61,8 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
                  node_name: str | None = None) -> Launch:
     """The torchrun argv and environment for running `target` (a script path, or a module).
     `config`: what the command line sets, as Config's keywords with a dict per group (e.g.
-    {"checkpoints": {"dir": D}}); `emulate` joins it as {"emulation": {"cluster": ...}}. `rdzv`: this node's part of a multi-node job (launching/nodes.py), None for one node."""
+    {"checkpoints": {"dir": D}}); `emulate` joins it as {"emulation": {"cluster": ...}}. `rdzv`: this
+    node's part of a multi-node job (launching/nodes.py), None for one node."""
     if not module and not Path(target).is_file():
         hint = "check the path" + (f" (relative to {os.getcwd()})" if not os.path.isabs(target) else "")
         raise UsageError(f"script {target!r} does not exist", hint + ", or pass -m for a module")

@@ -8,7 +8,7 @@ blocks' share of the clock ÷ speed, whatever this host's CPU does). From step S
 2× slower (an injected `slow` fault). Jobs, one after another in one set of processes, under each
 schedule (gpipe, 1f1b):
 
-  * fixed: the same run with rebalance=False: the split never moves (the math's reference: a
+  * fixed: the same run with Rebalancing(enabled=False): the split never moves (the math's reference: a
     split does not change what is computed, so every other run must end on its parameters and
     AdamW moments);
   * moving: the runtime re-splits, all ranks agreeing, moving blocks with their AdamW state;

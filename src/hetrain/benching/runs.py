@@ -238,7 +238,8 @@ def run_bench(setup: BenchSetup, *, say: Callable[[str], None]) -> BenchResult:
                     say(f"{head} hetrain: " + ("its plan from round 1" if planned else
                                                f"the planner's split over {len(setup.devices)} devices"))
                     config = {"plan": plan_file} if planned else {}
-                    runs[name].append(_launch(setup, tmp, f"{name}-{k}", "hetrain", config={**config, "rebalancing": {"enabled": False}}))
+                    runs[name].append(_launch(setup, tmp, f"{name}-{k}", "hetrain",
+                                              config={**config, "rebalancing": {"enabled": False}}))
                     if not planned:
                         plan = Plan.from_json(json.dumps(runs[name][-1].plan))
                         write_text_atomic(plan_file, plan.to_json())

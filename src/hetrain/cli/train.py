@@ -33,7 +33,8 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the job this many times after a crash"),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="where the launch file (and checkpoints) go"),
     checkpoint_dir: Optional[str] = typer.Option(
-        None, "--checkpoint-dir", help="checkpoint here (overrides the script's Checkpoints(dir=...)); resumes from it"),
+        None, "--checkpoint-dir", help="checkpoint here (overrides the script's Checkpoints(dir=...)); "
+                                                        "resumes from it"),
     metrics_dir: Optional[str] = typer.Option(
         None, "--metrics-dir", help="rank 0 appends one JSON line per step to DIR/metrics.jsonl (default: "
                                     "CHECKPOINT_DIR/metrics when checkpointing); `hetrain report DIR` draws it"),

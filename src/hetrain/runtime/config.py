@@ -21,7 +21,7 @@ from .config_groups import (GROUPS, Checkpoints, Compression, Emulation, Memory,
                             bad, check_types)
 
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
-METRICS_SUBDIR = "metrics"      # Reporting.metrics_dir's default, inside Checkpoints.dir: the run's figures stay with it
+METRICS_SUBDIR = "metrics"      # Reporting.metrics_dir's default, inside Checkpoints.dir: the figures stay with it
 
 # The keywords of the flat Config this one replaced -> (group field, the group's field). One table:
 # make_config's error and its test both read it, so they cannot drift apart.
@@ -147,11 +147,12 @@ def renamed_error(old: dict[str, Any], *, where: str = "hetrain.init") -> UsageE
     """One error for every keyword of the flat Config given: each one's new place, and the fix with
     the import and the groups as they should be written."""
     moved: dict[str, dict[str, Any]] = {}
+    said = []
     for name, value in old.items():
         group, key = RENAMED[name]
         moved.setdefault(group, {})[key] = value
-    what = "; ".join(f"{name}= is now {RENAMED[name][0]}={GROUPS[RENAMED[name][0]].__name__}({RENAMED[name][1]}=...)"
-                     for name in old)
+        said.append(f"{name}= is now {group}={GROUPS[group].__name__}({key}=...)")
+    what = "; ".join(said)
     classes = ", ".join(GROUPS[g].__name__ for g in moved)
     calls = ", ".join(f"{g}={GROUPS[g].__name__}(" + ", ".join(f"{k}={v!r}" for k, v in keys.items()) + ")"
                       for g, keys in moved.items())
@@ -162,8 +163,9 @@ def check_keywords(keywords: dict[str, Any], *, where: str = "hetrain.init") -> 
     """Config's keywords as given: an old one (RENAMED) is one error naming its new place; an
     unknown one, one error with the close names."""
     known = [f.name for f in fields(Config)]
+    # compression= is both: a group now, a bare string ('fp16') before
     old = {k: v for k, v in keywords.items()
-           if k in RENAMED and (k not in known or isinstance(v, str) and k == "compression")}
+           if k in RENAMED and (k not in known or (k == "compression" and isinstance(v, str)))}
     if old:
         raise renamed_error(old, where=where)
     for name in keywords:

@@ -60,7 +60,8 @@ def training_data(loader: DataLoader) -> TrainingData:
     if loader.batch_size is None and loader.batch_sampler is not None:    # DataLoader(batch_sampler=...)
         raise refuse(f"batch_sampler={type(loader.batch_sampler).__name__}: hetrain forms each rank's "
                      "micro-batches itself, by the plan",
-                     "remove batch_sampler=; cap micro-batches with HetrainStrategy(memory=Memory(max_micro_batch=N)) if you must")
+                     "remove batch_sampler=; cap micro-batches with "
+                     "HetrainStrategy(memory=Memory(max_micro_batch=N)) if you must")
     if type(sampler) not in (RandomSampler, SequentialSampler):
         raise refuse(f"sampler={type(sampler).__name__}: hetrain's own sampler picks every step's samples "
                      "(one global stream, cut by the plan)",
@@ -72,7 +73,8 @@ def training_data(loader: DataLoader) -> TrainingData:
         raise refuse(f"batch_size={loader.batch_size}: hetrain splits HetrainStrategy(global_batch=N) into each "
                      "device's share and sizes its micro-batches to its memory (plain Fabric's global batch, "
                      "batch_size x devices, does not apply)",
-                     "remove batch_size= from the DataLoader; cap micro-batches with HetrainStrategy(memory=Memory(max_micro_batch=N))")
+                     "remove batch_size= from the DataLoader; cap micro-batches with "
+                     "HetrainStrategy(memory=Memory(max_micro_batch=N))")
     if loader.num_workers:
         raise refuse(f"num_workers={loader.num_workers}: hetrain loads each micro-batch's samples in this process, "
                      "when the plan calls for them", "remove num_workers=")

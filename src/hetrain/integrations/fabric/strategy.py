@@ -186,7 +186,8 @@ class HetrainStrategy(ParallelStrategy):
     def check_world(self) -> None:
         """Fabric's accelerator, devices and num_nodes against what the launcher started, before
         joining: a refused setting leaves no job behind."""
-        if Config(**self.config).with_launch_file().emulation.cluster and not isinstance(self.accelerator, CPUAccelerator):
+        emulated = Config(**self.config).with_launch_file().emulation.cluster
+        if emulated and not isinstance(self.accelerator, CPUAccelerator):
             raise UsageError(f"Fabric chose {type(self.accelerator).__name__}, but this job emulates its devices on "
                              "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
         devices, nodes = len(self.parallel_devices or ()), self.num_nodes

@@ -244,7 +244,8 @@ def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Lin
 
     inter = inter_node_link(m)
     if inter is not None:
-        emulated = f" (emulated: {config.emulation.link_gbs:g} GB/s)" if config.emulation.link_gbs and config.emulation.cluster else ""
+        emu = config.emulation
+        emulated = f" (emulated: {emu.link_gbs:g} GB/s)" if emu.link_gbs and emu.cluster else ""
         line = f"inter-node link {inter.bandwidth_gbs:.3g} GB/s{emulated}, {inter.source}"
         if link is not None and link.source == inter.source:
             line += ": the ring's slowest link"

@@ -197,7 +197,8 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
         if smaller is None:   # every rank read the same record: all stop here together
             raise DoesNotFit(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
                              "1 sample in the previous attempt: the model does not fit there",
-                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or sharding='fsdp', a smaller model, "
+                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or sharding='fsdp', "
+                             "a smaller model, "
                              "or a device with more memory")
         g = plan.group    # a pipeline or TP group runs one micro-batch size: all of it shrinks
         for r in range((rank // g) * g, (rank // g + 1) * g):

@@ -252,7 +252,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:   # noqa: BLE001  DCP's is a BaseException
             # every rank asks for its own entries and DCP gathers every rank's failure: all raise this
             raise UsageError(f"checkpoint {path.name} cannot be loaded into this job's layout: {_last_line(e)}",
-                             "resume with the model and optimizer it was saved from, or start a new Checkpoints(dir=...)") from None
+                             "resume with the model and optimizer it was saved from, or start a new "
+                             "Checkpoints(dir=...)") from None
         if states is not None:
             states.set_loaded(state["model"], state["optim"])
         else:
