@@ -15,11 +15,13 @@
 """
 
 from .errors import HetrainError, UsageError
+from .layout_spec import DataParallel, Pipeline, TensorParallel
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
 
 from .version import __version__
-__all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
+__all__ = ["init", "Engine", "Config", "Plan", "DevicePlan", "DataParallel", "TensorParallel", "Pipeline",
+           "HetrainError", "UsageError", "__version__"]
 
 # The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`
 # run without it.

@@ -202,7 +202,7 @@ def test_heads_that_do_not_divide_are_refused_evenly_naming_the_split_by_speed_w
     for r in direct:
         assert "3 attention heads cannot be split over 2 ranks as whole heads" in r["odd_even"], r["odd_even"]
         assert "fix: use a tensor-parallel size that divides every count: 3" in r["odd_even"]
-        assert "tp_split='speed'" in r["odd_even"]
+        assert "split='speed'" in r["odd_even"]
         got = r["odd_speed"]    # equal speeds, 3 heads: 2/1, 96 MLP columns 48/48; exact all the same
         assert got["split"] == "heads 2/1, MLP columns 48/48", got
         assert got["logits"] < 1e-12 and got["grads"] < 1e-12, got
@@ -236,10 +236,11 @@ def loop_worker(rank, world, kind, split, steps=STEPS, ckpt=None, parallel="tp")
     import hetrain
 
     ht = hetrain.init(global_batch=BATCH, max_steps=steps, emulate="a100-80g:1.0,rtx3090:0.6",
-                      emulate_sample_s=0.002, tp_split=split, verbose=False, checkpoint_dir=ckpt, checkpoint_every=1)
+                      emulate_sample_s=0.002, verbose=False, checkpoint_dir=ckpt, checkpoint_every=1)
     net = make(kind)
     model, _, batches = ht.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01), data(),
-                                     parallel=parallel, loss_fn=loss_fn)
+                                     parallel=hetrain.TensorParallel(split=split) if parallel == "tp" else parallel,
+                                     loss_fn=loss_fn)
     resumed_at = ht.steps_done
     for step in batches:
         for mb in step:

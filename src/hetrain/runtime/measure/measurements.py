@@ -292,3 +292,13 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
                             fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)
     return ranking, profiles, options
+
+
+def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, blocks: int | None,
+                          link: Link | None = None):
+    """The ranking `hetrain plan --model-factory` prints and parallel='auto' follows: every layout
+    on what the job measured (runtime/layouts/ranking.measure_for_ranking), its model state from
+    `facts` (ranking.model_facts) with `blocks`. Returns rank_from_measurements' triple."""
+    from ...planning.layouts import ModelState
+
+    return rank_from_measurements(m, config, link=link, state=ModelState(**{**facts, "blocks": blocks}))
