@@ -168,7 +168,7 @@ def _env(cache: str, model: str) -> dict:
 def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     """`hetrain plan --model-factory` on this cluster, then its ranking computed from what the
     job's processes measured, as cli/planning.py computes the table it prints."""
-    from hetrain.cli.plan_worker import model_facts      # the facts `hetrain plan` gives ModelState
+    from hetrain.runtime.layouts.ranking import model_facts      # the facts `hetrain plan` gives ModelState
     from hetrain.planning.layouts import ModelState
     from hetrain.runtime.config import Config, Emulation
     from hetrain.runtime.measure.measurements import Measurements, rank_from_measurements

@@ -71,9 +71,9 @@ def run_split(args, data, plan=None):
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, batches = ht.prepare(model, opt, data, parallel=plan if plan is not None else "pp",
-                                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                     micro_batches=args.micro_batches, schedule=args.schedule)
+    layout = plan if plan is not None else hetrain.Pipeline(micro_batches=args.micro_batches, schedule=args.schedule)
+    model, opt, batches = ht.prepare(model, opt, data, parallel=layout,
+                                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
     times, loss, t0 = [], None, None
     for step in batches:
         for mb in step:

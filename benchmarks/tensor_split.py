@@ -3,8 +3,8 @@
 One run trains a Hugging Face GPT-2 (transformers, built from a config: no downloads; 8 heads,
 dropout off) with `ht.prepare(..., parallel="tp")` on an emulated A100 (speed 1.0) and RTX 3090
 (0.6), in two configs with the same global batch:
-  tp-even    hetrain.init(tp_split="even"):  DTensor, every layer cut in half (4/4 heads)
-  tp-speed   hetrain.init(tp_split="speed"): heads and MLP columns by speed (5/3 heads, 320/192 columns)
+  tp-even    parallel=hetrain.TensorParallel(split="even"):  DTensor, every layer cut in half (4/4 heads)
+  tp-speed   parallel=hetrain.TensorParallel(split="speed"): heads and MLP columns by speed (5/3 heads, 320/192 columns)
 and, with --fast-pair, tp-even on two A100s (an upper bound for the mixed pair).
 
 The configs run interleaved in rounds, every other round in reverse order (so machine drift hits
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
-CONFIGS = {   # name: (tp_split, cluster spec)
+CONFIGS = {   # name: (TensorParallel's split, cluster spec)
     "tp-even": ("even", f"{FAST},{SLOW}"),
     "tp-speed": ("speed", f"{FAST},{SLOW}"),
     "tp-even-fast-pair": ("even", f"{FAST},{FAST}"),
@@ -92,11 +92,10 @@ def worker(args) -> dict:
     ends: list[float] = []
     clock = args.clock_ms / 1000 if args.clock_ms else None
     ht = hetrain.init(global_batch=args.global_batch, precision="fp32", max_steps=args.warmup + args.steps,
-                      emulation=Emulation(cluster=args.spec, sample_s=clock), reporting=Reporting(verbose=False),
-                      tp_split=args.split)
+                      emulation=Emulation(cluster=args.spec, sample_s=clock), reporting=Reporting(verbose=False))
     model, data = gpt2(args)
     model, _, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
-                                     parallel="tp")
+                                     parallel=hetrain.TensorParallel(split=args.split))
     seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: loss_of(m, *batch),
                           on_step=lambda step: ends.append(time.perf_counter()))
     steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]

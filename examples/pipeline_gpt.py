@@ -27,8 +27,8 @@ def loss_fn(logits, targets):                                # a mean over the s
 
 
 # model.parameters() and opt now hold this rank's stage only; model.module is the whole model
-model, opt, batches = ht.prepare(model, opt, train, parallel="pp", loss_fn=loss_fn, micro_batches=8,
-                                 schedule="1f1b")
+model, opt, batches = ht.prepare(model, opt, train, loss_fn=loss_fn,
+                                 parallel=hetrain.Pipeline(micro_batches=8, schedule="1f1b"))
 
 for step in batches:
     for mb in step:                      # the step's micro-batches, the same on every stage

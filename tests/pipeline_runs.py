@@ -76,11 +76,12 @@ def pipeline_plan(layout: str, *, blocks, schedule: str, shares, micro, world: i
 
 def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_clip: float | None = None,
           emulate: str | None = None, shrink_rank: int | None = None, precision: str = "auto",
-          emulate_sample_s: float | None = None, **prepare):
+          emulate_sample_s: float | None = None, **pipeline):
     """One hetrain job over `steps` steps of `case`; returns what each check needs, with the errors
     against the reference. Every rank calls it (the process group is the caller's).
     `shrink_rank`: after the first step, cap that rank's emulated memory at what it holds already,
-    so the next step runs out of memory at any micro-batch size (the error is returned)."""
+    so the next step runs out of memory at any micro-batch size (the error is returned).
+    `pipeline`: stages=, micro_batches=, schedule= of hetrain.Pipeline, for parallel='pp'/'dp-pp'."""
     import hetrain
     from hetrain.errors import HetrainError
 
@@ -91,9 +92,11 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
     model, (x, y), loss_fn = make_case(case, n)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grads": []}
+    if pipeline and isinstance(parallel, str):
+        parallel = hetrain.Pipeline(**{"stages": "auto" if parallel == "dp-pp" else None, **pipeline})
     with ht:
         model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y), parallel=parallel,
-                                         loss_fn=loss_fn, **prepare)
+                                         loss_fn=loss_fn)
         names = {id(p): k for k, p in model.module.named_parameters()}
         # the gradients the update used: after weighting, the tied-weight sum, replicas and clipping
         opt.register_step_pre_hook(lambda o, args, kwargs: out["grads"].append(

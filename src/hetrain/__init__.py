@@ -15,6 +15,7 @@
 """
 
 from .errors import HetrainError, UsageError
+from .layout_spec import DataParallel, Pipeline, TensorParallel
 from .planning.plan import DevicePlan, Plan
 from .runtime.config import Config
 from .runtime.config_groups import Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting
@@ -24,7 +25,8 @@ from .version import __version__
 install_import_hook()    # a bad value in a group made before init() is one line, as init()'s own are
 
 __all__ = ["init", "Engine", "Config", "Checkpoints", "Rebalancing", "Compression", "Memory", "Reporting",
-           "Emulation", "Plan", "DevicePlan", "HetrainError", "UsageError", "__version__"]
+           "Emulation", "Plan", "DevicePlan", "DataParallel", "TensorParallel", "Pipeline",
+           "HetrainError", "UsageError", "__version__"]
 
 # The engine imports torch (seconds): loaded on first use, so that planning and `hetrain simulate`
 # run without it.

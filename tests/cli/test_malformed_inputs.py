@@ -351,20 +351,32 @@ SCRIPT_CASES = {
                          "Checkpoints(every=-3"),
     "junk rank": ("hetrain.init(global_batch=8)", "RANK='junk'"),
     "plan file": ("hetrain.init(global_batch=8, plan='hello.json')", "hello.json"),
+    "impossible stages": ("ht = hetrain.init(global_batch=8)\nhetrain.Pipeline(stages=0)",
+                          "Pipeline(stages=0): a pipeline needs 2 or more stages"),
+    "stages beyond the job": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Sequential("
+                              "torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\nht.prepare(m, torch.optim.SGD("
+                              "m.parameters(), lr=0.1), torch.utils.data.TensorDataset(torch.randn(16, 2), "
+                              "torch.randn(16, 2)), parallel=hetrain.Pipeline(stages=4), loss_fn=torch.nn.functional"
+                              ".mse_loss)", "4 stages need 4 devices, this job has 2"),
+    "removed prepare keyword": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Linear(2, 2)\n"
+                                "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), [], parallel='pp', stages=2)",
+                                "parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)"),
 }
 
 
 @pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "checkpoint_every",
-                                  "plan file"])
+                                  "plan file", "impossible stages", "stages beyond the job",
+                                  "removed prepare keyword"])
 def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
     call, words = SCRIPT_CASES[case]
     (tmp_path / "hello.json").write_text('"hello"')
     (tmp_path / "s.py").write_text(f"import hetrain\n{call}\n")
-    emulate = ["--emulate", "a100-80g,rtx3090"] if case == "negative global batch" else []
+    emulate = ["--emulate", "a100-80g,rtx3090"] if case in ("negative global batch", "impossible stages",
+                                                            "stages beyond the job") else []
     r = hetrain("run", *emulate, "s.py", cwd=str(tmp_path), env={"HETRAIN_CACHE": str(tmp_path / "cache")})
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hetrain: error")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(errors) == 1 and words in errors[0], r.stderr
+    assert len(errors) == 1 and words in " ".join(r.stderr.splitlines()), r.stderr
 
 
 @pytest.mark.parametrize("case, env", [("checkpoint_every", {}), ("junk rank", {"RANK": "junk"})])

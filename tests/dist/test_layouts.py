@@ -75,6 +75,15 @@ def reference(kind: str, steps: int, batch: int, *, tokens: bool) -> dict:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+def as_layout(spec):
+    """The spec's layout: its micro_batches make a hetrain.Pipeline of parallel='pp'."""
+    import hetrain
+
+    if spec.get("micro_batches") is not None and spec["parallel"] == "pp":
+        return hetrain.Pipeline(micro_batches=spec["micro_batches"])
+    return spec["parallel"]
+
+
 def worker(rank, world, spec):
     import hetrain
 
@@ -89,7 +98,7 @@ def worker(rank, world, spec):
     ht.log.warn = ht.log.warn_job = warnings.append
     net = make()
     model, opt, batches = ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), data(),
-                                     parallel=spec["parallel"], loss_fn=loss_fn, micro_batches=spec.get("micro_batches"))
+                                     parallel=as_layout(spec), loss_fn=loss_fn)
     out = {"losses": [], "scales": [], "sums": [], "layout": ht.plan.layout, "group": ht.plan.group,
            "warnings": warnings}
     for step in batches:

@@ -73,13 +73,12 @@ def job(*, steps, schedule="1f1b", emulate=EMULATE, faults=FAULT, rebalance=True
                       emulation=Emulation(cluster=emulate, faults=faults, sample_s=CLOCK),
                       rebalancing=Rebalancing(enabled=rebalance), checkpoints=Checkpoints(dir=checkpoint_dir),
                       reporting=Reporting(verbose=False))
-    parallel = "pp" if blocks is None else pipeline_plan("pp", blocks=blocks, schedule=schedule, shares=(GB,),
-                                                         micro=(GB // MICRO,), world=2)
+    parallel = (hetrain.Pipeline(micro_batches=MICRO, schedule=schedule) if blocks is None else
+                pipeline_plan("pp", blocks=blocks, schedule=schedule, shares=(GB,), micro=(GB // MICRO,), world=2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     out = {"steps": []}
     with ht:
-        model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=F.mse_loss,
-                                         micro_batches=MICRO, schedule=schedule)
+        model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=F.mse_loss)
         pipe, said = ht.job.layout.pipe, []
         if log:       # what rank 0's log says (warnings every rank knows, and the plan's news)
             for name in ("warn_job", "info"):
@@ -326,8 +325,8 @@ def hybrid_worker(rank, world):
     ht.job.log.info = lambda m: (said.append(m), original(m))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     with ht:
-        model, opt, batches = ht.prepare(model, opt, data, parallel="dp-pp", stages=2, loss_fn=F.mse_loss,
-                                         micro_batches=2, schedule="1f1b")
+        model, opt, batches = ht.prepare(model, opt, data, loss_fn=F.mse_loss,
+                                         parallel=hetrain.Pipeline(stages=2, micro_batches=2, schedule="1f1b"))
         pipe = ht.job.layout.pipe
         first = pipe.split.sizes
         for step in batches:

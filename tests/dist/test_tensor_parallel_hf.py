@@ -203,18 +203,23 @@ def test_heads_that_do_not_divide_are_refused_evenly_naming_the_split_by_speed_w
     for r in direct:
         assert "3 attention heads cannot be split over 2 ranks as whole heads" in r["odd_even"], r["odd_even"]
         assert "fix: use a tensor-parallel size that divides every count: 3" in r["odd_even"]
-        assert "tp_split='speed'" in r["odd_even"]
+        assert "split='speed'" in r["odd_even"]
         got = r["odd_speed"]    # equal speeds, 3 heads: 2/1, 96 MLP columns 48/48; exact all the same
         assert got["split"] == "heads 2/1, MLP columns 48/48", got
         assert got["logits"] < 1e-12 and got["grads"] < 1e-12, got
 
 
-def test_a_bad_tp_split_names_the_fix():
+def test_a_bad_split_names_the_fix_and_the_old_keyword_names_the_layout():
     import hetrain
     from hetrain.errors import UsageError
+    from hetrain.runtime.config import make_config
 
-    with pytest.raises(UsageError, match="tp_split='speed'.*tp_split='even'"):
-        hetrain.Config(global_batch=8, tp_split="fast")
+    with pytest.raises(UsageError, match="split='fast'") as bad:
+        hetrain.TensorParallel(split="fast")
+    assert "speed" in bad.value.fix and "even" in bad.value.fix
+    with pytest.raises(UsageError, match="tp_split= is now part of the layout") as old:
+        make_config({"global_batch": 8, "tp_split": "speed"})
+    assert "parallel=hetrain.TensorParallel(split='speed')" in old.value.fix
 
 
 # -- through hetrain's loop --------------------------------------------------------------------
@@ -238,10 +243,11 @@ def loop_worker(rank, world, kind, split, steps=STEPS, ckpt=None, parallel="tp")
 
     ht = hetrain.init(global_batch=BATCH, max_steps=steps,
                       emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.6", sample_s=0.002),
-                      reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=1), tp_split=split)
+                      reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=1))
     net = make(kind)
     model, _, batches = ht.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01), data(),
-                                     parallel=parallel, loss_fn=loss_fn)
+                                     parallel=hetrain.TensorParallel(split=split) if parallel == "tp" else parallel,
+                                     loss_fn=loss_fn)
     resumed_at = ht.steps_done
     for step in batches:
         for mb in step:

@@ -76,6 +76,7 @@ def test_nothing_in_the_repository_cites_a_file_outside_it():
 LAYERS = (
     {"errors", "version"},
     {"vocabulary", "files", "console", "process_exit"},
+    {"layout_spec"},                    # the layout objects prepare(parallel=) takes, in those words
     {"hardware", "report", "reporting"},
     {"planning"},                       # pure: no torch.distributed
     {"runtime"},                        # inside each rank; its own order below

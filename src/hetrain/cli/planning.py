@@ -111,12 +111,12 @@ def plan(
                                   activation_checkpointing=checkpointing),
                     emulation=Emulation(cluster=emulate, sample_s=emulate_sample_s, micro_s=emulate_micro_s))
     if model_factory:
-        from ..runtime.measure.measurements import plan_from_measurements, rank_from_measurements
+        from ..runtime.measure.measurements import plan_from_measurements, rank_job_measurements
 
         measured, config, found, facts = _measure_in_job(model_factory, config)
         blocks = blocks or found
-        ranking, profiles, options = rank_from_measurements(measured, config, link=link,
-                                                            state=ModelState(**{**facts, "blocks": blocks}))
+        # parallel='auto' ranks with this same function (runtime/layouts/choose.decide).
+        ranking, profiles, options = rank_job_measurements(measured, config, facts=facts, blocks=blocks, link=link)
         if measurements:
             write_text_atomic(measurements, measured.to_json())
 
@@ -159,7 +159,7 @@ def _measure_in_job(factory: str, config: Config):
     """The runtime's own measurements of the factory's model, taken in the job's processes
     (cli/plan_worker.py under the launcher `hetrain run` uses). Returns the measurements, the
     config the ranks ran with, the model's block count (None: not known) and its parameters as
-    the layouts' memory sees them (plan_worker._model_facts)."""
+    the layouts' memory sees them (runtime/layouts/ranking.model_facts)."""
     from ..launch import build_launch, run_launch
     from ..runtime.measure.factory import absolute, load_factory
     from ..runtime.measure.measurements import Measurements

@@ -309,7 +309,7 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
             name=c.name, family=family, fits=c.fits, samples_per_s=c.samples_per_s,
             memory=c.memory if c.fits else (None,) * w, comm_bytes=moved if c.fits else 0.0, comm_s=c.sync_s + sends,
             detail=c.detail,
-            run="ht.prepare(..., parallel='pp')" if family == "PP" else "ht.prepare(..., parallel='dp-pp')"))
+            run=f"ht.prepare(..., parallel=hetrain.Pipeline({'' if family == 'PP' else f'stages={c.stages}'}))"))
     return rows
 
 

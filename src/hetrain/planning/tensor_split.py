@@ -1,6 +1,6 @@
 """Tensor parallelism split by speed, costed for the layout ranking (pure: no torch).
 
-The runtime's `tp_split='speed'` (runtime/parallel/tensor_uneven.py) gives rank r a fraction f_r
+The runtime's `TensorParallel(split='speed')` (runtime/parallel/tensor_uneven.py) gives rank r a fraction f_r
 of every layer's heads and MLP columns, in proportion to its speed v_r = 1 / its seconds per
 sample. Each rank computes every sample through its fraction of each layer, so the step is
 
@@ -30,7 +30,7 @@ from .profile import DeviceProfile
 from .shares import proportional_shares
 
 FAMILY = "TP by speed"
-RUN = "hetrain.init(tp_split='speed') and ht.prepare(..., parallel='tp')"
+RUN = "ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))"
 
 
 def speed_fractions(per_sample_s: Sequence[float], units: int | None = None) -> tuple[float, ...]:

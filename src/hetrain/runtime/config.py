@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import UsageError
-from ..vocabulary import LOSS_WEIGHTINGS, PRECISION_REQUESTS, SHARDING_REQUESTS, TP_SPLITS
+from ..vocabulary import LOSS_WEIGHTINGS, PRECISION_REQUESTS, SHARDING_REQUESTS
 from .config_groups import (GROUPS, Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting, as_group,
                             bad, check_types)
 
@@ -41,6 +41,9 @@ RENAMED: dict[str, tuple[str, str]] = {
     "emulate_micro_s": ("emulation", "micro_s"), "emulate_link_gbs": ("emulation", "link_gbs"),
     "faults": ("emulation", "faults"),
 }
+# Keywords that left Config for a layout object, which prepare(parallel=...) takes (layout_spec.py):
+# how a layout runs is said where the layout is chosen.
+TO_LAYOUT = {"tp_split": "ht.prepare(..., parallel=hetrain.TensorParallel(split={value!r}))"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +62,6 @@ class Config:
     max_steps: int | None = None         # stop after this many optimizer steps...
     epochs: float | None = None          # ...or after this many passes over the data (default 1)
     grad_clip: float | None = None       # clip the global gradient norm to this
-    tp_split: str = "even"               # parallel='tp': every layer evenly (DTensor) | speed: heads and MLP
-                                         # columns in proportion to each device's speed (parallel/tensor_uneven.py)
     plan: str | None = None              # path of a saved Plan (JSON) to run instead of splitting
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     # the groups (config_groups.py); each also accepts a dict of its fields
@@ -93,10 +94,6 @@ class Config:
             raise bad(f"epochs={self.epochs}", "use a positive number of epochs, or None")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad(f"grad_clip={self.grad_clip}", "use a positive max norm, or None")
-        if self.tp_split not in TP_SPLITS:
-            raise bad(f"tp_split={self.tp_split!r} is not one of {', '.join(TP_SPLITS)}",
-                      "use tp_split='speed' (heads and MLP columns in proportion to each device's speed, for "
-                      "parallel='tp' on mixed devices) or tp_split='even' (the default)")
         method = self.compression.method
         if method not in ("auto", "none") and self.sharding not in ("auto", "none"):
             raise bad(f"Compression(method={method!r}) with sharding={self.sharding!r}: gradient compression "
@@ -168,6 +165,10 @@ def check_keywords(keywords: dict[str, Any], *, where: str = "hetrain.init") -> 
            if k in RENAMED and (k not in known or (k == "compression" and isinstance(v, str)))}
     if old:
         raise renamed_error(old, where=where)
+    for name, value in keywords.items():
+        if name in TO_LAYOUT:
+            raise UsageError(f"{where}: {name}= is now part of the layout: TensorParallel(split=...)",
+                             f"remove {name}= and pass " + TO_LAYOUT[name].format(value=value))
     for name in keywords:
         if name not in known:
             raise UsageError(f"{where}: unknown keyword {name!r}{close_names(name)}",

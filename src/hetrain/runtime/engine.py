@@ -37,6 +37,7 @@ from .devices.precision_policy import PrecisionPolicy
 from .user_objects import default_forward
 from .resilience import resume as persist
 from .setup import prepare_job
+from .layouts.choose import refuse_removed_keywords
 from .measure.joint import read_plan_file
 from .loop.stepping import StepLoop
 from .loop.steps import Step, Steps
@@ -117,23 +118,22 @@ class Engine:
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None = None, forward: Callable = default_forward, parallel="auto",
-                loss_fn: Callable | None = None, schedule: str = "1f1b", stages: int | None = None,
-                micro_batches: int | None = None):
+                loss_fn: Callable | None = None, **removed):
         """Choose the layout, plan the split, wrap the model, resume if a checkpoint exists, and
         return (model, optimizer, steps). The order is setup.prepare_job's.
 
-        `parallel`: 'auto' | 'dp' | 'pp' | 'dp-pp' | 'tp', or a Plan (runtime/layouts/). `loss_fn(output,
-        targets)`: the mean loss, for ht.loss(mb); pipelines need it (their last stage computes the
-        loss). `schedule`, `stages` (DP×PP), `micro_batches`: the pipeline's, planned when None.
-        `forward(model, batch)` is how hetrain calls the model when it measures it before training
-        (default: model(x) for (x, y) batches).
+        `parallel`: hetrain.DataParallel(...), TensorParallel(...), Pipeline(...) (layout_spec.py),
+        the shorthands 'auto' | 'dp' | 'pp' | 'dp-pp' | 'tp', or a Plan (runtime/layouts/choose.py).
+        `loss_fn(output, targets)`: the mean loss, for ht.loss(mb); pipelines need it (their last
+        stage computes the loss). `forward(model, batch)` is how hetrain calls the model when it
+        measures it before training (default: model(x) for (x, y) batches).
         """
+        refuse_removed_keywords(removed)       # schedule=, stages=, micro_batches=: Pipeline(...) now
         if self._prepared:
             raise UsageError("prepare() was already called", "call prepare() once per hetrain.init()")
         self._prepared = True
         prepare_job(self.job, model, optimizer, dataset, collate_fn=collate_fn, forward=forward,
-                    given_plan=self._given_plan, parallel=parallel, loss_fn=loss_fn,
-                    pipeline={"schedule": schedule, "stages": stages, "micro_batches": micro_batches})
+                    given_plan=self._given_plan, parallel=parallel, loss_fn=loss_fn)
         self._prepared_at = self.job.steps_done
         return self.job.model, self.job.optimizer, Steps(self._loop)
 

@@ -62,7 +62,7 @@ def test_split_by_speed_wins_over_the_even_split_on_a_mixed_pair_and_says_why():
     assert speed.comm_s == pytest.approx(comm)
     assert speed.samples_per_s / even.samples_per_s == pytest.approx((compute["even"] + comm) / (compute["speed"] + comm))
     assert ranking.rows.index(speed) < ranking.rows.index(even)
-    assert speed.run == "hetrain.init(tp_split='speed') and ht.prepare(..., parallel='tp')"
+    assert speed.run == "ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))"
     # each holds its fraction of the state: 16 bytes a parameter with AdamW
     assert speed.memory[0] - speed.memory[1] == pytest.approx((1 / 1.6 - 0.6 / 1.6) * (16 * P + 20e6 * 64))
 

@@ -1,14 +1,23 @@
 """How the model is spread over the devices, behind one loop: prepare(parallel=...).
 
-    data.py            'dp': the whole model on every rank (DDP, or a sharding: runtime/sharding/)
-    tensor.py          'tp': a shard of every layer on every rank, the same micro-batches
-    pipelined.py       'pp', 'dp-pp': one stage of one pipeline replica; the verbs drive the schedule
-    pipeline_setup.py  prepare() for the pipeline layouts
-    stage_state.py     a stage's checkpoint entries, keyed by the whole model's names
-    choose.py          'auto', and the checks on what was asked for
+The user names a layout with an object (hetrain.DataParallel, TensorParallel, Pipeline:
+layout_spec.py) or a shorthand ('auto', 'dp', 'pp', 'dp-pp', 'tp', a Plan) that choose.resolve
+turns into one. Each layout owns its steps:
 
-A layout gives the step loop (runtime/loop/stepping.py) the rank's pass over its micro-batches,
-how the loss is computed (ht.loss), whose loss counts, what a redo resets, how gradients are
-clipped, and what a checkpoint holds. Everything else — the step's agreement, the optimizer step,
-loss scaling, checkpoints and resume, preemption — is the same code in every layout.
+    data_setup.py      DataParallel / TensorParallel: check, plan (measure, make the Plan), build
+                       (checkpointing, wrap, sync guard, rebalancer)
+    pipeline_setup.py  Pipeline: check, plan (measure the blocks, split), build (this rank's stage,
+                       the resplitter)
+    data.py            the loop of DataParallel: the whole model on every rank (DDP, or a sharding)
+    tensor.py          the loop of TensorParallel: a shard of every layer on every rank
+    pipelined.py       the loop of Pipeline: one stage of one pipeline replica; the verbs drive the schedule
+    stage_state.py     a stage's checkpoint entries, keyed by the whole model's names
+    choose.py          the shorthands, the job-dependent checks, and 'auto' (the ranking's best)
+    ranking.py         what the ranking measures: the one function 'auto' and `hetrain plan` call
+
+setup.prepare_job calls a layout's check, plan and build in the same order for every layout.
+A layout's loop object gives the step loop (runtime/loop/stepping.py) the rank's pass over its
+micro-batches, how the loss is computed (ht.loss), whose loss counts, what a redo resets, how
+gradients are clipped, and what a checkpoint holds. Everything else — the step's agreement, the
+optimizer step, loss scaling, checkpoints and resume, preemption — is the same code in every layout.
 """

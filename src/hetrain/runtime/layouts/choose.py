@@ -1,28 +1,33 @@
-"""Which layout a job runs: prepare(parallel=...) — 'auto', 'dp', 'pp', 'dp-pp', 'tp', or a Plan.
+"""Which layout a job runs: prepare(parallel=...) — a layout object (hetrain.DataParallel,
+TensorParallel, Pipeline: layout_spec.py), one of the shorthands 'auto', 'dp', 'pp', 'dp-pp',
+'tp', or a Plan. `resolve` turns a shorthand or a Plan into the object, in this one place:
 
-'auto' follows the planner, in this order, and says why:
-  1. plain data parallelism when the whole model (parameters, gradients, optimizer state) and one
-     sample's activations fit every device;
-  2. else data parallelism with sharding, when one of the shardings fits (runtime/sharding/:
-     sharding='auto' then picks which);
-  3. else the fastest pipeline layout that fits, one pipeline or DP×PP
-     (planning/parallelism.compare_parallelism on the measured blocks).
-Tensor parallelism is never chosen: it splits every layer evenly, so on mixed devices each rank
-waits for the slowest; ask for it (parallel='tp') within a group of equal devices.
+    'dp' -> DataParallel()        'tp' -> TensorParallel()        'pp' -> Pipeline()
+    'dp-pp' -> Pipeline(stages='auto')      a Plan -> its layout's object (the Plan then fixes it)
+
+'auto' (`decide`) ranks every layout on what this job measures, with the function and ranking
+`hetrain plan --model-factory` uses (ranking.measure_for_ranking, then
+measurements.rank_job_measurements), and runs the ranking's best (`layout_for`): the same answer
+as `hetrain plan`'s recommendation on the same measurements. One device: DataParallel() (there is
+nothing to rank). Without loss_fn a pipeline cannot run: the best row that is not one.
 Every rank decides from the same exchanged values, so all take the same branch.
 """
 
 from __future__ import annotations
 
 from ...errors import UsageError, did_you_mean
-from ...hardware.units import format_bytes
-from ...planning.memory import DeviceMemory, sharding_options, state_bytes
+from ...layout_spec import LAYOUT_TYPES, DataParallel, Pipeline, TensorParallel
+from ...planning.memory import state_bytes
 from ...planning.plan import Plan
 from ...vocabulary import PARALLEL_REQUESTS
 
 
 _ALIASES = {"pipeline": "pp", "pipe": "pp", "tensor": "tp", "data": "dp", "ddp": "dp",
             "fsdp": "dp (with sharding='fsdp')", "zero": "dp (with sharding='zero1')", "hybrid": "dp-pp", "dp×pp": "dp-pp", "dpxpp": "dp-pp", "dp+pp": "dp-pp", "dppp": "dp-pp"}
+
+
+_SHORTHANDS = {"dp": DataParallel(), "tp": TensorParallel(), "pp": Pipeline(), "dp-pp": Pipeline(stages="auto")}
+LAYOUT_OBJECTS = "hetrain.DataParallel(...), hetrain.TensorParallel(...), hetrain.Pipeline(...)"
 
 
 def requested(parallel, given_plan: Plan | None) -> str:
@@ -34,10 +39,21 @@ def requested(parallel, given_plan: Plan | None) -> str:
         hint = (f" (did you mean: {alias}?)" if alias else did_you_mean(parallel, PARALLEL_REQUESTS)) \
             if isinstance(parallel, str) else ""
         raise UsageError(f"prepare(parallel={parallel!r}) is not a layout{hint}",
-                         f"use one of {', '.join(PARALLEL_REQUESTS)}, or a Plan from `hetrain plan --out`")
+                         f"use {LAYOUT_OBJECTS}, one of {', '.join(PARALLEL_REQUESTS)}, or a Plan from "
+                         "`hetrain plan --out`")
     if parallel == "auto" and given_plan is not None:
         return given_plan.layout
     return parallel
+
+
+def resolve(parallel, given_plan: Plan | None):
+    """(the layout object or 'auto', the Plan that fixes it or None): every shorthand resolved here."""
+    if isinstance(parallel, LAYOUT_TYPES):
+        return parallel, given_plan
+    if isinstance(parallel, Plan):
+        given_plan = parallel
+    kind = requested(parallel, given_plan)
+    return ("auto" if kind == "auto" else _SHORTHANDS[kind]), given_plan
 
 
 def check_request(kind: str, *, loss_fn, world_size: int) -> None:
@@ -70,48 +86,88 @@ def model_state(modules, optimizer_kind: str) -> tuple[float, float, dict]:
     return total / weights, sum(p.numel() * p.element_size() for p in train) / weights, fine
 
 
-def state_fits(model, devices, *, factor: float, margin: float) -> tuple[bool, str]:
-    """Does the whole model's training state (parameters, gradients, optimizer: `factor` × the
-    parameter bytes) leave room on every device? Half the usable memory is kept for activations
-    before this says yes without measuring; otherwise the blocks are measured."""
-    state = factor * sum(p.numel() * p.element_size() for p in model.parameters())
-    capped = [d for d in devices if d.memory_bytes]
-    if not capped:
-        return True, "no device's memory is capped"
-    smallest = min(capped, key=lambda d: d.memory_bytes)
-    usable = smallest.memory_bytes * (1 - margin)
-    if state <= 0.5 * usable:
-        return True, (f"the whole model's training state ({format_bytes(state)}) fits every device "
-                      f"(smallest: {smallest.name}, {format_bytes(usable)} usable)")
-    return False, ""
+def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
+    """What a Pipeline needs of the job, checked when prepare() sees it (one line: reason, fix)."""
+    shown = f"parallel={spec!r}"
+    if loss_fn is None:
+        raise UsageError(f"{shown} needs the loss function: the pipeline's schedule computes the loss on the last "
+                         "stage", "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
+    if world_size < 2:
+        raise UsageError(f"{shown} on one device: there is nothing to split the model over",
+                         "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use "
+                         "parallel=hetrain.DataParallel()")
+    stages = spec.stages
+    if stages == "auto" and (world_size < 4 or world_size % 2):
+        raise UsageError(f"{shown} needs replicas of 2+ stages: {world_size} devices do not make 2+ of them",
+                         "use 4, 6, 8... devices, or parallel=hetrain.Pipeline() (one pipeline)")
+    divisors = ", ".join(str(k) for k in range(2, world_size + 1) if world_size % k == 0)
+    if isinstance(stages, int) and stages > world_size:
+        raise UsageError(f"{shown}: {stages} stages need {stages} devices, this job has {world_size}",
+                         f"use a stage count that divides {world_size}: {divisors}")
+    if isinstance(stages, int) and world_size % stages:
+        raise UsageError(f"{shown}: {world_size} devices do not form pipelines of {stages} stages",
+                         f"use a stage count that divides {world_size}: {divisors}")
 
 
-def auto(job, *, model, optimizer_kind: str, parts, profile, devices, choice) -> tuple[str, str]:
-    """(layout, why) for parallel='auto', from every rank's usable memory and the measured blocks
-    (`choice`: compare_parallelism's)."""
-    if choice.choice.kind == "dp":
-        return "dp", f"the whole model fits every device ({choice.reason})"
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    pbytes = params[0].element_size() if params else 4
-    act = profile.activation_bytes_per_sample
-    mem = [DeviceMemory(label=d.name, capacity=d.memory_bytes * (1 - job.config.memory.margin), activations=act)
-           for d in devices if d.memory_bytes]
-    if len(mem) == len(devices):
-        options = sharding_options(n, mem, optimizer=optimizer_kind, param_bytes=pbytes,
-                                   **model_state([model], optimizer_kind)[2],
-                                   unit_params=[sum(p.numel() for p in b.parameters()) for b in parts.blocks],
-                                   root_params=n - sum(sum(p.numel() for p in b.parameters()) for b in parts.blocks))
-        fitting = [o for o in options if o.strategy != "none" and o.fits(mem)]
-        if fitting:
-            return "dp", (f"the whole model does not fit every device, sharding={fitting[0].strategy} does "
-                          f"(largest per device {format_bytes(max(fitting[0].peak))})")
-    pipelines = [c for c in choice.candidates if c.kind != "dp" and c.fits]
-    if not pipelines:
-        raise UsageError("parallel='auto': no layout fits memory: "
-                         + "; ".join(f"{c.name}: {c.detail}" for c in choice.candidates),
+def layout_for(row):
+    """The layout object that runs a ranking row (planning/layouts.LayoutRow): pure. The DP family
+    by its sharding, 'PP' one pipeline, 'DP×PP d×k' replicas of k stages, 'TP', 'TP by speed'."""
+    from ...planning.layouts import FAMILIES
+
+    sharding = {family: s for s, family in FAMILIES.items()}
+    if row.family in sharding:
+        return DataParallel(sharding=sharding[row.family])
+    if row.family == "PP":
+        return Pipeline()
+    if row.family == "DP×PP":
+        return Pipeline(stages=int(row.name.rsplit("×", 1)[1]))
+    if row.family == "TP":
+        return TensorParallel()
+    if row.family == "TP by speed":
+        return TensorParallel(split="speed")
+    raise ValueError(f"no layout object for the ranking's row {row.name!r} ({row.family})")
+
+
+def decide(job, spec, model, optimizer, forward, loss_fn):
+    """(the layout object, what auto measured or None) for `spec` (resolve's). Collective for 'auto'."""
+    if spec != "auto":
+        return spec, None
+    if job.world_size == 1:
+        job.log.info("parallel=auto chose DataParallel(): one device")
+        return DataParallel(), None
+    from ..measure.measurements import rank_job_measurements
+    from .data_setup import measure_setup
+    from .ranking import measure_for_ranking
+
+    measure_setup(job, model, optimizer)
+    found = measure_for_ranking(job, model, optimizer, forward)                                    # (collective)
+    ranking = rank_job_measurements(found.measurements, job.config, facts=found.facts, blocks=found.blocks)[0]
+    if ranking.best is None:
+        raise UsageError(f"parallel='auto': no layout fits memory ({ranking.why})",
+                         ranking.to_fit[0] if ranking.to_fit else
                          "try activation checkpointing, smaller micro-batches, or devices with more memory")
-    best = max(pipelines, key=lambda c: c.samples_per_s)
-    kind = "pp" if best.kind == "pp" else "dp-pp"
-    return kind, (f"the model does not fit one device even sharded; {best.name} fits and is the fastest "
-                  f"that does ({best.samples_per_s:.1f} samples/s predicted; {best.detail})")
+    best, why = ranking.best, ranking.why
+    if loss_fn is None and best.family in ("PP", "DP×PP"):
+        runnable = [r for r in ranking.rows if r.fits and r.family not in ("PP", "DP×PP")]
+        if not runnable:
+            raise UsageError(f"parallel='auto': only a pipeline fits ({why}), and a pipeline needs the loss function",
+                             "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
+        best, why = runnable[0], f"{runnable[0].name} (the best ranked is {best.name}, which needs loss_fn=); {why}"
+    chosen = layout_for(best)
+    job.log.info(f"parallel=auto chose {chosen!r}: {why}")
+    return chosen, found
+
+
+def refuse_removed_keywords(removed: dict) -> None:
+    """prepare(schedule=, stages=, micro_batches=): one UsageError naming parallel=Pipeline(...);
+    any other unknown keyword: Python's own TypeError."""
+    if not removed:
+        return
+    moved = [n for n in removed if n in ("schedule", "stages", "micro_batches")]
+    if len(moved) < len(removed):
+        raise TypeError(f"prepare() got an unexpected keyword argument "
+                        f"{next(n for n in removed if n not in moved)!r}")
+    given = ", ".join(f"{n}={removed[n]!r}" for n in moved)
+    raise UsageError(f"prepare({given}): a pipeline's stages, micro-batches and schedule are no longer keywords "
+                     "of prepare(), they are the layout's",
+                     "pass parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)")

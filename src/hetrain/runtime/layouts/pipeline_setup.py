@@ -26,6 +26,7 @@ from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_tab
                                          unmeasured_profile)
 from ...vocabulary import SCHEDULES, check_choice
 from ..model import PreparedModel
+from ..resilience import resume as persist
 from .pipelined import PipelineLayout
 
 if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is built, not by every job
@@ -58,7 +59,7 @@ def measure_blocks(job, parts: PipelineParts, devices=None):
 
 def on_clock(job, profile):
     """The blocks as this job's stages run them: on the controlled clock when the job has one
-    (Config.emulate_sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
+    (Emulation.sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
     clock = job.config.emulation.sample_s
     if clock is None or job.emulated is None or profile is None:
         return profile
@@ -80,18 +81,18 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     """The Plan of a pipeline layout (pure, from the agreed profile): blocks per stage, the
     replicas' shares by throughput, each replica's micro-batch size."""
     cfg, w = job.config, job.world_size
-    check_choice(schedule, SCHEDULES, "prepare(schedule=...)")
+    check_choice(schedule, SCHEDULES, "Pipeline(schedule=...)")
     factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]   # frozen: weights only
     if kind == "pp":
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput
         stages = _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches)
     if stages < 2 or w % stages:
-        raise UsageError(f"prepare(stages={stages}): {w} devices do not form pipelines of {stages} stages",
+        raise UsageError(f"Pipeline(stages={stages}): {w} devices do not form pipelines of {stages} stages",
                          f"use a stage count that divides {w}: {', '.join(str(k) for k in range(2, w + 1) if w % k == 0)}")
     if stages > profile.n_blocks:
         raise UsageError(f"{stages} pipeline stages but the model has {profile.n_blocks} block(s)",
-                         f"use at most {profile.n_blocks} stages (parallel='dp-pp' with fewer stages), or a model with more blocks")
+                         f"use at most {profile.n_blocks} stages (parallel=hetrain.Pipeline(stages=k) with fewer stages), or a model with more blocks")
     m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
     common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory.margin)
     if kind == "pp":
@@ -227,13 +228,13 @@ NO_RESPLIT_HYBRID = ("no online re-split under DP×PP: the replicas average thei
 def _resplit_reason(cfg, kind: str) -> tuple[str, ...]:
     if not cfg.rebalancing.enabled:
         return ()
-    return (RESPLIT_NOTE + "; rebalance=False keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
+    return (RESPLIT_NOTE + "; Rebalancing(enabled=False) keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
 
 
 def make_resplitter(job, devices, optimizer_kind: str):
     """parallel='pp': what moves blocks between stages when a stage's measured speed changes
     (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
-    replicas share one split), with rebalance=False, or on one device."""
+    replicas share one split), with Rebalancing(enabled=False), or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
     if cfg.rebalancing.enabled and plan.layout == "dp-pp":
         job.log.info(NO_RESPLIT_HYBRID)
@@ -285,3 +286,62 @@ def show_split(job, pipe: Pipeline) -> None:
         job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
                      f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
                      f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
+
+
+class PipelineSetup:
+    """Pipeline(...): this rank's stage of one pipeline replica (one pipeline over every device,
+    or DP×PP's replicas). The same steps as data_setup.DataSetup, in the same order."""
+
+    def __init__(self, spec, loss_fn):
+        self.spec, self.loss_fn = spec, loss_fn
+        self.parts = self.profile = self.devices = None
+
+    def kind_for(self, job) -> str:
+        return self.spec.kind_for(job.world_size)
+
+    def check(self, job) -> None:
+        from .choose import check_pipeline
+
+        check_pipeline(self.spec, loss_fn=self.loss_fn, world_size=job.world_size)
+
+    @property
+    def blocks_compression(self) -> str | None:
+        return "parallel=Pipeline(...)"
+
+    def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
+        from ..memory.device_memory import optimizer_kind
+        from ..parallel.blocks import find_parts
+        from ..measure.joint import check_given_plan
+
+        kind = self.kind_for(job)
+        if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
+            parts, profile, devices = measured.pipeline_parts
+        else:
+            parts = find_parts(model)
+            profile, devices = measure_blocks(job, parts)                                            # (collective)
+        profile = on_clock(job, profile)
+        if given_plan is not None and given_plan.layout == kind:
+            job.plan = check_given_plan(job, given_plan)
+        else:
+            stages = None if self.spec.stages in (None, "auto") else self.spec.stages
+            job.plan = plan_pipeline(job, kind, parts, profile, devices,
+                                     optimizer_kind=optimizer_kind(optimizer) or "adamw",
+                                     schedule=self.spec.schedule, stages=stages,
+                                     micro_batches=self.spec.micro_batches)
+        self.parts, self.profile, self.devices = parts, profile, devices
+        return None
+
+    def build(self, job, model, optimizer, forward) -> None:
+        from ..memory.device_memory import optimizer_kind
+
+        job.plan = job.precision.record_in(job.plan)
+        job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
+                                                self.devices, self.loss_fn)                          # (collective)
+        pipe = job.layout.pipe
+        job.model = StagedModel(model, pipe.module, None)
+        job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay
+        job.rebalancer = make_resplitter(job, self.devices, optimizer_kind(optimizer) or "adamw")  # pp: blocks move online
+        persist.check_registered(job, optimizer)
+        if job.emulated is not None:
+            job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
+        show_split(job, pipe)

@@ -3,15 +3,15 @@
 with one replica: no gradient sync (the sharded gradients are each rank's own, the replicated ones
 equal on every rank), the loss reported once.
 
-The split: `hetrain.init(tp_split='even')` (default) cuts every layer evenly with DTensor's
-Colwise/RowwiseParallel; `tp_split='speed'` in proportion to each device's speed in the plan
+The split: `parallel=hetrain.TensorParallel(split='even')` (default; also parallel='tp') cuts every
+layer evenly with DTensor's Colwise/RowwiseParallel; `TensorParallel(split='speed')` in proportion to each device's speed in the plan
 every rank agreed on (its measured samples/s relative to the fastest: the same numbers as the
 data-parallel shares), as whole key/value groups of heads and whole MLP columns
 (parallel/tensor_uneven.py). Under the split by speed the sharded gradients are plain tensors,
 so gradient clipping sums their squares over the ranks itself, and checkpoints hold every
 sharded entry whole under the whole model's names (parallel/tensor_state.py).
 
-On the emulated controlled clock (`emulate_sample_s`) a micro-batch of m samples lasts
+On the emulated controlled clock (`Emulation.sample_s`) a micro-batch of m samples lasts
 m·T·share/speed on a TP rank, `share` being the rank's part of the model's Linear weights
 (parallel/tensor.compute_share: the matmul FLOPs it computes, the replicated head counted whole):
 a split by speed then evens the ranks' times, an even split leaves the slow rank behind, as on GPUs.
@@ -54,9 +54,9 @@ class TensorLayout(DataLayout):
         return None                                  # DTensor shards: DCP's own resharding
 
 
-def wrap(job, model, optimizer):
+def wrap(job, model, optimizer, *, split: str = "even"):
     """The model's layers sharded over every rank (parallel/tensor.py), evenly or by the plan's
-    speeds (job.config.tp_split), and the optimizer rebuilt over the sharded parameters
+    speeds (TensorParallel(split=...)), and the optimizer rebuilt over the sharded parameters
     (a collective for the even split: DTensor's mesh)."""
     from ..parallel.tensor import compute_share, shard
     from ..sharding.wrap import Wrapped
@@ -69,7 +69,7 @@ def wrap(job, model, optimizer):
                 f"rank {e['rank']} {e['compute']}" for e in job.precision.all_choices),
             "pass one precision for the whole job (precision='fp16' or 'fp32'), or put equal devices in the "
             "tensor-parallel group and mixed ones in pipeline stages (parallel='pp')")
-    by_speed = job.config.tp_split == "speed"
+    by_speed = split == "speed"
     speeds = [d.speed for d in job.plan.devices] if by_speed else None    # the agreed plan's: every rank's
     names = {p: n for n, p in model.named_parameters()}
     done = shard(model, speeds=speeds)

@@ -293,3 +293,42 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
                             fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)
     return ranking, profiles, options
+
+
+# What parallel='auto' may run, and so what `hetrain plan --model-factory` recommends: every layout
+# but tensor parallelism, which is asked for by name (parallel=hetrain.TensorParallel(...)): its
+# ranks run every layer in lockstep, so in-loop OOM recovery is off (runtime/layouts/tensor.py),
+# and it needs layers it can split. The table still shows the TP rows and what they predict.
+RECOMMENDED_FAMILIES = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP")
+
+
+def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, blocks: int | None,
+                          link: Link | None = None):
+    """The ranking `hetrain plan --model-factory` prints and parallel='auto' follows: every layout
+    on what the job measured (runtime/layouts/ranking.measure_for_ranking), its model state from
+    `facts` (ranking.model_facts) with `blocks`, its best among RECOMMENDED_FAMILIES (`recommended`).
+    Returns rank_from_measurements' triple."""
+    from ...planning.layouts import ModelState
+
+    ranking, profiles, options = rank_from_measurements(m, config, link=link,
+                                                        state=ModelState(**{**facts, "blocks": blocks}))
+    return recommended(ranking), profiles, options
+
+
+def recommended(ranking, *, prefer_simpler_within: float = 0.05):
+    """The ranking with its best chosen among RECOMMENDED_FAMILIES, by rank_layouts' own rule (the
+    simplest within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
+    from ...planning.layouts import ORDER
+
+    if ranking is None or ranking.best is None or ranking.best.family in RECOMMENDED_FAMILIES:
+        return ranking
+    tp = ranking.best
+    fitting = [r for r in ranking.rows if r.fits and r.family in RECOMMENDED_FAMILIES]
+    asked = f"{tp.name} predicts {tp.samples_per_s:.1f} samples/s; tensor parallelism is asked for by name: {tp.run}"
+    if not fitting:
+        return replace(ranking, best=None, why=f"only tensor parallelism fits memory ({asked})")
+    fastest = max(fitting, key=lambda r: r.samples_per_s)
+    best = min((r for r in fitting if r.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
+               key=lambda r: (ORDER.index(r.family), -r.samples_per_s))
+    return replace(ranking, best=best, rows=(best, *(r for r in ranking.rows if r is not best)),
+                   why=f"{best.name}: {best.samples_per_s:.1f} samples/s predicted ({asked})")

@@ -122,7 +122,7 @@ def check_even(splits: list[Split], size: int) -> None:
         if not all(units(s)[1] >= size for s in splits):
             raise
         raise UsageError(e.what, f"{e.fix}; or split unevenly, in whole heads and columns: "
-                         "hetrain.init(tp_split='speed') (tensor_parallel(model, speeds=[...]))") from None
+                         "parallel=hetrain.TensorParallel(split='speed') (tensor_parallel(model, speeds=[...]))") from None
 
 
 def shard(model: nn.Module, mesh: DeviceMesh | None = None, *, plan: dict | None = None,

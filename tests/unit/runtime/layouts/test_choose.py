@@ -6,7 +6,6 @@ import pytest
 
 from hetrain.errors import UsageError
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain.planning.pipeline_split import StageDevice
 from hetrain.runtime.layouts import choose
 
 
@@ -22,7 +21,7 @@ def test_a_known_layout_or_a_plans_layout_is_taken():
 def test_an_unknown_layout_is_one_line_naming_the_choices(value):
     with pytest.raises(UsageError) as e:
         choose.requested(value, None)
-    assert "is not a layout" in e.value.what and "dp-pp" in e.value.fix
+    assert "is not a layout" in e.value.what and "dp-pp" in e.value.fix and "Pipeline(" in e.value.fix
     if value == "pipeline":
         assert "did you mean" in e.value.what
 
@@ -45,14 +44,102 @@ def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, l
     assert needle in e.value.what and e.value.fix
 
 
-def test_the_whole_state_fitting_every_device_is_decided_without_measuring():
-    import torch
+def test_shorthands_and_plans_resolve_to_layout_objects_in_one_place():
+    from hetrain import DataParallel, Pipeline, TensorParallel
 
-    model = torch.nn.Linear(100, 100)        # 40.4 KB of parameters, ×4 with AdamW: ~162 KB
-    roomy = [StageDevice(name="a", speed=1.0, memory_bytes=1e6), StageDevice(name="b", speed=0.5, memory_bytes=4e5)]
-    fits, why = choose.state_fits(model, roomy, factor=4.0, margin=0.1)
-    assert fits and "fits every device" in why and "b" in why
-    tight = [roomy[0], StageDevice(name="b", speed=0.5, memory_bytes=2e5)]
-    assert choose.state_fits(model, tight, factor=4.0, margin=0.1) == (False, "")
-    uncapped = [StageDevice(name="a", speed=1.0, memory_bytes=None)] * 2
-    assert choose.state_fits(model, uncapped, factor=4.0, margin=0.1)[0]
+    assert choose.resolve("dp", None) == (DataParallel(), None)
+    assert choose.resolve("tp", None) == (TensorParallel(), None)
+    assert choose.resolve("pp", None) == (Pipeline(), None)
+    assert choose.resolve("dp-pp", None) == (Pipeline(stages="auto"), None)
+    assert choose.resolve("auto", None) == ("auto", None)
+    plan = Plan(global_batch=8, layout="tp", group=2, devices=tuple(
+        DevicePlan(rank=r, device="d", speed=1.0, share=8, micro_batch=4) for r in range(2)))
+    assert choose.resolve(plan, None) == (TensorParallel(), plan)
+    assert choose.resolve("auto", plan) == (TensorParallel(), plan)
+    own = Pipeline(stages=2, micro_batches=4, schedule="gpipe")
+    assert choose.resolve(own, None) == (own, None)
+
+
+@pytest.mark.parametrize("kwargs,needle,fix", [
+    (dict(stages=0), "2 or more stages", "stages=2 or more"),
+    (dict(stages=1), "2 or more stages", "stages=2 or more"),
+    (dict(stages=-3), "2 or more stages", "stages=None"),
+    (dict(stages="two"), "whole number", "stages='auto'"),
+    (dict(stages=2.0), "whole number", "stages=2 or more"),
+    (dict(stages=True), "whole number", "stages=2 or more"),
+    (dict(micro_batches=0), "1 or more micro-batches", "micro_batches=1 or more"),
+    (dict(schedule="zb"), "is not a schedule", "gpipe, 1f1b"),
+])
+def test_an_impossible_pipeline_is_refused_when_made_with_the_reason_and_the_fix(kwargs, needle, fix):
+    from hetrain import Pipeline
+
+    with pytest.raises(UsageError) as e:
+        Pipeline(**kwargs)
+    assert needle in e.value.what and fix in e.value.fix, (e.value.what, e.value.fix)
+
+
+def test_bad_data_and_tensor_layouts_are_refused_when_made():
+    from hetrain import DataParallel, TensorParallel
+
+    with pytest.raises(UsageError, match="not a sharding"):
+        DataParallel(sharding="zero3")
+    with pytest.raises(UsageError, match="not a split"):
+        TensorParallel(split="fast")
+    with pytest.raises(TypeError):
+        DataParallel("fsdp")                 # keyword-only
+    assert DataParallel(sharding="capacity-full").sharding == "capacity-full"
+
+
+@pytest.mark.parametrize("spec,loss_fn,world,needle", [
+    (dict(), None, 2, "needs the loss function"),
+    (dict(), len, 1, "on one device"),
+    (dict(stages=4), len, 2, "4 stages need 4 devices"),
+    (dict(stages=3), len, 4, "do not form pipelines of 3 stages"),
+    (dict(stages="auto"), len, 2, "replicas of 2+ stages"),
+    (dict(stages=2), len, 4, None),
+    (dict(stages=2), len, 2, None),
+    (dict(stages="auto"), len, 6, None),
+])
+def test_a_pipeline_the_job_cannot_run_is_refused_when_prepare_sees_the_job(spec, loss_fn, world, needle):
+    from hetrain import Pipeline
+
+    if needle is None:
+        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+        return
+    with pytest.raises(UsageError) as e:
+        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+    assert needle in e.value.what and e.value.fix
+
+
+def test_a_pipeline_over_every_device_or_replicas_of_fewer_stages():
+    from hetrain import Pipeline
+
+    assert Pipeline().kind_for(4) == "pp" and Pipeline(stages=4).kind_for(4) == "pp"
+    assert Pipeline(stages=2).kind_for(4) == "dp-pp" and Pipeline(stages="auto").kind_for(4) == "dp-pp"
+
+
+def test_the_removed_prepare_keywords_name_the_pipeline_object():
+    choose.refuse_removed_keywords({})
+    with pytest.raises(UsageError) as e:
+        choose.refuse_removed_keywords({"stages": 2, "micro_batches": 4})
+    assert "stages=2" in e.value.what and "parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)" \
+        in e.value.fix
+    with pytest.raises(TypeError):
+        choose.refuse_removed_keywords({"stage": 2})
+
+
+def test_every_ranking_row_family_maps_to_a_layout_object():
+    from hetrain import DataParallel, Pipeline, TensorParallel
+    from hetrain.planning.layouts import FAMILIES, ORDER, LayoutRow
+
+    def row(name, family):
+        return LayoutRow(name=name, family=family, fits=True, samples_per_s=1.0, memory=(None,), comm_bytes=0.0,
+                         comm_s=0.0, detail="", run="")
+
+    names = {"PP": "PP 4 stages", "DP×PP": "DP×PP 2×3", "TP": "TP 4", "TP by speed": "TP by speed"}
+    got = {family: choose.layout_for(row(names.get(family, family), family)) for family in ORDER}
+    assert got == {"DP": DataParallel(sharding="none"), "DP + ZeRO-1": DataParallel(sharding="zero1"),
+                   "DP + capacity": DataParallel(sharding="capacity"), "FSDP2": DataParallel(sharding="fsdp"),
+                   "capacity-full": DataParallel(sharding="capacity-full"), "PP": Pipeline(),
+                   "DP×PP": Pipeline(stages=3), "TP": TensorParallel(), "TP by speed": TensorParallel(split="speed")}
+    assert set(FAMILIES.values()) <= set(got)

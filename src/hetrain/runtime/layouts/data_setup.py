@@ -1,0 +1,174 @@
+"""prepare() for the layouts that hold the whole model (or a shard of every layer) on every rank:
+DataParallel (data.py's loop) and TensorParallel (tensor.py's). Each class owns its plan and
+build steps; setup.prepare_job calls them in order without asking which layout it is.
+
+    check  the job-dependent checks (runtime/layouts/choose.check)
+    plan   measure every rank (or take the given Plan / auto's measurements), make job.plan;
+           returns rank 0's count of the model's FLOPs per sample (data parallel only)
+    build  activation checkpointing per plan, wrap the model and optimizer, the layout's loop
+           object, the sync guard, the rebalancer, what was built shown
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...planning.plan import Plan
+from ..devices.link import throttle_for
+from ..loop import flops
+from ..measure.joint import check_given_plan, measure_job
+from ..measure.measurements import plan_from_measurements
+from ..memory import activation_checkpointing as checkpointing
+from ..memory import device_memory as memory
+from ..model import PreparedModel
+from ..resilience import oom as recovery
+from ..resilience import resume as persist
+from ..resilience.rebalance import Rebalancer
+from ..sharding import comm_hooks
+from . import choose
+from .data import DataLayout
+from .tensor import TensorLayout
+
+
+class DataSetup:
+    """DataParallel: DDP, or the sharding the object (or the job's `sharding`) names."""
+
+    kind = "dp"
+    loop_class = DataLayout
+
+    def __init__(self, spec, loss_fn):
+        self.spec, self.loss_fn = spec, loss_fn
+
+    def check(self, job) -> None:
+        choose.check_request(self.kind, loss_fn=self.loss_fn, world_size=job.world_size)
+
+    @property
+    def blocks_compression(self) -> str | None:
+        """Why gradient compression cannot run here (None: it can)."""
+        return None
+
+    def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
+        sharding = getattr(self.spec, "sharding", None)
+        if sharding is not None and sharding != job.config.sharding:   # the object's, over the job's setting
+            job.config = replace(job.config, sharding=sharding)
+        if measured is None:          # parallel='auto' measured already (and set the model up for it)
+            measure_setup(job, model, optimizer)
+        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,
+                                            measured=measured.measurements if measured is not None else None)                                       # (collective)
+        job.plan = self.adjust_plan(job.plan)
+        # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
+        return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
+
+    def adjust_plan(self, plan: Plan) -> Plan:
+        return plan
+
+    def build(self, job, model, optimizer, forward) -> None:
+        # A checkpoint's Plan (adopted by now) decides activation checkpointing and sharding.
+        job.plan = checkpoint_per_plan(job, model)
+        wrapped, job.memory_plan, oom_recovery = self.wrap(job, model, optimizer, forward)         # (collective)
+        if oom_recovery != job.config.memory.oom_recovery:   # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
+            job.config = replace(job.config, memory=replace(job.config.memory, oom_recovery=oom_recovery))
+        cfg = job.config
+        job.layout = self.loop_class(self.loss_fn)
+        job.sync = wrapped.sync                       # DDP, FSDP2's adapter, or None (TP: nothing to sync)
+        job.plan = self.settle(job, wrapped)
+        job.guard = make_sync_guard(job, wrapped)
+        job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
+        job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
+        persist.check_registered(job, optimizer)      # state registered before prepare() on the replaced one: refused
+        memory.show_wrapping(job.log, wrapped)
+        if job.faults:                                # injected faults strike inside the compute (devices/hooks.py)
+            job.hooks.attach_faults(model, block_type=cfg.memory.blocks, sharded=wrapped.strategy == "fsdp")
+        job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
+
+    def wrap(self, job, model, optimizer, forward):
+        return memory.wrap_for_plan(job, model, optimizer, forward)                                 # (collective)
+
+    def settle(self, job, wrapped) -> Plan:
+        """The compression this wrapper can run (comm_hooks.settle)."""
+        return comm_hooks.settle(job.plan, request=job.config.compression.method, strategy=wrapped.strategy,
+                                 backend=job.ctx.backend, world_size=job.world_size)
+
+
+class TensorSetup(DataSetup):
+    """TensorParallel: every layer sharded over every rank, evenly or by speed (tensor.py)."""
+
+    kind = "tp"
+    loop_class = TensorLayout
+
+    @property
+    def blocks_compression(self) -> str | None:
+        return "parallel='tp'"
+
+    def adjust_plan(self, plan: Plan) -> Plan:
+        return plan if plan.layout == "tp" else tensor_plan(plan)
+
+    def wrap(self, job, model, optimizer, forward):
+        from .tensor import wrap
+
+        return wrap(job, model, optimizer, split=self.spec.split), None, False                     # (collective)
+
+    def settle(self, job, wrapped) -> Plan:
+        return job.plan
+
+
+def tensor_plan(plan: Plan) -> Plan:
+    """The data-parallel plan as tensor parallelism runs it: one group of every rank, each
+    computing the whole batch, at the smallest micro-batch any rank planned (they run in lockstep)."""
+    micro = min(d.micro_batch for d in plan.devices)
+    devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro,
+                            reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, "
+                                     f"in micro-batches of {micro} (the smallest any device planned)",))
+                    for d in plan.devices)
+    return replace(plan, devices=devices, layout="tp", group=plan.world_size, compression="none")
+
+
+def measure_setup(job, model, optimizer) -> None:
+    """The whole model on this rank's device, counted, checkpointed as configured: what the
+    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline_setup.py)."""
+    model.to(job.device)
+    if job.emulated is not None:                      # the emulated meter holds the model from here
+        job.emulated.meter.set_fixed(model, optimizer)
+    if job.config.memory.activation_checkpointing == "all":             # before the probe: measure what will run
+        checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
+
+
+def plan_split(job, model, optimizer, forward, given: Plan | None, kind: str = "dp", *,
+               measured=None) -> tuple[Plan, tuple | None]:
+    """The given plan (checked against this job), or every rank's measured profiles through the
+    same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
+    if given is not None:
+        return check_given_plan(job, given), None
+    if measured is None:
+        measured = measure_job(job, model, optimizer, forward)
+    return plan_from_measurements(measured, job.config, layout=kind)
+
+
+def checkpoint_per_plan(job, model) -> Plan:
+    """Activation checkpointing on the devices whose plan needs it; the plan records every rank's
+    agreed precision and checkpointing (a record: same version)."""
+    plan, _ = checkpointing.apply_from_plan(model, job.precision.record_in(job.plan), job.rank,
+                                            mode=job.config.memory.activation_checkpointing, block_type=job.config.memory.blocks)
+    return plan
+
+
+def make_sync_guard(job, wrapped):
+    """The gradient sync's comm hook on DDP (runtime/sharding/comm_hooks.py: compressed as the plan
+    says, through the emulated inter-node link) and OOM recovery's guard: recovery.SyncGuard, which
+    calls that hook and records the buckets a backward launched (FSDP2's adapter guards itself).
+    Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
+    cfg = job.config
+    guard = cfg.memory.oom_recovery and job.world_size > 1
+    if not isinstance(wrapped.sync, DDP):
+        return wrapped.sync_guard() if guard else None
+    gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
+                                       throttle=throttle_for(job), backend=job.ctx.backend)
+    return recovery.install(wrapped.sync, gradient, guard=guard)
+
+
+def make_rebalancer(cfg, world_size: int) -> Rebalancer | None:
+    if not (cfg.rebalancing.enabled and world_size > 1):
+        return None
+    return Rebalancer(world_size=world_size, threshold=cfg.rebalancing.threshold, micro_batch_cap=cfg.memory.max_micro_batch)

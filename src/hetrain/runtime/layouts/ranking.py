@@ -1,0 +1,91 @@
+"""Every layout ranked on what this job measures: the one function `hetrain plan --model-factory`
+(cli/plan_worker.py) and prepare(parallel='auto') (choose.decide) both measure with, so both rank
+the same measurements with the same measurements.rank_job_measurements and agree on the best.
+
+measure_for_ranking (collective, every rank) takes, in order: the data-parallel measurements
+(measure/joint.measure_job: profiles, sync and agreement probes), the blocks' costs as a pipeline
+is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
+are 2+ devices), and FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
+to shard). The model must be set up for measuring first (data_setup.measure_setup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ...errors import UsageError
+from ..measure.joint import measure_job
+from ..measure.measurements import Measurements
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobMeasurements:
+    measurements: Measurements         # with .pipeline and .fsdp filled where measured
+    facts: dict                        # model_facts: what each layout's memory divides
+    blocks: int | None                 # blocks to cut pipelines between (None: not known)
+    pipeline_parts: tuple | None       # (parts, profile, devices) as measured, for the pipeline's plan
+    stack: tuple | None = None         # blocks.repeated_blocks(model), when there was one
+
+
+def measure_for_ranking(job, model, optimizer, forward, *, say=None) -> JobMeasurements:
+    """What the ranking needs, measured in this job (collective: every rank calls it)."""
+    from ..parallel.blocks import find_parts, repeated_blocks
+    from . import pipeline_setup
+
+    say = say or job.log.info
+    measured = measure_job(job, model, optimizer, forward)                                          # (collective)
+    try:
+        parts = find_parts(model)
+    except UsageError:                        # a model no one here wrote: no cuts, but maybe a stack
+        parts = None
+    pipeline_parts = None
+    if job.world_size > 1 and parts is not None:
+        profile, devices = pipeline_setup.measure_blocks(job, parts)                                 # (collective)
+        say(f"pipeline blocks measured: {profile.source}")
+        pipeline_parts = (parts, profile, devices)
+        measured = dataclasses.replace(measured, pipeline={
+            "profile": profile.to_dict(),
+            "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
+    measured = _with_fsdp(job, model, optimizer, measured, forward, say)                            # (collective)
+    stack = repeated_blocks(model)
+    blocks = len(parts.blocks) if parts is not None else len(stack[1]) if stack else None
+    return JobMeasurements(measurements=measured, facts=model_facts(model, optimizer, blocks, stack=stack),
+                           blocks=blocks, pipeline_parts=pipeline_parts, stack=stack)
+
+
+def _with_fsdp(job, model, optimizer, measured, forward, say):
+    """The measurements plus what FSDP2 adds to a step here (measure/fsdp_probe.py: collective,
+    every rank), when there are blocks to shard and devices to shard them over."""
+    from ..measure.fsdp_probe import time_fsdp_excess
+    from ..memory.activation_checkpointing import find_blocks
+
+    blocks = [name for name, _ in find_blocks(model, job.config.memory.blocks)]
+    if job.world_size < 2 or not blocks or not measured.probe_size:
+        return measured
+    batch = job.load(range(min(measured.probe_size, len(job.dataset))))
+    found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,
+                             precision=job.precision.compute,
+                             throttle=job.emulated.throttle if job.emulated is not None else None)
+    say(f"FSDP2 measured: a step {found['fsdp_s'] * 1e3:.0f} ms against DDP's {found['ddp_s'] * 1e3:.0f} ms "
+        f"({found['micro_batch']} samples a rank, median of {found['runs']})")
+    return dataclasses.replace(measured, fsdp={**found, "backend": measured.backend})
+
+
+def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
+    """What every layout's memory divides (planning/layouts.ModelState): all parameters, those
+    that train, their element sizes, the optimizer, and the parameters outside the blocks.
+    `stack`: blocks.repeated_blocks(model) when the caller has it (False: found here)."""
+    from ..memory.device_memory import optimizer_kind
+    from ..parallel.blocks import repeated_blocks
+
+    params = list(model.parameters())
+    train = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    stack = repeated_blocks(model) if stack is False else stack
+    inside = sum(p.numel() for b in stack[1] for p in b.parameters()) if stack else 0
+    return {"params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in train),
+            "param_bytes": train[0].element_size() if train else 4,
+            "frozen_param_bytes": frozen[0].element_size() if frozen else 4,
+            "optimizer": optimizer_kind(optimizer) or "adamw", "blocks": blocks,
+            "root_params": sum(p.numel() for p in params) - inside if stack else 0}
