@@ -9,7 +9,8 @@ TensorParallel, Pipeline: layout_spec.py), one of the shorthands 'auto', 'dp', '
 `hetrain plan --model-factory` uses (ranking.measure_for_ranking, then
 measurements.rank_job_measurements), and runs the ranking's best (`layout_for`): the same answer
 as `hetrain plan`'s recommendation on the same measurements. One device: DataParallel() (there is
-nothing to rank). Without loss_fn a pipeline cannot run: the best row that is not one.
+nothing to rank). Without loss_fn a pipeline cannot run: the best of the other rows, by the same
+rule (measurements.recommended).
 Every rank decides from the same exchanged values, so all take the same branch.
 """
 
@@ -135,24 +136,21 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
     if job.world_size == 1:
         job.log.info("parallel=auto chose DataParallel(): one device")
         return DataParallel(), None
-    from ..measure.measurements import rank_job_measurements
+    from ..measure.measurements import RECOMMENDED_FAMILIES, rank_job_measurements, recommended
     from .data_setup import measure_setup
     from .ranking import measure_for_ranking
 
     measure_setup(job, model, optimizer)
     found = measure_for_ranking(job, model, optimizer, forward)                                    # (collective)
     ranking = rank_job_measurements(found.measurements, job.config, facts=found.facts, blocks=found.blocks)[0]
+    if loss_fn is None:          # a pipeline cannot run without it: the best of the rest, by the same rule
+        ranking = recommended(ranking, families=[f for f in RECOMMENDED_FAMILIES if f not in ("PP", "DP×PP")])
     if ranking.best is None:
-        raise UsageError(f"parallel='auto': no layout fits memory ({ranking.why})",
-                         ranking.to_fit[0] if ranking.to_fit else
-                         "try activation checkpointing, smaller micro-batches, or devices with more memory")
+        raise UsageError(f"parallel='auto': no layout it may run fits memory ({ranking.why})",
+                         ranking.to_fit[0] if ranking.to_fit else "pass loss_fn= to ht.prepare() when only a "
+                         "pipeline fits; else try activation checkpointing, smaller micro-batches, or devices "
+                         "with more memory")
     best, why = ranking.best, ranking.why
-    if loss_fn is None and best.family in ("PP", "DP×PP"):
-        runnable = [r for r in ranking.rows if r.fits and r.family not in ("PP", "DP×PP")]
-        if not runnable:
-            raise UsageError(f"parallel='auto': only a pipeline fits ({why}), and a pipeline needs the loss function",
-                             "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
-        best, why = runnable[0], f"{runnable[0].name} (the best ranked is {best.name}, which needs loss_fn=); {why}"
     chosen = layout_for(best)
     job.log.info(f"parallel=auto chose {chosen!r}: {why}")
     return chosen, found

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from ...errors import UsageError
 from ..measure.joint import measure_job
 from ..measure.measurements import Measurements
@@ -67,6 +69,11 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
     found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,
                              precision=job.precision.compute,
                              throttle=job.emulated.throttle if job.emulated is not None else None)
+    # Each rank timed its own steps: every rank ranks with rank 0's (what `hetrain plan` writes),
+    # so all of them choose the same layout.
+    box = [found]
+    dist.broadcast_object_list(box, src=0)                                                            # (collective)
+    found = box[0]
     say(f"FSDP2 measured: a step {found['fsdp_s'] * 1e3:.0f} ms against DDP's {found['ddp_s'] * 1e3:.0f} ms "
         f"({found['micro_batch']} samples a rank, median of {found['runs']})")
     return dataclasses.replace(measured, fsdp={**found, "backend": measured.backend})

@@ -315,18 +315,20 @@ def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, block
     return recommended(ranking), profiles, options
 
 
-def recommended(ranking, *, prefer_simpler_within: float = 0.05):
-    """The ranking with its best chosen among RECOMMENDED_FAMILIES, by rank_layouts' own rule (the
-    simplest within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
+def recommended(ranking, *, families=RECOMMENDED_FAMILIES, prefer_simpler_within: float = 0.05):
+    """The ranking with its best chosen among `families`, by rank_layouts' own rule (the simplest
+    within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
     from ...planning.layouts import ORDER
 
-    if ranking is None or ranking.best is None or ranking.best.family in RECOMMENDED_FAMILIES:
+    if ranking is None or ranking.best is None or ranking.best.family in families:
         return ranking
     tp = ranking.best
-    fitting = [r for r in ranking.rows if r.fits and r.family in RECOMMENDED_FAMILIES]
-    asked = f"{tp.name} predicts {tp.samples_per_s:.1f} samples/s; tensor parallelism is asked for by name: {tp.run}"
+    fitting = [r for r in ranking.rows if r.fits and r.family in families]
+    asked = f"{tp.name} predicts {tp.samples_per_s:.1f} samples/s" + (
+        f"; tensor parallelism is asked for by name: {tp.run}" if tp.family.startswith("TP") else
+        f", and needs what this job lacks: {tp.run}")
     if not fitting:
-        return replace(ranking, best=None, why=f"only tensor parallelism fits memory ({asked})")
+        return replace(ranking, best=None, why=f"only layouts left out fit memory ({asked})")
     fastest = max(fitting, key=lambda r: r.samples_per_s)
     best = min((r for r in fitting if r.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
                key=lambda r: (ORDER.index(r.family), -r.samples_per_s))

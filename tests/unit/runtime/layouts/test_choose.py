@@ -143,3 +143,29 @@ def test_every_ranking_row_family_maps_to_a_layout_object():
                    "capacity-full": DataParallel(sharding="capacity-full"), "PP": Pipeline(),
                    "DP×PP": Pipeline(stages=3), "TP": TensorParallel(), "TP by speed": TensorParallel(split="speed")}
     assert set(FAMILIES.values()) <= set(got)
+
+
+def test_the_recommendation_leaves_tensor_parallelism_to_be_asked_for_by_name():
+    from hetrain.planning.layouts import LayoutRanking, LayoutRow
+    from hetrain.runtime.measure.measurements import recommended
+
+    def row(name, family, sps, fits=True):
+        return LayoutRow(name=name, family=family, fits=fits, samples_per_s=sps, memory=(None,), comm_bytes=0.0,
+                         comm_s=0.0, detail="", run=f"run {name}")
+
+    tp, pp, dp = row("TP 2 by speed", "TP by speed", 300.0), row("PP 2 stages", "PP", 200.0), row("DP", "DP", 195.0)
+    ranking = LayoutRanking(rows=(tp, pp, dp), devices=("a", "b"), capacity=(None, None), best=tp, why="")
+    got = recommended(ranking)
+    assert got.best == dp and "TP 2 by speed predicts 300.0" in got.why       # DP: simpler, within 5% of PP
+    assert recommended(got) is got                                          # already one: unchanged
+    alone = LayoutRanking(rows=(tp, row("DP", "DP", 0.0, fits=False)), devices=("a", "b"), capacity=(None, None),
+                          best=tp, why="")
+    assert recommended(alone).best is None
+    no_pipes = recommended(replace_best(ranking, pp), families=("DP",))
+    assert no_pipes.best == dp
+
+
+def replace_best(ranking, best):
+    from dataclasses import replace
+
+    return replace(ranking, best=best)
