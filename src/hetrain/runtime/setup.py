@@ -42,7 +42,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     spec, measured = choose.decide(job, spec, model, optimizer, forward, loss_fn)
     layout = setup_for(spec, loss_fn)                 # the layout's own plan and build steps
     layout.check(job)                                 # what the layout needs of this job: before anything is built
-    check_link_request(job)                           # emulate_link_gbs on real GPUs: refused here
+    check_link_request(job)                           # Emulation.link_gbs on real GPUs: refused here
     check_compression_request(job.config.compression.method, backend=job.ctx.backend, blocked_by=layout.blocks_compression)
     counted = layout.plan(job, model, optimizer, forward, given_plan, measured)                    # (collective)
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches, a moved split) is adopted before

@@ -146,10 +146,10 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
     if loss_fn is None:          # a pipeline cannot run without it: the best of the rest, by the same rule
         ranking = recommended(ranking, families=[f for f in RECOMMENDED_FAMILIES if f not in ("PP", "DP×PP")])
     if ranking.best is None:
-        raise UsageError(f"parallel='auto': no layout it may run fits memory ({ranking.why})",
-                         ranking.to_fit[0] if ranking.to_fit else "pass loss_fn= to ht.prepare() when only a "
-                         "pipeline fits; else try activation checkpointing, smaller micro-batches, or devices "
-                         "with more memory")
+        # Nothing the ranking may pick fits, often for a reason of the job's own (a global batch
+        # smaller than the devices): plain data parallelism's own plan names it, with its fix.
+        job.log.info(f"parallel=auto: no layout it may run fits ({ranking.why}); DataParallel()'s own plan says why")
+        return DataParallel(), found
     best, why = ranking.best, ranking.why
     chosen = layout_for(best)
     job.log.info(f"parallel=auto chose {chosen!r}: {why}")
