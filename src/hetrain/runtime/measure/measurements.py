@@ -288,11 +288,21 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
     options = options_from_measurements(m, config, link=link, profiles=profiles)
     pipeline = measured_pipeline(m.pipeline)
     if pipeline is not None and config.emulation.cluster and config.emulation.sample_s is not None:
-        pipeline = (pipeline[0].on_clock(config.emulation.sample_s), pipeline[1])   # as the job's stages run
+        pipeline = (pipeline[0].on_clock(clocked_sample_s(profiles, pipeline[1])), pipeline[1])
     ranking = (rank_layouts(profiles, state=state, options=options, pipeline=pipeline,
                             fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
                if len(profiles) > 1 else None)
     return ranking, profiles, options
+
+
+def clocked_sample_s(profiles, devices) -> float:
+    """The seconds a sample takes at speed 1 on the controlled clock, as the profiler measured it
+    (not the clock's own setting: the ranking is not told it). On the clock a stage's pieces last
+    their blocks' share of the whole model's time (PipelineProfile.on_clock), and that whole-model
+    time is the fastest device's measured seconds a sample times its speed; the fixed part a
+    micro-batch pays comes from the same profile (planning/layouts.with_fixed_cost)."""
+    fastest = min(profiles, key=lambda p: p.per_sample_s)
+    return fastest.per_sample_s * max(d.speed for d in devices)
 
 
 # What parallel='auto' may run, and so what `hetrain plan --model-factory` recommends: every layout

@@ -155,12 +155,17 @@ class Pipeline:
     def _clocked_micro_s(self, mu: int) -> float | None:
         """A micro-batch of µ rows through this stage on the controlled clock, at speed 1: its
         parts' share of the clock (self.profile, put on the clock by the job: PipelineProfile.
-        on_clock). None off the clock, or with no profile (the pieces then keep the CPU's time)."""
+        on_clock), of the per-sample part and of the fixed part a micro-batch pays whatever its
+        size (Emulation.micro_s, as a data-parallel micro-batch pays it: a device's per-layer
+        launches do not vanish when its layers are cut into stages). None off the clock, or with
+        no profile (the pieces then keep the CPU's time)."""
         throttle = self._emulated.throttle if self._emulated is not None else None
         if throttle is None or throttle.sample_s is None or self.profile is None:
             return None
         start, stop = self.split.bounds[self.stage_index]
-        return mu * self.profile.stage_seconds(start, stop, first=self.is_first, last=self.is_last)
+        per_row = self.profile.stage_seconds(start, stop, first=self.is_first, last=self.is_last)
+        whole = self.profile.stage_seconds(0, len(self.profile.blocks), first=True, last=True)
+        return mu * per_row + throttle.micro_s * per_row / whole
 
     def run(self, inputs: Sequence, targets: Sequence, units: Sequence[float], *, global_batch: int,
             step_index: int) -> tuple[float, str | None]:
