@@ -55,8 +55,8 @@ class DataSetup:
             job.config = replace(job.config, sharding=sharding)
         if measured is None:          # parallel='auto' measured already (and set the model up for it)
             measure_setup(job, model, optimizer)
-        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,
-                                            measured=measured.measurements if measured is not None else None)                                       # (collective)
+        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,   # (collective)
+                                            measured=measured.measurements if measured is not None else None)
         job.plan = self.adjust_plan(job.plan)
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
