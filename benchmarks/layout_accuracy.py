@@ -32,7 +32,7 @@ the clock, so the DP, FSDP2 and capacity rows are predictions. So are the pipeli
 stage's piece lasts (a + µ·T)·share/speed, `share` its blocks' measured part of the model's time
 (runtime/parallel/pipeline.py), and the ranking costs the stages from the blocks' shares and
 what the profiler measured on the clock (the fastest device's seconds a sample, and its fixed
-part a micro-batch: measurements.clocked_sample_s, planning/layouts.with_fixed_cost), never from
+part a micro-batch: measurements.clocked_sample_s, planning/parallelism.with_fixed_cost), never from
 T or a. Each row reports the share of the step the clock imposed (the busiest rank's compute,
 sleeps included, over the step). The runtime's own pipeline prediction (runtime/s) still sizes
 stages from T and leaves a out: it is shown, not judged. `--clock wall` runs and

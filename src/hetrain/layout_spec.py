@@ -33,10 +33,6 @@ class DataParallel:
             raise UsageError(f"DataParallel(sharding={self.sharding!r}) is not a sharding",
                              f"use one of {', '.join(SHARDINGS)}, or None for the job's sharding setting")
 
-    @property
-    def kind(self) -> str:
-        return "dp"
-
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallel:
@@ -47,10 +43,6 @@ class TensorParallel:
             raise UsageError(f"TensorParallel(split={self.split!r}) is not a split",
                              "use split='even' (every layer cut evenly) or split='speed' (in proportion "
                              "to each device's speed)")
-
-    @property
-    def kind(self) -> str:
-        return "tp"
 
 
 @dataclass(frozen=True, kw_only=True)

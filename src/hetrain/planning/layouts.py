@@ -21,12 +21,10 @@ pipelines come from parallelism.compare_parallelism, which sizes their stages to
 speed. TP: one group over every device, split evenly or by speed (tensor_split.py).
 
 The ranking is by predicted samples/s among the layouts that fit. The recommendation is the
-fastest, or a simpler one within `prefer_simpler_within` of it (order: DP, ZeRO-1, capacity,
-FSDP2, capacity-full, PP, DP×PP, TP: fewer collectives for the same speed). When nothing fits, `to_fit` says what
-would make one fit (layout_fit.py).
-
-Sizes. One make_plan per data-parallel layout (5, FSDP and capacity-full up to 3 when ranks turn to accumulating),
-plus one compare_parallelism: the search's cost is theirs (their docstrings give it).
+fastest, or a simpler one within `prefer_simpler_within` of it (simplest_near_fastest: ORDER, fewer
+collectives for the same speed). When nothing fits, `to_fit` says what would make one fit
+(layout_fit.py). Sizes: one make_plan per data-parallel layout (FSDP and capacity-full up to 3
+when ranks accumulate) plus one compare_parallelism; the search's cost is theirs.
 """
 
 from __future__ import annotations
@@ -107,6 +105,7 @@ class LayoutRow:
     detail: str                            # how it runs, or why it does not fit
     run: str                               # how to ask the runtime for it
     recompute: tuple[str, ...] = ()        # devices that checkpoint activations (compute ×4/3)
+    stages: int | None = None              # a pipeline row's stages per replica
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
@@ -253,7 +252,7 @@ def measured_pipeline(data: dict | None):
 
 
 def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
-    from .parallelism import compare_parallelism
+    from .parallelism import compare_parallelism, with_fixed_cost
     from .pipeline_split import PipelineProfile, StageDevice
 
     w = len(profiles)
@@ -306,31 +305,11 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
         # The sends are inside each stage's time (pipeline_split.py); shown: one boundary's whole step.
         sends = 2 * send_seconds(o.global_batch / c.replicas * layer.boundary_bytes, link) if c.stages > 1 else 0.0
         rows.append(LayoutRow(
-            name=c.name, family=family, fits=c.fits, samples_per_s=c.samples_per_s,
+            name=c.name, family=family, stages=c.stages, fits=c.fits, samples_per_s=c.samples_per_s,
             memory=c.memory if c.fits else (None,) * w, comm_bytes=moved if c.fits else 0.0, comm_s=c.sync_s + sends,
             detail=c.detail,
             run=f"ht.prepare(..., parallel=hetrain.Pipeline({'' if family == 'PP' else f'stages={c.stages}'}))"))
     return rows
-
-
-def with_fixed_cost(c, fastest: DeviceProfile, *, global_batch: int, micro_batches: int, schedule: str):
-    """A pipeline candidate with each micro-batch's fixed cost added (compare_parallelism's block
-    costs are per sample only). A micro-batch of µ samples costs a + b·µ (the profile's fit), and
-    a stage runs every micro-batch's forward and backward pieces, so each stage pays a fixed part
-    per micro-batch that does not shrink with µ: with uniform blocks it is spread over them like
-    the per-sample part, so every stage's micro-batch time, and the fill-drain step, grows by the
-    factor 1 + a/(b·µ). µ is the replica's micro-batch (share / m, as the runtime cuts it); with
-    replicas of different shares the smallest µ (the largest factor) is kept: the slowest replica
-    sets the step. The replicas' gradient all-reduce is not stretched."""
-    if c.kind == "dp" or not c.fits or not fastest.per_sample_s > 0:
-        return c
-    d = max(c.replicas, 1)
-    m = micro_batches if schedule == "gpipe" else max(micro_batches, c.stages)
-    m = min(m, max(1, global_batch // d))            # as compare_parallelism caps it
-    mu = math.ceil(min(c.shares or (global_batch,)) / m)
-    grow = 1 + fastest.overhead_s / (fastest.per_sample_s * mu)
-    step = global_batch / c.samples_per_s - c.sync_s
-    return replace(c, samples_per_s=global_batch / (step * grow + c.sync_s))
 
 
 # -- the ranking -------------------------------------------------------------------------------
@@ -361,8 +340,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
         return LayoutRanking(rows=tuple(rest), devices=devices, capacity=capacity, best=None,
                              why="no layout fits memory", to_fit=tuple(what_would_fit(profiles, state, options)))
     fastest = fitting[0]
-    best = min((r for r in fitting if r.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
-               key=lambda r: (ORDER.index(r.family), -r.samples_per_s))
+    best = simplest_near_fastest(fitting, prefer_simpler_within)
     why = [f"{best.name}: {best.samples_per_s:.1f} samples/s predicted"]
     if best is not fastest:
         why.append(f"within {prefer_simpler_within:.0%} of the fastest ({fastest.name}, "
@@ -380,6 +358,13 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
         why.append(f"{', '.join(r.name for r in others)} do{'es' if len(others) == 1 else ''} not fit memory")
     ordered = [best] + [r for r in fitting if r is not best] + rest
     return LayoutRanking(rows=tuple(ordered), devices=devices, capacity=capacity, best=best, why="; ".join(why))
+
+
+def simplest_near_fastest(fitting: Sequence[LayoutRow], within: float) -> LayoutRow:
+    """Of the rows that fit, the simplest (ORDER) within `within` of the fastest's samples/s."""
+    top = max(r.samples_per_s for r in fitting)
+    return min((r for r in fitting if r.samples_per_s >= top * (1 - within)), key=lambda r: (ORDER.index(r.family),
+                                                                                              -r.samples_per_s))
 
 
 def _because(best: LayoutRow, runner: LayoutRow) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from ..hardware.units import compact, format_bytes as _gib
@@ -317,3 +317,24 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
     if missing:
         why.append(f"{', '.join(missing)} do{'es' if len(missing) == 1 else ''} not fit memory")
     return ParallelismChoice(choice=choice, reason="; ".join(why), candidates=tuple(cands))
+
+
+def with_fixed_cost(c, fastest, *, global_batch: int, micro_batches: int, schedule: str):
+    """A pipeline candidate with each micro-batch's fixed cost added (compare_parallelism's block
+    costs are per sample only). A micro-batch of µ samples costs a + b·µ (the profile's fit), and
+    a stage runs every micro-batch's forward and backward pieces, so each stage pays a fixed part
+    per micro-batch that does not shrink with µ: with uniform blocks it is spread over them like
+    the per-sample part, so every stage's micro-batch time, and the fill-drain step, grows by the
+    factor 1 + a/(b·µ). µ is the replica's micro-batch (share / m, as the runtime cuts it); with
+    replicas of different shares the smallest µ (the largest factor) is kept: the slowest replica
+    sets the step. The replicas' gradient all-reduce is not stretched. `fastest`: the fastest device's
+    DeviceProfile (planning/profile.py)."""
+    if c.kind == "dp" or not c.fits or not fastest.per_sample_s > 0:
+        return c
+    d = max(c.replicas, 1)
+    m = micro_batches if schedule == "gpipe" else max(micro_batches, c.stages)
+    m = min(m, max(1, global_batch // d))            # as compare_parallelism caps it
+    mu = math.ceil(min(c.shares or (global_batch,)) / m)
+    grow = 1 + fastest.overhead_s / (fastest.per_sample_s * mu)
+    step = global_batch / c.samples_per_s - c.sync_s
+    return replace(c, samples_per_s=global_batch / (step * grow + c.sync_s))

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from ..vocabulary import LOSS_WEIGHTINGS, PRECISION_REQUESTS, SHARDING_REQUESTS
 from .config_groups import (GROUPS, Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting, as_group,
                             bad, check_types)
@@ -178,12 +178,9 @@ def check_keywords(keywords: dict[str, Any], *, where: str = "hetrain.init") -> 
 def close_names(name: str) -> str:
     """' (did you mean: ...?)' over Config's keywords, an old keyword shown at its new place
     (a misspelt `checkpoint_evry` is pointed at `checkpoints=Checkpoints(every=...)`)."""
-    import difflib
-
     spelled = {f.name: f.name for f in fields(Config)}
     spelled.update({old: f"{g}={GROUPS[g].__name__}({k}=...)" for old, (g, k) in RENAMED.items() if old not in spelled})
-    close = difflib.get_close_matches(name.lower(), list(spelled), n=3, cutoff=0.5)
-    return f" (did you mean: {', '.join(spelled[c] for c in close)}?)" if close else ""
+    return did_you_mean(name, spelled, shown=spelled)
 
 
 def make_config(keywords: dict[str, Any], *, where: str = "hetrain.init") -> Config:

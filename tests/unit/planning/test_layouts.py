@@ -135,7 +135,7 @@ def test_a_pipelines_micro_batches_each_pay_the_profiles_fixed_cost():
 
 
 def test_dp_pp_fixed_cost_follows_the_smallest_replicas_micro_batch_and_spares_the_sync():
-    from hetrain.planning.layouts import with_fixed_cost
+    from hetrain.planning.parallelism import with_fixed_cost
     from hetrain.planning.parallelism import Candidate
 
     c = Candidate(name="DP×PP 2×2", kind="dp×pp", fits=True, samples_per_s=32 / 0.5, detail="", replicas=2,

@@ -57,22 +57,16 @@ def resolve(parallel, given_plan: Plan | None):
     return ("auto" if kind == "auto" else _SHORTHANDS[kind]), given_plan
 
 
-def check_request(kind: str, *, loss_fn, world_size: int) -> None:
-    if kind in ("pp", "dp-pp") and loss_fn is None:
-        raise UsageError(f"parallel={kind!r} needs the loss function: the pipeline's schedule computes the loss "
-                         "on the last stage", "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
-    if kind in ("pp", "dp-pp", "tp") and world_size < 2:
+def check_request(kind: str, *, world_size: int) -> None:
+    """What 'dp' and 'tp' need of the job (a Pipeline's needs: check_pipeline)."""
+    if kind == "tp" and world_size < 2:
         raise UsageError(f"parallel={kind!r} on one device: there is nothing to split the model over",
                          "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use parallel='dp'")
-    if kind == "dp-pp" and (world_size < 4 or world_size % 2):
-        raise UsageError(f"parallel='dp-pp' needs replicas of 2+ stages: {world_size} devices do not make 2+ of them",
-                         "use 4, 6, 8... devices, or parallel='pp'")
 
 
-def model_state(modules, optimizer_kind: str) -> tuple[float, float, dict]:
-    """(state factor, gradient fraction, sharding_options' fine-tuning arguments) of these modules'
-    parameters: model-state bytes per parameter byte (memory.state_bytes, frozen parameters as
-    weights only) and the trainable fraction of the parameter bytes (what DDP all-reduces)."""
+def state_factor(modules, optimizer_kind: str) -> float:
+    """Model-state bytes per parameter byte of these modules' parameters (memory.state_bytes,
+    frozen parameters as weights only)."""
     params = [p for m in modules if m is not None for p in m.parameters()]
     n = sum(p.numel() for p in params)
     train = [p for p in params if p.requires_grad]
@@ -82,9 +76,8 @@ def model_state(modules, optimizer_kind: str) -> tuple[float, float, dict]:
                 frozen_param_bytes=frozen[0].element_size() if frozen else None)
     weights = sum(p.numel() * p.element_size() for p in params)
     if not weights:
-        return 1.0, 1.0, fine
-    total = state_bytes(n, optimizer=optimizer_kind, param_bytes=pbytes, **fine).total
-    return total / weights, sum(p.numel() * p.element_size() for p in train) / weights, fine
+        return 1.0
+    return state_bytes(n, optimizer=optimizer_kind, param_bytes=pbytes, **fine).total / weights
 
 
 def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
@@ -121,7 +114,7 @@ def layout_for(row):
     if row.family == "PP":
         return Pipeline()
     if row.family == "DP×PP":
-        return Pipeline(stages=int(row.name.rsplit("×", 1)[1]))
+        return Pipeline(stages=row.stages)
     if row.family == "TP":
         return TensorParallel()
     if row.family == "TP by speed":

@@ -42,7 +42,7 @@ class DataSetup:
         self.spec, self.loss_fn = spec, loss_fn
 
     def check(self, job) -> None:
-        choose.check_request(self.kind, loss_fn=self.loss_fn, world_size=job.world_size)
+        choose.check_request(self.kind, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:

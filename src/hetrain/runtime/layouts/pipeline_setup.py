@@ -21,10 +21,9 @@ from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
 from ..parallel.blocks import PipelineParts
-from .choose import model_state
+from .choose import state_factor
 from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
                                          unmeasured_profile)
-from ...vocabulary import SCHEDULES, check_choice
 from ..model import PreparedModel
 from ..resilience import resume as persist
 from .pipelined import PipelineLayout
@@ -33,11 +32,11 @@ if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is b
     from ..parallel.pipeline import Pipeline
 
 
-def measure_blocks(job, parts: PipelineParts, devices=None):
+def measure_blocks(job, parts: PipelineParts):
     """Every rank's device and the blocks' costs with how much longer a stage runs them, agreed
     (collective); emulated, from the cache when this CPU measured this model before (`hetrain
     plan`'s measurement is then the one the job sizes its stages from)."""
-    devices = devices if devices is not None else device_table(job)                                   # (collective)
+    devices = device_table(job)                                                                       # (collective)
     example = job.load(range(min(4, len(job.dataset))))[0]
     cache = block_cache.path_for(parts, example, job, devices) if job.emulated is not None and job.rank == 0 else None
     box = [block_cache.read(cache)]
@@ -71,9 +70,7 @@ def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) 
     bubble small, but no more than `most` (the samples of a replica's share)."""
     if micro_batches is None:
         return max(1, min(max(stages, min(4 * stages, 8)), most))
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise UsageError(f"prepare(micro_batches={micro_batches!r})", "give a positive number of pipeline micro-batches")
-    return micro_batches
+    return micro_batches            # checked when the Pipeline was made (layout_spec.py)
 
 
 def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
@@ -81,8 +78,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     """The Plan of a pipeline layout (pure, from the agreed profile): blocks per stage, the
     replicas' shares by throughput, each replica's micro-batch size."""
     cfg, w = job.config, job.world_size
-    check_choice(schedule, SCHEDULES, "Pipeline(schedule=...)")
-    factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]   # frozen: weights only
+    factor = state_factor([*parts.blocks, parts.first, parts.last], optimizer_kind)   # frozen: weights only
     if kind == "pp":
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput
@@ -243,7 +239,7 @@ def make_resplitter(job, devices, optimizer_kind: str):
     from ..resilience.resplit import Resplitter, Sizing
 
     parts = pipe.parts
-    factor = model_state([*parts.blocks, parts.first, parts.last], optimizer_kind)[0]
+    factor = state_factor([*parts.blocks, parts.first, parts.last], optimizer_kind)
     sizing = Sizing(profile=pipe.profile, devices=tuple(devices), schedule=plan.schedule or "1f1b",
                     state_factor=factor, memory_margin=cfg.memory.margin)
 
@@ -296,9 +292,6 @@ class PipelineSetup:
         self.spec, self.loss_fn = spec, loss_fn
         self.parts = self.profile = self.devices = None
 
-    def kind_for(self, job) -> str:
-        return self.spec.kind_for(job.world_size)
-
     def check(self, job) -> None:
         from .choose import check_pipeline
 
@@ -313,7 +306,7 @@ class PipelineSetup:
         from ..parallel.blocks import find_parts
         from ..measure.joint import check_given_plan
 
-        kind = self.kind_for(job)
+        kind = self.spec.kind_for(job.world_size)
         if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
             parts, profile, devices = measured.pipeline_parts
         else:

@@ -300,7 +300,7 @@ def clocked_sample_s(profiles, devices) -> float:
     (not the clock's own setting: the ranking is not told it). On the clock a stage's pieces last
     their blocks' share of the whole model's time (PipelineProfile.on_clock), and that whole-model
     time is the fastest device's measured seconds a sample times its speed; the fixed part a
-    micro-batch pays comes from the same profile (planning/layouts.with_fixed_cost)."""
+    micro-batch pays comes from the same profile (planning/parallelism.with_fixed_cost)."""
     fastest = min(profiles, key=lambda p: p.per_sample_s)
     return fastest.per_sample_s * max(d.speed for d in devices)
 
@@ -328,7 +328,7 @@ def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, block
 def recommended(ranking, *, families=RECOMMENDED_FAMILIES, prefer_simpler_within: float = 0.05):
     """The ranking with its best chosen among `families`, by rank_layouts' own rule (the simplest
     within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
-    from ...planning.layouts import ORDER
+    from ...planning.layouts import simplest_near_fastest
 
     if ranking is None or ranking.best is None or ranking.best.family in families:
         return ranking
@@ -339,8 +339,6 @@ def recommended(ranking, *, families=RECOMMENDED_FAMILIES, prefer_simpler_within
         f", and needs what this job lacks: {tp.run}")
     if not fitting:
         return replace(ranking, best=None, why=f"only layouts left out fit memory ({asked})")
-    fastest = max(fitting, key=lambda r: r.samples_per_s)
-    best = min((r for r in fitting if r.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
-               key=lambda r: (ORDER.index(r.family), -r.samples_per_s))
+    best = simplest_near_fastest(fitting, prefer_simpler_within)
     return replace(ranking, best=best, rows=(best, *(r for r in ranking.rows if r is not best)),
                    why=f"{best.name}: {best.samples_per_s:.1f} samples/s predicted ({asked})")

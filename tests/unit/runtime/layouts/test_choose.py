@@ -26,21 +26,17 @@ def test_an_unknown_layout_is_one_line_naming_the_choices(value):
         assert "did you mean" in e.value.what
 
 
-@pytest.mark.parametrize("kind,loss_fn,world,needle", [
-    ("pp", None, 2, "needs the loss function"),
-    ("dp-pp", None, 4, "needs the loss function"),
-    ("pp", len, 1, "on one device"),
-    ("tp", None, 1, "on one device"),
-    ("dp-pp", len, 2, "replicas of 2+ stages"),
-    ("dp-pp", len, 6, None),
-    ("dp", None, 1, None),
+@pytest.mark.parametrize("kind,world,needle", [
+    ("tp", 1, "on one device"),
+    ("tp", 2, None),
+    ("dp", 1, None),
 ])
-def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, loss_fn, world, needle):
+def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, world, needle):
     if needle is None:
-        choose.check_request(kind, loss_fn=loss_fn, world_size=world)
+        choose.check_request(kind, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_request(kind, loss_fn=loss_fn, world_size=world)
+        choose.check_request(kind, world_size=world)
     assert needle in e.value.what and e.value.fix
 
 
@@ -130,19 +126,21 @@ def test_the_removed_prepare_keywords_name_the_pipeline_object():
 
 def test_every_ranking_row_family_maps_to_a_layout_object():
     from hetrain import DataParallel, Pipeline, TensorParallel
-    from hetrain.planning.layouts import FAMILIES, ORDER, LayoutRow
+    from dataclasses import replace
+
+    from hetrain.planning.layouts import ORDER, LayoutRow
 
     def row(name, family):
         return LayoutRow(name=name, family=family, fits=True, samples_per_s=1.0, memory=(None,), comm_bytes=0.0,
                          comm_s=0.0, detail="", run="")
 
     names = {"PP": "PP 4 stages", "DP×PP": "DP×PP 2×3", "TP": "TP 4", "TP by speed": "TP by speed"}
-    got = {family: choose.layout_for(row(names.get(family, family), family)) for family in ORDER}
+    got = {family: choose.layout_for(replace(row(names.get(family, family), family),
+                                             stages=3 if family == "DP×PP" else None)) for family in ORDER}
     assert got == {"DP": DataParallel(sharding="none"), "DP + ZeRO-1": DataParallel(sharding="zero1"),
                    "DP + capacity": DataParallel(sharding="capacity"), "FSDP2": DataParallel(sharding="fsdp"),
                    "capacity-full": DataParallel(sharding="capacity-full"), "PP": Pipeline(),
                    "DP×PP": Pipeline(stages=3), "TP": TensorParallel(), "TP by speed": TensorParallel(split="speed")}
-    assert set(FAMILIES.values()) <= set(got)
 
 
 def test_the_recommendation_leaves_tensor_parallelism_to_be_asked_for_by_name():
