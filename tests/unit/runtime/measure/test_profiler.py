@@ -234,8 +234,10 @@ def test_on_the_controlled_clock_the_fit_recovers_the_clocks_a_and_b():
     p = clocked_profile(0.5)
     assert p.overhead_s == pytest.approx(CLOCK_A / 0.5, rel=0.15)
     assert p.per_sample_s == pytest.approx(CLOCK_B / 0.5, rel=0.15)
-    # the CPU it took is a small part of the device's time, as measured (not the speed: 0.5)
-    assert 0 < p.cpu_share < 0.25
+    # the CPU it took is a part of the device's time, as measured, not the speed (0.5) put in its
+    # place: about 0.1 on a quiet host, 0.37 once with the suite's other worker beside it, so the
+    # bound is the imposed value, not a timing of this host
+    assert 0 < p.cpu_share < 0.5
     assert "controlled clock" in p.source
 
 
