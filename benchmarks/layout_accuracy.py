@@ -3,7 +3,8 @@
 `hetrain plan --model-factory` ranks every layout (planning/layouts.rank_layouts); this checks
 each row that runs on emulation here against a real run of that layout on the same emulated
 cluster: DP (sharding 'none'), FSDP2 (sharding='fsdp'), DP + capacity (sharding='capacity') and
-a 2-stage pipeline (parallel='pp') on a mixed pair, DP×PP 2×2 (parallel='dp-pp') on four devices.
+a 2-stage pipeline (parallel='pp') and tensor parallelism split by speed
+(parallel=TensorParallel(split='speed')) on a mixed pair, DP×PP 2×2 (parallel='dp-pp') on four devices.
 
 Predicted: for each cluster `hetrain plan --model-factory THIS_FILE:factory --measurements M.json`
 runs first (the job's own processes measure the model; profiles are cached in HETRAIN_CACHE), and
@@ -57,8 +58,17 @@ ranking's FSDP2 row is DP's step plus what `hetrain plan` timed an FSDP2 step be
 quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
 had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
 use --dilate 2. Both models play out the cores being shared (the data-parallel one step by step,
-cost.shared_cpu_finish; the pipelines' from each stage's duty, planning/core_sharing.py, whose
-stretch the row's detail prints).
+cost.shared_cpu_finish; the pipelines' piece by piece, planning/core_sharing.py, with the
+contention, message times and schedule overhead the pipeline probe measured: the row's detail
+prints each stage's stretch and the step's).
+
+What a pipeline row's prediction rests on, all measured by `hetrain plan`'s processes: the blocks'
+costs (profile_blocks), how a stage runs them (runtime/measure/pipeline_probe.py: a factor a row, a
+fixed cost a block and for the first and last parts), the host's sharing figures (above), and what
+each step adds after its schedule (each stage's optimizer from the profiles, hetrain's agreement,
+the replicas' all-reduce on the measured link). A replica's micro-batches are those the runtime
+runs (19 samples asked in 8 run as 7 of 3: planning/pipeline_split.micro_batch_cut); costing 8 of 3
+read DP×PP 2×2 7.9% slow on the clock.
 
     python benchmarks/plan_accuracy.py --layout all --json out.json --global-batch 32 --steps 24 --dilate 2
     python benchmarks/plan_accuracy.py --layout all --quick --json out.json     # DP and PP, both clocks
@@ -88,6 +98,7 @@ LAYOUTS = {   # name: (cluster, prepare(parallel=...), Config.sharding, the rank
     "capacity": ("2dev", "dp", "capacity", "DP + capacity"),
     "pp": ("2dev", "pp", "none", "PP"),
     "dp-pp": ("4dev", "dp-pp", "none", "DP×PP"),
+    "tp": ("2dev", "tp", "none", "TP by speed"),      # hetrain.TensorParallel(split="speed")
 }
 MODEL_ENV = "HETRAIN_LAYOUT_ACCURACY_MODEL"     # "layers,d_model,seq_len": the factory's GPT
 WARMUP_STEPS = 2
@@ -135,7 +146,8 @@ def worker(argv: list[str]) -> None:
                       emulation=Emulation(sample_s=None if clock == "wall" else float(clock),
                                           micro_s=None if micro == "none" else float(micro)))
     model, opt, data = factory()
-    model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=loss_fn)
+    layout = hetrain.TensorParallel(split="speed") if parallel == "tp" else parallel
+    model, opt, batches = ht.prepare(model, opt, data, parallel=layout, loss_fn=loss_fn)
     marks = [time.perf_counter()]
     for step in batches:
         for mb in step:
@@ -196,6 +208,7 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     ranking, profiles, options = rank_from_measurements(         # what `hetrain plan` ranks
         measured, config, state=ModelState(**model_facts(m, opt, blocks)))
     return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
+            "pipeline": (measured.pipeline or {}).get("profile"),      # the blocks as a stage runs them
             "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 
 

@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
                    help="run every emulated device D× slower (speeds / D): on a busy shared host the "
                         "devices then mostly sleep, which keeps other work's contention out of the figures "
                         "(and the cluster's own: use 1 on a quiet host to test the contention model)")
-    p.add_argument("--layout", choices=["dp", "fsdp", "capacity", "pp", "dp-pp", "all"],
+    p.add_argument("--layout", choices=["dp", "fsdp", "capacity", "pp", "dp-pp", "tp", "all"],
                    help="instead: check the layout ranking's row for this layout (or all) against a run of it "
                         "(benchmarks/layout_accuracy.py)")
     p.add_argument("--model", default="4,128,64", help="with --layout: the demo GPT's layers,d_model,seq_len")

@@ -47,6 +47,8 @@ def worker(rank, world, cache: str):
         f.write_text("{ not json")
     after_corrupt, _ = measure_blocks(ht.job, parts)
     out = {"factor": first.stage_factor, "block_s": first.block_s, "source": first.source,
+           "sharing": (first.contention, first.contention_at, first.message_s, first.busy_message_s,
+                       first.piece_overhead_s),
            "again_source": again.source,
            "again_same": (again.blocks, again.stage_factor, again.block_s) == (first.blocks, first.stage_factor,
                                                                                 first.block_s),
@@ -75,3 +77,10 @@ def test_the_probe_measures_a_stage_s_factor_alike_on_every_rank_and_the_cache_s
         # the probe ran on a copy: the job's model and its gradients are as they were
         assert r["model_unchanged"] and r["no_grads"]
     assert r0["probe"] == r1["probe"] and (r0["factor"], r0["block_s"]) == (r1["factor"], r1["block_s"])
+    # how emulated stages share this host, measured alike for every rank: a contention in [1, 2] with
+    # both computing at once (or one, on a 1-core host), a message's time (with two ranks no third
+    # can keep the cores busy: the quiet figure stands for both), the schedule's own CPU a piece
+    contention, at, message, busy, overhead = r0["sharing"]
+    assert r1["sharing"] == r0["sharing"] and 1.0 <= contention <= 2.0 and at in (1, 2)
+    assert 0 < message < 0.5 and busy == message and 0 <= overhead < 0.05, r0["sharing"]
+    assert "emulated stages on this host's cores" in r0["source"] and "first part" not in r0["source"]

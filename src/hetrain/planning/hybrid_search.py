@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import UsageError
 from ..hardware.units import compact
-from .pipeline_split import PipelineSplit, StageCosts, StageDevice
+from .pipeline_split import PipelineSplit, StageCosts, StageDevice, micro_batch_cut
 from .shares import proportional_shares
 
 _EPS = 1e-12
@@ -110,28 +110,43 @@ class _Search:
         per-sample pass."""
         return tuple(1.0 / max(max(col), _EPS) for col in zip(*(r[1] for r in rows)))
 
-    def step(self, k: int, rows, mu: int) -> tuple[float, bool]:
-        """Kind k's step seconds at micro-batch size mu (PipelineSplit.step_seconds), and whether
+    def step(self, k: int, rows, mu: int, n: int) -> tuple[float, bool]:
+        """Kind k's step seconds at n micro-batches of mu (PipelineSplit.step_seconds), and whether
         every stage fits (StagePlan.fits)."""
         c, g, caps = self.costs, self.kinds[k], self.caps[k]
         ts = [c.seconds_per_micro(s, tot[0], g[s].speed, mu, blocks=tot[3]) for s, (tot, _) in enumerate(rows)]
         fits = True
         for s, (tot, _) in enumerate(rows):
             if caps[s] is not None:
-                _, state, acts = c.memory(s, tot[1], tot[2], mu)
+                _, state, acts = c.memory(s, tot[1], tot[2], mu, n)
                 if not state + acts <= caps[s]:
                     fits = False
                     break
-        return sum(ts) + (c.micro_batches - 1) * max(ts), fits
+        return sum(ts) + (n - 1) * max(ts), fits
+
+    def cut(self, share: int) -> tuple[int, int]:
+        """(µ, n) of a replica with this share (pipeline_split.micro_batch_cut, as evaluate_hybrid)."""
+        c = self.costs
+        return micro_batch_cut(share, c.micro_batches, stages=c.p, schedule=c.schedule)
+
+    def least_cut(self, least: int) -> tuple[int, int]:
+        """A (µ, n) at or below the cut of every share b >= least (time and memory grow with both).
+        µ = ⌈b/m⌉ >= ⌈least/m⌉, or (1F1B's floor) ⌊b/p⌋ >= ⌊least/p⌋. n = ⌈b/µ⌉ > b·m/(b+m) >=
+        least·m/(least+m) as µ < b/m + 1, so n >= ⌊least·m/(least+m)⌋ + 1; under 1F1B n >= p
+        as well (the floor applies only where the first cut gave fewer, and then gives more)."""
+        c = self.costs
+        m, p = c.micro_batches, c.p
+        mu = max(1, min(-(-least // m), least // p)) if c.schedule == "1f1b" else max(1, -(-least // m))
+        n = max(1, min(m, (m * least) // (least + m) + 1))
+        return mu, (max(n, p) if c.schedule == "1f1b" else n)
 
     def ruled_out(self, rows, least: Sequence[int], beat: float | None) -> bool:
-        """Whether some kind, at the micro-batch size of its least share, does not fit or leaves
-        the step too long to give more than `beat` samples/s (then every replica of it does: time
-        and memory only grow with the micro-batch size). B / max(max_k step_k, ε) is the least of
-        B / max(step_k, ε), so one kind decides."""
-        m = self.costs.micro_batches
+        """Whether some kind, at the cut below that of its least share (least_cut), does not fit or
+        leaves the step too long to give more than `beat` samples/s (then every replica of it does:
+        time and memory only grow with the micro-batch size and count). B / max(max_k step_k, ε) is
+        the least of B / max(step_k, ε), so one kind decides."""
         for i, k in enumerate(self.order):
-            step, fits = self.step(k, rows, -(-least[k] // m))
+            step, fits = self.step(k, rows, *self.least_cut(least[k]))
             if not fits or (beat is not None and self.batch / max(step, _EPS) <= beat):
                 self.order.insert(0, self.order.pop(i))
                 return True
@@ -172,7 +187,7 @@ def best_split(costs: StageCosts, groups: Sequence[Sequence[StageDevice]], candi
         if search.ruled_out(rows, least, None if best_rate is None else best_rate * BETTER):
             continue
         _, _, pairs = search.shares(speeds)
-        steps = [search.step(k, rows, mu) for k, mu in {(k, -(-b // m)) for k, b in pairs}]
+        steps = [search.step(k, rows, *cut) for k, cut in {(k, search.cut(b)) for k, b in pairs}]
         if not all(fits for _, fits in steps):
             continue
         rate = B / max(max(t for t, _ in steps), _EPS)

@@ -252,7 +252,7 @@ def measured_pipeline(data: dict | None):
 
 
 def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
-    from .parallelism import compare_parallelism, with_fixed_cost
+    from .parallelism import compare_parallelism, with_fixed_cost, with_step_work
     from .pipeline_split import PipelineProfile, StageDevice
 
     w = len(profiles)
@@ -283,7 +283,7 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
         # A measured pipeline's stages already cost as stages run (PipelineProfile.stage_factor, block_s).
         for c in (on_shared_cores(c if layer.stage_factor != 1.0 or layer.block_s else
                                   with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m,
-                                                  schedule=schedule), o)
+                                                  schedule=schedule), o, layer)
                   for c in choice.candidates):
             # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
             was = found.get(c.name)
@@ -293,7 +293,7 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
         if all(c.fits for c in found.values()) or m >= min(o.global_batch, MAX_MICRO_BATCHES):
             break
         m *= 2
-    candidates = list(found.values())
+    candidates = [with_step_work(c, profiles, o) for c in found.values()]
     rows = []
     for c in candidates:
         if c.kind == "dp" or c.stages > state.blocks:      # more stages than blocks: never a layout

@@ -28,7 +28,7 @@ from .collectives import FREE_LINK, Link, allreduce_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .hybrid_search import batch_error, best_split, renamed, replica_kinds, shares_error
 from .pipeline_split import (PipelineProfile, PipelineSplit, StageCosts, StageDevice, evaluate_split,
-                             split_pipeline)
+                             micro_batch_cut, split_pipeline)
 from .shares import proportional_shares
 
 _EPS = 1e-12
@@ -94,10 +94,11 @@ def evaluate_hybrid(profile: PipelineProfile, devices: Sequence[StageDevice], si
     costed: dict[tuple[int, int], PipelineSplit] = {}      # (kind, micro-batch size) -> its split
     reps = []
     for g, k, b in zip(groups, kind_of, shares):
-        mu = math.ceil(b / micro_batches)
-        if (k, mu) not in costed:
-            costed[(k, mu)] = evaluate_split(profile, g, sizes, micro_batch_size=mu, **common)
-        reps.append(renamed(costed[(k, mu)], g))
+        mu, n = micro_batch_cut(b, micro_batches, stages=stages, schedule=schedule)    # as the runtime cuts it
+        if (k, mu, n) not in costed:
+            costed[(k, mu, n)] = evaluate_split(profile, g, sizes, micro_batch_size=mu,
+                                                **{**common, "micro_batches": n})
+        reps.append(renamed(costed[(k, mu, n)], g))
     reasons = (f"{d} replicas × {stages} stages, blocks per stage {'/'.join(map(str, reps[0].sizes))} "
                "in every replica (data parallelism averages the same blocks stage by stage)",
                f"replica shares {compact(shares)} of {global_batch}: {how}")
@@ -269,10 +270,10 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
                 # without a link (a pipeline job measures none), then costed with its sends: on a
                 # near tie the sends alone chose another split (2/2 against the runtime's 3/1) whose
                 # memory was not the memory of the run
-                mu = math.ceil(global_batch / m)
-                one = split_pipeline(profile, devices, micro_batches=m, micro_batch_size=mu,
+                mu, n = micro_batch_cut(global_batch, m, stages=stages, schedule=schedule)
+                one = split_pipeline(profile, devices, micro_batches=n, micro_batch_size=mu,
                                      **{**common, "link": FREE_LINK})
-                one = evaluate_split(profile, devices, one.sizes, micro_batches=m, micro_batch_size=mu, **common)
+                one = evaluate_split(profile, devices, one.sizes, micro_batches=n, micro_batch_size=mu, **common)
                 h = HybridSplit(sizes=one.sizes, replicas=(one,), shares=(global_batch,),
                                 global_batch=global_batch)
             else:
@@ -290,7 +291,8 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
             name=name, kind=kind, fits=True, samples_per_s=rate, replicas=d, stages=stages, sizes=h.sizes,
             shares=h.shares, memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), sync_s=sync,
             split=h,
-            detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, {m} micro-batches ({schedule}), bubble "
+            detail=(f"blocks per stage {'/'.join(map(str, h.sizes))}, micro-batches "
+                    f"{compact(f'{r.micro_batch_size}x{r.micro_batches}' for r in h.replicas)} ({schedule}), bubble "
                     f"{rep.bubble_fraction:.0%}" + (f", replica shares {compact(h.shares)}" if d > 1 else "")
                     + f", largest stage {_gib(max(st.memory_bytes for r in h.replicas for st in r.stages))}")))
     fitting = [c for c in cands if c.fits]
@@ -334,7 +336,27 @@ def with_fixed_cost(c, fastest, *, global_batch: int, micro_batches: int, schedu
     d = max(c.replicas, 1)
     m = micro_batches if schedule == "gpipe" else max(micro_batches, c.stages)
     m = min(m, max(1, global_batch // d))            # as compare_parallelism caps it
-    mu = math.ceil(min(c.shares or (global_batch,)) / m)
+    mu = micro_batch_cut(min(c.shares or (global_batch,)), m, stages=c.stages, schedule=schedule)[0]
     grow = 1 + fastest.overhead_s / (fastest.per_sample_s * mu)
     step = global_batch / c.samples_per_s - c.sync_s
     return replace(c, samples_per_s=global_batch / (step * grow + c.sync_s))
+
+
+def with_step_work(c, profiles, o):
+    """A pipeline candidate with what every step adds after its schedule, as the DP rows have it:
+    each stage's optimizer step over its parameters (its device's measured optimizer seconds, a
+    whole model's, times the stage's part of the parameters; the next step's first forward waits
+    for the slowest) and hetrain's agreement all-reduce. `profiles`: the devices' DeviceProfiles in
+    rank order; `o`: the PlanOptions (its agree_s, global_batch)."""
+    if not c.fits or c.split is None:
+        return c
+    total = sum(st.param_bytes for st in c.split.replicas[0].stages)
+    if total <= 0:
+        return c
+    p = c.stages
+    opt = max(profiles[r * p + s].optimizer_s * st.param_bytes / total
+              for r, rep in enumerate(c.split.replicas) for s, st in enumerate(rep.stages))
+    extra = opt + o.agree_s
+    if not extra > 0 or not c.samples_per_s > 0:
+        return c
+    return replace(c, samples_per_s=o.global_batch / (o.global_batch / c.samples_per_s + extra))

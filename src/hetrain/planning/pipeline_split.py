@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..vocabulary import SCHEDULES
@@ -44,6 +44,7 @@ from ..hardware.units import format_bytes as _gib
 from .collectives import FREE_LINK, Link, send_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .plan import split_evenly
+from .pipeline_profile import BlockCost, PipelineProfile
 from .stage_plan import PipelineSplit, StagePlan, bubble_fraction
 
 __all__ = ["RESPLIT_NOTE", "BlockCost", "PipelineProfile", "StageDevice", "StagePlan", "PipelineSplit", "StageCosts",
@@ -57,116 +58,6 @@ RESPLIT_NOTE = ("re-split online: when a stage's measured speed changes, blocks 
 
 
 # -- inputs -----------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class BlockCost:
-    """One part of the model, per sample, at speed 1.0."""
-
-    seconds: float                 # forward + backward, per sample
-    activation_bytes: float = 0.0  # kept from forward to backward, per sample
-    param_bytes: float = 0.0
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        for what in ("seconds", "activation_bytes", "param_bytes"):
-            value = getattr(self, what)
-            if not (value >= 0 and math.isfinite(value)):
-                raise UsageError(f"block {self.name or '?'}: {what}={value!r} must be a finite number >= 0",
-                                 "profile the model again, or give non-negative costs")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineProfile:
-    """Costs of a model's blocks (and its first/last parts), e.g. from `runtime/parallel/blocks.profile_blocks`."""
-
-    blocks: tuple[BlockCost, ...]
-    first: BlockCost | None = None     # runs before the blocks, on the first stage
-    last: BlockCost | None = None      # runs after the blocks, on the last stage
-    boundary_bytes: float = 0.0        # activation bytes per sample sent from one stage to the next
-    tied_param_bytes: float = 0.0      # parameters the first and last parts share (held twice)
-    # How a stage runs a block of profiled time s: a micro-batch of µ rows takes block_s + f·µ·s
-    # (measured by runtime/measure/pipeline_probe.py; 1 and 0: not measured).
-    stage_factor: float = 1.0
-    block_s: float = 0.0
-    source: str = "given"              # e.g. 'measured on rank 0 (speed 1.0), 4 samples'
-
-    def __post_init__(self) -> None:
-        if not self.blocks:
-            raise UsageError("the model has no blocks to split into stages",
-                             "give a model with a list of blocks (nn.Sequential, ModuleList, or PipelineParts)")
-        if not (self.stage_factor > 0 and math.isfinite(self.stage_factor)):
-            raise UsageError(f"stage_factor={self.stage_factor!r} must be a finite number > 0",
-                             "measure the pipeline again, or give a positive factor (1: the blocks' own time)")
-        if not (self.block_s >= 0 and math.isfinite(self.block_s)):
-            raise UsageError(f"block_s={self.block_s!r} must be a finite number >= 0",
-                             "measure the pipeline again, or give seconds >= 0 a block per micro-batch")
-
-    def stage_seconds(self, start: int, stop: int, *, first: bool, last: bool) -> float:
-        """Per sample at speed 1: blocks [start, stop), with the first/last part on the first/last stage."""
-        parts = [*self.blocks[start:stop], *([self.first] if first else []), *([self.last] if last else [])]
-        return sum(p.seconds for p in parts if p is not None)
-
-    def on_clock(self, sample_s: float) -> PipelineProfile:
-        """These blocks on the controlled clock (Emulation.sample_s; data parallelism's
-        profile is measured on it instead, runtime/measure/profiler.py): the whole model's forward and backward
-        last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
-        them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'
-        share of the clock (runtime/parallel/pipeline_stage.py), whatever its CPU took."""
-        total = self.stage_seconds(0, len(self.blocks), first=True, last=True)
-        if not sample_s > 0 or not total > 0:
-            raise UsageError(f"the controlled clock's {sample_s!r} s a sample over blocks of {total!r} s",
-                             "give a positive clock, and blocks with a measured time")
-        scale = sample_s / total
-
-        def clocked(part: BlockCost | None) -> BlockCost | None:
-            return None if part is None else replace(part, seconds=part.seconds * scale)
-
-        return replace(self, blocks=tuple(clocked(b) for b in self.blocks), first=clocked(self.first),
-                       last=clocked(self.last), stage_factor=1.0, block_s=0.0,
-                       source=f"{self.source}; on the controlled clock: {sample_s * 1e3:g} ms a sample at speed 1")
-
-    @classmethod
-    def uniform(cls, *, n_blocks: int, seconds_per_sample: float, activation_bytes_per_sample: float,
-                param_bytes: float, boundary_bytes: float = 0.0, source: str = "whole-model profile / blocks"
-                ) -> PipelineProfile:
-        """Equal blocks from a whole-model profile (e.g. the planner's per-sample time and memory),
-        for comparing layouts before any block is measured."""
-        if n_blocks < 1:
-            raise UsageError(f"n_blocks={n_blocks}", "give the number of blocks the model stacks (>= 1)")
-        block = BlockCost(seconds=seconds_per_sample / n_blocks,
-                          activation_bytes=activation_bytes_per_sample / n_blocks, param_bytes=param_bytes / n_blocks)
-        return cls(blocks=(block,) * n_blocks, boundary_bytes=boundary_bytes, source=source)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PipelineProfile:
-        """The profile `to_dict` wrote (JSON: `hetrain plan`'s measured blocks)."""
-        part = lambda d: None if d is None else BlockCost(**d)      # noqa: E731
-        return cls(**{**data, "blocks": tuple(BlockCost(**b) for b in data["blocks"]),
-                      "first": part(data.get("first")), "last": part(data.get("last"))})
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.blocks)
-
-    def parts(self) -> tuple[BlockCost, ...]:
-        return tuple(p for p in (self.first, *self.blocks, self.last) if p is not None)
-
-    @property
-    def seconds_per_sample(self) -> float:
-        return sum(p.seconds for p in self.parts())
-
-    @property
-    def param_bytes(self) -> float:
-        """Parameter bytes of the whole model (the tied weight counted once)."""
-        return sum(p.param_bytes for p in self.parts()) - self.tied_param_bytes
-
-    @property
-    def activation_bytes_per_sample(self) -> float:
-        return sum(p.activation_bytes for p in self.parts())
-
-
 @dataclass(frozen=True, kw_only=True)
 class StageDevice:
     """A device that can hold a stage: `speed` relative to the fastest (1.0), memory in bytes."""
@@ -190,6 +81,22 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int
     """Micro-batches whose activations stage `stage` holds at its peak under `schedule`."""
     _check_schedule(schedule)
     return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+def micro_batch_cut(share: int, micro_batches: int, *, stages: int, schedule: str) -> tuple[int, int]:
+    """(µ, n): how a pipeline replica cuts its `share` of the step asked to run `micro_batches`,
+    as the runtime runs it (planning/plan.DevicePlan: micro_batch µ, n_micro n). Every micro-batch
+    is padded to µ rows (the pipelining schedule's buffers have one shape), so µ = ⌈share/m⌉ and
+    only n = ⌈share/µ⌉ of them are needed: 19 samples asked in 8 run as 7 of 3, not 8 of 3 (24
+    padded rows, one more micro-batch's fixed cost). 1F1B needs at least one micro-batch per stage:
+    when that cut leaves fewer (9 in 8 gives 5 of 2; 8 stages), µ = ⌊share/p⌋ instead, so n ≥ p."""
+    share, m = max(1, int(share)), max(1, int(micro_batches))
+    mu = -(-share // m)
+    n = -(-share // mu)
+    if schedule == "1f1b" and n < stages <= share:
+        mu = share // stages
+        n = -(-share // mu)
+    return mu, n
 
 
 def _check_schedule(schedule: str) -> None:
@@ -265,14 +172,17 @@ class StageCosts:
         a row, block_s a block), plus sending the activation on and receiving its gradient back
         (not the last stage)."""
         prof = self.profile
-        t = (mu * seconds * prof.stage_factor + blocks * prof.block_s) / speed
+        fixed = blocks * prof.block_s + (prof.first_s if s == 0 else 0.0) + (prof.last_s if s == self.p - 1 else 0.0)
+        t = (mu * seconds * prof.stage_factor + fixed) / speed
         if s < self.p - 1:
             t += 2 * send_seconds(mu * self.profile.boundary_bytes, self.link)
         return t
 
-    def memory(self, s: int, acts: float, params: float, mu: int) -> tuple[int, float, float]:
-        """(micro-batches in flight, state bytes, activation bytes incl. the received inputs)."""
-        flight = in_flight(self.schedule, s, self.p, self.micro_batches)
+    def memory(self, s: int, acts: float, params: float, mu: int,
+               micro_batches: int | None = None) -> tuple[int, float, float]:
+        """(micro-batches in flight, state bytes, activation bytes incl. the received inputs), with
+        `micro_batches` a step (default this setup's)."""
+        flight = in_flight(self.schedule, s, self.p, micro_batches or self.micro_batches)
         received = self.profile.boundary_bytes if s > 0 else 0.0
         return flight, self.state_factor * params, flight * mu * (acts + received)
 

@@ -32,13 +32,23 @@ def brute_force(prof, devs, *, stages, global_batch, micro_batches, link=None, s
         shares = proportional_shares(global_batch, speeds)
         if min(shares) < micro_batches:
             raise UsageError(f"replica shares {list(shares)}", "")
-        reps = [evaluate_split(prof, g, sizes, micro_batch_size=math.ceil(b / micro_batches), **kw)
+        reps = [evaluate_split(prof, g, sizes, **{**kw, **cut(b, micro_batches, stages, schedule)})
                 for g, b in zip(groups, shares)]
         step = max(r.step_seconds for r in reps)
         rate = global_batch / max(step, 1e-12)
         if all(r.fits for r in reps) and (best_rate is None or rate > best_rate * (1 + 1e-9)):
             best, best_rate = (tuple(sizes), tuple(shares), step, reps[0]), rate
     return best
+
+
+def cut(share, m, stages, schedule):
+    """How the runtime runs a replica's share (planning/plan.DevicePlan): micro-batches of
+    µ = ⌈share/m⌉ rows, ⌈share/µ⌉ of them (each padded to µ); 1F1B wants one per stage at least,
+    else µ = ⌊share/stages⌋."""
+    mu = math.ceil(share / m)
+    if schedule == "1f1b" and math.ceil(share / mu) < stages:
+        mu = share // stages
+    return {"micro_batch_size": mu, "micro_batches": math.ceil(share / mu)}
 
 
 def _mixed(*kinds):
@@ -113,7 +123,7 @@ def test_compare_parallelism_picks_the_brute_force_layout(name):
         m = max(4, c.stages)
         try:
             if c.kind == "pp":
-                one = split_pipeline(prof, devs, micro_batches=m, micro_batch_size=math.ceil(batch / m), link=link)
+                one = split_pipeline(prof, devs, link=link, **cut(batch, m, c.stages, "1f1b"))
                 ref = (one.sizes, (batch,), one.step_seconds, one)
             else:
                 ref = brute_force(prof, devs, stages=c.stages, global_batch=batch, micro_batches=m, link=link)

@@ -223,3 +223,26 @@ def test_capacity_full_trains_on_the_pair_what_even_fsdp2_cannot_and_holds_state
         assert held >= want                                      # its shards, plus activations and units
     assert full.memory[0] / full.memory[1] == pytest.approx(room[0] / room[1], rel=0.35)
     assert ranking.best is not None and ranking.best.fits
+
+
+def test_a_pipeline_row_adds_each_stages_optimizer_and_the_agreement_after_its_schedule():
+    """What a step runs after its schedule, as the DP rows count it: the slowest stage's optimizer
+    over its part of the parameters (its device's measured optimizer seconds, a whole model's) and
+    hetrain's agreement all-reduce."""
+    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice
+
+    blocks = (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 4
+    devices = [StageDevice(name=f"dev{i}", speed=s) for i, s in enumerate((1.0, 0.5))]
+    layer = PipelineProfile(blocks=blocks, stage_factor=1.2)
+    state = ModelState(params=P, trainable=P, blocks=4)
+
+    def pp(optimizer_s, agree_s):
+        profiles = [replace(p, optimizer_s=optimizer_s / s) for p, s in zip(_profiles([1.0, 0.5]), (1.0, 0.5))]
+        opts = PlanOptions(global_batch=32, grad_bytes=4 * P, agree_s=agree_s)
+        return _row(rank_layouts(profiles, state=state, options=opts, pipeline=(layer, devices)), "PP")
+
+    bare, busy = pp(0.0, 0.0), pp(0.02, 0.003)
+    assert bare.detail == busy.detail and "blocks per stage 3/1" in bare.detail
+    # stage 1 holds 1 of 4 equal blocks at speed 0.5 (0.04 s a whole model): 0.01 s; stage 0 3/4 of 0.02
+    assert 32 / busy.samples_per_s == pytest.approx(32 / bare.samples_per_s + max(0.75 * 0.02, 0.25 * 0.04) + 0.003,
+                                                    rel=1e-9)

@@ -91,3 +91,37 @@ def test_compare_from_a_cluster_spec_and_a_whole_model_profile():
     assert "DP does not fit memory" in choice.reason
     with pytest.raises(UsageError, match="n_blocks"):
         PipelineProfile.uniform(n_blocks=0, seconds_per_sample=1, activation_bytes_per_sample=1, param_bytes=1)
+
+
+def test_micro_batch_cut_is_what_the_runtime_runs():
+    from hetrain.planning.pipeline_split import micro_batch_cut
+    from hetrain.planning.plan import DevicePlan
+
+    # 19 samples asked in 8: micro-batches of 3, and 7 of them hold all 19 (not 8 of 3: 24 rows)
+    assert micro_batch_cut(19, 8, stages=2, schedule="1f1b") == (3, 7)
+    assert micro_batch_cut(64, 8, stages=2, schedule="1f1b") == (8, 8)
+    # 1F1B needs a micro-batch per stage: 9 in 8 would be 5 of 2 over 8 stages, so 9 of 1
+    assert micro_batch_cut(9, 8, stages=8, schedule="1f1b") == (1, 9)
+    assert micro_batch_cut(9, 8, stages=8, schedule="gpipe") == (2, 5)
+    for share in range(8, 80):
+        for m in (4, 8):
+            for stages, schedule in ((2, "1f1b"), (4, "1f1b"), (4, "gpipe")):
+                if share < m:
+                    continue
+                mu, n = micro_batch_cut(share, m, stages=stages, schedule=schedule)
+                plan = DevicePlan(rank=0, device="d", speed=1.0, share=share, micro_batch=mu)
+                assert plan.n_micro == n and (n - 1) * mu < share <= n * mu     # no empty micro-batch
+                assert schedule == "gpipe" or n >= stages
+
+
+def test_dp_pp_costs_the_micro_batches_each_replica_runs():
+    """Replica shares 19/13 asked in 8 micro-batches run as 7 of 3 and 7 of 2: the step is costed
+    for 7 (one fixed cost and one row-padding fewer than 8 of ⌈share/8⌉)."""
+    prof = profile(4)
+    devs = devices(1.0, 1.0, 0.67, 0.67)
+    h = evaluate_hybrid(prof, devs, (2, 2), stages=2, global_batch=32, micro_batches=8, shares=(19, 13))
+    assert [(r.micro_batch_size, r.micro_batches) for r in h.replicas] == [(3, 7), (2, 7)]
+    eight = evaluate_hybrid(prof, devs, (2, 2), stages=2, global_batch=32, micro_batches=8, shares=(16, 16))
+    assert [(r.micro_batch_size, r.micro_batches) for r in eight.replicas] == [(2, 8), (2, 8)]
+    t = h.replicas[0].stages[0].seconds_per_micro
+    assert h.replicas[0].step_seconds == pytest.approx((7 + 1) * t)   # two equal stages: (n + p − 1) pieces

@@ -14,9 +14,9 @@ from torch import nn
 
 from ...errors import UsageError
 from ...hardware.host import usable_cores
-from ...planning.core_sharing import stretched_step
+from ...planning.core_sharing import sharing, stretched_step
 from ...planning.parallelism import split_hybrid
-from ...planning.pipeline_split import RESPLIT_NOTE, evaluate_split
+from ...planning.pipeline_split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
 from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
@@ -38,22 +38,44 @@ def measure_blocks(job, parts: PipelineParts):
     plan`'s measurement is then the one the job sizes its stages from)."""
     devices = device_table(job)                                                                       # (collective)
     example = job.load(range(min(4, len(job.dataset))))[0]
-    cache = block_cache.path_for(parts, example, job, devices) if job.emulated is not None and job.rank == 0 else None
+    # A stage's micro-batch grows less than linearly in cost with its rows: the probe times the
+    # pipeline's own size (the global batch in 8 micro-batches, the default), not 4 rows stretched.
+    rows = min(PROBE_ROWS_MAX, max(4, math.ceil(job.config.global_batch / 8)), len(job.dataset))
+    probe = job.load(range(rows))[0] if rows != int(example.shape[0]) else example
+    cache = block_cache.path_for(parts, probe, job, devices) if job.emulated is not None and job.rank == 0 else None
     box = [block_cache.read(cache)]
     dist.broadcast_object_list(box, src=0)                                                            # (collective)
     if box[0] is not None:
         return box[0], devices
     profile, devices = agreed_profile(job, parts, example, devices)                                   # (collective)
-    found = time_stage_cost(parts, profile, example, device=job.device, precision=job.precision,    # (collective)
+    found = time_stage_cost(parts, profile, probe, device=job.device, precision=job.precision,      # (collective)
                             speed=job.emulated.spec.speed if job.emulated is not None else None)
-    ranks = ", ".join(f"x{f:.2f} + {b * 1e3:.2f} ms" for f, b in found["ranks"])
-    profile = dataclasses.replace(profile, stage_factor=found["factor"], block_s=found["block_s"], source=(
-        f"{profile.source}; a stage runs them x{found['factor']:.2f} + {found['block_s'] * 1e3:.2f} ms a block "
-        f"per micro-batch (a block as a one-stage pipeline at 1 and {found['micro_batch']} rows, on each rank "
-        f"in turn: {ranks})"))
+    measured = {k: found[k] for k in ("first_s", "last_s", "contention", "contention_at", "message_s",
+                                      "busy_message_s", "piece_overhead_s") if k in found}
+    profile = dataclasses.replace(profile, stage_factor=found["factor"], block_s=found["block_s"], **measured,
+                                  source=f"{profile.source}; {_stage_costs_said(found)}")
     if job.rank == 0:
         block_cache.write(cache, profile)
     return profile, devices
+
+
+PROBE_ROWS_MAX = 16      # the stage probe's largest micro-batch (time and memory on a device that is small)
+
+
+def _stage_costs_said(found: dict) -> str:
+    """What time_stage_cost measured, in words (the profile's source)."""
+    ranks = ", ".join(f"x{f:.2f} + {b * 1e3:.2f} ms" for f, b in found["ranks"])
+    said = (f"a stage runs them x{found['factor']:.2f} + {found['block_s'] * 1e3:.2f} ms a block per micro-batch "
+            f"(a block as a one-stage pipeline at 1 and {found['micro_batch']} rows, on each rank in turn: {ranks})")
+    if "first_s" in found or "last_s" in found:
+        said += (f", the first part +{found.get('first_s', 0.0) * 1e3:.2f} ms, the last with a loss piece "
+                 f"+{found.get('last_s', 0.0) * 1e3:.2f} ms")
+    if "contention" in found:
+        said += (f"; emulated stages on this host's cores: contention x{found['contention']:.2f} with "
+                 f"{found['contention_at']} at once, a message {found['message_s'] * 1e3:.2f} ms "
+                 f"({found['busy_message_s'] * 1e3:.2f} ms with every core busy), the schedule's own "
+                 f"{found.get('piece_overhead_s', 0.0) * 1e3:.2f} ms of CPU a piece")
+    return said
 
 
 def on_clock(job, profile):
@@ -92,13 +114,13 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
     common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory.margin)
     if kind == "pp":
-        split = plan_split(profile, devices, None, micro_batches=m, micro_batch_size=math.ceil(cfg.global_batch / m),
-                           **common)
+        mu, n = micro_batch_cut(cfg.global_batch, m, stages=stages, schedule=schedule)
+        split = plan_split(profile, devices, None, micro_batches=n, micro_batch_size=mu, **common)
         splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, kind))
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
         splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, kind))
-    predicted = predict_step(job, splits)
+    predicted = predict_step(job, splits, profile)
     plans = []
     for r, dev in enumerate(devices):
         replica, stage = divmod(r, stages)
@@ -108,7 +130,8 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
                              "use a larger global batch, or fewer replicas (more stages)")
         st = splits[replica].stages[stage]
         plans.append(DevicePlan(
-            rank=r, device=dev.name, speed=dev.speed, share=share, micro_batch=max(1, math.ceil(share / m)),
+            rank=r, device=dev.name, speed=dev.speed, share=share,
+            micro_batch=micro_batch_cut(share, m, stages=stages, schedule=schedule)[0],   # n_micro: ⌈share/µ⌉
             memory_cap_bytes=int(dev.memory_bytes) if dev.memory_bytes else None,
             predicted_memory_bytes=int(st.memory_bytes),
             reasons=(f"stage {stage} of replica {replica}: blocks {st.start}-{st.stop - 1}", *reasons)))
@@ -117,23 +140,24 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
                 note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
 
 
-def predict_step(job, splits) -> dict:
+def predict_step(job, splits, profile=None) -> dict:
     """The pipeline's own prediction from the measured blocks (the slowest replica sets the step),
     kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
 
-    Emulated, the stages are processes of this one host and share its cores: each stage's pieces
-    are stretched by the others computing beside it (planning/core_sharing.py, as the layout
-    ranking costs them). Processor sharing alone here: the contention a data-parallel job
-    measures at its start is not measured by a pipeline job, nor is the replicas' gradient
-    all-reduce (`hetrain plan`'s ranking has both). On the controlled clock a piece lasts its
-    clocked length, its waits for a core inside its sleep: no sharing to pay for."""
+    Emulated, the stages are processes of this one host and share its cores: the step is played
+    out on them (planning/core_sharing.py, as the layout ranking costs it) with the contention and
+    message times the pipeline probe measured (runtime/measure/pipeline_probe.py). The replicas'
+    gradient all-reduce and the optimizer are not in it (`hetrain plan`'s ranking has them). On
+    the controlled clock a piece lasts its clocked length, its waits for a core inside its sleep:
+    no sharing to pay for.
+    """
     step_s = max(sp.step_seconds for sp in splits)
     if not step_s > 0:
         return {}
     predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
     if job.emulated is not None and job.config.emulation.sample_s is None:
         cores = usable_cores()
-        shared, stretch = stretched_step(splits, cores=cores)
+        shared, stretch = stretched_step(splits, cores=cores, **sharing(profile))
         if shared > step_s:
             predicted.update(samples_per_s=job.config.global_batch / shared, step_s=shared, alone_step_s=step_s,
                              host_cores=cores, stage_stretch=max(stretch))   # the plan keeps numbers only

@@ -22,7 +22,7 @@ from ...errors import HetrainError
 from ...files import cache_dir, write_json_atomic
 from ...planning.pipeline_split import PipelineProfile
 
-VERSION = 4             # 4: a factor and a fixed cost per block, from two sizes
+VERSION = 5             # 4: a factor and a fixed cost per block, from two sizes; 5: contention, messages
 
 
 def path_for(parts, example, job, devices) -> Path | None:

@@ -58,6 +58,8 @@ class MeteredStage(PipelineStage):
         self._faults = faults
         self.compute_s = 0.0                 # compute pieces, unthrottled
         self.busy_s = 0.0                    # ... and their throttle sleeps: as the device is busy
+        self.cpu_s = 0.0                     # ... their CPU time (the probe's schedule overhead is the rest of it)
+        self.pieces = 0
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
         self._step, self._count, self._chunk = 0, 1, 0
 
@@ -76,6 +78,8 @@ class MeteredStage(PipelineStage):
         finally:
             spent = time.perf_counter() - t0
             self.compute_s += spent
+            self.cpu_s += time.thread_time() - c0
+            self.pieces += 1
             if self._throttle is not None and self._clock_s is not None:
                 self._throttle.pay_clocked(self._clock_s * share, time.thread_time() - c0, spent)
             elif self._throttle is not None:
