@@ -315,11 +315,13 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
 # -- the ranking -------------------------------------------------------------------------------
 def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, options: PlanOptions,
                  schedule: str = "1f1b", prefer_simpler_within: float = 0.05, pipeline=None,
-                 fsdp_excess_s: float | None = None) -> LayoutRanking:
+                 fsdp_excess_s: float | None = None, tp_measured: dict | None = None) -> LayoutRanking:
     """Predict every layout on these devices (profiles hold each device's speed, memory and
     activations; their fixed_bytes are replaced by each layout's own) and rank them. `pipeline`:
     (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks.
-    `fsdp_excess_s`: an FSDP2 step's seconds beyond DP's, as `hetrain plan` timed them (else modelled)."""
+    `fsdp_excess_s`: an FSDP2 step's seconds beyond DP's, as `hetrain plan` timed them (else modelled).
+    `tp_measured`: a step of the model split by speed as `hetrain plan` timed it (runtime/measure/
+    tp_probe.py: {"fb_s", "opt_s", "micro_batch"}), for the TP-by-speed row (else modelled)."""
     from .layout_fit import what_would_fit
     from .tensor_split import speed_tp_row
 
@@ -331,7 +333,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
         rows.append(_tp_row(profiles, state, options))
-        rows.append(speed_tp_row(profiles, state, options))      # TP split by speed: tensor_split.py
+        rows.append(speed_tp_row(profiles, state, options, measured=tp_measured))      # tensor_split.py
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
     rest = [r for r in rows if not r.fits]
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)

@@ -13,6 +13,11 @@ The all-reduces are the even split's: every rank sends and receives the whole ac
 each layer (2 per layer forward, 2 backward), whatever its part. Memory: rank r holds f_r of the
 model state and of the activations, as the even split holds 1/W.
 
+That is the model before any run. `hetrain plan` times a step of the split instead
+(runtime/measure/tp_probe.py) and the row costs that (`measured`): on gloo the modelled step was
+2.5x too fast on the demo GPT (every layer's all-reduces waited in the calling thread, the small
+sharded matmuls and the split's bookkeeping cost CPU an emulated device is throttled on).
+
 `units`: when the head (key/value group) count is known, f_r are the runtime's whole units
 (planning.shares.proportional_shares, the same solver the runtime uses); else the exact fractions.
 """
@@ -49,8 +54,12 @@ def tp_compute_seconds(profiles: Sequence[DeviceProfile], fractions: Sequence[fl
 
 
 def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOptions, *,
-                 units: int | None = None) -> LayoutRow:
-    """The ranking's row for TP over every device, split by speed (see the module docstring)."""
+                 units: int | None = None, measured: dict | None = None) -> LayoutRow:
+    """The ranking's row for TP over every device, split by speed (see the module docstring).
+    `measured`: a step of this split as `hetrain plan` timed it (runtime/measure/tp_probe.py:
+    forward + backward of a micro-batch of `micro_batch` rows, the optimizer step); the row's
+    micro-batches then cost that, scaled to their rows as the fastest device's profile scales
+    (a + b·m), plus hetrain's agreement: the compute and all-reduce model is left out."""
     w, b = len(profiles), o.global_batch
     name = f"TP {w} by speed"
     fractions = speed_fractions([p.per_sample_s for p in profiles], units)
@@ -76,12 +85,18 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOp
     comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, ring_link(profiles, o)) \
         if w > 1 else 0.0
     step = max(compute) + comm + max(f * p.optimizer_s for p, f in zip(profiles, fractions))
+    how = (f"the devices finish their parts together ({seconds(max(compute))} of compute); micro-batch "
+           f"{m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
+    if measured and measured.get("fb_s", 0) > 0 and measured.get("micro_batch", 0) > 0:
+        fast = min(profiles, key=lambda p: p.per_sample_s)
+        scale = fast.micro_seconds(math.ceil(b / n_micro)) / fast.micro_seconds(measured["micro_batch"])
+        step = n_micro * measured["fb_s"] * scale + measured["opt_s"] + o.agree_s
+        how = (f"micro-batch {m}x{n_micro}; a step measured here: {seconds(measured['fb_s'])} forward and "
+               f"backward a micro-batch of {measured['micro_batch']}, the optimizer {seconds(measured['opt_s'])}")
     mem = tuple(h + f * (p.activation_fixed_bytes + p.activation_bytes_per_sample * m)
                 for p, f, h in zip(profiles, fractions, held))
     ring = 2 * (w - 1) / w if w > 1 else 0.0
     return LayoutRow(name=name, family=FAMILY, fits=True, samples_per_s=b / step, memory=mem,
                      comm_bytes=ring * b * per_sample, comm_s=comm, run=RUN,
                      detail=f"every layer split {w} ways in proportion to speed "
-                            f"({'/'.join(f'{f:.0%}' for f in fractions)} of its heads and MLP columns), so the "
-                            f"devices finish their parts together ({seconds(max(compute))} of compute); "
-                            f"micro-batch {m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
+                            f"({'/'.join(f'{f:.0%}' for f in fractions)} of its heads and MLP columns), so {how}")

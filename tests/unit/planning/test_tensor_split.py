@@ -6,6 +6,7 @@ the same and the even split, simpler, is kept."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -90,3 +91,23 @@ def test_a_part_that_does_not_fit_says_which_device():
     row = speed_tp_row(_profiles([1.0, 0.6], memory=int(1e8)), ModelState(params=P, trainable=P),
                        PlanOptions(global_batch=64, grad_bytes=4 * P))
     assert not row.fits and "do not fit dev" in row.detail and math.isclose(row.samples_per_s, 0.0)
+
+
+def test_a_measured_step_replaces_the_compute_and_all_reduce_model():
+    """`hetrain plan` times a step of the split (runtime/measure/tp_probe.py): the row costs its
+    micro-batches from it, scaled to their rows as the fastest profile scales (a + b·m), plus the
+    optimizer step it timed and the agreement; the modelled compute and all-reduces are gone."""
+    profiles = _profiles([1.0, 0.5])                    # a = 1 ms, b = 10 ms a sample at speed 1
+    opts = PlanOptions(global_batch=64, grad_bytes=4 * P, agree_s=0.002)
+    state = ModelState(params=P, trainable=P)
+    modelled = speed_tp_row(profiles, state, opts)
+    timed = speed_tp_row(profiles, state, opts, measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16})
+    m = int(re.search(r"micro-batch (\d+)x(\d+)", timed.detail).group(1))
+    n = int(re.search(r"micro-batch (\d+)x(\d+)", timed.detail).group(2))
+    assert m * n >= 64
+    per = 0.5 * (0.001 + 0.01 * math.ceil(64 / n)) / (0.001 + 0.01 * 16)
+    assert 64 / timed.samples_per_s == pytest.approx(n * per + 0.03 + 0.002, rel=1e-12)
+    assert "a step measured here" in timed.detail and "all-reduces" not in timed.detail
+    assert timed.memory == modelled.memory and timed.samples_per_s != modelled.samples_per_s
+    # nothing usable measured: the model stands
+    assert speed_tp_row(profiles, state, opts, measured={"fb_s": 0.0, "opt_s": 0.0, "micro_batch": 16}) == modelled

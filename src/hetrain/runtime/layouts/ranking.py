@@ -5,8 +5,9 @@ the same measurements with the same measurements.rank_job_measurements and agree
 measure_for_ranking (collective, every rank) takes, in order: the data-parallel measurements
 (measure/joint.measure_job: profiles, sync and agreement probes), the blocks' costs as a pipeline
 is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
-are 2+ devices), and FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
-to shard). The model must be set up for measuring first (data_setup.measure_setup).
+are 2+ devices), FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
+to shard), and a step of the model split by speed (measure/tp_probe.py, when it has layers to
+split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def measure_for_ranking(job, model, optimizer, forward, *, say=None) -> JobMeasu
             "profile": profile.to_dict(),
             "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
     measured = _with_fsdp(job, model, optimizer, measured, forward, say)                            # (collective)
+    measured = _with_tp(job, model, optimizer, measured, forward, say)                              # (collective)
     stack = repeated_blocks(model)
     blocks = len(parts.blocks) if parts is not None else len(stack[1]) if stack else None
     return JobMeasurements(measurements=measured, facts=model_facts(model, optimizer, blocks, stack=stack),
@@ -96,3 +98,32 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
             "frozen_param_bytes": frozen[0].element_size() if frozen else 4,
             "optimizer": optimizer_kind(optimizer) or "adamw", "blocks": blocks,
             "root_params": sum(p.numel() for p in params) - inside if stack else 0}
+
+
+def _with_tp(job, model, optimizer, measured, forward, say):
+    """The measurements plus a step of the model split by speed (measure/tp_probe.py: collective,
+    every rank), when there are devices to split it over and one precision for all of them (TP
+    runs its shards in lockstep, in one dtype: layouts/tensor.wrap). A model without layers to
+    split is left out on every rank alike (shard decides from the model, the same everywhere)."""
+    from ..measure.measurements import planning_profiles
+    from ..measure.tp_probe import time_tp_step
+
+    computes = {e["compute"] for e in job.precision.all_choices}
+    if job.world_size < 2 or not measured.probe_size or len(computes) > 1:
+        return measured
+    profiles = planning_profiles(measured, job.config)
+    fastest = min(p.per_sample_s for p in profiles)
+    speeds = [fastest / p.per_sample_s for p in profiles]
+    batch = job.load(range(min(measured.probe_size, len(job.dataset))))
+    try:
+        found = time_tp_step(model, optimizer, batch, forward=forward, device=job.device,
+                             precision=job.precision.compute, speeds=speeds,
+                             throttle=job.emulated.throttle if job.emulated is not None else None)
+    except UsageError:
+        return measured
+    box = [found]
+    dist.broadcast_object_list(box, src=0)                                                            # (collective)
+    found = box[0]
+    say(f"TP split by speed measured: a micro-batch of {found['micro_batch']} {found['fb_s'] * 1e3:.0f} ms "
+        f"forward and backward, the optimizer {found['opt_s'] * 1e3:.1f} ms (median of {found['runs']})")
+    return dataclasses.replace(measured, tp=found)

@@ -60,6 +60,9 @@ class Measurements:
     # `hetrain plan` only: an FSDP2 step's seconds beyond a DDP step's, timed (fsdp_probe.py):
     # {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch", "backend"}.
     fsdp: dict | None = None
+    # `hetrain plan` only: a step of the model split by speed, timed (tp_probe.py):
+    # {"fb_s", "opt_s", "runs", "micro_batch"}.
+    tp: dict | None = None
 
     @property
     def world_size(self) -> int:
@@ -290,7 +293,7 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
     if pipeline is not None and config.emulation.cluster and config.emulation.sample_s is not None:
         pipeline = (pipeline[0].on_clock(clocked_sample_s(profiles, pipeline[1])), pipeline[1])
     ranking = (rank_layouts(profiles, state=state, options=options, pipeline=pipeline,
-                            fsdp_excess_s=(m.fsdp or {}).get("excess_s"))
+                            fsdp_excess_s=(m.fsdp or {}).get("excess_s"), tp_measured=m.tp)
                if len(profiles) > 1 else None)
     return ranking, profiles, options
 

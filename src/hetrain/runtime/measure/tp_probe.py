@@ -1,0 +1,94 @@
+"""`hetrain plan` only: a tensor-parallel step on this job's devices and backend, measured.
+
+The ranking's TP rows (planning/layouts.py, planning/tensor_split.py) cost each rank its part of
+the model's compute and the activations' all-reduces over the link. On gloo (the CPU: emulation,
+and CPU-only jobs) that is far from what a TP step takes: every layer's forward and backward waits
+in the calling thread for an all-reduce, the sharded layers run smaller matrix products than the
+whole model's profile was timed on, and the uneven split's bookkeeping is CPU time that an
+emulated device is throttled on. Measured on the demo GPT (4 blocks of d=128, 2 ranks at speeds 1
+and 0.67, 64 samples a step, a 2-core EPYC): the modelled split by speed read 286 samples/s, the
+run 113. So `hetrain plan` times it, as it times FSDP2 (fsdp_probe.py):
+
+    seconds a micro-batch of forward + backward, and an optimizer step, of the model split by speed
+
+on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap: parallel/tensor.shard by
+the devices' speeds), every rank the same rows, each rank's compute throttled as in training
+(runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the controlled clock its
+part of the model's clock, as the runtime sets it), from a barrier to a barrier (the slowest rank
+sets it). The job's own model is left as it was. The even split (DTensor) is not timed: the row
+split by speed is the one TP is asked for on mixed devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..devices.precision_policy import DTYPES
+from ..user_objects import as_scalar
+
+RUNS = 4            # timed steps, after one warm-up
+
+
+def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, *, forward: Callable,
+                 device: torch.device, precision: str, speeds: Sequence[float], throttle=None,
+                 runs: int = RUNS) -> dict:
+    """A step of the model split by `speeds` over the job's ranks (a collective: every rank calls
+    it with the same model and its own batch of the same rows). Returns {"fb_s" (forward +
+    backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch"}. Raises
+    UsageError where the model has no layers to split (the caller skips TP then)."""
+    from ..layouts.tensor import rebuild
+    from ..parallel.tensor import compute_share, shard
+
+    dtype = DTYPES.get(precision)
+    cuda = device.type == "cuda"
+    sharded = copy.deepcopy(model)
+    names = {p: n for n, p in model.named_parameters()}
+    done = shard(sharded, speeds=list(speeds))
+    new = dict(sharded.named_parameters())
+    fresh = copy.copy(optimizer)
+    fresh.state = type(optimizer.state)()
+    opt = rebuild(fresh, {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
+    own = throttle.fresh() if throttle is not None else None
+    clocked = own is not None and own.sample_s is not None
+    if clocked:                      # this rank's part of the model's clock, as layouts/tensor.wrap sets it
+        own.sample_s = own.sample_s * compute_share(sharded)
+    rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
+
+    def step() -> tuple[float, float]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        with own.compute() if own is not None and not clocked else contextlib.nullcontext():
+            c0 = time.thread_time()
+            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+                loss = as_scalar(forward(sharded, batch))
+            if clocked:   # the forward+backward last their clocked length, the waits on top
+                forward_cpu = time.thread_time() - c0
+                guess = own.before_backward(forward_cpu, samples=rows)
+                c0 = time.thread_time()
+            loss.backward()
+            if clocked:
+                own.after_backward(forward_cpu, guess, time.thread_time() - c0)
+            if cuda:
+                torch.cuda.synchronize(device)
+        dist.barrier()
+        t1 = time.perf_counter()
+        with own.compute() if own is not None else contextlib.nullcontext():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+        dist.barrier()
+        return t1 - t0, time.perf_counter() - t1
+
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        step()                                                       # warm-up: the optimizer's state
+        times = [step() for _ in range(runs)]
+    return {"fb_s": statistics.median(t[0] for t in times), "opt_s": statistics.median(t[1] for t in times),
+            "runs": runs, "micro_batch": rows}
