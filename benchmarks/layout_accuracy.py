@@ -35,11 +35,10 @@ stage's piece lasts (a + µ·T)·share/speed, `share` its blocks' measured part 
 what the profiler measured on the clock (the fastest device's seconds a sample, and its fixed
 part a micro-batch: measurements.clocked_sample_s, planning/parallelism.with_fixed_cost), never from
 T or a. Each row reports the share of the step the clock imposed (the busiest rank's compute,
-sleeps included, over the step). The runtime's own pipeline prediction (runtime/s) still sizes
-stages from T and leaves a out: it is shown, not judged. `--clock wall` runs and
+sleeps included, over the step). The runtime's own pipeline prediction (runtime/s) sizes
+stages from T and leaves a out, and has no optimizer or all-reduce: it is shown, not judged. `--clock wall` runs and
 ranks every layout on the CPU's own time, and the headline reads it against host_drift.py's probe.
-One --quick run (DP and PP, 20 steps, shared 2-core host, load average 2.5): clocked DP +10.4%
-(imposed 86%), wall DP +10.7%, wall PP +2.1%; host drift 2.0% that minute.
+The figures of the last runs, with their commands and JSON, are in docs/planning.md.
 
 Rounds (--rounds, 1 by default): each round ranks from its own probes (its own cache) and then
 runs every layout, so on a host whose speed drifts in phases of seconds the predictions sample
