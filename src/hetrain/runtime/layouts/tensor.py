@@ -58,7 +58,7 @@ def wrap(job, model, optimizer, *, split: str = "even"):
     """The model's layers sharded over every rank (parallel/tensor.py), evenly or by the plan's
     speeds (TensorParallel(split=...)), and the optimizer rebuilt over the sharded parameters
     (a collective for the even split: DTensor's mesh)."""
-    from ..parallel.tensor import compute_share, shard
+    from ..parallel.tensor import compute_share, rebuild, shard
     from ..sharding.wrap import Wrapped
 
     computes = {e["compute"] for e in job.precision.all_choices}
@@ -89,20 +89,3 @@ def wrap(job, model, optimizer, *, split: str = "even"):
         lines.append(f"parallel=tp: {len(done.renamed)} fused parameters became q, k, v Linears "
                      "(parallel/tensor_hf.py): checkpoints hold them by their new names")
     return Wrapped("tp", model, opt, None, lines=lines)
-
-
-def rebuild(optimizer, mapping: dict):
-    """The same optimizer class, hyperparameters and param groups over the sharded parameters;
-    `mapping`: each old parameter's new ones (GPT-2's fused c_attn became three)."""
-    from ..sharding.capacity import constructor_defaults
-
-    if optimizer.state:
-        raise UsageError("tensor parallelism needs a fresh optimizer, but this one has state already",
-                         "pass the optimizer to prepare() before any optimizer step")
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [q for p in g["params"] for q in mapping.get(p, ())]} for g in optimizer.param_groups]
-    try:
-        return type(optimizer)(groups, **constructor_defaults(optimizer))
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"cannot rebuild {type(optimizer).__name__} over the tensor-parallel shards: {e}",
-                         "use a torch.optim optimizer") from None

@@ -43,8 +43,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     it with the same model and its own batch of the same rows). Returns {"fb_s" (forward +
     backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch"}. Raises
     UsageError where the model has no layers to split (the caller skips TP then)."""
-    from ..layouts.tensor import rebuild
-    from ..parallel.tensor import compute_share, shard
+    from ..parallel.tensor import compute_share, rebuild, shard
 
     dtype = DTYPES.get(precision)
     cuda = device.type == "cuda"

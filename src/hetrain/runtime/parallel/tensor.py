@@ -205,3 +205,20 @@ def full_grad(p: nn.Parameter) -> torch.Tensor:
     """A parameter's whole gradient (gathered from its shards when it is a DTensor)."""
     g = p.grad
     return g.full_tensor() if hasattr(g, "full_tensor") else g
+
+
+def rebuild(optimizer, mapping: dict):
+    """The same optimizer class, hyperparameters and param groups over the sharded parameters;
+    `mapping`: each old parameter's new ones (GPT-2's fused c_attn became three)."""
+    from ..sharding.capacity import constructor_defaults
+
+    if optimizer.state:
+        raise UsageError("tensor parallelism needs a fresh optimizer, but this one has state already",
+                         "pass the optimizer to prepare() before any optimizer step")
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [q for p in g["params"] for q in mapping.get(p, ())]} for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **constructor_defaults(optimizer))
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"cannot rebuild {type(optimizer).__name__} over the tensor-parallel shards: {e}",
+                         "use a torch.optim optimizer") from None

@@ -229,11 +229,13 @@ def clocked_profile(speed: float, *, micro_s: float = CLOCK_A, max_size: int = 1
 def test_on_the_controlled_clock_the_fit_recovers_the_clocks_a_and_b():
     # The profiler is given the device's throttle, not the clock's figures: what it fits is what
     # it timed. The clock makes the times deterministic up to scheduling and the throttle's guess
-    # of each backward (settled at the next micro-batch), so 15% holds on a busy host; a profile
-    # that read the CPU's own time (a tiny MLP: well under a millisecond) would be off by 10x.
+    # of each backward (settled at the next micro-batch); a profile that read the CPU's own time
+    # (a tiny MLP: well under a millisecond) would be off by 10x. The bound is set by that, not by
+    # a quiet host: beside the suite's other worker the slope read 15.6% low once (the
+    # intercept, 6x larger, takes up what scheduling delays a small micro-batch by).
     p = clocked_profile(0.5)
-    assert p.overhead_s == pytest.approx(CLOCK_A / 0.5, rel=0.15)
-    assert p.per_sample_s == pytest.approx(CLOCK_B / 0.5, rel=0.15)
+    assert p.overhead_s == pytest.approx(CLOCK_A / 0.5, rel=0.25)
+    assert p.per_sample_s == pytest.approx(CLOCK_B / 0.5, rel=0.25)
     # the CPU it took is a part of the device's time, as measured, not the speed (0.5) put in its
     # place: about 0.1 on a quiet host, 0.37 once with the suite's other worker beside it, so the
     # bound is the imposed value, not a timing of this host
