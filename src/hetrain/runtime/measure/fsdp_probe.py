@@ -74,17 +74,10 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         dist.barrier()
         t0 = time.perf_counter()
         with throttle.compute() if throttle is not None and not clocked else contextlib.nullcontext():
-            c0 = time.thread_time()
-            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-                loss = as_scalar(forward(module, batch))
-            if clocked:     # as the engine runs the controlled clock: the forward+backward last their
-                # clocked length, the CPU inside it (FSDP2's own work too), the collectives' waits on top
-                forward_cpu = time.thread_time() - c0
-                guess = throttle.before_backward(forward_cpu, samples=rows)
-                c0 = time.thread_time()
-            loss.backward()
-            if clocked:
-                throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
+            # clocked, the forward+backward last their clocked length, the CPU inside it (FSDP2's own
+            # work too), the collectives' waits on top
+            throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
+                                       throttle=throttle if clocked else None, rows=rows)
             with throttle.compute() if clocked else contextlib.nullcontext():
                 opt.step()
             opt.zero_grad(set_to_none=True)
@@ -104,6 +97,23 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     fsdp_s = statistics.median(t[1] for t in times)
     return {"excess_s": max(0.0, fsdp_s - ddp_s), "fsdp_s": fsdp_s, "ddp_s": ddp_s, "runs": runs,
             "micro_batch": rows if isinstance(batch, (tuple, list)) else None}
+
+
+def throttled_forward_backward(module, batch, *, forward: Callable, device: torch.device, dtype, throttle,
+                               rows: int) -> None:
+    """One forward and backward as the engine runs them: under the autocast of `dtype`; with a
+    controlled-clock `throttle` (None: not clocked), the pair lasting its clocked length for `rows`
+    samples (Throttle.before_backward / after_backward), whatever waits inside come on top."""
+    c0 = time.thread_time()
+    with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+        loss = as_scalar(forward(module, batch))
+    if throttle is not None:
+        forward_cpu = time.thread_time() - c0
+        guess = throttle.before_backward(forward_cpu, samples=rows)
+        c0 = time.thread_time()
+    loss.backward()
+    if throttle is not None:
+        throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
 
 
 def _stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

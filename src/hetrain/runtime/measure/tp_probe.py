@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices.precision_policy import DTYPES
-from ..user_objects import as_scalar
+from .fsdp_probe import throttled_forward_backward
 
 RUNS = 4            # timed steps, after one warm-up
 
@@ -64,16 +64,8 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         dist.barrier()
         t0 = time.perf_counter()
         with own.compute() if own is not None and not clocked else contextlib.nullcontext():
-            c0 = time.thread_time()
-            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-                loss = as_scalar(forward(sharded, batch))
-            if clocked:   # the forward+backward last their clocked length, the waits on top
-                forward_cpu = time.thread_time() - c0
-                guess = own.before_backward(forward_cpu, samples=rows)
-                c0 = time.thread_time()
-            loss.backward()
-            if clocked:
-                own.after_backward(forward_cpu, guess, time.thread_time() - c0)
+            throttled_forward_backward(sharded, batch, forward=forward, device=device, dtype=dtype,
+                                       throttle=own if clocked else None, rows=rows)
             if cuda:
                 torch.cuda.synchronize(device)
         dist.barrier()
