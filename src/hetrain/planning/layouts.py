@@ -332,7 +332,10 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
             for s in ("none", "zero1", "capacity", "fsdp", "capacity-full")]
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
-        rows.append(_tp_row(profiles, state, options))
+        even = _tp_row(profiles, state, options)
+        if tp_measured and even.fits:     # said, so the modelled row is not read beside the timed one as its equal
+            even = replace(even, detail=f"{even.detail} (modelled: only the split by speed was timed here)")
+        rows.append(even)
         rows.append(speed_tp_row(profiles, state, options, measured=tp_measured))      # tensor_split.py
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
     rest = [r for r in rows if not r.fits]

@@ -111,3 +111,15 @@ def test_a_measured_step_replaces_the_compute_and_all_reduce_model():
     assert timed.memory == modelled.memory and timed.samples_per_s != modelled.samples_per_s
     # nothing usable measured: the model stands
     assert speed_tp_row(profiles, state, opts, measured={"fb_s": 0.0, "opt_s": 0.0, "micro_batch": 16}) == modelled
+
+
+def test_with_a_timed_split_by_speed_the_even_row_says_it_is_modelled():
+    profiles = _profiles([1.0, 0.5])
+    opts = PlanOptions(global_batch=64, grad_bytes=4 * P)
+    state = ModelState(params=P, trainable=P, blocks=8)
+    timed = rank_layouts(profiles, state=state, options=opts,
+                         tp_measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16})
+    plain = rank_layouts(profiles, state=state, options=opts)
+    assert "modelled: only the split by speed was timed here" in _row(timed, "TP").detail
+    assert "modelled" not in _row(plain, "TP").detail
+    assert "a step measured here" in _row(timed, "TP by speed").detail
