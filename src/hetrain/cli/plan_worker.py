@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     # job checkpoints all of them), then what the ranking needs: the function parallel='auto'
     # measures with (runtime/layouts/ranking.py), so both rank the same measurements.
     prepare_to_measure(ht.job, model, optimizer, dataset, collate)
-    found = measure_for_ranking(ht.job, model, optimizer, default_forward, say=ht.print)
+    found = measure_for_ranking(ht.job, model, optimizer, default_forward, say=ht.print, time_tp=True)
     if ht.is_main:
         if found.pipeline_parts is None and found.stack and found.blocks:
             ht.print(f"blocks: {found.blocks} {type(found.stack[1][0]).__name__} in {found.stack[0]!r} (the model's "

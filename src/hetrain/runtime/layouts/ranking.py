@@ -6,7 +6,7 @@ measure_for_ranking (collective, every rank) takes, in order: the data-parallel 
 (measure/joint.measure_job: profiles, sync and agreement probes), the blocks' costs as a pipeline
 is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
 are 2+ devices), FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
-to shard), and a step of the model split by speed (measure/tp_probe.py, when it has layers to
+to shard), and, for `hetrain plan` (time_tp), a step of the model split by speed (measure/tp_probe.py, when it has layers to
 split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
 """
 
@@ -31,8 +31,10 @@ class JobMeasurements:
     stack: tuple | None = None         # blocks.repeated_blocks(model), when there was one
 
 
-def measure_for_ranking(job, model, optimizer, forward, *, say=None) -> JobMeasurements:
-    """What the ranking needs, measured in this job (collective: every rank calls it)."""
+def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bool = False) -> JobMeasurements:
+    """What the ranking needs, measured in this job (collective: every rank calls it). `time_tp`:
+    also time the TP split by speed (`hetrain plan`, whose table shows its row); parallel='auto'
+    never runs TP (measurements.RECOMMENDED_FAMILIES), so it does not pay for the probe."""
     from ..parallel.blocks import find_parts, repeated_blocks
     from . import pipeline_setup
 
@@ -51,7 +53,8 @@ def measure_for_ranking(job, model, optimizer, forward, *, say=None) -> JobMeasu
             "profile": profile.to_dict(),
             "devices": [{"name": d.name, "speed": d.speed, "memory_bytes": d.memory_bytes} for d in devices]})
     measured = _with_fsdp(job, model, optimizer, measured, forward, say)                            # (collective)
-    measured = _with_tp(job, model, optimizer, measured, forward, say)                              # (collective)
+    if time_tp:
+        measured = _with_tp(job, model, optimizer, measured, forward, say)                          # (collective)
     stack = repeated_blocks(model)
     blocks = len(parts.blocks) if parts is not None else len(stack[1]) if stack else None
     return JobMeasurements(measurements=measured, facts=model_facts(model, optimizer, blocks, stack=stack),

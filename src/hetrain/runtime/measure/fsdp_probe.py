@@ -61,7 +61,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     # keyword warns (deprecated) on torch 2.13, and every rank's copy is the same model anyway.
     ddp.broadcast_buffers = False
     names = {p: n for n, p in model.named_parameters()}
-    fresh = _stateless(optimizer)
+    fresh = stateless(optimizer)
     runs_on = []
     for copied in (plain, sharded):
         new = dict(copied.named_parameters())
@@ -116,7 +116,7 @@ def throttled_forward_backward(module, batch, *, forward: Callable, device: torc
         throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
 
 
-def _stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """An optimizer like this one with no state (rebuild_optimizer wants a fresh one): profiling
     may have stepped the job's own."""
     if not optimizer.state:

@@ -39,8 +39,8 @@ Emulated, four more figures say how the stages share this host's cores, for the 
 planning/core_sharing.py plays out: the contention (a block's piece run by every rank at once
 against alone, unthrottled, less the processor sharing of more ranks than cores); a message's
 one-way time between two ranks while the others wait, and while they keep every core busy (a
-process that has just computed is woken later on a full host: 2.0 ms against 0.1 on a 2-core AMD
-EPYC VM, gloo); and the schedule's own CPU a piece, outside the metered pieces, which no throttle
+process that has just computed is woken later on a full host: 0.6-2.7 ms against 0.1-1.2 in
+the 4-rank probes on a 2-core AMD EPYC VM, gloo); and the schedule's own CPU a piece, outside the metered pieces, which no throttle
 stretches.
 """
 
@@ -124,7 +124,8 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
     model plays out, planning/core_sharing.py); and a message's one-way time between two ranks
     (a round trip of one micro-batch's activations, halved) while the others wait, and while they
     keep every core busy: a stage blocked in a receive is woken at once on a free core, after the
-    scheduler's delay on a full one (2.6 ms here against 0.1, 2-core AMD EPYC, gloo)."""
+    scheduler's delay on a full one (0.6-2.7 ms against 0.1-1.2 in the 4-rank probes run on a 2-core
+    AMD EPYC, gloo)."""
     from ...hardware.host import usable_cores
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -139,18 +140,13 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
                            precision=precision, speed=None, steps=steps)
     dist.barrier()
     cores = usable_cores()
-    gap = statistics.median(agree_all(alone))       # the pair computes a piece's worth between messages
+    # the pair computes a piece's worth between messages
+    gap = statistics.median(agree.exchange({"alone": alone}, rank=rank, world_size=world, device=device).column("alone"))
     quiet = _time_messages(big, busy_threads=0, gap_s=gap)
-    busy = _time_messages(big, busy_threads=-(-int(cores) // (world - 2)) if world > 2 else 0, gap_s=gap)
+    # with two ranks no third keeps the cores busy: the quiet figure stands for both
+    busy = _time_messages(big, busy_threads=-(-int(cores) // (world - 2)), gap_s=gap) if world > 2 else quiet
     return {"ratio": together / alone if alone > 0 else 1.0, "cores": cores, "message_s": quiet,
-            "busy_message_s": busy if world > 2 else quiet}
-
-
-def agree_all(value: float) -> list[float]:
-    """Every rank's value (a collective)."""
-    got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, float(value))
-    return got
+            "busy_message_s": busy}
 
 
 def _time_messages(x: torch.Tensor, *, busy_threads: int, gap_s: float, trips: int = 24) -> float:

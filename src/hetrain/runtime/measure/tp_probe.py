@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices.precision_policy import DTYPES
-from .fsdp_probe import throttled_forward_backward
+from .fsdp_probe import stateless, throttled_forward_backward
 
 RUNS = 4            # timed steps, after one warm-up
 
@@ -51,9 +51,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     names = {p: n for n, p in model.named_parameters()}
     done = shard(sharded, speeds=list(speeds))
     new = dict(sharded.named_parameters())
-    fresh = copy.copy(optimizer)
-    fresh.state = type(optimizer.state)()
-    opt = rebuild(fresh, {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
+    opt = rebuild(stateless(optimizer), {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
     own = throttle.fresh() if throttle is not None else None
     clocked = own is not None and own.sample_s is not None
     if clocked:                      # this rank's part of the model's clock, as layouts/tensor.wrap sets it

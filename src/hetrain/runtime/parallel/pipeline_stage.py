@@ -76,12 +76,12 @@ class MeteredStage(PipelineStage):
         try:
             return run()
         finally:
-            spent = time.perf_counter() - t0
+            spent, cpu = time.perf_counter() - t0, time.thread_time() - c0
             self.compute_s += spent
-            self.cpu_s += time.thread_time() - c0
+            self.cpu_s += cpu
             self.pieces += 1
             if self._throttle is not None and self._clock_s is not None:
-                self._throttle.pay_clocked(self._clock_s * share, time.thread_time() - c0, spent)
+                self._throttle.pay_clocked(self._clock_s * share, cpu, spent)
             elif self._throttle is not None:
                 self._throttle.pay(spent)
             self.busy_s += time.perf_counter() - t0
