@@ -1,7 +1,9 @@
 """A step of the model split by speed, timed for the ranking's TP row (runtime/measure/tp_probe.py),
 on 2 gloo ranks with emulated devices: it runs on a copy (the job's model and gradients are left as
 they were), times forward + backward and the optimizer apart, and a model with no layers to split
-raises the same UsageError on every rank, before any collective."""
+raises the same UsageError on every rank, before any collective. It counts what each rank held:
+its shards' state (more on the faster rank's larger part) and the activations its forward saved
+(fewer than the whole model's, more than nothing), every rank's in rank order on every rank."""
 
 from __future__ import annotations
 
@@ -38,7 +40,15 @@ def worker(rank, world):
         refused = None
     except UsageError as e:
         refused = e.what
-    out = {"found": found, "refused": refused,
+    from hetrain.runtime.devices.emulation import MemoryMeter, model_state_bytes
+
+    meter = MemoryMeter(label="whole", cap=None)
+    meter.set_fixed(model, None)
+    with meter.forward():
+        whole_loss = model(batch[0])
+    whole_act = meter.activations
+    del whole_loss
+    out = {"found": found, "refused": refused, "whole": [model_state_bytes(model, None), whole_act],
            "model_unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
            "no_grads": all(p.grad is None for p in model.parameters()), "no_state": not opt.state}
     ht.close()
@@ -53,4 +63,10 @@ def test_the_tp_probe_times_a_split_step_on_a_copy_and_refuses_alike_on_every_ra
         # barrier to barrier: the slowest rank sets both ranks' figures, within the timer's jitter
         assert r["model_unchanged"] and r["no_grads"] and r["no_state"]
         assert r["refused"] and "no attention" in r["refused"], r["refused"]
+    held = r0["found"]["memory"]
+    assert held == r1["found"]["memory"] and len(held) == 2
+    params, act = r0["whole"]                       # the whole model's parameters, its forward's activations
+    assert held[0][0] > held[1][0] > 0              # 2/3 of the heads and columns against 1/3, with AdamW state
+    assert all(params / 2 < state for state, _ in held)      # parameters, gradients and two moments of a part
+    assert all(0 < a < act for _, a in held), (held, act)
     assert abs(r0["found"]["fb_s"] - r1["found"]["fb_s"]) < 0.5 * max(r0["found"]["fb_s"], r1["found"]["fb_s"])

@@ -211,16 +211,11 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
 def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     w, b, margin = len(profiles), o.global_batch, o.memory_margin
     name, run = f"TP {w}", "ht.prepare(..., parallel='tp')"
+    from .tensor_split import tp_micro_batch
+
     st = state.state("fsdp", world_size=w, accumulates=False)
     held = st.params + st.grads + st.optimizer          # every weight split W ways, nothing gathered
-    caps = []
-    for p in profiles:
-        if p.memory_bytes is None:
-            caps.append(b)
-            continue
-        room = p.memory_bytes * (1 - margin) - held - p.activation_fixed_bytes / w
-        caps.append(int(room // (p.activation_bytes_per_sample / w)) if p.activation_bytes_per_sample else b)
-    m = min(min(caps), b)
+    m, _ = tp_micro_batch(profiles, (1 / w,) * w, global_batch=b, margin=margin)     # the runtime's
     if m < 1:
         short = min(profiles, key=lambda p: p.memory_bytes or math.inf)
         return LayoutRow(name=name, family="TP", fits=False, samples_per_s=0.0, memory=(None,) * w, comm_bytes=0.0,
@@ -233,7 +228,8 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     link = ring_link(profiles, o)
     comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, link) if w > 1 else 0.0
     step = compute + comm + max(p.optimizer_s for p in profiles) / w
-    mem = tuple(held + (p.activation_fixed_bytes + p.activation_bytes_per_sample * m) / w for p in profiles)
+    # at most: a shard saves the replicated layers' activations whole (tensor_split.py's docstring)
+    mem = tuple(held + p.activation_fixed_bytes + p.activation_bytes_per_sample * m for p in profiles)
     return LayoutRow(name=name, family="TP", fits=True, samples_per_s=b / step, memory=mem,
                      comm_bytes=_ring(w) * b * per_sample, comm_s=comm, run=run,
                      detail=f"every layer split {w} ways, so every device runs at {slowest.device}'s speed; "
@@ -336,7 +332,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
         if tp_measured and even.fits:     # said, so the modelled row is not read beside the timed one as its equal
             even = replace(even, detail=f"{even.detail} (modelled: only the split by speed was timed here)")
         rows.append(even)
-        rows.append(speed_tp_row(profiles, state, options, measured=tp_measured))      # tensor_split.py
+        rows.append(speed_tp_row(profiles, options, measured=tp_measured))      # tensor_split.py
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
     rest = [r for r in rows if not r.fits]
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)

@@ -11,12 +11,17 @@ batch). With f_r = v_r / Σv every rank's part lasts B / Σv: the devices' speed
 even split (layouts._tp_row, f_r = 1/W) runs every rank at the slowest one's pace, B · b_slowest / W.
 The all-reduces are the even split's: every rank sends and receives the whole activations of
 each layer (2 per layer forward, 2 backward), whatever its part. Memory: rank r holds f_r of the
-model state and of the activations, as the even split holds 1/W.
+model state; of the activations it saves its part of the sharded layers' outputs and every
+replicated one (the residual stream, the norms, the head) whole: 69-77% of the whole model's on
+the demo GPT split 60/40 (measured with the emulator's saved-tensor meter). Before any run the
+row takes the whole model's activations, a bound, and so does the micro-batch every rank runs
+(`tp_micro_batch`: the runtime's choice, runtime/layouts/data_setup.tensor_plan, is this one).
 
 That is the model before any run. `hetrain plan` times a step of the split instead
-(runtime/measure/tp_probe.py) and the row costs that (`measured`): on gloo the modelled step was
-2.5x too fast on the demo GPT (every layer's all-reduces waited in the calling thread, the small
-sharded matmuls and the split's bookkeeping cost CPU an emulated device is throttled on).
+(runtime/measure/tp_probe.py), at the micro-batch the runtime will run, and counts what each rank
+holds; the row costs and sizes that (`measured`): on gloo the modelled step was 2.5x too fast on
+the demo GPT (every layer's all-reduces waited in the calling thread, the small sharded matmuls
+and the split's bookkeeping cost CPU an emulated device is throttled on).
 
 `units`: when the head (key/value group) count is known, f_r are the runtime's whole units
 (planning.shares.proportional_shares, the same solver the runtime uses); else the exact fractions.
@@ -29,7 +34,7 @@ from collections.abc import Sequence
 
 from ..hardware.units import format_bytes
 from .collectives import allreduce_seconds
-from .layouts import TP_COMM_PER_ACTIVATION, LayoutRow, ModelState, seconds
+from .layouts import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
 from .options import PlanOptions, ring_link
 from .profile import DeviceProfile
 from .shares import proportional_shares
@@ -47,13 +52,46 @@ def speed_fractions(per_sample_s: Sequence[float], units: int | None = None) -> 
     return tuple(v / total for v in speeds)
 
 
+def tp_micro_batch(profiles: Sequence[DeviceProfile], fractions: Sequence[float], *, global_batch: int,
+                   margin: float, limit: int | None = None) -> tuple[int, tuple[int, ...]]:
+    """(the micro-batch every rank of a TP group runs, each rank's cap): the ranks run in lockstep,
+    so the smallest cap, at most the global batch (and `limit`, the user's). A rank's cap is what
+    fits beside its fraction f_r of the model state (the profile's fixed bytes) with the whole
+    model's activations a micro-batch: a bound, a shard saves less (the module docstring). 0: not
+    one sample fits that rank."""
+    caps = []
+    for p, f in zip(profiles, fractions):
+        if p.memory_bytes is None or not p.activation_bytes_per_sample:
+            caps.append(global_batch)
+            continue
+        room = p.memory_bytes * (1 - margin) - f * p.fixed_bytes - p.activation_fixed_bytes
+        caps.append(max(0, int(room // p.activation_bytes_per_sample)))
+    m = min(min(caps), global_batch)
+    return (min(m, limit) if limit else m), tuple(caps)
+
+
+def measured_memory(profiles: Sequence[DeviceProfile], measured: dict, m: int) -> tuple[float, ...] | None:
+    """Each rank's peak at micro-batch m from what the probe counted at its own rows
+    (measured["memory"]: [state bytes, activation bytes] a rank), the activations scaled to m as
+    the rank's profile scales (c + d·m); None when the probe counted nothing."""
+    held, rows = measured.get("memory"), measured.get("micro_batch", 0)
+    if not held or len(held) != len(profiles) or rows < 1:
+        return None
+
+    def act(p: DeviceProfile, k: int) -> float:
+        return p.activation_fixed_bytes + p.activation_bytes_per_sample * k
+
+    return tuple(float(state + a * (act(p, m) / act(p, rows) if act(p, rows) > 0 else 1.0))
+                 for p, (state, a) in zip(profiles, held))
+
+
 def tp_compute_seconds(profiles: Sequence[DeviceProfile], fractions: Sequence[float], *, batch: int,
                        n_micro: int) -> tuple[float, ...]:
     """Each rank's compute seconds per step: its fraction of the whole batch through the whole model."""
     return tuple(f * (n_micro * p.overhead_s + batch * p.per_sample_s) for p, f in zip(profiles, fractions))
 
 
-def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOptions, *,
+def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *,
                  units: int | None = None, measured: dict | None = None) -> LayoutRow:
     """The ranking's row for TP over every device, split by speed (see the module docstring).
     `measured`: a step of this split as `hetrain plan` timed it (runtime/measure/tp_probe.py:
@@ -63,16 +101,8 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOp
     w, b = len(profiles), o.global_batch
     name = f"TP {w} by speed"
     fractions = speed_fractions([p.per_sample_s for p in profiles], units)
-    whole = state.state("none", world_size=1)
-    held = [f * (whole.params + whole.grads + whole.optimizer) for f in fractions]
-    caps = []
-    for p, f, h in zip(profiles, fractions, held):
-        if p.memory_bytes is None or not p.activation_bytes_per_sample:
-            caps.append(b)
-            continue
-        room = p.memory_bytes * (1 - o.memory_margin) - h - f * p.activation_fixed_bytes
-        caps.append(int(room // (f * p.activation_bytes_per_sample)))
-    m = min(min(caps), b)
+    held = [f * p.fixed_bytes for p, f in zip(profiles, fractions)]
+    m, caps = tp_micro_batch(profiles, fractions, global_batch=b, margin=o.memory_margin)
     if m < 1:
         i = min(range(w), key=lambda k: caps[k])
         return LayoutRow(name=name, family=FAMILY, fits=False, samples_per_s=0.0, memory=(None,) * w,
@@ -87,14 +117,20 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], state: ModelState, o: PlanOp
     step = max(compute) + comm + max(f * p.optimizer_s for p, f in zip(profiles, fractions))
     how = (f"the devices finish their parts together ({seconds(max(compute))} of compute); micro-batch "
            f"{m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
+    mem = tuple(h + p.activation_fixed_bytes + p.activation_bytes_per_sample * m for p, h in zip(profiles, held))
     if measured and measured.get("fb_s", 0) > 0 and measured.get("micro_batch", 0) > 0:
         fast = min(profiles, key=lambda p: p.per_sample_s)
         scale = fast.micro_seconds(math.ceil(b / n_micro)) / fast.micro_seconds(measured["micro_batch"])
         step = n_micro * measured["fb_s"] * scale + measured["opt_s"] + o.agree_s
         how = (f"micro-batch {m}x{n_micro}; a step measured here: {seconds(measured['fb_s'])} forward and "
                f"backward a micro-batch of {measured['micro_batch']}, the optimizer {seconds(measured['opt_s'])}")
-    mem = tuple(h + f * (p.activation_fixed_bytes + p.activation_bytes_per_sample * m)
-                for p, f, h in zip(profiles, fractions, held))
+        counted = measured_memory(profiles, measured, m)
+        if counted is not None:
+            mem, how = counted, how + ", and what each rank holds counted there"
+        else:
+            how += "; memory at most its part of the state and the whole model's activations"
+    else:
+        how += "; memory at most its part of the state and the whole model's activations"
     ring = 2 * (w - 1) / w if w > 1 else 0.0
     return LayoutRow(name=name, family=FAMILY, fits=True, samples_per_s=b / step, memory=mem,
                      comm_bytes=ring * b * per_sample, comm_s=comm, run=RUN,

@@ -18,6 +18,7 @@ from hetrain.planning.tensor_split import (
     speed_fractions,
     speed_tp_row,
     tp_compute_seconds,
+    tp_micro_batch,
 )
 
 P = 50_000_000
@@ -42,7 +43,7 @@ def test_fractions_follow_speed_and_round_to_whole_heads():
 def test_the_step_is_the_slowest_part_plus_the_even_splits_all_reduces():
     profiles = _profiles([1.0, 0.6], overhead=0.0)
     opts = PlanOptions(global_batch=64, grad_bytes=4 * P)
-    row = speed_tp_row(profiles, ModelState(params=P, trainable=P), opts)
+    row = speed_tp_row(profiles, opts)
     # computed here from the definition: every rank's part of 64 samples through the whole model
     parts = [f * 64 * p.per_sample_s for f, p in zip((1 / 1.6, 0.6 / 1.6), profiles)]
     assert parts[0] == pytest.approx(parts[1])                   # proportional: both finish together
@@ -64,8 +65,11 @@ def test_split_by_speed_wins_over_the_even_split_on_a_mixed_pair_and_says_why():
     assert speed.samples_per_s / even.samples_per_s == pytest.approx((compute["even"] + comm) / (compute["speed"] + comm))
     assert ranking.rows.index(speed) < ranking.rows.index(even)
     assert speed.run == "ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))"
-    # each holds its fraction of the state: 16 bytes a parameter with AdamW
-    assert speed.memory[0] - speed.memory[1] == pytest.approx((1 / 1.6 - 0.6 / 1.6) * (16 * P + 20e6 * 64))
+    # each holds its fraction of the state (16 bytes a parameter with AdamW), and at most the whole
+    # model's activations (a shard saves the replicated layers' whole)
+    assert speed.memory[0] - speed.memory[1] == pytest.approx((1 / 1.6 - 0.6 / 1.6) * 16 * P)
+    assert speed.memory[1] == pytest.approx(0.6 / 1.6 * 16 * P + 20e6 * 64)
+    assert "memory at most its part of the state and the whole model's activations" in speed.detail
 
 
 def test_when_tp_is_best_the_split_by_speed_is_chosen_over_the_even_one():
@@ -88,8 +92,7 @@ def test_equal_devices_keep_the_even_split():
 
 
 def test_a_part_that_does_not_fit_says_which_device():
-    row = speed_tp_row(_profiles([1.0, 0.6], memory=int(1e8)), ModelState(params=P, trainable=P),
-                       PlanOptions(global_batch=64, grad_bytes=4 * P))
+    row = speed_tp_row(_profiles([1.0, 0.6], memory=int(1e8)), PlanOptions(global_batch=64, grad_bytes=4 * P))
     assert not row.fits and "do not fit dev" in row.detail and math.isclose(row.samples_per_s, 0.0)
 
 
@@ -99,9 +102,8 @@ def test_a_measured_step_replaces_the_compute_and_all_reduce_model():
     optimizer step it timed and the agreement; the modelled compute and all-reduces are gone."""
     profiles = _profiles([1.0, 0.5])                    # a = 1 ms, b = 10 ms a sample at speed 1
     opts = PlanOptions(global_batch=64, grad_bytes=4 * P, agree_s=0.002)
-    state = ModelState(params=P, trainable=P)
-    modelled = speed_tp_row(profiles, state, opts)
-    timed = speed_tp_row(profiles, state, opts, measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16})
+    modelled = speed_tp_row(profiles, opts)
+    timed = speed_tp_row(profiles, opts, measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16})
     m = int(re.search(r"micro-batch (\d+)x(\d+)", timed.detail).group(1))
     n = int(re.search(r"micro-batch (\d+)x(\d+)", timed.detail).group(2))
     assert m * n >= 64
@@ -110,7 +112,7 @@ def test_a_measured_step_replaces_the_compute_and_all_reduce_model():
     assert "a step measured here" in timed.detail and "all-reduces" not in timed.detail
     assert timed.memory == modelled.memory and timed.samples_per_s != modelled.samples_per_s
     # nothing usable measured: the model stands
-    assert speed_tp_row(profiles, state, opts, measured={"fb_s": 0.0, "opt_s": 0.0, "micro_batch": 16}) == modelled
+    assert speed_tp_row(profiles, opts, measured={"fb_s": 0.0, "opt_s": 0.0, "micro_batch": 16}) == modelled
 
 
 def test_with_a_timed_split_by_speed_the_even_row_says_it_is_modelled():
@@ -123,3 +125,43 @@ def test_with_a_timed_split_by_speed_the_even_row_says_it_is_modelled():
     assert "modelled: only the split by speed was timed here" in _row(timed, "TP").detail
     assert "modelled" not in _row(plain, "TP").detail
     assert "a step measured here" in _row(timed, "TP by speed").detail
+
+
+def test_every_rank_runs_the_micro_batch_the_tightest_part_holds():
+    """The ranks run in lockstep: the smallest cap, a cap being what fits beside the rank's part of
+    the state with the whole model's activations a micro-batch (a bound); the user's cap, the
+    global batch; 0 where not one sample fits."""
+    GiB = 2**30
+    profiles = [DeviceProfile(device=f"dev{i}", source="given", overhead_s=0.001, per_sample_s=0.01 / s,
+                              fixed_bytes=8 * GiB, activation_bytes_per_sample=0.25 * GiB,
+                              activation_fixed_bytes=0.5 * GiB, memory_bytes=mem)
+                for i, (s, mem) in enumerate([(1.0, 20 * GiB), (0.5, 10 * GiB)])]
+    fractions = (2 / 3, 1 / 3)
+    # by hand: 18 GiB usable - 5.33 state - 0.5 -> 48 samples; 9 - 2.67 - 0.5 -> 23 samples
+    caps = (int((18 - 16 / 3 - 0.5) / 0.25), int((9 - 8 / 3 - 0.5) / 0.25))
+    assert caps == (48, 23)
+    assert tp_micro_batch(profiles, fractions, global_batch=64, margin=0.1) == (23, caps)
+    assert tp_micro_batch(profiles, fractions, global_batch=16, margin=0.1)[0] == 16
+    assert tp_micro_batch(profiles, fractions, global_batch=64, margin=0.1, limit=8)[0] == 8
+    row = speed_tp_row(profiles, PlanOptions(global_batch=64, grad_bytes=GiB, memory_margin=0.1))
+    assert "micro-batch 23x3" in row.detail
+    small = [DeviceProfile(**{**p.__dict__, "memory_bytes": 3 * GiB}) for p in profiles]
+    assert tp_micro_batch(small, fractions, global_batch=64, margin=0.1)[0] == 0
+
+
+def test_a_measured_step_sizes_each_rank_from_what_it_held():
+    """With what the probe counted on each rank (its shards' state, the activations its forward
+    saved at the probe's rows), the row's memory is that, the activations scaled to the row's
+    micro-batch as the profile scales them (c + d·m)."""
+    profiles = [DeviceProfile(device=f"dev{i}", source="given", overhead_s=0.001, per_sample_s=0.01 / s,
+                              fixed_bytes=16 * P, activation_bytes_per_sample=20e6, activation_fixed_bytes=4e6)
+                for i, s in enumerate([1.0, 0.5])]
+    opts = PlanOptions(global_batch=32, grad_bytes=4 * P)
+    held = [[5e8, 3.0e8], [3e8, 2.6e8]]                     # counted at 16 rows
+    row = speed_tp_row(profiles, opts, measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16, "memory": held})
+    assert "micro-batch 32x1" in row.detail and "what each rank holds counted there" in row.detail
+    scale = (4e6 + 20e6 * 32) / (4e6 + 20e6 * 16)
+    assert row.memory == pytest.approx((5e8 + 3.0e8 * scale, 3e8 + 2.6e8 * scale))
+    # a count from another world (or none) is not used: the bound stands
+    odd = speed_tp_row(profiles, opts, measured={"fb_s": 0.5, "opt_s": 0.03, "micro_batch": 16, "memory": held[:1]})
+    assert odd.memory == speed_tp_row(profiles, opts).memory

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ...errors import UsageError
 from ...planning.plan import Plan
 from ..devices.link import throttle_for
 from ..loop import flops
@@ -57,12 +58,12 @@ class DataSetup:
             measure_setup(job, model, optimizer)
         job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,   # (collective)
                                             measured=measured.measurements if measured is not None else None)
-        job.plan = self.adjust_plan(job.plan)
+        job.plan = self.adjust_plan(job)
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
 
-    def adjust_plan(self, plan: Plan) -> Plan:
-        return plan
+    def adjust_plan(self, job) -> Plan:
+        return job.plan
 
     def build(self, job, model, optimizer, forward) -> None:
         # A checkpoint's Plan (adopted by now) decides activation checkpointing and sharding.
@@ -102,8 +103,11 @@ class TensorSetup(DataSetup):
     def blocks_compression(self) -> str | None:
         return "parallel='tp'"
 
-    def adjust_plan(self, plan: Plan) -> Plan:
-        return plan if plan.layout == "tp" else tensor_plan(plan)
+    def adjust_plan(self, job) -> Plan:
+        if job.plan.layout == "tp":
+            return job.plan
+        return tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
+                           limit=job.config.memory.max_micro_batch)
 
     def wrap(self, job, model, optimizer, forward):
         from .tensor import wrap
@@ -114,14 +118,37 @@ class TensorSetup(DataSetup):
         return job.plan
 
 
-def tensor_plan(plan: Plan) -> Plan:
+def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int | None) -> Plan:
     """The data-parallel plan as tensor parallelism runs it: one group of every rank, each
-    computing the whole batch, at the smallest micro-batch any rank planned (they run in lockstep)."""
-    micro = min(d.micro_batch for d in plan.devices)
-    devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro,
-                            reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, "
-                                     f"in micro-batches of {micro} (the smallest any device planned)",))
-                    for d in plan.devices)
+    computing the whole batch, in micro-batches every rank's memory holds beside its part of the
+    model (they run in lockstep): planning/tensor_split.tp_micro_batch, the layout ranking's choice.
+    Each device's speed becomes its rate a sample relative to the fastest (1 / per_sample_s), the
+    weights a split by speed cuts the layers by, as the ranking and `hetrain plan`'s probe cut them:
+    the data-parallel plan's speeds are its shares' rates, fixed costs a micro-batch included."""
+    from ...planning.tensor_split import speed_fractions, tp_micro_batch
+
+    w = plan.world_size
+    speeds = [d.speed for d in plan.devices]
+    if profiles is not None:   # a rank's rate a sample, as the ranking splits (not the DP shares' rate)
+        speeds = [min(p.per_sample_s for p in profiles) / p.per_sample_s for p in profiles]
+    fractions = speed_fractions([1 / v for v in speeds]) if split == "speed" else (1 / w,) * w
+    if profiles is None:   # a given data-parallel plan: its caps hold the whole model, a shard holds less
+        caps = tuple(d.max_micro_batch or plan.global_batch for d in plan.devices)
+        micro = min(min(caps), plan.global_batch, limit or plan.global_batch)
+    else:
+        micro, caps = tp_micro_batch(profiles, fractions, global_batch=plan.global_batch, margin=margin,
+                                     limit=limit)
+    if micro < 1:
+        i = min(range(w), key=lambda k: caps[k])
+        raise UsageError(
+            f"parallel='tp': {plan.devices[i].device} cannot hold its {fractions[i]:.0%} of the model state and "
+            "one sample's activations", "free memory on it, or split the model over more devices "
+            "(parallel='pp' puts fewer layers on the small one)")
+    why = f"in micro-batches of {micro} (every rank's memory holds one beside its part of the model)" \
+        if micro < plan.global_batch else "in one micro-batch (every rank's memory holds it)"
+    devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro, speed=v,
+                            reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, {why}",))
+                    for d, v in zip(plan.devices, speeds))
     return replace(plan, devices=devices, layout="tp", group=plan.world_size, compression="none")
 
 

@@ -110,6 +110,7 @@ def _with_tp(job, model, optimizer, measured, forward, say):
     split is left out on every rank alike (shard decides from the model, the same everywhere)."""
     from ..measure.measurements import planning_profiles
     from ..measure.tp_probe import time_tp_step
+    from ...planning.tensor_split import speed_fractions, tp_micro_batch
 
     computes = {e["compute"] for e in job.precision.all_choices}
     if job.world_size < 2 or not measured.probe_size or len(computes) > 1:
@@ -117,7 +118,13 @@ def _with_tp(job, model, optimizer, measured, forward, say):
     profiles = planning_profiles(measured, job.config)
     fastest = min(p.per_sample_s for p in profiles)
     speeds = [fastest / p.per_sample_s for p in profiles]
-    batch = job.load(range(min(measured.probe_size, len(job.dataset))))
+    # at the micro-batch the runtime would run (the row's: tp_micro_batch), so nothing is scaled
+    rows, _ = tp_micro_batch(profiles, speed_fractions([p.per_sample_s for p in profiles]),
+                             global_batch=job.config.global_batch, margin=job.config.memory.margin,
+                             limit=job.config.memory.max_micro_batch)
+    if rows < 1:
+        return measured                      # not one sample fits a part: the row says so, unmeasured
+    batch = job.load(range(min(rows, len(job.dataset))))
     try:
         found = time_tp_step(model, optimizer, batch, forward=forward, device=job.device,
                              precision=job.precision.compute, speeds=speeds,

@@ -11,8 +11,11 @@ run 113. So `hetrain plan` times it, as it times FSDP2 (fsdp_probe.py):
 
     seconds a micro-batch of forward + backward, and an optimizer step, of the model split by speed
 
-on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap: parallel/tensor.shard by
-the devices' speeds), every rank the same rows, each rank's compute throttled as in training
+and what each rank holds then (its shards' state, and the activations its forward saves: the
+allocator's peak over the forward on CUDA, the emulator's saved-tensor meter elsewhere, as the
+profiler counts them), on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap:
+parallel/tensor.shard by the devices' speeds), every rank the same rows (the caller passes the
+micro-batch the runtime will run: planning/tensor_split.tp_micro_batch), each rank's compute throttled as in training
 (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the controlled clock its
 part of the model's clock, as the runtime sets it), from a barrier to a barrier (the slowest rank
 sets it). The job's own model is left as it was. The even split (DTensor) is not timed: the row
@@ -30,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from .fsdp_probe import stateless, throttled_forward_backward
 
@@ -41,7 +45,8 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                  runs: int = RUNS) -> dict:
     """A step of the model split by `speeds` over the job's ranks (a collective: every rank calls
     it with the same model and its own batch of the same rows). Returns {"fb_s" (forward +
-    backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch"}. Raises
+    backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch", "memory"
+    (every rank's [state bytes, activation bytes] at those rows, in rank order)}. Raises
     UsageError where the model has no layers to split (the caller skips TP then)."""
     from ..parallel.tensor import compute_share, rebuild, shard
 
@@ -58,12 +63,33 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         own.sample_s = own.sample_s * compute_share(sharded)
     rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
 
-    def step() -> tuple[float, float]:
+    meter = MemoryMeter(label="tp probe", cap=None)
+    meter.set_fixed(sharded, None)
+
+    def saved(run: Callable[[], None]) -> float:
+        """Bytes the forward inside `run` keeps for backward, counted as the profiler counts them."""
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            run()
+            return float(torch.cuda.max_memory_allocated(device) - base)
+        with meter.forward():
+            run()
+        return float(meter.activations)
+
+    def step(count: bool = False) -> tuple[float, float, float]:
         dist.barrier()
         t0 = time.perf_counter()
+        act = 0.0
         with own.compute() if own is not None and not clocked else contextlib.nullcontext():
-            throttled_forward_backward(sharded, batch, forward=forward, device=device, dtype=dtype,
-                                       throttle=own if clocked else None, rows=rows)
+            def run() -> None:
+                throttled_forward_backward(sharded, batch, forward=forward, device=device, dtype=dtype,
+                                           throttle=own if clocked else None, rows=rows)
+            if count:
+                act = saved(run)
+            else:
+                run()
             if cuda:
                 torch.cuda.synchronize(device)
         dist.barrier()
@@ -74,10 +100,12 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
             if cuda:
                 torch.cuda.synchronize(device)
         dist.barrier()
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1, act
 
     with torch.random.fork_rng(devices=[device] if cuda else []):
-        step()                                                       # warm-up: the optimizer's state
+        act = step(count=True)[2]              # warm-up: the optimizer's state; what the forward saves
         times = [step() for _ in range(runs)]
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, [float(model_state_bytes(sharded, opt)), act])
     return {"fb_s": statistics.median(t[0] for t in times), "opt_s": statistics.median(t[1] for t in times),
-            "runs": runs, "micro_batch": rows}
+            "runs": runs, "micro_batch": rows, "memory": held}
