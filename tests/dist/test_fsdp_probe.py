@@ -74,5 +74,6 @@ def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forwa
     for r in (r0, r1):
         assert r["unchanged"] and r["no_grads"] and r["no_state"] and r["runs"] == 2
         assert r["ddp_s"] >= 12 * 0.02 / 0.5 and r["fsdp_s"] >= 12 * 0.02 / 0.5, r
-        assert r["throttled_s"] > 0
+        # paced by fresh books of the device: the job's own throttle has booked nothing
+        assert r["throttled_s"] == 0.0
         assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])

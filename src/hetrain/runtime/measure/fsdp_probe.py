@@ -12,8 +12,12 @@ gave +1%. No formula here would hold across hosts, so `hetrain plan` times it:
 
     excess = median over runs of an FSDP2 step − median of a DDP step
 
-both on the same micro-batch on every rank, forward + backward, each rank's compute throttled
-as in training (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the
+both on each rank's micro-batch of the data-parallel plan the row adds the excess to (the
+caller's batch, runtime/layouts/ranking.py: with uneven rows every unit's collectives hold the
+ranks to the one with the most CPU a unit, while each device sleeps its own stretch, so the
+excess depends on the shares), forward + backward, each rank's compute throttled
+as in training (runtime/devices/emulation.Throttle, its sleep before the backward as
+devices/hooks.py places it: CPU time stretched by 1/speed; on the
 controlled clock, forward+backward lasting its clocked length, so FSDP2's own CPU work inside it
 costs nothing and its collectives' waits remain), from a barrier to a barrier (the slowest rank
 sets both). The model is wrapped as the runtime wraps it
@@ -67,29 +71,29 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         new = dict(copied.named_parameters())
         runs_on.append(rebuild_optimizer(fresh, {p: new[n] for p, n in names.items()}, who="the FSDP2 probe"))
 
-    clocked = throttle is not None and throttle.sample_s is not None
     rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
+    # each wrapper its own books of the device (the backward's learned length, the debt)
+    paces = [throttle.fresh() if throttle is not None else None for _ in range(2)]
 
-    def step(module, opt) -> float:
+    def step(module, opt, own) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        with throttle.compute() if throttle is not None and not clocked else contextlib.nullcontext():
-            # clocked, the forward+backward last their clocked length, the CPU inside it (FSDP2's own
-            # work too), the collectives' waits on top
-            throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
-                                       throttle=throttle if clocked else None, rows=rows)
-            with throttle.compute() if clocked else contextlib.nullcontext():
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)
+        # throttled as training throttles (devices/hooks.py): the sleep before the backward, the
+        # backward's and the rest's CPU paid with the optimizer's; the collectives' waits on top
+        throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
+                                   throttle=own, rows=rows)
+        with own.compute() if own is not None else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
         dist.barrier()
         return time.perf_counter() - t0
 
     try:
         with torch.random.fork_rng(devices=[device] if cuda else []):
-            step(ddp, runs_on[0]), step(sharded, runs_on[1])     # warm-up: buckets, lazy init, state
-            times = [(step(ddp, runs_on[0]), step(sharded, runs_on[1])) for _ in range(runs)]
+            step(ddp, runs_on[0], paces[0]), step(sharded, runs_on[1], paces[1])    # warm-up: buckets, lazy init, state
+            times = [(step(ddp, runs_on[0], paces[0]), step(sharded, runs_on[1], paces[1])) for _ in range(runs)]
     finally:
         del ddp, sharded, plain, runs_on
         gc.collect()
@@ -102,8 +106,10 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 def throttled_forward_backward(module, batch, *, forward: Callable, device: torch.device, dtype, throttle,
                                rows: int) -> None:
     """One forward and backward as the engine runs them: under the autocast of `dtype`; with a
-    controlled-clock `throttle` (None: not clocked), the pair lasting its clocked length for `rows`
-    samples (Throttle.before_backward / after_backward), whatever waits inside come on top."""
+    `throttle` (None: none), the device's sleep before the backward, as devices/hooks.py places it
+    (Throttle.before_backward / after_backward: on a controlled clock the pair lasting its clocked
+    length for `rows` samples; else the forward's CPU and the predicted backward's stretched), the
+    backward's error owed to the next settle; whatever waits inside come on top."""
     c0 = time.thread_time()
     with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
         loss = as_scalar(forward(module, batch))

@@ -82,16 +82,17 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         dist.barrier()
         t0 = time.perf_counter()
         act = 0.0
-        with own.compute() if own is not None and not clocked else contextlib.nullcontext():
-            def run() -> None:
-                throttled_forward_backward(sharded, batch, forward=forward, device=device, dtype=dtype,
-                                           throttle=own if clocked else None, rows=rows)
-            if count:
-                act = saved(run)
-            else:
-                run()
-            if cuda:
-                torch.cuda.synchronize(device)
+        # throttled as training throttles (devices/hooks.py): the sleep before the backward, the
+        # backward's CPU beyond its guess paid with the optimizer's
+        def run() -> None:
+            throttled_forward_backward(sharded, batch, forward=forward, device=device, dtype=dtype,
+                                       throttle=own, rows=rows)
+        if count:
+            act = saved(run)
+        else:
+            run()
+        if cuda:
+            torch.cuda.synchronize(device)
         dist.barrier()
         t1 = time.perf_counter()
         with own.compute() if own is not None else contextlib.nullcontext():
