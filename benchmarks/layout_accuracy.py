@@ -53,7 +53,12 @@ that stretches a piece by x stretches the emulated device by x too, and a busy h
 slower pipeline. FSDP2 runs a collective per unit and pass (all-gathers forward and backward, a
 reduce-scatter): each waits for both ranks to be scheduled, which a loaded host delays. The
 ranking's FSDP2 row is DP's step plus what `hetrain plan` timed an FSDP2 step beyond a DDP one
-(runtime/measure/fsdp_probe.py), so its error is DP's plus the probe's. Only a
+(runtime/measure/fsdp_probe.py: each rank at its data-parallel share, paced as training paces it),
+so its error is DP's plus the probe's; timed at equal rows with the sleep after the step, the
+excess read +117 ms where the run paid +164 (wall +15%). The TP row is a step of the split timed
+by `hetrain plan` at the micro-batch the run takes (planning/tensor_split.tp_micro_batch), with
+what each rank held counted there: its memory column checks that the probe ran the run's split
+(it read −8.6% while the two cut the layers by different speeds), not a model of the count. Only a
 quiet host's table checks the model; `--max-other-cores 0.2 --retries 3` repeats a run that
 had company. Four emulated devices at speeds 1, 1, 0.67, 0.67 want 3.3 cores: on a 2-core host
 use --dilate 2. Both models play out the cores being shared (the data-parallel one step by step,
