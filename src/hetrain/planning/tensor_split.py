@@ -118,17 +118,16 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *,
     how = (f"the devices finish their parts together ({seconds(max(compute))} of compute); micro-batch "
            f"{m}x{n_micro}, activation all-reduces {seconds(comm)} per step")
     mem = tuple(h + p.activation_fixed_bytes + p.activation_bytes_per_sample * m for p, h in zip(profiles, held))
-    if measured and measured.get("fb_s", 0) > 0 and measured.get("micro_batch", 0) > 0:
+    timed = bool(measured) and measured.get("fb_s", 0) > 0 and measured.get("micro_batch", 0) > 0
+    if timed:
         fast = min(profiles, key=lambda p: p.per_sample_s)
         scale = fast.micro_seconds(math.ceil(b / n_micro)) / fast.micro_seconds(measured["micro_batch"])
         step = n_micro * measured["fb_s"] * scale + measured["opt_s"] + o.agree_s
         how = (f"micro-batch {m}x{n_micro}; a step measured here: {seconds(measured['fb_s'])} forward and "
                f"backward a micro-batch of {measured['micro_batch']}, the optimizer {seconds(measured['opt_s'])}")
-        counted = measured_memory(profiles, measured, m)
-        if counted is not None:
-            mem, how = counted, how + ", and what each rank holds counted there"
-        else:
-            how += "; memory at most its part of the state and the whole model's activations"
+    counted = measured_memory(profiles, measured, m) if timed else None
+    if counted is not None:
+        mem, how = counted, how + ", and what each rank holds counted there"
     else:
         how += "; memory at most its part of the state and the whole model's activations"
     ring = 2 * (w - 1) / w if w > 1 else 0.0

@@ -82,11 +82,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         # backward's and the rest's CPU paid with the optimizer's; the collectives' waits on top
         throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
                                    throttle=own, rows=rows)
-        with own.compute() if own is not None else contextlib.nullcontext():
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
+        paced_optimizer_step(opt, own, device)
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -120,6 +116,16 @@ def throttled_forward_backward(module, batch, *, forward: Callable, device: torc
     loss.backward()
     if throttle is not None:
         throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
+
+
+def paced_optimizer_step(optimizer: torch.optim.Optimizer, throttle, device: torch.device) -> None:
+    """The optimizer step as training paces it (devices/hooks.py: under Throttle.compute(), which
+    also pays what the backward still owes), gradients cleared, the device synchronized."""
+    with throttle.compute() if throttle is not None else contextlib.nullcontext():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

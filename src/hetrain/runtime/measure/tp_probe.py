@@ -24,7 +24,6 @@ split by speed is the one TP is asked for on mixed devices.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
@@ -35,7 +34,7 @@ import torch.distributed as dist
 
 from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
-from .fsdp_probe import stateless, throttled_forward_backward
+from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
 
 RUNS = 4            # timed steps, after one warm-up
 
@@ -95,11 +94,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
             torch.cuda.synchronize(device)
         dist.barrier()
         t1 = time.perf_counter()
-        with own.compute() if own is not None else contextlib.nullcontext():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)
+        paced_optimizer_step(opt, own, device)
         dist.barrier()
         return t1 - t0, time.perf_counter() - t1, act
 
