@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from hetrain.runtime.measure.fsdp_probe import paired_excess
 
 pytestmark = pytest.mark.dist
 
@@ -63,7 +64,7 @@ def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_wa
     for r in (r0, r1):
         assert r["unchanged"] and r["no_grads"] and r["no_state"]
         assert r["fsdp_s"] > 0 and r["ddp_s"] > 0 and r["runs"] == 3 and r["micro_batch"] == 12
-        assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])
+        assert len(r["pairs"]) == 3 and r["excess_s"] == paired_excess(r["pairs"])
 
 
 def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forward_and_backward():
@@ -76,4 +77,15 @@ def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forwa
         assert r["ddp_s"] >= 12 * 0.02 / 0.5 and r["fsdp_s"] >= 12 * 0.02 / 0.5, r
         # paced by fresh books of the device: the job's own throttle has booked nothing
         assert r["throttled_s"] == 0.0
-        assert r["excess_s"] == max(0.0, r["fsdp_s"] - r["ddp_s"])
+        assert len(r["pairs"]) == 2 and r["excess_s"] == paired_excess(r["pairs"])
+
+
+def test_a_slow_phase_that_hits_both_steps_of_a_pair_cancels_from_the_excess():
+    # FSDP2 costs 30 ms more than DDP in every pair; the host is 50% slower for the first two
+    # pairs (both steps alike), and one FSDP2 step of the fast phase is disturbed. The pairs'
+    # median difference still reads 30 ms; the difference of the medians reads 130 ms (FSDP2's
+    # median lands in the slow phase, DDP's in the fast one).
+    pairs = [(0.30, 0.33), (0.30, 0.33), (0.20, 0.23), (0.20, 0.23), (0.20, 0.40)]
+    assert paired_excess(pairs) == pytest.approx(0.03)
+    # never below zero: DDP timed slower than FSDP2 means no excess, not a discount
+    assert paired_excess([(0.25, 0.20), (0.25, 0.21), (0.25, 0.22)]) == 0.0

@@ -55,7 +55,11 @@ import torch.distributed as dist
 
 from ..ranks import agree
 
-STEPS = 4             # timed steps, after one warm-up
+# Timed steps, after one warm-up. 4 were too few on a shared host: four `hetrain plan` runs of the
+# dilated DP×PP 2×2 cluster (2-core AMD EPYC VM, wall clock) predicted its row 101-125 samples/s
+# (spread 21%) with 4 steps here and 5 repeats in profile_blocks, 108-115 (6%) with 8 and 15, for
+# 4 s more of probing.
+STEPS = 8
 
 
 def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.device, micro_batches: int = 8,
@@ -142,9 +146,16 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
     cores = usable_cores()
     # the pair computes a piece's worth between messages
     gap = statistics.median(agree.exchange({"alone": alone}, rank=rank, world_size=world, device=device).column("alone"))
-    quiet = _time_messages(big, busy_threads=0, gap_s=gap)
-    # with two ranks no third keeps the cores busy: the quiet figure stands for both
-    busy = _time_messages(big, busy_threads=-(-int(cores) // (world - 2)), gap_s=gap) if world > 2 else quiet
+    # Each figure the lesser of two medians, the sets quiet and busy in turn: a phase of the host
+    # slows every trip of a set it meets, and rarely both sets (five plans of DP×PP 2×2 on a 2-core
+    # EPYC, one set each, read the quiet message 0.15-3.0 ms, once above the busy figure, and
+    # moved the row 109-127 samples/s); a phase only adds time, so the lesser is kept.
+    spin = -(-int(cores) // (world - 2)) if world > 2 else 0
+    quiet = busy = float("inf")
+    for _ in range(2):
+        quiet = min(quiet, _time_messages(big, busy_threads=0, gap_s=gap))
+        # with two ranks no third keeps the cores busy: the quiet figure stands for both
+        busy = min(busy, _time_messages(big, busy_threads=spin, gap_s=gap)) if world > 2 else quiet
     return {"ratio": together / alone if alone > 0 else 1.0, "cores": cores, "message_s": quiet,
             "busy_message_s": busy}
 

@@ -36,7 +36,7 @@ from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
 
-RUNS = 4            # timed steps, after one warm-up
+RUNS = 8            # timed steps, after one warm-up (the median kept; as the FSDP2 probe, 4 moved with the host)
 
 
 def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, *, forward: Callable,
