@@ -332,13 +332,17 @@ def cpu_over_probe(run: dict) -> float | None:
     `cpu_stretch` (the plan's predicted figure) from two devices computing at once on shared
     cores and caches; beyond that, the host computed slower during the run than during the probes
     (drift, other work), or sharing cost more than the probe measured."""
+    from hetrain.planning.cost import Assignment
+    from hetrain.planning.profile import DeviceProfile
+
     ratios = []
     for r, p in enumerate(run.get("profiles") or []):
         share, micro = run["shares"][r], run["micro_batches"][r]
         if not share or not micro or not p.get("cpu_share"):
             continue
-        n_micro = -(-share // micro)
-        planned = (share * p["per_sample_s"] + n_micro * p.get("overhead_s", 0.0)) * p["cpu_share"]
+        # the planner's own cost of this share (its seconds on the device), as CPU seconds
+        profile = DeviceProfile.from_dict(p)
+        planned = Assignment(profile=profile, share=share, micro_batch=micro).compute_s() * profile.cpu_share
         ratios.append((run["steady_compute_s"][r] / planned, run["steady_busy_s"][r]))
     return max(ratios, key=lambda t: t[1])[0] if ratios else None
 

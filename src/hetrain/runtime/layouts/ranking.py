@@ -76,11 +76,10 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
     # each device's throttle sleeps its own stretch, so the excess depends on the shares (equal rows
     # read +117 ms against +164 ms run at shares 20/12 on the dilated pair: FSDP2 wall +15%).
     try:
-        plan, _ = plan_from_measurements(measured, job.config)
-        rows = [d.micro_batch for d in plan.devices]
-    except UsageError:                       # no data-parallel plan: every rank the probe's rows
-        rows = [measured.probe_size] * job.world_size
-    if len(rows) != job.world_size:
+        rows = [d.micro_batch for d in plan_from_measurements(measured, job.config)[0].devices]
+    except UsageError:
+        rows = []
+    if len(rows) != job.world_size:          # no data-parallel plan of every rank: the probe's rows
         rows = [measured.probe_size] * job.world_size
     batch = job.load(range(min(rows[job.rank], len(job.dataset))))
     found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,

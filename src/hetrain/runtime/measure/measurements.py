@@ -58,7 +58,8 @@ class Measurements:
     # runtime's: {"profile": PipelineProfile.to_dict(), "devices": [{name, speed, memory_bytes}]}.
     pipeline: dict | None = None
     # `hetrain plan` only: an FSDP2 step's seconds beyond a DDP step's, timed (fsdp_probe.py):
-    # {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch", "rows" (every rank's), "backend"}.
+    # {"excess_s", "fsdp_s", "ddp_s", "runs", "pairs" ((DDP, FSDP2) seconds of each run), "micro_batch",
+    # "rows" (every rank's), "backend"}.
     fsdp: dict | None = None
     # `hetrain plan` only: a step of the model split by speed, timed (tp_probe.py):
     # {"fb_s", "opt_s", "runs", "micro_batch", "memory" (every rank's [state, activation] bytes)}.

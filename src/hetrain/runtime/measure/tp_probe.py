@@ -36,7 +36,10 @@ from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
 
-RUNS = 8            # timed steps, after one warm-up (the median kept; as the FSDP2 probe, 4 moved with the host)
+# Timed steps, after one warm-up (the median kept). 8, as the pipeline probe; not what steadies
+# TP's figure: two sets of four plans of the dilated pair (2-core EPYC, wall clock) read the TP
+# row 3.3% and 13.5% apart with 4, five plans 14.4% with 8 (one of them 8% above the rest).
+RUNS = 8
 
 
 def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, *, forward: Callable,
