@@ -52,6 +52,13 @@ the miss is the CPU computing slower in the run than in the probes, not the layo
 The `spread` column is how far the rounds moved, predictions/runs, each (largest − least) over its
 median: the runs' spread is the host's noise floor for that layout (the same plan run again), so
 an error inside it is not a model's miss, and one outside it is.
+The `host` column (wall clock) is how far the host itself had moved between a row's plan and its
+run: benchmarks/host_gauge.py's two processes time the model's forward and backward together,
+once at the end of each `hetrain plan` and just before and just after each run (their mean);
++ means the host computed slower in the run, and a prediction then reads fast by about as much.
+It is read by this driver, never given to a prediction. `--max-host-move 0.04 --retries 2` runs
+a layout again while its host had moved more than 4%, as `--max-other-cores` does for a run that
+had company; every attempt is kept in the JSON (attempt_log) and the last one is compared.
 
 Reading the figures on a shared host (other_work_cores: the CPU the rest of the host used during
 the run). Data-parallel ranks are throttled by their CPU time, so other work slows them only by
@@ -144,6 +151,30 @@ def loss_fn(out, y):
     return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
 
 
+_GAUGES: dict = {}
+
+
+def host_reference(precision: str) -> float:
+    """The host's speed now, as the devices find it (benchmarks/host_gauge.py: two processes,
+    computing together, each timing one forward and backward of the factory's model): read while
+    nothing of ours trains, so that its change between a plan and a run is the host's own (a
+    neighbour on the hypervisor, the cores' sharing, the clock frequency), never a layout's. Read
+    beside the error, never given to a prediction; with --max-host-move a run whose host moved is
+    run again (run_layout)."""
+    from host_gauge import HostGauge
+
+    model = os.environ.get(MODEL_ENV, "4,128,64")
+    if model not in _GAUGES:
+        _GAUGES[model] = HostGauge(model, MODEL_ENV)
+    return _GAUGES[model].read(precision)
+
+
+def close_gauges() -> None:
+    for gauge in _GAUGES.values():
+        gauge.close()
+    _GAUGES.clear()
+
+
 # -- inside each training process -------------------------------------------------------------
 def worker(argv: list[str]) -> None:
     """One training job of one layout (argv: parallel, sharding, global batch, steps, precision,
@@ -220,20 +251,31 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     blocks = len(find_parts(m).blocks)
     ranking, profiles, options = rank_from_measurements(         # what `hetrain plan` ranks
         measured, config, state=ModelState(**model_facts(m, opt, blocks)))
-    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
+    # the host's speed at the end of the probes (the plan's phase), in the precision they ran
+    precision = profiles[0].precision if profiles else "fp32"
+    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout), "precision": precision,
+            "host_s": None if clock_s(args) else host_reference(precision),     # the wall clock's reading
             "pipeline": (measured.pipeline or {}).get("profile"),      # the blocks as a stage runs them
             "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 
 
-def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str) -> dict:
-    """One training run of a layout; again while other work used more than --max-other-cores."""
+def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str,
+               planned: dict | None = None) -> dict:
+    """One training run of a layout; again (up to --retries times) while other work used more than
+    --max-other-cores, or while the host's speed (host_reference, read just before and just after
+    the run) was more than --max-host-move from its speed at the end of `planned`'s probes.
+    Every attempt's figures are kept in the summary ("attempt_log")."""
     from hostload import children_cpu_s, host_busy_s
 
     from hetrain.launch import build_launch
 
     _, parallel, sharding, _ = LAYOUTS[name]
     clock = clock_s(args)
+    max_move = getattr(args, "max_host_move", None)
+    planned = planned if planned and planned.get("host_s") else None      # read on the wall clock only
+    log = []
     for attempt in range(args.retries + 1):
+        before = host_reference(planned["precision"]) if planned else None
         out = os.path.join(workdir, f"{tag}-a{attempt}.json")
         launch = build_launch(target=str(Path(__file__).resolve()), emulate=spec, run_dir=os.path.join(workdir, tag),
                               target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
@@ -247,10 +289,18 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
         if proc.returncode != 0:
             raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         summary = json.loads(Path(out).read_text())
-        summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall)
-        if args.max_other_cores is None or others <= args.max_other_cores:
+        move = None
+        if planned:       # the host during the run against the host at the end of the plan's probes
+            move = (before + host_reference(planned["precision"])) / 2 / planned["host_s"] - 1
+        log.append({"samples_per_s": summary["steady_samples_per_s"], "other_work_cores": round(others, 3),
+                    "host_move": move})
+        summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall, host_move=move, attempt_log=log)
+        busy = args.max_other_cores is not None and others > args.max_other_cores
+        moved = max_move is not None and move is not None and abs(move) > max_move
+        if not (busy or moved) or attempt == args.retries:
             break
-        print(f"{tag}: other work used {others:.2f} cores during the run; again", file=sys.stderr)
+        why = f"other work used {others:.2f} cores" if busy else f"the host ran {move:+.1%} against the plan's probes"
+        print(f"{tag}: {why} during the run; again", file=sys.stderr)
         time.sleep(args.retry_wait)
     return summary
 
@@ -292,7 +342,11 @@ def compare(name: str, spec: str, preds: list[dict], runs: list[dict], *, clocke
            "runtime_predicted_memory": runs[0].get("planned_memory"),
            "detail": pred["detail"], "shares": runs[0]["shares"], "micro_batches": runs[0]["micro_batches"],
            "other_work_cores": [round(s["other_work_cores"], 2) for s in runs],
-           "attempts": [s["attempts"] for s in runs]}
+           "attempts": [s["attempts"] for s in runs],
+           # the host's speed during each round's run against the end of its plan's probes
+           # (host_reference; + : the host computed slower in the run), and every attempt made
+           "host_move": [s.get("host_move") for s in runs],
+           "attempt_log": [s.get("attempt_log") for s in runs]}
     # how far the rounds moved, each side on its own: the runs' spread is the host's noise floor
     # for this layout (the same plan, run again), which no prediction can read better than
     row["predicted_spread"] = spread([p["samples_per_s"] for p in preds])
@@ -362,6 +416,7 @@ def main(args, chosen: list[str], clocks: list | None = None) -> dict:
         for r in range(args.rounds):
             for c in clocks:
                 _round(c, chosen, r, os.path.join(work, c.clock), per[c.clock])
+        close_gauges()
         for c in clocks:
             result["clocks"][c.clock] = _rows(c, chosen, per[c.clock])
     drift = None
@@ -403,7 +458,9 @@ def _round(clock, chosen: list[str], r: int, work: str, into: dict) -> None:
     for key in dict.fromkeys(LAYOUTS[n][0] for n in chosen):
         into["rankings"].setdefault(key, []).append(ranking_for(clusters[key], clock, cache, work, clock.model))
     for n in chosen:
-        into["runs"][n].append(run_layout(n, clusters[LAYOUTS[n][0]], clock, cache, work, clock.model, f"{n}-r{r}"))
+        key = LAYOUTS[n][0]
+        into["runs"][n].append(run_layout(n, clusters[key], clock, cache, work, clock.model, f"{n}-r{r}",
+                                          planned=into["rankings"][key][-1]))
 
 
 def _rows(clock, chosen: list[str], got: dict) -> dict:
@@ -429,6 +486,11 @@ def headline(result: dict) -> str:
         kind = "clocked" if v["clocked"] else "wall"
         parts.append(f"{kind} max samples/s error {err:.1%} (target {v['target']:.0%})" if err is not None
                      else f"{kind}: -")
+    moves = [m for v in result["clocks"].values() if not v["clocked"] for r in v["layouts"]
+             for m in r.get("host_move") or [] if m is not None]
+    if moves:
+        parts.append(f"the host's speed in the wall-clock runs against their plans' probes: {min(moves):+.1%} "
+                     f"to {max(moves):+.1%} (host_reference)")
     drift = result.get("host_drift")
     if drift:
         parts.append(f"host drift: a {drift['window_s']:g}-s probe of {drift['procs']} processes off its phase's "
@@ -452,12 +514,16 @@ def table(rows: list[dict]) -> str:
         want = [e for e in expected or [] if e is not None]
         return f"{statistics.median(got):.2f}" + (f"/{statistics.median(want):.2f}" if want else "")
 
+    def host(r):
+        moves = [m for m in r.get("host_move") or [] if m is not None]
+        return f"{statistics.median(moves):+.0%}" if moves else "-"
+
     def spreads(r):
         p, m = r.get("predicted_spread"), r.get("measured_spread")
         return "-" if p is None or m is None else f"{p:.0%}/{m:.0%}"
 
     head = (f"{'layout':<10}{'row':<14}{'pred/s':>8}{'meas/s':>8}{'err':>8}{'spread':>9}{'imposed':>8}{'runtime/s':>10}"
-            f"{'cpu run/exp':>12}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
+            f"{'cpu run/exp':>12}{'host':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
     lines = [head]
     for r in rows:
         own = r.get("runtime_predicted_samples_per_s")
@@ -465,7 +531,7 @@ def table(rows: list[dict]) -> str:
         verdict = f"FAIL: {r['fail']}" if r["fail"] else "PASS" if r["pass"] else "MISS"
         lines.append(f"{r['layout']:<10}{r['row']:<14}{r['predicted_samples_per_s']:>8.1f}"
                      f"{r['measured_samples_per_s']:>8.1f}{pct(r['speed_error']):>8}{spreads(r):>9}{imposed:>8}"
-                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
+                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{host(r):>6}{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
                      f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<19}{verdict}")
     return "\n".join(lines)
 

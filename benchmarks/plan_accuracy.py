@@ -208,7 +208,12 @@ def main(argv=None) -> dict:
                    help="seconds of host_drift.py's probe read beside the wall-clock error (default 10; 0: none)")
     p.add_argument("--max-other-cores", type=float, default=None,
                    help="on a shared host: repeat a run while other work used more than this many cores")
-    p.add_argument("--retries", type=int, default=5, help="with --max-other-cores: at most this many repeats")
+    p.add_argument("--max-host-move", type=float, default=None,
+                   help="with --layout, on the wall clock: repeat a run while the host's own speed (one "
+                        "forward+backward timed by this driver just before and after it) was more than this "
+                        "fraction from its speed at the end of the plan's probes (e.g. 0.04)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="with --max-other-cores or --max-host-move: at most this many repeats")
     p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto (default): each card's own, computed in fp32 where this CPU runs it slowly")

@@ -8,8 +8,9 @@ without its bf16 extension) torch converts every bf16 value in software, and bf1
 4-70x slower than fp32. The emulation rule (planning/precision.py) reads these facts.
 
 The measurement: one thread, a matmul and one transformer block forward+backward, in fp32, bf16
-and fp16 (autocast for the block, as training runs it); the least of a few runs, so a busy host
-skews it little. The block's ratio is the one decisions use: it is the work training does.
+and fp16 (autocast for the block, as training runs it); the least of a few runs of each, the
+precisions timed in turn (least_ms_interleaved), so a busy host skews it little, and all alike.
+The block's ratio is the one decisions use: it is the work training does.
 
 Sources, in order: $HETRAIN_HOST_FACTS (a recorded file: tests, and forcing another host's path),
 the cache ($HETRAIN_CACHE/host, keyed by CPU model, flags and torch version), a new measurement.
@@ -161,34 +162,48 @@ def measure() -> HostFacts:
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         block = torch.nn.TransformerEncoderLayer(128, 4, dim_feedforward=512, dropout=0.0, batch_first=True)
         x = torch.randn(8, 64, 128, generator=g)
-        matmul_ms, block_ms = {}, {}
+        matmuls, steps = {}, {}
         for p in PRECISIONS:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p]
             ap, bp = a.to(dtype), b.to(dtype)
-            matmul_ms[p] = _least_ms(lambda: ap @ bp)   # noqa: B023 (timed here, in this iteration)
+            matmuls[p] = lambda ap=ap, bp=bp: ap @ bp
 
-            def step():
-                with torch.autocast("cpu", dtype=dtype, enabled=p != "fp32"):  # noqa: B023 (run in this iteration)
+            def step(dtype=dtype, low=p != "fp32"):
+                with torch.autocast("cpu", dtype=dtype, enabled=low):
                     out = block(x)
                 out.float().sum().backward()
                 block.zero_grad(set_to_none=True)
 
-            block_ms[p] = _least_ms(step)
+            steps[p] = step
+        matmul_ms, block_ms = least_ms_interleaved(matmuls), least_ms_interleaved(steps)
     finally:
         torch.set_num_threads(threads)
     return HostFacts(cpu=cpu, flags=flags, torch=torch.__version__, capability=_capability(),
                      block_ms=block_ms, matmul_ms=matmul_ms, source="measured")
 
 
-def _least_ms(fn, *, budget_s: float = 0.15, runs: int = 5) -> float:
-    fn()                                     # warm-up: kernels chosen, memory allocated
-    best, spent, n = float("inf"), 0.0, 0
-    while n < 2 or (n < runs and spent < budget_s):
-        t0 = time.perf_counter()
+def least_ms_interleaved(fns: dict, *, budget_s: float = 0.15, runs: int = 5, clock=time.perf_counter) -> dict:
+    """Each function's least milliseconds, after a warm-up call of each (kernels chosen, memory
+    allocated): at least 2 runs each and at most `runs`, until its runs add up to `budget_s`. The
+    functions are timed in turn, one run of each per pass, so a burst of other work on the host
+    slows every precision alike instead of all the runs of one. Timed one precision after another,
+    a burst as long as one precision's few runs (a fraction of a second) made that precision read
+    slow, and past 1.5x the precision rule computes in fp32 (planning/precision.py): once here, on a
+    host where bf16 is as fast as fp32, a benchmark's `hetrain plan` chose fp32 for bf16 cards."""
+    for fn in fns.values():
         fn()
-        dt = time.perf_counter() - t0
-        best, spent, n = min(best, dt), spent + dt, n + 1
-    return best * 1e3
+    best = dict.fromkeys(fns, float("inf"))
+    spent = dict.fromkeys(fns, 0.0)
+    done = dict.fromkeys(fns, 0)
+    while True:
+        due = [k for k in fns if done[k] < 2 or (done[k] < runs and spent[k] < budget_s)]
+        if not due:
+            return {k: v * 1e3 for k, v in best.items()}
+        for k in due:
+            t0 = clock()
+            fns[k]()
+            dt = clock() - t0
+            best[k], spent[k], done[k] = min(best[k], dt), spent[k] + dt, done[k] + 1
 
 
 def _capability() -> str:

@@ -134,3 +134,47 @@ def test_a_real_measurement_times_all_three_precisions(monkeypatch):
     assert all(v > 0 for v in (*facts.block_ms.values(), *facts.matmul_ms.values()))
     assert set(facts.flags) <= set(hostmod.FLAGS) and facts.cpu
     assert HostFacts.from_dict(json.loads(json.dumps(facts.to_dict()))) == facts
+
+
+class _BurstClock:
+    """A clock that each timed call advances: by `base` seconds, three times that while a burst
+    of other work holds the host (from the `burst_from`-th call of any function on)."""
+
+    def __init__(self, base: float, burst_from: int):
+        self.now, self.calls, self.base, self.burst_from = 0.0, 0, base, burst_from
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self) -> None:
+        self.now += self.base * (3 if self.calls >= self.burst_from else 1)
+        self.calls += 1
+
+
+def test_precisions_are_timed_in_turn_so_a_burst_slows_them_alike():
+    clock = _BurstClock(0.01, burst_from=6)     # from the 7th call on: the host is busy
+    fns = {"fp32": clock.work, "bf16": clock.work}
+    got = hostmod.least_ms_interleaved(fns, clock=clock, budget_s=1.0, runs=5)
+    assert got == pytest.approx({"fp32": 10.0, "bf16": 10.0})
+    # one precision after the other (warm-up, then its runs), the same burst covers all of bf16's
+    # runs: it reads 3x slower than fp32, past the 1.5x that makes the rule compute fp32
+    clock = _BurstClock(0.01, burst_from=6)
+    one_after_another = {k: hostmod.least_ms_interleaved({k: clock.work}, clock=clock, budget_s=1.0, runs=5)[k]
+                         for k in ("fp32", "bf16")}
+    assert one_after_another["bf16"] / one_after_another["fp32"] == pytest.approx(3.0)
+
+
+def test_each_precision_gets_at_least_two_runs_and_stops_at_its_own_budget():
+    calls = {"fast": 0, "slow": 0}
+    clock = _BurstClock(0.0, burst_from=10**9)
+
+    def timed(name, seconds):
+        def fn():
+            calls[name] += 1
+            clock.now += seconds
+        return fn
+
+    got = hostmod.least_ms_interleaved({"fast": timed("fast", 0.01), "slow": timed("slow", 0.2)},
+                                       clock=clock, budget_s=0.15, runs=5)
+    assert calls == {"fast": 1 + 5, "slow": 1 + 2}       # a warm-up each; 5 runs of 10 ms, 2 of 200 ms
+    assert got == pytest.approx({"fast": 10.0, "slow": 200.0})
