@@ -209,9 +209,10 @@ def main(argv=None) -> dict:
     p.add_argument("--max-other-cores", type=float, default=None,
                    help="on a shared host: repeat a run while other work used more than this many cores")
     p.add_argument("--max-host-move", type=float, default=None,
-                   help="with --layout, on the wall clock: repeat a run while the host's own speed (one "
-                        "forward+backward timed by this driver just before and after it) was more than this "
-                        "fraction from its speed at the end of the plan's probes (e.g. 0.04)")
+                   help="with --layout, on the wall clock: repeat a run while the host's own speed (two "
+                        "processes timing the model's forward+backward together, benchmarks/host_gauge.py, just "
+                        "before and after it) was more than this fraction from its speed at the end of the "
+                        "plan's probes (e.g. 0.04)")
     p.add_argument("--retries", type=int, default=5,
                    help="with --max-other-cores or --max-host-move: at most this many repeats")
     p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
@@ -229,6 +230,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if not args.dilate >= 1:
         raise SystemExit("--dilate must be >= 1")
+    if args.max_host_move is not None and not (args.layout and args.max_host_move > 0):
+        p.error(f"--max-host-move {args.max_host_move:g}: give a fraction above 0 (e.g. 0.04), with --layout "
+                "(the layout runs read the host's speed; the planner's own DP runs do not)")
     quick = QUICK if args.quick else {}
     args.steps = args.steps or quick.get("steps", 30)
     args.rounds = args.rounds or quick.get("rounds", 1)
