@@ -251,10 +251,8 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
     blocks = len(find_parts(m).blocks)
     ranking, profiles, options = rank_from_measurements(         # what `hetrain plan` ranks
         measured, config, state=ModelState(**model_facts(m, opt, blocks)))
-    # the host's speed at the end of the probes (the plan's phase), in the precision they ran
-    precision = profiles[0].precision if profiles else "fp32"
-    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout), "precision": precision,
-            "host_s": None if clock_s(args) else host_reference(precision),     # the wall clock's reading
+    return {"ranking": ranking.to_dict(), "plan": json.loads(proc.stdout),
+            "precision": profiles[0].precision if profiles else "fp32",    # what the probes computed in
             "pipeline": (measured.pipeline or {}).get("profile"),      # the blocks as a stage runs them
             "profiles": [p.to_dict() for p in profiles], "link_gbs": options.link.bandwidth_gbs if options.link else None}
 
@@ -456,7 +454,10 @@ def _round(clock, chosen: list[str], r: int, work: str, into: dict) -> None:
     clusters = {k: dilate(v, clock.dilate) for k, v in CLUSTERS.items()}
     cache = round_cache(work, r)
     for key in dict.fromkeys(LAYOUTS[n][0] for n in chosen):
-        into["rankings"].setdefault(key, []).append(ranking_for(clusters[key], clock, cache, work, clock.model))
+        found = ranking_for(clusters[key], clock, cache, work, clock.model)
+        # on the wall clock, the host's speed at the end of the probes (the plan's phase)
+        found["host_s"] = None if clock_s(clock) else host_reference(found["precision"])
+        into["rankings"].setdefault(key, []).append(found)
     for n in chosen:
         key = LAYOUTS[n][0]
         into["runs"][n].append(run_layout(n, clusters[key], clock, cache, work, clock.model, f"{n}-r{r}",

@@ -178,3 +178,18 @@ def test_each_precision_gets_at_least_two_runs_and_stops_at_its_own_budget():
                                        clock=clock, budget_s=0.15, runs=5)
     assert calls == {"fast": 1 + 5, "slow": 1 + 2}       # a warm-up each; 5 runs of 10 ms, 2 of 200 ms
     assert got == pytest.approx({"fast": 10.0, "slow": 200.0})
+
+
+def test_a_measurement_times_every_precision_in_one_interleaved_set(monkeypatch):
+    # the wiring of the test above: measure() hands all three precisions to least_ms_interleaved
+    # at once (the matmuls, then the blocks), never one precision's runs after another's
+    sets = []
+
+    def record(fns, **kw):
+        sets.append(sorted(fns))
+        return dict.fromkeys(fns, 1.0)
+
+    monkeypatch.setattr(hostmod, "least_ms_interleaved", record)
+    facts = hostmod.measure()
+    assert sets == [["bf16", "fp16", "fp32"]] * 2
+    assert facts.block_ms == facts.matmul_ms == {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}

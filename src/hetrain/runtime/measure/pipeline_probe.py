@@ -150,12 +150,13 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
     # slows every trip of a set it meets, and rarely both sets (five plans of DP×PP 2×2 on a 2-core
     # EPYC, one set each, read the quiet message 0.15-3.0 ms, once above the busy figure, and
     # moved the row 109-127 samples/s); a phase only adds time, so the lesser is kept.
-    spin = -(-int(cores) // (world - 2)) if world > 2 else 0
     quiet = busy = float("inf")
     for _ in range(2):
         quiet = min(quiet, _time_messages(big, busy_threads=0, gap_s=gap))
-        # with two ranks no third keeps the cores busy: the quiet figure stands for both
-        busy = min(busy, _time_messages(big, busy_threads=spin, gap_s=gap)) if world > 2 else quiet
+        if world > 2:
+            busy = min(busy, _time_messages(big, busy_threads=-(-int(cores) // (world - 2)), gap_s=gap))
+    if world <= 2:          # with two ranks no third keeps the cores busy: the quiet figure stands for both
+        busy = quiet
     return {"ratio": together / alone if alone > 0 else 1.0, "cores": cores, "message_s": quiet,
             "busy_message_s": busy}
 

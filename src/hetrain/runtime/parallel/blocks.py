@@ -148,8 +148,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
     micro-batch), per sample. Times are this thread's CPU time on CPU (throttling excluded) and
     synchronised wall time on CUDA; the least of `repeats` runs (preemption only adds time; 15, as
     5 left block 0's figure 8% above its neighbours' in one plan of a DP×PP benchmark on a shared
-    2-core host, and every stage's
-    factor is read against block 0's: runtime/measure/pipeline_probe.py).
+    2-core host, and every stage's factor is read against block 0's: runtime/measure/pipeline_probe.py).
     `precision`: the device's PrecisionPolicy, whose autocast every part runs under, as a stage
     runs it (parallel/pipeline_stage.py): a bf16 stage's blocks cost what bf16 costs there."""
     device = device or example.device
