@@ -161,12 +161,26 @@ def host_reference(precision: str) -> float:
     neighbour on the hypervisor, the cores' sharing, the clock frequency), never a layout's. Read
     beside the error, never given to a prediction; with --max-host-move a run whose host moved is
     run again (run_layout)."""
+    return _gauge().read(precision)
+
+
+def _gauge():
     from host_gauge import HostGauge
 
     model = os.environ.get(MODEL_ENV, "4,128,64")
     if model not in _GAUGES:
         _GAUGES[model] = HostGauge(model, MODEL_ENV)
-    return _GAUGES[model].read(precision)
+    return _GAUGES[model]
+
+
+def host_watch() -> None:
+    """Start timing the host beside a run (host_gauge.HostGauge.watch); host_watched()
+    stops it and returns the passes' milliseconds."""
+    _gauge().watch()
+
+
+def host_watched() -> list[float]:
+    return _gauge().watched()
 
 
 def close_gauges() -> None:
@@ -260,9 +274,12 @@ def ranking_for(spec: str, args, cache: str, workdir: str, model: str) -> dict:
 def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str, tag: str,
                planned: dict | None = None) -> dict:
     """One training run of a layout; again (up to --retries times) while other work used more than
-    --max-other-cores, or while the host's speed (host_reference, read just before and just after
-    the run) was more than --max-host-move from its speed at the end of `planned`'s probes.
-    Every attempt's figures are kept in the summary ("attempt_log")."""
+    --max-other-cores, while the host's speed (host_reference, read just before and just after
+    the run) was more than --max-host-move from its speed at the end of `planned`'s probes, or while
+    the host was slow during more than --max-host-burst of the run (host_gauge.burst_share of the
+    passes host_watch timed beside it). Every attempt's figures are kept in the summary
+    ("attempt_log")."""
+    from host_gauge import burst_share
     from hostload import children_cpu_s, host_busy_s
 
     from hetrain.launch import build_launch
@@ -270,6 +287,7 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
     _, parallel, sharding, _ = LAYOUTS[name]
     clock = clock_s(args)
     max_move = getattr(args, "max_host_move", None)
+    max_burst = getattr(args, "max_host_burst", None)
     planned = planned if planned and planned.get("host_s") else None      # read on the wall clock only
     log = []
     for attempt in range(args.retries + 1):
@@ -279,25 +297,33 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
                               target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
                                            args.precision, "wall" if clock is None else repr(clock),
                                            repr(clock_micro_s(args)) if clock_micro_s(args) else "none", out))
+        if planned:
+            host_watch()
         busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
         proc = subprocess.run(list(launch.argv), env={**_env(cache, model), **launch.env}, capture_output=True,
                               text=True, timeout=900)
         wall = time.perf_counter() - t0
         others = max(0.0, (host_busy_s() - busy0) - (children_cpu_s() - ours0)) / wall
+        watched = host_watched() if planned else []
         if proc.returncode != 0:
             raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         summary = json.loads(Path(out).read_text())
-        move = None
+        move = burst = None
         if planned:       # the host during the run against the host at the end of the plan's probes
             move = (before + host_reference(planned["precision"])) / 2 / planned["host_s"] - 1
+            burst = burst_share(watched)
         log.append({"samples_per_s": summary["steady_samples_per_s"], "other_work_cores": round(others, 3),
-                    "host_move": move})
-        summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall, host_move=move, attempt_log=log)
+                    "host_move": move, "host_burst": burst, "watched_ms": [round(v, 1) for v in watched]})
+        summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall, host_move=move, host_burst=burst,
+                       attempt_log=log)
         busy = args.max_other_cores is not None and others > args.max_other_cores
         moved = max_move is not None and move is not None and abs(move) > max_move
-        if not (busy or moved) or attempt == args.retries:
+        burst_out = max_burst is not None and burst is not None and burst > max_burst
+        if not (busy or moved or burst_out) or attempt == args.retries:
             break
-        why = f"other work used {others:.2f} cores" if busy else f"the host ran {move:+.1%} against the plan's probes"
+        why = (f"other work used {others:.2f} cores" if busy else
+               f"the host ran {move:+.1%} against the plan's probes" if moved else
+               f"the host was slow during {burst:.0%} of the run")
         print(f"{tag}: {why} during the run; again", file=sys.stderr)
         time.sleep(args.retry_wait)
     return summary
@@ -344,6 +370,8 @@ def compare(name: str, spec: str, preds: list[dict], runs: list[dict], *, clocke
            # the host's speed during each round's run against the end of its plan's probes
            # (host_reference; + : the host computed slower in the run), and every attempt made
            "host_move": [s.get("host_move") for s in runs],
+           # the share of each round's run during which the host itself was slow (host_gauge.burst_share)
+           "host_burst": [s.get("host_burst") for s in runs],
            "attempt_log": [s.get("attempt_log") for s in runs]}
     # how far the rounds moved, each side on its own: the runs' spread is the host's noise floor
     # for this layout (the same plan, run again), which no prediction can read better than
@@ -492,6 +520,10 @@ def headline(result: dict) -> str:
     if moves:
         parts.append(f"the host's speed in the wall-clock runs against their plans' probes: {min(moves):+.1%} "
                      f"to {max(moves):+.1%} (host_reference)")
+    bursts = [b for v in result["clocks"].values() if not v["clocked"] for r in v["layouts"]
+              for b in r.get("host_burst") or [] if b is not None]
+    if bursts:
+        parts.append(f"the host slow during {min(bursts):.0%} to {max(bursts):.0%} of a run (host_gauge.burst_share)")
     drift = result.get("host_drift")
     if drift:
         parts.append(f"host drift: a {drift['window_s']:g}-s probe of {drift['procs']} processes off its phase's "
@@ -519,12 +551,16 @@ def table(rows: list[dict]) -> str:
         moves = [m for m in r.get("host_move") or [] if m is not None]
         return f"{statistics.median(moves):+.0%}" if moves else "-"
 
+    def burst(r):       # the most of a round's run during which the host was slow
+        shares = [b for b in r.get("host_burst") or [] if b is not None]
+        return f"{max(shares):.0%}" if shares else "-"
+
     def spreads(r):
         p, m = r.get("predicted_spread"), r.get("measured_spread")
         return "-" if p is None or m is None else f"{p:.0%}/{m:.0%}"
 
     head = (f"{'layout':<10}{'row':<14}{'pred/s':>8}{'meas/s':>8}{'err':>8}{'spread':>9}{'imposed':>8}{'runtime/s':>10}"
-            f"{'cpu run/exp':>12}{'host':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
+            f"{'cpu run/exp':>12}{'host':>6}{'burst':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
     lines = [head]
     for r in rows:
         own = r.get("runtime_predicted_samples_per_s")
@@ -532,7 +568,8 @@ def table(rows: list[dict]) -> str:
         verdict = f"FAIL: {r['fail']}" if r["fail"] else "PASS" if r["pass"] else "MISS"
         lines.append(f"{r['layout']:<10}{r['row']:<14}{r['predicted_samples_per_s']:>8.1f}"
                      f"{r['measured_samples_per_s']:>8.1f}{pct(r['speed_error']):>8}{spreads(r):>9}{imposed:>8}"
-                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{host(r):>6}{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
+                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{host(r):>6}{burst(r):>6}"
+                     f"{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
                      f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<19}{verdict}")
     return "\n".join(lines)
 

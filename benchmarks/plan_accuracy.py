@@ -213,8 +213,13 @@ def main(argv=None) -> dict:
                         "processes timing the model's forward+backward together, benchmarks/host_gauge.py, just "
                         "before and after it) was more than this fraction from its speed at the end of the "
                         "plan's probes (e.g. 0.04)")
+    p.add_argument("--max-host-burst", type=float, default=None,
+                   help="with --layout, on the wall clock: repeat a run while the host itself was slow during "
+                        "more than this share of it (a small forward+backward timed every 0.25 s beside the run, "
+                        "a pass 1.25x the run's fastest quarter or slower counting as slow; "
+                        "benchmarks/host_gauge.py), e.g. 0.1")
     p.add_argument("--retries", type=int, default=5,
-                   help="with --max-other-cores or --max-host-move: at most this many repeats")
+                   help="with --max-other-cores, --max-host-move or --max-host-burst: at most this many repeats")
     p.add_argument("--retry-wait", type=float, default=10.0, help="seconds between repeats")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto (default): each card's own, computed in fp32 where this CPU runs it slowly")
@@ -233,6 +238,9 @@ def main(argv=None) -> dict:
     if args.max_host_move is not None and not (args.layout and args.max_host_move > 0):
         p.error(f"--max-host-move {args.max_host_move:g}: give a fraction above 0 (e.g. 0.04), with --layout "
                 "(the layout runs read the host's speed; the planner's own DP runs do not)")
+    if args.max_host_burst is not None and not (args.layout and 0 <= args.max_host_burst < 1):
+        p.error(f"--max-host-burst {args.max_host_burst:g}: give a share from 0 up to below 1 (e.g. 0.1), with "
+                "--layout (the layout runs watch the host; the planner's own DP runs do not)")
     quick = QUICK if args.quick else {}
     args.steps = args.steps or quick.get("steps", 30)
     args.rounds = args.rounds or quick.get("rounds", 1)
