@@ -445,11 +445,16 @@ def main(args, chosen: list[str], clocks: list | None = None) -> dict:
         close_gauges()
         for c in clocks:
             result["clocks"][c.clock] = _rows(c, chosen, per[c.clock])
-    drift = None
+    drift = drift_matmul = None
     if getattr(args, "drift_s", 0) > 0:
         from host_drift import probe_drift
 
-        drift = probe_drift(seconds=args.drift_s)
+        # the model's own forward+backward, in the precision the plans' probes computed in: the
+        # matmuls host_drift.py times by default read a host steady that this model does not find
+        precisions = [rk["precision"] for c in clocks if not clock_s(c)
+                      for rks in per[c.clock]["rankings"].values() for rk in rks]
+        drift = probe_drift(seconds=args.drift_s, model=(args.model, MODEL_ENV, precisions[0] if precisions else "fp32"))
+        drift_matmul = probe_drift(seconds=args.drift_s)
     from hetrain.hardware.host import host_facts
 
     host = host_facts()
@@ -457,6 +462,7 @@ def main(args, chosen: list[str], clocks: list | None = None) -> dict:
                    "host": host.to_dict(), "host_summary": host.describe(), "load_average": os.getloadavg(),
                    "global_batch": args.global_batch, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                    "rounds": args.rounds, "dilate": args.dilate, "host_drift": drift,
+                   "host_drift_matmul": drift_matmul,
                    "targets": {"speed_clocked": CLOCKED_SPEED_TARGET, "speed_wall": SPEED_TARGET,
                                "memory": MEMORY_TARGET},
                    "load_note": "other_work_cores: CPU the rest of the host used during each run (near 0 on a quiet host)"})
@@ -527,7 +533,12 @@ def headline(result: dict) -> str:
     drift = result.get("host_drift")
     if drift:
         parts.append(f"host drift: a {drift['window_s']:g}-s probe of {drift['procs']} processes off its phase's "
-                     f"mean by up to {drift['probe_error_max']:.1%} (median {drift['probe_error_median']:.1%})")
+                     f"mean by up to {drift['probe_error_max']:.1%} (median {drift['probe_error_median']:.1%}) "
+                     f"timing {drift.get('workload', 'fp32 512x512 matmuls')}")
+    matmul = result.get("host_drift_matmul")
+    if matmul:
+        parts.append(f"{matmul['workload']} up to {matmul['probe_error_max']:.1%} "
+                     f"(median {matmul['probe_error_median']:.1%})")
     parts.append(f"load average {result['load_average'][0]:.2f}")
     return "; ".join(parts)
 
