@@ -7,10 +7,11 @@ closer to the run's average than the host's own drift, so this benchmark measure
 a workload that does not change, counted in windows of --window seconds, first in one process,
 then in --procs processes at once (as emulated devices run). The workload is one thread's fp32
 512x512 matmuls, or with --model the accuracy benchmarks' own model: its forward and backward on
-16 samples, in --precision. The two do not see the same host. On a 2-core AMD EPYC VM the matmuls
-read a 2-s window within 2.4% of its phase's mean while the model's forward and backward, one
-thread alone on an idle host, took 85-123 ms a pass from one second to the next; the model is the
-floor a wall-clock prediction of that model stands on, so layout_accuracy.py reads both.
+16 samples, in --precision. The two do not always see the same host: on a 2-core AMD EPYC VM,
+20 s of one process alone, the matmuls read a 2-s window within 2.9% of the phase's mean and the
+model (bf16), run next, within 10.6%; one thread of the model on 19 samples, nothing else running,
+took 84-123 ms a pass from one second to the next. The model's drift is the floor under a
+wall-clock prediction of that model, so layout_accuracy.py reads it, the matmuls' beside it.
 
 It reports, for each phase, each window's rate, the spread (slowest window / fastest) and how far
 a probe as long as one window would be from the whole phase's mean (the largest and the typical
