@@ -321,10 +321,10 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
         burst_out = max_burst is not None and burst is not None and burst > max_burst
         if not (busy or moved or burst_out) or attempt == args.retries:
             break
-        why = (f"other work used {others:.2f} cores" if busy else
-               f"the host ran {move:+.1%} against the plan's probes" if moved else
+        why = (f"other work used {others:.2f} cores during the run" if busy else
+               f"the host ran {move:+.1%} against the plan's probes during the run" if moved else
                f"the host was slow during {burst:.0%} of the run")
-        print(f"{tag}: {why} during the run; again", file=sys.stderr)
+        print(f"{tag}: {why}; again", file=sys.stderr)
         time.sleep(args.retry_wait)
     return summary
 
