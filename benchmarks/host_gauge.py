@@ -16,15 +16,17 @@ host was from where it stood at the end of the plan's probes, and with --max-hos
 run whose host had moved.
 
 Readings before and after a run miss what happens during it. On the same host the host slows in
-bursts of a second or two: a third process timing a small forward and backward every 0.25 s beside
-a DP run read 38-43 ms where it read 23-25 before, and it read so in the very steps in which the
-run's ranks took 141-160 ms of CPU instead of 95-127. In runs without such bursts, it stayed at
+bursts of a second or two: a third process timing a forward and backward of 4 samples every 0.25 s
+beside a DP run read 38-43 ms where it read 23-25 before, and it read so in the very steps in which
+the run's ranks took 141-160 ms of CPU instead of 95-127. In runs without such bursts, it stayed at
 22-29 ms throughout. So `watch()` keeps one gauge process timing a pass of WATCH_SIZE samples every
 WATCH_PERIOD_S while a run trains (about 5% of one core), and `burst_share` says what share of
 those passes were BURST_OVER or more slower than the run's fastest quarter: the share of the run
-during which the host itself was slow, whatever the run was doing. Plans are not watched: their
-probes compute flat out on both cores, so a third process would slow the very probes it watches
-(beside `hetrain plan` its passes read 36-45% "slow", most of them waiting behind the probes).
+during which the host itself was slow, whatever the run was doing. It does not account for most
+of the wall-clock error (docs/planning.md): over 36 rounds the error correlated 0.30 with it.
+Plans are not watched: their probes compute flat out on both cores, so a third process would
+slow the very probes it watches (beside `hetrain plan`, 36-45% of its passes read slow: the
+probes' load, not the host's).
 """
 
 from __future__ import annotations

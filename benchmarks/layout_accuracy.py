@@ -450,7 +450,7 @@ def main(args, chosen: list[str], clocks: list | None = None) -> dict:
         from host_drift import probe_drift
 
         # the model's own forward+backward, in the precision the plans' probes computed in: the
-        # matmuls host_drift.py times by default read a host steady that this model does not find
+        # matmuls host_drift.py times by default can read the host steadier than this model finds it
         precisions = [rk["precision"] for c in clocks if not clock_s(c)
                       for rks in per[c.clock]["rankings"].values() for rk in rks]
         drift = probe_drift(seconds=args.drift_s, model=(args.model, MODEL_ENV, precisions[0] if precisions else "fp32"))
