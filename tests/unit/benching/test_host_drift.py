@@ -3,21 +3,14 @@ forward and backward) as well as with matmuls, and bad input as a usage error.""
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def drift():
-    sys.path.insert(0, str(BENCHMARKS))     # as the benchmarks import it; it finds layout_accuracy there
-    yield importlib.import_module("host_drift")
-    sys.path.remove(str(BENCHMARKS))
+def drift(benchmark_module):
+    return benchmark_module("host_drift")
 
 
 class Box:

@@ -3,21 +3,14 @@ watch that times it beside a run (layout_accuracy.py's --max-host-burst repeats 
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def gauge():
-    sys.path.insert(0, str(BENCHMARKS))     # as the benchmarks import it; its processes find layout_accuracy
-    yield importlib.import_module("host_gauge")
-    sys.path.remove(str(BENCHMARKS))
+def gauge(benchmark_module):
+    return benchmark_module("host_gauge")
 
 
 def test_a_steady_host_has_no_burst(gauge):
