@@ -69,7 +69,8 @@ def _pass(model, x, y, dtype, loss_fn) -> float:
 
 def _serve(model_spec: str, model_env: str, requests, replies, together, stop) -> None:
     """One gauge process: builds the model once, then serves requests until None: ("read",
-    precision) times a reading, starting with its peers; ("watch", precision) times a small pass
+    precision) times a reading, starting with its peers ("paced": idling after each pass as long as
+it took); ("watch", precision) times a small pass
     every WATCH_PERIOD_S until `stop` is set, and replies with their milliseconds."""
     os.environ[model_env] = model_spec
     import torch
@@ -93,8 +94,12 @@ def _serve(model_spec: str, model_env: str, requests, replies, together, stop) -
             continue
         x, y = data[:SIZE]
         together.wait()
-        times = [_pass(model, x, y, dtype, loss_fn) for _ in range(RUNS + 1)][1:]   # after a warm-up
-        replies.put(statistics.median(times))
+        times = []
+        for _ in range(RUNS + 1):
+            times.append(_pass(model, x, y, dtype, loss_fn))
+            if kind == "paced":         # idle as long as it computed, as a device dilated 2x does
+                time.sleep(times[-1])
+        replies.put(statistics.median(times[1:]))       # after a warm-up
 
 
 class HostGauge:
@@ -112,9 +117,12 @@ class HostGauge:
         for p in self._procs:
             p.start()
 
-    def read(self, precision: str) -> float:
+    def read(self, precision: str, *, paced: bool = False) -> float:
+        """CPU seconds of one forward+backward, the median over the processes. paced: each pass
+        followed by as long idle, as an emulated device computes (the plan's profiles compute flat
+        out): how much a pass costs more when the cores have idled before it."""
         for q in self._requests:
-            q.put(("read", precision))
+            q.put(("paced" if paced else "read", precision))
         return statistics.median(self._replies.get(timeout=300) for _ in self._procs)
 
     def watch(self) -> None:

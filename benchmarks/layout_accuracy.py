@@ -154,6 +154,11 @@ def loss_fn(out, y):
 _GAUGES: dict = {}
 
 
+def host_paced(precision: str) -> float:
+    """host_reference's reading with each pass followed by as long idle (HostGauge.read(paced=True))."""
+    return _gauge().read(precision, paced=True)
+
+
 def host_reference(precision: str) -> float:
     """The host's speed now, as the devices find it (benchmarks/host_gauge.py: two processes,
     computing together, each timing one forward and backward of the factory's model): read while
@@ -292,6 +297,7 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
     log = []
     for attempt in range(args.retries + 1):
         before = host_reference(planned["precision"]) if planned else None
+        paced_before = host_paced(planned["precision"]) if planned else None
         out = os.path.join(workdir, f"{tag}-a{attempt}.json")
         launch = build_launch(target=str(Path(__file__).resolve()), emulate=spec, run_dir=os.path.join(workdir, tag),
                               target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
@@ -308,14 +314,19 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
         if proc.returncode != 0:
             raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         summary = json.loads(Path(out).read_text())
-        move = burst = None
+        move = burst = cold = None
         if planned:       # the host during the run against the host at the end of the plan's probes
-            move = (before + host_reference(planned["precision"])) / 2 / planned["host_s"] - 1
+            after = host_reference(planned["precision"])
+            move = (before + after) / 2 / planned["host_s"] - 1
             burst = burst_share(watched)
+            # a pass after idling against one flat out, around the run: the devices idle between
+            # their pieces (the throttle's sleeps), the plan's profiles do not
+            cold = (paced_before + host_paced(planned["precision"])) / (before + after) - 1
         log.append({"samples_per_s": summary["steady_samples_per_s"], "other_work_cores": round(others, 3),
-                    "host_move": move, "host_burst": burst, "watched_ms": [round(v, 1) for v in watched]})
+                    "host_move": move, "host_burst": burst, "host_cold": cold,
+                    "watched_ms": [round(v, 1) for v in watched]})
         summary.update(other_work_cores=others, attempts=attempt + 1, wall_s=wall, host_move=move, host_burst=burst,
-                       attempt_log=log)
+                       host_cold=cold, attempt_log=log)
         busy = args.max_other_cores is not None and others > args.max_other_cores
         moved = max_move is not None and move is not None and abs(move) > max_move
         burst_out = max_burst is not None and burst is not None and burst > max_burst
@@ -372,6 +383,8 @@ def compare(name: str, spec: str, preds: list[dict], runs: list[dict], *, clocke
            "host_move": [s.get("host_move") for s in runs],
            # the share of each round's run during which the host itself was slow (host_gauge.burst_share)
            "host_burst": [s.get("host_burst") for s in runs],
+           # a paced pass (idle as long after it) against a flat-out one, around each round's run
+           "host_cold": [s.get("host_cold") for s in runs],
            "attempt_log": [s.get("attempt_log") for s in runs]}
     # how far the rounds moved, each side on its own: the runs' spread is the host's noise floor
     # for this layout (the same plan, run again), which no prediction can read better than
@@ -526,6 +539,11 @@ def headline(result: dict) -> str:
     if moves:
         parts.append(f"the host's speed in the wall-clock runs against their plans' probes: {min(moves):+.1%} "
                      f"to {max(moves):+.1%} (host_reference)")
+    colds = [c for v in result["clocks"].values() if not v["clocked"] for r in v["layouts"]
+             for c in r.get("host_cold") or [] if c is not None]
+    if colds:
+        parts.append(f"a pass after as long idle {min(colds):+.1%} to {max(colds):+.1%} against one flat out, "
+                     f"around the runs")
     bursts = [b for v in result["clocks"].values() if not v["clocked"] for r in v["layouts"]
               for b in r.get("host_burst") or [] if b is not None]
     if bursts:
@@ -562,6 +580,10 @@ def table(rows: list[dict]) -> str:
         moves = [m for m in r.get("host_move") or [] if m is not None]
         return f"{statistics.median(moves):+.0%}" if moves else "-"
 
+    def cold(r):
+        c = [v for v in r.get("host_cold") or [] if v is not None]
+        return f"{statistics.median(c):+.0%}" if c else "-"
+
     def burst(r):       # the most of a round's run during which the host was slow
         shares = [b for b in r.get("host_burst") or [] if b is not None]
         return f"{max(shares):.0%}" if shares else "-"
@@ -571,7 +593,7 @@ def table(rows: list[dict]) -> str:
         return "-" if p is None or m is None else f"{p:.0%}/{m:.0%}"
 
     head = (f"{'layout':<10}{'row':<14}{'pred/s':>8}{'meas/s':>8}{'err':>8}{'spread':>9}{'imposed':>8}{'runtime/s':>10}"
-            f"{'cpu run/exp':>12}{'host':>6}{'burst':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
+            f"{'cpu run/exp':>12}{'host':>6}{'cold':>6}{'burst':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>8}  {'other cores':<19}result")
     lines = [head]
     for r in rows:
         own = r.get("runtime_predicted_samples_per_s")
@@ -579,7 +601,7 @@ def table(rows: list[dict]) -> str:
         verdict = f"FAIL: {r['fail']}" if r["fail"] else "PASS" if r["pass"] else "MISS"
         lines.append(f"{r['layout']:<10}{r['row']:<14}{r['predicted_samples_per_s']:>8.1f}"
                      f"{r['measured_samples_per_s']:>8.1f}{pct(r['speed_error']):>8}{spreads(r):>9}{imposed:>8}"
-                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{host(r):>6}{burst(r):>6}"
+                     f"{(f'{own:.1f}' if own else '-'):>10}{cpu(r):>12}{host(r):>6}{cold(r):>6}{burst(r):>6}"
                      f"{mib(r['predicted_peak']):>9}{mib(r['measured_peak']):>9}"
                      f"{pct(r['memory_error']):>8}  {str(r['other_work_cores']):<19}{verdict}")
     return "\n".join(lines)

@@ -50,3 +50,17 @@ def test_the_watch_times_passes_until_stopped(gauge):
         assert isinstance(host.watched(), list)
     finally:
         host.close()
+
+
+def test_a_paced_reading_idles_after_each_pass_as_long_as_it_took(gauge):
+    host = gauge.HostGauge("1,32,16", "HETRAIN_LAYOUT_ACCURACY_MODEL", procs=1)
+    try:
+        host.read("fp32")                                     # the process's start-up, out of the timing
+        t0 = time.perf_counter()
+        paced = host.read("fp32", paced=True)
+        wall = time.perf_counter() - t0
+        # every pass (RUNS and a warm-up) computed, then slept as long: twice their CPU at least,
+        # where a flat-out reading takes once
+        assert paced > 0 and wall >= 1.5 * (gauge.RUNS + 1) * paced
+    finally:
+        host.close()
