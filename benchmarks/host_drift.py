@@ -37,29 +37,21 @@ import torch
 MODEL_SAMPLES = 16      # --model: the batch each forward+backward runs
 
 
-def _workload(model: tuple[str, str, str] | None):
-    """One unit of work: a 512x512 fp32 matmul, or (model: its "layers,d_model,seq_len", the
-    environment variable layout_accuracy reads it from, a precision) one forward and backward."""
+def _workload(model: tuple[str, str] | None):
+    """One unit of work: a 512x512 fp32 matmul, or (model: its "layers,d_model,seq_len" and a
+    precision) one forward and backward of layout_accuracy's model (forward_backward)."""
     if model is None:
         a, b = torch.randn(512, 512), torch.randn(512, 512)
         return lambda: a @ b
-    import contextlib
     import os
 
-    spec, env, precision = model
-    os.environ[env] = spec
-    from layout_accuracy import factory, loss_fn
+    from layout_accuracy import MODEL_ENV, factory, forward_backward
 
+    spec, precision = model
+    os.environ[MODEL_ENV] = spec
     net, _, data = factory()
     x, y = data[:MODEL_SAMPLES]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-    def step():
-        with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-    return step
+    return lambda: forward_backward(net, x, y, precision)
 
 
 def rates(seconds: float, window: float, start_at: float, out, model=None) -> None:
@@ -105,7 +97,7 @@ def summary(per_proc: list[list[float]]) -> dict:
 
 def describe(model) -> str:
     return "fp32 512x512 matmuls" if model is None else \
-        f"the model's forward+backward ({model[0]}, {MODEL_SAMPLES} samples, {model[2]})"
+        f"the model's forward+backward ({model[0]}, {MODEL_SAMPLES} samples, {model[1]})"
 
 
 def probe_drift(*, seconds: float = 10.0, window: float = 2.0, procs: int = 2, model=None) -> dict:
@@ -140,8 +132,7 @@ def main(argv=None) -> int:
         except ValueError:
             print(f"host_drift: --model {args.model!r}: give layers,d_model,seq_len, e.g. 4,128,64", file=sys.stderr)
             return 2
-        from layout_accuracy import MODEL_ENV
-        model = (args.model, MODEL_ENV, args.precision)
+        model = (args.model, args.precision)
     from hetrain.hardware.host import host_facts
 
     host = host_facts()

@@ -31,7 +31,6 @@ probes' load, not the host's).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -55,15 +54,12 @@ def burst_share(passes_ms: list[float], over: float = BURST_OVER) -> float | Non
     return sum(v >= over * quick for v in passes_ms) / len(passes_ms)
 
 
-def _pass(model, x, y, dtype, loss_fn) -> float:
-    """Thread CPU seconds of one forward and backward."""
-    import torch
+def _pass(model, x, y, precision: str) -> float:
+    """Thread CPU seconds of one forward and backward (layout_accuracy.forward_backward)."""
+    from layout_accuracy import forward_backward
 
     c0 = time.thread_time()
-    with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-        loss = loss_fn(model(x), y)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
+    forward_backward(model, x, y, precision)
     return time.thread_time() - c0
 
 
@@ -75,20 +71,19 @@ it took); ("watch", precision) times a small pass
     os.environ[model_env] = model_spec
     import torch
 
-    from layout_accuracy import factory, loss_fn
+    from layout_accuracy import factory
 
     torch.set_num_threads(1)                 # as an emulated device computes
     model, _, data = factory()
     while (request := requests.get()) is not None:
         kind, precision = request
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         if kind == "watch":
             x, y = data[:WATCH_SIZE]
-            _pass(model, x, y, dtype, loss_fn)         # warm-up
+            _pass(model, x, y, precision)         # warm-up
             passes = []
             while not stop.is_set():
                 t0 = time.perf_counter()
-                passes.append(_pass(model, x, y, dtype, loss_fn) * 1000)
+                passes.append(_pass(model, x, y, precision) * 1000)
                 stop.wait(max(0.0, WATCH_PERIOD_S - (time.perf_counter() - t0)))
             replies.put(passes)
             continue
@@ -96,7 +91,7 @@ it took); ("watch", precision) times a small pass
         together.wait()
         times = []
         for _ in range(RUNS + 1):
-            times.append(_pass(model, x, y, dtype, loss_fn))
+            times.append(_pass(model, x, y, precision))
             if kind == "paced":         # idle as long as it computed, as a device dilated 2x does
                 time.sleep(times[-1])
         replies.put(statistics.median(times[1:]))       # after a warm-up

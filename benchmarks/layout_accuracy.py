@@ -151,12 +151,21 @@ def loss_fn(out, y):
     return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
 
 
+def forward_backward(model, x, y, precision: str) -> None:
+    """One forward and backward of the factory's model in `precision` (autocast below fp32), its
+    gradients dropped: the unit of work host_gauge.py and host_drift.py time."""
+    import contextlib
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 _GAUGES: dict = {}
-
-
-def host_paced(precision: str) -> float:
-    """host_reference's reading with each pass followed by as long idle (HostGauge.read(paced=True))."""
-    return _gauge().read(precision, paced=True)
 
 
 def host_reference(precision: str) -> float:
@@ -176,16 +185,6 @@ def _gauge():
     if model not in _GAUGES:
         _GAUGES[model] = HostGauge(model, MODEL_ENV)
     return _GAUGES[model]
-
-
-def host_watch() -> None:
-    """Start timing the host beside a run (host_gauge.HostGauge.watch); host_watched()
-    stops it and returns the passes' milliseconds."""
-    _gauge().watch()
-
-
-def host_watched() -> list[float]:
-    return _gauge().watched()
 
 
 def close_gauges() -> None:
@@ -282,7 +281,7 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
     --max-other-cores, while the host's speed (host_reference, read just before and just after
     the run) was more than --max-host-move from its speed at the end of `planned`'s probes, or while
     the host was slow during more than --max-host-burst of the run (host_gauge.burst_share of the
-    passes host_watch timed beside it). Every attempt's figures are kept in the summary
+    passes HostGauge.watch timed beside it). Every attempt's figures are kept in the summary
     ("attempt_log")."""
     from host_gauge import burst_share
     from hostload import children_cpu_s, host_busy_s
@@ -296,32 +295,33 @@ def run_layout(name: str, spec: str, args, cache: str, workdir: str, model: str,
     planned = planned if planned and planned.get("host_s") else None      # read on the wall clock only
     log = []
     for attempt in range(args.retries + 1):
-        before = host_reference(planned["precision"]) if planned else None
-        paced_before = host_paced(planned["precision"]) if planned else None
+        gauge, precision = (_gauge(), planned["precision"]) if planned else (None, None)
+        before = gauge.read(precision) if gauge else None
+        paced_before = gauge.read(precision, paced=True) if gauge else None
         out = os.path.join(workdir, f"{tag}-a{attempt}.json")
         launch = build_launch(target=str(Path(__file__).resolve()), emulate=spec, run_dir=os.path.join(workdir, tag),
                               target_args=("--worker", parallel, sharding, str(args.global_batch), str(args.steps),
                                            args.precision, "wall" if clock is None else repr(clock),
                                            repr(clock_micro_s(args)) if clock_micro_s(args) else "none", out))
-        if planned:
-            host_watch()
+        if gauge:
+            gauge.watch()
         busy0, ours0, t0 = host_busy_s(), children_cpu_s(), time.perf_counter()
         proc = subprocess.run(list(launch.argv), env={**_env(cache, model), **launch.env}, capture_output=True,
                               text=True, timeout=900)
         wall = time.perf_counter() - t0
         others = max(0.0, (host_busy_s() - busy0) - (children_cpu_s() - ours0)) / wall
-        watched = host_watched() if planned else []
+        watched = gauge.watched() if gauge else []
         if proc.returncode != 0:
             raise SystemExit(f"{tag}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         summary = json.loads(Path(out).read_text())
         move = burst = cold = None
-        if planned:       # the host during the run against the host at the end of the plan's probes
-            after = host_reference(planned["precision"])
+        if gauge:         # the host during the run against the host at the end of the plan's probes
+            after = gauge.read(precision)
             move = (before + after) / 2 / planned["host_s"] - 1
             burst = burst_share(watched)
             # a pass after idling against one flat out, around the run: the devices idle between
             # their pieces (the throttle's sleeps), the plan's profiles do not
-            cold = (paced_before + host_paced(planned["precision"])) / (before + after) - 1
+            cold = (paced_before + gauge.read(precision, paced=True)) / (before + after) - 1
         log.append({"samples_per_s": summary["steady_samples_per_s"], "other_work_cores": round(others, 3),
                     "host_move": move, "host_burst": burst, "host_cold": cold,
                     "watched_ms": [round(v, 1) for v in watched]})
@@ -466,7 +466,7 @@ def main(args, chosen: list[str], clocks: list | None = None) -> dict:
         # matmuls host_drift.py times by default can read the host steadier than this model finds it
         precisions = [rk["precision"] for c in clocks if not clock_s(c)
                       for rks in per[c.clock]["rankings"].values() for rk in rks]
-        drift = probe_drift(seconds=args.drift_s, model=(args.model, MODEL_ENV, precisions[0] if precisions else "fp32"))
+        drift = probe_drift(seconds=args.drift_s, model=(args.model, precisions[0] if precisions else "fp32"))
         drift_matmul = probe_drift(seconds=args.drift_s)
     from hetrain.hardware.host import host_facts
 
