@@ -25,7 +25,7 @@ from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
 from .ranks.nodes import join_nodes
-from .devices.emulation import EmulatedDevice, agree_host_facts
+from .devices.emulation import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
@@ -53,7 +53,7 @@ class Engine:
         config = config.with_launch_file()
         cluster = parse_cluster(config.emulation.cluster) if config.emulation.cluster else None
         if cluster is not None:
-            torch.set_num_threads(1)   # one emulated device = one CPU thread, throttled from there
+            become_emulated_device()   # one CPU thread, throttled from there; glibc keeps freed memory
         use_cuda = cluster is None and torch.cuda.is_available()
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))

@@ -26,13 +26,14 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     if target != "emulated":
         os.environ["CUDA_VISIBLE_DEVICES"] = target       # before torch: this GPU alone
     import optuna
-    import torch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.WARNING)
     emulated = target == "emulated"
     if emulated:
-        torch.set_num_threads(1)        # one emulated device = one CPU thread, as the job's ranks
+        from ..runtime.devices.emulation import become_emulated_device
+
+        become_emulated_device()        # one CPU thread, glibc keeping freed memory, as the job's ranks
     from .objective import Pruned, TrialContext, load_objective
 
     module = load_objective(setup.objective)

@@ -11,6 +11,14 @@ are counted as the forward saves them for backward (`saved_tensors_hooks`). When
 pass the cap, the forward raises `torch.OutOfMemoryError` — the same type a CUDA OOM raises — so
 the recovery code that handles it is the real one.
 
+The process. A device is one CPU thread (`become_emulated_device`), and glibc keeps the memory a
+step frees: left to itself it returns freed blocks to the system and the next step faults them in
+again, 0-3,800 minor faults a step on a 2-core VM (whichever way the heap had settled), each ~5 µs
+of this thread's CPU, which the throttle charges as the device's compute. The profiler's repeated
+passes fault almost none, so a run read slower than its plan; a GPU's caching allocator never pays
+it. Kept, four interleaved runs of a dilated A100 + 3090 pair each trained 1.5-7.8% faster and
+faulted 0 times a step (benchmarks/train_over_profile.py reads the faults and their cost).
+
 Counting costs: a Python hook on every saved tensor (and its unpack in the backward) made a
 forward+backward of the demo GPT 3.7% slower on the CPU, a cost no GPU has. So a forward whose
 inputs have shapes the meter has seen is counted once and then looked up (`forward(signature)`):
@@ -33,8 +41,27 @@ import torch
 from ...hardware.cluster import ClusterDevice
 from ...hardware.units import format_bytes
 
+# glibc's mallopt(3) parameters (malloc.h), and what an emulated device sets them to
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_FREED_BYTES = 2**30           # free memory at the heap's top before glibc returns it
+MMAP_FROM_BYTES = 32 * 2**20       # blocks below this come from the heap (glibc's largest allowed)
 RECOUNT_EVERY = 50     # forwards of one input signature between two counts of their activations
 MAX_SIGNATURES = 64    # signatures remembered (inputs that differ every time are simply counted)
+
+
+def become_emulated_device() -> bool:
+    """This process plays one emulated device: one CPU thread, and glibc keeping the memory it
+    frees (see the module docstring). Returns whether glibc took it (False off glibc, e.g. macOS:
+    the device then pays the faults, as before)."""
+    torch.set_num_threads(1)
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES) and mallopt(M_MMAP_THRESHOLD, MMAP_FROM_BYTES))
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -1,0 +1,236 @@
+"""Does a training step cost an emulated device the CPU its profile says? The part of a wall-clock
+miss that is the emulation's own, apart from the host's drift.
+
+On the wall clock an emulated device's time is its thread's CPU time ÷ its speed
+(runtime/devices/emulation.Throttle), and the planner costs that CPU from the profiler's passes:
+flat out, one after another, at each size (runtime/measure/profiler.py). Training runs the same
+forward and backward differently: after each forward the throttle sleeps (1/speed − 1) of the
+micro-batch's CPU, then the backward runs (through DDP, under hetrain's hooks). Whatever makes that
+pass cost more CPU than a flat-out one (a core that idled in the sleep, DDP's hooks, memory the
+step frees and faults in again) slows the emulated device beyond its plan, one way, every step.
+
+A profile measured minutes before the run cannot tell this apart from the host's drift (a pass
+here moves 10-40% within seconds: host_drift.py). So this benchmark measures it inside the run:
+a data-parallel job on an emulated cluster, and after every second step each rank times, on a
+copy of its model, 3 passes of its micro-batch flat out (as the profiler does), 3 paced by a
+fresh throttle of its own device (as training does, the same sleep before the backward) and 3
+paced through the job's own DDP-wrapped model (its all-reduce and hooks, gradients dropped). Each
+block is compared with the two training steps just before it, whose CPU a sample the device's
+hooks counted (forward + backward, sleeps excluded), so every ratio is of figures taken seconds
+apart in the same process:
+
+    train/flat   a training step's CPU a sample over the flat-out pass's (what the plan misses)
+    paced/flat   the paced pass's over the flat-out one's (the part the sleep alone explains)
+    ddp/flat     the paced pass through DDP over the flat-out one's (the sleep and DDP together)
+
+It reports each rank's medians over the blocks, its page faults a step, and which rank sets the
+step (the most device time a step). `--max-train-over-flat F` exits 1 when that rank's train/flat
+exceeds F: a fix to the emulation or to the profiler must bring it down.
+
+    python benchmarks/train_over_profile.py --json out.json [--cluster a100-80g:0.5,rtx3090:0.335]
+                                            [--steps 50] [--precision auto] [--max-train-over-flat 1.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CLUSTER = "a100-80g:0.5,rtx3090:0.335"       # layout_accuracy's pair, dilated 2x (--dilate 2)
+WARMUP_STEPS = 2
+BLOCK_EVERY = 2                              # a block of passes after every second step
+PASSES = 3                                   # passes a block, each kind (the first one dropped)
+
+
+# -- the worker: one rank of the job ----------------------------------------------------------
+def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
+    import copy
+    import resource
+
+    import torch.distributed as dist
+
+    import hetrain
+    from hetrain import Rebalancing, Reporting
+    from layout_accuracy import factory, loss_fn
+
+    ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=0, precision=precision,
+                      rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
+    model, opt, data = factory()
+    model, opt, batches = ht.prepare(model, opt, data, parallel="dp", loss_fn=loss_fn)
+    job = ht.job
+    mine = ht.plan.devices[job.rank]
+    plain = copy.deepcopy(getattr(model, "module", model))       # the profiler's kind of model: no DDP
+    x, y = data[:mine.micro_batch]
+    compute = job.precision.compute
+
+    def passes(paced: bool, net=plain) -> float:
+        """The median CPU seconds a sample of PASSES passes of `net` (the first dropped), flat out
+        or paced."""
+        import contextlib
+
+        import torch
+
+        from hetrain.runtime.devices.precision_policy import DTYPES
+
+        throttle = job.emulated.throttle.fresh()
+        dtype = DTYPES.get(compute)
+        times = []
+        for _ in range(PASSES + 1):
+            c0 = time.thread_time()
+            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                loss = loss_fn(net(x), y)
+            forward = time.thread_time() - c0
+            guess = throttle.before_backward(forward, samples=len(x)) if paced else 0.0
+            c1 = time.thread_time()
+            loss.backward()
+            backward = time.thread_time() - c1
+            if paced:
+                throttle.after_backward(forward, guess, backward)
+                throttle.settle()
+            net.zero_grad(set_to_none=True)
+            times.append((forward + backward) / len(x))
+        return statistics.median(times[1:])
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+    record = {"rank": job.rank, "label": job.device_label, "speed": job.emulated.spec.speed,
+              "share": mine.share, "micro_batch": mine.micro_batch, "precision": compute,
+              "train_s": [], "busy_s": [], "faults": [], "blocks": []}
+    for step in batches:
+        f0 = faults()
+        for mb in step:
+            with mb:
+                ht.backward(ht.loss(mb))
+        ht.step()
+        record["faults"].append(faults() - f0)
+        record["train_s"].append(job.hooks.compute_s / mine.share)       # CPU a sample, this step
+        record["busy_s"].append(job.hooks.busy_s)
+        done = len(record["train_s"])
+        if done % BLOCK_EVERY == 0 and done < steps:
+            # every rank here at once, as after each step (the step's sync just ended)
+            record["blocks"].append({"after_step": done, "flat": passes(False), "paced": passes(True),
+                                     "ddp": passes(True, model)})
+    records = [None] * job.world_size
+    dist.all_gather_object(records, record)
+    if ht.is_main:
+        Path(out).write_text(json.dumps({"ranks": records}))
+    ht.close()
+
+
+# -- the figures (pure) -----------------------------------------------------------------------
+def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
+    """One rank's medians over its blocks: each block against the mean of the two training steps
+    just before it (none from the warm-up steps)."""
+    train, flat_ratios, paced_ratios, ddp_ratios = record["train_s"], [], [], []
+    for block in record["blocks"]:
+        k = block["after_step"]
+        if k - BLOCK_EVERY < warmup or block["flat"] <= 0:
+            continue
+        before = statistics.mean(train[k - BLOCK_EVERY:k])
+        flat_ratios.append(before / block["flat"])
+        paced_ratios.append(block["paced"] / block["flat"])
+        if block.get("ddp"):
+            ddp_ratios.append(block["ddp"] / block["flat"])
+    steady = record["faults"][warmup:] or record["faults"]
+    return {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
+            "share": record["share"], "micro_batch": record["micro_batch"], "blocks": len(flat_ratios),
+            "flat_ms_per_sample": 1e3 * statistics.median(b["flat"] for b in record["blocks"]) if record["blocks"] else None,
+            "train_over_flat": statistics.median(flat_ratios) if flat_ratios else None,
+            "paced_over_flat": statistics.median(paced_ratios) if paced_ratios else None,
+            "ddp_over_flat": statistics.median(ddp_ratios) if ddp_ratios else None,
+            "faults_per_step": statistics.median(steady) if steady else 0,
+            "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"])}
+
+
+def setting_rank(rows: list[dict]) -> int:
+    """The rank with the most device time a step: the one the others wait for."""
+    return max(rows, key=lambda r: r["busy_s"])["rank"]
+
+
+def table(rows: list[dict], setter: int) -> str:
+    def f(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    lines = [f"{'rank':<5}{'device':<26}{'speed':>6}{'share':>6}{'flat ms/sample':>16}{'train/flat':>12}"
+             f"{'paced/flat':>12}{'ddp/flat':>10}{'faults/step':>13}{'blocks':>8}"]
+    for r in rows:
+        lines.append(f"{r['rank']:<5}{r['label'][:25]:<26}{r['speed']:>6.3f}{r['share']:>6}"
+                     f"{f(r['flat_ms_per_sample'], '.2f'):>16}{f(r['train_over_flat'], '.3f'):>12}"
+                     f"{f(r['paced_over_flat'], '.3f'):>12}{f(r['ddp_over_flat'], '.3f'):>10}"
+                     f"{r['faults_per_step']:>13.0f}{r['blocks']:>8}"
+                     + ("   <- sets the step" if r["rank"] == setter else ""))
+    return "\n".join(lines)
+
+
+# -- the driver -------------------------------------------------------------------------------
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", required=True, help="write the figures here")
+    p.add_argument("--cluster", default=CLUSTER, help=f"the emulated cluster (default {CLUSTER})")
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50; at least 8)")
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--max-train-over-flat", type=float, default=None,
+                   help="exit 1 when the rank that sets the step trains above this many times its flat-out CPU")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.steps < 8:
+        print(f"train_over_profile: --steps {args.steps} leaves too few blocks past the warm-up; "
+              "use 8 or more (e.g. --steps 50)", file=sys.stderr)
+        return 2
+    if args.max_train_over_flat is not None and not args.max_train_over_flat > 0:
+        print(f"train_over_profile: --max-train-over-flat {args.max_train_over_flat} is not a ratio; "
+              "e.g. --max-train-over-flat 1.05", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO / "src"))
+    from hetrain.errors import UsageError
+    from hetrain.launch import build_launch
+
+    try:
+        launch = build_launch(target=str(Path(__file__).resolve()), emulate=args.cluster,
+                              target_args=("--worker", args.json + ".raw", str(args.steps), str(args.global_batch),
+                                           args.precision))
+    except UsageError as e:
+        print(f"train_over_profile: {e.what}; {e.fix}", file=sys.stderr)
+        return 2
+    env = {**os.environ, **launch.env,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    print(f"training {args.steps} steps of data parallelism on {args.cluster}, timing passes every "
+          f"{BLOCK_EVERY} steps ...", flush=True)
+    proc = subprocess.run(list(launch.argv), env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        print(f"train_over_profile: the job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return 1
+    raw = json.loads(Path(args.json + ".raw").read_text())
+    os.remove(args.json + ".raw")
+    rows = [summarise(r) for r in raw["ranks"]]
+    setter = setting_rank(rows)
+    result = {"cluster": args.cluster, "steps": args.steps, "global_batch": args.global_batch,
+              "precision": args.precision, "warmup_steps": WARMUP_STEPS, "rows": rows, "sets_the_step": setter,
+              "max_train_over_flat": args.max_train_over_flat, "raw": raw["ranks"]}
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(table(rows, setter))
+    worst = next(r for r in rows if r["rank"] == setter)["train_over_flat"]
+    if args.max_train_over_flat is not None and worst is not None and worst > args.max_train_over_flat:
+        print(f"rank {setter} trains at {worst:.3f}x its flat-out CPU a sample (limit {args.max_train_over_flat:g})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    else:
+        sys.exit(main())

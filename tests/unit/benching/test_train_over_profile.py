@@ -1,0 +1,55 @@
+"""benchmarks/train_over_profile.py: each block of passes is read against the training steps just
+before it (never the warm-up's), the rank that sets the step is the busiest, and bad input is a
+usage error before anything is launched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def top(benchmark_module):
+    return benchmark_module("train_over_profile")
+
+
+def record(train, blocks, busy, faults=None, rank=0):
+    return {"rank": rank, "label": f"dev#{rank}", "speed": 0.5, "share": 4, "micro_batch": 4, "precision": "fp32",
+            "train_s": train, "busy_s": busy, "faults": faults or [0] * len(train), "blocks": blocks}
+
+
+def test_a_block_is_read_against_the_two_steps_before_it(top):
+    # steps 1-2 are the warm-up (their block is skipped); steps 3-4 cost 1.1 and 1.3 a sample,
+    # steps 5-6 cost 2.0 and 2.0; the blocks after steps 4 and 6 ran flat at 1.0 and paced at 1.05
+    train = [9.0, 9.0, 1.1, 1.3, 2.0, 2.0]
+    blocks = [{"after_step": 2, "flat": 1.0, "paced": 5.0},
+              {"after_step": 4, "flat": 1.0, "paced": 1.05},
+              {"after_step": 6, "flat": 1.6, "paced": 1.6 * 1.05}]
+    row = top.summarise(record(train, blocks, busy=[1.0] * 6, faults=[500, 400, 10, 20, 30, 40]))
+    assert row["blocks"] == 2
+    assert row["train_over_flat"] == pytest.approx((1.2 / 1.0 + 2.0 / 1.6) / 2)
+    assert row["paced_over_flat"] == pytest.approx(1.05)
+    assert row["faults_per_step"] == 25          # the warm-up's faults left out
+
+
+def test_no_block_past_the_warm_up_reads_as_unknown(top):
+    row = top.summarise(record([1.0, 1.0], [{"after_step": 2, "flat": 1.0, "paced": 1.0}], busy=[1.0, 1.0]))
+    assert row["blocks"] == 0 and row["train_over_flat"] is None and row["paced_over_flat"] is None
+
+
+def test_the_busiest_rank_sets_the_step(top):
+    rows = [top.summarise(record([1.0] * 4, [], busy=[0.2] * 4, rank=0)),
+            top.summarise(record([1.0] * 4, [], busy=[0.3] * 4, rank=1))]
+    assert top.setting_rank(rows) == 1
+    assert "<- sets the step" in top.table(rows, 1).splitlines()[2]
+
+
+@pytest.mark.parametrize("argv, words", [(["--steps", "3"], "--steps 3"),
+                                         (["--max-train-over-flat", "0"], "not a ratio"),
+                                         (["--cluster", "nosuchgpu"], "nosuchgpu")])
+def test_bad_input_is_a_usage_error(top, argv, words, tmp_path, capsys):
+    assert top.main(["--json", os.fspath(tmp_path / "x.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train_over_profile:") and words in err
+    assert not (tmp_path / "x.json").exists()
