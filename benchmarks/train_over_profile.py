@@ -22,6 +22,9 @@ apart in the same process:
     train/flat   a training step's CPU a sample over the flat-out pass's (what the plan misses)
     paced/flat   the paced pass's over the flat-out one's (the part the sleep alone explains)
     ddp/flat     the paced pass through DDP over the flat-out one's (the sleep and DDP together)
+    forward      train/flat of the model's own forward alone (module hooks, the same in both)
+    rest         the rest (the loss, the backward and its gradient sync) over the flat-out
+                 pass's: paced, paced through DDP, and training's
 
 It reports each rank's medians over the blocks, its page faults a step, and which rank sets the
 step (the most device time a step). `--max-train-over-flat F` exits 1 when that rank's train/flat
@@ -71,9 +74,22 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     x, y = data[:mine.micro_batch]
     compute = job.precision.compute
 
-    def passes(paced: bool, net=plain) -> float:
+    # the model's own forward (no loss), timed by module hooks in training and in the passes alike
+    forwards = [0.0]
+
+    def forward_started(module, args):
+        forwards.append(-time.thread_time())
+
+    def forward_ended(module, args, output):
+        forwards[0] += time.thread_time() + forwards.pop()
+
+    for net in (getattr(model, "module", model), plain):
+        net.register_forward_pre_hook(forward_started)
+        net.register_forward_hook(forward_ended)
+
+    def passes(paced: bool, net=plain) -> tuple[float, float]:
         """The median CPU seconds a sample of PASSES passes of `net` (the first dropped), flat out
-        or paced."""
+        or paced, and of their model forwards."""
         import contextlib
 
         import torch
@@ -82,8 +98,9 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
 
         throttle = job.emulated.throttle.fresh()
         dtype = DTYPES.get(compute)
-        times = []
+        times, model_forwards = [], []
         for _ in range(PASSES + 1):
+            forwards[0] = 0.0
             c0 = time.thread_time()
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = loss_fn(net(x), y)
@@ -97,28 +114,32 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
                 throttle.settle()
             net.zero_grad(set_to_none=True)
             times.append((forward + backward) / len(x))
-        return statistics.median(times[1:])
+            model_forwards.append(forwards[0] / len(x))
+        return statistics.median(times[1:]), statistics.median(model_forwards[1:])
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
     record = {"rank": job.rank, "label": job.device_label, "speed": job.emulated.spec.speed,
               "share": mine.share, "micro_batch": mine.micro_batch, "precision": compute,
-              "train_s": [], "busy_s": [], "faults": [], "blocks": []}
+              "train_s": [], "train_forward_s": [], "busy_s": [], "faults": [], "blocks": []}
     for step in batches:
-        f0 = faults()
+        f0, forwards[0] = faults(), 0.0
         for mb in step:
             with mb:
                 ht.backward(ht.loss(mb))
         ht.step()
         record["faults"].append(faults() - f0)
         record["train_s"].append(job.hooks.compute_s / mine.share)       # CPU a sample, this step
+        record["train_forward_s"].append(forwards[0] / mine.share)       # ... of it the model's forwards
         record["busy_s"].append(job.hooks.busy_s)
         done = len(record["train_s"])
         if done % BLOCK_EVERY == 0 and done < steps:
             # every rank here at once, as after each step (the step's sync just ended)
-            record["blocks"].append({"after_step": done, "flat": passes(False), "paced": passes(True),
-                                     "ddp": passes(True, model)})
+            timed = {kind: passes(*how) for kind, how in
+                     (("flat", (False,)), ("paced", (True,)), ("ddp", (True, model)))}
+            record["blocks"].append({"after_step": done, **{k: t for k, (t, _) in timed.items()},
+                                     **{f"{k}_forward": f for k, (_, f) in timed.items()}})
     records = [None] * job.world_size
     dist.all_gather_object(records, record)
     if ht.is_main:
@@ -131,6 +152,8 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
     """One rank's medians over its blocks: each block against the mean of the two training steps
     just before it (none from the warm-up steps)."""
     train, flat_ratios, paced_ratios, ddp_ratios = record["train_s"], [], [], []
+    forward_ratios, rest_ratios, paced_rest, ddp_rest = [], [], [], []
+    train_forward = record.get("train_forward_s")
     for block in record["blocks"]:
         k = block["after_step"]
         if k - BLOCK_EVERY < warmup or block["flat"] <= 0:
@@ -140,6 +163,13 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
         paced_ratios.append(block["paced"] / block["flat"])
         if block.get("ddp"):
             ddp_ratios.append(block["ddp"] / block["flat"])
+        if train_forward and block.get("flat_forward"):      # the model's forward, and the rest
+            fwd = statistics.mean(train_forward[k - BLOCK_EVERY:k])
+            forward_ratios.append(fwd / block["flat_forward"])
+            flat_rest = block["flat"] - block["flat_forward"]
+            rest_ratios.append((before - fwd) / flat_rest)
+            paced_rest.append((block["paced"] - block["paced_forward"]) / flat_rest)
+            ddp_rest.append((block["ddp"] - block["ddp_forward"]) / flat_rest)
     steady = record["faults"][warmup:] or record["faults"]
     return {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
             "share": record["share"], "micro_batch": record["micro_batch"], "blocks": len(flat_ratios),
@@ -147,6 +177,10 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
             "train_over_flat": statistics.median(flat_ratios) if flat_ratios else None,
             "paced_over_flat": statistics.median(paced_ratios) if paced_ratios else None,
             "ddp_over_flat": statistics.median(ddp_ratios) if ddp_ratios else None,
+            "forward_over_flat": statistics.median(forward_ratios) if forward_ratios else None,
+            "rest_over_flat": statistics.median(rest_ratios) if rest_ratios else None,
+            "paced_rest_over_flat": statistics.median(paced_rest) if paced_rest else None,
+            "ddp_rest_over_flat": statistics.median(ddp_rest) if ddp_rest else None,
             "faults_per_step": statistics.median(steady) if steady else 0,
             "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"])}
 
@@ -161,11 +195,14 @@ def table(rows: list[dict], setter: int) -> str:
         return format(v, spec) if v is not None else "-"
 
     lines = [f"{'rank':<5}{'device':<26}{'speed':>6}{'share':>6}{'flat ms/sample':>16}{'train/flat':>12}"
-             f"{'paced/flat':>12}{'ddp/flat':>10}{'faults/step':>13}{'blocks':>8}"]
+             f"{'paced/flat':>12}{'ddp/flat':>10}{'forward':>9}{'rest: paced':>12}{'ddp':>7}{'train':>7}"
+             f"{'faults/step':>13}{'blocks':>8}"]
     for r in rows:
         lines.append(f"{r['rank']:<5}{r['label'][:25]:<26}{r['speed']:>6.3f}{r['share']:>6}"
                      f"{f(r['flat_ms_per_sample'], '.2f'):>16}{f(r['train_over_flat'], '.3f'):>12}"
                      f"{f(r['paced_over_flat'], '.3f'):>12}{f(r['ddp_over_flat'], '.3f'):>10}"
+                     f"{f(r.get('forward_over_flat'), '.3f'):>9}{f(r.get('paced_rest_over_flat'), '.3f'):>12}"
+                     f"{f(r.get('ddp_rest_over_flat'), '.3f'):>7}{f(r.get('rest_over_flat'), '.3f'):>7}"
                      f"{r['faults_per_step']:>13.0f}{r['blocks']:>8}"
                      + ("   <- sets the step" if r["rank"] == setter else ""))
     return "\n".join(lines)

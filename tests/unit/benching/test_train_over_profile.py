@@ -33,6 +33,22 @@ def test_a_block_is_read_against_the_two_steps_before_it(top):
     assert row["faults_per_step"] == 25          # the warm-up's faults left out
 
 
+def test_the_forward_and_the_rest_are_read_apart(top):
+    # after step 4: training took 1.2 a sample, 0.3 of it the model's forward; the flat pass 1.0,
+    # 0.25 of it forward; paced 1.05 (0.25 forward), through DDP 1.1 (0.26 forward)
+    train, forwards = [9.0, 9.0, 1.2, 1.2], [3.0, 3.0, 0.3, 0.3]
+    blocks = [{"after_step": 4, "flat": 1.0, "paced": 1.05, "ddp": 1.1,
+               "flat_forward": 0.25, "paced_forward": 0.25, "ddp_forward": 0.26}]
+    rec = record(train, blocks, busy=[1.0] * 4)
+    rec["train_forward_s"] = forwards
+    row = top.summarise(rec)
+    assert row["forward_over_flat"] == pytest.approx(0.3 / 0.25)
+    assert row["rest_over_flat"] == pytest.approx(0.9 / 0.75)
+    assert row["paced_rest_over_flat"] == pytest.approx(0.8 / 0.75)
+    assert row["ddp_rest_over_flat"] == pytest.approx(0.84 / 0.75)
+    assert row["ddp_over_flat"] == pytest.approx(1.1)
+
+
 def test_no_block_past_the_warm_up_reads_as_unknown(top):
     row = top.summarise(record([1.0, 1.0], [{"after_step": 2, "flat": 1.0, "paced": 1.0}], busy=[1.0, 1.0]))
     assert row["blocks"] == 0 and row["train_over_flat"] is None and row["paced_over_flat"] is None
