@@ -151,17 +151,24 @@ def loss_fn(out, y):
     return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
 
 
-def forward_backward(model, x, y, precision: str) -> None:
-    """One forward and backward of the factory's model in `precision` (autocast below fp32), its
-    gradients dropped: the unit of work host_gauge.py and host_drift.py time."""
+def forward_loss(model, x, y, precision: str):
+    """The factory's model's loss on (x, y) in `precision` (autocast below fp32, as training's
+    precision policy runs it: runtime/devices/precision_policy.DTYPES)."""
     import contextlib
 
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    from hetrain.runtime.devices.precision_policy import DTYPES
+
+    dtype = DTYPES.get(precision)
     with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-        loss = loss_fn(model(x), y)
-    loss.backward()
+        return loss_fn(model(x), y)
+
+
+def forward_backward(model, x, y, precision: str) -> None:
+    """One forward and backward of the factory's model in `precision`, its gradients dropped: the
+    unit of work host_gauge.py and host_drift.py time."""
+    forward_loss(model, x, y, precision).backward()
     model.zero_grad(set_to_none=True)
 
 

@@ -51,6 +51,8 @@ CLUSTER = "a100-80g:0.5,rtx3090:0.335"       # layout_accuracy's pair, dilated 2
 WARMUP_STEPS = 2
 BLOCK_EVERY = 2                              # a block of passes after every second step
 PASSES = 3                                   # passes a block, each kind (the first one dropped)
+RATIOS = ("train_over_flat", "paced_over_flat", "ddp_over_flat", "forward_over_flat", "rest_over_flat",
+          "paced_rest_over_flat", "ddp_rest_over_flat")        # summarise's medians over the blocks
 
 
 # -- the worker: one rank of the job ----------------------------------------------------------
@@ -62,7 +64,7 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
 
     import hetrain
     from hetrain import Rebalancing, Reporting
-    from layout_accuracy import factory, loss_fn
+    from layout_accuracy import factory, forward_loss, loss_fn
 
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=0, precision=precision,
                       rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
@@ -70,7 +72,8 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     model, opt, batches = ht.prepare(model, opt, data, parallel="dp", loss_fn=loss_fn)
     job = ht.job
     mine = ht.plan.devices[job.rank]
-    plain = copy.deepcopy(getattr(model, "module", model))       # the profiler's kind of model: no DDP
+    inner = getattr(model, "module", model)
+    plain = copy.deepcopy(inner)                                 # the profiler's kind of model: no DDP
     x, y = data[:mine.micro_batch]
     compute = job.precision.compute
 
@@ -83,27 +86,19 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     def forward_ended(module, args, output):
         forwards[0] += time.thread_time() + forwards.pop()
 
-    for net in (getattr(model, "module", model), plain):
+    for net in (inner, plain):
         net.register_forward_pre_hook(forward_started)
         net.register_forward_hook(forward_ended)
 
     def passes(paced: bool, net=plain) -> tuple[float, float]:
         """The median CPU seconds a sample of PASSES passes of `net` (the first dropped), flat out
         or paced, and of their model forwards."""
-        import contextlib
-
-        import torch
-
-        from hetrain.runtime.devices.precision_policy import DTYPES
-
         throttle = job.emulated.throttle.fresh()
-        dtype = DTYPES.get(compute)
         times, model_forwards = [], []
         for _ in range(PASSES + 1):
             forwards[0] = 0.0
             c0 = time.thread_time()
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                loss = loss_fn(net(x), y)
+            loss = forward_loss(net, x, y, compute)
             forward = time.thread_time() - c0
             guess = throttle.before_backward(forward, samples=len(x)) if paced else 0.0
             c1 = time.thread_time()
@@ -151,36 +146,30 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
 def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
     """One rank's medians over its blocks: each block against the mean of the two training steps
     just before it (none from the warm-up steps)."""
-    train, flat_ratios, paced_ratios, ddp_ratios = record["train_s"], [], [], []
-    forward_ratios, rest_ratios, paced_rest, ddp_rest = [], [], [], []
-    train_forward = record.get("train_forward_s")
+    train, train_forward = record["train_s"], record.get("train_forward_s")
+    ratios: dict[str, list[float]] = {k: [] for k in RATIOS}
     for block in record["blocks"]:
         k = block["after_step"]
         if k - BLOCK_EVERY < warmup or block["flat"] <= 0:
             continue
         before = statistics.mean(train[k - BLOCK_EVERY:k])
-        flat_ratios.append(before / block["flat"])
-        paced_ratios.append(block["paced"] / block["flat"])
+        ratios["train_over_flat"].append(before / block["flat"])
+        ratios["paced_over_flat"].append(block["paced"] / block["flat"])
         if block.get("ddp"):
-            ddp_ratios.append(block["ddp"] / block["flat"])
+            ratios["ddp_over_flat"].append(block["ddp"] / block["flat"])
         if train_forward and block.get("flat_forward"):      # the model's forward, and the rest
             fwd = statistics.mean(train_forward[k - BLOCK_EVERY:k])
-            forward_ratios.append(fwd / block["flat_forward"])
             flat_rest = block["flat"] - block["flat_forward"]
-            rest_ratios.append((before - fwd) / flat_rest)
-            paced_rest.append((block["paced"] - block["paced_forward"]) / flat_rest)
-            ddp_rest.append((block["ddp"] - block["ddp_forward"]) / flat_rest)
+            ratios["forward_over_flat"].append(fwd / block["flat_forward"])
+            ratios["rest_over_flat"].append((before - fwd) / flat_rest)
+            ratios["paced_rest_over_flat"].append((block["paced"] - block["paced_forward"]) / flat_rest)
+            ratios["ddp_rest_over_flat"].append((block["ddp"] - block["ddp_forward"]) / flat_rest)
     steady = record["faults"][warmup:] or record["faults"]
     return {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
-            "share": record["share"], "micro_batch": record["micro_batch"], "blocks": len(flat_ratios),
+            "share": record["share"], "micro_batch": record["micro_batch"],
+            "blocks": len(ratios["train_over_flat"]),
             "flat_ms_per_sample": 1e3 * statistics.median(b["flat"] for b in record["blocks"]) if record["blocks"] else None,
-            "train_over_flat": statistics.median(flat_ratios) if flat_ratios else None,
-            "paced_over_flat": statistics.median(paced_ratios) if paced_ratios else None,
-            "ddp_over_flat": statistics.median(ddp_ratios) if ddp_ratios else None,
-            "forward_over_flat": statistics.median(forward_ratios) if forward_ratios else None,
-            "rest_over_flat": statistics.median(rest_ratios) if rest_ratios else None,
-            "paced_rest_over_flat": statistics.median(paced_rest) if paced_rest else None,
-            "ddp_rest_over_flat": statistics.median(ddp_rest) if ddp_rest else None,
+            **{k: statistics.median(v) if v else None for k, v in ratios.items()},
             "faults_per_step": statistics.median(steady) if steady else 0,
             "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"])}
 
