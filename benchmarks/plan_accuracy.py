@@ -118,7 +118,8 @@ def predicted_given_load(profiles_of: dict, run: dict, cores: int) -> float:
                      agree_s=pred.get("agree_s", 0.0),   # both runs are hetrain's, with its agreement
                      straggle=pred.get("straggle", 0.0), straggle_stretch=pred.get("straggle_stretch", 1.0),
                      contention=pred.get("contention", 1.0), clocked=bool(pred.get("clocked", False)),
-                     contention_at=int(pred.get("contention_at", 1))).samples_per_s
+                     contention_at=int(pred.get("contention_at", 1)),
+                     ddp_cost=pred.get("ddp_cost", 1.0)).samples_per_s
 
 
 def _env(cache: str) -> dict:

@@ -19,7 +19,11 @@ block is compared with the two training steps just before it, whose CPU a sample
 hooks counted (forward + backward, sleeps excluded), so every ratio is of figures taken seconds
 apart in the same process:
 
-    train/flat   a training step's CPU a sample over the flat-out pass's (what the plan misses)
+    train/flat   a training step's CPU a sample over the flat-out pass's
+    plan/flat    what the plan expects of it: the step's compute with the last micro-batch's
+                 pacing and DDP costs, measured by the job's probes before its plan (the profile's
+                 paced_cost, the sync probe's ddp_cost: planning/cost.py), over the same without
+    train/plan   the first over the second: what the plan still misses
     paced/flat   the paced pass's over the flat-out one's (the part the sleep alone explains)
     ddp/flat     the paced pass through DDP over the flat-out one's (the sleep and DDP together)
     forward      train/flat of the model's own forward alone (module hooks, the same in both)
@@ -27,11 +31,20 @@ apart in the same process:
                  pass's: paced, paced through DDP, and training's
 
 It reports each rank's medians over the blocks, its page faults a step, and which rank sets the
-step (the most device time a step). `--max-train-over-flat F` exits 1 when that rank's train/flat
-exceeds F: a fix to the emulation or to the profiler must bring it down.
+step (the most device time a step). A second table sets the step's wall time (the steps not right
+after a block) against the plan's prediction and splits the difference: flat/profile is the
+host's speed in the run against the profile the job measured a minute before (a flat-out pass
+then and now: the host's drift, which no plan can know), step/pred at run speed is the step
+against the prediction with its compute and optimizer scaled by that drift (what the plan's model
+misses; its sync and agreement kept as measured), train/plan
+the emulation's CPU against the plan's, wall/busy the step beyond the device's busy time (its
+CPU and sleeps: what remains is the gradient sync, the agreement, the optimizer) and queued the
+part of the step the rank waited, runnable, for a core. `--max-train-over-flat F` exits 1 when that rank's train/flat
+exceeds F, `--max-train-over-plan F` when its train/plan does: a fix to the emulation or to
+the profiler must bring them down.
 
     python benchmarks/train_over_profile.py --json out.json [--cluster a100-80g:0.5,rtx3090:0.335]
-                                            [--steps 50] [--precision auto] [--max-train-over-flat 1.05]
+                                            [--steps 50] [--precision auto] [--max-train-over-plan 1.05]
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
 
     import hetrain
     from hetrain import Rebalancing, Reporting
+    from hetrain.runtime.devices.hooks import runqueue_s
     from layout_accuracy import factory, forward_loss, loss_fn
 
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=0, precision=precision,
@@ -117,13 +131,22 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
 
     record = {"rank": job.rank, "label": job.device_label, "speed": job.emulated.spec.speed,
               "share": mine.share, "micro_batch": mine.micro_batch, "precision": compute,
-              "train_s": [], "train_forward_s": [], "busy_s": [], "faults": [], "blocks": []}
+              **plan_over_flat(job.profiles[job.rank], mine, job.plan.predicted.get("ddp_cost", 1.0)),
+              "predicted_step_s": job.plan.predicted.get("step_s"),
+              "predicted_cpu_s": job.plan.predicted.get("compute_s", 0.0) + job.plan.predicted.get("optimizer_s", 0.0),
+              "profile_s": job.profiles[job.rank].micro_seconds(mine.micro_batch) * job.profiles[job.rank].cpu_share
+              / mine.micro_batch,                                         # CPU a sample, as profiled
+              "train_s": [], "train_forward_s": [], "busy_s": [], "wall_s": [], "queued_s": [], "faults": [],
+              "blocks": []}
     for step in batches:
         f0, forwards[0] = faults(), 0.0
+        w0, q0 = time.perf_counter(), runqueue_s()
         for mb in step:
             with mb:
                 ht.backward(ht.loss(mb))
         ht.step()
+        record["wall_s"].append(time.perf_counter() - w0)
+        record["queued_s"].append(runqueue_s() - q0)
         record["faults"].append(faults() - f0)
         record["train_s"].append(job.hooks.compute_s / mine.share)       # CPU a sample, this step
         record["train_forward_s"].append(forwards[0] / mine.share)       # ... of it the model's forwards
@@ -140,6 +163,20 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     if ht.is_main:
         Path(out).write_text(json.dumps({"ranks": records}))
     ht.close()
+
+
+def plan_over_flat(profile, mine, ddp_cost: float) -> dict:
+    """What the plan expects a training step's CPU a sample to be over a flat-out pass's: its
+    compute with the last micro-batch's pacing and DDP costs (planning/cost.py) over the same
+    without them, and the two measured costs it came from."""
+    from dataclasses import replace
+
+    from hetrain.planning.cost import Assignment
+
+    step = Assignment(profile=profile, share=mine.share, micro_batch=mine.micro_batch)
+    flat = replace(step, profile=replace(profile, paced_cost=1.0)).compute_s()
+    return {"plan_over_flat": step.compute_s(ddp_cost=ddp_cost) / flat,
+            "paced_cost": profile.paced_cost, "ddp_cost": ddp_cost}
 
 
 # -- the figures (pure) -----------------------------------------------------------------------
@@ -165,13 +202,48 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
             ratios["paced_rest_over_flat"].append((block["paced"] - block["paced_forward"]) / flat_rest)
             ratios["ddp_rest_over_flat"].append((block["ddp"] - block["ddp_forward"]) / flat_rest)
     steady = record["faults"][warmup:] or record["faults"]
-    return {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
+    planned = record.get("plan_over_flat")
+    out = {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
             "share": record["share"], "micro_batch": record["micro_batch"],
+            "plan_over_flat": planned, "paced_cost": record.get("paced_cost"), "ddp_cost": record.get("ddp_cost"),
+            "train_over_plan": statistics.median(ratios["train_over_flat"]) / planned
+            if planned and ratios["train_over_flat"] else None,
             "blocks": len(ratios["train_over_flat"]),
             "flat_ms_per_sample": 1e3 * statistics.median(b["flat"] for b in record["blocks"]) if record["blocks"] else None,
+            "profile_ms_per_sample": 1e3 * record["profile_s"] if record.get("profile_s") else None,
             **{k: statistics.median(v) if v else None for k, v in ratios.items()},
             "faults_per_step": statistics.median(steady) if steady else 0,
-            "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"])}
+            "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"]),
+            **_step_wall(record, warmup)}
+    row = out
+    flat, profiled = row["flat_ms_per_sample"], row["profile_ms_per_sample"]
+    row["flat_over_profile"] = flat / profiled if flat and profiled else None
+    step, predicted = row.get("step_wall_ms"), row.get("predicted_step_ms")
+    row["step_over_predicted"] = step / predicted if step and predicted else None
+    # the prediction at the run's speed: its compute and optimizer (the emulated devices' CPU time
+    # and the sleeps made from it) scaled by the host's drift; the sync and agreement as they were
+    cpu = 1e3 * record.get("predicted_cpu_s", 0.0)
+    at_run = predicted + cpu * (row["flat_over_profile"] - 1) if predicted and row["flat_over_profile"] else None
+    row["predicted_at_run_speed_ms"] = at_run
+    row["step_over_predicted_at_run_speed"] = step / at_run if step and at_run else None
+    return row
+
+
+def _step_wall(record: dict, warmup: int) -> dict:
+    """The step's wall time over the device's busy time (its CPU and sleeps: what the plan
+    costs), and the share of the step the thread waited runnable for a core; the steps right
+    after a block of passes left out (a peer may still be timing its passes as they start)."""
+    wall, busy, queued = record.get("wall_s"), record["busy_s"], record.get("queued_s")
+    if not wall:
+        return {}
+    clean = [k for k in range(warmup, len(wall)) if k % BLOCK_EVERY != 0] or list(range(len(wall)))
+    predicted, train = record.get("predicted_step_s"), record["train_s"]
+    device_s = [train[k] * record["share"] / record["speed"] for k in clean]      # CPU ÷ speed
+    return {"step_wall_ms": 1e3 * statistics.median(wall[k] for k in clean),
+            "busy_over_device": statistics.median(busy[k] / d for k, d in zip(clean, device_s) if d > 0),
+            "predicted_step_ms": 1e3 * predicted if predicted else None,
+            "wall_over_busy": statistics.median(wall[k] / busy[k] for k in clean if busy[k] > 0),
+            "queued_share": statistics.median(queued[k] / wall[k] for k in clean if wall[k] > 0)}
 
 
 def setting_rank(rows: list[dict]) -> int:
@@ -184,16 +256,35 @@ def table(rows: list[dict], setter: int) -> str:
         return format(v, spec) if v is not None else "-"
 
     lines = [f"{'rank':<5}{'device':<26}{'speed':>6}{'share':>6}{'flat ms/sample':>16}{'train/flat':>12}"
-             f"{'paced/flat':>12}{'ddp/flat':>10}{'forward':>9}{'rest: paced':>12}{'ddp':>7}{'train':>7}"
+             f"{'plan/flat':>11}{'train/plan':>12}{'paced/flat':>12}{'ddp/flat':>10}{'forward':>9}{'rest: paced':>12}{'ddp':>7}{'train':>7}"
              f"{'faults/step':>13}{'blocks':>8}"]
     for r in rows:
         lines.append(f"{r['rank']:<5}{r['label'][:25]:<26}{r['speed']:>6.3f}{r['share']:>6}"
                      f"{f(r['flat_ms_per_sample'], '.2f'):>16}{f(r['train_over_flat'], '.3f'):>12}"
+                     f"{f(r.get('plan_over_flat'), '.3f'):>11}{f(r.get('train_over_plan'), '.3f'):>12}"
                      f"{f(r['paced_over_flat'], '.3f'):>12}{f(r['ddp_over_flat'], '.3f'):>10}"
                      f"{f(r.get('forward_over_flat'), '.3f'):>9}{f(r.get('paced_rest_over_flat'), '.3f'):>12}"
                      f"{f(r.get('ddp_rest_over_flat'), '.3f'):>7}{f(r.get('rest_over_flat'), '.3f'):>7}"
                      f"{r['faults_per_step']:>13.0f}{r['blocks']:>8}"
                      + ("   <- sets the step" if r["rank"] == setter else ""))
+    return "\n".join(lines)
+
+
+def step_table(rows: list[dict], setter: int) -> str:
+    """The step against the plan's prediction, and what explains the difference: the host's speed
+    between the profile and the run (flat/profile), the emulation's CPU over the plan's
+    (train/plan), the step beyond the device's busy time (wall/busy: sync, agreement, optimizer)."""
+    def f(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    lines = [f"{'rank':<5}{'predicted ms':>13}{'step ms':>9}{'step/pred':>11}{'profile ms/sample':>19}"
+             f"{'flat/profile':>14}{'step/pred at run speed':>24}{'train/plan':>12}{'wall/busy':>11}{'queued':>8}"]
+    for r in rows:
+        lines.append(f"{r['rank']:<5}{f(r.get('predicted_step_ms'), '.1f'):>13}{f(r.get('step_wall_ms'), '.1f'):>9}"
+                     f"{f(r.get('step_over_predicted'), '.3f'):>11}{f(r.get('profile_ms_per_sample'), '.2f'):>19}"
+                     f"{f(r.get('flat_over_profile'), '.3f'):>14}{f(r.get('step_over_predicted_at_run_speed'), '.3f'):>24}"
+                     f"{f(r.get('train_over_plan'), '.3f'):>12}{f(r.get('wall_over_busy'), '.3f'):>11}"
+                     f"{f(r.get('queued_share'), '.1%'):>8}" + ("   <- sets the step" if r["rank"] == setter else ""))
     return "\n".join(lines)
 
 
@@ -207,6 +298,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--max-train-over-flat", type=float, default=None,
                    help="exit 1 when the rank that sets the step trains above this many times its flat-out CPU")
+    p.add_argument("--max-train-over-plan", type=float, default=None,
+                   help="exit 1 when the rank that sets the step trains above this many times the CPU its plan expects")
     return p.parse_args(argv)
 
 
@@ -216,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_over_profile: --steps {args.steps} leaves too few blocks past the warm-up; "
               "use 8 or more (e.g. --steps 50)", file=sys.stderr)
         return 2
-    if args.max_train_over_flat is not None and not args.max_train_over_flat > 0:
-        print(f"train_over_profile: --max-train-over-flat {args.max_train_over_flat} is not a ratio; "
-              "e.g. --max-train-over-flat 1.05", file=sys.stderr)
-        return 2
+    for flag, limit in (("--max-train-over-flat", args.max_train_over_flat),
+                        ("--max-train-over-plan", args.max_train_over_plan)):
+        if limit is not None and not limit > 0:
+            print(f"train_over_profile: {flag} {limit} is not a ratio; e.g. {flag} 1.05", file=sys.stderr)
+            return 2
     sys.path.insert(0, str(REPO / "src"))
     from hetrain.errors import UsageError
     from hetrain.launch import build_launch
@@ -245,14 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     setter = setting_rank(rows)
     result = {"cluster": args.cluster, "steps": args.steps, "global_batch": args.global_batch,
               "precision": args.precision, "warmup_steps": WARMUP_STEPS, "rows": rows, "sets_the_step": setter,
-              "max_train_over_flat": args.max_train_over_flat, "raw": raw["ranks"]}
+              "max_train_over_flat": args.max_train_over_flat, "max_train_over_plan": args.max_train_over_plan,
+              "raw": raw["ranks"]}
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(table(rows, setter))
-    worst = next(r for r in rows if r["rank"] == setter)["train_over_flat"]
-    if args.max_train_over_flat is not None and worst is not None and worst > args.max_train_over_flat:
-        print(f"rank {setter} trains at {worst:.3f}x its flat-out CPU a sample (limit {args.max_train_over_flat:g})")
-        return 1
-    return 0
+    print(step_table(rows, setter))
+    row = next(r for r in rows if r["rank"] == setter)
+    failed = 0
+    for key, limit, what in (("train_over_flat", args.max_train_over_flat, "its flat-out CPU a sample"),
+                             ("train_over_plan", args.max_train_over_plan, "the CPU a sample its plan expects")):
+        if limit is not None and row[key] is not None and row[key] > limit:
+            print(f"rank {setter} trains at {row[key]:.3f}x {what} (limit {limit:g})")
+            failed = 1
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The sync probe never leaves a rank in a collective its peers skipped: the user's forward
 failing on rank 1 alone, inside the probe (after profiling, which calls it on the bare model,
 succeeded), raises the same HetrainError on every rank, naming rank 1 and the cause, with no
-hang (the harness deadline is far below the job's collective timeout)."""
+hang (the harness deadline is far below the job's collective timeout). Beside each DDP run it
+times the bare module (what ddp_cost is read from), and leaves the model as it found it."""
 
 from __future__ import annotations
 
@@ -51,3 +52,32 @@ def test_a_forward_failing_on_one_rank_in_the_sync_probe_raises_on_every_rank():
     assert "rank 1: RuntimeError: the forward broke on the wrapped model" in r0["what"]
     assert "rank 0" not in r0["what"]
     assert r0["profiled"] > 0 and r1["profiled"] > 0       # profiling ran the same forward, and passed
+
+
+def bare_beside_ddp(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetrain.runtime.measure.sync_probes import time_gradient_sync
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        before = [p.detach().clone() for p in model.parameters()]
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))
+        exposed, through_ddp, bare = time_gradient_sync(
+            DDP(model), (x, x.sum(1, keepdim=True)), forward=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+            device=torch.device("cpu"), runs=3)
+        return {"exposed": exposed, "ddp": through_ddp, "bare": bare,
+                "grads": [p.grad for p in model.parameters()],
+                "same": all(torch.equal(a, p) for a, p in zip(before, model.parameters()))}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sync_probe_times_the_bare_module_beside_each_ddp_run_and_leaves_the_model_as_found():
+    for r in run_ranks(bare_beside_ddp, 2, timeout=90):
+        assert len(r["exposed"]) == len(r["ddp"]) == len(r["bare"]) == 3
+        assert all(t > 0 for t in r["ddp"] + r["bare"])          # every run timed, both ways
+        assert all(g is None for g in r["grads"]) and r["same"]

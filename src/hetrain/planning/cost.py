@@ -43,6 +43,13 @@ memory bandwidth: one thread's fp32 forward+backward of the demo GPT took 148 ms
 beside a second one, on a 2-core host that was also running a benchmark). A job measures this at its start (`contention`: how much slower every device
 computed in the sync probe, all at once on `contention_at` cores, than its profile says), and a
 step's CPU segments run slower by the same measure scaled to how many compute at a time.
+
+An emulated step's last micro-batch also costs CPU its profile's flat-out passes do not: the
+throttle's sleep before its backward leaves that backward on cold caches (the profile's
+`paced_cost`, measured by the profiler), and DDP's hooks and bucket copies run on the thread that
+is the emulated GPU (`ddp_cost`, the sync probe's DDP runs over its bare ones). Both are device
+time the throttle charges, once a step, so `last_micro_extra` adds (paced_cost · ddp_cost − 1) of
+the last micro-batch to the device's compute (on a GPU both are 1: nothing added).
 """
 
 from __future__ import annotations
@@ -184,14 +191,21 @@ class Assignment:
     def smallest_micro(self) -> int:
         return self.share // self.n_micro
 
-    def compute_s(self, factor: float = 1.0) -> float:
+    def compute_s(self, factor: float = 1.0, *, ddp_cost: float = 1.0) -> float:
         """n·a + b·share (the sizes differ by at most one, so the sum is exact for t = a + b·m),
-        times `factor` (this device's slowdown from sharing host cores)."""
+        plus the last micro-batch's pacing and DDP costs (`last_micro_extra`), times `factor`
+        (this device's slowdown from sharing host cores)."""
         p = self.profile
         t = self.n_micro * p.overhead_s + p.per_sample_s * self.share
         if self.checkpointing:
             t *= p.recompute_factor
-        return t * factor
+        return (t + self.last_micro_extra(ddp_cost)) * factor
+
+    def last_micro_extra(self, ddp_cost: float = 1.0) -> float:
+        """Device seconds the step's last micro-batch costs beyond its profile: (paced_cost ·
+        ddp_cost − 1) of it (module docstring; 0 on a GPU)."""
+        p = self.profile
+        return (p.paced_cost * ddp_cost - 1) * p.micro_seconds(self.micro_sizes[-1], checkpointing=self.checkpointing)
 
     def memory_bytes(self) -> float:
         return self.profile.memory_needed(self.largest_micro, checkpointing=self.checkpointing)
@@ -222,18 +236,18 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
               host_cores: float | None = None, host_load: float = 0.0,
               sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
               straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
-              clocked: bool = False) -> StepCost:
+              ddp_cost: float = 1.0, clocked: bool = False) -> StepCost:
     """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
     with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
     `sync_s`: the exposed gradient sync as measured (instead of the ring model's); `agree_s`:
     the per-step agreement all-reduce (hetrain's; plain DDP has none); `straggle`, measured at
-    contention `straggle_stretch`, and `clocked` (emulated devices on the controlled clock): see
-    the module docstring."""
-    alone = [a.compute_s() for a in assignments]
+    contention `straggle_stretch`, `ddp_cost` and `clocked` (emulated devices on the controlled
+    clock): see the module docstring."""
+    alone = [a.compute_s(ddp_cost=ddp_cost) for a in assignments]
     opt_alone = [a.profile.optimizer_s for a in assignments]
     if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
         shared = dict(cores=host_cores, load=host_load, contention=contention, contention_at=contention_at)
-        compute = tuple(shared_cpu_finish([_compute_segments(a) for a in assignments], **shared))
+        compute = tuple(shared_cpu_finish([_compute_segments(a, ddp_cost) for a in assignments], **shared))
         opt = max(shared_cpu_finish([_cpu_then_sleep(a.profile, a.profile.optimizer_s) for a in assignments],
                                     **shared))
     else:
@@ -273,16 +287,17 @@ def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float
     return [(True, cpu), (False, device_s - cpu)]
 
 
-def _compute_segments(a: Assignment) -> list[tuple[bool, float]]:
+def _compute_segments(a: Assignment, ddp_cost: float = 1.0) -> list[tuple[bool, float]]:
     """This device's step as the emulator runs it (runtime/devices/emulation.py: one sleep, for the whole
     step's compute, before the last micro-batch's backward): the earlier micro-batches and the last
-    forward on the CPU, the sleep, the last backward on the CPU. Segments are (on_cpu, seconds of
-    CPU work or of sleep)."""
+    forward on the CPU, the sleep, the last backward on the CPU (with the last micro-batch's extra,
+    `last_micro_extra`: the throttle books it after that backward, and its sleep is paid in the
+    next step's). Segments are (on_cpu, seconds of CPU work or of sleep)."""
     p = a.profile
-    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes)
+    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes) + a.last_micro_extra(ddp_cost)
     last_cpu = p.micro_seconds(a.micro_sizes[-1], checkpointing=a.checkpointing) * p.cpu_share
     cpu = dev * p.cpu_share
-    before = cpu - last_cpu * (1 - p.forward_fraction)
+    before = cpu - last_cpu * (1 - p.forward_fraction) - a.last_micro_extra(ddp_cost) * p.cpu_share
     return [(True, before), (False, dev - cpu), (True, cpu - before)]
 
 

@@ -30,6 +30,7 @@ class PlanOptions:
     straggle_stretch: float = 1.0        # the host-core contention `straggle` was measured under
     contention: float = 1.0              # emulated devices computing at once slow each other by this (measured)
     contention_at: int = 1               # ...with this many computing at once (the probe's)
+    ddp_cost: float = 1.0                # a DDP-synced micro-batch's CPU over the bare module's (measured; cost.py)
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
     clocked: bool = False                # emulated devices on the controlled clock (cost.py: what can trail)
@@ -54,6 +55,8 @@ class PlanOptions:
         if not (1.0 <= self.contention <= 10.0) or self.contention_at < 1:
             raise UsageError(f"contention {self.contention!r} at {self.contention_at!r} devices",
                              "give a measured slowdown in [1, 10] and a device count >= 1 (or leave both out)")
+        if not 1.0 <= self.ddp_cost <= 2.0:
+            raise UsageError(f"DDP's cost {self.ddp_cost!r}", "give a measured ratio in [1, 2] (or leave it out)")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
         if not self.host_load >= 0:

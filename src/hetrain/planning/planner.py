@@ -68,7 +68,7 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
                      host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
                      agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
                      straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at,
-                     clocked=o.clocked)
+                     ddp_cost=o.ddp_cost, clocked=o.clocked)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -76,13 +76,17 @@ def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
     return dict(zip(sorted(shares), cost.stretch_by_device))
 
 
-def _devs(profiles, fits, indices, factors: dict[int, float]) -> list[_Dev]:
+def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 1.0) -> list[_Dev]:
     out = []
     for i in indices:
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
         k = g * (p.recompute_factor if f.checkpointing else 1.0)
-        time = StepTime(per_sample=p.per_sample_s * k, per_micro=p.overhead_s * k, micro=f.micro)
+        # the last micro-batch's pacing and DDP costs (cost.last_micro_extra), (K − 1) of it: exact
+        # for a share in one micro-batch, more than it is for several (step_cost then costs it exactly)
+        extra = p.paced_cost * ddp_cost - 1
+        time = StepTime(per_sample=p.per_sample_s * k * (1 + extra), per_micro=p.overhead_s * k,
+                        fixed=p.overhead_s * k * extra, micro=f.micro)
         out.append(_Dev(index=i, time=time, opt=p.optimizer_s * g))
     return out
 
@@ -126,7 +130,7 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
     factors: dict[int, float] = {}
     best = None
     for _ in range(6 if o.host_cores else 1):
-        devs = _devs(profiles, fits, indices, factors)
+        devs = _devs(profiles, fits, indices, factors, o.ddp_cost)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
@@ -194,7 +198,7 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    with_it = _solve(_devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost)), o.global_batch,
+    with_it = _solve(_devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost), o.global_batch,
                      forced=True) if replan else None
     t1 = p.micro_seconds(1, checkpointing=fits[i].checkpointing)
     if with_it:
@@ -274,6 +278,8 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
                          clocked=float(o.clocked))    # numbers only: 1.0 on the controlled clock
     if o.contention > 1.0:
         predicted.update(contention=o.contention, contention_at=float(o.contention_at))
+    if o.ddp_cost > 1.0:
+        predicted["ddp_cost"] = o.ddp_cost
     if math.isfinite(link.bandwidth_gbs):
         predicted["link_gbs"] = link.bandwidth_gbs
         predicted["link_latency_s"] = link.latency_s
@@ -296,6 +302,13 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
                      + f": compute stretched up to ×{cost.stretch:.2f}"
                      + (f" (×{o.contention:.2f} measured with {o.contention_at} computing at once: shared cache "
                         "and memory bandwidth)" if o.contention >= 1.005 else ""))
+    paced = max((profiles[i].paced_cost for i in members), default=1.0)
+    if o.ddp_cost >= 1.005 or paced >= 1.005:
+        notes.append("a step's last micro-batch costs more CPU than its profile's flat-out passes: "
+                     + ", ".join(filter(None, (f"×{paced:.3f} paced (a backward after the emulator's sleep, measured)"
+                                               if paced >= 1.005 else "",
+                                               f"×{o.ddp_cost:.3f} through DDP (its hooks and bucket copies, "
+                                               "measured beside the bare module)" if o.ddp_cost >= 1.005 else ""))))
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")

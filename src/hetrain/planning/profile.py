@@ -89,6 +89,8 @@ class DeviceProfile:
     recompute_factor: float = 4 / 3          # compute multiplier under checkpointing (one more forward)
     cpu_share: float = 0.0                   # fraction of its compute time that occupies a host core
     forward_fraction: float = 1 / 3          # of a micro-batch's compute, the forward (backward ≈ 2×)
+    paced_cost: float = 1.0                  # a micro-batch paced as an emulator paces it (a sleep before its
+                                             # backward) over one flat out, measured; 1.0: not paced
     gpu: str | None = None                   # catalog key, when known
     link_gbs: float | None = None            # this device's link to its peers (GB/s), when known
     sizes: tuple[int, ...] = ()              # the micro-batch sizes measured…
@@ -111,6 +113,8 @@ class DeviceProfile:
                              f"factor {self.recompute_factor}", "use a fraction in (0, 1] and a factor >= 1")
         if not 0 < self.forward_fraction < 1:
             raise UsageError(f"{self.device}: forward fraction {self.forward_fraction}", "use a fraction in (0, 1)")
+        if not 1 <= self.paced_cost <= 2:
+            raise UsageError(f"{self.device}: paced cost {self.paced_cost}", "use a ratio in [1, 2]")
         if not 0 <= self.cpu_share <= 1:
             raise UsageError(f"{self.device}: cpu share {self.cpu_share}", "use a fraction in [0, 1]")
         if len(self.sizes) != len(self.seconds):

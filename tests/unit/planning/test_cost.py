@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from hetrain.errors import UsageError
 from hetrain.hardware import catalog
 from hetrain.planning.collectives import FREE_LINK, Link, allreduce_seconds, link_from_measurement
 from hetrain.planning.cost import (DDP_BUCKET_BYTES, Assignment, catalog_link, estimate_profile, fixed_bytes,
@@ -147,7 +148,6 @@ def test_other_work_on_the_host_stretches_compute_too():
 
 
 def test_bad_links_and_efficiency():
-    from hetrain.errors import UsageError
 
     with pytest.raises(UsageError):
         Link(bandwidth_gbs=0)
@@ -180,3 +180,26 @@ def test_devices_computing_at_once_slow_each_other_by_the_measured_contention():
     assert shared_cpu_finish(staggered, 2, contention=1.2, contention_at=2) == pytest.approx([0.1, 0.2])
     # three at once on 3 cores, measured at 3: 1.5x; two of them at once: 1.25x
     assert shared_cpu_finish([[(True, 0.1)]] * 2, 3, contention=1.5, contention_at=3) == pytest.approx([0.125] * 2)
+
+
+def test_a_steps_last_micro_batch_pays_its_pacing_and_ddps_cost_once():
+    # Speed 0.5, 3 micro-batches of 10 ms device time (5 ms of CPU); paced, the last costs 4% more
+    # CPU, and through DDP 5% more again: 10 ms × (1.04 · 1.05 − 1) = 0.92 ms more device time
+    p = DeviceProfile(device="d", source="t", overhead_s=0.0, per_sample_s=0.001, fixed_bytes=0,
+                      activation_bytes_per_sample=0, cpu_share=0.5, forward_fraction=1 / 3, paced_cost=1.04)
+    a = Assignment(profile=p, share=30, micro_batch=10)
+    extra = 0.010 * (1.04 * 1.05 - 1)
+    assert a.last_micro_extra(1.05) == pytest.approx(extra)
+    assert a.compute_s(ddp_cost=1.05) == pytest.approx(0.030 + extra)
+    cpu_before, sleep, cpu_after = (d for _, d in _compute_segments(a, 1.05))
+    assert cpu_before == pytest.approx(0.015 - 0.005 * 2 / 3)  # the earlier work as before
+    assert cpu_after == pytest.approx(0.005 * 2 / 3 + extra / 2)   # the extra CPU after the last backward's sleep
+    assert cpu_before + sleep + cpu_after == pytest.approx(0.030 + extra)
+    alone = step_cost([a], global_batch=30, grad_bytes=0, link=FREE_LINK, host_cores=2, ddp_cost=1.05)
+    assert alone.compute_s[0] == pytest.approx(0.030 + extra) and alone.stretch == pytest.approx(1.0)
+    # a GPU's profile is not paced and its DDP runs on the GPU: nothing added
+    gpu = Assignment(profile=_prof(0.001), share=30, micro_batch=10)
+    assert gpu.compute_s() == pytest.approx(0.030) and gpu.last_micro_extra() == 0.0
+    with pytest.raises(UsageError, match="paced cost"):
+        DeviceProfile(device="d", source="t", overhead_s=0.0, per_sample_s=0.001, fixed_bytes=0,
+                      activation_bytes_per_sample=0, paced_cost=0.9)

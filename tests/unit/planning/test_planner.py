@@ -287,3 +287,23 @@ def test_emulated_devices_on_too_few_cores_plan_with_the_stretched_times():
     assert under_contention(busy).step_s == pytest.approx(busy.predicted["step_s"])
     assert [d.predicted_compute_s for d in busy.devices] == pytest.approx(list(under_contention(busy).compute_s))
     assert busy.predicted["step_s"] <= under_contention(quiet).step_s + 1e-12
+
+
+def test_the_last_micro_batchs_measured_pacing_and_ddp_costs_are_planned_for():
+    """Two devices alike but for what their last micro-batch costs paced (the profile's
+    paced_cost): the split leans away from the dearer one, and the predicted step is the cost
+    model's with DDP's measured cost on top."""
+    plain = replace(_profile("a", 0.01, overhead=0.002), cpu_share=0.5)
+    dear = replace(_profile("b", 0.01, overhead=0.002), cpu_share=0.5, paced_cost=1.3)
+    o = options(64, link=FREE_LINK, host_cores=2, ddp_cost=1.1)
+    plan = make_plan([plain, dear], o)
+    assert plan.shares[0] > plan.shares[1]
+    again = step_cost([Assignment(profile=p, share=d.share, micro_batch=d.micro_batch)
+                       for p, d in zip((plain, dear), plan.devices)], global_batch=64, grad_bytes=0,
+                      link=FREE_LINK, host_cores=2, ddp_cost=1.1)
+    assert again.step_s == pytest.approx(plan.predicted["step_s"])
+    assert plan.predicted["ddp_cost"] == 1.1
+    unpaced = make_plan([plain, replace(dear, paced_cost=1.0)], replace(o, ddp_cost=1.0))
+    assert unpaced.shares == (32, 32) and unpaced.predicted["step_s"] < plan.predicted["step_s"]
+    with pytest.raises(UsageError, match="DDP's cost"):
+        options(64, ddp_cost=0.5)

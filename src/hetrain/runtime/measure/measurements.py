@@ -43,6 +43,7 @@ class Measurements:
     allreduce_s: tuple[float, ...] = ()              # a gradient-sized all-reduce, seconds
     sync_s: tuple[tuple[float, ...], ...] = ()       # exposed gradient sync, per run
     compute_s: tuple[tuple[float, ...], ...] = ()    # forward+backward before it, per run (0: untimed)
+    plain_compute_s: tuple[tuple[float, ...], ...] = ()  # ...through the bare module (no DDP), beside each run
     agree_s: tuple[float, ...] = ()                  # the per-step agreement all-reduce
     probe_size: int = 0                              # the sync probe's micro-batch (samples)
     # A job of several nodes (runtime/ranks/nodes.py): how many, and one gradient-sized all-reduce
@@ -83,7 +84,7 @@ class Measurements:
         if data.pop("schema", None) != MEASUREMENTS_SCHEMA:
             raise ValueError(f"measurements schema is not {MEASUREMENTS_SCHEMA}: measure again")
         profiles = data.pop("profiles")
-        rows = ("sync_s", "compute_s", "grad_shapes")
+        rows = ("sync_s", "compute_s", "plain_compute_s", "grad_shapes")
         return cls(profiles=None if profiles is None else tuple(DeviceProfile.from_dict(p) for p in profiles),
                    **{k: tuple(tuple(r) for r in v) if k in rows else tuple(v) if isinstance(v, list) else v
                       for k, v in data.items()})
@@ -96,7 +97,7 @@ class Measurements:
 def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_exclusion: bool = False,
                  sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
                  straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
-                 host_cores: float | None = None) -> PlanOptions:
+                 ddp_cost: float = 1.0, host_cores: float | None = None) -> PlanOptions:
     """The planner's options for a job with this Config: what the config decides (batch, memory
     margin, micro-batch cap, whether activation checkpointing may be planned) and what was
     measured or estimated (the rest)."""
@@ -105,7 +106,7 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         micro_batch_cap=config.memory.max_micro_batch, allow_exclusion=allow_exclusion,
         allow_checkpointing=config.memory.activation_checkpointing != "none",
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
-        contention=contention, contention_at=contention_at, host_cores=host_cores,
+        contention=contention, contention_at=contention_at, ddp_cost=ddp_cost, host_cores=host_cores,
         clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None)
 
 
@@ -123,8 +124,9 @@ def straggle(compute_s) -> float:
 def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config) -> float:
     """How much slower emulated devices compute while they all compute at once than their
     profiles say (shared cache and memory bandwidth): in the sync probe every rank runs the same
-    micro-batch at the same moment; the median over ranks of (median probe seconds ÷ the profile's
-    CPU seconds for that micro-batch), less the core sharing the cost model already plays out
+    micro-batch at the same moment, through the bare module (DDP's own cost is `ddp_cost`'s); the
+    median over ranks of (median probe seconds ÷ the profile's CPU seconds for that micro-batch),
+    less the core sharing the cost model already plays out
     (n / cores when more devices than cores). 1.0 where not measured, or when the probe's
     micro-batch is too short to time (under 5 ms of CPU: DDP's and gloo's fixed costs would be
     read as contention). At most 2: what was measured here is 1.05-1.25. On the controlled clock
@@ -134,7 +136,7 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     if not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1 or not m.compute_s:
         return 1.0
     ratios = []
-    for p, runs in zip(profiles, m.compute_s):
+    for p, runs in zip(profiles, m.plain_compute_s or m.compute_s):     # (older measurements: no bare runs)
         timed = [t for t in runs if t > 0]
         cpu = p.micro_seconds(m.probe_size) * p.cpu_share      # this micro-batch's CPU seconds, alone
         if timed and cpu >= MIN_PROBE_CPU_S:
@@ -143,6 +145,27 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
         return 1.0
     sharing = max(1.0, m.world_size / max(1, m.host_cores))
     return min(2.0, max(1.0, statistics.median(ratios) / sharing))
+
+
+def ddp_cost(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config) -> float:
+    """How much more CPU a micro-batch whose gradients DDP syncs takes than the same forward and
+    backward through the bare module, on emulated devices on the CPU's own clock: the median over
+    ranks of each rank's median ratio of the sync probe's runs to the bare runs beside them (every
+    rank at once in both, so the host's contention cancels). Through DDP its hooks copy every
+    gradient into buckets and gloo's threads run the early buckets' all-reduces, on the CPU the
+    emulated GPU's compute is charged by. The DDP run is timed to its last bucket's launch, a
+    little short of its backward's end, so this errs low. 1.0 where not measured (a GPU: DDP's
+    copies run on the GPU, inside the profile's times), on the controlled clock (a CPU that works
+    more sleeps less), or when the probe's micro-batch is too short to time; at most 1.5."""
+    if (not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1
+            or not m.compute_s or not m.plain_compute_s):
+        return 1.0
+    ratios = []
+    for p, ddp_runs, bare_runs in zip(profiles, m.compute_s, m.plain_compute_s):
+        pairs = [d / b for d, b in zip(ddp_runs, bare_runs) if d > 0 and b > 0]
+        if pairs and p.micro_seconds(m.probe_size) * p.cpu_share >= MIN_PROBE_CPU_S:
+            ratios.append(statistics.median(pairs))
+    return min(1.5, max(1.0, statistics.median(ratios))) if ratios else 1.0
 
 
 def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, ...]:
@@ -164,7 +187,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
     `profiles`: planning_profiles(m, config), when the caller has them already."""
     n = m.world_size
     measured_link, sync_s, agree_s, lag, stretch = FREE_LINK, None, 0.0, 0.0, 1.0
-    slower, at_once = 1.0, 1
+    slower, at_once, ddp = 1.0, 1, 1.0
     if n > 1 and m.profiles is not None:
         # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
         # for it (on a shared host, whoever the scheduler left behind): in each run the least is
@@ -176,6 +199,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
             stretch = max(1.0, n / m.host_cores)
             profiles = profiles if profiles is not None else planning_profiles(m, config)
             slower, at_once = contention(m, profiles, config), min(n, m.host_cores)
+            ddp = ddp_cost(m, profiles, config)
         slowest = max(m.allreduce_s)
         if m.grad_bytes:
             measured_link = link_from_measurement(
@@ -187,7 +211,7 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
     return plan_options(
         config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
         sync_s=sync_s, agree_s=agree_s, straggle=lag, straggle_stretch=stretch,
-        contention=slower, contention_at=at_once,
+        contention=slower, contention_at=at_once, ddp_cost=ddp,
         # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
         # work on the host is not modelled: it comes and goes faster than a plan lives.
         host_cores=m.host_cores if config.emulation.cluster else None)

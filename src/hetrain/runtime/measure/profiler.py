@@ -26,6 +26,15 @@ the sleep before the backward, the guess of the backward settled after it), the 
 thread's CPU time plus the sleeps (the device's busy time, as its hooks count it), and fits
 a + b·m to that as to any device's times. `cpu_share` is then measured too: the CPU seconds over
 the device's seconds, over all the sizes timed. Such a profile is cached per clock and speed.
+
+On the CPU's own clock the sizes are timed flat out, one pass after another, but training paces a
+pass: the throttle sleeps before the backward of a step's last micro-batch. A backward after that
+sleep costs more CPU than a hot one (caches and the core went to other work: 1.4-4% more on a
+2-core EPYC, benchmarks/train_over_profile.py), and the throttle charges that CPU as the device's
+compute. So the profiler also times a few passes paced as training paces them (through a
+fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
+and keeps the median ratio as `paced_cost` (cost.py charges it on a step's last micro-batch).
+Such a profile is cached per speed.
 """
 
 from __future__ import annotations
@@ -49,9 +58,11 @@ from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
 
-PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
+PROFILER_VERSION = 5             # 2: times forwards without the emulated meter's hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices on the
-                                # controlled clock timed through their throttle
+                                # controlled clock timed through their throttle; 5: paced_cost
+PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
+PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -141,13 +152,14 @@ def _sizes(limit: int) -> list[int]:
 def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
             label: str, forward: Callable = default_forward, precision: str = "fp32",
             memory_bytes: int | None = None, max_size: int = MAX_SIZE, cpu_clock: bool = False,
-            budget_s: float = 5.0, throttle=None) -> DeviceProfile:
+            budget_s: float = 5.0, throttle=None, pace=None) -> DeviceProfile:
     """Measure this device; the model's parameters, gradients, buffers and RNG are left as found.
 
     `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
     time (emulated devices) instead of the wall clock. `throttle`: an emulated device's throttle
     on the controlled clock (a fresh one: its books change), through which every forward and
-    backward runs, timed by its busy time (CPU + sleeps)."""
+    backward runs, timed by its busy time (CPU + sleeps). `pace`: an emulated device's throttle on
+    the CPU's own clock (a fresh one), through which `paced_cost` is measured (module docstring)."""
     cuda = device.type == "cuda"
     dtype = DTYPES.get(precision)
 
@@ -237,6 +249,10 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
                 break                        # bounded: fit what was measured
         optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda,
                                              pace=throttle.compute if clocked else contextlib.nullcontext)
+        paced = {}
+        if pace is not None and not clocked and not cuda:
+            quick = [m for m, t in zip(timed_sizes, cpu_seconds) if t <= PACED_PASS_S] or timed_sizes[:1]
+            paced["paced_cost"] = paced_cost(model, load(quick[-1]), fwd, pace)
         model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in model.named_buffers():
@@ -250,7 +266,37 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed, **share,
         activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
         memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
-        sizes=tuple(timed_sizes), seconds=tuple(seconds))
+        sizes=tuple(timed_sizes), seconds=tuple(seconds), **paced)
+
+
+def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
+    """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's: the median
+    ratio of `pairs` passes of each, alternated (under a second apart: the host's drift cancels),
+    the first pair dropped. A paced pass runs as the throttle runs a step's last micro-batch: its
+    forward, the sleep (devices/emulation.Throttle.before_backward), its backward, the guess's
+    error settled. At least 1 (pacing saves no CPU: a ratio under 1 is noise); at most 2."""
+    def one(paced: bool) -> float:
+        c0 = time.thread_time()
+        loss = as_scalar(fwd(model, batch))
+        forward = time.thread_time() - c0
+        guess = throttle.before_backward(forward) if paced else 0.0
+        c1 = time.thread_time()
+        loss.backward()
+        backward = time.thread_time() - c1
+        if paced:
+            throttle.after_backward(forward, guess, backward)
+            throttle.settle()
+        model.zero_grad(set_to_none=True)
+        return forward + backward
+
+    ratios = []
+    for k in range(pairs + 1):
+        flat = one(False)
+        flat = one(False)           # the flat pass hot: after one pass, not after the paced one's idle
+        ratio = one(True) / max(flat, 1e-9)
+        if k:
+            ratios.append(ratio)
+    return min(2.0, max(1.0, statistics.median(ratios)))
 
 
 def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:
@@ -351,16 +397,20 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
     on_clock = emulate is not None and throttle is not None and throttle.clocked
     signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
     key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
+    paced = emulate is not None and throttle is not None and not on_clock and device.type != "cuda"
     if on_clock:      # its times are this clock's at this speed: kept apart from any other's
         clock = hashlib.sha256(repr((throttle.sample_s, throttle.micro_s, throttle.speed)).encode()).hexdigest()[:10]
         key += f" clock {clock}"
+    elif paced:       # its paced_cost is this speed's (the sleep's length)
+        key += f" speed {throttle.speed:g}"
     path = _cache_path(signature, key)
     raw, note = read_cache(path, key)
     cached = raw is not None
     if raw is None:
         raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
                       memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None,
-                      throttle=throttle.fresh() if on_clock else None)
+                      throttle=throttle.fresh() if on_clock else None,
+                      pace=throttle.fresh() if paced else None)
         _write_cache(path, raw)
     if on_clock:
         profile = clocked(raw, emulate)

@@ -45,11 +45,14 @@ def settle(error: BaseException | None, *, stage: str, device: torch.device) -> 
 
 def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
                        device: torch.device, precision: str = "fp32",
-                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None]:
+                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None, list[float] | None]:
     """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
     micro-batch `batch`, as this job's devices, link and (on an emulated host) shared cores
     give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
-    start together, so the ranks' spread measures straggling). A collective: every rank calls it
+    start together, so the ranks' spread measures straggling) and, each run beside it, the seconds
+    of the same forward+backward through the bare module (no DDP), every rank at once too: the two
+    differ by DDP's own CPU (its hooks, bucket copies and the all-reduces' threads), not by the
+    host's contention, which both pay alike. A collective: every rank calls it
     (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
     The warm-up's forward runs locally (no buffer broadcast) and its outcome is settled on every
     rank before the first backward's all-reduce: the user's forward failing on one rank raises
@@ -98,6 +101,15 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
         launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
         return launched - t0, end - launched
 
+    def bare() -> float:
+        """Seconds of the forward+backward through the bare module, every rank at once (CPU only)."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
+            loss = as_scalar(forward(module, batch))
+        loss.backward()
+        return time.perf_counter() - t0
+
     def warm_up() -> None:
         """A synchronised forward+backward, untimed (the first sync also rebuilds DDP's buckets),
         whose forward is local and settled before its backward's collectives."""
@@ -117,14 +129,16 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     with torch.random.fork_rng(devices=[device] if cuda else []):
         warm_up()
         if cuda:
-            exposed, compute = [once(True)[1] - once(False)[1] for _ in range(runs)], None
+            exposed, compute, plain = [once(True)[1] - once(False)[1] for _ in range(runs)], None, None
         else:
-            compute, exposed = map(list, zip(*(once(True) for _ in range(runs))))
+            bare()                            # its first pass (the DDP one warmed up above)
+            timed = [(*once(True), bare()) for _ in range(runs)]
+            compute, exposed, plain = (list(column) for column in zip(*timed))
     module.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in module.named_buffers():
             b.copy_(buffers[n])
-    return [max(0.0, x) for x in exposed], compute
+    return [max(0.0, x) for x in exposed], compute, plain
 
 
 def time_agreement(device: torch.device, *, runs: int = 5) -> float:
