@@ -33,8 +33,8 @@ sleep costs more CPU than a hot one (caches and the core went to other work: 1.4
 2-core EPYC, benchmarks/train_over_profile.py), and the throttle charges that CPU as the device's
 compute. So the profiler also times a few passes paced as training paces them (through a
 fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
-and keeps the median ratio as `paced_cost` (cost.py charges it on a step's last micro-batch).
-Such a profile is cached per speed.
+and keeps the median ratio as `paced_cost` (pacing.py; cost.py charges it on a step's last
+micro-batch). Such a profile is cached per speed.
 """
 
 from __future__ import annotations
@@ -57,12 +57,11 @@ from ...planning.profile import DeviceProfile, fit_linear
 from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
+from .pacing import PACED_PASS_S, paced_cost
 
 PROFILER_VERSION = 5             # 2: times forwards without the emulated meter's hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices on the
                                 # controlled clock timed through their throttle; 5: paced_cost
-PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
-PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -267,36 +266,6 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
         memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
         sizes=tuple(timed_sizes), seconds=tuple(seconds), **paced)
-
-
-def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
-    """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's: the median
-    ratio of `pairs` passes of each, alternated (under a second apart: the host's drift cancels),
-    the first pair dropped. A paced pass runs as the throttle runs a step's last micro-batch: its
-    forward, the sleep (devices/emulation.Throttle.before_backward), its backward, the guess's
-    error settled. At least 1 (pacing saves no CPU: a ratio under 1 is noise); at most 2."""
-    def one(paced: bool) -> float:
-        c0 = time.thread_time()
-        loss = as_scalar(fwd(model, batch))
-        forward = time.thread_time() - c0
-        guess = throttle.before_backward(forward) if paced else 0.0
-        c1 = time.thread_time()
-        loss.backward()
-        backward = time.thread_time() - c1
-        if paced:
-            throttle.after_backward(forward, guess, backward)
-            throttle.settle()
-        model.zero_grad(set_to_none=True)
-        return forward + backward
-
-    ratios = []
-    for k in range(pairs + 1):
-        flat = one(False)
-        flat = one(False)           # the flat pass hot: after one pass, not after the paced one's idle
-        ratio = one(True) / max(flat, 1e-9)
-        if k:
-            ratios.append(ratio)
-    return min(2.0, max(1.0, statistics.median(ratios)))
 
 
 def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:

@@ -289,57 +289,7 @@ def test_on_the_clock_the_planner_gives_a_capped_device_less_when_each_micro_bat
     assert best_share(CLOCK_A) == 4 and best_share(0.0) == 8
 
 
-# -- the CPU's own clock: what pacing costs a pass, measured beside flat-out passes ------------
-def spin(cpu_s: float) -> None:
-    """Burn `cpu_s` seconds of this thread's CPU (the same on a busy host: CPU, not wall time)."""
-    end = time.thread_time() + cpu_s
-    while time.thread_time() < end:
-        pass
-
-
-class ColdAfterSleep(torch.autograd.Function):
-    """A layer whose backward costs 20 ms of CPU, or 30 ms right after the throttle's sleep (as a
-    backward on cold caches costs more): the profiler must read the 1.5x it is not told."""
-    cold = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        spin(0.03 if ColdAfterSleep.cold else 0.02)
-        ColdAfterSleep.cold = False
-        return grad
-
-
-class SleepMarks:
-    """A throttle whose sleep leaves the next backward cold (and never sleeps: the test times CPU)."""
-    def before_backward(self, forward_cpu, *, samples=1):
-        ColdAfterSleep.cold = True
-        return 0.0
-
-    def after_backward(self, forward_cpu, guess, backward_cpu):
-        pass
-
-    def settle(self):
-        pass
-
-
-def test_paced_cost_reads_what_a_backward_after_the_sleep_costs_beyond_a_flat_out_one():
-    model = nn.Linear(4, 4)
-
-    def fwd(m, batch):
-        return ColdAfterSleep.apply(m(batch)).sum()
-
-    cost = profiler.paced_cost(model, torch.randn(2, 4), fwd, SleepMarks(), pairs=3)
-    assert cost == pytest.approx(1.5, rel=0.1)     # (forward + 30 ms) / (forward + 20 ms), forward < 1 ms
-    assert all(p.grad is None for p in model.parameters())
-    ColdAfterSleep.cold = False
-    assert profiler.paced_cost(model, torch.randn(2, 4), fwd, type("Flat", (SleepMarks,), {
-        "before_backward": lambda self, f, samples=1: 0.0})(), pairs=3) == pytest.approx(1.0, abs=0.1)
-
-
+# -- the CPU's own clock: an emulated device is paced (runtime/measure/pacing.py) -----------
 def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cache):
     from hetrain.runtime.devices.emulation import Throttle
 

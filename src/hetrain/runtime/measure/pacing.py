@@ -1,0 +1,54 @@
+"""What pacing costs an emulated device: the CPU a pass takes when the emulator paces it as
+training does, over a flat-out one's (the profile's `paced_cost`; runtime/measure/profiler.py
+measures it, planning/cost.py charges it on a step's last micro-batch).
+
+On the CPU's own clock an emulated device's time is its thread's CPU time over its speed, and its
+throttle sleeps before the backward of a step's last micro-batch (devices/emulation.Throttle). A
+backward after that sleep runs on caches and a core that went to other work, and costs more CPU
+than the profiler's back-to-back passes: 1.4-4% more on a 2-core AMD EPYC
+(benchmarks/train_over_profile.py). Each paced pass is timed beside a flat-out one, under a second
+apart, so the host's drift (10-40% within seconds on such a host) cancels in the ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..user_objects import as_scalar
+
+PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
+PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
+
+
+def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
+    """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's: the median
+    ratio of `pairs` passes of each, alternated (under a second apart: the host's drift cancels),
+    the first pair dropped. A paced pass runs as the throttle runs a step's last micro-batch: its
+    forward, the sleep (devices/emulation.Throttle.before_backward), its backward, the guess's
+    error settled. At least 1 (pacing saves no CPU: a ratio under 1 is noise); at most 2."""
+    def one(paced: bool) -> float:
+        c0 = time.thread_time()
+        loss = as_scalar(fwd(model, batch))
+        forward = time.thread_time() - c0
+        guess = throttle.before_backward(forward) if paced else 0.0
+        c1 = time.thread_time()
+        loss.backward()
+        backward = time.thread_time() - c1
+        if paced:
+            throttle.after_backward(forward, guess, backward)
+            throttle.settle()
+        model.zero_grad(set_to_none=True)
+        return forward + backward
+
+    ratios = []
+    for k in range(pairs + 1):
+        flat = one(False)
+        flat = one(False)           # the flat pass hot: after one pass, not after the paced one's idle
+        ratio = one(True) / max(flat, 1e-9)
+        if k:
+            ratios.append(ratio)
+    return min(2.0, max(1.0, statistics.median(ratios)))
