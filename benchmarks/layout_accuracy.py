@@ -442,7 +442,8 @@ def cpu_over_probe(run: dict) -> float | None:
             continue
         # the planner's own cost of this share (its seconds on the device), as CPU seconds
         profile = DeviceProfile.from_dict(p)
-        planned = Assignment(profile=profile, share=share, micro_batch=micro).compute_s() * profile.cpu_share
+        planned = Assignment(profile=profile, share=share, micro_batch=micro).compute_s(
+            ddp_cost=(run.get("predicted") or {}).get("ddp_cost", 1.0)) * profile.cpu_share
         ratios.append((run["steady_compute_s"][r] / planned, run["steady_busy_s"][r]))
     return max(ratios, key=lambda t: t[1])[0] if ratios else None
 

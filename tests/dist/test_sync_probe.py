@@ -63,21 +63,24 @@ def bare_beside_ddp(rank, world):
     dist.init_process_group("gloo")
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-        before = [p.detach().clone() for p in model.parameters()]
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 1))
+        before = {n: t.detach().clone() for n, t in model.state_dict().items()}
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))
-        exposed, through_ddp, bare = time_gradient_sync(
+        rng = torch.get_rng_state()
+        exposed, through_ddp, bare, ddp_over_bare = time_gradient_sync(
             DDP(model), (x, x.sum(1, keepdim=True)), forward=lambda m, b: F.mse_loss(m(b[0]), b[1]),
             device=torch.device("cpu"), runs=3)
-        return {"exposed": exposed, "ddp": through_ddp, "bare": bare,
-                "grads": [p.grad for p in model.parameters()],
-                "same": all(torch.equal(a, p) for a, p in zip(before, model.parameters()))}
+        return {"exposed": exposed, "ddp": through_ddp, "bare": bare, "ratio": ddp_over_bare,
+                "grads": [p.grad for p in model.parameters()], "rng": torch.equal(rng, torch.get_rng_state()),
+                "same": all(torch.equal(before[n], t) for n, t in model.state_dict().items())}
     finally:
         dist.destroy_process_group()
 
 
 def test_the_sync_probe_times_the_bare_module_beside_each_ddp_run_and_leaves_the_model_as_found():
     for r in run_ranks(bare_beside_ddp, 2, timeout=90):
-        assert len(r["exposed"]) == len(r["ddp"]) == len(r["bare"]) == 3
-        assert all(t > 0 for t in r["ddp"] + r["bare"])          # every run timed, both ways
-        assert all(g is None for g in r["grads"]) and r["same"]
+        assert len(r["exposed"]) == len(r["ddp"]) == len(r["bare"]) == len(r["ratio"]) == 3
+        assert all(t > 0 for t in r["ddp"] + r["bare"] + r["ratio"])   # every run timed, both ways
+        # parameters, BatchNorm's running statistics, gradients and the RNG as they were
+        assert r["same"] and r["rng"] and all(g is None for g in r["grads"])

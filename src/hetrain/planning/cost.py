@@ -41,15 +41,20 @@ that want one (processor sharing); the planner plans with the resulting per-devi
 Devices computing at the same time on separate cores also slow each other (shared cache and
 memory bandwidth: one thread's fp32 forward+backward of the demo GPT took 148 ms alone and 157-170 ms
 beside a second one, on a 2-core host that was also running a benchmark). A job measures this at its start (`contention`: how much slower every device
-computed in the sync probe, all at once on `contention_at` cores, than its profile says), and a
+computed in the sync probe through the bare module, all at once on `contention_at` cores, than its
+profile says), and a
 step's CPU segments run slower by the same measure scaled to how many compute at a time.
 
 An emulated step's last micro-batch also costs CPU its profile's flat-out passes do not: the
 throttle's sleep before its backward leaves that backward on cold caches (the profile's
 `paced_cost`, measured by the profiler), and DDP's hooks and bucket copies run on the thread that
-is the emulated GPU (`ddp_cost`, the sync probe's DDP runs over its bare ones). Both are device
-time the throttle charges, once a step, so `last_micro_extra` adds (paced_cost · ddp_cost − 1) of
-the last micro-batch to the device's compute (on a GPU both are 1: nothing added).
+is the emulated GPU (`ddp_cost`, the CPU of the sync probe's DDP runs over its bare ones). Both
+are device time the throttle charges, once a step, so `last_micro_extra` adds (paced_cost ·
+ddp_cost − 1) of the last micro-batch to the device's compute (on a GPU both are 1: nothing
+added). Both are ratios measured at one size (`paced_cost` with one pass's sleep before its
+backward, where a step's sleep covers the whole step) and charged in proportion to the last
+micro-batch: a cache refilled after a sleep may cost more like a fixed amount than a share, which
+these figures cannot tell apart at the sizes measured.
 """
 
 from __future__ import annotations

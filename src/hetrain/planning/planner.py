@@ -68,7 +68,7 @@ def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
                      host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
                      agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
                      straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at,
-                     ddp_cost=o.ddp_cost, clocked=o.clocked)
+                     ddp_cost=o.ddp_cost if len(members) > 1 else 1.0, clocked=o.clocked)
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -76,17 +76,24 @@ def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
     return dict(zip(sorted(shares), cost.stretch_by_device))
 
 
-def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 1.0) -> list[_Dev]:
+def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 1.0,
+          batch: int | None = None) -> list[_Dev]:
     out = []
     for i in indices:
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
         k = g * (p.recompute_factor if f.checkpointing else 1.0)
-        # the last micro-batch's pacing and DDP costs (cost.last_micro_extra), (K − 1) of it: exact
-        # for a share in one micro-batch, more than it is for several (step_cost then costs it exactly)
+        # The last micro-batch's pacing and DDP costs (cost.last_micro_extra), (K − 1) of it. A share
+        # in one micro-batch whatever it is (a cap of the whole batch): exact. Under a smaller cap,
+        # the cap's micro-batch: more than the last one costs when the share is not a multiple of
+        # it; step_cost then costs every candidate exactly.
         extra = p.paced_cost * ddp_cost - 1
-        time = StepTime(per_sample=p.per_sample_s * k * (1 + extra), per_micro=p.overhead_s * k,
-                        fixed=p.overhead_s * k * extra, micro=f.micro)
+        if batch is None or f.micro >= batch:
+            time = StepTime(per_sample=p.per_sample_s * k * (1 + extra), per_micro=p.overhead_s * k,
+                            fixed=p.overhead_s * k * extra, micro=f.micro)
+        else:
+            time = StepTime(per_sample=p.per_sample_s * k, per_micro=p.overhead_s * k,
+                            fixed=(p.overhead_s + p.per_sample_s * f.micro) * k * extra, micro=f.micro)
         out.append(_Dev(index=i, time=time, opt=p.optimizer_s * g))
     return out
 
@@ -130,7 +137,7 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
     factors: dict[int, float] = {}
     best = None
     for _ in range(6 if o.host_cores else 1):
-        devs = _devs(profiles, fits, indices, factors, o.ddp_cost)
+        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
@@ -198,8 +205,8 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    with_it = _solve(_devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost), o.global_batch,
-                     forced=True) if replan else None
+    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch)
+    with_it = _solve(devs, o.global_batch, forced=True) if replan else None
     t1 = p.micro_seconds(1, checkpointing=fits[i].checkpointing)
     if with_it:
         c = _cost(profiles, fits, with_it, o)

@@ -307,3 +307,18 @@ def test_the_last_micro_batchs_measured_pacing_and_ddp_costs_are_planned_for():
     assert unpaced.shares == (32, 32) and unpaced.predicted["step_s"] < plan.predicted["step_s"]
     with pytest.raises(UsageError, match="DDP's cost"):
         options(64, ddp_cost=0.5)
+
+
+def test_under_a_micro_batch_cap_the_split_with_pacing_costs_is_the_best_one():
+    """Capped at 8 samples a micro-batch, the pacing and DDP costs fall on one micro-batch of 8 at
+    most, not on the whole share: the planner's split is as fast as the best of every split,
+    costed by the cost model."""
+    a = replace(_profile("a", 0.01, overhead=0.002, memory=None), cpu_share=0.5)
+    b = replace(_profile("b", 0.012, overhead=0.002, memory=None), cpu_share=0.5, paced_cost=1.3)
+    o = options(64, link=FREE_LINK, host_cores=2, ddp_cost=1.1, micro_batch_cap=8)
+    plan = make_plan([a, b], o)
+    best = min(step_cost([Assignment(profile=a, share=s, micro_batch=8), Assignment(profile=b, share=64 - s, micro_batch=8)],
+                         global_batch=64, grad_bytes=0, link=FREE_LINK, host_cores=2, ddp_cost=1.1).step_s
+               for s in range(1, 64))
+    assert plan.predicted["step_s"] == pytest.approx(best, rel=1e-9)
+

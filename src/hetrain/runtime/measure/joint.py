@@ -122,6 +122,7 @@ def _probe(job: Job, model, grad_bytes: int, profiles, forward) -> dict:
             "sync_s": tuple(tuple(row[f"sync_{k}"] for k in range(runs)) for row in rows),
             "compute_s": tuple(tuple(row[f"compute_{k}"] for k in range(runs)) for row in rows),
             "plain_compute_s": tuple(tuple(row[f"plain_{k}"] for k in range(runs)) for row in rows),
+            "ddp_over_bare": tuple(tuple(row[f"ddp_cpu_{k}"] for k in range(runs)) for row in rows),
             "agree_s": tuple(agreement.column("agree_s")), "probe_size": int(max(table.column("probe_size")))}
 
 
@@ -153,20 +154,22 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward, *, runs: int) 
             throttle=throttle_for(job, ring=nodes.count)) * scale
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
-        syncs, computes, plain = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
-                                                    precision=job.precision.compute, runs=runs, throttle=throttle)
+        syncs, computes, plain, ratios = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
+                                                            precision=job.precision.compute, runs=runs, throttle=throttle)
     finally:
         del ddp
         gc.collect()
-    return {**inter, **_sync_row(allreduce_s, syncs, computes or [0.0] * runs, plain or [0.0] * runs, probe_size=m)}
+    return {**inter, **_sync_row(allreduce_s, syncs, computes or [0.0] * runs, plain or [0.0] * runs,
+                                 ratios or [0.0] * runs, probe_size=m)}
 
 
-def _sync_row(allreduce_s: float, syncs, computes, plain, *, probe_size: int) -> dict[str, float]:
+def _sync_row(allreduce_s: float, syncs, computes, plain, ratios, *, probe_size: int) -> dict[str, float]:
     """This rank's row of the sync probe's table."""
     return {"allreduce_s": allreduce_s, "probe_size": float(probe_size),
             **{f"sync_{k}": v for k, v in enumerate(syncs)},
             **{f"compute_{k}": v for k, v in enumerate(computes)},
-            **{f"plain_{k}": v for k, v in enumerate(plain)}}
+            **{f"plain_{k}": v for k, v in enumerate(plain)},
+            **{f"ddp_cpu_{k}": v for k, v in enumerate(ratios)}}
 
 
 def read_plan_file(path: str | None) -> Plan | None:

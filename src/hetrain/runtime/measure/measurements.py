@@ -23,7 +23,7 @@ from ...planning.profile import DeviceProfile
 from ..config import Config
 
 MEASUREMENTS_SCHEMA = 1
-MIN_PROBE_CPU_S = 0.005       # a probe micro-batch shorter than this says nothing about contention
+MIN_PROBE_CPU_S = 0.005       # a probe micro-batch shorter than this says nothing about contention or DDP's cost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +44,7 @@ class Measurements:
     sync_s: tuple[tuple[float, ...], ...] = ()       # exposed gradient sync, per run
     compute_s: tuple[tuple[float, ...], ...] = ()    # forward+backward before it, per run (0: untimed)
     plain_compute_s: tuple[tuple[float, ...], ...] = ()  # ...through the bare module (no DDP), beside each run
+    ddp_over_bare: tuple[tuple[float, ...], ...] = ()    # each run's CPU through DDP over the bare run's (0: untimed)
     agree_s: tuple[float, ...] = ()                  # the per-step agreement all-reduce
     probe_size: int = 0                              # the sync probe's micro-batch (samples)
     # A job of several nodes (runtime/ranks/nodes.py): how many, and one gradient-sized all-reduce
@@ -84,7 +85,7 @@ class Measurements:
         if data.pop("schema", None) != MEASUREMENTS_SCHEMA:
             raise ValueError(f"measurements schema is not {MEASUREMENTS_SCHEMA}: measure again")
         profiles = data.pop("profiles")
-        rows = ("sync_s", "compute_s", "plain_compute_s", "grad_shapes")
+        rows = ("sync_s", "compute_s", "plain_compute_s", "ddp_over_bare", "grad_shapes")
         return cls(profiles=None if profiles is None else tuple(DeviceProfile.from_dict(p) for p in profiles),
                    **{k: tuple(tuple(r) for r in v) if k in rows else tuple(v) if isinstance(v, list) else v
                       for k, v in data.items()})
@@ -128,8 +129,8 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
     median over ranks of (median probe seconds ÷ the profile's CPU seconds for that micro-batch),
     less the core sharing the cost model already plays out
     (n / cores when more devices than cores). 1.0 where not measured, or when the probe's
-    micro-batch is too short to time (under 5 ms of CPU: DDP's and gloo's fixed costs would be
-    read as contention). At most 2: what was measured here is 1.05-1.25. On the controlled clock
+    micro-batch is too short to time (under 5 ms of CPU: a pass's fixed costs, and in older
+    measurements, whose runs went through DDP, DDP's and gloo's, would be read as contention). At most 2: what was measured here is 1.05-1.25. On the controlled clock
     1.0 too, as the emulator runs it: a micro-batch's sleep is its clocked length less the CPU time
     it took, so a CPU that contention slows sleeps less and the device keeps its time (waits for a
     core are not CPU time, and the cost model plays those out)."""
@@ -150,19 +151,21 @@ def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Con
 def ddp_cost(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config) -> float:
     """How much more CPU a micro-batch whose gradients DDP syncs takes than the same forward and
     backward through the bare module, on emulated devices on the CPU's own clock: the median over
-    ranks of each rank's median ratio of the sync probe's runs to the bare runs beside them (every
-    rank at once in both, so the host's contention cancels). Through DDP its hooks copy every
-    gradient into buckets and gloo's threads run the early buckets' all-reduces, on the CPU the
-    emulated GPU's compute is charged by. The DDP run is timed to its last bucket's launch, a
-    little short of its backward's end, so this errs low. 1.0 where not measured (a GPU: DDP's
-    copies run on the GPU, inside the profile's times), on the controlled clock (a CPU that works
-    more sleeps less), or when the probe's micro-batch is too short to time; at most 1.5."""
+    ranks of each rank's median ratio of its sync probe runs' CPU time on the backward's thread to
+    that of the bare runs beside them (every rank at once in both: the host's contention moves
+    both alike). That thread's CPU is what an emulated device is charged as compute, and through
+    DDP it also runs DDP's hooks, copies every gradient into its bucket and launches the
+    all-reduces (gloo's own threads are not counted: the throttle does not charge them). The DDP
+    run is timed to its last bucket's launch, a little short of its backward's end, so this errs
+    low. 1.0 where not measured (a GPU: DDP's copies run on the GPU, inside the profile's times;
+    older measurements), on the controlled clock (a CPU that works more sleeps less), or when the
+    probe's micro-batch is too short to time; at most 1.5."""
     if (not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1
-            or not m.compute_s or not m.plain_compute_s):
+            or not m.ddp_over_bare):
         return 1.0
     ratios = []
-    for p, ddp_runs, bare_runs in zip(profiles, m.compute_s, m.plain_compute_s):
-        pairs = [d / b for d, b in zip(ddp_runs, bare_runs) if d > 0 and b > 0]
+    for p, runs in zip(profiles, m.ddp_over_bare):
+        pairs = [r for r in runs if r > 0]
         if pairs and p.micro_seconds(m.probe_size) * p.cpu_share >= MIN_PROBE_CPU_S:
             ratios.append(statistics.median(pairs))
     return min(1.5, max(1.0, statistics.median(ratios))) if ratios else 1.0

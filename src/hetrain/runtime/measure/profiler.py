@@ -34,7 +34,8 @@ sleep costs more CPU than a hot one (caches and the core went to other work: 1.4
 compute. So the profiler also times a few passes paced as training paces them (through a
 fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
 and keeps the median ratio as `paced_cost` (pacing.py; cost.py charges it on a step's last
-micro-batch). Such a profile is cached per speed.
+micro-batch). Such a profile is cached per speed; a device at speed 1, which never sleeps, is
+not paced.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
 from .pacing import PACED_PASS_S, paced_cost
 
-PROFILER_VERSION = 5             # 2: times forwards without the emulated meter's hooks (training looks them up);
+PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices on the
-                                # controlled clock timed through their throttle; 5: paced_cost
+                                # controlled clock timed through their throttle (paced profiles: their own key)
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -366,7 +367,9 @@ def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], obje
     on_clock = emulate is not None and throttle is not None and throttle.clocked
     signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
     key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
-    paced = emulate is not None and throttle is not None and not on_clock and device.type != "cuda"
+    # a device at speed 1 never sleeps: nothing to pace (its ratio would be noise clamped upward)
+    paced = (emulate is not None and throttle is not None and not on_clock and device.type != "cuda"
+             and throttle.speed < 1)
     if on_clock:      # its times are this clock's at this speed: kept apart from any other's
         clock = hashlib.sha256(repr((throttle.sample_s, throttle.micro_s, throttle.speed)).encode()).hexdigest()[:10]
         key += f" clock {clock}"

@@ -45,14 +45,18 @@ def settle(error: BaseException | None, *, stage: str, device: torch.device) -> 
 
 def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
                        device: torch.device, precision: str = "fp32",
-                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None, list[float] | None]:
+                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None, list[float] | None,
+                                                              list[float] | None]:
     """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
     micro-batch `batch`, as this job's devices, link and (on an emulated host) shared cores
     give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
     start together, so the ranks' spread measures straggling) and, each run beside it, the seconds
-    of the same forward+backward through the bare module (no DDP), every rank at once too: the two
-    differ by DDP's own CPU (its hooks, bucket copies and the all-reduces' threads), not by the
-    host's contention, which both pay alike. A collective: every rank calls it
+    of the same forward+backward through the bare module (no DDP), every rank at once too, and
+    the ratio of the two runs' CPU time on this thread (the DDP run's to its last bucket's launch):
+    DDP's own CPU on the thread an emulated device is charged by (its hooks, bucket copies and
+    launches), which the host's contention, paid alike by both, does not move. Returns (exposed
+    sync, compute, bare compute, DDP's CPU over the bare run's), one per run; on CUDA the last
+    two are None. A collective: every rank calls it
     (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
     The warm-up's forward runs locally (no buffer broadcast) and its outcome is settled on every
     rank before the first backward's all-reduce: the user's forward failing on one rank raises
@@ -73,23 +77,23 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     dtype = DTYPES.get(precision)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     cuda = device.type == "cuda"
-    last_launch: list[float] = []
+    last_launch: list[tuple[float, float]] = []
     if not cuda:
         gradient = GradientHook("none", throttle=throttle)     # training's all-reduce, through the link
 
         def hook(state, bucket):
-            if bucket.is_last():
-                last_launch.append(time.perf_counter())
+            if bucket.is_last():      # on the CPU DDP runs its hooks on the backward's own thread
+                last_launch.append((time.perf_counter(), time.thread_time()))
             return gradient(bucket)
         ddp.register_comm_hook(None, hook)
 
-    def once(sync: bool) -> tuple[float, float]:
-        """(seconds to the last bucket's launch, seconds from there to the end); on CUDA
-        (0, the whole forward+backward)."""
+    def once(sync: bool) -> tuple[float, float, float]:
+        """(seconds to the last bucket's launch, seconds from there to the end, this thread's CPU
+        seconds to the launch); on CUDA (0, the whole forward+backward, 0)."""
         dist.barrier()                        # start together, as ranks do after a step's sync
         if cuda:
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         last_launch.clear()
         with (contextlib.nullcontext() if sync else ddp.no_sync()):
             with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
@@ -98,17 +102,18 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
         if cuda:
             torch.cuda.synchronize(device)
         end = time.perf_counter()
-        launched = last_launch[-1] if last_launch else t0      # the hook runs on the CPU only
-        return launched - t0, end - launched
+        launched, cpu = last_launch[-1] if last_launch else (t0, c0)     # the hook runs on the CPU only
+        return launched - t0, end - launched, cpu - c0
 
-    def bare() -> float:
-        """Seconds of the forward+backward through the bare module, every rank at once (CPU only)."""
+    def bare() -> tuple[float, float]:
+        """(seconds, this thread's CPU seconds) of the forward+backward through the bare module,
+        every rank at once (CPU only)."""
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
             loss = as_scalar(forward(module, batch))
         loss.backward()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     def warm_up() -> None:
         """A synchronised forward+backward, untimed (the first sync also rebuilds DDP's buckets),
@@ -129,16 +134,17 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     with torch.random.fork_rng(devices=[device] if cuda else []):
         warm_up()
         if cuda:
-            exposed, compute, plain = [once(True)[1] - once(False)[1] for _ in range(runs)], None, None
+            exposed, compute, plain, ratio = [once(True)[1] - once(False)[1] for _ in range(runs)], None, None, None
         else:
             bare()                            # its first pass (the DDP one warmed up above)
-            timed = [(*once(True), bare()) for _ in range(runs)]
-            compute, exposed, plain = (list(column) for column in zip(*timed))
+            timed = [(*once(True), *bare()) for _ in range(runs)]
+            compute, exposed, ddp_cpu, plain, bare_cpu = (list(column) for column in zip(*timed))
+            ratio = [d / b if b > 0 else 0.0 for d, b in zip(ddp_cpu, bare_cpu)]
     module.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in module.named_buffers():
             b.copy_(buffers[n])
-    return [max(0.0, x) for x in exposed], compute, plain
+    return [max(0.0, x) for x in exposed], compute, plain, ratio
 
 
 def time_agreement(device: torch.device, *, runs: int = 5) -> float:

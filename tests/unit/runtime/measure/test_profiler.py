@@ -290,20 +290,28 @@ def test_on_the_clock_the_planner_gives_a_capped_device_less_when_each_micro_bat
 
 
 # -- the CPU's own clock: an emulated device is paced (runtime/measure/pacing.py) -----------
-def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cache):
+def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cache, monkeypatch):
     from hetrain.runtime.devices.emulation import Throttle
 
+    calls = []
+
+    def measured(model, batch, fwd, throttle):        # pacing.paced_cost's own test times it for real
+        calls.append(throttle.speed)
+        return 1.234
+
+    monkeypatch.setattr(profiler, "paced_cost", measured)
     (dev,) = parse_cluster("rtx3090:0.5")
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def profiled(speed):
+    def profiled(speed=None):
         return profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4, emulate=dev,
-                              throttle=Throttle(speed))
+                              throttle=Throttle(speed) if speed is not None else None)
 
     first, hit = profiled(0.5)
-    assert not hit and 1.0 <= first.paced_cost <= 2.0
-    assert profiled(0.5)[1]                               # the same speed: from the cache
-    assert not profiled(0.25)[1]                          # another speed sleeps longer: measured again
-    plain = profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4, emulate=dev)[0]
-    assert plain.paced_cost == 1.0                        # no throttle given: nothing paced
+    assert not hit and first.paced_cost == 1.234 and calls == [0.5]      # kept through emulated()
+    again, hit = profiled(0.5)
+    assert hit and again.paced_cost == 1.234 and calls == [0.5]          # the same speed: from the cache
+    assert not profiled(0.25)[1] and calls == [0.5, 0.25]                # another speed sleeps longer
+    assert profiled(1.0)[0].paced_cost == 1.0 and calls == [0.5, 0.25]   # speed 1 never sleeps: not paced
+    assert profiled()[0].paced_cost == 1.0 and calls == [0.5, 0.25]      # no throttle given: nothing paced
