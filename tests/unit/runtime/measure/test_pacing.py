@@ -20,7 +20,7 @@ def spin(cpu_s: float) -> None:
 
 
 class ColdAfterSleep(torch.autograd.Function):
-    """A layer whose backward costs 20 ms of CPU, or 30 ms right after the throttle's sleep (as a
+    """A layer whose backward costs 10 ms of CPU, or 15 ms right after the throttle's sleep (as a
     backward on cold caches costs more): the profiler must read the 1.5x it is not told."""
     cold = False
 
@@ -30,7 +30,7 @@ class ColdAfterSleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        spin(0.03 if ColdAfterSleep.cold else 0.02)
+        spin(0.015 if ColdAfterSleep.cold else 0.01)
         ColdAfterSleep.cold = False
         return grad
 
@@ -55,7 +55,7 @@ def test_paced_cost_reads_what_a_backward_after_the_sleep_costs_beyond_a_flat_ou
         return ColdAfterSleep.apply(m(batch)).sum()
 
     cost = paced_cost(model, torch.randn(2, 4), fwd, SleepMarks(), pairs=3)
-    assert cost == pytest.approx(1.5, rel=0.1)     # (forward + 30 ms) / (forward + 20 ms), forward < 1 ms
+    assert cost == pytest.approx(1.5, rel=0.1)     # (forward + 15 ms) / (forward + 10 ms), forward < 1 ms
     assert all(p.grad is None for p in model.parameters())
     ColdAfterSleep.cold = False
     assert paced_cost(model, torch.randn(2, 4), fwd, type("Flat", (SleepMarks,), {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import warnings
 
@@ -231,11 +232,14 @@ def test_on_the_controlled_clock_the_fit_recovers_the_clocks_a_and_b():
     # it timed. The clock makes the times deterministic up to scheduling and the throttle's guess
     # of each backward (settled at the next micro-batch); a profile that read the CPU's own time
     # (a tiny MLP: well under a millisecond) would be off by 10x. The bound is set by that, not by
-    # a quiet host: beside the suite's other worker the slope read 15.6% low once (the
-    # intercept, 6x larger, takes up what scheduling delays a small micro-batch by).
-    p = clocked_profile(0.5)
-    assert p.overhead_s == pytest.approx(CLOCK_A / 0.5, rel=0.25)
-    assert p.per_sample_s == pytest.approx(CLOCK_B / 0.5, rel=0.25)
+    # a quiet host: beside the suite's other worker one profile's slope read 15.6% low once and
+    # 30% high once (the intercept, 6x larger, takes up what scheduling delays a small
+    # micro-batch by), so the median of three profiles is held to it: a burst of other work
+    # moves one of them, not the middle one.
+    profiles = [clocked_profile(0.5) for _ in range(3)]
+    assert statistics.median(q.overhead_s for q in profiles) == pytest.approx(CLOCK_A / 0.5, rel=0.25)
+    assert statistics.median(q.per_sample_s for q in profiles) == pytest.approx(CLOCK_B / 0.5, rel=0.25)
+    p = profiles[0]
     # the CPU it took is a part of the device's time, as measured, not the speed (0.5) put in its
     # place: about 0.1 on a quiet host, 0.37 once with the suite's other worker beside it, so the
     # bound is the imposed value, not a timing of this host
