@@ -78,6 +78,7 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     import hetrain
     from hetrain import Rebalancing, Reporting
     from hetrain.runtime.devices.hooks import runqueue_s
+    from hetrain.runtime.measure.pacing import timed_pass
     from layout_accuracy import factory, forward_loss, loss_fn
 
     ht = hetrain.init(global_batch=global_batch, max_steps=steps, seed=0, precision=precision,
@@ -107,21 +108,13 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     def passes(paced: bool, net=plain) -> tuple[float, float]:
         """The median CPU seconds a sample of PASSES passes of `net` (the first dropped), flat out
         or paced, and of their model forwards."""
-        throttle = job.emulated.throttle.fresh()
+        throttle = job.emulated.throttle.fresh() if paced else None
         times, model_forwards = [], []
         for _ in range(PASSES + 1):
             forwards[0] = 0.0
-            c0 = time.thread_time()
-            loss = forward_loss(net, x, y, compute)
-            forward = time.thread_time() - c0
-            guess = throttle.before_backward(forward, samples=len(x)) if paced else 0.0
-            c1 = time.thread_time()
-            loss.backward()
-            backward = time.thread_time() - c1
-            if paced:
-                throttle.after_backward(forward, guess, backward)
-                throttle.settle()
-            net.zero_grad(set_to_none=True)
+            # the profiler's own pass (runtime/measure/pacing.py), flat out or paced
+            forward, backward = timed_pass(net, (x, y), lambda m, b: forward_loss(m, *b, compute), throttle,
+                                           samples=len(x))
             times.append((forward + backward) / len(x))
             model_forwards.append(forwards[0] / len(x))
         return statistics.median(times[1:]), statistics.median(model_forwards[1:])

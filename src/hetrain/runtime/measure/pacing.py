@@ -24,31 +24,35 @@ PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one 
 PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
 
 
-def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
-    """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's: the median
-    ratio of `pairs` passes of each, alternated (under a second apart: the host's drift cancels),
-    the first pair dropped. A paced pass runs as the throttle runs a step's last micro-batch: its
-    forward, the sleep (devices/emulation.Throttle.before_backward), its backward, the guess's
-    error settled. At least 1 (pacing saves no CPU: a ratio under 1 is noise); at most 2."""
-    def one(paced: bool) -> float:
-        c0 = time.thread_time()
-        loss = as_scalar(fwd(model, batch))
-        forward = time.thread_time() - c0
-        guess = throttle.before_backward(forward) if paced else 0.0
-        c1 = time.thread_time()
-        loss.backward()
-        backward = time.thread_time() - c1
-        if paced:
-            throttle.after_backward(forward, guess, backward)
-            throttle.settle()
-        model.zero_grad(set_to_none=True)
-        return forward + backward
+def timed_pass(model: torch.nn.Module, batch, fwd: Callable, throttle=None, *, samples: int = 1) -> tuple[float, float]:
+    """One forward and backward of `batch`, flat out, or paced through `throttle` as training paces
+    a step's last micro-batch (its forward, the sleep: devices/emulation.Throttle.before_backward,
+    its backward, the guess's error settled). Returns this thread's CPU seconds of the forward and
+    of the backward; gradients are dropped."""
+    c0 = time.thread_time()
+    loss = as_scalar(fwd(model, batch))
+    forward = time.thread_time() - c0
+    guess = throttle.before_backward(forward, samples=samples) if throttle is not None else 0.0
+    c1 = time.thread_time()
+    loss.backward()
+    backward = time.thread_time() - c1
+    if throttle is not None:
+        throttle.after_backward(forward, guess, backward)
+        throttle.settle()
+    model.zero_grad(set_to_none=True)
+    return forward, backward
 
+
+def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
+    """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's
+    (`timed_pass`): the median ratio of `pairs` passes of each, alternated (under a second apart:
+    the host's drift cancels), the first pair dropped. At least 1 (pacing saves no CPU: a ratio
+    under 1 is noise); at most 2."""
     ratios = []
     for k in range(pairs + 1):
-        flat = one(False)
-        flat = one(False)           # the flat pass hot: after one pass, not after the paced one's idle
-        ratio = one(True) / max(flat, 1e-9)
+        timed_pass(model, batch, fwd)
+        flat = sum(timed_pass(model, batch, fwd))     # hot: after a pass, not after the paced one's sleep
+        ratio = sum(timed_pass(model, batch, fwd, throttle)) / max(flat, 1e-9)
         if k:
             ratios.append(ratio)
     return min(2.0, max(1.0, statistics.median(ratios)))
