@@ -122,13 +122,14 @@ def worker(out: str, steps: int, global_batch: int, precision: str) -> None:
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
+    profile, predicted = job.profiles[job.rank], job.plan.predicted
     record = {"rank": job.rank, "label": job.device_label, "speed": job.emulated.spec.speed,
               "share": mine.share, "micro_batch": mine.micro_batch, "precision": compute,
-              **plan_over_flat(job.profiles[job.rank], mine, job.plan.predicted.get("ddp_cost", 1.0)),
-              "predicted_step_s": job.plan.predicted.get("step_s"),
-              "predicted_cpu_s": job.plan.predicted.get("compute_s", 0.0) + job.plan.predicted.get("optimizer_s", 0.0),
-              "profile_s": job.profiles[job.rank].micro_seconds(mine.micro_batch) * job.profiles[job.rank].cpu_share
-              / mine.micro_batch,                                         # CPU a sample, as profiled
+              **plan_over_flat(profile, mine, predicted.get("ddp_cost", 1.0)),
+              "predicted_step_s": predicted.get("step_s"),
+              "predicted_cpu_s": predicted.get("compute_s", 0.0) + predicted.get("optimizer_s", 0.0),
+              # CPU a sample, as profiled
+              "profile_s": profile.micro_seconds(mine.micro_batch) * profile.cpu_share / mine.micro_batch,
               "train_s": [], "train_forward_s": [], "busy_s": [], "wall_s": [], "queued_s": [], "faults": [],
               "blocks": []}
     for step in batches:
@@ -196,7 +197,7 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
             ratios["ddp_rest_over_flat"].append((block["ddp"] - block["ddp_forward"]) / flat_rest)
     steady = record["faults"][warmup:] or record["faults"]
     planned = record.get("plan_over_flat")
-    out = {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
+    row = {"rank": record["rank"], "label": record["label"], "speed": record["speed"],
             "share": record["share"], "micro_batch": record["micro_batch"],
             "plan_over_flat": planned, "paced_cost": record.get("paced_cost"), "ddp_cost": record.get("ddp_cost"),
             "train_over_plan": statistics.median(ratios["train_over_flat"]) / planned
@@ -208,7 +209,6 @@ def summarise(record: dict, *, warmup: int = WARMUP_STEPS) -> dict:
             "faults_per_step": statistics.median(steady) if steady else 0,
             "busy_s": statistics.median(record["busy_s"][warmup:] or record["busy_s"]),
             **_step_wall(record, warmup)}
-    row = out
     flat, profiled = row["flat_ms_per_sample"], row["profile_ms_per_sample"]
     row["flat_over_profile"] = flat / profiled if flat and profiled else None
     step, predicted = row.get("step_wall_ms"), row.get("predicted_step_ms")
@@ -230,10 +230,8 @@ def _step_wall(record: dict, warmup: int) -> dict:
     if not wall:
         return {}
     clean = [k for k in range(warmup, len(wall)) if k % BLOCK_EVERY != 0] or list(range(len(wall)))
-    predicted, train = record.get("predicted_step_s"), record["train_s"]
-    device_s = [train[k] * record["share"] / record["speed"] for k in clean]      # CPU ÷ speed
+    predicted = record.get("predicted_step_s")
     return {"step_wall_ms": 1e3 * statistics.median(wall[k] for k in clean),
-            "busy_over_device": statistics.median(busy[k] / d for k, d in zip(clean, device_s) if d > 0),
             "predicted_step_ms": 1e3 * predicted if predicted else None,
             "wall_over_busy": statistics.median(wall[k] / busy[k] for k in clean if busy[k] > 0),
             "queued_share": statistics.median(queued[k] / wall[k] for k in clean if wall[k] > 0)}

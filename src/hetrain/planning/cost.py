@@ -210,7 +210,9 @@ class Assignment:
         """Device seconds the step's last micro-batch costs beyond its profile: (paced_cost ·
         ddp_cost − 1) of it (module docstring; 0 on a GPU)."""
         p = self.profile
-        return (p.paced_cost * ddp_cost - 1) * p.micro_seconds(self.micro_sizes[-1], checkpointing=self.checkpointing)
+        extra = p.paced_cost * ddp_cost - 1
+        # the last micro-batch is the smallest (split_evenly: larger first)
+        return extra * p.micro_seconds(self.smallest_micro, checkpointing=self.checkpointing) if extra else 0.0
 
     def memory_bytes(self) -> float:
         return self.profile.memory_needed(self.largest_micro, checkpointing=self.checkpointing)
@@ -298,11 +300,11 @@ def _compute_segments(a: Assignment, ddp_cost: float = 1.0) -> list[tuple[bool, 
     forward on the CPU, the sleep, the last backward on the CPU (with the last micro-batch's extra,
     `last_micro_extra`: the throttle books it after that backward, and its sleep is paid in the
     next step's). Segments are (on_cpu, seconds of CPU work or of sleep)."""
-    p = a.profile
-    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes) + a.last_micro_extra(ddp_cost)
+    p, extra = a.profile, a.last_micro_extra(ddp_cost)
+    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes) + extra
     last_cpu = p.micro_seconds(a.micro_sizes[-1], checkpointing=a.checkpointing) * p.cpu_share
     cpu = dev * p.cpu_share
-    before = cpu - last_cpu * (1 - p.forward_fraction) - a.last_micro_extra(ddp_cost) * p.cpu_share
+    before = cpu - last_cpu * (1 - p.forward_fraction) - extra * p.cpu_share
     return [(True, before), (False, dev - cpu), (True, cpu - before)]
 
 
