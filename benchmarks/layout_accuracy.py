@@ -41,8 +41,8 @@ ranks every layout on the CPU's own time, and the headline reads it against host
 The figures of the last runs, with their commands and JSON, are in docs/planning.md.
 
 Rounds (--rounds, 1 by default): each round ranks from its own probes (its own cache) and then
-runs every layout (round r from the r-th layout on, so that each takes its turn first:
-run_order), so on a host whose speed drifts in phases of seconds the predictions sample the drift
+runs every layout (each round from a later layout on, so that the first run after the probes
+is not always the same layout's: run_order), so on a host whose speed drifts in phases of seconds the predictions sample the drift
 as the runs do; the median prediction is compared with the median run, memory round by
 round (the table's MiB: round 0's row, the largest run), and every round's pair is in the JSON.
 On the wall clock the DP and capacity rows also show `cpu run/exp`: the run's CPU a step over
@@ -425,7 +425,8 @@ def compare(name: str, spec: str, preds: list[dict], runs: list[dict], *, clocke
     row["pass"] = not row["fail"] and abs(row["speed_error"]) <= target and (
         row["memory_error"] is None or abs(row["memory_error"]) <= MEMORY_TARGET)
     # the same plan, run again rounds apart, moved more than the target: no prediction can be
-    # checked against this host to the target (the error is the host's as much as the model's)
+    # checked against this host to the target (the error is the host's as much as the model's;
+    # the predictions, each from its round's probes, move too: predicted_spread, shown beside)
     row["quiet"] = None if row["measured_spread"] is None else row["measured_spread"] <= target
     return row
 
@@ -519,18 +520,20 @@ def _round(clock, chosen: list[str], r: int, work: str, into: dict) -> None:
         # on the wall clock, the host's speed at the end of the probes (the plan's phase)
         found["host_s"] = None if clock_s(clock) else host_reference(found["precision"])
         into["rankings"].setdefault(key, []).append(found)
-    for n in run_order(chosen, r):
+    for n in run_order(chosen, r, clock.rounds):
         key = LAYOUTS[n][0]
         into["runs"][n].append(run_layout(n, clusters[key], clock, cache, work, clock.model, f"{n}-r{r}",
                                           planned=into["rankings"][key][-1]))
 
 
-def run_order(chosen: list[str], r: int) -> list[str]:
-    """Round r runs the layouts from the r-th on, round the list: each takes its turn right after
-    the plans' probes. In a fixed order DP always ran first after them, and over 8 full wall-clock
-    runs DP + capacity, the same plan run third, read a median 6.4% faster than DP (19 of 24
-    rounds) where interleaved the two differed by 1.2-2.3% (docs/planning.md)."""
-    k = r % len(chosen) if chosen else 0
+def run_order(chosen: list[str], r: int, rounds: int) -> list[str]:
+    """Round r of `rounds` runs the layouts round the list from an offset spread over the rounds
+    (3 rounds of 6 layouts: from the 1st, the 3rd, the 5th), so that the first run after the
+    plans' probes is not always the same layout's: in the fixed order DP always was, and DP + capacity,
+    the same plan, read a median 7.9% faster than DP over 7 such runs (docs/planning.md; whether
+    the order causes it is not settled)."""
+    n = len(chosen)
+    k = (r * n // max(1, rounds)) % n if n else 0
     return chosen[k:] + chosen[:k]
 
 
@@ -559,10 +562,11 @@ def headline(result: dict) -> str:
         parts.append(f"{kind} max samples/s error {err:.1%} (target {v['target']:.0%})" if err is not None
                      else f"{kind}: -")
         spreads = [r["measured_spread"] for r in v["layouts"] if r.get("measured_spread") is not None]
+        quiet = sum(r.get("quiet") is True for r in v["layouts"])
         if spreads:
             parts.append(f"{kind}: the runs of one plan moved {min(spreads):.0%}-{max(spreads):.0%} round to round, "
-                         f"within the target on {v['quiet_rows']} of {len(v['layouts'])} rows"
-                         + ("" if v["quiet_rows"] == len(v["layouts"]) else
+                         f"within the target on {quiet} of {len(v['layouts'])} rows"
+                         + ("" if quiet == len(v["layouts"]) else
                             " (a row whose runs moved more is marked noisy: the host, not only its model, sets its error)"))
     moves = [m for v in result["clocks"].values() if not v["clocked"] for r in v["layouts"]
              for m in r.get("host_move") or [] if m is not None]

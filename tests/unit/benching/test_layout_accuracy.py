@@ -45,19 +45,22 @@ def test_the_headline_counts_the_quiet_rows_beside_the_error(acc):
     quiet = acc.compare("dp", "a:1,b:0.5", [pred(100.0)] * 3, [run(100.0)] * 3)
     noisy = acc.compare("pp", "a:1,b:0.5", [pred(100.0)] * 3, [run(80.0), run(100.0), run(120.0)])
     result = {"clocks": {"wall": {"clocked": False, "target": acc.SPEED_TARGET, "layouts": [quiet, noisy],
-                                  "max_speed_error": 0.0, "quiet_rows": 1}},
+                                  "max_speed_error": 0.0}},
               "load_average": (0.5, 0.5, 0.5)}
     line = acc.headline(result)
     assert "moved 0%-40% round to round, within the target on 1 of 2 rows" in line
     assert "marked noisy" in line
 
 
-def test_each_round_starts_its_runs_at_the_next_layout(acc):
-    names = ["dp", "fsdp", "capacity", "pp"]
-    orders = [acc.run_order(names, r) for r in range(5)]
-    assert orders[0] == names and orders[1] == ["fsdp", "capacity", "pp", "dp"] and orders[4] == names
-    assert [o[0] for o in orders[:4]] == names                # every layout runs first once in 4 rounds
-    assert all(sorted(o) == sorted(names) for o in orders)    # and every round runs them all
+def test_the_rounds_start_their_runs_at_layouts_spread_over_the_list(acc):
+    names = ["dp", "fsdp", "capacity", "pp", "dp-pp", "tp"]
+    three = [acc.run_order(names, r, 3) for r in range(3)]
+    assert [o[0] for o in three] == ["dp", "capacity", "dp-pp"]          # not the same layout first twice
+    assert three[1] == ["capacity", "pp", "dp-pp", "tp", "dp", "fsdp"]
+    six = [acc.run_order(names, r, 6) for r in range(6)]
+    assert [o[0] for o in six] == names                                   # as many rounds: each first once
+    assert all(sorted(o) == sorted(names) for o in three + six)           # and every round runs them all
+    assert acc.run_order(names, 0, 1) == names
 
 
 def test_one_round_has_no_spread_so_no_mark(acc):
