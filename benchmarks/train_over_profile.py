@@ -163,13 +163,11 @@ def plan_over_flat(profile, mine, ddp_cost: float) -> dict:
     """What the plan expects a training step's CPU a sample to be over a flat-out pass's: its
     compute with the last micro-batch's pacing and DDP costs (planning/cost.py) over the same
     without them, and the two measured costs it came from."""
-    from dataclasses import replace
-
     from hetrain.planning.cost import Assignment
 
     step = Assignment(profile=profile, share=mine.share, micro_batch=mine.micro_batch)
-    flat = replace(step, profile=replace(profile, paced_cost=1.0)).compute_s()
-    return {"plan_over_flat": step.compute_s(ddp_cost=ddp_cost) / flat,
+    planned = step.compute_s(ddp_cost=ddp_cost)
+    return {"plan_over_flat": planned / (planned - step.last_micro_extra(ddp_cost)),
             "paced_cost": profile.paced_cost, "ddp_cost": ddp_cost}
 
 

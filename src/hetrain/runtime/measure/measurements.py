@@ -122,28 +122,39 @@ def straggle(compute_s) -> float:
     return min(1.0, statistics.median(fractions)) if fractions else 0.0
 
 
+def _probe_medians(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config,
+                   runs_of) -> list[tuple[DeviceProfile, float]]:
+    """Each rank's profile and the median of its sync probe runs in `runs_of` (0: untimed), for
+    emulated devices on the CPU's own clock and where the probe's micro-batch is long enough to
+    time (MIN_PROBE_CPU_S of CPU alone): what `contention` and `ddp_cost` are read from. Empty
+    elsewhere (not emulated, the controlled clock, nothing measured)."""
+    if not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1 or not runs_of:
+        return []
+    out = []
+    for p, runs in zip(profiles, runs_of):
+        timed = [t for t in runs if t > 0]
+        if timed and p.micro_seconds(m.probe_size) * p.cpu_share >= MIN_PROBE_CPU_S:
+            out.append((p, statistics.median(timed)))
+    return out
+
+
 def contention(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Config) -> float:
     """How much slower emulated devices compute while they all compute at once than their
     profiles say (shared cache and memory bandwidth): in the sync probe every rank runs the same
     micro-batch at the same moment, through the bare module (DDP's own cost is `ddp_cost`'s); the
     median over ranks of (median probe seconds ÷ the profile's CPU seconds for that micro-batch),
-    less the core sharing the cost model already plays out
-    (n / cores when more devices than cores). 1.0 where not measured, or when the probe's
-    micro-batch is too short to time (under 5 ms of CPU: a pass's fixed costs, and in older
-    measurements, whose runs went through DDP, DDP's and gloo's, would be read as contention). At most 2: what was measured here is 1.05-1.25. On the controlled clock
-    1.0 too, as the emulator runs it: a micro-batch's sleep is its clocked length less the CPU time
-    it took, so a CPU that contention slows sleeps less and the device keeps its time (waits for a
-    core are not CPU time, and the cost model plays those out)."""
-    if not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1 or not m.compute_s:
+    less the core sharing the cost model already plays out (n / cores when more devices than
+    cores). 1.0 where not measured, or when the probe's micro-batch is too short to time (under
+    5 ms of CPU: a pass's fixed costs, and in older measurements, whose runs went through DDP,
+    DDP's and gloo's, would be read as contention). At most 2: what was measured here is
+    1.05-1.25. On the controlled clock 1.0 too, as the emulator runs it: a micro-batch's sleep is
+    its clocked length less the CPU time it took, so a CPU that contention slows sleeps less and
+    the device keeps its time (waits for a core are not CPU time, and the cost model plays those
+    out)."""
+    timed = _probe_medians(m, profiles, config, m.plain_compute_s or m.compute_s)   # older: no bare runs
+    if not timed:
         return 1.0
-    ratios = []
-    for p, runs in zip(profiles, m.plain_compute_s or m.compute_s):     # (older measurements: no bare runs)
-        timed = [t for t in runs if t > 0]
-        cpu = p.micro_seconds(m.probe_size) * p.cpu_share      # this micro-batch's CPU seconds, alone
-        if timed and cpu >= MIN_PROBE_CPU_S:
-            ratios.append(statistics.median(timed) / cpu)
-    if not ratios:
-        return 1.0
+    ratios = [t / (p.micro_seconds(m.probe_size) * p.cpu_share) for p, t in timed]   # over its CPU alone
     sharing = max(1.0, m.world_size / max(1, m.host_cores))
     return min(2.0, max(1.0, statistics.median(ratios) / sharing))
 
@@ -160,14 +171,7 @@ def ddp_cost(m: Measurements, profiles: tuple[DeviceProfile, ...], config: Confi
     low. 1.0 where not measured (a GPU: DDP's copies run on the GPU, inside the profile's times;
     older measurements), on the controlled clock (a CPU that works more sleeps less), or when the
     probe's micro-batch is too short to time; at most 1.5."""
-    if (not config.emulation.cluster or config.emulation.sample_s is not None or m.probe_size < 1
-            or not m.ddp_over_bare):
-        return 1.0
-    ratios = []
-    for p, runs in zip(profiles, m.ddp_over_bare):
-        pairs = [r for r in runs if r > 0]
-        if pairs and p.micro_seconds(m.probe_size) * p.cpu_share >= MIN_PROBE_CPU_S:
-            ratios.append(statistics.median(pairs))
+    ratios = [r for _, r in _probe_medians(m, profiles, config, m.ddp_over_bare)]
     return min(1.5, max(1.0, statistics.median(ratios))) if ratios else 1.0
 
 
