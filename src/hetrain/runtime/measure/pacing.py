@@ -22,6 +22,9 @@ from ..user_objects import as_scalar
 
 PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
 PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
+PACED_CPU_S = 2.5              # ... stopping (after MIN_PAIRS) once the passes took this much CPU: on an
+MIN_PAIRS = 3                  # AVX2-only host an explicit bf16 computes ~40x slower, and even size 1 is
+                               # far above PACED_PASS_S (here 9 pairs at 50 ms take about 1.4 s)
 
 
 def timed_pass(model: torch.nn.Module, batch, fwd: Callable, throttle=None, *, samples: int = 1) -> tuple[float, float]:
@@ -43,16 +46,21 @@ def timed_pass(model: torch.nn.Module, batch, fwd: Callable, throttle=None, *, s
     return forward, backward
 
 
-def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS) -> float:
+def paced_cost(model: torch.nn.Module, batch, fwd: Callable, throttle, *, pairs: int = PACED_PAIRS,
+               cpu_budget_s: float = PACED_CPU_S) -> float:
     """The CPU a pass of `batch` takes paced as training paces it over a flat-out one's
     (`timed_pass`): the median ratio of `pairs` passes of each, alternated (under a second apart:
-    the host's drift cancels), the first pair dropped. At least 1 (pacing saves no CPU: a ratio
-    under 1 is noise); at most 2."""
-    ratios = []
+    the host's drift cancels), the first pair dropped; fewer (MIN_PAIRS at least) once the passes
+    have taken `cpu_budget_s` of CPU. At least 1 (pacing saves no CPU: a ratio under 1 is noise);
+    at most 2."""
+    ratios, spent = [], 0.0
     for k in range(pairs + 1):
-        timed_pass(model, batch, fwd)
+        warm = sum(timed_pass(model, batch, fwd))
         flat = sum(timed_pass(model, batch, fwd))     # hot: after a pass, not after the paced one's sleep
-        ratio = sum(timed_pass(model, batch, fwd, throttle)) / max(flat, 1e-9)
+        paced = sum(timed_pass(model, batch, fwd, throttle))
+        spent += warm + flat + paced
         if k:
-            ratios.append(ratio)
+            ratios.append(paced / max(flat, 1e-9))
+        if len(ratios) >= MIN_PAIRS and spent >= cpu_budget_s:
+            break
     return min(2.0, max(1.0, statistics.median(ratios)))

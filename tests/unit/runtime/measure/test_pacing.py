@@ -60,3 +60,28 @@ def test_paced_cost_reads_what_a_backward_after_the_sleep_costs_beyond_a_flat_ou
     ColdAfterSleep.cold = False
     assert paced_cost(model, torch.randn(2, 4), fwd, type("Flat", (SleepMarks,), {
         "before_backward": lambda self, f, samples=1: 0.0})(), pairs=3) == pytest.approx(1.0, abs=0.1)
+
+
+def test_paced_cost_stops_after_a_few_pairs_once_its_passes_spent_their_cpu_budget():
+    """On a host where the pass is slow (bf16 on an AVX2-only CPU), the paced passes are bounded
+    by their CPU, not by a count: MIN_PAIRS kept pairs (and the dropped first) once over budget."""
+    from hetrain.runtime.measure.pacing import MIN_PAIRS
+
+    model = nn.Linear(4, 4)
+
+    class Counting(SleepMarks):
+        paced = 0
+
+        def before_backward(self, forward_cpu, *, samples=1):
+            Counting.paced += 1
+            return super().before_backward(forward_cpu, samples=samples)
+
+    def fwd(m, batch):
+        return ColdAfterSleep.apply(m(batch)).sum()
+
+    cost = paced_cost(model, torch.randn(2, 4), fwd, Counting(), pairs=9, cpu_budget_s=0.01)
+    assert Counting.paced == MIN_PAIRS + 1 and cost == pytest.approx(1.5, rel=0.1)
+    Counting.paced = 0
+    paced_cost(model, torch.randn(2, 4), fwd, Counting(), pairs=4, cpu_budget_s=60.0)
+    assert Counting.paced == 5                      # within its budget: every pair
+    ColdAfterSleep.cold = False
