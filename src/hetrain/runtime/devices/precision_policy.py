@@ -127,7 +127,18 @@ class PrecisionPolicy:
             # every rank takes the same skip/step decision and keeps the same scale.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+            class JobScaler(ShardedGradScaler):
+                """Its found-inf 0-d, as torch.amp.GradScaler's: a fused optimizer (AdamW(fused=True),
+                the HF Trainer's default adamw_torch_fused) subtracts it from its 0-d step counts, and
+                ShardedGradScaler's (1,)-shaped one does not broadcast into them."""
+
+                def unscale_(self, optimizer):
+                    super().unscale_(optimizer)         # unscaled; found-inf all-reduced over the job
+                    state = self._per_optimizer_states[id(optimizer)]
+                    state["found_inf_per_device"] = {d: t.reshape(())
+                                                     for d, t in state["found_inf_per_device"].items()}
+
+            self.scaler = JobScaler(device.type, process_group=dist.group.WORLD)
             # GradScaler makes its scale at its first scale(): make it now, so a rank that never
             # scales a loss (a pipeline's first stages) still unscales its gradients with it.
             self.scaler.scale(torch.zeros((), device=device))
