@@ -1,16 +1,10 @@
 """The training data through Fabric: the user's DataLoader hands hetrain its dataset, collate_fn,
-shuffle and drop_last, and what `fabric.setup_dataloaders` returns yields hetrain's steps.
+batch_size (the mean share: fabric/setup.py), shuffle and drop_last; what `fabric.setup_dataloaders`
+returns yields, pass by pass, this rank's micro-batches of each global step (fabric/loop.py).
 
-Fabric's own loop is one batch per rank per optimizer step (`for batch in loader`), the same size
-on every rank. Under hetrain ranks run uneven shares, in micro-batches sized to each device's
-memory, so ranks run different numbers of forwards in one step: one item of the loader is
-therefore one optimizer step, and iterating it gives this rank's micro-batches:
-
-    for step in loader:                  # one optimizer step over the whole global batch
-        for mb in step:                  # this rank's share, in micro-batches that fit
-            with mb:                     # an OOM here: agreed, micro-batch halved, redone
-                fabric.backward(model(**mb.batch).loss)    # weighted: the big-batch gradient
-        optimizer.step()                 # hetrain's step: agreement, optimizer step, rebalancing
+Fabric's own loop is one batch per rank per optimizer step, the same size on every rank. Under
+hetrain ranks run uneven shares, in micro-batches sized to each device's memory, so ranks run
+different numbers of batches in one step; optimizer.step() steps once they all have.
 
 Every DataLoader setting hetrain cannot honour is refused with the fix, never silently dropped:
 the samples of each step are hetrain's global-cursor sampler's (it splits them unevenly by the
@@ -38,6 +32,7 @@ class TrainingData:
 
     dataset: object
     collate_fn: object
+    batch_size: int      # the mean share of a device (fabric/setup.py: the global batch rule)
     shuffle: bool        # a RandomSampler (DataLoader(shuffle=True)): as Fabric's own DistributedSampler reads it
     drop_last: bool      # an incomplete last global step is dropped
 
@@ -69,32 +64,34 @@ def training_data(loader: DataLoader) -> TrainingData:
     if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(loader.dataset)):
         raise refuse("a RandomSampler with replacement or num_samples: hetrain visits every sample once an epoch",
                      "use DataLoader(dataset, shuffle=True), and max_steps= or epochs= on HetrainStrategy")
-    if loader.batch_size != 1:
-        raise refuse(f"batch_size={loader.batch_size}: hetrain splits HetrainStrategy(global_batch=N) into each "
-                     "device's share and sizes its micro-batches to its memory (plain Fabric's global batch, "
-                     "batch_size x devices, does not apply)",
-                     "remove batch_size= from the DataLoader; cap micro-batches with "
-                     "HetrainStrategy(memory=Memory(max_micro_batch=N))")
+    if loader.batch_size is None:
+        raise refuse("batch_size=None: hetrain batches each rank's micro-batches itself, by the plan",
+                     "leave batch_size at its default, or set it to the mean share of a device (the global batch "
+                     "over the devices); cap micro-batches with HetrainStrategy(memory=Memory(max_micro_batch=N))")
     if loader.num_workers:
         raise refuse(f"num_workers={loader.num_workers}: hetrain loads each micro-batch's samples in this process, "
                      "when the plan calls for them", "remove num_workers=")
-    return TrainingData(dataset=loader.dataset, collate_fn=loader.collate_fn,
+    return TrainingData(dataset=loader.dataset, collate_fn=loader.collate_fn, batch_size=loader.batch_size,
                         shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last)
 
 
 class LoaderStep:
-    """One optimizer step, as the loader yields it: iterate it for this rank's micro-batches; after
-    optimizer.step(), `loss` is the whole global batch's mean loss, the same on every rank.
-
-    A plain object, not hetrain's Step itself: Fabric's loader moves every item it yields to the
-    device, and deep-copies a dataclass (Step is one) on the way; the copy would not be the step
-    hetrain runs. hetrain puts each micro-batch on the device itself."""
+    """One optimizer step of the step form (`for step in fabric.strategy.steps()`): iterate it for
+    this rank's micro-batches; after optimizer.step(), `loss` is the whole global batch's mean
+    loss, the same on every rank."""
 
     def __init__(self, step):
         self.step = step                 # runtime.loop.steps.Step
 
     def __iter__(self):
-        return iter(self.step)
+        for mb in self.step:
+            yield mb
+            if not mb.backward_done:     # said here in Fabric's words, before hetrain's loop says it in its own
+                raise UsageError(f"micro-batch {mb.index + 1} of {mb.count} in step {self.step.index} went by without "
+                                 "fabric.backward(loss); if the step was unpacked (`inputs, target = step`), a step "
+                                 "is not a batch",
+                                 "write `for mb in step: with mb: inputs, target = mb.batch` with one "
+                                 "fabric.backward(loss) each, or Fabric's own loop `for batch in loader`")
 
     index = property(lambda self: self.step.index, doc="global step number (0-based, counts across resumes)")
     epoch = property(lambda self: self.step.epoch)
@@ -107,23 +104,18 @@ class LoaderStep:
 
 
 class StepLoader:
-    """What HetrainStrategy.process_dataloader gives Fabric to wrap: iterating it runs the job's
-    steps (max_steps, or epochs of the dataset: one pass over this loader is the whole run)."""
+    """What HetrainStrategy.process_dataloader gives Fabric to wrap. Iterating it is Fabric's own
+    loop, one epoch a pass (fabric/loop.py): this rank's micro-batches of each global step."""
 
     def __init__(self, strategy):
-        self.strategy = strategy         # its `steps` exist once fabric.setup(model, optimizer) ran
-
-    def _steps(self):
-        if self.strategy.steps is None:
-            raise UsageError("the training loader was iterated before fabric.setup(model, optimizer)",
-                             "call fabric.setup(model, optimizer) after fabric.setup_dataloaders(loader), then "
-                             "iterate the loader")
-        return self.strategy.steps
+        self.strategy = strategy
 
     def __iter__(self):
-        for step in self._steps():
-            yield LoaderStep(step)
+        return self.strategy.plain.epoch(self.strategy.pieces.ready_steps())
 
     def __len__(self) -> int:
-        """The steps still to run."""
-        return len(self._steps())
+        """Optimizer steps in an epoch (what stock Fabric's len(loader) counts on each rank): the
+        global batches in the dataset, the last one short unless drop_last."""
+        data, batch = self.strategy.pieces.data, self.strategy.job_global_batch()
+        n = len(data.dataset)
+        return n // batch if data.drop_last else -(-n // batch)

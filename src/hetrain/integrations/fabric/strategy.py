@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack, nullcontext
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,7 +52,9 @@ from ...runtime.config import Config, make_config
 from ...runtime.engine import Engine, init
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
-from .data import StepLoader, TrainingData, training_data
+from .data import LoaderStep, StepLoader, training_data
+from .loop import PlainLoop
+from .setup import Pieces, global_batch
 
 # Set on the DataLoader, which Fabric users already do; two places to say it would be two answers.
 FROM_THE_LOADER = ("shuffle", "drop_last")
@@ -84,16 +85,45 @@ class HetrainStrategy(ParallelStrategy):
     it before training (default: model(**batch) for dicts, model(x) for (x, y)).
     """
 
-    def __init__(self, *, global_batch: int, plan=None, forward=default_forward, **config: Any):
+    def __init__(self, *, global_batch: int | None = None, plan=None, forward=default_forward, **config: Any):
         _check_config(global_batch, config)
         super().__init__()
-        self.config = {"global_batch": global_batch, **config}
+        self.config = config
+        self.given_global_batch = global_batch   # None: the DataLoader's batch_size x devices (fabric/setup.py)
         self.given_plan = plan
         self.forward = forward
         self.engine: Engine | None = None        # hetrain's job, joined by fabric.launch()
-        self.data: TrainingData | None = None    # the training DataLoader's facts (setup_dataloaders)
-        self.steps = None                        # hetrain's Steps, from fabric.setup(model, optimizer)
+        self.pieces = Pieces(self)               # the model, optimizer and data handed over; hetrain's Steps
+        self.plain = PlainLoop(self)             # Fabric's own loop over hetrain's steps
         self._num_nodes = 1                      # Fabric(num_nodes=...), set by Fabric's connector
+
+    def job_config(self) -> dict:
+        """hetrain.init's keywords. Without global_batch= it is decided at setup_dataloaders (the
+        batch_size rule); until then the job holds a stand-in that nothing before prepare() reads."""
+        stand_in = self.given_plan.global_batch if self.given_plan is not None else 1
+        return {"global_batch": self.given_global_batch or stand_in, **self.config}
+
+    def job_global_batch(self) -> int:
+        engine = self.joined()
+        return engine.job.config.global_batch if self.pieces.steps is not None else \
+            global_batch(self.given_global_batch, self.pieces.data, engine.world_size)
+
+    @property
+    def run_length_given(self) -> bool:
+        """max_steps= or epochs= given: the run's length is hetrain's, not the loop's."""
+        return self.config.get("max_steps") is not None or self.config.get("epochs") is not None
+
+    def in_step(self) -> bool:
+        """Between a step's first micro-batch and its optimizer step (zero_grad waits till then)."""
+        steps = self.pieces.steps
+        return steps is not None and steps.loop.state is not None
+
+    def steps(self):
+        """The step form, for OOM recovery of every micro-batch (fabric/loop.py says what each form
+        gives): `for step in fabric.strategy.steps(): for mb in step: with mb: ...`, then
+        optimizer.step(). One pass is the whole run (max_steps, or epochs of the dataset)."""
+        for step in self.pieces.ready_steps():
+            yield LoaderStep(step)
 
     # -- what Fabric's connector hands over: checked, since hetrain decides these itself -----------
     @property
@@ -174,7 +204,7 @@ class HetrainStrategy(ParallelStrategy):
         if self.engine is not None:
             return
         self.check_world()
-        engine = init(plan=self.given_plan, **self.config)                      # (collective)
+        engine = init(plan=self.given_plan, **self.job_config())                # (collective)
         with ExitStack() as undo:
             undo.push(engine)     # a setting refused below: release the job without a barrier, as on any error
             self.check_device(engine)
@@ -186,7 +216,7 @@ class HetrainStrategy(ParallelStrategy):
     def check_world(self) -> None:
         """Fabric's accelerator, devices and num_nodes against what the launcher started, before
         joining: a refused setting leaves no job behind."""
-        emulated = Config(**self.config).with_launch_file().emulation.cluster
+        emulated = Config(**self.job_config()).with_launch_file().emulation.cluster
         if emulated and not isinstance(self.accelerator, CPUAccelerator):
             raise UsageError(f"Fabric chose {type(self.accelerator).__name__}, but this job emulates its devices on "
                              "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
@@ -221,48 +251,30 @@ class HetrainStrategy(ParallelStrategy):
                                  f"hetrain on {device} (one process per visible GPU, in order)",
                                  "choose the GPUs with CUDA_VISIBLE_DEVICES and leave Fabric's devices at 'auto'")
 
-    # -- setup: hetrain's prepare(), with the data first -----------------------------------------
+    # -- setup, in any order: hetrain's prepare() once the model, optimizer and data are in ----------
     def process_dataloader(self, dataloader):
         """The first DataLoader set up is the training data (hetrain's steps); later ones
         (evaluation) are returned as they are: every rank iterates all of each."""
-        if self.data is not None:
+        if self.pieces.data is not None:
             return dataloader
-        self.data = training_data(dataloader)
+        self.pieces.take_data(training_data(dataloader))
         return StepLoader(self)
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        engine = self.joined()
         if len(optimizers) != 1:
             raise UsageError(f"fabric.setup with {len(optimizers)} optimizers under HetrainStrategy",
                              "pass exactly one optimizer: fabric.setup(model, optimizer)")
-        if self.data is None:
-            raise UsageError("fabric.setup(model, optimizer) before the training data: hetrain sizes each "
-                             "device's share and micro-batch by measuring the model on that data",
-                             "call fabric.setup_dataloaders(train_loader) first, then fabric.setup(model, optimizer)")
-        if self.steps is not None:
-            raise UsageError("fabric.setup was called twice under HetrainStrategy", "set up one model per job")
-        # prepare() makes the sampler from these two: the DataLoader's word, as for Fabric's own sampler.
-        engine.job.config = replace(engine.job.config, shuffle=self.data.shuffle, drop_last=self.data.drop_last)
-        model, optimizer, self.steps = engine.prepare(module, optimizers[0], self.data.dataset,
-                                                      collate_fn=self.data.collate_fn, forward=self.forward,
-                                                      parallel="dp")                             # (collective)
-        if scheduler is not None:
-            if getattr(scheduler, "optimizer", None) is not optimizer:
-                raise UsageError("the LR scheduler's optimizer is not the one fabric.setup(model, optimizer) returns "
-                                 "(hetrain's sharding may replace the optimizer)",
-                                 "build the scheduler on the optimizer fabric.setup(model, optimizer) returns, then "
-                                 "fabric.strategy.engine.register_state('lr_scheduler', scheduler)")
-            engine.register_state("lr_scheduler", scheduler)   # checkpointed with the job, restored on resume
+        self.joined()
+        model, optimizer = self.pieces.take_both(module, optimizers[0], scheduler)
         return model, [optimizer], scheduler
 
     def setup_module(self, module):
-        raise UsageError("fabric.setup(model) / fabric.setup_module without the optimizer under HetrainStrategy: "
-                         "hetrain wraps the model and its optimizer together (sharding may replace the optimizer)",
-                         "call fabric.setup(model, optimizer) once")
+        self.joined()
+        return self.pieces.take_module(module)
 
     def setup_optimizer(self, optimizer):
-        raise UsageError("fabric.setup_optimizers under HetrainStrategy: hetrain wraps the model and its optimizer "
-                         "together", "call fabric.setup(model, optimizer) once")
+        self.joined()
+        return self.pieces.take_optimizer(optimizer)
 
     def module_to_device(self, module) -> None:
         module.to(self.root_device)
@@ -279,10 +291,13 @@ class HetrainStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer, **kwargs):
         """optimizer.step(): hetrain's step (the agreed optimizer step or skip, rebalancing,
-        checkpoints). Returns hetrain's Step, whose `loss` is the global batch's."""
+        checkpoints), returning hetrain's Step, whose `loss` is the global batch's. In Fabric's own
+        loop, a no-op returning None until this rank's last micro-batch of the step."""
         if kwargs:
             raise UsageError("optimizer.step(closure=...) under HetrainStrategy: a step's micro-batches run once, "
                              "in the loop", "call optimizer.step() after the step's micro-batches")
+        if self.plain.active:
+            return self.plain.optimizer_step()
         return self.joined().step()
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
@@ -339,5 +354,6 @@ def _check_config(global_batch, config: dict) -> None:
         if name in FROM_THE_LOADER:
             raise UsageError(f"HetrainStrategy({name}=...): the training DataLoader says it",
                              f"pass {name}= to the DataLoader you give fabric.setup_dataloaders")
-    # an old or unknown keyword, then every value: one UsageError naming the fix
-    make_config({"global_batch": global_batch, **config}, where="HetrainStrategy")
+    # an old or unknown keyword, then every value: one UsageError naming the fix (a stand-in for
+    # a global batch the DataLoader will decide)
+    make_config({"global_batch": 1 if global_batch is None else global_batch, **config}, where="HetrainStrategy")
