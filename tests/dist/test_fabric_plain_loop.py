@@ -145,11 +145,14 @@ def runs(request):
     return run_ranks(worker, 2, make_plan(), request.param, timeout=180)
 
 
-def stream_orders(r0, r1):
-    """Each epoch's global order: per step, rank 0's contiguous slice, then rank 1's."""
+def stream_orders(r0, r1, *, redone=False):
+    """Each epoch's global order: per step, rank 0's contiguous slice, then rank 1's (`redone`: a
+    sample of a redone micro-batch counted at its first sight; no sample comes twice otherwise)."""
     orders = []
     for e in range(EPOCHS):
         a, b, order = r0["order"][e], r1["order"][e], []
+        if redone:
+            a, b = list(dict.fromkeys(a)), list(dict.fromkeys(b))
         for s in range(N // 64):
             order += a[s * SHARES[0]:(s + 1) * SHARES[0]] + b[s * SHARES[1]:(s + 1) * SHARES[1]]
         orders.append(order)
@@ -176,3 +179,84 @@ def test_fabrics_own_loop_trains_the_stock_steps_and_weights_on_uneven_shares(ru
         assert max_diff(r["params"], ref["params"]) <= 1e-9
     # the tolerance sees a missing epoch: one epoch of stock is far from two
     assert max_diff(reference(orders, epochs=1)["params"], ref["params"]) > 1e-3
+
+
+# -- out of memory in Fabric's own loop --------------------------------------------------------------
+# In fabric.backward: recovered as in the step form. Rank 1 in its first backward of step 1 (12 -> 6,
+# redone alone); rank 0 in its last backward of step 2, inside the gradient sync (16 -> 8, the step
+# redone by both): the loader yields the redone micro-batches and the weights are the same.
+BACKWARD_OOMS = "oom:rank=1,step=1,micro=0,phase=backward; oom:rank=0,step=2,micro=-1,phase=backward"
+
+
+def oom_worker(rank, world, plan, faults):
+    from lightning.fabric import Fabric
+
+    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain.errors import HetrainError
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090", faults=faults),
+                               rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True))
+    try:
+        out = train(fabric, model, optimizer, loader)
+    except HetrainError as e:
+        return {"error": (type(e).__name__, e.what, e.fix), "steps_done": strategy.engine.steps_done}
+    out["micros"] = [d.micro_batch for d in strategy.engine.plan.devices]
+    out["redone"] = strategy.engine.redone_steps
+    strategy.close()
+    return out
+
+
+def test_an_oom_in_fabric_backward_is_recovered_in_the_plain_loop():
+    r0, r1 = run_ranks(oom_worker, 2, make_plan(), BACKWARD_OOMS, timeout=180)
+    assert r0["micros"] == r1["micros"] == [8, 6] and r0["redone"] == r1["redone"] == 1
+    # the loader yielded every redone micro-batch: rank 1's step 1 is 1 failed + 4 of 6; step 2 is
+    # redone by both (rank 0: 3 + 5 of 8, rank 1: 4 + 4); the other steps at the plan's counts
+    assert r0["batches"] == [3 + 3 + (3 + 5) + 5, 4 * 5] and r1["batches"] == [2 + (1 + 4) + (4 + 4) + 4, 4 * 4]
+    assert r0["steps"] == r1["steps"] == 4 * EPOCHS
+    ref = reference(stream_orders(r0, r1, redone=True))
+    for r in (r0, r1):
+        assert max_diff(r["params"], ref["params"]) <= 1e-9
+
+
+def test_an_oom_in_a_forward_of_the_plain_loop_stops_every_rank_with_one_agreed_error():
+    # rank 1's first forward of step 1: its loop body cannot redo it, and rank 0 is not left waiting
+    r0, r1 = run_ranks(oom_worker, 2, make_plan(), "oom:rank=1,step=1,micro=0,phase=forward", timeout=180)
+    assert r0["error"] == r1["error"] and r0["steps_done"] == r1["steps_done"] == 1
+    kind, what, fix = r0["error"]
+    assert kind == "ForwardOutOfMemory"
+    assert "out of memory in a forward on rank 1 (rtx3090) at step 1" in what and "cannot redo a forward" in what
+    assert "for step in fabric.strategy.steps()" in fix and "max_micro_batch" in fix
+
+
+def unpack_worker(rank, world):
+    from lightning.fabric import Fabric
+
+    from hetrain.errors import UsageError
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(memory={"max_micro_batch": 8})     # the global batch: batch_size 16 x 1 device
+    fabric = Fabric(accelerator="cpu", strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=16))
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    try:
+        for step in strategy.steps():
+            inputs, target = step          # a step is not a batch
+    except UsageError as e:
+        return strategy.engine.job.config.global_batch, e.what, e.fix, len(loader)
+    return "nothing raised"
+
+
+def test_unpacking_a_step_says_a_step_is_not_a_batch():
+    global_batch, what, fix, steps_per_epoch = run_ranks(unpack_worker, 1, timeout=120)[0]
+    assert global_batch == 16 and steps_per_epoch == N // 16
+    assert "micro-batch 1 of 2 in step 0 went by without fabric.backward(loss)" in what
+    assert "if the step was unpacked (`inputs, target = step`), a step is not a batch" in what
+    assert "for mb in step: with mb: inputs, target = mb.batch" in fix and "for batch in loader" in fix

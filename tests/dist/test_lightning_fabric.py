@@ -1,7 +1,8 @@
-"""Lightning Fabric on hetrain (hetrain.integrations.lightning): a tiny GPT-2 trained through Fabric's
-verbs on two ranks with uneven shares equals one process training on the concatenated big batch,
-through two out-of-memory errors; and each Fabric setting that conflicts with hetrain is one
-UsageError naming the fix.
+"""Lightning Fabric on hetrain (hetrain.integrations.lightning), the step form (`for step in
+fabric.strategy.steps(): for mb in step: with mb:`): a tiny GPT-2 trained through Fabric's verbs on
+two ranks with uneven shares equals one process training on the concatenated big batch, through
+two out-of-memory errors; and each Fabric setting that conflicts with hetrain is one UsageError
+naming the fix. Fabric's own loop (`for batch in loader`) is test_fabric_plain_loop.py's.
 
 One 2-rank run (the module's fixture) does both, so the ranks import Lightning once.
 """
@@ -94,14 +95,14 @@ def worker(rank, world, plan, faults=FAULTS):
     model = gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = Tokens()
-    bad["setup before data"] = refused(lambda: fabric.setup(model, opt))
     bad["DistributedSampler"] = refused(lambda: fabric.setup_dataloaders(
         DataLoader(data, sampler=DistributedSampler(data, num_replicas=world, rank=rank))))
     bad["batch_size"] = refused(lambda: fabric.setup_dataloaders(DataLoader(data, batch_size=4)))
+    bad["steps before setup"] = refused(lambda: next(strategy.steps()))
     loader = fabric.setup_dataloaders(DataLoader(data))     # shuffle=False: hetrain shuffles unless told
     model, opt, sched = fabric.setup(model, opt, scheduler=schedule(opt))
     out = {"indices": [], "losses": [], "micro_counts": []}
-    for step in loader:
+    for step in strategy.steps():
         n = 0
         for mb in step:
             with mb:
@@ -193,11 +194,14 @@ def test_fabric_settings_that_conflict_with_hetrain_are_one_usage_error_naming_t
         assert "pass Fabric(devices=2, num_nodes=1)" in fix
         assert "the training DataLoader says it" in bad["shuffle kwarg"][0]
         assert "pass shuffle= to the DataLoader" in bad["shuffle kwarg"][1]
-        assert "fabric.setup_dataloaders(train_loader) first" in bad["setup before data"][1]
+        what, fix = bad["steps before setup"]
+        assert "before fabric.setup_dataloaders(train_loader) and fabric.setup(model, optimizer)" in what
+        assert "in any order" in fix
         what, fix = bad["DistributedSampler"]
         assert "a DistributedSampler" in what and "remove the sampler" in fix
-        what, fix = bad["batch_size"]
-        assert "batch_size=4" in what and "HetrainStrategy(memory=Memory(max_micro_batch=N))" in fix
+        what, fix = bad["batch_size"]      # 4 x 2 devices is not the global batch of 16
+        assert "HetrainStrategy(global_batch=16)" in what and "batch_size=4 on 2 devices is 8" in what
+        assert "DataLoader(batch_size=8)" in fix
         assert "HetrainStrategy(grad_clip=1.0)" in bad["clip_gradients"][1]
 
 

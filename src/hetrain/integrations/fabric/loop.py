@@ -16,18 +16,32 @@ where it would have).
 
 What this loop cannot do that `for step in fabric.strategy.steps(): for mb in step: with mb:` does:
 redo a micro-batch whose forward ran out of memory. The forward runs in the user's loop body, so
-the error leaves the loop; hetrain does not let it strand the peers (fabric/strategy.py,
-`forward_oom`). An OOM in fabric.backward is recovered here as in the step form: the micro-batch
-is halved and the loader yields the redone micro-batches.
+the error leaves the loop. It does not strand the peers: before it leaves, the rank completes its
+part of the step's gradient sync with zeros and reports the OOM in the step's agreement, as an OOM
+inside a sync is reported (every rank halves its micro-batch in the plan and turns to redo the
+step); at that redo every rank of the plain loop agrees one more flag, finds the rank that cannot
+redo, and all raise the same ForwardOutOfMemory (a restart from the last checkpoint runs that rank
+at the halved micro-batch). An OOM in fabric.backward is recovered here as in the step form: the
+micro-batch is halved and the loader yields the redone micro-batches.
 """
 
 from __future__ import annotations
 
 import math
 
-from ...errors import UsageError
+import torch
+import torch.distributed as dist
+
+from ...errors import HetrainError, UsageError
+from ...runtime.resilience.oom import record_escaped_oom
 
 NOT_PULLED = object()     # the next micro-batch has not been asked of hetrain's step yet
+
+
+class ForwardOutOfMemory(HetrainError):
+    """A forward in Fabric's own loop ran out of memory: every rank stopped together."""
+
+    agreed = True          # every rank raises it at the same agreement, with the same text
 
 
 class PlainLoop:
@@ -40,6 +54,7 @@ class PlainLoop:
         self.mb = None                   # the micro-batch yielded to the user
         self.pulled = NOT_PULLED         # what optimizer.step() pulled after it: a micro-batch, or None (done)
         self.finished = None             # the step optimizer.step() finished (hetrain's Step)
+        self.escaped = None              # (micro-batch, its size) whose forward ran out of memory here
 
     @property
     def active(self) -> bool:
@@ -95,7 +110,54 @@ class PlainLoop:
     def pull(self):
         """This rank's next micro-batch of the step, or None once every rank agreed the step (an
         OOM on any rank may instead bring the micro-batches of a redo)."""
-        return next(self.micro_batches, None)
+        engine = self.strategy.engine
+        redone = engine.redone_steps
+        mb = next(self.micro_batches, None)
+        if engine.redone_steps != redone:   # every rank agreed, just now, to redo the step: all are here
+            self.agree_escapes()
+        return mb
+
+    # -- an OOM in a forward, which this loop cannot redo ----------------------------------------------
+    def forward_oom(self, error: torch.OutOfMemoryError) -> None:
+        """Called by the model's forward on an OOM (the caller re-raises it if this returns): settle
+        this rank's part of the step with its peers, then every rank stops with one error."""
+        job = self.strategy.engine.job
+        mb, guard = self.mb, job.guard
+        if not self.active or mb is None or mb.failed is not None or guard is None:
+            return           # outside the plain loop, or no peers to settle with (or recovery off)
+        micro = job.micro_batch
+        if not guard.every_oom_desyncs:     # DDP: the peers' last backward all-reduces; ours, with zeros
+            guard.begin()
+            guard.complete_missing()
+            mb.desynced = True              # (FSDP2's guard completes its own collectives in the agreement)
+        mb.failed = f"forward: {error}".splitlines()[0][:200]
+        mb.backward_done = True
+        self.escaped = (mb, micro)
+        self.pull()     # the agreement (an OOM at a micro-batch of 1 stops every rank there instead)
+        raise HetrainError("the step's agreement did not redo the step after an OOM in a forward",
+                           "this is a bug in hetrain; please report it with the log")
+
+    def agree_escapes(self) -> None:
+        """At a redo every rank agreed: does any rank's loop hold a forward that ran out of memory?"""
+        engine = self.strategy.engine
+        flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.device)
+        flags[engine.rank] = self.escaped is not None
+        dist.all_reduce(flags)                                                  # (collective)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if not ranks:
+            return
+        job = engine.job
+        if self.escaped is not None and job.checkpointer is not None:     # a restart halves this rank's micro-batch
+            record_escaped_oom(str(job.checkpointer.dir), rank=engine.rank, micro=self.escaped[1] or 1,
+                               step=job.steps_done)
+        who = ", ".join(f"rank {r} ({job.plan.devices[r].device})" for r in ranks)
+        raise ForwardOutOfMemory(
+            f"out of memory in a forward on {who} at step {job.steps_done}: Fabric's own loop (`for batch in "
+            "loader`) cannot redo a forward, so every rank stopped here",
+            "use the step form, which redoes it with a halved micro-batch (`for step in fabric.strategy.steps(): "
+            "for mb in step: with mb: ...`), or cap the micro-batch with HetrainStrategy(memory=Memory("
+            "max_micro_batch=N)); under `hetrain run --max-restarts N` with a checkpoint_dir the job restarts from "
+            "its last checkpoint with the halved micro-batch")
 
     def check_backward(self, mb) -> None:
         if not mb.backward_done:

@@ -72,14 +72,17 @@ class Pieces:
             raise UsageError("a second optimizer set up under HetrainStrategy", "set up exactly one optimizer")
 
     def take_data(self, data: TrainingData) -> None:
+        global_batch(self.strategy.given_global_batch, data, self.strategy.joined().world_size)   # refused here
         self.data = data
         self.prepare_when_ready()
 
     def missing(self) -> list[str]:
-        return [what for what, piece in (("fabric.setup_dataloaders(train_loader)", self.data),
-                                         ("fabric.setup(model, optimizer)", self.module),
-                                         ("the optimizer (fabric.setup(model, optimizer))", self.optimizer))
-                if piece is None]
+        """The setup calls hetrain still waits for."""
+        calls = [] if self.data is not None else ["fabric.setup_dataloaders(train_loader)"]
+        if self.module is None and self.optimizer is None:
+            return [*calls, "fabric.setup(model, optimizer)"]
+        return calls + (["fabric.setup_module(model)"] if self.module is None else []) + (
+            ["fabric.setup_optimizers(optimizer)"] if self.optimizer is None else [])
 
     def ready_steps(self):
         """hetrain's Steps, or one UsageError naming the setup call still missing."""

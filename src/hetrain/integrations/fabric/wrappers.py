@@ -30,9 +30,15 @@ class FabricModel(nn.Module):
         object.__setattr__(self, "hetrain_strategy", strategy)    # not a submodule
 
     def forward(self, *args, **kwargs):
-        engine = self.hetrain_strategy.engine
-        prepared = engine.job.model if engine is not None else None
-        return (prepared if prepared is not None else self.module)(*args, **kwargs)
+        strategy = self.hetrain_strategy
+        prepared = strategy.engine.job.model if strategy.engine is not None else None
+        if prepared is None:
+            return self.module(*args, **kwargs)
+        try:
+            return prepared(*args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            strategy.plain.forward_oom(e)   # Fabric's own loop: settled with the peers, one error on all
+            raise
 
 
 def _target(opt) -> torch.optim.Optimizer:
