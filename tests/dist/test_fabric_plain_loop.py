@@ -63,8 +63,13 @@ class Indexed(Points):
         return self.x[i], self.y[i], torch.tensor(i)
 
 
-def train(fabric, model, optimizer, loader, epochs=EPOCHS):
-    """The standard Fabric loop; it records what it saw, nothing more."""
+def schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
+
+
+def train(fabric, model, optimizer, loader, epochs=EPOCHS, scheduler=None):
+    """The standard Fabric loop (the scheduler stepped every batch, as stock loops do); it records
+    what it saw, nothing more."""
     out = {"steps": 0, "batches": [], "order": []}
     for _epoch in range(epochs):
         seen, order = 0, []
@@ -74,6 +79,8 @@ def train(fabric, model, optimizer, loader, epochs=EPOCHS):
             loss = F.cross_entropy(model(inputs), target)
             fabric.backward(loss)
             stepped = optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             out["steps"] += stepped is not None if len(batch) == 3 else 1
             seen += 1
             if len(batch) == 3:
@@ -97,16 +104,19 @@ def worker(rank, world, plan, order):
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     model = make_model()
-    if order == "model first":
-        model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    scheduler = None
+    if order == "model first":       # with an LR scheduler, stepped every batch by the loop
+        optimizer = make_optimizer(model.parameters())
+        model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=schedule(optimizer))
         loader = fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True))
     else:
         loader = fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True))
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
     steps_per_epoch = len(loader)
-    out = train(fabric, model, optimizer, loader)
+    out = train(fabric, model, optimizer, loader, scheduler=scheduler)
     out["len"] = steps_per_epoch
+    out["order_kind"] = order
     out["global_batch"] = strategy.engine.job.config.global_batch
     out["shares"] = strategy.engine.plan.shares
     strategy.close()
@@ -129,15 +139,17 @@ class Replay(Sampler):
         return N
 
 
-def reference(orders, epochs=EPOCHS):
+def reference(orders, epochs=EPOCHS, *, scheduled=False):
     """Stock Fabric, one process, the whole global batch per step, no hetrain."""
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model()
-    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    optimizer = make_optimizer(model.parameters())
+    scheduler = schedule(optimizer) if scheduled else None
+    model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=BATCH * 2, sampler=Replay(orders)))
-    return train(fabric, model, optimizer, loader, epochs)
+    return train(fabric, model, optimizer, loader, epochs, scheduler)
 
 
 @pytest.fixture(scope="module", params=["model first", "data first"])
@@ -173,12 +185,14 @@ def test_fabrics_own_loop_trains_the_stock_steps_and_weights_on_uneven_shares(ru
     for order in orders:                          # every sample once an epoch, and a new shuffle each epoch
         assert sorted(order) == list(range(N))
     assert orders[0] != orders[1] and orders[0] != list(range(N))
-    ref = reference(orders)
+    ref = reference(orders, scheduled=r0["order_kind"] == "model first")
     assert ref["steps"] == r0["steps"] == r1["steps"] == 4 * EPOCHS   # optimizer steps taken, 2 epochs
     for r in runs:
         assert max_diff(r["params"], ref["params"]) <= 1e-9
     # the tolerance sees a missing epoch: one epoch of stock is far from two
     assert max_diff(reference(orders, epochs=1)["params"], ref["params"]) > 1e-3
+    if r0["order_kind"] == "model first":    # the schedule counts: unscheduled weights are far off
+        assert max_diff(reference(orders)["params"], ref["params"]) > 1e-3
 
 
 # -- out of memory in Fabric's own loop --------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from ...errors import UsageError
 from .data import TrainingData
-from .wrappers import FabricModel, FabricOptimizer
+from .wrappers import FabricModel, FabricOptimizer, FabricScheduler
 
 
 def global_batch(given: int | None, data: TrainingData, world_size: int) -> int:
@@ -45,12 +45,14 @@ class Pieces:
         self.data: TrainingData | None = None
         self.steps = None                  # hetrain's Steps, once prepared
 
-    def take_both(self, module, optimizer, scheduler=None) -> tuple[FabricModel, FabricOptimizer]:
-        """fabric.setup(model, optimizer): both in before prepare may run."""
+    def take_both(self, module, optimizer, scheduler=None):
+        """fabric.setup(model, optimizer[, scheduler=]): both in before prepare may run. Returns
+        what Fabric wraps: the model, the optimizer, the scheduler (None when none was given)."""
         self.check_new(module=module, optimizer=optimizer)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.prepare_when_ready()
-        return FabricModel(module, self.strategy), FabricOptimizer(optimizer, self.strategy)
+        return (FabricModel(module, self.strategy), FabricOptimizer(optimizer, self.strategy),
+                FabricScheduler(scheduler, self.strategy) if scheduler is not None else None)
 
     def take_module(self, module) -> FabricModel:
         self.check_new(module=module)

@@ -1,15 +1,20 @@
 """HetrainStrategy: a Lightning Fabric strategy whose ranks are hetrain's job.
 
-    fabric = Fabric(strategy=HetrainStrategy(global_batch=64, max_steps=100))
+    fabric = Fabric(strategy=HetrainStrategy(global_batch=64))
     fabric.launch()                                  # joins hetrain's job (hetrain.init)
-    loader = fabric.setup_dataloaders(DataLoader(dataset, shuffle=True))   # the data first: hetrain
-    model, optimizer = fabric.setup(model, optimizer)   # plans the split by measuring the model on it
-    for step in loader:                              # one optimizer step over the whole global batch
-        for mb in step:                              # this rank's share, in micro-batches that fit
-            with mb:
-                fabric.backward(model(**mb.batch).loss)   # weighted by the micro-batch's size
-        optimizer.step()                             # hetrain's step: agreement, optimizer, rebalance
+    model, optimizer = fabric.setup(model, optimizer)          # any order: hetrain.prepare runs once
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=32, shuffle=True))   # all three are in
+    for epoch in range(2):                           # one pass: one epoch of hetrain's sampler
+        for batch in loader:                         # this rank's micro-batches of each global step
+            optimizer.zero_grad()                    # inside a step: a no-op (the gradient accumulates)
+            fabric.backward(loss_of(model, batch))   # weighted by the micro-batch's size
+            optimizer.step()                         # after the rank's last micro-batch: the agreed step
     fabric.strategy.close()
+
+Fabric's own loop is fabric/loop.py's; the step form, `for step in fabric.strategy.steps(): for mb
+in step: with mb:`, also redoes a forward that ran out of memory (the loop's docstring says what
+each form gives). The setup order and the global batch rule (batch_size is the mean share) are
+fabric/setup.py's.
 
 Why a ParallelStrategy of its own and not a DDPStrategy subclass: everything DDPStrategy adds is
 what hetrain does differently. Its launcher spawns processes (hetrain's job is started by `hetrain
@@ -22,9 +27,9 @@ strategy implements Fabric's Strategy API on top of the Engine instead of overri
 
 What Fabric gives up under it (each refused with the fix, never silently changed): its launcher
 (`fabric run`, spawn), its precision plugins (hetrain picks each device's precision:
-HetrainStrategy(precision=...)), its DistributedSampler and DataLoader batch size (hetrain splits
-the global batch), fabric.clip_gradients (HetrainStrategy(grad_clip=...)), separate setup of the
-model and optimizer (hetrain wraps them together), several optimizers and pipelines. Fabric's
+HetrainStrategy(precision=...)), its DistributedSampler (hetrain splits the global batch),
+fabric.clip_gradients (HetrainStrategy(grad_clip=...)), several models or optimizers, and
+pipelines. Fabric's
 no_backward_sync warns and does nothing, as for any strategy without sync control: hetrain already
 syncs once per step.
 """
@@ -265,7 +270,7 @@ class HetrainStrategy(ParallelStrategy):
             raise UsageError(f"fabric.setup with {len(optimizers)} optimizers under HetrainStrategy",
                              "pass exactly one optimizer: fabric.setup(model, optimizer)")
         self.joined()
-        model, optimizer = self.pieces.take_both(module, optimizers[0], scheduler)
+        model, optimizer, scheduler = self.pieces.take_both(module, optimizers[0], scheduler)
         return model, [optimizer], scheduler
 
     def setup_module(self, module):

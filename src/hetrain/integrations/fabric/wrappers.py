@@ -6,11 +6,12 @@ hetrain can only wrap the model (DDP, the OOM guard, a sharding that may replace
 once it has all three: it measures the model on the data to plan the shares. Until then these
 stand for the user's own objects; once hetrain has prepared them, for hetrain's.
 
-The optimizer's zero_grad is also where Fabric's plain loop (`optimizer.zero_grad()` every batch)
+The optimizer's zero_grad (and the step of a scheduler given to fabric.setup) is also where Fabric's plain loop (`optimizer.zero_grad()` every batch)
 meets hetrain's accumulation: a batch of the plain loop is one micro-batch of this rank's share,
 and the gradient of the global step builds up over all of them. zero_grad inside a step is
 therefore a no-op (hetrain zeroes the gradients itself after every optimizer step and before a
-redo); outside one it is the optimizer's.
+redo); outside one it is the optimizer's. The same for scheduler.step(): stepped every batch, as a
+stock loop does, it would move the learning rate once per micro-batch; it acts once per global step.
 """
 
 from __future__ import annotations
@@ -89,3 +90,25 @@ class FabricOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"FabricOptimizer({_target(self)!r})"
+
+
+class FabricScheduler:
+    """The LR scheduler given to fabric.setup(model, optimizer, scheduler=...): step() is a no-op
+    inside a global step, so a loop that steps it every batch steps it once per optimizer step.
+    Everything else is the scheduler's (hetrain checkpoints the scheduler itself)."""
+
+    def __init__(self, scheduler, strategy):
+        self.hetrain_scheduler = scheduler
+        self.hetrain_strategy = strategy
+
+    def step(self, *args, **kwargs) -> None:
+        if not self.hetrain_strategy.in_step():
+            self.hetrain_scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("hetrain_"):
+            raise AttributeError(name)
+        return getattr(self.hetrain_scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"FabricScheduler({self.hetrain_scheduler!r})"
