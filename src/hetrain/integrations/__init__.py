@@ -15,7 +15,7 @@ from ..errors import UsageError
 
 # extra -> what it installs, as pyproject.toml's [project.optional-dependencies] names it
 EXTRAS = {
-    "hf": ("transformers", "accelerate", "peft"),
+    "hf": ("transformers", "accelerate", "peft", "trl"),
     "lightning": ("lightning",),
     "sweep": ("optuna",),
     "tensorboard": ("tensorboard",),
