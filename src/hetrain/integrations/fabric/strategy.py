@@ -84,9 +84,10 @@ class HetrainStrategy(ParallelStrategy):
     """Fabric's strategy for mixed devices: uneven per-rank shares, the big-batch gradient, one
     agreed step, OOM recovery and rebalancing (hetrain's loop, driven through Fabric's verbs).
 
-    `global_batch` and every other keyword are hetrain.init's (hetrain.runtime.config.Config:
-    max_steps, epochs, precision, sharding, grad_clip, checkpoint_dir, emulate, ...; `plan` fixes
-    every rank's share). `forward(model, batch)` is how hetrain calls the model when it measures
+    Every keyword is hetrain.init's (hetrain.runtime.config.Config: max_steps, epochs, precision,
+    sharding, grad_clip, checkpoint_dir, emulate, ...; `plan` fixes every rank's share), but
+    `global_batch` may be left out: the training DataLoader's batch_size x devices then
+    (fabric/setup.py). `forward(model, batch)` is how hetrain calls the model when it measures
     it before training (default: model(**batch) for dicts, model(x) for (x, y)).
     """
 
