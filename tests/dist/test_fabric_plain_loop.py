@@ -274,3 +274,42 @@ def test_unpacking_a_step_says_a_step_is_not_a_batch():
     assert "micro-batch 1 of 2 in step 0 went by without fabric.backward(loss)" in what
     assert "if the step was unpacked (`inputs, target = step`), a step is not a batch" in what
     assert "for mb in step: with mb: inputs, target = mb.batch" in fix and "for batch in loader" in fix
+
+
+def collective_worker(rank, world, plan):
+    from lightning.fabric import Fabric
+
+    from hetrain import Emulation, Reporting
+    from hetrain.errors import UsageError
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+                               reporting=Reporting(verbose=False))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=BATCH))
+    losses = []
+    for inputs, target in loader:
+        loss = F.cross_entropy(model(inputs), target)
+        fabric.backward(loss)
+        step = optimizer.step()
+        if step is not None:         # where every rank meets: allowed
+            losses.append(fabric.all_reduce(torch.tensor(step.loss), reduce_op="sum").item())
+            if len(losses) == 2:
+                break
+    try:
+        for inputs, target in loader:   # a new pass: its first batch is not the last of its step on either rank
+            fabric.backward(F.cross_entropy(model(inputs), target))
+            fabric.all_reduce(torch.tensor(1.0))
+    except UsageError as e:
+        return losses, e.what, e.fix
+    return "nothing raised"
+
+
+def test_a_collective_inside_a_global_step_is_refused_where_ranks_run_different_batches():
+    for losses, what, fix in run_ranks(collective_worker, 2, make_plan(), timeout=180):
+        assert len(losses) == 2 and losses[0] > 0
+        assert "fabric.all_reduce inside a global step of Fabric's own loop" in what
+        assert "if step is not None: fabric.all_reduce(...)" in fix

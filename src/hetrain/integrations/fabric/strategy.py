@@ -316,8 +316,20 @@ class HetrainStrategy(ParallelStrategy):
                          "step", "pass HetrainStrategy(grad_clip=MAX_NORM) instead")
 
     # -- Fabric's collectives, on the job's process group ----------------------------------------
+    def check_collective(self, name: str) -> None:
+        """Inside a global step of Fabric's own loop ranks are at different batches (their shares
+        differ), so a collective there would wait on a peer that never calls it: refused, with
+        the place where every rank meets."""
+        if self.plain.active and self.world_size > 1:
+            raise UsageError(f"fabric.{name} inside a global step of Fabric's own loop under HetrainStrategy: each "
+                             "rank runs its own number of batches a step, so its peers would not call it with it",
+                             f"call fabric.{name} where optimizer.step() returned the step (`step = optimizer."
+                             f"step()`, then `if step is not None: fabric.{name}(...)`), or read step.loss, the "
+                             "global batch's loss on every rank")
+
     def all_reduce(self, tensor, group=None, reduce_op="mean"):
         """In place, as Fabric's DDP does: 'mean'/'avg' sums and divides; other names are ReduceOps."""
+        self.check_collective("all_reduce")
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
         if isinstance(reduce_op, str):
@@ -331,11 +343,17 @@ class HetrainStrategy(ParallelStrategy):
             return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
         return tensor
 
+    def all_gather(self, tensor, group=None, sync_grads=False):
+        self.check_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     def barrier(self, name=None) -> None:
+        self.check_collective("barrier")
         if dist.is_initialized():
             dist.barrier()
 
     def broadcast(self, obj, src: int = 0):
+        self.check_collective("broadcast")
         if not dist.is_initialized():
             return obj
         box = [obj]
