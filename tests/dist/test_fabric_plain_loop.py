@@ -313,3 +313,24 @@ def test_a_collective_inside_a_global_step_is_refused_where_ranks_run_different_
         assert len(losses) == 2 and losses[0] > 0
         assert "fabric.all_reduce inside a global step of Fabric's own loop" in what
         assert "if step is not None: fabric.all_reduce(...)" in fix
+
+
+def capped_worker(rank, world):
+    from lightning.fabric import Fabric
+
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(max_steps=5, memory={"max_micro_batch": 8})
+    fabric = Fabric(accelerator="cpu", strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=16, shuffle=True))
+    out = train(fabric, model, optimizer, loader)
+    strategy.close()
+    return out["batches"], strategy.engine.steps_done
+
+
+def test_max_steps_caps_the_loops_passes():
+    batches, steps = run_ranks(capped_worker, 1, timeout=120)[0]
+    assert steps == 5 and batches == [5 * 2, 0]      # 16 steps an epoch, 2 micro-batches each; then none

@@ -54,7 +54,7 @@ class PlainLoop:
         self.mb = None                   # the micro-batch yielded to the user
         self.pulled = NOT_PULLED         # what optimizer.step() pulled after it: a micro-batch, or None (done)
         self.finished = None             # the step optimizer.step() finished (hetrain's Step)
-        self.escaped = None              # (micro-batch, its size) whose forward ran out of memory here
+        self.escaped = None              # (micro-batch, the plan's micro-batch size) whose forward ran out of memory
 
     @property
     def active(self) -> bool:

@@ -117,7 +117,8 @@ class HetrainStrategy(ParallelStrategy):
     @property
     def run_length_given(self) -> bool:
         """max_steps= or epochs= given: the run's length is hetrain's, not the loop's."""
-        return self.config.get("max_steps") is not None or self.config.get("epochs") is not None
+        config = self.joined().job.config
+        return config.max_steps is not None or config.epochs is not None
 
     def in_step(self) -> bool:
         """Between a step's first micro-batch and its optimizer step (zero_grad waits till then)."""
