@@ -114,6 +114,7 @@ def worker(rank, world, plan, order):
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
     steps_per_epoch = len(loader)
+    assert len(loader.dataset) == N and loader.batch_size == BATCH     # read off the loader, as scripts do
     out = train(fabric, model, optimizer, loader, scheduler=scheduler)
     out["len"] = steps_per_epoch
     out["order_kind"] = order

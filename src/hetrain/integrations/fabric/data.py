@@ -107,8 +107,10 @@ class StepLoader:
     """What HetrainStrategy.process_dataloader gives Fabric to wrap. Iterating it is Fabric's own
     loop, one epoch a pass (fabric/loop.py): this rank's micro-batches of each global step."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, data: TrainingData):
         self.strategy = strategy
+        # what scripts read off a DataLoader (Fabric's wrapper copies these attributes onto itself)
+        self.dataset, self.batch_size, self.drop_last = data.dataset, data.batch_size, data.drop_last
 
     def __iter__(self):
         return self.strategy.plain.epoch(self.strategy.pieces.ready_steps())

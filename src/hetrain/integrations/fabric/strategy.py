@@ -264,8 +264,9 @@ class HetrainStrategy(ParallelStrategy):
         (evaluation) are returned as they are: every rank iterates all of each."""
         if self.pieces.data is not None:
             return dataloader
-        self.pieces.take_data(training_data(dataloader))
-        return StepLoader(self)
+        data = training_data(dataloader)
+        self.pieces.take_data(data)
+        return StepLoader(self, data)
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         if len(optimizers) != 1:
