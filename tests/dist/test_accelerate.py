@@ -1,0 +1,144 @@
+"""Accelerate scripts on hetrain (hetrain.integrations.accelerate): one script, its own loop with
+prepare / accumulate / backward / clip_grad_norm_ / optimizer.step / lr_scheduler.step /
+gather_for_metrics / save_state / load_state, run by plain Accelerate in one process and by
+hetrain's Accelerator on two emulated ranks with uneven shares, gives the same weights (float64:
+the same sums in another order), the same evaluation outputs in the dataset's order, and resumes
+from save_state exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from hetrain.planning.plan import DevicePlan, Plan
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                                                   reason='needs pip install "hetrain[hf]"')]
+
+N, EVAL_N, EPOCHS = 64, 21, 2        # 4 steps of 16 an epoch; 21 evaluation samples: a short last batch
+ACCUM, STOCK_BATCH, RANK_BATCH = 2, 8, 4     # stock: 8 x 2 x 1 process = 16; hetrain: 4 x 2 x 2 ranks = 16
+SHARES, MICROS = (10, 6), (4, 6)     # rank 0 runs 4, 4, 2 a step; rank 1 one of 6
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+        self.y = (self.x[:, :1] * 2 - self.x[:, 1:2]).sin() + 0.1 * torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def script(accelerator_cls, batch_size: int, out_dir: str, *, save_after=None, resume=False, **accel_kwargs):
+    """An Accelerate training script, as written for stock Accelerate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    total = EPOCHS * N // (STOCK_BATCH * ACCUM)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total)
+    train = torch.utils.data.DataLoader(Points(N, 0), batch_size=batch_size, shuffle=False)
+    evaluate = torch.utils.data.DataLoader(Points(EVAL_N, 1), batch_size=5)
+    accelerator = accelerator_cls(gradient_accumulation_steps=ACCUM, **accel_kwargs)
+    model, optimizer, train, evaluate, scheduler = accelerator.prepare(model, optimizer, train, evaluate, scheduler)
+    start = 0
+    if resume:
+        accelerator.load_state(out_dir)
+        start = 1
+    syncs = 0
+    for epoch in range(start, EPOCHS):
+        for x, y in train:
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                    syncs += 1
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        if save_after == epoch:
+            accelerator.wait_for_everyone()
+            accelerator.save_state(out_dir)
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for x, _ in evaluate:
+            outputs.append(accelerator.gather_for_metrics(model(x)))
+    accelerator.print(f"trained {syncs} steps")
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    main = accelerator.is_main_process
+    accelerator.end_training()
+    return {"params": params, "outputs": torch.cat(outputs), "syncs": syncs, "main": main,
+            "lr": scheduler.get_last_lr()[0]}
+
+
+def write_plan(path) -> str:
+    devices = tuple(DevicePlan(rank=r, device=name, speed=speed, share=s, micro_batch=m)
+                    for r, (name, speed, s, m) in enumerate(zip(("a100-80g", "rtx3090"), (1.0, 0.67), SHARES, MICROS)))
+    path.write_text(Plan(global_batch=sum(SHARES), devices=devices).to_json())
+    return str(path)
+
+
+def worker(rank, world, out_dir, plan, save_after=None, resume=False):
+    from hetrain.integrations.accelerate import Accelerator
+
+    return script(Accelerator, RANK_BATCH, out_dir, save_after=save_after, resume=resume,
+                  hetrain={"plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
+                           "emulation": {"cluster": "a100-80g,rtx3090"}})
+
+
+def max_diff(a, b) -> float:
+    return max((u - v).abs().max().item() for u, v in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import accelerate
+
+    d = tmp_path_factory.mktemp("accelerate")
+    stock = script(accelerate.Accelerator, STOCK_BATCH, str(d / "stock"))
+    plan = write_plan(d / "plan.json")
+    ranks = run_ranks(worker, 2, str(d / "ckpt"), plan, 0, timeout=180)      # saves after epoch 0
+    return d, plan, stock, ranks
+
+
+def test_an_accelerate_loop_on_uneven_shares_equals_plain_accelerate_in_one_process(runs):
+    _, _, stock, ranks = runs
+    assert stock["syncs"] == EPOCHS * N // (STOCK_BATCH * ACCUM) == 8
+    for r in ranks:
+        assert r["syncs"] == 8                  # sync_gradients: once a step on each rank, whatever its micro-batches
+        assert max_diff(r["params"], stock["params"]) <= 1e-12
+        assert r["lr"] == pytest.approx(stock["lr"])             # the scheduler stepped once a global step
+    assert [r["main"] for r in ranks] == [True, False]
+    # The tolerance sees a wrong weighting: one step on rank 0's 10 samples alone is a different step.
+    x, y = Points(N, 0)[:16]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    whole = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+    part = torch.autograd.grad(F.mse_loss(model(x[:10]), y[:10]), list(model.parameters()))
+    assert max_diff(whole, part) > 1e-3
+
+
+def test_gather_for_metrics_returns_each_sample_once_in_the_datasets_order(runs):
+    _, _, stock, ranks = runs
+    for r in ranks:
+        assert r["outputs"].shape == (EVAL_N, 1)       # the short last batch's repeated sample dropped
+        assert torch.allclose(r["outputs"], stock["outputs"], rtol=0, atol=1e-12)
+
+
+def test_save_state_then_load_state_resumes_exactly(runs):
+    d, plan, _, ranks = runs
+    resumed = run_ranks(worker, 2, str(d / "ckpt"), plan, None, True, timeout=180)
+    for r, whole in zip(resumed, ranks):
+        assert r["syncs"] == 4                          # the second epoch only
+        assert max_diff(r["params"], whole["params"]) == 0.0
+        assert r["lr"] == whole["lr"]                   # the scheduler's state came back with the job's
