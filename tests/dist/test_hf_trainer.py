@@ -125,7 +125,7 @@ def test_a_stock_trainer_with_one_changed_import_equals_the_big_batch_on_uneven_
         assert r["global_step"] == STEPS
         assert max_diff(r["params"], ref_params) <= 1e-9
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-9)          # the Trainer's log: the global loss
-        assert r["lr"] == pytest.approx([1e-2 * (STEPS - s - 1) / STEPS for s in range(STEPS)])
+        assert r["lr"] == pytest.approx([1e-2 * (STEPS - s) / STEPS for s in range(STEPS)])   # the rate each step used, as stock logs it
         plan = r["plan"]
         assert [d.share for d in plan.devices] == list(SHARES)
         assert [d.micro_batch for d in plan.devices] == [4, 3]             # rank 1's OOM halved its 6
@@ -163,3 +163,88 @@ def test_a_stop_asked_by_one_rank_stops_both_and_resumes_from_the_trainer_checkp
         assert r["global_step"] == STEPS
         assert max_diff(r["params"], w["params"]) <= 1e-12       # as if it had never stopped
         assert r["losses"] == pytest.approx(w["losses"], abs=1e-12)   # the log history continues from checkpoint-2
+
+
+# -- parity with the stock Trainer in one process, on the same data -----------------------------------
+EVAL_N, EVAL_BATCH = 21, 4      # 6 evaluation batches, the last of 1: split 4/2 by the shares 10/6
+
+
+def accuracy(pred):             # Trainer(compute_metrics=...): next-token accuracy over the counted labels
+    logits, labels = pred.predictions, pred.label_ids
+    hit = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & (labels[:, 1:] != -100)
+    return {"accuracy": float(hit.sum() / (labels[:, 1:] != -100).sum())}
+
+
+def parity_arguments(out_dir, per_device, accum, **kw):
+    from transformers import TrainingArguments
+
+    given = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accum,
+                 max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0,
+                 max_grad_norm=1.0, train_sampling_strategy="sequential", logging_steps=2, eval_strategy="steps",
+                 eval_steps=3, save_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                 per_device_eval_batch_size=EVAL_BATCH, report_to="none", use_cpu=True, disable_tqdm=True)
+    return TrainingArguments(**{**given, **kw})
+
+
+class Seen:                     # what a callback is given, as stock gives it
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        class Record(TrainerCallback):
+            def on_step_end(inner, args, state, control, **kwargs):
+                self.kwargs = sorted(k for k, v in kwargs.items() if v is not None)
+        self.callback, self.kwargs = Record(), None
+
+
+def stock_run(out_dir, **kw):
+    """The stock transformers.Trainer, one process, the whole global batch of 16 a step."""
+    import transformers
+
+    seen = Seen()
+    trainer = transformers.Trainer(model=gpt2(), args=parity_arguments(out_dir, 16, 1, **kw), train_dataset=Tokens(),
+                                   eval_dataset=TokensOf(EVAL_N), compute_loss_func=float64_loss,
+                                   compute_metrics=accuracy, callbacks=[seen.callback])
+    trainer.train()
+    return trainer, seen.kwargs
+
+
+def parity_worker(rank, world, out_dir, plan_path, kw):
+    from hetrain.integrations.transformers import Trainer
+
+    seen = Seen()
+    trainer = Trainer(model=gpt2(), args=parity_arguments(out_dir, 4, 2, **kw), train_dataset=Tokens(),
+                      eval_dataset=TokensOf(EVAL_N), compute_loss_func=float64_loss, compute_metrics=accuracy,
+                      callbacks=[seen.callback],
+                      hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
+                               "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+    trainer.train()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "log": trainer.state.log_history,
+            "best": trainer.state.best_model_checkpoint, "batch": trainer.state.train_batch_size,
+            "callback": seen.kwargs}
+
+
+TIMED = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def comparable(log):
+    return [{k: v for k, v in entry.items() if k not in TIMED and not k.endswith(("_runtime", "_per_second"))}
+            for entry in log]
+
+
+def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(tmp_path):
+    stock, stock_seen = stock_run(str(tmp_path / "stock"))
+    runs = run_ranks(parity_worker, 2, str(tmp_path / "het"), write_plan(tmp_path / "plan.json"), {}, timeout=200)
+    want = comparable(stock.state.log_history)
+    assert [sorted(e) for e in want][:2] == [["epoch", "grad_norm", "learning_rate", "loss", "step"],
+                                            ["epoch", "eval_accuracy", "eval_loss", "step"]]
+    for r in runs:
+        got = comparable(r["log"])
+        assert [sorted(e) for e in got] == [sorted(e) for e in want]
+        for g, w in zip(got, want):       # loss (the mean of the steps since the last log), grad_norm, lr, flos
+            assert g == pytest.approx(w, rel=1e-9, abs=1e-12), (g, w)
+        assert r["best"].rsplit("/", 1)[1] == stock.state.best_model_checkpoint.rsplit("/", 1)[1]
+        assert max_diff(r["params"], list(stock.model.parameters())) <= 1e-9     # the best model, loaded at the end
+        assert r["batch"] == 4 and r["callback"] == stock_seen
+    # save_total_limit=None keeps every checkpoint, as stock
+    assert sorted(p.name for p in (tmp_path / "het").glob("checkpoint-*")) == \
+        sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]

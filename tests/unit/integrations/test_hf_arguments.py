@@ -40,6 +40,7 @@ def test_a_global_batch_that_disagrees_with_the_arguments_names_both_and_the_fix
 
 
 def test_the_arguments_that_map(tmp_path):
+    from hetrain.integrations.hf.arguments import KEEP_ALL
     from hetrain.integrations.transformers import job_config
 
     a = args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=30, bf16=True,
@@ -50,9 +51,11 @@ def test_the_arguments_that_map(tmp_path):
     assert c == {"global_batch": 16, "seed": 7, "drop_last": True, "shuffle": False, "grad_clip": 0.5,
                  "precision": "bf16", "max_steps": 30, "memory": {"activation_checkpointing": "all"},
                  # a group given merges field by field with what the arguments decided
-                 "checkpoints": {"dir": str(tmp_path / "hetrain"), "every": 10, "keep": 2, "preempt_grace_s": 60},
+                 # every step's state kept: the Trainer's rotation (save_total_limit) removes it with its checkpoint-N
+                 "checkpoints": {"dir": str(tmp_path / "hetrain"), "every": 10, "keep": KEEP_ALL, "preempt_grace_s": 60},
                  "emulation": {"cluster": "a100-80g,rtx3090"}}
-    assert Config(**c).checkpoints == Checkpoints(dir=str(tmp_path / "hetrain"), every=10, keep=2, preempt_grace_s=60)
+    assert Config(**c).checkpoints == Checkpoints(dir=str(tmp_path / "hetrain"), every=10, keep=KEEP_ALL,
+                                                  preempt_grace_s=60)
     e = job_config(args(tmp_path, num_train_epochs=2, save_strategy="epoch", data_seed=3, max_grad_norm=0.0),
                    world_size=1, dataset_len=20, hetrain={})
     # 20 samples at a global batch of 8: three steps an epoch (the last one straddles, as nothing is dropped)
@@ -64,8 +67,9 @@ def test_the_arguments_that_map(tmp_path):
 @pytest.mark.parametrize("given, said, fix", [
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True", "remove auto_find_batch_size"),
     ({"train_sampling_strategy": "group_by_length"}, "'group_by_length'", "train_sampling_strategy='random'"),
-    ({"dataloader_num_workers": 2}, "dataloader_num_workers=2", "remove dataloader_num_workers"),
-    ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'", "eval_strategy='no'"),
+    ({"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"}, "save_strategy='best'",
+     "load_best_model_at_end=True"),
+    ({"batch_eval_metrics": True}, "batch_eval_metrics=True", "remove batch_eval_metrics"),
     ({"torch_compile": True}, "torch_compile=True", "remove torch_compile"),
 ])
 def test_every_argument_hetrain_cannot_honour_is_refused_with_the_fix(tmp_path, given, said, fix):
@@ -75,6 +79,16 @@ def test_every_argument_hetrain_cannot_honour_is_refused_with_the_fix(tmp_path, 
     with pytest.raises(UsageError) as e:
         conflicts(args(tmp_path, **given), model_init=None)
     assert said in e.value.what and fix in e.value.fix
+    # one line: the flag, why, the fix; no parenthesis left open or closed across the sentence
+    for text in (e.value.what, e.value.fix):
+        assert "\n" not in text and text.count("(") == text.count(")") and not text.endswith(")")
+
+
+def test_what_hetrain_now_honours_is_not_refused(tmp_path):
+    from hetrain.integrations.hf.arguments import conflicts
+
+    conflicts(args(tmp_path, dataloader_num_workers=2, eval_strategy="steps", eval_steps=5,
+                   load_best_model_at_end=True, save_steps=5, metric_for_best_model="eval_loss"), model_init=None)
 
 
 def test_hetrain_keys_the_arguments_decide_are_refused(tmp_path):

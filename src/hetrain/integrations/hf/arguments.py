@@ -21,7 +21,9 @@ What maps, and to what:
     dataloader_drop_last                  drop_last
     train_sampling_strategy               'random': shuffle; 'sequential': no shuffle
     save_strategy / save_steps            Checkpoints(dir=output_dir/hetrain, every=...): hetrain's exact state
-    save_total_limit                      Checkpoints(keep=...)
+    save_total_limit                      stock's rotation of checkpoint-N, each step's hetrain state with it
+    eval_strategy / eval_steps / ...      the Trainer's evaluation, each rank a part of the batches (evaluation.py)
+    dataloader_num_workers                worker processes loading each rank's micro-batches
     activation_checkpointing              Memory(activation_checkpointing='all') (False: the plan's choice)
 Everything else hetrain.init takes comes through `Trainer(..., hetrain={...})`; a group there (e.g.
 {"memory": {"margin": 0.2}} or Memory(margin=0.2)) sets only the fields it names, over what the
@@ -40,6 +42,7 @@ from ...runtime.config import RENAMED, check_keywords
 from ...runtime.config_groups import GROUPS, as_group
 
 HETRAIN_STATE = "hetrain"     # the subdirectory of output_dir that holds hetrain's checkpoints
+KEEP_ALL = 10**9              # Checkpoints(keep=...): the Trainer's rotation decides, not hetrain's
 # hetrain={...} keys the Trainer's arguments decide (the table above): two places would be two answers.
 FROM_ARGS = {"max_steps": "max_steps / num_train_epochs", "epochs": "num_train_epochs",
              "grad_clip": "max_grad_norm", "seed": "seed", "drop_last": "dataloader_drop_last",
@@ -53,39 +56,36 @@ def _value(v):
 
 
 def conflicts(args, *, model_init) -> None:
-    """The TrainingArguments hetrain's loop cannot honour: the first one found, as one UsageError."""
-    def refuse(what: str, fix: str):
-        raise UsageError(f"hetrain's Trainer: TrainingArguments({what})", fix)
+    """The TrainingArguments hetrain's loop cannot honour: the first one found, as one UsageError
+    (the flag, why, and the fix; no parenthesis left open or closed across the sentence)."""
+    def refuse(flag: str, why: str, fix: str):
+        raise UsageError(f"hetrain's Trainer cannot honour TrainingArguments {flag}: {why}", fix)
 
     if args.auto_find_batch_size:
-        refuse("auto_find_batch_size=True): hetrain sizes every device's micro-batch from its memory, and on an "
-               "OOM halves it and redoes the step without changing the global batch",
-               "remove auto_find_batch_size=True")
+        refuse("auto_find_batch_size=True", "hetrain sizes every device's micro-batch from its memory, and on an "
+               "OOM halves it and redoes the step without changing the global batch", "remove auto_find_batch_size=True")
     if args.deepspeed or args.fsdp or getattr(args, "parallelism_config", None) is not None:
-        refuse("deepspeed / fsdp / parallelism_config): hetrain wraps the model itself (DDP with uneven shares, or "
-               "its own sharding)", 'remove them; pass Trainer(..., hetrain={"sharding": "fsdp"}) (or "zero1", '
-               '"capacity") to shard')
+        refuse("deepspeed / fsdp / parallelism_config", "hetrain wraps the model itself, in DDP with uneven shares "
+               "or in its own sharding", 'remove them and pass Trainer(..., hetrain={"sharding": "fsdp"}) to shard, '
+               'or "zero1" or "capacity"')
     if _value(args.train_sampling_strategy) not in ("random", "sequential"):
-        refuse(f"train_sampling_strategy={_value(args.train_sampling_strategy)!r}): hetrain's sampler picks every "
+        refuse(f"train_sampling_strategy={_value(args.train_sampling_strategy)!r}", "hetrain's sampler picks every "
                "step's samples from one global stream, cut unevenly by the plan",
-               "use train_sampling_strategy='random' (shuffled) or 'sequential'")
-    if args.dataloader_num_workers:
-        refuse(f"dataloader_num_workers={args.dataloader_num_workers}): hetrain loads each micro-batch's samples "
-               "in this process, when the plan calls for them", "remove dataloader_num_workers")
-    if _value(args.eval_strategy) != "no" or args.load_best_model_at_end:
-        refuse(f"eval_strategy={_value(args.eval_strategy)!r}, load_best_model_at_end={args.load_best_model_at_end}): "
-               "hetrain's Trainer trains; evaluation during training is not wired through its ranks",
-               "use eval_strategy='no' and load_best_model_at_end=False (evaluate the saved model afterwards)")
+               "use train_sampling_strategy='random' for shuffled samples, or 'sequential'")
     if _value(args.save_strategy) == "best":
-        refuse("save_strategy='best'): it needs evaluation during training", "use save_strategy='steps' or 'epoch'")
+        refuse("save_strategy='best'", "hetrain saves its exact state on a schedule every rank knows in advance",
+               "use save_strategy='steps' or 'epoch' with load_best_model_at_end=True: the best one is kept")
+    if args.batch_eval_metrics:
+        refuse("batch_eval_metrics=True", "hetrain's evaluation gathers every rank's uneven part before the metrics",
+               "remove batch_eval_metrics; compute_metrics then sees the whole evaluation set")
     if args.torch_compile:
-        refuse("torch_compile=True): hetrain measures and wraps the eager model", "remove torch_compile=True")
+        refuse("torch_compile=True", "hetrain measures and wraps the eager model", "remove torch_compile=True")
     if args.neftune_noise_alpha is not None or args.use_liger_kernel:
-        refuse("neftune_noise_alpha / use_liger_kernel): not applied by hetrain's loop", "remove them")
+        refuse("neftune_noise_alpha / use_liger_kernel", "hetrain's loop does not apply them", "remove them")
     if args.push_to_hub:
-        refuse("push_to_hub=True): hetrain's Trainer saves locally", "remove push_to_hub; push output_dir afterwards")
+        refuse("push_to_hub=True", "hetrain's Trainer saves locally", "remove push_to_hub and push output_dir afterwards")
     if model_init is not None:
-        refuse("model_init=...): hyperparameter search over mixed devices is `hetrain sweep`",
+        refuse("model_init=...", "hyperparameter search over mixed devices is `hetrain sweep`",
                "pass model=...; for a search, see `hetrain sweep --help`")
 
 
@@ -136,7 +136,9 @@ def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dic
         config["checkpoints"] = {
             "dir": os.path.join(args.output_dir, HETRAIN_STATE),
             "every": max(1, per_epoch) if save == "epoch" else _save_steps(args, per_epoch),
-            "keep": args.save_total_limit or 3}
+            # hetrain keeps them all: checkpoints.py removes a step's state with its checkpoint-N,
+            # by the stock Trainer's save_total_limit rule (None: every one kept)
+            "keep": KEEP_ALL}
     for name, value in given.items():       # a group: field by field over what the arguments decided
         config[name] = {**config.get(name, {}), **value} if name in GROUPS and isinstance(value, dict) else value
     return config
