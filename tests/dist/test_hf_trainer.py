@@ -55,17 +55,17 @@ def float64_loss(outputs, labels, num_items_in_batch=None):     # Trainer(comput
     return lm_loss(outputs.logits, labels)
 
 
-def arguments(out_dir):
+def arguments(out_dir, **kw):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=out_dir, per_device_train_batch_size=PER_DEVICE,
-                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-2,
-                             optim="adamw_torch", lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
-                             train_sampling_strategy="sequential", save_strategy="steps", save_steps=2,
-                             logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True)
+    given = dict(output_dir=out_dir, per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=ACCUM,
+                 max_steps=STEPS, learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="linear",
+                 weight_decay=0.0, max_grad_norm=1.0, train_sampling_strategy="sequential", save_strategy="steps",
+                 save_steps=2, logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True)
+    return TrainingArguments(**{**given, **kw})
 
 
-def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=None):
+def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=None, args_kw=None):
     from transformers import TrainerCallback
 
     from hetrain.integrations.transformers import Trainer
@@ -75,7 +75,8 @@ def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=No
             if rank == 1 and state.global_step == stop_at:
                 control.should_training_stop = True
 
-    trainer = Trainer(model=gpt2(), args=arguments(out_dir), train_dataset=Tokens(), compute_loss_func=float64_loss,
+    trainer = Trainer(model=gpt2(), args=arguments(out_dir, **(args_kw or {})), train_dataset=Tokens(),
+                      compute_loss_func=float64_loss,
                       callbacks=[StopOnOneRank()] if stop_at else None,
                       hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
                                "reporting": {"verbose": False},
@@ -124,7 +125,8 @@ def test_a_stock_trainer_with_one_changed_import_equals_the_big_batch_on_uneven_
     for r in runs:
         assert r["global_step"] == STEPS
         assert max_diff(r["params"], ref_params) <= 1e-9
-        assert r["losses"] == pytest.approx(ref_losses, abs=1e-9)          # the Trainer's log: the global loss
+        # the Trainer's log: the global loss, rounded by stock's float32 accumulator as stock logs it
+        assert r["losses"] == [torch.tensor(x, dtype=torch.float32).item() for x in ref_losses]
         assert r["lr"] == pytest.approx([1e-2 * (STEPS - s) / STEPS for s in range(STEPS)])   # the rate each step used, as stock logs it
         plan = r["plan"]
         assert [d.share for d in plan.devices] == list(SHARES)
@@ -248,3 +250,52 @@ def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(tmp_p
     # save_total_limit=None keeps every checkpoint, as stock
     assert sorted(p.name for p in (tmp_path / "het").glob("checkpoint-*")) == \
         sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+
+
+# -- checkpoints as stock keeps them ------------------------------------------------------------------
+def pointers(out):
+    return {p.name: json.loads((p / "hetrain.json").read_text())["hetrain_state"] for p in sorted(out.glob("checkpoint-*"))}
+
+
+def test_a_rerun_into_the_same_output_dir_starts_afresh_and_any_kept_checkpoint_resumes_exactly(whole, tmp_path):
+    import shutil
+
+    d, runs = whole
+    out, plan = tmp_path / "out", write_plan(tmp_path / "plan.json")
+    shutil.copytree(d / "out", out)
+    # A second run into an output_dir that holds checkpoints trains afresh, as stock does (no
+    # refusal), replacing each checkpoint-N as it reaches N; the old run's hetrain state goes with it.
+    again = run_ranks(worker, 2, str(out), plan, None, None, None, timeout=150)
+    assert max_diff(again[0]["params"], runs[0]["params"]) <= 1e-12
+    assert pointers(out) == {"checkpoint-2": "hetrain-1/step-00000002", "checkpoint-4": "hetrain-1/step-00000004"}
+    assert not list((out / "hetrain").glob("step-*"))
+    # An older kept checkpoint (checkpoint-4 is newer), resumed into another output_dir: exact.
+    other = tmp_path / "other"
+    resumed = run_ranks(worker, 2, str(other), plan, None, str(out / "checkpoint-2"), None, timeout=150)
+    for r, w in zip(resumed, runs):
+        assert r["global_step"] == STEPS and max_diff(r["params"], w["params"]) <= 1e-12
+        assert r["losses"] == pytest.approx(w["losses"], abs=1e-12)    # the history of checkpoint-2, continued
+    assert pointers(other) == {"checkpoint-4": "hetrain/step-00000004"}
+    assert (other / "hetrain" / "step-00000002").is_dir()              # linked in from the run resumed
+    assert pointers(out)["checkpoint-4"] == "hetrain-1/step-00000004"  # the source is left as it was
+
+
+def test_save_total_limit_keeps_the_newest_as_stock_and_removes_their_hetrain_state(tmp_path):
+    out = tmp_path / "out"
+    run_ranks(worker, 2, str(out), write_plan(tmp_path / "plan.json"), None, None, None,
+              {"save_steps": 1, "save_total_limit": 2}, timeout=150)
+    assert pointers(out) == {"checkpoint-3": "hetrain/step-00000003", "checkpoint-4": "hetrain/step-00000004"}
+    assert sorted(p.name for p in (out / "hetrain").glob("step-*")) == ["step-00000003", "step-00000004"]
+
+
+def test_a_refused_run_leaves_the_checkpoints_as_they_were(whole, tmp_path):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import Trainer
+
+    d, _ = whole
+    before = {p: p.read_bytes() for p in (d / "out").rglob("*") if p.is_file()}
+    trainer = Trainer(model=gpt2(), args=arguments(str(d / "out")), train_dataset=Tokens())
+    with pytest.raises(UsageError) as e:
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+    assert "is not a checkpoint of hetrain's Trainer" in e.value.what and "pass a checkpoint-N" in e.value.fix
+    assert {p: p.read_bytes() for p in (d / "out").rglob("*") if p.is_file()} == before
