@@ -245,7 +245,7 @@ def test_an_oom_in_a_forward_of_the_plain_loop_stops_every_rank_with_one_agreed_
     assert r0["error"] == r1["error"] and r0["steps_done"] == r1["steps_done"] == 1
     kind, what, fix = r0["error"]
     assert kind == "ForwardOutOfMemory"
-    assert "out of memory in a forward on rank 1 (rtx3090) at step 1" in what and "cannot redo a forward" in what
+    assert "at step 1, rank 1 (rtx3090) ran out of memory in a forward" in what and "cannot redo a forward" in what
     assert "for step in fabric.strategy.steps()" in fix and "max_micro_batch" in fix
 
 
@@ -335,3 +335,35 @@ def capped_worker(rank, world):
 def test_max_steps_caps_the_loops_passes():
     batches, steps = run_ranks(capped_worker, 1, timeout=120)[0]
     assert steps == 5 and batches == [5 * 2, 0]      # 16 steps an epoch, 2 micro-batches each; then none
+
+
+def leave_worker(rank, world, plan):
+    from lightning.fabric import Fabric
+
+    from hetrain import Emulation, Reporting
+    from hetrain.errors import HetrainError
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+                               reporting=Reporting(verbose=False))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=BATCH))
+    try:
+        for inputs, target in loader:
+            fabric.backward(F.cross_entropy(model(inputs), target))
+            if rank == 1 and strategy.engine.steps_done == 1:
+                raise ValueError("the loop body's own error")     # mid-step: rank 0 must not wait for it
+            optimizer.step()
+    except (HetrainError, ValueError) as e:
+        return type(e).__name__, getattr(e, "what", str(e)), strategy.engine.steps_done
+    return "nothing raised"
+
+
+def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error():
+    (kind0, what0, done0), (kind1, what1, done1) = run_ranks(leave_worker, 2, make_plan(), timeout=180)
+    assert (kind1, what1) == ("ValueError", "the loop body's own error")     # its own error goes on
+    assert kind0 == "LoopStopped" and done0 == done1 == 1
+    assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in what0

@@ -99,7 +99,7 @@ def worker(rank, world, plan, faults=FAULTS):
         DataLoader(data, sampler=DistributedSampler(data, num_replicas=world, rank=rank))))
     bad["batch_size"] = refused(lambda: fabric.setup_dataloaders(DataLoader(data, batch_size=4)))
     bad["steps before setup"] = refused(lambda: next(strategy.steps()))
-    loader = fabric.setup_dataloaders(DataLoader(data))     # shuffle=False: hetrain shuffles unless told
+    fabric.setup_dataloaders(DataLoader(data))     # shuffle=False: hetrain shuffles unless told; the step form
     model, opt, sched = fabric.setup(model, opt, scheduler=schedule(opt))
     out = {"indices": [], "losses": [], "micro_counts": []}
     for step in strategy.steps():

@@ -28,7 +28,7 @@ require("lightning.fabric", extra="lightning", feature="hetrain.integrations.lig
 
 # After the check: these import Lightning, whose absence would otherwise be a bare ImportError.
 from .fabric.data import LoaderStep, StepLoader
-from .fabric.loop import ForwardOutOfMemory
+from .fabric.loop import ForwardOutOfMemory, LoopStopped
 from .fabric.strategy import HetrainPrecision, HetrainStrategy
 
-__all__ = ["ForwardOutOfMemory", "HetrainPrecision", "HetrainStrategy", "LoaderStep", "StepLoader"]
+__all__ = ["ForwardOutOfMemory", "HetrainPrecision", "HetrainStrategy", "LoaderStep", "LoopStopped", "StepLoader"]

@@ -21,8 +21,10 @@ part of the step's gradient sync with zeros and reports the OOM in the step's ag
 inside a sync is reported (every rank halves its micro-batch in the plan and turns to redo the
 step); at that redo every rank of the plain loop agrees one more flag, finds the rank that cannot
 redo, and all raise the same ForwardOutOfMemory (a restart from the last checkpoint runs that rank
-at the halved micro-batch). An OOM in fabric.backward is recovered here as in the step form: the
-micro-batch is halved and the loader yields the redone micro-batches.
+at the halved micro-batch). A loop body that leaves mid-step for any other reason (an error, a
+break before optimizer.step()) is settled the same way when Python closes the loader's iterator,
+and the peers raise LoopStopped naming the rank. An OOM in fabric.backward is recovered here as in
+the step form: the micro-batch is halved and the loader yields the redone micro-batches.
 """
 
 from __future__ import annotations
@@ -38,10 +40,19 @@ from ...runtime.resilience.oom import record_escaped_oom
 NOT_PULLED = object()     # the next micro-batch has not been asked of hetrain's step yet
 
 
-class ForwardOutOfMemory(HetrainError):
-    """A forward in Fabric's own loop ran out of memory: every rank stopped together."""
+class LoopStopped(HetrainError):
+    """A rank left Fabric's own loop in the middle of a global step: every rank stopped together."""
 
     agreed = True          # every rank raises it at the same agreement, with the same text
+
+
+class ForwardOutOfMemory(LoopStopped):
+    """A forward in Fabric's own loop ran out of memory: every rank stopped together."""
+
+
+FORWARD_OOM, LEFT = 1, 2       # what a rank reports at the redo: why it cannot go on
+WHY = {FORWARD_OOM: "ran out of memory in a forward",
+       LEFT: "left the loop in the middle of the step (an error in its loop body, or a break before optimizer.step())"}
 
 
 class PlainLoop:
@@ -54,7 +65,8 @@ class PlainLoop:
         self.mb = None                   # the micro-batch yielded to the user
         self.pulled = NOT_PULLED         # what optimizer.step() pulled after it: a micro-batch, or None (done)
         self.finished = None             # the step optimizer.step() finished (hetrain's Step)
-        self.escaped = None              # (micro-batch, the plan's micro-batch size) whose forward ran out of memory
+        self.escaped = None              # (why, the plan's micro-batch size): this rank cannot go on in the step
+        self.broken = False              # the step ended in an error every rank raised: nothing left to settle
 
     @property
     def active(self) -> bool:
@@ -91,7 +103,11 @@ class PlainLoop:
                 self.finish_step()
             while mb is not None:
                 self.mb, self.pulled = mb, NOT_PULLED
-                yield mb.batch
+                try:
+                    yield mb.batch
+                except GeneratorExit:     # the loop body left: mid-step, its peers must not be stranded
+                    self.leave_mid_step()
+                    raise
                 if self.finished is not None:          # optimizer.step() took the global step
                     break
                 if self.pulled is NOT_PULLED:           # optimizer.step() was not called for this batch
@@ -112,52 +128,78 @@ class PlainLoop:
         OOM on any rank may instead bring the micro-batches of a redo)."""
         engine = self.strategy.engine
         redone = engine.redone_steps
-        mb = next(self.micro_batches, None)
+        try:
+            mb = next(self.micro_batches, None)
+        except BaseException:
+            self.broken = True            # (an agreed stop: DoesNotFit; or a lost peer)
+            raise
         if engine.redone_steps != redone:   # every rank agreed, just now, to redo the step: all are here
             self.agree_escapes()
         return mb
 
-    # -- an OOM in a forward, which this loop cannot redo ----------------------------------------------
+    # -- a rank that cannot go on in the step: an OOM in a forward, or a loop body that left -------------
     def forward_oom(self, error: torch.OutOfMemoryError) -> None:
         """Called by the model's forward on an OOM (the caller re-raises it if this returns): settle
-        this rank's part of the step with its peers, then every rank stops with one error."""
+        this rank's part of the step with its peers; every rank then raises ForwardOutOfMemory."""
+        self.settle(FORWARD_OOM, f"forward: {error}".splitlines()[0][:200])
+
+    def leave_mid_step(self) -> None:
+        """The loader's iterator closed inside a step: this rank's own error (if any) goes on, and
+        its peers raise LoopStopped."""
+        try:
+            self.settle(LEFT, "the loop body left the step")
+        except (HetrainError, RuntimeError):
+            pass          # the agreed stop is the peers' to raise; here the loop body's own error goes on
+
+    def settle(self, why: int, failed: str) -> None:
+        """Complete this rank's part of the step's gradient sync with zeros and report the
+        micro-batch failed, as an OOM inside the sync is reported: every rank turns to redo the
+        step, and at that redo all raise the same error (agree_escapes)."""
         job = self.strategy.engine.job
-        mb, guard = self.mb, job.guard
-        if not self.active or mb is None or mb.failed is not None or guard is None:
-            return           # outside the plain loop, or no peers to settle with (or recovery off)
+        guard = job.guard
+        mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
+        if self.broken or not self.active or mb is None or guard is None:
+            return           # nothing in flight, no peers to settle with (or OOM recovery off)
         micro = job.micro_batch
-        if not guard.every_oom_desyncs:     # DDP: the peers' last backward all-reduces; ours, with zeros
-            guard.begin()
-            guard.complete_missing()
-            mb.desynced = True              # (FSDP2's guard completes its own collectives in the agreement)
-        mb.failed = f"forward: {error}".splitlines()[0][:200]
-        mb.backward_done = True
-        self.escaped = (mb, micro)
+        if not guard.every_oom_desyncs and not mb.desynced:      # DDP (FSDP2's guard settles in the agreement)
+            if not (mb.last and mb.backward_done and mb.failed is None):   # its gradient sync not done yet
+                guard.begin()
+                guard.complete_missing()
+            mb.desynced = True
+        if mb.failed is None:
+            mb.failed, mb.backward_done = failed, True
+        self.escaped = (why, micro)
         self.pull()     # the agreement (an OOM at a micro-batch of 1 stops every rank there instead)
-        raise HetrainError("the step's agreement did not redo the step after an OOM in a forward",
+        self.broken = True
+        raise HetrainError("the step's agreement did not redo the step after a rank left it",
                            "this is a bug in hetrain; please report it with the log")
 
     def agree_escapes(self) -> None:
-        """At a redo every rank agreed: does any rank's loop hold a forward that ran out of memory?"""
+        """At a redo every rank agreed: can any rank not go on in the step (and why)?"""
         engine = self.strategy.engine
         flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.device)
-        flags[engine.rank] = self.escaped is not None
+        flags[engine.rank] = self.escaped[0] if self.escaped is not None else 0
         dist.all_reduce(flags)                                                  # (collective)
-        ranks = [r for r, f in enumerate(flags.tolist()) if f]
-        if not ranks:
+        why = {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+        if not why:
             return
+        self.broken = True
         job = engine.job
-        if self.escaped is not None and job.checkpointer is not None:     # a restart halves this rank's micro-batch
+        if self.escaped is not None and self.escaped[0] == FORWARD_OOM and job.checkpointer is not None:
             record_escaped_oom(str(job.checkpointer.dir), rank=engine.rank, micro=self.escaped[1] or 1,
-                               step=job.steps_done)
-        who = ", ".join(f"rank {r} ({job.plan.devices[r].device})" for r in ranks)
-        raise ForwardOutOfMemory(
-            f"out of memory in a forward on {who} at step {job.steps_done}: Fabric's own loop (`for batch in "
-            "loader`) cannot redo a forward, so every rank stopped here",
-            "use the step form, which redoes it with a halved micro-batch (`for step in fabric.strategy.steps(): "
-            "for mb in step: with mb: ...`), or cap the micro-batch with HetrainStrategy(memory=Memory("
-            "max_micro_batch=N)); under `hetrain run --max-restarts N` with a checkpoint_dir the job restarts from "
-            "its last checkpoint with the halved micro-batch")
+                               step=job.steps_done)    # a restart halves this rank's micro-batch
+        who = "; ".join(f"rank {r} ({job.plan.devices[r].device}) {WHY[w]}" for r, w in why.items())
+        if FORWARD_OOM in why.values():
+            raise ForwardOutOfMemory(
+                f"at step {job.steps_done}, {who}: Fabric's own loop (`for batch in loader`) cannot redo a forward, "
+                "so every rank stopped here",
+                "use the step form, which redoes it with a halved micro-batch (`for step in fabric.strategy.steps(): "
+                "for mb in step: with mb: ...`), or cap the micro-batch with HetrainStrategy(memory=Memory("
+                "max_micro_batch=N)); under `hetrain run --max-restarts N` with a checkpoint_dir the job restarts "
+                "from its last checkpoint with the halved micro-batch")
+        raise LoopStopped(f"at step {job.steps_done}, {who}: every rank stopped here",
+                          "see that rank's own error; leave `for batch in loader` only after optimizer.step() "
+                          "returned the step")
 
     def check_backward(self, mb) -> None:
         if not mb.backward_done:
