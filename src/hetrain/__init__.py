@@ -40,6 +40,11 @@ def __getattr__(name: str):
         value = getattr(engine, name)
         globals()[name] = value
         return value
+    if name == "sweep":          # hetrain.sweep: the running sweep trial's device (sweeping/session.py)
+        from .sweeping import session
+
+        globals()[name] = session
+        return session
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

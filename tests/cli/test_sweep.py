@@ -28,7 +28,7 @@ SPEC = "a100-80g@64MiB,rtx3090@4MiB"
 def test_a_sweep_places_by_memory_prunes_and_prints_the_table(tmp_path):
     db, out = tmp_path / "s.db", tmp_path / "s.json"
     r = hetrain("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
-                "--emulate-sample-s", "0.002", "--json", str(out))
+                "--emulate-sample-s", "0.002", "--pruner", "median:startup=2", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     ran = {t["number"]: t for t in data["trials_run"]}
@@ -44,6 +44,9 @@ def test_a_sweep_places_by_memory_prunes_and_prints_the_table(tmp_path):
     rows = [line for line in r.stdout.splitlines() if "│" in line]
     assert [row.split("│")[0].strip() for row in rows] == ["a100-80g#0 (emulated)", "rtx3090#1 (emulated)"]
     assert "best: trial" in r.stdout
+    assert "pruner: median (pruning starts after 2 finished trial(s)" in r.stderr      # the pruner as set
+    pruned = sum(t["state"] == "pruned" for t in ran.values())                         # and how trials count
+    assert f"{pruned} pruned" in r.stdout and "all count toward --trials" in r.stdout
     # run again on the same storage: the study is complete, nothing more runs
     again = hetrain("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
                     "--emulate-sample-s", "0.002")
@@ -54,7 +57,10 @@ def test_a_sweep_places_by_memory_prunes_and_prints_the_table(tmp_path):
     (("--storage", "{file}/s.db"), ("is a file, not a directory",)),
     (("--storage", "{tmp}/missing/s.db"), ("does not exist",)),
     (("--trials", "0"), ("--trials 0 must be at least 1",)),
-    (("--pruner", "hyperband"), ("--pruner 'hyperband' is not one of median, none",)),
+    (("--pruner", "hyperband"), ("--pruner 'hyperband': 'hyperband' is not one of median, none",)),
+    (("--pruner", "median:startup=x"), ("startup='x' must be a whole number", "--pruner median:startup=5")),
+    (("--pruner", "median:patience=3"), ("'patience=3' is not one of startup=N, warmup=N, interval=N",)),
+    (("--pruner", "none:startup=1"), ("none takes no settings",)),
 ])
 def test_bad_input_is_one_line(tmp_path, args, words):
     (tmp_path / "f").write_text("")
@@ -77,8 +83,8 @@ def test_a_trial_that_fits_no_device_stops_the_sweep_as_one_line(tmp_path):
     # the wide trials (6.3 MiB) fit no 4 MiB card: trial 0 is one of them
     one_line_error(hetrain("sweep", str(OBJECTIVE), "--emulate", "rtx3090@4MiB", "--trials", "2",
                            "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
-                   "trial 0", "fits no device", "the largest device, rtx3090#0", "narrow the search space",
-                   "bigger devices")
+                   "trial 0", "fits no device and no group", "the largest group, 1 device(s) (rtx3090#0",
+                   "narrow the search space", "bigger or more devices")
     study = optuna.load_study(study_name="sweep_objective", storage=f"sqlite:///{tmp_path / 's.db'}")
     assert study.trials[0].state.name == "FAIL" and study.trials[0].user_attrs["unplaced"] is True
 

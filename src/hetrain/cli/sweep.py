@@ -13,15 +13,17 @@ from ..files import check_writable, write_json_atomic
 
 
 def sweep(
-    objective: str = typer.Argument(..., help="the objective file: space(trial) -> dict, train(params, ctx) -> "
-                                    "float, and optionally memory(params) -> dict for placement"),
+    objective: str = typer.Argument(..., help="the objective file: Optuna's objective(trial) -> float (its device "
+                                    "from hetrain.sweep.device()), or space(trial) -> dict and train(params, ctx) -> "
+                                    "float; optionally memory(params) -> dict for placement"),
     emulate: Optional[str] = typer.Option(None, "--emulate", help="emulated devices, e.g. a100-80g,rtx3090 "
                                           "(default: this machine's GPUs, a trial per GPU at a time)"),
-    trials: int = typer.Option(..., "--trials", help="trials the study should have finished (a resumed sweep "
-                               "counts the ones it already has)"),
+    trials: int = typer.Option(..., "--trials", help="trials the study should have finished: complete, pruned and "
+                               "failed ones all count (a resumed sweep counts the ones it already has)"),
     storage: str = typer.Option("sweep.db", "--storage", help="the study's SQLite file (created, or continued)"),
     study: Optional[str] = typer.Option(None, "--study", help="the study's name (default: the objective file's)"),
-    pruner: str = typer.Option("median", "--pruner", help="median (Optuna's MedianPruner) or none"),
+    pruner: str = typer.Option("median", "--pruner", help="median (Optuna's MedianPruner with its defaults: "
+                               "median:startup=5,warmup=0,interval=1, each settable) or none"),
     direction: str = typer.Option("minimize", "--direction", help="minimize or maximize train()'s value"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the figures and every trial here"),
     emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True,
@@ -30,19 +32,22 @@ def sweep(
     """Run an Optuna study's trials at once, one per device, the bigger trials on the bigger cards
     (the planner's memory model decides what fits where); the study is kept in SQLite, so the same
     command resumes it after a crash (a trial left running is run again), and a worker that dies is
-    replaced. A trial runs on one device: one that fits no device stops the sweep (groups of devices
-    per trial are not supported)."""
+    replaced. A trial too big for any one device runs as a hetrain data-parallel job over a group of
+    them (the memory model picks the group and its sharding); one that fits no group stops the sweep.
+    Pruned and failed trials count toward --trials."""
     from ..integrations import require
 
     require("optuna", extra="sweep", feature="hetrain sweep")
-    from ..sweeping.runner import DIRECTIONS, PRUNERS, SweepSetup, run_sweep
+    from ..sweeping.runner import DIRECTIONS, SweepSetup, run_sweep
+    from ..sweeping.study import parse_pruner
     from ..sweeping.summary import print_table, to_dict
 
     if trials < 1:
         raise UsageError(f"--trials {trials} must be at least 1", "give the number of trials, e.g. --trials 20")
-    for value, allowed, flag in ((pruner, PRUNERS, "--pruner"), (direction, DIRECTIONS, "--direction")):
-        if value not in allowed:
-            raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}", f"use {flag} {allowed[0]}")
+    parse_pruner(pruner)
+    if direction not in DIRECTIONS:
+        raise UsageError(f"--direction {direction!r} is not one of {', '.join(DIRECTIONS)}",
+                         f"use --direction {DIRECTIONS[0]}")
     _check_storage(storage)
     if json_path:
         check_writable(json_path, "--json")
@@ -81,8 +86,9 @@ def _devices(emulate: str | None):
         from ..hardware.cluster import parse_cluster
 
         devices = parse_cluster(emulate)
-        return (tuple(Slot(index=d.index, label=f"{d.label} (emulated)", memory_bytes=d.memory_bytes, speed=d.speed)
-                      for d in devices), ("emulated",) * len(devices))
+        return (tuple(Slot(index=d.index, label=f"{d.label} (emulated)", memory_bytes=d.memory_bytes, speed=d.speed,
+                           spec=f"{d.gpu.key}:{d.speed}@{d.memory_bytes / 2**20:g}MiB") for d in devices),
+                ("emulated",) * len(devices))
     import torch
 
     if not torch.cuda.is_available():

@@ -14,6 +14,25 @@
 
 `space` runs in the scheduler (it asks Optuna for every trial), `train` in the worker process of
 the device the trial was placed on, with `torch` limited to one thread there when emulated.
+
+Or Optuna's own form, as written for `study.optimize`:
+
+    def objective(trial):
+        lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        device = hetrain.sweep.device()          # or the worker's environment: HETRAIN_SWEEP_DEVICE
+        ...
+        trial.report(loss, step)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+        return loss
+
+`objective` runs in the worker; its suggestions are made there the first time. Placement needs
+the parameters before the trial runs: once a trial has finished, the scheduler samples the
+parameters every finished trial had (Optuna's `ask(fixed_distributions=...)`, the search space
+seen so far) before placing it, and `suggest_*` in the worker returns those same values. The
+need is `memory(params)` where given, else the largest peak a finished trial was measured at;
+until a trial has finished, one trial runs at a time on the largest device (the first measured
+trial). A file defining both forms is run in the `space`/`train` form.
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,21 +50,35 @@ from types import ModuleType
 from ..errors import UsageError
 
 REQUIRED = ("space", "train")
+FORMS = ("space/train", "objective")
+NEITHER_FIX = ("define objective(trial) -> float (Optuna's form), or space(trial) -> dict and "
+               "train(params, ctx) -> float (see `hetrain sweep --help`)")
+
+
+def form_of(module: ModuleType) -> str:
+    """'space/train' when the file defines either of them, else 'objective' (load_objective has
+    checked that one of the forms is whole)."""
+    return "space/train" if any(callable(getattr(module, n, None)) for n in REQUIRED) else "objective"
 
 
 def load_objective(path: str) -> ModuleType:
-    """The file as a module, with `space` and `train` checked; `if __name__ == "__main__":` keeps
+    """The file as a module, with one whole form checked; `if __name__ == "__main__":` keeps
     anything else it runs out."""
     file = Path(path)
     if not file.is_file() or file.suffix != ".py":
         raise UsageError(f"hetrain sweep: {path!r} is not a Python file",
-                         "give the objective file: a .py defining space(trial) and train(params, ctx)")
+                         "give the objective file: a .py defining objective(trial), or space(trial) and "
+                         "train(params, ctx)")
     sys.path.insert(0, str(file.resolve().parent))
     spec = importlib.util.spec_from_file_location(f"_hetrain_sweep_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
-    if missing:
+    has = {name: callable(getattr(module, name, None)) for name in (*REQUIRED, "objective")}
+    if not any(has.values()):
+        raise UsageError(f"hetrain sweep: {path!r} defines neither objective(trial) nor space(trial) and "
+                         "train(params, ctx)", NEITHER_FIX)
+    missing = [name for name in REQUIRED if not has[name]]
+    if missing and len(missing) < len(REQUIRED):
         raise UsageError(f"hetrain sweep: {path!r} defines no {' and no '.join(missing)}()",
                          "define space(trial) -> dict of hyperparameters and train(params, ctx) -> float "
                          "(see `hetrain sweep --help`)")
@@ -73,30 +107,57 @@ class TrialContext:
     reports: int = 0
     compute_s: float = field(default=0.0)
     parent: int | None = None        # the scheduler's pid: the trial stops once it is gone
+    # a group trial (a data-parallel job over several devices): this rank, the members' labels, the
+    # sharding the memory model chose, and how the ranks agree on a decision (rank 0's, broadcast)
+    rank: int = 0
+    world_size: int = 1
+    members: tuple[str, ...] = ()
+    sharding: str | None = None
+    agree: Callable[[bool], bool] | None = None
+
+    @property
+    def group(self) -> bool:
+        return self.world_size > 1
 
     def _check_parent(self) -> None:
-        if self.parent is not None and os.getppid() != self.parent:
-            raise SystemExit("hetrain sweep: the scheduler is gone; this trial's worker stops")
+        if self.parent is None:
+            return
+        if self.group:        # a rank's parent is torchrun: ask whether the scheduler is still there
+            try:
+                os.kill(self.parent, 0)
+                return
+            except ProcessLookupError:
+                pass
+        elif os.getppid() == self.parent:
+            return
+        raise SystemExit("hetrain sweep: the scheduler is gone; this trial's worker stops")
 
     def report(self, value: float, step: int) -> None:
         """An intermediate value at `step`; raises when the pruner stops the trial (let it
-        propagate: the sweep records the trial as pruned)."""
+        propagate: the sweep records the trial as pruned). In a group trial every rank calls it:
+        rank 0's value goes to Optuna and rank 0's decision is every rank's."""
         self._check_parent()
-        self.trial.report(float(value), int(step))
+        prune = False
+        if self.rank == 0:
+            self.trial.report(float(value), int(step))
+            prune = self.trial.should_prune()
+        if self.agree is not None:
+            prune = self.agree(prune)
         self.reports += 1
-        if self.trial.should_prune():
+        if prune:
             raise Pruned(f"pruned at step {step}")
 
     @contextmanager
     def compute(self, samples: int | None = None):
         """Run a piece of training at the device's speed. Emulated: its CPU time c lasts c/speed
         (a sleep of c·(1/speed − 1)), or on the controlled clock `samples`·sample_s/speed whatever
-        the CPU took (the sleep makes up the rest). On a GPU: nothing added."""
+        the CPU took (the sleep makes up the rest). On a GPU, and in a group trial (hetrain's
+        engine runs each rank at its device's speed), nothing added."""
         t_wall, t_cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            if self.emulated:
+            if self.emulated and not self.group:
                 wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
                 if self.sample_s is not None and samples is not None:
                     owed = samples * self.sample_s / self.speed - wall

@@ -9,8 +9,9 @@ The rule, bigger trials on bigger cards: devices are ranked by memory, then spee
 are free, the biggest free one is served first; the biggest card of the sweep takes the largest
 queued trial that fits it, every other card the smallest queued trial that fits it, so a large
 trial waits for the large card rather than filling a small one it barely fits, and a small card
-keeps working on what only it should run. A trial that fits no device is never queued: it fails
-with the reason (its need against the largest card's room).
+keeps working on what only it should run. A trial that fits no single device may still fit a
+group of them (groups.py: a data-parallel job whose state the memory model shards); one that fits
+no group either is never queued: it fails with the reason (its need against the largest group's room).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Need:
 
     bytes: float
     how: str
+    # what the memory model needs to split the trial over a group (groups.py): params, batch,
+    # act (bytes per sample), optimizer, trainable; None for a need given as bytes
+    model: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +45,7 @@ class Slot:
     label: str
     memory_bytes: int
     speed: float
+    spec: str = ""        # emulated: the device as a cluster spec names it, for a group's job
 
     @property
     def room(self) -> float:
@@ -68,7 +73,9 @@ def need_of(spec: dict | None, *, where: str) -> Need:
     state = state_bytes(params, optimizer=spec.get("optimizer", "adamw"), trainable=spec.get("trainable")).total
     total = state + batch * act
     return Need(bytes=total, how=f"{format_bytes(state)} model state ({params:,} params) + {batch} x "
-                                 f"{format_bytes(act)} activations = {format_bytes(total)}")
+                                 f"{format_bytes(act)} activations = {format_bytes(total)}",
+                model={"params": params, "batch": batch, "act": act, "optimizer": spec.get("optimizer", "adamw"),
+                       "trainable": spec.get("trainable")})
 
 
 def ranked(slots: Sequence[Slot]) -> list[Slot]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from .objective import load_objective
 from .placement import Slot
+from .study import counted, parse_pruner, pruner_of, storage_of
 
-PRUNERS = ("median", "none")
 DIRECTIONS = ("minimize", "maximize")
 
 
@@ -37,7 +37,7 @@ class SweepSetup:
     trials: int
     slots: tuple[Slot, ...]
     targets: tuple[str, ...]       # per slot: "emulated" or the GPU's CUDA index
-    pruner: str = "median"
+    pruner: str = "median"         # a pruner spec (study.parse_pruner)
     direction: str = "minimize"
     sample_s: float | None = None  # the emulated devices' controlled clock (benchmarks, tests)
 
@@ -67,29 +67,10 @@ class SweepResult:
     resumed: list[int] = field(default_factory=list)    # trials a stopped sweep left running, re-queued
     deaths: list[dict] = field(default_factory=list)    # {device, exit_code, trial}: workers that died
     best: dict | None = None
+    groups: dict[str, DeviceTally] = field(default_factory=dict)   # group trials, by the group's label
 
-
-def storage_of(url: str):
-    import optuna
-
-    # several processes write the file: wait for SQLite's lock instead of failing at once
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-
-
-def pruner_of(name: str):
-    import optuna
-
-    # 2 finished trials before any is pruned: a median of one trial is that trial
-    return optuna.pruners.MedianPruner(n_startup_trials=2) if name == "median" else optuna.pruners.NopPruner()
-
-
-def counted(t) -> bool:
-    """Whether a trial counts toward --trials: complete, pruned, or failed while it ran (a worker
-    that died with it included); not one a stopped sweep interrupted, nor one that fit no device."""
-    from optuna.trial import TrialState
-
-    return t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
-        t.state == TrialState.FAIL and not t.user_attrs.get("interrupted") and not t.user_attrs.get("unplaced"))
+    def group_tally(self, label: str) -> DeviceTally:
+        return self.groups.setdefault(label, DeviceTally())
 
 
 def lock_storage(path: str):
@@ -151,6 +132,8 @@ def run_sweep(setup: SweepSetup, *, say: Callable[[str], None]) -> SweepResult:
         result = SweepResult(setup=setup, wall_s=0.0, finished_before=before, resumed=resumed,
                              tally={s.index: DeviceTally() for s in setup.slots})
         todo = max(0, setup.trials - before)
+        say(f"pruner: {parse_pruner(setup.pruner).describe()}; complete, pruned and failed trials all count "
+            f"toward --trials {setup.trials}")
         if before:
             say(f"study {setup.study!r}: {before} trial(s) already finished; {todo} to go")
         start = time.perf_counter()

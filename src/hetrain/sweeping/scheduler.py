@@ -1,9 +1,14 @@
 """The scheduler: asks Optuna for trials, places them (placement.assign), hands them to the
 devices' workers, tells Optuna how each ended; a worker that dies is noticed and restarted.
 
-  * A trial that fits no device of the sweep (the planner's memory model against the largest
-    card) stops the sweep as bad input: exit 2, its need and the largest card's room, the fix
-    (a smaller space, or bigger devices). A trial over a group of devices is not supported.
+  * A trial that fits no single device runs over a group of them (groups.py: a hetrain
+    data-parallel job, group_job.py); the devices of the group it needs take no other trial once
+    free, until the group is whole. A trial that fits no single free device while a group of free
+    devices holds it runs on that group rather than wait (the bigger card busy, two small ones
+    idle). One that fits no device and no group stops the sweep as bad input: exit 2, its need
+    and the largest group's room, the fix (a smaller space, or bigger or more devices).
+  * Optuna's own form, objective(trial) (asking.py): its parameters are sampled before it is
+    placed once a trial has finished; until then one trial runs at a time on the largest device.
   * A worker process that dies (killed, out of host memory, a crash in native code) fails the trial
     it was running (user attributes `worker_died`: its exit code, and `reason`); the trial counts
     as failed, not retried (the trial itself may be what killed it). The device gets a new worker,
@@ -18,8 +23,14 @@ import os
 import queue
 import time
 
-from ..errors import HetrainError, UsageError
-from .placement import Need, assign, fits_somewhere, need_of
+from dataclasses import dataclass
+
+from ..errors import HetrainError
+from ..hardware.units import format_bytes
+from .asking import Asker
+from .group_job import GroupJob
+from .groups import GroupFit, best_group, fits_no_group
+from .placement import Need, Slot, assign, fits_somewhere
 from .worker import worker_main
 
 RESTARTS = 2        # new workers a device gets; its worker dying once more leaves it out
@@ -74,13 +85,27 @@ class Workers:
                 proc.join(timeout=10)
 
 
+@dataclass
+class Run:
+    """A trial placed: on one device (members of one) or on a group (its job)."""
+
+    number: int
+    trial: object
+    need: Need
+    placed: float
+    members: tuple[int, ...]
+    group: GroupFit | None = None
+    job: GroupJob | None = None
+
+
 class Scheduler:
     def __init__(self, setup, module, study, trial_id, result, say, *, workers=Workers):
         self.setup, self.module, self.study, self.trial_id = setup, module, study, trial_id
         self.result, self.say, self.make_workers = result, say, workers
-        self.queued: dict[int, tuple[object, Need]] = {}              # number -> (trial, need): asked, not placed
-        self.running: dict[int, tuple[int, object, Need, float]] = {}  # device -> (number, trial, need, placed at)
-        self.live = [s.index for s in setup.slots]                     # devices with a worker
+        self.asker = Asker(setup, module, study)
+        self.queued: dict[int, tuple[object, Need]] = {}      # number -> (trial, need): asked, not placed
+        self.running: dict[int, Run] = {}                      # lead device -> its run
+        self.live = [s.index for s in setup.slots]             # devices with a worker
         self.finished = 0
         self.todo = 0
 
@@ -91,65 +116,97 @@ class Scheduler:
         try:
             while self.finished < todo:
                 live = [s for s in self.setup.slots if s.index in self.live]
-                while asked < todo and len(self.queued) < len(live):
-                    self.ask()
+                while asked < todo and len(self.queued) < len(live) and self.asker.may_ask(self.queued, self.running):
+                    number, trial, need = self.asker.ask(live)
+                    self.queued[number] = (trial, need)
                     asked += 1
                 self.place(live)
                 if (got := self.workers.next_result(POLL_S)) is not None:
                     self.finish(*got)
+                for lead, r in list(self.running.items()):
+                    if r.job is not None and (got := r.job.poll()) is not None:
+                        self.finish(*got)
                 self.check_workers()
             ok = True
         finally:
+            for r in self.running.values():
+                if r.job is not None:
+                    r.job.stop()
             self.workers.stop(now=not ok)
 
-    def ask(self) -> None:
-        from optuna.trial import TrialState
+    def busy(self) -> set[int]:
+        return {i for r in self.running.values() for i in r.members}
 
-        trial = self.study.ask()
-        params = self.module.space(trial)
-        if not isinstance(params, dict):
-            raise UsageError(f"space(trial) returned {type(params).__name__}, not a dict",
-                             "return the trial's hyperparameters as a dict")
-        need = need_of(self.module.memory(params) if hasattr(self.module, "memory") else None,
-                       where=f"memory({params!r})")
-        trial.set_user_attr("params_given", params)
-        trial.set_user_attr("memory_bytes", need.bytes)
-        if (why := fits_somewhere(need, self.setup.slots)) is not None:
-            trial.set_user_attr("reason", why)
-            trial.set_user_attr("unplaced", True)        # not counted: it never ran
-            self.study.tell(trial, state=TrialState.FAIL)
-            raise UsageError(f"trial {trial.number} {params!r} fits no device: {why}",
-                             "narrow the search space (or memory()'s answer) to what the largest device holds, "
-                             "or sweep on bigger devices (a trial over a group of devices is not supported)")
-        self.queued[trial.number] = (trial, need)
-
-    def place(self, live) -> None:
+    def place(self, live: list[Slot]) -> None:
         for number, (trial, need) in list(self.queued.items()):
-            if (why := fits_somewhere(need, live)) is not None:     # only a device left out could hold it
-                del self.queued[number]
-                self.end(None, number, trial, need, "failed", None, f"no device left holds it: {why}", 0.0)
-        free = [s for s in live if s.index not in self.running]
-        for number, slot in assign([(n, need) for n, (_, need) in self.queued.items()], free, self.setup.slots):
-            trial, need = self.queued.pop(number)
-            trial.set_user_attr("device", slot.label)
-            trial.set_user_attr("worker_pid", self.workers.pid(slot.index))
-            self.running[slot.index] = (number, trial, need, time.perf_counter())
-            self.workers.give(slot.index, (self.trial_id(number), number, trial.user_attrs["params_given"]))
+            if fits_somewhere(need, live) is not None and best_group(need, live) is None:
+                del self.queued[number]       # only a device left out could hold it
+                self.end(None, number, trial, need, "failed", None, f"no device left holds it: {fits_no_group(need, live)}",
+                         0.0)
+        busy = self.busy()
+        free = [s for s in live if s.index not in busy]
+        # a trial only a group holds: that group, once its devices are free; until then they wait for it
+        for number, (trial, need) in list(self.queued.items()):
+            if fits_somewhere(need, live) is None:
+                continue
+            fit = best_group(need, live)
+            if all(s.index not in busy for s in fit.members):
+                self.start_group(number, fit)
+            free = [s for s in free if s not in fit.members]
+            break
+        picks = assign([(n, need) for n, (_, need) in self.queued.items()], free, self.setup.slots)
+        for number, slot in picks:
+            self.start_one(number, slot)
+        free = [s for s in free if s not in {slot for _, slot in picks}]
+        # a trial no free device holds alone, while free devices hold it together: rather than wait
+        for number, (trial, need) in sorted(self.queued.items(), key=lambda kv: -kv[1][1].bytes):
+            if len(free) > 1 and fits_somewhere(need, free) is not None and (fit := best_group(need, free)) is not None:
+                self.start_group(number, fit)
+                free = [s for s in free if s not in fit.members]
 
-    def finish(self, index, number, state, value, note, busy, reports) -> None:
+    def start_one(self, number: int, slot: Slot) -> None:
+        trial, need = self.queued.pop(number)
+        trial.set_user_attr("device", slot.label)
+        trial.set_user_attr("worker_pid", self.workers.pid(slot.index))
+        self.running[slot.index] = Run(number=number, trial=trial, need=need, placed=time.perf_counter(),
+                                       members=(slot.index,))
+        self.workers.give(slot.index, (self.trial_id(number), number, trial.user_attrs["params_given"]))
+
+    def start_group(self, number: int, fit: GroupFit) -> None:
+        trial, need = self.queued.pop(number)
+        lead = fit.members[0].index
+        job = GroupJob(self.setup, fit, trial_id=self.trial_id(number), number=number,
+                       params=trial.user_attrs["params_given"], lead=lead)
+        label = f"{fit.label} (group, {fit.sharding})"
+        trial.set_user_attr("device", label)
+        trial.set_user_attr("group_pid", job.pid())
+        trial.set_user_attr("sharding", fit.sharding)
+        self.running[lead] = Run(number=number, trial=trial, need=need, placed=time.perf_counter(),
+                                 members=tuple(s.index for s in fit.members), group=fit, job=job)
+        self.say(f"trial {number} needs {format_bytes(need.bytes)}: a data-parallel job over {fit.label}, "
+                 f"{fit.sharding} sharding ({fit.why})")
+
+    def finish(self, index, number, state, value, note, busy, reports, peak=None) -> None:
         held = self.running.get(index)
-        if held is None or held[0] != number:      # a dead worker's last word, its trial already failed
+        if held is None or held.number != number:     # a dead worker's last word, its trial already failed
             return
-        _, trial, need, _ = self.running.pop(index)
-        self.end(index, number, trial, need, state, value, note, busy, reports)
+        self.end(index, number, held.trial, held.need, state, value, note, busy, reports, peak=peak,
+                 run=self.running.pop(index))
 
-    def end(self, index, number, trial, need, state, value, note, busy, reports=0) -> None:
+    def end(self, index, number, trial, need, state, value, note, busy, reports=0, *, peak=None, run=None) -> None:
         from optuna.trial import TrialState
 
         trial.set_user_attr("busy_s", busy)
+        if peak is not None:
+            trial.set_user_attr("peak_bytes", peak)
+            self.asker.measured(number, peak)
+        need = self.asker.need_after(number, need, peak)
+        group = run.group if run is not None else None
         if index is not None:
-            tally = self.result.tally[index]
-            tally.busy_s += busy
+            for i in run.members if run is not None else (index,):
+                self.result.tally[i].busy_s += busy
+            tally = self.result.tally[index] if group is None else self.result.group_tally(group.label)
+            tally.busy_s += busy if group is not None else 0.0
             tally.largest_bytes = max(tally.largest_bytes, need.bytes)
             setattr(tally, state, getattr(tally, state) + 1)
         if state == "complete":
@@ -159,10 +216,12 @@ class Scheduler:
                 trial.set_user_attr("reason", note)
             self.study.tell(trial, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
         self.finished += 1
-        label = self.setup.slots[index].label if index is not None else None
+        label = None if index is None else trial.user_attrs.get("device", self.setup.slots[index].label)
         self.result.ran.append({"number": number, "device": label, "state": state, "value": value,
-                                "params": trial.params, "memory_bytes": need.bytes, "busy_s": busy, "note": note,
-                                "reports": reports})
+                                "params": self.asker.params_of(number, trial), "memory_bytes": need.bytes,
+                                "busy_s": busy, "note": note, "reports": reports, "peak_bytes": peak,
+                                "group": [s.label for s in group.members] if group is not None else None,
+                                "sharding": group.sharding if group is not None else None})
         shown = f"value {value:.6g}" if value is not None else note
         self.say(f"trial {number}{f' on {label}' if label else ''}: {state}, {shown} ({busy:.1f} s) "
                  f"[{self.finished}/{self.todo}]")
@@ -174,11 +233,13 @@ class Scheduler:
             tally, label = self.result.tally[index], self.setup.slots[index].label
             tally.deaths += 1
             number = None
-            if index in self.running:
-                number, trial, need, placed = self.running.pop(index)
-                trial.set_user_attr("worker_died", code)
-                self.end(index, number, trial, need, "failed", None,
-                         f"the worker of {label} died (exit code {code})", time.perf_counter() - placed)
+            held = self.running.get(index)
+            if held is not None and held.job is None:        # a group's job runs on without its members' workers
+                self.running.pop(index)
+                number = held.number
+                held.trial.set_user_attr("worker_died", code)
+                self.end(index, number, held.trial, held.need, "failed", None,
+                         f"the worker of {label} died (exit code {code})", time.perf_counter() - held.placed, run=held)
             restart = tally.deaths <= RESTARTS
             during = f" during trial {number}" if number is not None else ""
             if restart:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..console import console
 from ..hardware.units import format_bytes
 from .runner import SweepResult
+from .study import parse_pruner
 
 
 def utilisation(result: SweepResult, index: int) -> float:
@@ -18,7 +19,7 @@ def print_table(result: SweepResult) -> None:
     s = result.setup
     con = console()
     t = Table(title=f"hetrain sweep: {s.objective}, study {s.study!r} in {s.storage}, {s.trials} trials, "
-              f"{s.direction}, pruner {s.pruner}", title_justify="left", show_edge=False, pad_edge=False)
+              f"{s.direction}, pruner {parse_pruner(s.pruner).describe()}", title_justify="left", show_edge=False, pad_edge=False)
     died = bool(result.deaths)
     columns = ["device", "memory", "complete", "pruned", "failed", "busy s", "utilisation", "largest trial"]
     for c in columns + (["worker died"] if died else []):
@@ -31,16 +32,26 @@ def print_table(result: SweepResult) -> None:
         if died:
             row.append(f"{tally.deaths}" + (" (left out)" if tally.retired else ""))
         t.add_row(*row)
+    for label, tally in result.groups.items():       # group trials: one row per group that ran one
+        members = [slot for slot in s.slots if slot.label in label.split(" + ")]
+        row = [f"group {label}", format_bytes(sum(m.memory_bytes for m in members)), str(tally.complete),
+               str(tally.pruned), str(tally.failed), f"{tally.busy_s:.1f}",
+               f"{tally.busy_s / result.wall_s:.0%}" if result.wall_s > 0 else "0%",
+               format_bytes(tally.largest_bytes) if tally.largest_bytes else "-"]
+        t.add_row(*row, *([""] if died else []))
     con.print(t)
     for d in result.deaths:
         con.print(f"the worker of {d['device']} died (exit code {d['exit_code']})"
                   + (f" during trial {d['trial']}, which failed" if d["trial"] is not None else " between trials")
                   + ("; a new one took over" if d["restarted"] else "; the device was left out"), markup=False)
     ran = len(result.ran)
-    con.print(f"this run: {ran} trial(s) in {result.wall_s:.1f} s" + (
+    states = {k: sum(t["state"] == k for t in result.ran) for k in ("complete", "pruned", "failed")}
+    con.print(f"this run: {ran} trial(s) in {result.wall_s:.1f} s ({states['complete']} complete, "
+              f"{states['pruned']} pruned, {states['failed']} failed: all count toward --trials)" + (
         f", after {result.finished_before} finished earlier in the study" if result.finished_before else "")
         + (f"; {len(result.resumed)} interrupted trial(s) resumed" if result.resumed else "")
-        + "; utilisation = a device's busy time ÷ this run's wall time", markup=False)
+        + "; utilisation = a device's busy time ÷ this run's wall time (a group's trials count on its row, "
+        "their time on each member's too)", markup=False)
     if result.best is not None:
         b = result.best
         con.print(f"best: trial {b['number']}, value {b['value']:.6g}, on {b['device']}, params {b['params']}",
@@ -60,5 +71,7 @@ def to_dict(result: SweepResult) -> dict:
                      "failed": result.tally[slot.index].failed, "busy_s": result.tally[slot.index].busy_s,
                      "utilisation": utilisation(result, slot.index), "worker_deaths": result.tally[slot.index].deaths,
                      "left_out": result.tally[slot.index].retired} for slot in s.slots],
+        "groups": [{"group": label, "complete": g.complete, "pruned": g.pruned, "failed": g.failed,
+                    "busy_s": g.busy_s, "largest_bytes": g.largest_bytes} for label, g in result.groups.items()],
         "trials_run": result.ran, "best": result.best,
     }

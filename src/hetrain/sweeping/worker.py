@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 import queue
 import time
-import traceback
 
 
 def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     """Run the trials `tasks` hands this device; put (index, number, state, value, note, busy_s,
-    reports) on `results` for each."""
+    reports, peak bytes) on `results` for each."""
     import logging
 
-    from .runner import pruner_of, storage_of
+    from .study import pruner_of, storage_of
 
     slot, target = setup.slots[index], setup.targets[index]
     if target != "emulated":
@@ -34,8 +33,11 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
         from ..runtime.devices.emulation import become_emulated_device
 
         become_emulated_device()        # one CPU thread, glibc keeping freed memory, as the job's ranks
-    from .objective import Pruned, TrialContext, load_objective
+    from .objective import TrialContext, load_objective
+    from .session import DEVICE_ENV
+    from .trial_run import run_trial
 
+    os.environ[DEVICE_ENV] = "cpu" if emulated else "cuda:0"     # the environment says it too (session.py)
     module = load_objective(setup.objective)
     study = optuna.load_study(study_name=setup.study, storage=storage_of(setup.url), pruner=pruner_of(setup.pruner))
     while os.getppid() == parent:
@@ -50,12 +52,5 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
                            speed=slot.speed, sample_s=setup.sample_s, emulated=emulated,
                            trial=optuna.trial.Trial(study, trial_id), parent=parent)
         t0 = time.perf_counter()
-        try:
-            value = float(module.train(params, ctx))
-            outcome = ("complete", value, None)
-        except (Pruned, optuna.TrialPruned) as e:
-            outcome = ("pruned", None, str(e) or "pruned")
-        except Exception as e:   # noqa: BLE001 — the trial failed; the sweep goes on
-            outcome = ("failed", None, f"{type(e).__name__}: {e}".splitlines()[0][:300])
-            traceback.print_exc()
-        results.put((index, number, *outcome, time.perf_counter() - t0, ctx.reports))
+        state, value, note, peak = run_trial(module, ctx, ctx.trial, params)
+        results.put((index, number, state, value, note, time.perf_counter() - t0, ctx.reports, peak))

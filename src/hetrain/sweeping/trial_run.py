@@ -1,0 +1,62 @@
+"""One trial run in the process that holds its device(s): the objective called in its form, the
+outcome, and the peak memory it was measured at (the need of an objective with no memory())."""
+
+from __future__ import annotations
+
+import os
+import resource
+import traceback
+
+from .objective import Pruned, TrialContext, form_of
+from .session import set_current
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PeakMemory:
+    """A trial's peak: on a GPU the CUDA allocator's peak reserved bytes; emulated, how far the
+    process's peak resident memory rose over what it held when the trial started (the peak is
+    the process's, so after a bigger trial this reads high: an upper bound, never low)."""
+
+    def __init__(self, emulated: bool):
+        self.emulated = emulated
+        self.start = _rss_bytes()
+        if not emulated:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> float:
+        if not self.emulated:
+            import torch
+
+            return float(torch.cuda.max_memory_reserved())
+        return float(max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start))
+
+
+def run_trial(module, ctx: TrialContext, trial, params: dict) -> tuple[str, float | None, str | None, float]:
+    """(state, value, note, peak bytes) of one trial: train(params, ctx) or objective(trial)."""
+    import optuna
+
+    meter = PeakMemory(ctx.emulated)
+    set_current(ctx)
+    try:
+        if form_of(module) == "space/train":
+            value = float(module.train(params, ctx))
+        else:
+            value = float(module.objective(trial))
+        outcome = ("complete", value, None)
+    except (Pruned, optuna.TrialPruned) as e:
+        outcome = ("pruned", None, str(e) or "pruned")
+    except Exception as e:   # noqa: BLE001 — the trial failed; the sweep goes on
+        outcome = ("failed", None, f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        traceback.print_exc()
+    finally:
+        set_current(None)
+    return (*outcome, meter.peak())
