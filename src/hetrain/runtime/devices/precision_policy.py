@@ -128,14 +128,16 @@ class PrecisionPolicy:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             class JobScaler(ShardedGradScaler):
-                """Its found-inf 0-d, as torch.amp.GradScaler's: a fused optimizer (AdamW(fused=True),
-                the HF Trainer's default adamw_torch_fused) subtracts it from its 0-d step counts, and
-                ShardedGradScaler's (1,)-shaped one does not broadcast into them."""
+                """Its found-inf as torch.amp.GradScaler's, 0-d and 0 or 1: a fused optimizer
+                (AdamW(fused=True), the HF Trainer's default adamw_torch_fused) subtracts it from its
+                0-d step counts, which ShardedGradScaler's (1,)-shaped one does not broadcast into,
+                and the CPU kernel skips the update only on exactly 1 (the all-reduced sum is the
+                number of ranks that overflowed: 2 updated the weights with inf gradients)."""
 
                 def unscale_(self, optimizer):
                     super().unscale_(optimizer)         # unscaled; found-inf all-reduced over the job
                     state = self._per_optimizer_states[id(optimizer)]
-                    state["found_inf_per_device"] = {d: t.reshape(())
+                    state["found_inf_per_device"] = {d: t.clamp(max=1.0).reshape(())
                                                      for d, t in state["found_inf_per_device"].items()}
 
             self.scaler = JobScaler(device.type, process_group=dist.group.WORLD)
