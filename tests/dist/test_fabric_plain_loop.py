@@ -337,7 +337,7 @@ def test_max_steps_caps_the_loops_passes():
     assert steps == 5 and batches == [5 * 2, 0]      # 16 steps an epoch, 2 micro-batches each; then none
 
 
-def leave_worker(rank, world, plan):
+def leave_worker(rank, world, plan, how):
     from lightning.fabric import Fabric
 
     from hetrain import Emulation, Reporting
@@ -353,17 +353,25 @@ def leave_worker(rank, world, plan):
     loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=BATCH))
     try:
         for inputs, target in loader:
-            fabric.backward(F.cross_entropy(model(inputs), target))
-            if rank == 1 and strategy.engine.steps_done == 1:
-                raise ValueError("the loop body's own error")     # mid-step: rank 0 must not wait for it
-            optimizer.step()
+            leaves = rank == 1 and strategy.engine.steps_done == 1      # mid-step: rank 0 must not wait for it
+            loss = F.cross_entropy(model(inputs), target)
+            if not (leaves and how == "no backward"):
+                fabric.backward(loss)
+            if leaves and how == "error":
+                raise ValueError("the loop body's own error")
+            if not leaves:
+                optimizer.step()
     except (HetrainError, ValueError) as e:
         return type(e).__name__, getattr(e, "what", str(e)), strategy.engine.steps_done
     return "nothing raised"
 
 
-def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error():
-    (kind0, what0, done0), (kind1, what1, done1) = run_ranks(leave_worker, 2, make_plan(), timeout=180)
-    assert (kind1, what1) == ("ValueError", "the loop body's own error")     # its own error goes on
+@pytest.mark.parametrize("how", ["error", "no backward"])
+def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error(how):
+    (kind0, what0, done0), (kind1, what1, done1) = run_ranks(leave_worker, 2, make_plan(), how, timeout=180)
+    if how == "error":                   # its own error goes on
+        assert (kind1, what1) == ("ValueError", "the loop body's own error")
+    else:
+        assert kind1 == "UsageError" and "batch 1 of this rank's 2 in step 1 went by without fabric.backward" in what1
     assert kind0 == "LoopStopped" and done0 == done1 == 1
     assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in what0

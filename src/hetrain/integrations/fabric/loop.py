@@ -67,6 +67,7 @@ class PlainLoop:
         self.finished = None             # the step optimizer.step() finished (hetrain's Step)
         self.escaped = None              # (why, the plan's micro-batch size): this rank cannot go on in the step
         self.broken = False              # the step ended in an error every rank raised: nothing left to settle
+        self.forwards = 0                # forwards through the model since this step (or its agreed redo) began
 
     @property
     def active(self) -> bool:
@@ -97,7 +98,7 @@ class PlainLoop:
         end = min(job.total_steps, job.steps_done + n)
         while job.steps_done < end:
             step = loop.begin_step()
-            self.micro_batches, self.finished = iter(step), None
+            self.micro_batches, self.finished, self.forwards = iter(step), None, 0
             mb = self.pull()
             if mb is None:       # no samples for this rank in this step: its part is the agreement alone
                 self.finish_step()
@@ -111,7 +112,11 @@ class PlainLoop:
                 if self.finished is not None:          # optimizer.step() took the global step
                     break
                 if self.pulled is NOT_PULLED:           # optimizer.step() was not called for this batch
-                    self.check_backward(mb)
+                    try:
+                        self.check_backward(mb)
+                    except UsageError:
+                        self.leave_mid_step()           # the peers stop with LoopStopped; this rank says why
+                        raise
                     mb = self.pull()
                     if mb is None:
                         raise UsageError(f"step {step.index}: optimizer.step() was not called after this rank's "
@@ -134,6 +139,7 @@ class PlainLoop:
             self.broken = True            # (an agreed stop: DoesNotFit; or a lost peer)
             raise
         if engine.redone_steps != redone:   # every rank agreed, just now, to redo the step: all are here
+            self.forwards = 0
             self.agree_escapes()
         return mb
 
@@ -160,6 +166,11 @@ class PlainLoop:
         mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
         if self.broken or not self.active or mb is None or guard is None:
             return           # nothing in flight, no peers to settle with (or OOM recovery off)
+        if self.forwards == 0:
+            # DDP's first forward of a step may run collectives before the model does (module
+            # buffers broadcast; once, its buckets' order), which this rank has not met: its
+            # peers wait there, and learn of it when this process exits.
+            return
         micro = job.micro_batch
         if not guard.every_oom_desyncs and not mb.desynced:      # DDP (FSDP2's guard settles in the agreement)
             if not (mb.last and mb.backward_done and mb.failed is None):   # its gradient sync not done yet

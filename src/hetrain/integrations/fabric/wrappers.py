@@ -35,6 +35,7 @@ class FabricModel(nn.Module):
         prepared = strategy.engine.job.model if strategy.engine is not None else None
         if prepared is None:
             return self.module(*args, **kwargs)
+        strategy.plain.forwards += 1
         try:
             return prepared(*args, **kwargs)
         except torch.OutOfMemoryError as e:
