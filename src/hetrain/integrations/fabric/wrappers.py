@@ -6,8 +6,9 @@ hetrain can only wrap the model (DDP, the OOM guard, a sharding that may replace
 once it has all three: it measures the model on the data to plan the shares. Until then these
 stand for the user's own objects; once hetrain has prepared them, for hetrain's.
 
-The optimizer's zero_grad (and the step of a scheduler given to fabric.setup) is also where Fabric's plain loop (`optimizer.zero_grad()` every batch)
-meets hetrain's accumulation: a batch of the plain loop is one micro-batch of this rank's share,
+The optimizer's zero_grad (and the step of a scheduler given to fabric.setup) is also where
+Fabric's own loop (`optimizer.zero_grad()` every batch) meets hetrain's accumulation: a batch of
+that loop is one micro-batch of this rank's share,
 and the gradient of the global step builds up over all of them. zero_grad inside a step is
 therefore a no-op (hetrain zeroes the gradients itself after every optimizer step and before a
 redo); outside one it is the optimizer's. The same for scheduler.step(): stepped every batch, as a
