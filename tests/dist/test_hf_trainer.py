@@ -236,7 +236,9 @@ def comparable(log):
 # each evaluation and checkpoint schedule: every 3 steps, or at each epoch's end (5 steps of 16 of
 # the 80 samples) and the run's
 SCHEDULES = {"steps": ({}, ["checkpoint-3", "checkpoint-6"]),
-             "epoch": ({"eval_strategy": "epoch", "save_strategy": "epoch"}, ["checkpoint-5", "checkpoint-6"])}
+             "epoch": ({"eval_strategy": "epoch", "save_strategy": "epoch"}, ["checkpoint-5", "checkpoint-6"]),
+             # stock's save_total_limit=1 with load_best_model_at_end: the best one alone at the end
+             "limit": ({"save_total_limit": 1, "eval_steps": 2, "save_steps": 2}, None)}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -256,8 +258,11 @@ def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(tmp_p
         assert max_diff(r["params"], list(stock.model.parameters())) <= 1e-9     # the best model, loaded at the end
         assert r["batch"] == 4 and r["callback"] == stock_seen
     # save_total_limit=None keeps every checkpoint, as stock
-    assert sorted(p.name for p in (tmp_path / "het").glob("checkpoint-*")) == \
-        sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*")) == kept
+    het = sorted(p.name for p in (tmp_path / "het").glob("checkpoint-*"))
+    assert het == sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*"))
+    assert het == (kept or [stock.state.best_model_checkpoint.rsplit("/", 1)[1]])
+    named = {json.loads((tmp_path / "het" / c / "hetrain.json").read_text())["hetrain_state"] for c in het}
+    assert {str(p.relative_to(tmp_path / "het")) for p in (tmp_path / "het").glob("hetrain*/step-*")} == named
 
 
 # -- checkpoints as stock keeps them ------------------------------------------------------------------

@@ -88,7 +88,7 @@ def plan(output_dir: str, resume_from_checkpoint, *, restarted: bool) -> Resume:
     """This run's store and resume mode (the module docstring says why a new store)."""
     if resume_from_checkpoint in (None, False):
         if restarted:       # `hetrain run --max-restarts`: continue the store the first attempt made
-            stores = [p for _, p in _stores(output_dir)]
+            stores = sorted((p for _, p in _stores(output_dir)), key=os.path.getmtime)     # the newest written
             return Resume(store=str(stores[-1] if stores else _new_store(output_dir)), mode="auto")
         return Resume(store=str(_new_store(output_dir)), mode="never")
     if resume_from_checkpoint is True:
@@ -157,6 +157,21 @@ def write(trainer, model, step: int, store: str) -> None:
         (out / POINTER).write_text(json.dumps({"step": step, "hetrain_state": hetrain_state}))
         rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+        for gone in before - _named_states(args.output_dir):
+            shutil.rmtree(gone, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def keep_best_only(trainer) -> None:
+    """Collective, at the end: stock's save_total_limit=1 with a best model that is not the last
+    checkpoint keeps the best alone (its _finalize_training); the others' hetrain state goes too."""
+    args, best = trainer.args, trainer.state.best_model_checkpoint
+    if args.save_total_limit == 1 and best is not None and trainer.is_world_process_zero():
+        before = _named_states(args.output_dir)
+        for _, path in _trainer_checkpoints(args.output_dir):
+            if not os.path.samefile(path, best):
+                shutil.rmtree(path, ignore_errors=True)
         for gone in before - _named_states(args.output_dir):
             shutil.rmtree(gone, ignore_errors=True)
     if dist.is_initialized():

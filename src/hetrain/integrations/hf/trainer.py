@@ -35,6 +35,11 @@ from . import checkpoints, evaluation
 from .arguments import conflicts, job_config
 
 
+FSDP_EVAL = ("evaluation with hetrain's FSDP2 sharding: each rank runs its own part of the batches, and a "
+             "sharded model needs every rank in every forward")
+FSDP_EVAL_FIX = 'shard with hetrain={"sharding": "zero1"} or "none", or use eval_strategy="no"'
+
+
 class _NotDistributedWarning(logging.Filter):
     """transformers warns, when TrainingArguments meets a process group it did not make, that
     parallel_mode is not DISTRIBUTED: under hetrain that is by design (hetrain owns the group and
@@ -125,6 +130,8 @@ class Trainer(transformers.Trainer):
                              "and the scheduler holds the old one",
                              "pass optimizers=(optimizer, None) and lr_scheduler_type=..., or shard with "
                              'hetrain={"sharding": "none"}')
+        if args.eval_strategy != "no" and any(hasattr(p, "full_tensor") for p in self.model.parameters()):
+            raise UsageError(FSDP_EVAL, FSDP_EVAL_FIX)      # before the first step, not at the first evaluation
         self.optimizer = optimizer
         self.create_scheduler(num_training_steps=engine.total_steps, optimizer=optimizer)
         engine.register_state("lr_scheduler", self.lr_scheduler)         # restored here on resume
@@ -237,6 +244,8 @@ class Trainer(transformers.Trainer):
         self.log(dict(metrics))
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()          # every rank, from the checkpoint rank 0 wrote
+        if engine.job.config.checkpoints.dir:
+            checkpoints.keep_best_only(self)                                                  # (collective)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
@@ -257,9 +266,7 @@ class Trainer(transformers.Trainer):
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                            metric_key_prefix)
         if any(hasattr(p, "full_tensor") for p in self.model.parameters()):
-            raise UsageError("evaluation with hetrain's FSDP2 sharding: each rank runs its own part of the "
-                             "batches, and a sharded model needs every rank in every forward",
-                             'shard with hetrain={"sharding": "zero1"} or "none", or use eval_strategy="no"')
+            raise UsageError(FSDP_EVAL, FSDP_EVAL_FIX)
         shares = list(plan.shares) if plan is not None else [1] * dist.get_world_size()
         return evaluation.evaluation_loop(self, dataloader, rank=dist.get_rank(), shares=shares,
                                           prediction_loss_only=prediction_loss_only, ignore_keys=ignore_keys,
