@@ -233,9 +233,9 @@ def comparable(log):
             for entry in log]
 
 
-# each evaluation and checkpoint schedule: every 3 steps, or at each epoch's end (5 steps of 16 of
+# each evaluation and checkpoint schedule: every 3 steps (and before the first), or at each epoch's end (5 steps of 16 of
 # the 80 samples) and the run's
-SCHEDULES = {"steps": ({}, ["checkpoint-3", "checkpoint-6"]),
+SCHEDULES = {"steps": ({"eval_on_start": True}, ["checkpoint-3", "checkpoint-6"]),
              "epoch": ({"eval_strategy": "epoch", "save_strategy": "epoch"}, ["checkpoint-5", "checkpoint-6"]),
              # stock's save_total_limit=1 with load_best_model_at_end: the best one alone at the end
              "limit": ({"save_total_limit": 1, "eval_steps": 2, "save_steps": 2}, None)}
