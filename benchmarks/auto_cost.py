@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import Parser, add_smoke, apply_smoke
+
 SPEC = "a100-80g:1.0,rtx3090:0.67"
 MODES = ("auto", "dp")
 
@@ -40,8 +42,8 @@ def worker(args) -> dict:
     torch.manual_seed(0)
     ht = hetrain.init(global_batch=32, precision="fp32", max_steps=1,
                       emulation=Emulation(cluster=SPEC), reporting=Reporting(verbose=False))
-    model = GPT(GPTConfig(seq_len=64, d_model=64, n_layers=4, n_heads=4, vocab_size=256))
-    data = ByteWindows(pydoc_bytes(), 64)
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=4, n_heads=4, vocab_size=256))
+    data = ByteWindows(pydoc_bytes(), args.seq_len)
     started = time.perf_counter()
     ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data, parallel=args.mode,
                loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
@@ -51,11 +53,11 @@ def worker(args) -> dict:
     return got
 
 
-def launch(mode: str) -> dict:
+def launch(mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--mode", mode, "--out", str(out)]
+               "--worker", "--mode", mode, "--out", str(out), "--d-model", str(args.d_model), "--seq-len", str(args.seq_len)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HETRAIN_CACHE": str(Path(tmp) / "cache")}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
@@ -63,9 +65,12 @@ def launch(mode: str) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions, every other one reversed")
+    p.add_argument("--d-model", type=int, default=64, help="the demo GPT's width (4 blocks, 4 heads)")
+    p.add_argument("--seq-len", type=int, default=64)
+    add_smoke(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -73,13 +78,14 @@ def main(argv=None) -> None:
     if args.worker:
         Path(f"{args.out}.{os.environ.get('RANK', '0')}").write_text(json.dumps(worker(args)))
         return
+    apply_smoke(p, args, rounds=1, d_model=16, seq_len=16)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     chosen: list[str] = []
     for r in range(args.rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            got = launch(mode)
+            got = launch(mode, args)
             seconds[mode].append(got["prepare_s"])
             if mode == "auto":
                 chosen.append(got["layout"])
@@ -93,7 +99,7 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"figures": figures, "seconds": seconds, "ratios": ratios,
                                                "auto_chose": chosen, "cluster": SPEC,
-                                               "load_after": os.getloadavg()}, indent=2))
+                                               "load_after": os.getloadavg(), "smoke": args.smoke}, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Each way is run --rounds times (alternating); the table shows the fastest and sl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _common import Parser, add_smoke, apply_smoke  # noqa: E402
 
 WIDTH = 4096
 
@@ -62,7 +63,8 @@ def timed(fn, cpu: list | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def rank_main(rank: int, world: int, port: int, directory: str, gib: float, rounds: int, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, directory: str, gib: float, rounds: int, out: str,
+              width: int = WIDTH) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
@@ -72,9 +74,9 @@ def rank_main(rank: int, world: int, port: int, directory: str, gib: float, roun
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    layers = max(1, round(gib * 2 ** 30 / (3 * 4 * (WIDTH * WIDTH + WIDTH))))
+    layers = max(1, round(gib * 2 ** 30 / (3 * 4 * (width * width + width))))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -102,19 +104,26 @@ def rank_main(rank: int, world: int, port: int, directory: str, gib: float, roun
     cpu = gather_all(cpu)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"bytes": total, "layers": layers, "save_s": save_s, "bytes_per_rank": shares,
+            json.dump({"bytes": total, "layers": layers, "width": width, "save_s": save_s, "bytes_per_rank": shares,
                        "times": times, "cpu_by_rank": cpu, "rounds": rounds, "cpus": len(os.sched_getaffinity(0))}, f)
     dist.barrier()
     dist.destroy_process_group()
+    # leave without the interpreter's teardown: a native thread still joinable there aborted the
+    # process (SIGABRT, "terminate called without an active exception") about 1 run in 4
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="model + optimizer state to save (GiB)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", help="where to write the checkpoint (default: a temporary dir, removed)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--width", type=int, default=WIDTH, help="the Linear layers' width (default %(default)s)")
+    add_smoke(ap)
     args = ap.parse_args()
+    apply_smoke(ap, args, gib=0.01, rounds=1, width=256)
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -123,14 +132,14 @@ def main() -> None:
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hetrain-ckpt-bench-"))
     result_file = work / "result.json"
     try:
-        mp.spawn(rank_main, args=(2, free_port(), str(work / "ck"), args.gib, args.rounds, str(result_file)),
+        mp.spawn(rank_main, args=(2, free_port(), str(work / "ck"), args.gib, args.rounds, str(result_file), args.width),
                  nprocs=2, join=True)
         r = json.loads(result_file.read_text())
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     gib = r["bytes"] / 2 ** 30
-    print(f"checkpoint: {gib:.2f} GiB ({r['layers']} Linear({WIDTH},{WIDTH}) + AdamW moments), 2 gloo ranks; "
+    print(f"checkpoint: {gib:.2f} GiB ({r['layers']} Linear({r['width']},{r['width']}) + AdamW moments), 2 gloo ranks; "
           f"bytes hashed per rank after: {', '.join(f'{b / 2 ** 30:.2f} GiB' for b in r['bytes_per_rank'])}")
     print(f"one Checkpointer.save (DCP write + split hashing + manifest): {r['save_s']:.2f} s")
     print(f"{r['cpus']} CPUs visible; wall = the window between two barriers (what timeout_s bounds), "

@@ -31,7 +31,7 @@ slowly (hetrain.planning.precision's emulation rule), so the emulated speeds sta
 DDP baseline uses the same rule and the same autocast, so both sides compute alike on any host.
 
 Clock: by default a controlled clock, every emulated micro-batch of m samples lasting m·T/speed
-(benchmarks/controlled_clock.py: what it is, why, and how `--clock auto` sets T); both sides
+(benchmarks/_common.py: what it is, why, and how `--clock auto` sets T); both sides
 (plain DDP and hetrain) run on it, and everything outside the emulated forward and backward stays
 on the wall clock, so the figures still measure the split and both sides' overheads.
 
@@ -52,8 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from controlled_clock import (FAST, add_clock_arguments, card_autocast, clock_s, describe_clock, loss_of,
-                              model_and_data, resolve_clock)
+from _common import (FAST, Parser, add_clock_arguments, add_smoke, apply_smoke, card_autocast, clock_s, describe_clock,
+                     loss_of, model_and_data, resolve_clock)
 
 SLOW = "rtx3090:0.67"
 CONFIGS = {   # name: (mode, cluster spec)
@@ -180,7 +180,7 @@ def launch(name: str, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved repetitions, every other one in reverse order; medians are reported "
@@ -194,6 +194,7 @@ def main() -> None:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: each card's own, computed in fp32 where this CPU runs it slowly")
     add_clock_arguments(p)
+    add_smoke(p)
     p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -202,6 +203,8 @@ def main() -> None:
         p.error("--warmup must be at least 1 (the first timed step's start is the last warm-up step's end)")
 
     if not args.worker:
+        apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1,
+                    precision="fp32")
         if args.rounds is None:
             args.rounds = 7 if args.clock == "wall" else 3
         if args.rounds < 1:
@@ -289,7 +292,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             **figures, "per_round": per_round, "samples_per_s": med, "step_samples_per_s": steady,
             "whole_window": {**figures_whole, "per_round": per_round_whole, "samples_per_s": whole, "runs": runs},
-            "slow_step_fraction": slow_steps, "setup": setup, "host": host.to_dict()}, indent=2))
+            "slow_step_fraction": slow_steps, "setup": setup, "host": host.to_dict(), "smoke": args.smoke}, indent=2))
     print(f"host: {host.describe()}; precision {args.precision}: the cards run {policy.name}, "
           f"computed in {policy.compute}")
 

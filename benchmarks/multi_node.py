@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _common import Parser, add_smoke, apply_smoke  # noqa: E402
 from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
 from harness import free_port  # noqa: E402 — the tests' loopback port, as checkpoint_io.py uses
 
@@ -96,7 +97,7 @@ def launch(name: str, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--link-gbs", type=float, default=0.05, help="the emulated inter-node link, GB/s")
     p.add_argument("--rounds", type=int, default=2)
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--verbose", action="store_true", help="show node 0's output")
+    add_smoke(p)
     p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
     p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -124,6 +126,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(figures))
         return
 
+    apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1)
     names = list(CONFIGS)
     rounds: list[dict] = []
     chosen = set()

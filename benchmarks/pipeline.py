@@ -20,17 +20,18 @@ change the ratio.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
+from _common import Parser, add_smoke, apply_smoke
+
 CLUSTER = "a100-80g:1.0,rtx3090:0.5"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--cluster", default=CLUSTER, help="emulated pair (default: %(default)s)")
     p.add_argument("--layers", type=int, default=12)
@@ -48,7 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--dilate", type=float, default=3.0,
                    help="run every emulated device this many times slower, keeping their ratio: each rank "
                         "then sleeps most of the time, so on a shared CPU the ranks rarely compete for a core")
-    return p.parse_args(argv)
+    add_smoke(p)
+    args = p.parse_args(argv)
+    # two rounds at least: the first plans the speed-aware split, the uniform one runs from the second
+    apply_smoke(p, args, layers=2, d_model=32, seq_len=16, global_batch=8, micro_batches=2, rounds=2, dilate=1.0,
+                precision="fp32")
+    return args
 
 
 def run_split(args, data, plan=None):
@@ -127,7 +133,7 @@ def worker(args) -> None:
 
     out = {"cluster": args.cluster, "emulated": True, "dilate": args.dilate, "schedule": args.schedule,
            "precision": {"requested": args.precision, "planned": [d.precision for d in aware_plan.devices]},
-           "host": host_facts().to_dict(), "global_batch": args.global_batch, "micro_batches": args.micro_batches,
+           "host": host_facts().to_dict(), "global_batch": args.global_batch, "smoke": args.smoke, "micro_batches": args.micro_batches,
            "model": {"kind": "demo GPT", "layers": cfg.n_layers, "d_model": cfg.d_model, "seq_len": cfg.seq_len,
                      "params": GPT(cfg).num_params()}}
     for name, run in runs.items():

@@ -29,7 +29,6 @@ The report says PASS or MISS for each; it does not fail on a miss (a shared host
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -44,6 +43,8 @@ sys.path.insert(0, str(SRC))
 
 NODE_KINDS = ("8xa100-80g/nvlink", "8xrtx3090/pcie4", "8xv100-32g/nvlink", "8xt4/pcie3",
               "4xa100-80g,4xrtx3090/pcie4", "4xv100-32g,4xt4/pcie3")
+from _common import Parser, add_smoke, apply_smoke  # noqa: E402
+
 SIZES = (8, 128)                      # nodes of 8 devices
 TARGETS = {64: 1.0, 1024: 10.0}       # seconds, the whole plan in process
 LAYOUTS_TARGET_1024 = 2.0
@@ -125,18 +126,20 @@ def verdict(seconds: float, target: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="gpt2-350m", help="a preset whose blocks are known (default: %(default)s)")
     ap.add_argument("--no-cli", action="store_true", help="skip the end-to-end command runs")
+    add_smoke(ap)
     args = ap.parse_args()
+    apply_smoke(ap, args, repeats=1, no_cli=True)     # the 1,024 devices' plan once, in process
 
     from hetrain.planning.presets import fine_tuned
 
     if not fine_tuned(args.model).blocks:
         raise SystemExit(f"--model {args.model}: its block count is unknown, so no DP×PP layout is searched")
-    out = {"model": args.model, "repeats": args.repeats, "cpus": os.cpu_count(), "python": platform.python_version(),
+    out = {"model": args.model, "repeats": args.repeats, "smoke": args.smoke, "cpus": os.cpu_count(), "python": platform.python_version(),
            "node_kinds": list(NODE_KINDS), "sizes": {}}
     for nodes in SIZES:
         spec, n = cluster_spec(nodes), nodes * 8

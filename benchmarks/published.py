@@ -252,6 +252,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the rows and figures here")
     p.add_argument("--only", action="append", choices=[r.key for r in RESULTS], help="one result (repeatable)")
+    p.add_argument("--smoke", action="store_true", help="the same run: it takes seconds already (no processes)")
     args = p.parse_args()
     results = run(args.only)
     show(results)

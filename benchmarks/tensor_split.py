@@ -11,10 +11,10 @@ The configs run interleaved in rounds, every other round in reverse order (so ma
 both alike and neither always runs first); each run's throughput is the global batch ÷ its median
 step, and each figure is the median over rounds of the ratio within a round (runs seconds apart).
 
-Clock: by default a controlled clock (benchmarks/controlled_clock.py says what and why): every
+Clock: by default a controlled clock (benchmarks/_common.py says what and why): every
 emulated micro-batch of m samples on a TP rank lasts m·T·share/speed, `share` the rank's part of
 the model's Linear weights (runtime/layouts/tensor.py), T calibrated here as 8× the whole model's
-forward+backward CPU time a sample in one process. 8×, not the 3× of benchmarks/controlled_clock.py:
+forward+backward CPU time a sample in one process. 8×, not the 3× of benchmarks/_common.py:
 a TP rank's CPU time a step is far above its share of the single-process one (DTensor's dispatch,
 two all-reduces per layer on gloo, two processes on the 2 shared cores here), and at 3× the even
 split ran CPU-bound, so its DTensor overhead showed as the split's gain (one round: 1.60). What is
@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import Parser, add_smoke, apply_smoke
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
 CONFIGS = {   # name: (TensorParallel's split, cluster spec)
@@ -73,7 +75,7 @@ def loss_of(model, x, y):
 def calibrate_clock_ms(args) -> tuple[float, float]:
     """(T in ms, the CPU ms a sample it comes from): the whole model's forward + backward CPU time
     a sample, one thread, at the global batch (median of 6 steps after 2), ×8 rounded up to 0.5 ms."""
-    from controlled_clock import cpu_ms_per_sample
+    from _common import cpu_ms_per_sample
 
     model, data = gpt2(args)
     cpu_ms = cpu_ms_per_sample(model, data, args.global_batch, loss_of, steps=6, skip=2)
@@ -125,7 +127,7 @@ def launch(name: str, args) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions, every other one reversed")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
@@ -138,12 +140,15 @@ def parse_args(argv=None):
     p.add_argument("--fast-pair", action="store_true", help="also run the even split on two A100s (the ceiling)")
     p.add_argument("--clock", default="auto",
                    help="auto (default): controlled clock, T calibrated here; a number: T in ms; wall: the wall clock")
+    add_smoke(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--split", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.worker:
+        apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=4, seq_len=16, d_model=32, layers=1, heads=2)
     if args.warmup < 1:
         p.error("--warmup must be at least 1 (the first timed step starts at the last warm-up step's end)")
     if args.rounds < 1 or args.steps < 1:

@@ -1,0 +1,217 @@
+"""What the benchmarks share: --smoke, the controlled clock, the demo GPT it is calibrated on, a
+cluster slowed D times. Not a benchmark (its name starts with _; tests/benchmarks runs the rest).
+
+The controlled clock. An emulated device's compute lasts the CPU's time ÷ its speed (the wall
+clock), or on a controlled clock a micro-batch of m samples lasts (a + m·T)/speed
+(`hetrain.Emulation(sample_s=T, micro_s=a)`): the CPU still computes every sample and a sleep
+makes up the rest; the gradient sync, the optimizer and the loop's own work stay on the wall clock.
+The planner is told nothing of it: the profiler times each device through its own throttle and
+fits a + b·m (runtime/measure/profiler.py), so a benchmark comparing a plan with a run checks the
+fit, the split and the micro-batches against devices whose speed holds still, as a GPU's does and
+a shared virtual CPU's does not. a = 4·T (about what a small micro-batch costs a GPU in launches)
+makes a device that runs many small micro-batches cost more than its rate says, so a profile or a
+planner that ignored a would split wrongly. T must exceed the CPU's own time a sample with the
+devices computing at once: `--clock auto` sets it to 3× the fast device's forward and backward
+CPU time a sample, measured here first. `--clock wall`: the CPU's time; `--clock 10`: 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+
+FAST = "a100-80g:1.0"     # the device the clock is calibrated on (speed 1)
+MICRO_SAMPLES = 4.0       # the clock's fixed part of a micro-batch, in samples' worth of T
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`prog: error: what, and the fix`), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# -- --smoke ------------------------------------------------------------------------------------
+def add_smoke(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: tiny sizes through the same code path (CI runs every benchmark so)")
+
+
+def apply_smoke(p: argparse.ArgumentParser, args, **sizes) -> None:
+    """With --smoke, set each size (an argument's dest: its smoke value) on `args`. A size flag
+    given beside --smoke is named in one line: the smoke's size wins, so a smoke stays seconds."""
+    if not getattr(args, "smoke", False):
+        return
+    given = [k for k in sizes if getattr(args, k, None) != p.get_default(k)]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        print(f"{p.prog}: {flags} ignored: --smoke sets its own sizes ("
+              + ", ".join(f"{k.replace('_', '-')} {sizes[k]}" for k in given) + ")", file=sys.stderr)
+    for k, v in sizes.items():
+        setattr(args, k, v)
+
+
+def dilate(spec: str, factor: float) -> str:
+    """'a100-80g:1.0,t4:0.35@24MiB' with every speed divided by `factor`."""
+    out = []
+    for item in spec.split(","):
+        name, rest = item.split(":", 1)
+        speed, _, mem = rest.partition("@")
+        out.append(f"{name}:{float(speed) / factor:.4g}" + (f"@{mem}" if mem else ""))
+    return ",".join(out)
+
+
+# -- the demo GPT, as the benchmarks train it ------------------------------------------------
+def model_and_data(*, seq_len: int, d_model: int, layers: int):
+    """The demo GPT (hetrain.demo.gpt) and the pydoc text windows it trains on."""
+    import torch
+
+    from hetrain.demo.gpt import GPT, GPTConfig
+    from hetrain.demo.text import ByteWindows, pydoc_bytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=seq_len, d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 32)))
+    return model, ByteWindows(pydoc_bytes(), seq_len)
+
+
+def loss_of(model, x, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def card_autocast(precision: str, spec: str, rank: int = 0):
+    """What a careful user runs on rank `rank`'s card of `spec`, by hetrain's rule: autocast to
+    the card's precision (or the one asked for), computed in fp32 where this CPU runs it slowly."""
+    import torch
+
+    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.hardware.host import host_facts
+    from hetrain.runtime.devices.emulation import EmulatedDevice
+    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
+
+    policy = PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),
+                                   emulated=EmulatedDevice(parse_cluster(spec)[rank]))
+    if policy.error is not None:
+        raise policy.error
+    dtype = policy.dtype
+    return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+
+# -- the clock ------------------------------------------------------------------------------
+def add_clock_arguments(p: argparse.ArgumentParser, *, default: str = "auto", micro: bool = False) -> None:
+    """--clock (and, with `micro`, --clock-micro: the clock's fixed part; without, there is none)."""
+    p.add_argument("--clock", default=default,
+                   help=f"{default} (default). auto: a controlled clock, a micro-batch of m samples lasting "
+                        "(a + m x T) / speed, T calibrated here; a number: T in ms; wall: the CPU's time / speed; "
+                        "auto,wall: both, interleaved (benchmarks/_common.py says why)")
+    p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)   # the workers' T
+    if micro:
+        p.add_argument("--clock-micro", type=float, default=MICRO_SAMPLES,
+                       help=f"the clock's fixed part a of a micro-batch, in samples' worth of T (default "
+                            f"{MICRO_SAMPLES:g}; the planner is not told it); 0: none")
+
+
+def resolve_clocks(args, p: argparse.ArgumentParser, *, micro_batch: int) -> list[argparse.Namespace]:
+    """Each clock --clock names (comma-separated, e.g. auto,wall), resolved as resolve_clock does
+    (auto calibrated once): a namespace each with clock, clock_ms, clock_micro_ms."""
+    out, calibrated = [], None
+    for name in [c.strip() for c in str(args.clock).split(",") if c.strip()]:
+        one = argparse.Namespace(**{**vars(args), "clock": name})
+        if name == "auto" and calibrated is not None:
+            one.clock_ms, one.clock_micro_ms = calibrated
+        else:
+            resolve_clock(one, p, micro_batch=micro_batch)
+            if name == "auto":
+                calibrated = (one.clock_ms, one.clock_micro_ms)
+        out.append(one)
+    if not out:
+        p.error("--clock: give auto, wall, a number of ms, or a comma-separated list of them")
+    return out
+
+
+def resolve_clock(args, p: argparse.ArgumentParser, *, micro_batch: int) -> None:
+    """Set args.clock_ms from --clock (None: the wall clock); `auto` calibrates on the model
+    args.seq_len, args.d_model, args.layers at the fast device's `micro_batch`. Bad values: one
+    line, exit 2."""
+    args.clock_micro_ms = None
+    if getattr(args, "clock_micro", 0.0) < 0:
+        p.error(f"--clock-micro {args.clock_micro}: give the fixed part in samples' worth of T, >= 0")
+    if args.clock == "wall":
+        args.clock_ms = None
+    elif args.clock == "auto":
+        args.clock_ms, cpu_ms = calibrate_clock_ms(precision=args.precision, micro_batch=micro_batch,
+                                                   seq_len=args.seq_len, d_model=args.d_model, layers=args.layers)
+        print(f"clock: {args.clock_ms:g} ms a sample at speed 1 (3x the {cpu_ms:.2f} ms of CPU a sample "
+              f"the fast device's forward and backward took here)", flush=True)
+    else:
+        try:
+            args.clock_ms = float(args.clock)
+        except ValueError:
+            p.error(f"--clock {args.clock!r}: give auto, wall, or the ms a sample takes at speed 1 (e.g. 10)")
+        if not 0 < args.clock_ms <= 1000:
+            p.error(f"--clock {args.clock}: give a positive number of ms, at most 1000")
+    if args.clock_ms:
+        args.clock_micro_ms = getattr(args, "clock_micro", 0.0) * args.clock_ms or None
+
+
+def clock_s(args) -> float | None:
+    """--clock-ms as seconds a sample at speed 1 (None: the wall clock)."""
+    return args.clock_ms / 1000 if getattr(args, "clock_ms", None) else None
+
+
+def clock_micro_s(args) -> float | None:
+    """The clock's fixed seconds a micro-batch at speed 1 (None: none, or the wall clock)."""
+    return args.clock_micro_ms / 1000 if clock_s(args) and getattr(args, "clock_micro_ms", None) else None
+
+
+def clock_config(args) -> dict:
+    """This clock as fields of hetrain.Emulation (empty: the wall clock)."""
+    if not clock_s(args):
+        return {}
+    micro = clock_micro_s(args)
+    return {"sample_s": clock_s(args), **({"micro_s": micro} if micro else {})}
+
+
+def describe_clock(args) -> str:
+    if not getattr(args, "clock_ms", None):
+        return "wall: each device's CPU time / its speed"
+    micro = getattr(args, "clock_micro_ms", None)
+    return (f"controlled: {micro:g} ms a micro-batch + {args.clock_ms:g} ms a sample at speed 1" if micro
+            else f"controlled: {args.clock_ms:g} ms a sample at speed 1")
+
+
+def calibrate_clock_ms(*, precision: str, micro_batch: int, seq_len: int = 64, d_model: int = 128,
+                       layers: int = 4) -> tuple[float, float]:
+    """(the clock's ms a sample at speed 1, the CPU ms a sample it comes from): the fast device's
+    forward + backward CPU ms a sample here, one thread, at `micro_batch` in the precision it
+    computes in, ×3 rounded up to 0.5 ms."""
+    model, data = model_and_data(seq_len=seq_len, d_model=d_model, layers=layers)
+    cpu_ms = cpu_ms_per_sample(model, data, max(1, micro_batch), loss_of, autocast=card_autocast(precision, FAST))
+    return math.ceil(3 * cpu_ms * 2) / 2, cpu_ms
+
+
+def cpu_ms_per_sample(model, data, n: int, loss_of, *, autocast=contextlib.nullcontext, steps: int = 8,
+                      skip: int = 3) -> float:
+    """The model's forward + backward CPU ms a sample on one thread, at a batch of `n` of `data`
+    (median of `steps` timed steps after `skip` untimed ones, AdamW stepping between them)."""
+    import torch
+
+    torch.set_num_threads(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(n))))
+    per_sample = []
+    for step in range(skip + steps):
+        t = time.thread_time()
+        with autocast():
+            loss = loss_of(model, x, y)
+        loss.backward()
+        if step >= skip:
+            per_sample.append((time.thread_time() - t) / n)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return statistics.median(per_sample) * 1e3
