@@ -17,8 +17,8 @@ what gates: every row's samples/s within 5% (median of the rounds) and peak memo
 else exit 1; the planner is told nothing of the clock, so its fit, split and micro-batches are
 what is checked; each row shows the share of the step the clock imposed. On the wall clock
 (`--clock wall`, or `auto,wall` for both, interleaved) the error is reported beside the runs' own
-spread and never gates: on a shared 2-core VM the same plan's runs moved a median 13.6% between
-rounds, so a 10% error cannot be judged there. A row fails on either clock (exit 1) on an
+spread and never gates: on a shared 2-core VM the same plan's runs moved 6-26% between rounds
+(benchmarks/results/accuracy.json), so a 10% error cannot be judged there. A row fails on either clock (exit 1) on an
 out-of-memory error its plan did not foresee or a redone step.
 
 Rounds (--rounds, 3): each round ranks from its own probes (its own cache) and then runs every

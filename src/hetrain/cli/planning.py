@@ -69,7 +69,7 @@ def plan(
     blocks: Optional[int] = typer.Option(None, "--blocks", help="blocks (layers) a pipeline could cut between, "
                                          "to compare DP, PP and DP×PP (default: from the model or preset)"),
     # the emulated devices' controlled clock (Emulation.sample_s), as a job given it runs:
-    # for the accuracy benchmarks (benchmarks/controlled_clock.py), not a user's plan
+    # for the accuracy benchmarks (benchmarks/_common.py), not a user's plan
     emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True),
     emulate_micro_s: Optional[float] = typer.Option(None, "--emulate-micro-s", hidden=True),
 ) -> None:

@@ -23,7 +23,7 @@ all-reduce, and the step is the last piece's end.
 Why not a duty-cycle average: the first version took each stage to compute a fraction u of
 the step independently of the others (a Poisson-binomial count of who computes beside it). The
 stages of a replica, and the replicas, start pieces together, so that under-counted: on a
-2-core AMD EPYC VM, DP×PP 2×2 (`benchmarks/plan_accuracy.py --layout dp-pp --dilate 2`, wall
+2-core AMD EPYC VM, DP×PP 2×2 (`benchmarks/accuracy.py --layouts dp-pp --clock wall`, wall
 clock) the pieces lasted x1.22-1.24 their CPU time where it gave x1.13-1.16, and the row read
 32% fast. The played-out step keeps the formula's step (stage_plan.fill_drain_seconds) as its
 base and scales it by the ratio of the step played out on the shared cores to the same step

@@ -23,7 +23,7 @@ GPU or an emulated device on the CPU's own clock (its compute is its CPU time ÷
 the controlled clock (`clocked`: a micro-batch lasts m·T/speed, the sleep making up what the CPU
 did not take) only the last backward, which runs after the step's sleep: its CPU time, about 2/3
 of its micro-batch's. Charged on the whole step there, it read the capped 1 : 0.35 pair of
-benchmarks/plan_accuracy.py 3-8% slower than it ran, round after round.
+benchmarks/accuracy.py (now its dp-capped row) 3-8% slower than it ran, round after round.
 
 Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
 precision, times a stated efficiency (model FLOPs utilisation, default 40%).

@@ -17,7 +17,7 @@ again, 0-3,800 minor faults a step on a 2-core VM (whichever way the heap had se
 of this thread's CPU, which the throttle charges as the device's compute. The profiler's repeated
 passes fault almost none, so a run read slower than its plan; a GPU's caching allocator never pays
 it. Kept, four interleaved runs of a dilated A100 + 3090 pair each trained 1.1-9.0% faster and
-faulted 0 times a step (benchmarks/train_over_profile.py reads the faults and their cost).
+faulted 0 times a step.
 
 Counting costs: a Python hook on every saved tensor (and its unpack in the backward) made a
 forward+backward of the demo GPT 3.7% slower on the CPU, a cost no GPU has. So a forward whose

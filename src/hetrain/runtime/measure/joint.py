@@ -40,7 +40,7 @@ SYNC_RUNS = 5          # synchronised backwards the sync probe times on GPUs (NC
 # contention the plan predicts with, and its runs scatter: in 4 60-step demos each, on a 2-core
 # AMD EPYC VM, 5 runs predicted samples/s 3.5-13.4% off (contention read 1.08-1.37), 15 runs
 # 0.1-9.6% off (1.19-1.31), for about 2 s more at start-up. What is left is mostly the host's own
-# drift (benchmarks/host_drift.py: a fixed matmul loop there varied 17% between 2 s windows).
+# drift (a fixed matmul loop there varied 17% between 2 s windows).
 CPU_SYNC_RUNS = 15
 
 

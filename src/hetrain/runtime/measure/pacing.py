@@ -6,7 +6,7 @@ On the CPU's own clock an emulated device's time is its thread's CPU time over i
 throttle sleeps before the backward of a step's last micro-batch (devices/emulation.Throttle). A
 backward after that sleep runs on caches and a core that went to other work, and costs more CPU
 than the profiler's back-to-back passes: 1.4-4% more on a 2-core AMD EPYC
-(benchmarks/train_over_profile.py). Each paced pass is timed beside a flat-out one, under a second
+(measured inside training runs). Each paced pass is timed beside a flat-out one, under a second
 apart, so the host's drift (10-40% within seconds on such a host) cancels in the ratio.
 """
 

@@ -30,7 +30,7 @@ the device's seconds, over all the sizes timed. Such a profile is cached per clo
 On the CPU's own clock the sizes are timed flat out, one pass after another, but training paces a
 pass: the throttle sleeps before the backward of a step's last micro-batch. A backward after that
 sleep costs more CPU than a hot one (caches and the core went to other work: 1.4-4% more on a
-2-core EPYC, benchmarks/train_over_profile.py), and the throttle charges that CPU as the device's
+2-core EPYC, measured inside training runs), and the throttle charges that CPU as the device's
 compute. So the profiler also times a few passes paced as training paces them (through a
 fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
 and keeps the median ratio as `paced_cost` (pacing.py; cost.py charges it on a step's last
