@@ -1,35 +1,25 @@
 """How well does the planner predict? Rank every layout, run each for real, compare.
 
-For each emulated cluster `hetrain plan --model-factory THIS_FILE:factory --measurements M.json`
-runs first (the job's own processes measure the model; profiles cached in HETRAIN_CACHE), and the
-layout ranking is computed from M.json as `hetrain plan` computes the one it prints
-(rank_from_measurements). A real training run of each layout on the same cluster follows, from
-the same cached profiles and pipeline measurement, so it runs the split the ranking costed; the
-ranking's row is compared with it: samples/s (rank 0 times every step, the first two left out)
-and peak memory (the emulated meter's: parameters, gradients, optimizer state, saved activations).
-The rows: DP, FSDP2, DP + capacity, a 2-stage pipeline and TP split by speed on a 1 : 0.67 pair,
-DP×PP 2×2 on four devices (`all`); and the planner's own DP plan on a pair whose slow card is
-capped (`dp-capped`: many small micro-batches, each paying the clock's fixed part) and on three
-devices (`dp-3dev`).
+Each round, `hetrain plan --model-factory THIS_FILE:factory --measurements M.json` measures the model
+on each emulated cluster (profiles cached in HETRAIN_CACHE) and the layout ranking is computed from
+M.json as `hetrain plan` computes it; then a training run of each layout follows from the same
+cache, so it runs the split the ranking costed. Compared: samples/s (rank 0 times every step, the
+first two left out) and the largest device's peak memory (the emulated meter's). Rows (`all`): DP,
+FSDP2, DP + capacity, a 2-stage pipeline and TP by speed on a 1 : 0.67 pair, DP×PP 2×2 on four
+devices; on request the planner's DP plan on a pair whose slow card is capped (`dp-capped`: many
+small micro-batches, each paying the clock's fixed part) and on three devices (`dp-3dev`).
 
-Clocks (--clock, benchmarks/_common.py says why). The controlled clock (`auto`, the default) is
-what gates: every row's samples/s within 5% (median of the rounds) and peak memory within 15%,
-else exit 1; the planner is told nothing of the clock, so its fit, split and micro-batches are
-what is checked; each row shows the share of the step the clock imposed. On the wall clock
-(`--clock wall`, or `auto,wall` for both, interleaved) the error is reported beside the runs' own
-spread and never gates: on a shared 2-core VM the same plan's runs moved 6-26% between rounds
-(benchmarks/results/accuracy.json), so a 10% error cannot be judged there. A row fails on either clock (exit 1) on an
-out-of-memory error its plan did not foresee or a redone step.
-
-Rounds (--rounds, 3): each round ranks from its own probes (its own cache) and then runs every
-layout, starting one layout further on each round (run_order); the median prediction is compared
-with the median run, and every round's pair is kept in the JSON. `spread` is how far the rounds
-moved, predictions/runs, each (largest − least) over its median. --dilate 2 (the default) runs
-every device twice slower, so the four devices of DP×PP fit a 2-core host.
+Clocks (benchmarks/_common.py says why). The controlled clock (`auto`, the default) gates: every
+row within 5% (median of the rounds) and its peak memory within 15%, else exit 1; the planner is
+told nothing of the clock. The wall clock (`--clock wall`, or `auto,wall`, interleaved) is reported
+beside the runs' own spread, (largest − least) / median over the rounds, and never gates: on a
+shared 2-core VM the same plan's runs moved 6-26% between rounds (benchmarks/results/accuracy.json),
+so a 10% error cannot be judged there. An OOM the plan did not foresee, or a redone step, fails a
+row on either clock. Each round starts one layout further on (run_order); --dilate 2 (the default)
+runs every device twice slower, so DP×PP's four devices fit a 2-core host.
 
     python benchmarks/accuracy.py --json out.json                # controlled clock, every layout, 3 rounds
     python benchmarks/accuracy.py --clock auto,wall --json out.json
-    python benchmarks/accuracy.py --layouts dp,pp --rounds 1 --json out.json
 """
 
 from __future__ import annotations

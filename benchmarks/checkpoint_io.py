@@ -1,19 +1,15 @@
 """Checkpoint hashing and verification: rank 0 alone (the code before issue 14) against every rank
 its own share (runtime/resilience/store.py), on ~1 GiB of model + optimizer state, 2 gloo ranks.
 
-The model is a stack of 4096x4096 Linear layers trained one AdamW step, so its state is the
-parameters plus two moments (3 x 4 bytes a parameter); DCP's planner spreads the replicated
-tensors over both ranks' files. After one real save (Checkpointer.save), each way is timed on
-that checkpoint, inside the same barriers the peers wait in:
+A stack of 4096x4096 Linear layers after one AdamW step (3 x 4 bytes a parameter), saved once
+(Checkpointer.save); then each way is timed on that checkpoint between the barriers peers wait in:
 
     save, before   rank 0 fsyncs and hashes every file; rank 1 waits in the barrier
     save, after    each rank fsyncs and hashes its own files (store.hash_share), then the gather
     load, before   rank 0 checks every file against the manifest (manifest.verify); rank 1 waits
     load, after    Checkpointer.latest(): rank 0 reads the manifest, each rank checks its share
 
-The files were just written, so they are read from the page cache: the figures are hashing time
-(CPU); on cold shared storage the read time adds to both, and the split divides it the same way.
-Each way is run --rounds times (alternating); the table shows the fastest and slowest.
+The files come from the page cache, so the figures are hashing (CPU) time; --rounds alternations.
 
     python benchmarks/checkpoint_io.py [--gib 1.0] [--rounds 2] [--dir DIR] [--json out.json]
 """

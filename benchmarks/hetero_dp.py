@@ -1,42 +1,21 @@
 """Heterogeneous data parallelism against what users have today, on an emulated 1 : 0.67 pair.
 
-One run measures, side by side and interleaved in rounds (so machine drift hits every config
-alike; every other round runs the configs in reverse order, so no config always runs in the same
-place of the sequence), the demo GPT with the same global batch:
+The demo GPT at one global batch, configs interleaved in rounds (every other round reversed):
   alone-fast / alone-slow   one process, the whole global batch on that one emulated device
   ddp-equal  (mixed pair)   plain torch DDP, DistributedSampler, equal split: today's baseline
   hetrain    (mixed pair)   hetrain's speed-proportional split
   ddp-equal  (fast pair)    plain DDP on two identical fast devices
   hetrain    (fast pair)    hetrain on the same identical pair (its overhead where no split helps)
 
-Each run's throughput is taken at its median step (global batch ÷ the median step time): on the
-2-core host here one process now and then ran 30-40% slower for 5-50 steps at a time with nothing
-else running, and such a burst, landing in one config's run and not in the other's, moved a
-whole-window ratio by up to 15% (identical-pair ratios of 0.86-0.98 within one run). The median
-step does not see a burst that covers less than half the run, and it would hide an overhead
-that hetrain paid only now and then, so the output also gives each config's whole-window figure
-and its share of slow steps (over 1.25× its median): a per-step cost shows in the first, a
-periodic one in the last.
+A run's throughput is the global batch over its median step (the whole-window figure and the share
+of steps over 1.25x the median are kept beside it); each figure is the median over rounds of a
+ratio within a round: efficiency = hetrain / Σ alone; balance_efficiency = hetrain(mixed) /
+(ddp(fast pair) × Σs / (n × s_max)); speedup_vs_equal = hetrain(mixed) / ddp-equal(mixed);
+identical_pair_ratio = hetrain(fast pair) / ddp(fast pair). --precision auto: each card's own,
+computed in fp32 where this CPU runs it slowly, on both sides. Clock: controlled by default
+(benchmarks/_common.py), m·T/speed a micro-batch, for both sides alike.
 
-Figures (see --json), each the median over rounds of the ratio within a round (runs seconds apart,
-so the host's drift between rounds cancels): efficiency = hetrain / Σ alone (on 2 shared cores two processes slow each
-other, which no split can fix); balance_efficiency = hetrain(mixed) / (ddp(fast pair) × Σs / (n ×
-s_max)), how close the split is to perfect under the same contention and communication;
-speedup_vs_equal = hetrain(mixed) / ddp-equal(mixed); identical_pair_ratio = hetrain(fast pair) /
-ddp(fast pair).
-
-Precision: --precision auto (the default) is what a user of these cards would pick: each card's
-own (bf16 on both, compute capability >= 8.0), computed in fp32 on a host whose CPU runs bf16
-slowly (hetrain.planning.precision's emulation rule), so the emulated speeds stay true. The plain
-DDP baseline uses the same rule and the same autocast, so both sides compute alike on any host.
-
-Clock: by default a controlled clock, every emulated micro-batch of m samples lasting m·T/speed
-(benchmarks/_common.py: what it is, why, and how `--clock auto` sets T); both sides
-(plain DDP and hetrain) run on it, and everything outside the emulated forward and backward stays
-on the wall clock, so the figures still measure the split and both sides' overheads.
-
-    python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--precision auto]
-    python benchmarks/hetero_dp.py --json out.json --clock wall
+    python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--clock wall]
 """
 
 from __future__ import annotations

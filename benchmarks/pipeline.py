@@ -2,20 +2,13 @@
 
     python benchmarks/pipeline.py --json out.json
 
-Starts two emulated devices (an A100 at speed 1.0 and an RTX 3090 throttled to 0.5) and trains
-the same small GPT (12 blocks) as a 2-stage pipeline (`ht.prepare(parallel="pp")`, hetrain's loop),
-in ONE launch of alternating jobs so both splits see the same machine load: the split hetrain
-sizes from measured block costs and the devices' speeds, and a uniform 6/6 split (the same Plan
-with its blocks halved, given to prepare). Each job's first step is a warm-up, not timed. Writes both throughputs and their ratio,
-`speedup_speed_aware_vs_uniform` (target >= 1.2), with the planner's prediction beside it.
-Figures are emulated: ratios mean something, absolute samples/s do not.
-
-On a shared CPU, other processes slow every rank's compute. The pipeline's throttle scales each
-compute piece's wall time (parallel/pipeline.py), so that slows both devices alike and keeps their
-ratio; `--dilate F` (default 3) also runs both devices F times slower, same 1 : 0.5 ratio, so
-each rank mostly sleeps and the two ranks rarely compete for a core. Jobs are interleaved
-(one job of each split per round, --steps timed steps each) and the median step is reported; on a quiet machine F does not
-change the ratio.
+A small GPT (12 blocks) as a 2-stage pipeline (`ht.prepare(parallel="pp")`) on an emulated A100
+(1.0) and RTX 3090 (0.5), in ONE launch of alternating jobs: the split hetrain sizes from measured
+block costs and the devices' speeds, and a uniform 6/6 split (the same Plan, its blocks halved).
+Each job's first step is untimed; the median step gives each split's samples/s, and
+`speedup_speed_aware_vs_uniform` (target >= 1.2) is printed beside the planner's prediction.
+`--dilate F` (default 3) runs both devices F times slower at the same ratio, so each rank mostly
+sleeps and the two rarely compete for a core; emulated figures: the ratio means something.
 """
 
 from __future__ import annotations

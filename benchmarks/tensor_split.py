@@ -1,27 +1,17 @@
 """Tensor parallelism split by speed against the even split, on an emulated 1 : 0.6 pair.
 
-One run trains a Hugging Face GPT-2 (transformers, built from a config: no downloads; 8 heads,
-dropout off) with `ht.prepare(..., parallel="tp")` on an emulated A100 (speed 1.0) and RTX 3090
-(0.6), in two configs with the same global batch:
-  tp-even    parallel=hetrain.TensorParallel(split="even"):  DTensor, every layer cut in half (4/4 heads)
-  tp-speed   parallel=hetrain.TensorParallel(split="speed"): heads and MLP columns by speed (5/3 heads, 320/192 columns)
-and, with --fast-pair, tp-even on two A100s (an upper bound for the mixed pair).
+A Hugging Face GPT-2 (built from a config: no downloads; 8 heads, dropout off) trained with
+`parallel=hetrain.TensorParallel(split=...)` on an emulated A100 (1.0) and RTX 3090 (0.6):
+  tp-even    every layer cut in half (4/4 heads)
+  tp-speed   heads and MLP columns by speed (5/3 heads, 320/192 columns)
+and, with --fast-pair, tp-even on two A100s (the ceiling). Interleaved rounds, every other one
+reversed; a run's throughput is the global batch over its median step; each figure the median over
+rounds of the ratio within a round.
 
-The configs run interleaved in rounds, every other round in reverse order (so machine drift hits
-both alike and neither always runs first); each run's throughput is the global batch ÷ its median
-step, and each figure is the median over rounds of the ratio within a round (runs seconds apart).
-
-Clock: by default a controlled clock (benchmarks/_common.py says what and why): every
-emulated micro-batch of m samples on a TP rank lasts m·T·share/speed, `share` the rank's part of
-the model's Linear weights (runtime/layouts/tensor.py), T calibrated here as 8× the whole model's
-forward+backward CPU time a sample in one process. 8×, not the 3× of benchmarks/_common.py:
-a TP rank's CPU time a step is far above its share of the single-process one (DTensor's dispatch,
-two all-reduces per layer on gloo, two processes on the 2 shared cores here), and at 3× the even
-split ran CPU-bound, so its DTensor overhead showed as the split's gain (one round: 1.60). What is
-not clock (the all-reduces' waits, the optimizer's CPU time ÷ speed, the loop's own work) stays on
-the wall clock, so the figure still carries each side's overheads; `clock_only` is the ratio the
-clock alone gives (the slowest rank's T·share/speed, even over by speed), to read it against.
-`--clock wall`: the CPU's time ÷ speed.
+Clock: controlled by default (benchmarks/_common.py): a micro-batch of m samples on a TP rank lasts
+m·T·share/speed, `share` its part of the Linear weights, T 8× the whole model's forward+backward
+CPU time a sample here (at 3× a TP rank's DTensor and gloo overheads made the even split
+CPU-bound); `clock_only` is the ratio the clock alone gives. `--clock wall`: the CPU's time.
 
     PYTHONPATH=src python benchmarks/tensor_split.py --json out.json [--rounds 3] [--steps 8] [--fast-pair]
 """
