@@ -27,6 +27,7 @@ from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
 from .layouts.pipeline_setup import PipelineSetup
 from .loop import flops, metrics
 from .loop.sampler import GlobalCursorSampler
+from .loop.stream import is_stream, open_stream
 from .measure.joint import show_plan
 from .resilience import resume as persist
 from .resilience.store import Checkpointer
@@ -78,7 +79,10 @@ def open_data(job: Job, dataset, collate_fn: Callable | None) -> None:
     """The dataset, the global-cursor sampler and the checkpoint directory (every layout)."""
     cfg = job.config
     job.dataset, job.collate = dataset, collate_fn or default_collate
-    job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
+    if is_stream(dataset):   # an IterableDataset: read in order, samples by position (collective)
+        job.sampler, job.dataset, job.total_steps = open_stream(cfg, dataset, job.log)
+    else:
+        job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
     job.checkpointer = open_checkpoints(cfg, job.rank, job.log)
 
 

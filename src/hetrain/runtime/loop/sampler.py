@@ -104,6 +104,9 @@ class GlobalCursorSampler:
                 "dataset_len": self.dataset_len, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("stream"):     # saved by runtime/loop/stream.py's StreamSampler
+            raise UsageError("the checkpoint was saved reading a stream (an IterableDataset), this run reads a "
+                             "map-style dataset", "resume with the same dataset, or start a new run elsewhere")
         for key in ("dataset_len", "seed", "shuffle", "drop_last"):
             if state[key] != getattr(self, key):
                 raise UsageError(
