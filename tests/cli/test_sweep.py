@@ -260,3 +260,115 @@ def test_a_storage_another_sweep_holds_is_one_line(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         one_line_error(hetrain_here("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "2", "--storage", str(db)),
                        "is in use by another hetrain sweep", "give another --storage")
+
+
+# ---- Optuna's own objective(trial); trials over a group of devices ----
+
+OPTUNA_OBJECTIVE = Path(__file__).parent / "scripts" / "sweep_optuna_objective.py"
+GROUP_OBJECTIVE = Path(__file__).parent / "scripts" / "sweep_group_objective.py"
+
+
+def placed_after_the_first(study) -> None:
+    """The first trial ran alone (nothing started before it finished); every later one was placed
+    knowing its parameters: those sampled before it ran are those the objective suggested."""
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    first = trials[0]
+    assert first.user_attrs["params_given"] == {} and first.user_attrs["device"].startswith("a100-80g")
+    assert all(t.datetime_start >= first.datetime_complete for t in trials[1:])
+    for t in trials[1:]:
+        assert t.user_attrs["params_given"] == t.params and set(t.params) == {"width", "lr"}, t.user_attrs
+
+
+def test_optunas_own_objective_runs_as_written_placed_by_memory(tmp_path):
+    db, out = tmp_path / "s.db", tmp_path / "s.json"
+    r = hetrain("sweep", str(OPTUNA_OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db),
+                "--emulate-sample-s", "0.002", "--pruner", "none", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    study = optuna.load_study(study_name="sweep_optuna_objective", storage=f"sqlite:///{db}")
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 6
+    placed_after_the_first(study)
+    for t in study.get_trials():
+        assert t.user_attrs["ran_on"] == t.user_attrs["device"]           # hetrain.sweep named its device
+        if t.number > 0 and t.params["width"] == 512:                     # memory(params): 6.3 MiB, the A100 only
+            assert t.user_attrs["device"].startswith("a100-80g"), t.user_attrs
+    data = json.loads(out.read_text())
+    assert {t["number"]: t["params"] for t in data["trials_run"]} == {t.number: t.params for t in study.get_trials()}
+
+
+def test_optunas_own_objective_without_memory_is_placed_by_the_first_trials_measured_peak(tmp_path):
+    src = OPTUNA_OBJECTIVE.read_text().replace("def memory(params):", "def no_memory(params):")
+    obj = tmp_path / "measured.py"
+    obj.write_text(src)
+    db = tmp_path / "s.db"
+    # emulated, the peak is the worker's resident memory growth (torch's first allocations with it):
+    # cards of a process's size, so that later trials fit both
+    r = hetrain("sweep", str(obj), "--emulate", "a100-80g@2GiB,rtx3090@1GiB", "--trials", "3", "--storage", str(db),
+                "--emulate-sample-s", "0.002", "--pruner", "none")
+    assert r.returncode == 0, r.stderr[-3000:]
+    study = optuna.load_study(study_name="measured", storage=f"sqlite:///{db}")
+    placed_after_the_first(study)
+    peak = study.trials[0].user_attrs["peak_bytes"]
+    assert peak > 0
+    for t in study.trials[1:]:       # the need of the later trials: the largest peak measured before them
+        before = [u.user_attrs["peak_bytes"] for u in study.trials if u.datetime_complete <= t.datetime_start]
+        assert t.user_attrs["memory_bytes"] == max(before), (t.number, t.user_attrs, before)
+
+
+def test_an_objective_file_with_neither_form_names_both(tmp_path):
+    bad = tmp_path / "obj.py"
+    bad.write_text("def memory(params):\n    return {}\n")
+    one_line_error(hetrain_here("sweep", str(bad), "--emulate", SPEC, "--trials", "1", "--storage", str(tmp_path / "s.db")),
+                   "defines neither objective(trial) nor space(trial) and train(params, ctx)", "objective(trial) -> float")
+
+
+def reference_loss(lr: float) -> float:
+    """The group objective's training in this process, no hetrain: the loss of its last step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("group_reference", GROUP_OBJECTIVE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x, y = module.data()
+    model, opt = module.model_and_opt(lr)
+    for step in range(module.STEPS):
+        loss = torch_mse(model(x[step * module.BATCH:(step + 1) * module.BATCH]), y[step * module.BATCH:(step + 1) * module.BATCH])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def torch_mse(a, b):
+    import torch
+
+    return torch.nn.functional.mse_loss(a, b)
+
+
+def test_a_trial_too_big_for_one_card_runs_as_a_data_parallel_job_over_a_group(tmp_path):
+    db, out = tmp_path / "s.db", tmp_path / "s.json"
+    r = hetrain("sweep", str(GROUP_OBJECTIVE), "--emulate", "rtx3090@64MiB,rtx3090@64MiB", "--trials", "4",
+                "--storage", str(db), "--emulate-sample-s", "0.002", "--pruner", "none", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    ran = {t["number"]: t for t in data["trials_run"]}
+    assert sorted(ran) == [0, 1, 2, 3] and all(t["state"] == "complete" for t in ran.values()), ran
+    for n, t in ran.items():
+        if n % 2 == 0:      # declared 91.6 MiB: more than one card's 57.6 MiB room, sharded over both
+            assert t["group"] == ["rtx3090#0 (emulated)", "rtx3090#1 (emulated)"] and t["sharding"] == "fsdp", t
+            # rank 0's value, the big-batch math of the job: what one process training alone reaches
+            assert t["value"] == pytest.approx(reference_loss(t["params"]["lr"]), rel=1e-4)
+        else:
+            assert t["group"] is None and t["device"].startswith("rtx3090#"), t
+    assert data["groups"] == [{"group": "rtx3090#0 (emulated) + rtx3090#1 (emulated)", "complete": 2, "pruned": 0,
+                               "failed": 0, "busy_s": pytest.approx(sum(ran[n]["busy_s"] for n in (0, 2))),
+                               "largest_bytes": pytest.approx(ran[0]["memory_bytes"])}]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("group "))
+    assert row.split("│")[2].strip() == "2"                       # its complete column
+    assert "a data-parallel job over rtx3090#0 (emulated) + rtx3090#1 (emulated), fsdp sharding" in r.stderr
+
+
+def test_a_group_trial_no_group_holds_is_one_line_with_its_need_and_the_largest_groups_room(tmp_path):
+    one_line_error(hetrain("sweep", str(GROUP_OBJECTIVE), "--emulate", "rtx3090@32MiB,rtx3090@32MiB", "--trials", "2",
+                           "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
+                   "trial 0", "fits no device and no group", "needs 91.6 MiB",
+                   "the largest group, 2 device(s)", "has room for 57.6 MiB together", "under its best sharding, fsdp")
