@@ -24,9 +24,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import torch
 from torch.utils.data import IterableDataset
 
 from ...errors import HetrainError, UsageError
@@ -237,12 +237,32 @@ def open_stream(cfg, dataset, log=None) -> tuple[StreamSampler, StreamView, int]
 
 
 def _fingerprint(sampler: StreamSampler, n: int) -> str:
-    items = [sampler.item(p) for p in range(n)]
-    try:
-        data = pickle.dumps(items)
-    except Exception:       # noqa: BLE001 — something unpicklable: its text is compared instead
-        data = repr(items).encode()
-    return hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256()
+    for p in range(n):
+        _digest(sampler.item(p), h)
+    return h.hexdigest()
+
+
+def _digest(obj, h) -> None:
+    """The sample's values into the hash, not its pickle: the same tensor pickles differently by
+    its storage (datasets' torch format views a larger buffer on one rank than on another)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, Mapping):
+        h.update(b"{")
+        for key in sorted(obj, key=repr):
+            h.update(repr(key).encode())
+            _digest(obj[key], h)
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for x in obj:
+            _digest(x, h)
+        h.update(b"]")
+    else:             # numbers, strings, arrays: their text
+        h.update(repr(obj).encode())
 
 
 def _too_short(n: int, b: int) -> UsageError:
