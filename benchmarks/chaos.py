@@ -7,27 +7,35 @@ were injected and survived, how many restarts they caused, the wall time lost, w
 parameters equal the clean run's, and whether every sample was used exactly once per epoch.
 
     python benchmarks/chaos.py --layout all --json chaos.json [--faults 20] [--steps 30] [--seed 0]
+    python benchmarks/chaos.py --smoke      (seconds: dp, 2 faults, 6 steps; the same code path)
 
 Layouts (--layout, one or several, or `all`):
-    dp        parallel='dp', sharding='none' (DDP)            on a100-80g,rtx3090
-    zero1     parallel='dp', sharding='zero1'                 on a100-80g,rtx3090
-    fsdp      parallel='dp', sharding='fsdp' (FSDP2)          on a100-80g,rtx3090
-    capacity  parallel='dp', sharding='capacity'              on a100-80g,rtx3090
-    pp        parallel='pp', one pipeline of 2 stages         on a100-80g,rtx3090
-    dp-pp     parallel='dp-pp', 2 replicas x 2 stages         on a100-80g,rtx3090,a100-80g,rtx3090
+    dp             DataParallel(sharding='none') (DDP)                       on a100-80g,rtx3090
+    zero1          DataParallel(sharding='zero1')                            on a100-80g,rtx3090
+    fsdp           DataParallel(sharding='fsdp') (FSDP2)                     on a100-80g,rtx3090
+    capacity       DataParallel(sharding='capacity')                         on a100-80g,rtx3090
+    capacity-full  DataParallel(sharding='capacity-full')                    on a100-80g,rtx3090
+    pp             Pipeline(micro_batches=2): one pipeline of 2 stages       on a100-80g,rtx3090
+    dp-pp          Pipeline(stages=2, micro_batches=2): 2 replicas x 2 stages on a100-80g,rtx3090 twice
+    tp             TensorParallel(split='speed') of a Hugging Face GPT-2     on a100-80g,rtx3090
+    pp-resplit     pp of 6 blocks on two a100-80g, stage 1 slowed 3x from step 1 (in both runs) and
+                   rebalancing on: the pipeline re-splits online while the faults land
 
-The job is a small residual-block model in float64, trained with SGD (momentum) through the one
-loop of every layout (`ht.backward(ht.loss(mb))`, loss_fn= in prepare). Its final parameters are
-gathered by whole-model name (under a pipeline each rank holds its stage's) and compared with the
-clean run's: equal within 1e-6 relative, not bitwise, because an OOM halves a micro-batch (and a
-restart may re-plan the shares), so a gradient is summed in another order; float64 keeps that
-rounding near 1e-15, far below the tolerance, while a lost or doubled sample or step moves the
-parameters by orders of magnitude more. `exact` in the JSON says whether they were bitwise equal.
+Under TP and capacity-full in-loop OOM recovery is off (an OOM ends the attempt; the resumed job
+halves that micro-batch), so there an OOM is a restart like a kill.
+
+The job (benchmarks/_chaos_job.py) is float64, trained with SGD (momentum). Its final parameters
+are gathered whole by the user's model's names (a pipeline's stages, FSDP2's and capacity-full's
+shards, TP's rows and columns) and compared with the clean run's: equal within 1e-6 relative, not
+bitwise, because an OOM halves a micro-batch (and a restart may re-plan the shares), so a gradient
+is summed in another order; float64 keeps that rounding near 1e-15, far below the tolerance, while
+a lost or doubled sample or step moves the parameters by orders of magnitude more. `exact` in the
+JSON says whether they were bitwise equal. Exit 0 when every layout survived every fault with the
+clean run's parameters and every sample once, 1 otherwise, 2 for bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -37,117 +45,46 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 PAIR = "a100-80g,rtx3090"
 QUAD = "a100-80g,rtx3090,a100-80g,rtx3090"
-# layout -> (parallel=, sharding=, emulated cluster, ranks per replica)
+JOB = Path(__file__).with_name("_chaos_job.py")   # what each worker runs
+
+
+@dataclass(frozen=True)
+class Case:
+    parallel: str                 # dp | pp | dp-pp | tp: which layout object chaos_job.py passes
+    sharding: str = "none"        # DataParallel(sharding=...)
+    cluster: str = PAIR
+    group: int = 1                # ranks that share one micro-batch size (a pipeline replica, a TP group)
+    model: str = "residual"       # residual (float64 stack) | gpt2 (Hugging Face, from a config)
+    oom_restarts: bool = False    # in-loop OOM recovery is off: an OOM ends the attempt, resumed smaller
+    resplit: bool = False         # stage 1 slowed 3x from step 1, rebalancing on: its blocks move online
+    blocks: int = 4
+
+
 LAYOUTS = {
-    "dp": ("dp", "none", PAIR, 1),
-    "zero1": ("dp", "zero1", PAIR, 1),
-    "fsdp": ("dp", "fsdp", PAIR, 1),
-    "capacity": ("dp", "capacity", PAIR, 1),
-    "pp": ("pp", "none", PAIR, 2),
-    "dp-pp": ("dp-pp", "none", QUAD, 2),
+    "dp": Case("dp"),
+    "zero1": Case("dp", "zero1"),
+    "fsdp": Case("dp", "fsdp"),
+    "capacity": Case("dp", "capacity"),
+    "capacity-full": Case("dp", "capacity-full", oom_restarts=True),
+    "pp": Case("pp", group=2),
+    "dp-pp": Case("dp-pp", cluster=QUAD, group=2),
+    "tp": Case("tp", group=2, model="gpt2", oom_restarts=True),
+    "pp-resplit": Case("pp", cluster="a100-80g,a100-80g", group=2, resplit=True, blocks=6),
 }
 GLOBAL_BATCH = 128
 DATASET = 320
-MICRO = 32            # data parallel: at most 32 samples a micro-batch (5 halvings to 1)
+MICRO = 32            # data and tensor parallel: at most 32 samples a micro-batch (5 halvings to 1)
 PIPE_MICRO_BATCHES = 2   # a pipeline: 2 micro-batches per step (pp: 64 samples each, dp-pp: ~32)
 REL_TOL = 1e-6
 SHUTDOWN_S = 2
-
-
-# -- the job (run by each worker) -----------------------------------------------------------------
-def make_model():
-    import torch
-    from torch import nn
-
-    from hetrain.parallel import PipelineParts
-
-    class Residual(nn.Module):
-        def __init__(self, h: int):
-            super().__init__()
-            self.fc = nn.Linear(h, h)
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
-
-    class ChaosNet(nn.Module):
-        """Residual blocks in a ModuleList: FSDP2's units and a pipeline's cut points."""
-
-        def __init__(self, d: int = 16, h: int = 32, n_blocks: int = 4):
-            super().__init__()
-            self.inp = nn.Linear(d, h)
-            self.blocks = nn.ModuleList(Residual(h) for _ in range(n_blocks))
-            self.out = nn.Linear(h, 1)
-
-        def forward(self, x):
-            x = self.inp(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)
-
-        def pipeline_parts(self):
-            return PipelineParts(first=self.inp, blocks=tuple(self.blocks), last=self.out)
-
-    torch.manual_seed(0)
-    return ChaosNet().double()
-
-
-def whole_parameters(model) -> dict:
-    """{whole-model name: tensor} over all ranks (a collective): each rank gives the parameters it
-    holds (`model.parameters()`; under a pipeline its stage's), named by identity in the user's
-    model; FSDP2's shards are gathered whole."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    held = {id(p) for p in model.parameters()}
-    mine = {}
-    for name, p in model.module.named_parameters():
-        if id(p) in held:
-            t = p.detach()
-            mine[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    merged = {}
-    for part in everyone:
-        for name, t in part.items():
-            merged.setdefault(name, t)
-    return merged
-
-
-def worker(args) -> None:
-    import torch
-    import torch.nn.functional as F
-
-    import hetrain
-    from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
-
-    parallel, sharding, _, _ = LAYOUTS[args.layout]
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=args.steps,
-                      checkpoints=Checkpoints(dir=args.ckpt, every=args.every),
-                      reporting=Reporting(sample_log=f"{args.ckpt}/samples", verbose=True),
-                      rebalancing=Rebalancing(enabled=False), memory=Memory(max_micro_batch=MICRO),
-                      emulation=Emulation(sample_s=0.002), timeout_s=args.timeout, precision="fp32",
-                      sharding=sharding)   # the controlled clock: splits by speed
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(DATASET, 16, generator=g, dtype=torch.float64)
-    data = torch.utils.data.TensorDataset(x, torch.sin(x[:, :4]).sum(1, keepdim=True))
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    extra = {"micro_batches": PIPE_MICRO_BATCHES} if parallel in ("pp", "dp-pp") else {}
-    model, opt, batches = ht.prepare(model, opt, data, parallel=parallel, loss_fn=F.mse_loss, **extra)
-    for step in batches:
-        for mb in step:
-            with mb:
-                ht.backward(ht.loss(mb))
-        ht.step()
-    params = whole_parameters(model)                                  # (collective)
-    if ht.is_main:
-        # torchrun's restart count of the attempt that finished: every restart the faults caused
-        torch.save({"params": params, "restarts": ht.ctx.restart}, args.out)
-    ht.close()
+SLOWDOWN = "slow:rank=1,step=1,factor=3"   # pp-resplit, in the clean run and the chaos run alike
+RESPLIT_FROM = 8      # pp-resplit: no restart before this step, so the first attempt moves its blocks
 
 
 # -- the schedule -------------------------------------------------------------------------------
@@ -155,17 +92,17 @@ def die_phases(layout: str) -> list[str]:
     """Where a kill can strike. Under a pipeline ht.backward() only records; the schedule's
     backward runs in no hook a `die:phase=backward` fault strikes from, so kills there come at a
     step's start or while a checkpoint is written."""
-    parallel = LAYOUTS[layout][0]
-    return ["start", "checkpoint"] if parallel in ("pp", "dp-pp") else ["start", "backward", "checkpoint"]
+    return ["start", "checkpoint"] if LAYOUTS[layout].parallel in ("pp", "dp-pp") else ["start", "backward", "checkpoint"]
 
 
 def oom_budget(layout: str) -> tuple[list[list[int]], int]:
     """The groups of ranks that share one micro-batch size (a pipeline replica's stages shrink
-    together), and how many halvings each can take before a micro-batch of 1 (then an OOM is fatal)."""
-    parallel, _, cluster, group = LAYOUTS[layout]
-    world = len(cluster.split(","))
-    groups = [list(range(r, r + group)) for r in range(0, world, group)]
-    if parallel == "dp":
+    together, a TP group's ranks too), and how many halvings each can take before a micro-batch
+    of 1 (then an OOM is fatal)."""
+    case = LAYOUTS[layout]
+    world = len(case.cluster.split(","))
+    groups = [list(range(r, r + case.group)) for r in range(0, world, case.group)]
+    if case.parallel in ("dp", "tp"):
         micro = MICRO
     else:
         micro = GLOBAL_BATCH // len(groups) // PIPE_MICRO_BATCHES
@@ -174,40 +111,62 @@ def oom_budget(layout: str) -> tuple[list[list[int]], int]:
 
 
 def schedule(n: int, steps: int, every: int, seed: int, layout: str = "dp") -> list[str]:
-    """n faults: about half OOMs (recovered inside the step), the rest kills and hangs (restarts).
+    """n faults: about half OOMs, the rest kills and hangs (restarts). An OOM is recovered inside
+    the step, except where the layout turns that off (TP, capacity-full: `oom_restarts`), where it
+    ends the attempt and the job resumes with that micro-batch halved: a restart like a kill.
 
-    Restart-causing fault i fires in restart attempt i. A kill while a checkpoint is written can
-    only strike at a checkpoint step (a multiple of `every`). An OOM at step s fires in the attempt
-    that first runs s: the number of restart faults at earlier steps."""
+    Restart-causing fault i fires in restart attempt i, each at its own step. A kill while a
+    checkpoint is written can only strike at a checkpoint step (a multiple of `every`). An
+    in-loop OOM at step s fires in the attempt that first runs s: the number of restart faults at
+    earlier steps. Under pp-resplit no restart comes before step RESPLIT_FROM, so the first attempt
+    re-splits (a resumed job re-plans from the catalog's speeds and re-splits again)."""
     rng = random.Random(seed)
+    case = LAYOUTS[layout]
     groups, budget = oom_budget(layout)
     world = sum(len(g) for g in groups)
     n_oom = min(n // 2, budget * len(groups))
-    n_stall = max(1, n // 7) if n - n_oom > 0 else 0
+    n_stall = n // 7      # a hang costs the collective timeout: a few of them (none in a smoke)
     n_die = n - n_oom - n_stall
-    kinds = ["stall"] * n_stall + ["die"] * n_die
+    oom_groups = []
+    per_group = Counter()
+    for _ in range(n_oom):
+        g = min(range(len(groups)), key=lambda i: (per_group[i], rng.random()))   # spread over the groups
+        per_group[g] += 1
+        oom_groups.append(g)
+    kinds = ["stall"] * n_stall + ["die"] * n_die + (["oom"] * n_oom if case.oom_restarts else [])
     rng.shuffle(kinds)
+    first = RESPLIT_FROM if case.resplit else 2
     used: set[int] = set()
     planned = []
     for kind in kinds:
         phase = rng.choice(die_phases(layout)) if kind == "die" else "start"
-        choices = [s for s in range(2, steps - 1) if s not in used and (phase != "checkpoint" or s % every == 0)]
-        step = rng.choice(choices)
+        free = [s for s in range(first, steps - 1) if s not in used]
+        at_checkpoint = [s for s in free if s % every == 0]
+        if phase == "checkpoint" and not at_checkpoint:
+            phase = "start"
+        if not free:
+            raise SystemExit(f"{layout}: {len(kinds)} restart faults do not fit {steps} steps; give more --steps")
+        step = rng.choice(at_checkpoint if phase == "checkpoint" else free)
         used.add(step)
         planned.append((step, kind, phase))
+    oom_ranks = iter(rng.choice(groups[g]) for g in oom_groups)
+    oom_where = [(0, "forward"), (-1, "forward"), (0, "backward"), (-1, "backward")]
     faults = []
     for attempt, (step, kind, phase) in enumerate(sorted(planned)):
+        if kind == "oom":
+            micro, where = rng.choice(oom_where)
+            faults.append(f"oom:rank={next(oom_ranks)},step={step},micro={micro},phase={where},attempt={attempt}")
+            continue
         rank = rng.randrange(world)
         faults.append(f"die:rank={rank},step={step},phase={phase},attempt={attempt}" if kind == "die"
                       else f"stall:rank={rank},step={step},attempt={attempt}")
+    if case.oom_restarts:
+        return faults
     free = [s for s in range(1, steps) if s not in used]
-    per_group = Counter()
     for step in sorted(rng.sample(free, n_oom)):
-        g = min(range(len(groups)), key=lambda i: (per_group[i], rng.random()))   # spread over the groups
-        per_group[g] += 1
-        rank = rng.choice(groups[g])
+        rank = next(oom_ranks)
         attempt = sum(1 for s in used if s < step)
-        micro, phase = rng.choice([(0, "forward"), (-1, "forward"), (0, "backward"), (-1, "backward")])
+        micro, phase = rng.choice(oom_where)
         faults.append(f"oom:rank={rank},step={step},micro={micro},phase={phase},attempt={attempt}")
     return faults
 
@@ -215,14 +174,16 @@ def schedule(n: int, steps: int, every: int, seed: int, layout: str = "dp") -> l
 # -- the driver ---------------------------------------------------------------------------------
 def launch(tmp: Path, name: str, args, layout: str, faults: list[str] | None) -> tuple[float, Path, Path, str, str]:
     ckpt, out, log = tmp / f"{name}-ckpt", tmp / f"{name}.pt", tmp / f"{name}-faults.jsonl"
+    case = LAYOUTS[layout]
     # A hung (SIGSTOPped) worker ignores torchrun's SIGTERM: SIGKILL it after 2 s, not the default
     # grace (which is for preemption checkpoints; this job has none to write).
     env = {**os.environ, "HETRAIN_FAULT_LOG": str(log), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_S)}
     env.pop("HETRAIN_FAULTS", None)
-    if faults:
-        env["HETRAIN_FAULTS"] = ";".join(faults)
-    cmd = [sys.executable, "-m", "hetrain", "run", "--emulate", LAYOUTS[layout][2],
-           "--max-restarts", str(len(faults or ()) + 2), __file__, "--worker", "--layout", layout,
+    spec = ([SLOWDOWN] if case.resplit else []) + list(faults or ())
+    if spec:
+        env["HETRAIN_FAULTS"] = ";".join(spec)
+    cmd = [sys.executable, "-m", "hetrain", "run", "--emulate", case.cluster,
+           "--max-restarts", str(len(faults or ()) + 2), str(JOB), "--layout", layout, "--blocks", str(case.blocks),
            "--steps", str(args.steps), "--every", str(args.every), "--timeout", str(args.timeout),
            "--ckpt", str(ckpt), "--out", str(out)]
     t0 = time.perf_counter()
@@ -258,26 +219,37 @@ def samples_once(ckpt: Path, steps: int) -> bool:
 
 
 def run_layout(layout: str, args, tmp: Path) -> dict:
-    """The clean run and the chaos run of one layout, and their figures."""
+    """The clean run and the chaos run of one layout, and their figures. Under --smoke the two run
+    at once (seconds, not a figure of time lost)."""
     faults = schedule(args.faults, args.steps, args.every, args.seed, layout)
-    clean_s, clean_out, _, _, clean_error = launch(tmp, f"{layout}-clean", args, layout, None)
+    if args.smoke:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(launch, tmp, f"{layout}-{name}", args, layout, f) for name, f in
+                    (("clean", None), ("chaos", faults))]
+            (clean_s, clean_out, _, clean_stdout, clean_error), chaos = (r.result() for r in runs)
+    else:
+        clean_s, clean_out, _, clean_stdout, clean_error = launch(tmp, f"{layout}-clean", args, layout, None)
+        chaos = None if clean_error else launch(tmp, f"{layout}-chaos", args, layout, faults)
     if clean_error:
         raise SystemExit(f"{layout}: the clean run failed: {clean_error}")
-    chaos_s, chaos_out, ckpt, stdout, error = launch(tmp, f"{layout}-chaos", args, layout, faults)
+    chaos_s, chaos_out, ckpt, stdout, error = chaos
     log = tmp / f"{layout}-chaos-faults.jsonl"
     fired = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    fired = [f for f in fired if f["kind"] != "slow"]     # pp-resplit's slowdown: the layout's, not a fault
     finished = not error and chaos_out.exists()
     equal, exact, worst = compare(chaos_out, clean_out) if finished else (False, False, math.inf)
-    parallel, sharding, cluster, _ = LAYOUTS[layout]
+    case = LAYOUTS[layout]
     import torch
 
     return {
-        "layout": layout, "parallel": parallel, "sharding": sharding, "cluster": cluster,
-        "planned": len(faults),
+        "layout": layout, "parallel": case.parallel, "sharding": case.sharding, "cluster": case.cluster,
+        "model": case.model, "planned": len(faults),
         "injected": len(fired),
         "survived": len(fired) if finished else 0,
         "restarts": torch.load(chaos_out)["restarts"] if finished else None,
         "resumes_from_checkpoint": stdout.count("resumed from step-"),
+        "resplits": stdout.count("pipeline re-split at step"),
+        "clean_resplits": clean_stdout.count("pipeline re-split at step"),
         "seconds_lost": round(chaos_s - clean_s, 1),
         "params_equal": bool(equal), "exact": bool(exact),
         "max_rel_diff": worst if math.isfinite(worst) else None,
@@ -285,12 +257,14 @@ def run_layout(layout: str, args, tmp: Path) -> dict:
         "by_kind": dict(Counter(f["kind"] for f in fired)),
         "clean_seconds": round(clean_s, 1), "chaos_seconds": round(chaos_s, 1),
         "error": error or None,
-        "not_injectable": [] if parallel == "dp" else ["die in backward (a pipeline's backward runs in the schedule)"],
+        "not_injectable": (["die in backward (a pipeline's backward runs in the schedule)"]
+                           if case.parallel in ("pp", "dp-pp") else []),
+        "ooms_restart": case.oom_restarts,
         "schedule": faults,
     }
 
 
-COLUMNS = ("layout", "injected", "survived", "restarts", "seconds_lost", "params_equal", "samples_once")
+COLUMNS = ("layout", "injected", "survived", "restarts", "resplits", "seconds_lost", "params_equal", "samples_once")
 
 
 def table(rows: list[dict]) -> str:
@@ -300,30 +274,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_layouts(text: str) -> list[str]:
+def parse_layouts(p, text: str) -> list[str]:
     names = list(LAYOUTS) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown or not names:
-        raise SystemExit(f"--layout {text!r}: use `all` or some of {', '.join(LAYOUTS)}")
+        p.error(f"--layout {text}: unknown layout {', '.join(unknown) or '(none given)'}; "
+                f"use all or some of {', '.join(LAYOUTS)}")
     return names
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layout", default="all", help=f"all, or comma-separated: {', '.join(LAYOUTS)}")
+def main(argv=None) -> int:
+    from _common import Parser, add_smoke, apply_smoke    # (here: tests load this file for its schedule alone)
+
+    p = Parser(prog="chaos.py", description=__doc__.splitlines()[0])
+    p.add_argument("--layout", default=None, help=f"all (the default), or comma-separated: {', '.join(LAYOUTS)}")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--faults", type=int, default=20, help="faults per layout")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--timeout", type=float, default=8, help="collective timeout: a hang becomes an error")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_smoke(p)
     args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    layouts = parse_layouts(args.layout)
+    # smoke: one layout, a kill (a restart from a checkpoint) and an in-loop OOM, 6 steps
+    apply_smoke(p, args, faults=2, steps=6, every=2)
+    layouts = parse_layouts(p, args.layout or ("dp" if args.smoke else "all"))
     rows = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,22 +307,30 @@ def main(argv=None) -> None:
             row = run_layout(layout, args, Path(tmp))
             rows.append(row)
             print(f"{layout}: {row['injected']}/{row['planned']} injected {row['by_kind']}, "
-                  f"{row['survived']} survived, {row['restarts']} restarts, {row['seconds_lost']} s lost, "
-                  f"params equal {row['params_equal']} (max rel diff {row['max_rel_diff']}), "
-                  f"samples once {row['samples_once']}" + (f"; FAILED: {row['error']}" if row["error"] else ""),
-                  flush=True)
+                  f"{row['survived']} survived, {row['restarts']} restarts, {row['resplits']} re-splits, "
+                  f"{row['seconds_lost']} s lost, params equal {row['params_equal']} (max rel diff "
+                  f"{row['max_rel_diff']}), samples once {row['samples_once']}"
+                  + (f"; FAILED: {row['error']}" if row["error"] else ""), flush=True)
     print(table(rows))
     if args.json:
         from hetrain.hardware.host import host_facts
 
         setup = {"steps": args.steps, "global_batch": GLOBAL_BATCH, "dataset": DATASET, "checkpoint_every": args.every,
-                 "collective_timeout_s": args.timeout,
+                 "collective_timeout_s": args.timeout, "smoke": args.smoke,
                  "torchrun_shutdown_timeout_s": SHUTDOWN_S, "seed": args.seed, "faults_per_layout": args.faults,
-                 "model": "4 residual blocks, width 32, float64, SGD momentum 0.9", "precision": "fp32 (float64 model)",
+                 "models": {"residual": "4 residual blocks (pp-resplit: 6), width 32, float64, SGD momentum 0.9",
+                            "gpt2": "Hugging Face GPT-2 from a config: 2 layers, 8 heads, width 32, float64, SGD "
+                                    "momentum 0.9"},
+                 "precision": "fp32 (float64 model)", "pp_resplit_slowdown": SLOWDOWN,
                  "params_equal_means": f"every parameter within {REL_TOL:g} relative (exact: bitwise)"}
         Path(args.json).write_text(json.dumps({"rows": rows, "setup": setup, "wall_seconds": round(time.perf_counter() - t0, 1),
                                                "host": host_facts().to_dict()}, indent=2))
+    bad = [r["layout"] for r in rows if not (r["params_equal"] and r["samples_once"] and r["survived"] == r["planned"])]
+    if bad:
+        print(f"chaos.py: not survived with the clean run's parameters and every sample once: {', '.join(bad)}",
+              file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
