@@ -44,15 +44,17 @@ def parse_pruner(spec: str) -> PrunerSpec:
     """`median`, `median:startup=5,warmup=0,interval=1` (any of them) or `none`; a bad spec is one
     UsageError naming the fix."""
     fix = "use --pruner median, --pruner median:startup=5,warmup=0,interval=1 or --pruner none"
-    kind, _, rest = str(spec).strip().partition(":")
+    kind, colon, rest = str(spec).strip().partition(":")
     if kind not in PRUNER_KINDS:
         raise UsageError(f"--pruner {spec!r}: {kind!r} is not one of {', '.join(PRUNER_KINDS)}", fix)
     if kind == "none":
-        if rest:
+        if colon:
             raise UsageError(f"--pruner {spec!r}: none takes no settings", "use --pruner none")
         return PrunerSpec(kind="none")
+    if colon and not rest.strip(", "):
+        raise UsageError(f"--pruner {spec!r} gives no settings after the colon", fix)
     values = dict(MEDIAN_DEFAULTS)
-    for part in filter(None, (p.strip() for p in rest.split(","))) if rest else ():
+    for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
         if key not in MEDIAN_KEYS or not eq:
             raise UsageError(f"--pruner {spec!r}: {part!r} is not one of {', '.join(k + '=N' for k in MEDIAN_KEYS)}",
@@ -65,8 +67,6 @@ def parse_pruner(spec: str) -> PrunerSpec:
             raise UsageError(f"--pruner {spec!r}: {key}={value!r} must be a whole number of at least "
                              f"{1 if key == 'interval' else 0}", fix)
         values[key] = number
-    if rest and not rest.strip(", "):
-        raise UsageError(f"--pruner {spec!r} gives no settings after the colon", fix)
     return PrunerSpec(kind="median", **values)
 
 
