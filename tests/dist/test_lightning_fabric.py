@@ -211,7 +211,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 @pytest.mark.parametrize("make, said", [
-    (lambda d: DataLoader(Stream()), "an IterableDataset (Stream)"),
+    (lambda d: DataLoader(Stream(), batch_size=None), "batch_size=None over an IterableDataset"),   # a stream is taken
     (lambda d: DataLoader(d, sampler=torch.utils.data.SubsetRandomSampler(range(8))), "sampler=SubsetRandomSampler"),
     (lambda d: DataLoader(d, batch_sampler=torch.utils.data.BatchSampler(range(8), 2, False)), "batch_sampler="),
     (lambda d: DataLoader(d, sampler=torch.utils.data.RandomSampler(d, replacement=True)), "with replacement"),

@@ -6,6 +6,10 @@ Fabric's own loop is one batch per rank per optimizer step, the same size on eve
 hetrain ranks run uneven shares, in micro-batches sized to each device's memory, so ranks run
 different numbers of batches in one step; optimizer.step() steps once they all have.
 
+An IterableDataset is read as hetrain.prepare reads a stream (runtime/loop/stream.py): in its own
+order, every rank its share's slice of each global step; without a length it needs
+HetrainStrategy(max_steps=N), and one pass over the loader is then the whole run.
+
 Every DataLoader setting hetrain cannot honour is refused with the fix, never silently dropped:
 the samples of each step are hetrain's global-cursor sampler's (it splits them unevenly by the
 plan), and each micro-batch's size is the plan's.
@@ -15,15 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.utils.data import (
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-)
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from ...errors import UsageError
+from ...runtime.loop.stream import is_stream, stream_length
 
 
 @dataclass(frozen=True)
@@ -42,10 +41,17 @@ def training_data(loader: DataLoader) -> TrainingData:
     def refuse(what: str, fix: str) -> UsageError:
         return UsageError(f"HetrainStrategy's training DataLoader: {what}", fix)
 
-    if isinstance(loader.dataset, IterableDataset):
-        raise refuse(f"an IterableDataset ({type(loader.dataset).__name__}): hetrain picks each step's samples by "
-                     "index from one global stream, split unevenly over the ranks",
-                     "give a map-style dataset (with __len__ and __getitem__)")
+    if loader.num_workers:
+        raise refuse(f"num_workers={loader.num_workers}: hetrain loads each micro-batch's samples in this process, "
+                     "when the plan calls for them", "remove num_workers=")
+    if is_stream(loader.dataset):
+        # Its DataLoader's sampler is torch's stand-in (_InfiniteConstantSampler): the stream's own
+        # order is the order (runtime/loop/stream.py), so only batch_size is read.
+        if loader.batch_size is None:
+            raise refuse("batch_size=None over an IterableDataset: hetrain batches each rank's micro-batches itself",
+                         "leave batch_size at its default, or set it to the mean share of a device")
+        return TrainingData(dataset=loader.dataset, collate_fn=loader.collate_fn, batch_size=loader.batch_size,
+                            shuffle=False, drop_last=loader.drop_last)
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         raise refuse("a DistributedSampler: it gives every rank an equal part, but hetrain gives each rank its own "
@@ -68,9 +74,6 @@ def training_data(loader: DataLoader) -> TrainingData:
         raise refuse("batch_size=None: hetrain batches each rank's micro-batches itself, by the plan",
                      "leave batch_size at its default, or set it to the mean share of a device (the global batch "
                      "over the devices); cap micro-batches with HetrainStrategy(memory=Memory(max_micro_batch=N))")
-    if loader.num_workers:
-        raise refuse(f"num_workers={loader.num_workers}: hetrain loads each micro-batch's samples in this process, "
-                     "when the plan calls for them", "remove num_workers=")
     return TrainingData(dataset=loader.dataset, collate_fn=loader.collate_fn, batch_size=loader.batch_size,
                         shuffle=isinstance(sampler, RandomSampler), drop_last=loader.drop_last)
 
@@ -119,5 +122,8 @@ class StepLoader:
         """Optimizer steps in an epoch (what stock Fabric's len(loader) counts on each rank): the
         global batches in the dataset, the last one short unless drop_last."""
         data, batch = self.strategy.pieces.data, self.strategy.job_global_batch()
-        n = len(data.dataset)
+        n = stream_length(data.dataset)
+        if n is None:            # as stock's len() of a DataLoader over a stream without one
+            raise TypeError(f"the training data is a stream without a length ({type(data.dataset).__name__}): "
+                            "one pass over the loader is the whole run, HetrainStrategy(max_steps=N)")
         return n // batch if data.drop_last else -(-n // batch)

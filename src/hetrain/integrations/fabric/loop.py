@@ -78,6 +78,8 @@ class PlainLoop:
     def steps_in_pass(self, job) -> int:
         """The steps until the sampler's stream reaches the next epoch."""
         sampler = job.sampler
+        if sampler.dataset_len is None:   # a stream without a length: its passes cannot be counted ahead,
+            return job.total_steps - job.steps_done    # so one pass is the run (max_steps, required)
         left, batch = sampler.dataset_len - sampler.cursor, sampler.global_batch
         if sampler.drop_last:
             return (sampler.dataset_len if left < batch else left) // batch

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...errors import UsageError
+from ...runtime.loop.stream import stream_length
 from .data import TrainingData
 from .wrappers import FabricModel, FabricOptimizer, FabricScheduler
 
@@ -74,6 +75,10 @@ class Pieces:
             raise UsageError("a second optimizer set up under HetrainStrategy", "set up exactly one optimizer")
 
     def take_data(self, data: TrainingData) -> None:
+        if stream_length(data.dataset) is None and self.strategy.joined().job.config.max_steps is None:
+            raise UsageError(f"HetrainStrategy's training DataLoader reads an IterableDataset without a length "
+                             f"({type(data.dataset).__name__}): its passes' steps cannot be counted",
+                             "pass HetrainStrategy(max_steps=N) (or give the dataset a __len__)")
         global_batch(self.strategy.given_global_batch, data, self.strategy.joined().world_size)   # refused here
         self.data = data
         self.prepare_when_ready()
