@@ -134,3 +134,91 @@ def test_fabric_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_m
     r0, r1 = run_ranks(fabric_worker, 2, None)
     assert r0 == r1 and "\n" not in r0
     assert "IterableDataset without a length" in r0 and "HetrainStrategy(max_steps=N)" in r0
+
+
+# -- the Hugging Face Trainer ----------------------------------------------------------------------
+# A pass of 48 samples is 3 whole global batches: stock's DataLoader over a stream ends a pass with
+# a short batch (it ignores dataloader_drop_last for an IterableDataset), which neither hetrain's
+# carry nor its drop reproduces, so the stream here has no tail and the two read the same batches.
+TRAINER_N = 48
+
+
+class TokenStream(IterableDataset):
+    """hf_tiny's token samples, in an order of its own each pass; no __len__."""
+
+    def __init__(self):
+        from hf_tiny import token_data
+
+        self.x, self.y = token_data(TRAINER_N)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        ids = list(range(TRAINER_N))
+        random.Random(70 + self.epoch).shuffle(ids)
+        return ({"input_ids": self.x[i], "labels": self.y[i]} for i in ids)
+
+
+def float64_loss(outputs, labels, num_items_in_batch=None):     # Trainer(compute_loss_func=...), as test_hf_trainer
+    return F.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def trainer_arguments(out_dir, per_device, **kw):
+    from transformers import TrainingArguments
+
+    given = dict(output_dir=out_dir, per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=1e-2,
+                 optim="adamw_torch", lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
+                 save_strategy="no", logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True)
+    return TrainingArguments(**{**given, **kw})
+
+
+def trainer_worker(rank, world, out_dir, plan_path, args_kw):
+    from hf_tiny import gpt2
+
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import Trainer
+
+    try:
+        trainer = Trainer(model=gpt2(), args=trainer_arguments(out_dir, B // world, **args_kw),
+                          train_dataset=TokenStream(), compute_loss_func=float64_loss,
+                          hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
+                                   "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+        result = trainer.train()
+    except UsageError as e:
+        return str(e)
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "global_step": result.global_step,
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+def trainer_stock(out_dir):
+    import transformers
+    from hf_tiny import gpt2
+
+    trainer = transformers.Trainer(model=gpt2(), args=trainer_arguments(out_dir, B), train_dataset=TokenStream(),
+                                   compute_loss_func=float64_loss)
+    result = trainer.train()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "global_step": result.global_step,
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+@needs("transformers")
+def test_the_trainer_over_a_stream_on_uneven_ranks_equals_the_stock_trainer_in_one_process(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(make_plan().to_json())
+    stock = trainer_stock(str(tmp_path / "stock"))
+    assert stock["global_step"] == STEPS
+    for r in run_ranks(trainer_worker, 2, str(tmp_path / "out"), str(plan), {}, timeout=180):
+        assert r["global_step"] == STEPS
+        assert max_diff(r["params"], stock["params"]) < 1e-12
+        assert r["losses"] == pytest.approx(stock["losses"], rel=1e-6)    # the Trainer's float32 loss log
+
+
+@needs("transformers")
+def test_the_trainer_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(make_plan().to_json())
+    r0, r1 = run_ranks(trainer_worker, 2, str(tmp_path / "out"), str(plan), {"max_steps": -1, "num_train_epochs": 2})
+    assert r0 == r1 and "\n" not in r0
+    assert "IterableDataset without a length and max_steps is not set" in r0 and "max_steps=N" in r0

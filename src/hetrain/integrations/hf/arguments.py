@@ -106,8 +106,19 @@ def global_batch(args, world_size: int, hetrain: dict) -> int:
     return product
 
 
-def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dict:
-    """hetrain.init's keywords for this Trainer run (without `resume`, which train() decides)."""
+def no_max_steps() -> UsageError:
+    return UsageError("train_dataset is an IterableDataset without a length and max_steps is not set: its epochs' "
+                      "steps cannot be counted", "set TrainingArguments(max_steps=N) (or give the dataset a __len__)")
+
+
+def job_config(args, *, world_size: int, dataset_len: int | None, hetrain: dict) -> dict:
+    """hetrain.init's keywords for this Trainer run (without `resume`, which train() decides).
+    `dataset_len` None: a stream without a length, whose epochs cannot be counted."""
+    if dataset_len is None and args.max_steps <= 0:     # as stock, which needs max_steps there too
+        raise no_max_steps()
+    if dataset_len is None and _value(args.save_strategy) == "epoch":
+        raise UsageError("save_strategy='epoch' with a train_dataset without a length: its epochs cannot be counted",
+                         "use save_strategy='steps' with save_steps=N")
     given = {name: _set_fields(name, value) for name, value in hetrain.items()}
     for name, value in given.items():
         # an old keyword is named by where it went (checkpoint_dir: 'checkpoints.dir'), so one that
@@ -132,7 +143,8 @@ def job_config(args, *, world_size: int, dataset_len: int, hetrain: dict) -> dic
         config["memory"] = {"activation_checkpointing": "all"}
     save = _value(args.save_strategy)
     if save != "no":
-        per_epoch = (dataset_len // batch) if args.dataloader_drop_last else math.ceil(dataset_len / batch)
+        per_epoch = 0 if dataset_len is None else (dataset_len // batch) if args.dataloader_drop_last else \
+            math.ceil(dataset_len / batch)
         config["checkpoints"] = {
             "dir": os.path.join(args.output_dir, HETRAIN_STATE),
             "every": max(1, per_epoch) if save == "epoch" else _save_steps(args, per_epoch),

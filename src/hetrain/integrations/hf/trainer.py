@@ -15,6 +15,7 @@ arguments.py; the checkpoints: checkpoints.py; evaluation split over the ranks: 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -29,10 +30,11 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from ...errors import UsageError
 from ...runtime.engine import init
+from ...runtime.loop.stream import is_stream, stream_length
 from ...runtime.ranks.dist import env_rank
 from ...runtime.resilience.worker_errors import install_excepthook
 from . import checkpoints, evaluation
-from .arguments import conflicts, job_config
+from .arguments import conflicts, job_config, no_max_steps
 
 
 FSDP_EVAL = ("evaluation with hetrain's FSDP2 sharding: each rank runs its own part of the batches, and a "
@@ -59,6 +61,11 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args, hetrain: dict | None = None, **kwargs):
         install_excepthook(*env_rank(), lambda: None)       # from here on, bad input is one line
+        given = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
+        stream, arguments = given.get("train_dataset"), given.get("args")
+        if stream is not None and is_stream(stream) and stream_length(stream) is None and (
+                arguments is None or arguments.max_steps <= 0):
+            raise no_max_steps()     # before stock's own check says it as a ValueError
         super().__init__(*args, **kwargs)
         conflicts(self.args, model_init=self.model_init)    # at construction: before any work is done
         self.hetrain = dict(hetrain or {})
@@ -83,7 +90,7 @@ class Trainer(transformers.Trainer):
         args = self.args
         world = dist.get_world_size() if dist.is_initialized() else env_rank()[1]
         dataset = self.train_data()
-        config = job_config(args, world_size=world, dataset_len=len(dataset), hetrain=self.hetrain)
+        config = job_config(args, world_size=world, dataset_len=stream_length(dataset), hetrain=self.hetrain)
         saves = "dir" in config.get("checkpoints", {})        # save_strategy != 'no' (arguments.job_config)
         if resume_from_checkpoint not in (None, False) and not saves:
             raise UsageError("trainer.train(resume_from_checkpoint=...) with save_strategy='no'",
@@ -110,6 +117,8 @@ class Trainer(transformers.Trainer):
         if self.train_dataset is None:
             raise UsageError("hetrain's Trainer.train() without a train_dataset", "pass Trainer(train_dataset=...)")
         dataset = self.train_dataset
+        if is_stream(dataset):           # read as hetrain.prepare reads a stream (runtime/loop/stream.py)
+            return dataset
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise UsageError(f"train_dataset is a {type(dataset).__name__} without __len__ or __getitem__: hetrain "
                              "picks each step's samples by index from one global stream, cut unevenly by the plan",
@@ -123,7 +132,11 @@ class Trainer(transformers.Trainer):
         _init_training_state leave them. Returns the model hetrain wrapped."""
         args = self.args
         self.create_optimizer()
-        model, optimizer, steps = engine.prepare(self.model, self.optimizer, dataset, collate_fn=self.data_collator,
+        # A stream's unused columns are dropped by the collator, as stock drops them for any dataset
+        # that is not a datasets.Dataset (train_data drops a Dataset's own).
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training") \
+            if is_stream(dataset) else self.data_collator
+        model, optimizer, steps = engine.prepare(self.model, self.optimizer, dataset, collate_fn=collate,
                                                  parallel="dp")                                # (collective)
         if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is not optimizer:
             raise UsageError("Trainer(optimizers=(optimizer, scheduler)): hetrain's sharding replaced the optimizer, "
@@ -200,7 +213,7 @@ class Trainer(transformers.Trainer):
             if step.index not in engine.job.precision.skipped_steps:
                 self.lr_scheduler.step()
             self.tr_loss += torch.tensor(step.loss)
-            self.state.global_step, self.state.epoch = step.index + 1, self.epoch_of(step, len(dataset))
+            self.state.global_step, self.state.epoch = step.index + 1, self.epoch_of(step, stream_length(dataset))
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self.log_and_evaluate(learning_rate, started, ignore_keys)
             last = self.state.global_step == engine.total_steps
@@ -290,8 +303,11 @@ class Trainer(transformers.Trainer):
 
         return count
 
-    def epoch_of(self, step, samples: int) -> float:
-        """The Trainer's fractional epoch: the samples of the steps done over the dataset's length."""
+    def epoch_of(self, step, samples: int | None) -> float:
+        """The Trainer's fractional epoch: the samples of the steps done over the dataset's length
+        (a stream without one: the run, max_steps, is one epoch)."""
+        if samples is None:
+            return (step.index + 1) / self.engine.total_steps
         return (step.index + 1) * self.engine.job.config.global_batch / max(1, samples)
 
     def agreed_stop(self, engine, last: bool) -> bool:
