@@ -37,13 +37,12 @@ DEFAULTS = {"device_placement": True, "step_scheduler_with_optimizer": True, "lo
             "project_dir": None, "rng_types": None, "even_batches": True}
 FIX = ("use hetrain's own: Accelerator(hetrain={'sharding': 'fsdp' | 'zero1' | 'capacity'}) to shard, "
        "hetrain={'precision': 'auto'} for each device's precision, or the stock Accelerator for this script")
-UNBOUNDED = 10 ** 9      # steps, when the script's own loop decides when to stop (hetrain={'max_steps': N} bounds it)
 
 
 class Accelerator:
     """`from hetrain.integrations.accelerate import Accelerator`: an Accelerate script across mixed
     devices. `hetrain={...}` passes hetrain.init's keywords (precision='auto', sharding, emulate,
-    max_steps or epochs for a bounded run, seed, ...). Launch with `hetrain run [--emulate ...]`."""
+    max_steps or epochs to cap the run, seed, ...). Launch with `hetrain run [--emulate ...]`."""
 
     def __init__(self, *, gradient_accumulation_steps: int = 1, mixed_precision: str | None = None,
                  split_batches: bool = False, hetrain: dict | None = None, **accelerate_kwargs):
@@ -76,7 +75,7 @@ class Accelerator:
     local_process_index = property(lambda self: int(os.environ.get("LOCAL_RANK", "0")))
     is_main_process = property(lambda self: self.process_index == 0)
     is_local_main_process = property(lambda self: self.local_process_index == 0)
-    sync_gradients = property(lambda self: self.run is None or self.run.mb is None or self.run.mb.last,
+    sync_gradients = property(lambda self: self.run is None or self.run.sync_gradients,
                               doc="True on this rank's last micro-batch of a step (and outside the loop)")
 
     @property
@@ -119,17 +118,16 @@ class Accelerator:
         world = env_rank()[1]
         config = {"global_batch": per_step if self.split_batches else per_step * world, "shuffle": shuffle,
                   "drop_last": drop_last, **self.hetrain}
-        if "max_steps" not in config and "epochs" not in config:
-            config["max_steps"] = UNBOUNDED
         self.engine = engine = init(**config)                                              # (collective)
         model, optimizer, steps = engine.prepare(models[0], optimizers[0], train.dataset,
                                                  collate_fn=train.collate_fn, parallel="dp")   # (collective)
-        self.run = run = Run(engine, steps, len(train.dataset), drop_last)
+        self.run = run = Run(engine, steps, run_length_given="max_steps" in self.hetrain or "epochs" in self.hetrain,
+                             accumulation=self.gradient_accumulation_steps)
         self.model = model
         if engine.job.precision.dtype is not None:
             autocast_forward(model, engine)
         made = {id(models[0]): model, id(optimizers[0]): StepOptimizer(run, optimizer),
-                id(train): TrainLoader(run, train, self.gradient_accumulation_steps)}
+                id(train): TrainLoader(run, train)}
         for loader in loaders[1:]:
             made[id(loader)] = evaluation.EvalLoader(self, loader)
         for i, scheduler in enumerate(schedulers):

@@ -23,79 +23,60 @@ from __future__ import annotations
 import math
 
 from ...errors import UsageError
+from ..fabric.loop import PlainLoop
 
 
 class Run:
-    """The state the loader, optimizer, scheduler and accelerator share: the step in progress."""
+    """The loop's state, shared by the loader, optimizer, scheduler and accelerator. The mechanics
+    of a plain loop over hetrain's steps are Fabric's own loop's (fabric/loop.py: one pass an epoch,
+    a no-op optimizer.step() until a rank's last micro-batch, an OOM in backward redone, a loop body
+    that leaves mid-step settled with the peers, which then raise one LoopStopped); Run is what
+    that loop reads of its owner (`engine`, `run_length_given`) plus Accelerate's scheduler rule."""
 
-    def __init__(self, engine, steps, dataset_len: int, drop_last: bool):
+    def __init__(self, engine, steps, *, run_length_given: bool, accumulation: int):
         self.engine = engine
-        self.steps = iter(steps)              # hetrain's Steps, over the whole run
-        self.global_batch = engine.job.config.global_batch
-        self.per_epoch = max(1, dataset_len // self.global_batch if drop_last
-                             else math.ceil(dataset_len / self.global_batch))
-        self.micro = None                     # this step's micro-batch iterator, while one is in progress
-        self.mb = None                        # the micro-batch in the user's hands
-        self.stepped = False                  # the current step's optimizer step is done
-        self.scheduled = False                # ... and its scheduler step
-        self.started = False                  # a step ran (load_state must come before)
+        self.steps = steps                    # hetrain's Steps
+        self.run_length_given = run_length_given   # hetrain={'max_steps' | 'epochs'}; else a pass is an epoch
+        self.accumulation = accumulation
+        self.plain = PlainLoop(self)
+        self.started = False                  # a pass began (load_state must come before)
+        self.scheduled = None                 # the step index the scheduler last stepped for
         self.last_loss: float | None = None   # the last finished step's loss over the global batch
 
+    in_step = property(lambda self: self.plain.active)
+
     @property
-    def in_step(self) -> bool:
-        return self.micro is not None and not self.stepped
-
-    def begin(self) -> bool:
-        """The next global step, or False when the run is over (max_steps / epochs)."""
-        step = next(self.steps, None)
-        if step is None:
-            return False
-        self.started, self.stepped, self.scheduled = True, False, False
-        self.micro = iter(step)
-        return True
-
-    def next_micro(self):
-        """This rank's next micro-batch of the step, or None once they are done (every rank's
-        agreement then ran)."""
-        self.mb = next(self.micro, None)
-        return self.mb
+    def sync_gradients(self) -> bool:
+        """True on this rank's last micro-batch of a step (and outside the training loop)."""
+        mb = self.plain.mb if self.plain.active else None
+        return mb is None or mb.last
 
     def step(self) -> None:
-        """optimizer.step(): on this rank's last micro-batch, finish the step for every rank."""
-        if self.mb is None or self.stepped:
-            if self.stepped:
-                return                  # stock steps once per sync; a second call is a no-op here too
+        """optimizer.step(): on this rank's last micro-batch, the agreed step for every rank."""
+        if not self.plain.active:
+            if self.plain.finished is not None and self.plain.micro_batches is not None:
+                return              # stepped already in this batch: stock steps once per sync too
             raise UsageError("optimizer.step() outside the prepared training loop",
                              "call it inside `for batch in train_dataloader`, after accelerator.backward(loss)")
-        if not self.mb.last:
-            return                      # accumulating: as stock's step while sync_gradients is False
-        if not self.mb.backward_done:
-            raise UsageError("optimizer.step() before accelerator.backward(loss) on this micro-batch",
-                             "call accelerator.backward(loss) first")
-        if self.next_micro() is not None:       # runs the step's agreement (every rank is here too)
-            raise RuntimeError("hetrain ran a micro-batch past the step's last")   # a bug, not the user's
-        self.last_loss = self.engine.step().loss
-        self.stepped = True
+        done = self.plain.optimizer_step()
+        if done is not None:
+            self.last_loss = done.loss
 
     def schedule(self, scheduler) -> None:
-        """lr_scheduler.step(): once per global step, after its optimizer step (skipped with it
-        when fp16 overflowed, as stock's AcceleratedScheduler does)."""
-        if not self.stepped or self.scheduled:
+        """lr_scheduler.step(): once per global step, after its optimizer step (skipped with it when
+        fp16 overflowed, as stock's AcceleratedScheduler does)."""
+        done = self.plain.finished
+        if done is None or self.plain.micro_batches is None or self.scheduled == done.index:
             return
-        self.scheduled = True
-        done = self.engine.job.steps_done - 1
-        if done not in self.engine.job.precision.skipped_steps:
+        self.scheduled = done.index
+        if done.index not in self.engine.job.precision.skipped_steps:
             scheduler.step()
 
-    def end_of_step(self) -> None:
-        """The loader asks for the next micro-batch after this rank's last one: the step must have
-        been stepped (an accumulate/sync_gradients loop steps on the last micro-batch)."""
-        if not self.stepped:
-            raise UsageError("a step's micro-batches ended without optimizer.step() on the last one",
-                             "call optimizer.step() on every batch inside accelerator.accumulate(model), or when "
-                             "accelerator.sync_gradients is True (hetrain runs uneven numbers of micro-batches, so "
-                             "count steps by sync_gradients, not by batches)")
-        self.micro = self.mb = None
+    def steps_per_epoch(self) -> int:
+        sampler = self.engine.job.sampler
+        whole = sampler.dataset_len // sampler.global_batch if sampler.drop_last else \
+            math.ceil(sampler.dataset_len / sampler.global_batch)
+        return max(1, whole)
 
 
 class TrainLoader:
@@ -103,36 +84,19 @@ class TrainLoader:
     global steps. len() is a stock rank's batches per epoch (steps per epoch x accumulation), so a
     script's `len(train_dataloader) / gradient_accumulation_steps` still counts optimizer steps."""
 
-    def __init__(self, run: Run, loader, accumulation: int):
+    def __init__(self, run: Run, loader):
         self.run = run
         self.loader = loader                 # the user's DataLoader (batch_size, dataset, collate_fn)
-        self.accumulation = accumulation
 
     dataset = property(lambda self: self.loader.dataset)
     batch_size = property(lambda self: self.loader.batch_size)
 
     def __len__(self) -> int:
-        return self.run.per_epoch * self.accumulation
+        return self.run.steps_per_epoch() * self.run.accumulation
 
     def __iter__(self):
-        run = self.run
-        if run.in_step:
-            raise UsageError("the training dataloader was iterated again in the middle of a step",
-                             "break out of the loop only after optimizer.step() (when accelerator.sync_gradients)")
-        run.micro = run.mb = None
-        done_at_start = run.engine.job.steps_done
-        while True:
-            if run.micro is None:
-                if run.started and run.engine.job.steps_done > done_at_start and \
-                        run.engine.job.steps_done % run.per_epoch == 0:
-                    return                                  # the epoch's last step is done
-                if not run.begin():
-                    return
-            mb = run.next_micro() if not run.stepped else None
-            if mb is None:
-                run.end_of_step()
-                continue
-            yield mb.batch
+        self.run.started = True
+        return self.run.plain.epoch(self.run.steps)
 
 
 class StepOptimizer:
