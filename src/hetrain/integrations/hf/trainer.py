@@ -61,7 +61,9 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args, hetrain: dict | None = None, **kwargs):
         install_excepthook(*env_rank(), lambda: None)       # from here on, bad input is one line
-        given = inspect.signature(transformers.Trainer.__init__).bind(self, *args, **kwargs).arguments
+        # Not .bind(): a subclass (TRL's trainers) passes keywords of its own (ref_model, ...) through here.
+        positional = list(inspect.signature(transformers.Trainer.__init__).parameters)[1:]
+        given = {**dict(zip(positional, args)), **kwargs}
         stream, arguments = given.get("train_dataset"), given.get("args")
         if stream is not None and is_stream(stream) and stream_length(stream) is None and (
                 arguments is None or arguments.max_steps <= 0):
