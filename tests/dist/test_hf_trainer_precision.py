@@ -40,11 +40,24 @@ def arguments(out_dir, per_device, accum, **kw):
                              disable_tqdm=True, **kw)
 
 
-def worker(rank, world, out_dir, kw):
+def write_plan(path) -> str:
+    # A written plan: measured shares move with the host's load, and with them the micro-batches on
+    # which fp16 overflows, so two runs planned apart could skip different steps.
+    from hetrain.planning.plan import DevicePlan, Plan
+
+    devices = tuple(DevicePlan(rank=r, device="cpu", speed=1.0, share=s, micro_batch=m)
+                    for r, (s, m) in enumerate(((10, 4), (6, 6))))
+    path.write_text(Plan(global_batch=16, devices=devices).to_json())
+    return str(path)
+
+
+def worker(rank, world, out_dir, plan_path, kw):
     from hetrain.integrations.transformers import Trainer
 
     trainer = Trainer(model=gpt2().float(), args=arguments(out_dir, 4, 2, **kw), train_dataset=Tokens(N),
-                      compute_loss_func=loss32, hetrain={"loss_weighting": "tokens", "reporting": {"verbose": False}})
+                      compute_loss_func=loss32, hetrain={"plan": plan_path, "loss_weighting": "tokens",
+                                                         "rebalancing": {"enabled": False},
+                                                         "reporting": {"verbose": False}})
     trainer.train()
     return {"log": [e for e in trainer.state.log_history if "loss" in e], "summary": trainer.hetrain_summary,
             "params": [p.detach().clone() for p in trainer.model.parameters()]}
@@ -60,9 +73,9 @@ def stock(out_dir, **kw):
 
 
 def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(tmp_path):
-    fused = run_ranks(worker, 2, str(tmp_path / "f"), {"fp16": True, "optim": "adamw_torch_fused",
+    fused = run_ranks(worker, 2, str(tmp_path / "f"), write_plan(tmp_path / "plan.json"), {"fp16": True, "optim": "adamw_torch_fused",
                                                         "dataloader_num_workers": 2}, timeout=200)
-    plain = run_ranks(worker, 2, str(tmp_path / "p"), {"fp16": True, "optim": "adamw_torch"}, timeout=200)
+    plain = run_ranks(worker, 2, str(tmp_path / "p"), str(tmp_path / "plan.json"), {"fp16": True, "optim": "adamw_torch"}, timeout=200)
     reference = stock(str(tmp_path / "s"), fp16=True)
     for f, p in zip(fused, plain):
         assert f["summary"]["precision"]["precision"] == "fp16"
@@ -71,7 +84,10 @@ def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(tmp_path):
         losses = [e["loss"] for e in f["log"]]
         assert all(x == x for x in losses)                           # no inf gradient was ever applied
         assert losses == pytest.approx([e["loss"] for e in p["log"]], rel=1e-5)
-        assert max((a - b).abs().max().item() for a, b in zip(f["params"], p["params"])) < 1e-4
+        # fused and foreach AdamW round apart; Adam's step is ~lr whatever the gradient's size, so a
+        # rounding apart moves a weight by a small part of lr (2.5e-4 measured), a step applied on one
+        # side only by about lr (1e-2)
+        assert max((a - b).abs().max().item() for a, b in zip(f["params"], p["params"])) < 1e-3
         # the learning rate moves only on the steps that stepped (stock skips the scheduler too)
         lrs = [e["learning_rate"] for e in f["log"]]
         assert lrs[:len(skipped) + 1] == [0.0] * (len(skipped) + 1) and lrs[len(skipped) + 1] == 1e-2
@@ -79,7 +95,7 @@ def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(tmp_path):
 
 
 def test_bf16_logs_what_the_stock_trainer_logs(tmp_path):
-    runs = run_ranks(worker, 2, str(tmp_path / "h"), {"bf16": True}, timeout=200)
+    runs = run_ranks(worker, 2, str(tmp_path / "h"), write_plan(tmp_path / "plan.json"), {"bf16": True}, timeout=200)
     reference = stock(str(tmp_path / "s"), bf16=True)
     for r in runs:
         assert r["summary"]["precision"]["precision"] == "bf16"
