@@ -142,3 +142,54 @@ def test_save_state_then_load_state_resumes_exactly(runs):
         assert r["syncs"] == 4                          # the second epoch only
         assert max_diff(r["params"], whole["params"]) == 0.0
         assert r["lr"] == whole["lr"]                   # the scheduler's state came back with the job's
+
+
+def failing_worker(rank, world, plan, caught):
+    """The script's loop body raises on rank 1 in the middle of step 1; rank 0 goes on into the
+    step's gradient sync. `caught`: the script catches its own error (else it leaves the function)."""
+    from hetrain.errors import HetrainError
+    from hetrain.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, hetrain={
+        "plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
+        "emulation": {"cluster": "a100-80g,rtx3090"}})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    train = torch.utils.data.DataLoader(Points(N, 0), batch_size=RANK_BATCH)
+    model, optimizer, train = accelerator.prepare(model, optimizer, train)
+
+    def loop():
+        for x, y in train:
+            accelerator.backward(F.mse_loss(model(x), y))
+            if rank == 1 and accelerator.joined().steps_done == 1:
+                raise ValueError("the loop body's own error")
+            optimizer.step()
+
+    if not caught:
+        loop()
+        return "nothing raised"
+    try:
+        loop()
+    except (HetrainError, ValueError) as e:
+        return type(e).__name__, getattr(e, "what", str(e)), accelerator.joined().steps_done
+    return "nothing raised"
+
+
+@pytest.mark.parametrize("caught", [True, False], ids=["caught", "out of the function"])
+def test_a_loop_body_failing_on_one_rank_stops_every_rank_with_one_error(tmp_path, caught):
+    plan = write_plan(tmp_path / "plan.json")
+    if caught:
+        (kind0, what0, done0), (kind1, what1, done1) = run_ranks(failing_worker, 2, plan, True, timeout=180)
+        assert (kind1, what1) == ("ValueError", "the loop body's own error")
+        assert kind0 == "LoopStopped" and done0 == done1 == 1
+        assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in what0
+        return
+    with pytest.raises(AssertionError) as failed:          # both ranks raised: neither hung
+        run_ranks(failing_worker, 2, plan, False, timeout=180)
+    report = str(failed.value)
+    assert "hung" not in report
+    rank0, rank1 = report.split("rank 1: raised")
+    assert "rank 0: raised" in rank0 and "LoopStopped" in rank0
+    assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in rank0
+    assert "ValueError: the loop body's own error" in rank1             # the rank's own error, reported

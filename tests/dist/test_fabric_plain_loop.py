@@ -375,3 +375,40 @@ def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error(how):
         assert kind1 == "UsageError" and "batch 1 of this rank's 2 in step 1 went by without fabric.backward" in what1
     assert kind0 == "LoopStopped" and done0 == done1 == 1
     assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in what0
+
+
+def escape_worker(rank, world, plan, held):
+    """Rank 1's loop body raises in the middle of step 1 and the error leaves the whole function;
+    `held`: the script keeps the loader's iterator in a variable (the frame the traceback holds
+    keeps it open, so Python does not close it on the way out)."""
+    from lightning.fabric import Fabric
+
+    from hetrain import Emulation, Reporting
+    from hetrain.integrations.lightning import HetrainStrategy
+
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+                               reporting=Reporting(verbose=False))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(Points(), batch_size=BATCH))
+    batches = iter(loader) if held else loader
+    for inputs, target in batches:
+        fabric.backward(F.cross_entropy(model(inputs), target))
+        if rank == 1 and strategy.engine.steps_done == 1:
+            raise ValueError("the loop body's own error")
+        optimizer.step()
+    return "nothing raised"
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["for loop", "iterator held"])
+def test_a_loop_body_error_leaving_the_whole_function_stops_every_rank_without_a_hang(held):
+    with pytest.raises(AssertionError) as failed:          # both ranks raised: neither hung
+        run_ranks(escape_worker, 2, make_plan(), held, timeout=180)
+    report = str(failed.value)
+    assert "hung" not in report
+    rank0, rank1 = report.split("rank 1: raised")
+    assert "rank 0: raised" in rank0 and "LoopStopped" in rank0
+    assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in rank0
+    assert "ValueError: the loop body's own error" in rank1             # the rank's own error, reported

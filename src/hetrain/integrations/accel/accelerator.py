@@ -124,6 +124,9 @@ class Accelerator:
         self.run = run = Run(engine, steps, run_length_given="max_steps" in self.hetrain or "epochs" in self.hetrain,
                              accumulation=self.gradient_accumulation_steps)
         self.model = model
+        # The plain loop settles a rank that leaves mid-step only after a forward of that step (the
+        # first may run DDP's own collectives first); Fabric's wrapper counts them, here a hook does.
+        model.register_forward_pre_hook(lambda module, args: run.plain.count_forward())
         if engine.job.precision.dtype is not None:
             autocast_forward(model, engine)
         made = {id(models[0]): model, id(optimizers[0]): StepOptimizer(run, optimizer),

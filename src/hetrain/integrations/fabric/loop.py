@@ -74,6 +74,10 @@ class PlainLoop:
         """Inside a global step (the loop left before its optimizer.step() leaves it so)."""
         return self.micro_batches is not None and self.finished is None
 
+    def count_forward(self) -> None:
+        """A forward through the prepared model (a loop body that leaves after one is settled)."""
+        self.forwards += 1
+
     # -- one pass: one epoch ------------------------------------------------------------------------
     def steps_in_pass(self, job) -> int:
         """The steps until the sampler's stream reaches the next epoch."""
