@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from ...errors import UsageError
 from ...runtime.engine import init
+from ...runtime.loop.stream import is_stream, stream_length
 from ...runtime.ranks.dist import env_rank
 from ...runtime.resilience import resume as persist
 from ...runtime.resilience.store import Checkpointer, model_signature
@@ -113,7 +114,7 @@ class Accelerator:
             raise UsageError(f"accelerator.prepare({type(others[0]).__name__}): not a model, optimizer, DataLoader "
                              "or LR scheduler", "prepare those; keep anything else as it is")
         train = loaders[0]
-        shuffle, drop_last = check_training_loader(train)
+        shuffle, drop_last = check_training_loader(train, self.hetrain)
         per_step = train.batch_size * self.gradient_accumulation_steps
         world = env_rank()[1]
         config = {"global_batch": per_step if self.split_batches else per_step * world, "shuffle": shuffle,
@@ -288,19 +289,29 @@ class Accelerator:
         raise AttributeError(name)
 
 
-def check_training_loader(loader: DataLoader) -> tuple[bool, bool]:
+def check_training_loader(loader: DataLoader, run_length: dict | None = None) -> tuple[bool, bool]:
     """(shuffle, drop_last) of the training DataLoader, or one UsageError for what hetrain's
-    sampler cannot honour."""
+    sampler cannot honour. `run_length`: the hetrain={...} keywords (max_steps, epochs)."""
     if loader.batch_size is None:
         raise UsageError("the training DataLoader has batch_sampler=... (no batch_size): hetrain forms each rank's "
                          "micro-batches from its share", "use DataLoader(dataset, batch_size=N, shuffle=...)")
+    if loader.num_workers:
+        raise UsageError(f"the training DataLoader has num_workers={loader.num_workers}: hetrain loads each "
+                         "micro-batch in this process", "remove num_workers=")
+    if is_stream(loader.dataset):
+        # An IterableDataset's sampler is torch's stand-in: the stream's own order is the order, read
+        # as ht.prepare reads a stream (runtime/loop/stream.py), every rank its share of each step.
+        run_length = run_length or {}
+        if stream_length(loader.dataset) is None and "max_steps" not in run_length:
+            raise UsageError(f"the training DataLoader reads an IterableDataset without a length "
+                             f"({type(loader.dataset).__name__}): its passes' steps cannot be counted"
+                             + (", so hetrain={'epochs': ...} cannot end the run" if "epochs" in run_length else ""),
+                             "pass Accelerator(hetrain={'max_steps': N}) (or give the dataset a __len__)")
+        return False, loader.drop_last
     if type(loader.sampler) not in (RandomSampler, SequentialSampler) or not hasattr(loader.dataset, "__len__"):
         raise UsageError(f"the training DataLoader's sampler is a {type(loader.sampler).__name__}: hetrain's own "
                          "sampler picks every step's samples (one stream, cut by the plan)",
                          "use DataLoader(dataset, batch_size=N, shuffle=True) or shuffle=False")
-    if loader.num_workers:
-        raise UsageError(f"the training DataLoader has num_workers={loader.num_workers}: hetrain loads each "
-                         "micro-batch in this process", "remove num_workers=")
     return isinstance(loader.sampler, RandomSampler), loader.drop_last
 
 

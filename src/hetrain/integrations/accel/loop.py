@@ -16,6 +16,7 @@ True on this rank's last micro-batch of a step, and `optimizer.step()` there fin
 every rank (the agreement, then clip and the optimizer's step). On any other micro-batch it is a
 no-op, as stock's is while accumulating. One pass over the loader is one epoch of global steps:
 ceil(len(dataset) / global batch) (floor under drop_last), the rest of the epoch after load_state.
+Over an IterableDataset without a length (hetrain={'max_steps': N} required) one pass is the run.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Run:
 
     def steps_per_epoch(self) -> int:
         sampler = self.engine.job.sampler
+        if sampler.dataset_len is None:       # as stock's len() of a DataLoader over a stream without one
+            raise TypeError("the training data is a stream without a length: one pass over the loader is the "
+                            "whole run, Accelerator(hetrain={'max_steps': N})")
         whole = sampler.dataset_len // sampler.global_batch if sampler.drop_last else \
             math.ceil(sampler.dataset_len / sampler.global_batch)
         return max(1, whole)
