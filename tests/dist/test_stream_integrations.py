@@ -308,3 +308,42 @@ def test_accelerate_over_a_stream_without_a_length_or_max_steps_is_one_line_nami
     r0, r1 = run_ranks(accelerate_worker, 2, str(plan), run_length)
     assert r0 == r1 and "\n" not in r0
     assert "IterableDataset without a length" in r0 and "hetrain={'max_steps': N}" in r0
+
+
+def accelerate_resume_worker(rank, world, plan_path, out_dir, resume):
+    """The whole run saves after step 4 (mid-pass: a pass is 3 steps); the resumed run loads it
+    and trains the last 2 steps, from the stream's position in the checkpoint."""
+    from hetrain.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=ACCEL_ACCUM, hetrain={
+        "plan": plan_path, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
+        "emulation": {"cluster": "a100-80g,rtx3090"}, "max_steps": STEPS})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(WholeStream(), batch_size=B // ACCEL_ACCUM // world)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps = 0
+    if resume:
+        accelerator.load_state(out_dir)
+    for x, y in loader:
+        accelerator.backward(F.mse_loss(model(x), y))
+        synced = accelerator.sync_gradients
+        optimizer.step()
+        steps += synced
+        if synced and not resume and steps == 4:
+            accelerator.save_state(out_dir)
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    accelerator.end_training()
+    return {"steps": steps, "params": params}
+
+
+@needs("accelerate")
+def test_accelerate_over_a_stream_resumes_mid_stream_exactly(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(make_plan().to_json())
+    whole = run_ranks(accelerate_resume_worker, 2, str(plan), str(tmp_path / "ckpt"), False, timeout=180)
+    resumed = run_ranks(accelerate_resume_worker, 2, str(plan), str(tmp_path / "ckpt"), True, timeout=180)
+    for w, r in zip(whole, resumed):
+        assert (w["steps"], r["steps"]) == (STEPS, 2)
+        assert max_diff(r["params"], w["params"]) == 0.0
+    assert max_diff(whole[0]["params"], accelerate_stock(passes=2)["params"]) < 1e-12
