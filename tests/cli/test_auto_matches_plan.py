@@ -87,7 +87,8 @@ def test_auto_runs_the_layout_hetrain_plan_recommends(tmp_path, case):
     found = re.search(r"best layout(?: that does)?: ([^:,]+)[:,]", said)
     assert found, said[-3000:]
     recommended = found.group(1).strip()
-    run = hetrain("run", "--emulate", spec, str(tmp_path / "script.py"), batch, str(tmp_path / "out.json"))
+    run = hetrain("run", "--verbose", "--emulate", spec, str(tmp_path / "script.py"), batch,   # auto's choice said
+                  str(tmp_path / "out.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
     chose = re.search(r"parallel=auto chose (\w+\(.*?\)): ([^:]+):", got["said"][0])

@@ -34,7 +34,8 @@ def test_bf16_on_a_v100_is_one_line_then_runs_with_allow_fallback(tmp_path):
     assert len(errors) == 1 and "rank 1" in errors[0] and "compute capability 7.0" in errors[0]
     assert "--allow-fallback" in refused.stderr
 
-    ran = hetrain("run", "--allow-fallback", "--emulate", "a100-80g,v100", str(script))
+    # --verbose: the precision table ("job-wide" loss scale) is one of the reasons behind the plan
+    ran = hetrain("run", "--verbose", "--allow-fallback", "--emulate", "a100-80g,v100", str(script))
     assert ran.returncode == 0, ran.stderr[-3000:]
     out = ran.stdout + ran.stderr
     assert "bf16 -> fp16" in out and "job-wide" in out
@@ -60,7 +61,8 @@ def test_auto_on_a_slow_bf16_host_keeps_bf16_in_the_plan_and_computes_fp32_and_s
     emulated A100 and 3090 run bf16 on the real cards, fp32 here, and every output says so."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    r = hetrain("run", "--precision", "auto", "--emulate", "a100-80g,rtx3090", str(script))
+    # --verbose: the launcher's host line, the precision table and the layout's reasons
+    r = hetrain("run", "--verbose", "--precision", "auto", "--emulate", "a100-80g,rtx3090", str(script))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "host CPU: AMD EPYC" in out and "compute in fp32 here" in out           # the launcher's line

@@ -28,7 +28,7 @@ FAULTS = "oom:rank=1,step=1,micro=0;die:rank=1,step=3"
 
 def run(tmp: Path, name: str, *, faults: str | None = None, restarts: int = 0):
     out, ckpt, fired = tmp / f"{name}.pt", tmp / f"{name}-ckpt", tmp / f"{name}-faults.jsonl"
-    result = hetrain("run", "--emulate", CLUSTER, "--max-restarts", str(restarts),
+    result = hetrain("run", "--verbose", "--emulate", CLUSTER, "--max-restarts", str(restarts),  # auto's choice
                      *(("--faults", faults) if faults else ()), SCRIPT,
                      "--steps", str(STEPS), "--every", str(EVERY), "--ckpt", str(ckpt), "--out", str(out),
                      env={"HETRAIN_FAULT_LOG": str(fired)}, timeout=240)

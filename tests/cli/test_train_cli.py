@@ -1,9 +1,11 @@
 """`hetrain run` and `hetrain demo` as a user meets them: bad input is one line with the fix
-(exit 2, no traceback); the demo trains."""
+(exit 2, no traceback); the demo trains; before training both print a compact plan (one table, one
+summary line), and --verbose every reason behind it."""
 
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -91,11 +93,43 @@ def test_a_run_leaves_no_run_dir_behind_unless_asked(tmp_path, temp):
     assert (kept / "launch.json").is_file()                 # a dir the user named stays
 
 
+MOST_LINES_BEFORE_TRAINING = 20
+PLAN_HEADER = ("rank", "device", "share", "micro-batch", "precision", "peak memory")
+SUMMARY = re.compile(r"^predicted [\d.]+ samples/s, bound by (compute on \S+ \(emulated\)|gradient sync|stragglers"
+                     r"|agreement|optimizer): a [\d.]+ ms step is \d+% compute")
+# lines only --verbose prints: the launcher's command and host, the precision table and its reasons,
+# what was measured, the layout's choice, each rank's reasons and the plan's notes
+REASONS = ("torch.distributed.run", "OMP_NUM_THREADS=1", "host CPU:", "precision per device", "TF32/cudnn",
+           "profiles: ", "parallel=auto chose", "rank 0: share ", "rank 1: micro-batch ",
+           "plan v0: planned: ", "plain DDP equal split")
+
+
+def before_training(result, first_step: str) -> list[str]:
+    """Every line a person reads before the first step's line: all the launcher's (stderr, written
+    before any worker starts) and rank 0's up to `first_step`."""
+    out = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith(first_step))
+    return result.stderr.splitlines() + out[:at]
+
+
+def assert_compact_plan(lines: list[str], ranks: int) -> None:
+    assert len(lines) <= MOST_LINES_BEFORE_TRAINING, "\n".join(lines)
+    header = [i for i, line in enumerate(lines) if all(h in line for h in PLAN_HEADER) and "┃" in line]
+    assert len(header) == 1, "\n".join(lines)                          # one table
+    rows = lines[header[0] + 2:header[0] + 2 + ranks]
+    assert [r.split("│")[0].strip() for r in rows] == [str(k) for k in range(ranks)], rows
+    assert all("(emulated)" in r and " of " in r.split("│")[-1] for r in rows), rows   # memory of the card's
+    assert len([line for line in lines if SUMMARY.match(line)]) == 1, "\n".join(lines)  # one summary line
+    for reason in REASONS:
+        assert not any(reason in line for line in lines), (reason, lines)
+
+
 def test_demo_trains_and_reports(tmp_path):
     out = tmp_path / "demo.json"
     result = hetrain("demo", "--steps", "8", "--global-batch", "16", "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "plan v0" in result.stdout and "summary" in result.stdout and "emulated" in result.stdout
+    assert_compact_plan(before_training(result, "training step "), ranks=2)
     figures = json.loads(out.read_text())
     assert figures["steps"] == 8
     assert figures["last_loss"] < figures["first_loss"] - 0.5      # from ~5.5 (uniform over bytes)
@@ -105,3 +139,35 @@ def test_demo_trains_and_reports(tmp_path):
     assert 0 < figures["wall_s"] < 600 and figures["samples_per_s"] > 0 and figures["predicted_samples_per_s"] > 0
     assert figures["final_loss"] == figures["last_loss"] and figures["rebalances"] >= 0
     assert figures["host"]["cpu"] and "block_ms" in figures["host"]
+
+
+TINY_SCRIPT = textwrap.dedent("""
+    import torch, hetrain
+    ht = hetrain.init(global_batch=8, max_steps=2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    model = torch.nn.Linear(3, 1)
+    model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    for step in batches:
+        for mb in step:
+            with mb:
+                ht.backward(torch.nn.functional.mse_loss(model(mb.batch[0]), mb.batch[1]))
+        ht.step()
+        ht.print(f"first step done" if step.index == 0 else f"step {step.index + 1} done")
+    ht.close()
+""")
+
+
+def test_run_prints_a_compact_plan_and_verbose_every_reason(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TINY_SCRIPT)
+    plain = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert_compact_plan(before_training(plain, "first step done"), ranks=2)
+    # --verbose reaches the ranks through the launch file: every line of the compact plan, and the reasons
+    verbose = hetrain("run", "--verbose", "--emulate", "a100-80g,rtx3090", str(script))
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    lines = before_training(verbose, "first step done")
+    for reason in REASONS:
+        assert any(reason in line for line in lines), (reason, lines)
+    assert len([line for line in lines if SUMMARY.match(line)]) == 1 and "layout: data parallel" in verbose.stdout
+    assert len(lines) > MOST_LINES_BEFORE_TRAINING

@@ -31,7 +31,9 @@ def main(argv: list[str]) -> None:
     from ..runtime.user_objects import default_forward
     from ..runtime.setup import prepare_to_measure
 
-    ht = init(**job["config"])          # from here on, an explained error is one line from the launcher
+    config = job["config"]
+    config["reporting"] = {**config.get("reporting", {}), "details": True}   # `hetrain plan` says every reason
+    ht = init(**config)                 # from here on, an explained error is one line from the launcher
     spec = job["factory"]
     model, optimizer, dataset, collate = call_factory(load_factory(spec), spec)
     # Engine.prepare's own first steps (precision agreed by all ranks, blocks checkpointed when the

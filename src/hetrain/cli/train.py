@@ -40,8 +40,9 @@ def run(
                                     "CHECKPOINT_DIR/metrics when checkpointing); `hetrain report DIR` draws it"),
     status_every: Optional[int] = typer.Option(
         None, "--status-every", help="rank 0 prints a status line per device every N steps"),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"a status line per device every "
-                                 f"{VERBOSE_STATUS_EVERY} steps (--status-every N for another interval)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"every reason behind the plan and the launch, and "
+                                 f"a status line per device every {VERBOSE_STATUS_EVERY} steps (--status-every N for "
+                                 "another interval)"),
     allow_fallback: bool = typer.Option(
         False, "--allow-fallback",
         help="a device that cannot run the script's precision runs the nearest it can (bf16 -> fp16 on a V100)"),
@@ -100,12 +101,28 @@ def run(
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
                           config={"checkpoints": {"dir": checkpoint_dir},
-                                  "reporting": {"metrics_dir": metrics_dir, "status_every": status_every},
+                                  "reporting": {"metrics_dir": metrics_dir, "status_every": status_every,
+                                                "details": True if verbose else None},
                                   "allow_fallback": allow_fallback or None, "precision": precision,
                                   "emulation": {"faults": faults, "link_gbs": emulate_link_gbs},
                                   "compression": {"method": compression}})
-    typer.echo(launch.describe(), err=True)
+    typer.echo(describe(launch, verbose), err=True)
     raise typer.Exit(run_launch(launch))
+
+
+# The launcher's reasons that only explain the emulation's own set-up (`--verbose` prints them):
+# the plan's precision column says what an emulated device computes in.
+_EMULATION_INTERNALS = ("OMP_NUM_THREADS=", "host CPU: ")
+
+
+def describe(launch, verbose: bool) -> str:
+    """What `hetrain run`/`demo` say before the workers start: everything under --verbose; else the
+    process count and each reason a user may act on, without torchrun's command line."""
+    if verbose:
+        return launch.describe()
+    kept = [r for r in launch.reasons if not r.startswith(_EMULATION_INTERNALS)]
+    return "\n".join([f"launching {launch.nproc} process(es) with torchrun (--verbose: its command and every "
+                      "reason)", *(f"  {r}" for r in kept)])
 
 
 def _check_metrics_dir(path: str) -> None:
@@ -149,8 +166,8 @@ def demo(
     json_path: Optional[str] = typer.Option(None, "--json", help="write the run's figures to this file"),
     metrics_dir: Optional[str] = typer.Option(
         None, "--metrics-dir", help="one JSON line per step in DIR/metrics.jsonl; `hetrain report DIR` draws it"),
-    verbose: bool = typer.Option(False, "--verbose", "-v",
-                                 help=f"a status line per device every {VERBOSE_STATUS_EVERY} steps"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"every reason behind the plan and the launch, "
+                                 f"and a status line per device every {VERBOSE_STATUS_EVERY} steps"),
 ) -> None:
     """Train a small GPT on Python's own docs across an emulated mixed cluster (no GPU needed)."""
     started = time.perf_counter()
@@ -168,8 +185,9 @@ def demo(
         args += ["--json", json_path]
     launch = build_launch(target="hetrain.demo.train_gpt", target_args=tuple(args), module=True,
                           emulate=emulate, config={"reporting": {
-                              "metrics_dir": metrics_dir, "status_every": VERBOSE_STATUS_EVERY if verbose else None}})
-    typer.echo(launch.describe(), err=True)
+                              "metrics_dir": metrics_dir, "status_every": VERBOSE_STATUS_EVERY if verbose else None,
+                              "details": True if verbose else None}})
+    typer.echo(describe(launch, verbose), err=True)
     code = run_launch(launch)
     if code == 0 and json_path and os.path.isfile(json_path):
         # The whole command's wall time (start-up, planning and training), as a user waits for it.

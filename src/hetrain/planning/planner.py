@@ -34,6 +34,10 @@ from .shares import StepTime, solve_shares
 
 MAX_OPT_LEVELS = 24        # optimizer-time thresholds tried exactly; more are sampled
 MAX_EXPLAINED = 8          # left-out devices whose reason is costed in full (one re-plan each)
+# How the one reason a user acts on begins: a device kept although the plan is faster without it
+# (relaunch without it). The runtime's compact plan shows it (runtime/measure/joint.show_plan);
+# every other reason waits for --verbose.
+KEPT_TOO_SLOW = "too slow to help: without"
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
         free_shares, free_cost = _choose(profiles, fits, usable, o, forced=False)
         if free_cost.step_s < cost.step_s * 0.98:
             left_out = [i for i in usable if i not in free_shares]
-            note = (f"too slow to help: without {', '.join(profiles[i].device for i in left_out)} the step "
+            note = (f"{KEPT_TOO_SLOW} {', '.join(profiles[i].device for i in left_out)} the step "
                     f"would be {free_cost.step_s * 1e3:.1f} ms ({free_cost.samples_per_s:.1f} samples/s, vs "
                     f"{cost.samples_per_s:.1f}); kept because its process is running — relaunch without it")
             drag = {i: note for i in left_out}

@@ -129,6 +129,8 @@ class Reporting:
     """What rank 0 prints and records."""
 
     verbose: bool = True             # rank 0 prints the plan and summaries
+    details: bool = False            # verbose: also every reason behind the plan and the setup
+                                     # (precision, probes, layout choice); `hetrain run/demo --verbose`
     status_every: int = 0            # verbose: rank 0 prints one status line every N steps (0: none)
     metrics_dir: str | None = None   # rank 0 appends metrics.jsonl here (runtime/loop/metrics.py); None:
                                      # Checkpoints.dir/metrics when checkpointing, else off; '': off

@@ -57,7 +57,8 @@ class Engine:
         use_cuda = cluster is None and torch.cuda.is_available()
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
-        log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.reporting.verbose)
+        log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.reporting.verbose,
+                      details=config.reporting.details)
         # Every node's devices, gathered (collective): --emulate names this node's own devices.
         ctx, config, nodes, cluster = join_nodes(ctx, config, log)
         emulated = EmulatedDevice(cluster[ctx.rank], sample_s=config.emulation.sample_s,
@@ -76,7 +77,7 @@ class Engine:
                        preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes)
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
-            log.info(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
+            log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
         self._given_plan = plan if plan is not None else read_plan_file(config.plan)

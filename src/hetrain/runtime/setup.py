@@ -55,7 +55,8 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
     job.flops = flops.agree_flop_facts(job, counted)  # MFU's parts, on every rank            (collective)
-    show_plan(job.log, job.plan, job.total_steps)
+    show_plan(job.log, job.plan, job.total_steps, computes={      # what an emulated device computes in
+        e["device"]: e["compute"] for e in job.precision.all_choices if e["compute"] != e["precision"]})
     job.log.info(f"layout: {job.plan.describe_layout()}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)

@@ -158,13 +158,14 @@ class PrecisionPolicy:
             title += (": one loss scale for the whole job (fp16 on "
                       + ", ".join(str(e["rank"]) for e in self.all_choices if e["precision"] == "fp16")
                       + ("; bf16/fp32 ranks scale too" if mixed else "") + ")")
-        log.table(title, ("rank", "device", "precision", "loss scale", "why"), rows)
+        # the plan's table shows each precision (and what it computes in); this one says why
+        log.table(title, ("rank", "device", "precision", "loss scale", "why"), rows, detail=True)
         for e in self.all_choices:   # each rank warns of its own device (runtime/ranks/log.py names the rank)
             if e["rank"] == log.rank and e["fallback"]:
                 log.warn(e["fallback"])
             if e["rank"] == log.rank and e["warning"]:
                 log.warn(e["warning"])
-            log.info(f"  rank {e['rank']}: {e['math']}")
+            log.detail(f"  rank {e['rank']}: {e['math']}")
 
     # -- facts ---------------------------------------------------------------------------------
     @property

@@ -127,7 +127,7 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
     if spec != "auto":
         return spec, None
     if job.world_size == 1:
-        job.log.info("parallel=auto chose DataParallel(): one device")
+        job.log.detail("parallel=auto chose DataParallel(): one device")
         return DataParallel(), None
     from ..measure.measurements import RECOMMENDED_FAMILIES, rank_job_measurements, recommended
     from .data_setup import measure_setup
@@ -145,7 +145,7 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
         return DataParallel(), found
     best, why = ranking.best, ranking.why
     chosen = layout_for(best)
-    job.log.info(f"parallel=auto chose {chosen!r}: {why}")
+    job.log.detail(f"parallel=auto chose {chosen!r}: {why}")
     return chosen, found
 
 

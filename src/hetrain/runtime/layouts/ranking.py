@@ -38,7 +38,7 @@ def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bo
     from ..parallel.blocks import find_parts, repeated_blocks
     from . import pipeline_setup
 
-    say = say or job.log.info
+    say = say or job.log.detail          # what was measured: a reason, under --verbose
     measured = measure_job(job, model, optimizer, forward)                                          # (collective)
     try:
         parts = find_parts(model)

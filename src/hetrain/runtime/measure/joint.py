@@ -25,7 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import HetrainError, UsageError
 from ...hardware.host import usable_cores
+from ...hardware.units import format_bytes
 from ...planning.plan import Plan
+from ...planning.planner import KEPT_TOO_SLOW
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
@@ -74,7 +76,7 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
     probes = _probe(job, model, facts["grad_bytes"], profiles, forward) if job.world_size > 1 else {}
     measured = Measurements(profiles=profiles, cached=tuple(bool(g["cached"]) for g in gathered),
                             **facts, **probes)
-    job.log.info(profiles_come_from(measured))
+    job.log.detail(profiles_come_from(measured))
     return measured
 
 
@@ -194,16 +196,49 @@ def check_given_plan(job, plan: Plan) -> Plan:
     return plan
 
 
-def show_plan(log, plan: Plan, total_steps: int) -> None:
+def show_plan(log, plan: Plan, total_steps: int, *, computes: dict[str, str] | None = None) -> None:
+    """The plan as a person reads it before training: one table and one summary line, plus the
+    reason a user can act on (a device kept that slows the job); every other reason and note under
+    Reporting.details (`--verbose`), as `hetrain plan` prints them all. `computes`: device label ->
+    what it computes in, where that differs from its card's precision (emulated on a slow CPU)."""
+    computes = computes or {}
     rows = []
     for d in plan.devices:
         sizes = d.micro_sizes()
         micro = f"{sizes[0]}" + (f" x{len(sizes)}" if len(sizes) > 1 else "")
-        rows.append((d.rank, d.device, f"{d.speed:.3g}", d.share, micro, d.precision))
+        precision = d.precision + (f" (computes {computes[d.device]})" if d.device in computes else "")
+        memory = "-" if not d.predicted_memory_bytes else format_bytes(d.predicted_memory_bytes) + (
+            f" of {format_bytes(d.memory_cap_bytes)}" if d.memory_cap_bytes else "") + (
+            ", checkpointing" if d.checkpointing else "")
+        rows.append((d.rank, d.device, f"{d.speed:.3g}", d.share, micro, precision, memory))
     log.table(f"plan v{plan.version}: global batch {plan.global_batch} over {plan.world_size} device(s), "
-              f"{total_steps} steps", ("rank", "device", "speed", "share", "micro-batch", "precision"), rows)
+              f"{total_steps} steps", ("rank", "device", "speed", "share", "micro-batch", "precision",
+                                       "peak memory"), rows)
+    log.info(plan_summary(plan) + ("" if log.details else " (--verbose: every reason)"))
     for d in plan.devices:
         for reason in d.reasons:
-            log.info(f"  rank {d.rank}: {reason}")
+            (log.info if reason.startswith(KEPT_TOO_SLOW) else log.detail)(f"  rank {d.rank}: {reason}")
     for line in filter(None, plan.note.split("; ")):
-        log.info(f"  plan v{plan.version}: {line}")
+        log.detail(f"  plan v{plan.version}: {line}")
+    for e in plan.excluded:
+        log.info(f"  left out {e.device}: {e.reason}; {e.fix}")
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line: the predicted samples/s and what bounds the step (the largest of its parts)."""
+    p = plan.predicted
+    rate, step = p.get("samples_per_s"), p.get("step_s")
+    if not rate:
+        return "predicted: no figure for this plan"
+    head = f"predicted {rate:.1f} samples/s"
+    parts = {name: p.get(key) or 0.0 for name, key in (
+        ("compute", "compute_s"), ("gradient sync", "comm_exposed_s"), ("stragglers", "straggle_s"),
+        ("agreement", "agree_s"), ("optimizer", "optimizer_s"))}
+    if not step or not any(parts.values()):
+        return head
+    bound = max(parts, key=parts.get)
+    if bound == "compute" and plan.devices:
+        slowest = max(plan.devices, key=lambda d: d.predicted_compute_s or 0.0)
+        bound += f" on {slowest.device}"
+    shares = ", ".join(f"{v / step:.0%} {name}" for name, v in parts.items() if v / step >= 0.005)
+    return f"{head}, bound by {bound}: a {step * 1e3:.1f} ms step is {shares}"

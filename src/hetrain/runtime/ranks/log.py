@@ -41,16 +41,23 @@ def merge_warnings(per_rank: Sequence[Sequence[str]]) -> list[str]:
 
 
 class RankLog:
-    def __init__(self, *, rank: int, world_size: int = 1, verbose: bool = True):
+    def __init__(self, *, rank: int, world_size: int = 1, verbose: bool = True, details: bool = False):
         self.rank = rank
         self.world_size = world_size
         self.enabled = verbose and rank == 0
+        self.details = details            # Reporting.details: the reasons behind the compact plan too
         self.console = _console() if rank == 0 else None
         self.held: list[str] = []          # warnings not yet printed by rank 0
 
     def info(self, message: str) -> None:
         if self.enabled:
             self.console.print(message, markup=False)
+
+    def detail(self, message: str) -> None:
+        """A reason or a measurement a person reads only when asking why (`--verbose`): by default
+        the output before training is the plan's table and its one summary line."""
+        if self.details:
+            self.info(message)
 
     def warn_job(self, message: str) -> None:
         """A warning every rank knows identically (an agreed skip, a plan note): rank 0 prints it
@@ -96,8 +103,10 @@ class RankLog:
             for line in lines:
                 self.console.print(line, style="yellow", markup=False)
 
-    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-        if not self.enabled:
+    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], *,
+              detail: bool = False) -> None:
+        """`detail`: printed only with the details on, as detail() is."""
+        if not self.enabled or (detail and not self.details):
             return
         t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
         for c in columns:
