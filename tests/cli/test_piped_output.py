@@ -92,6 +92,28 @@ def test_the_ranks_log_keeps_an_emulated_label_and_a_long_reason_on_one_line():
     assert rows[0][4] == why.strip()
 
 
+def test_the_ranks_log_prints_a_detail_only_with_the_details_on():
+    from hetrain.runtime.ranks.log import RankLog
+
+    said = {}
+    for details in (False, True):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            log = RankLog(rank=0, world_size=2, details=details)
+            log.info("plan v0: the table's line")
+            log.detail("  rank 0: a reason")
+            log.table("precision per device", ("rank", "why"), [(0, "asked for")], detail=True)
+            log.table("plan v0", ("rank", "share"), [(0, 5)])
+        said[details] = out.getvalue()
+    assert "the table's line" in said[False] and "share" in said[False]
+    assert "a reason" not in said[False] and "precision per device" not in said[False]
+    assert "a reason" in said[True] and "precision per device" in said[True] and "share" in said[True]
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet):          # not verbose (bench's workers): nothing, details or not
+        RankLog(rank=0, world_size=2, verbose=False, details=True).detail("a reason")
+    assert quiet.getvalue() == ""
+
+
 def test_progress_off_a_terminal_is_plain_lines_not_bar_redraws():
     from hetrain.report import StepProgress
 
