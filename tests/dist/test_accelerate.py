@@ -193,3 +193,56 @@ def test_a_loop_body_failing_on_one_rank_stops_every_rank_with_one_error(tmp_pat
     assert "rank 0: raised" in rank0 and "LoopStopped" in rank0
     assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in rank0
     assert "ValueError: the loop body's own error" in rank1             # the rank's own error, reported
+
+
+# A real script under torchrun (not the harness, whose ranks catch the error and leave at once):
+# rank 1 raises out of the whole script while it keeps the loader's iterator in a variable. The
+# traceback Python keeps for the exit holds that iterator open, so only the loop's exit handler
+# settles the step; without it rank 0 lost rank 1 in the gradient sync when its process ended.
+HELD_SCRIPT = '''
+import os, sys
+import torch
+import torch.nn.functional as F
+from hetrain.integrations.accelerate import Accelerator
+
+rank = int(os.environ["RANK"])
+accelerator = Accelerator(gradient_accumulation_steps=2, hetrain={"plan": sys.argv[1], "rebalancing": {"enabled": False},
+                          "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+x = torch.randn(64, 8, dtype=torch.float64)
+data = torch.utils.data.TensorDataset(x, x[:, :1].sin())
+model, optimizer, train = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+batches = iter(train)
+
+
+def main():
+    for inputs, target in batches:
+        accelerator.backward(F.mse_loss(model(inputs), target))
+        if rank == 1 and accelerator.joined().steps_done == 1:
+            raise ValueError("the loop body's own error")
+        optimizer.step()
+
+
+main()
+'''
+
+
+def test_a_script_raising_out_of_itself_with_its_iterator_held_stops_every_rank(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from harness import SRC, free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(HELD_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), write_plan(tmp_path / "plan.json")],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "ValueError: the loop body's own error" in out                # rank 1's own error, reported
+    assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in out, out[-3000:]

@@ -22,14 +22,17 @@ inside a sync is reported (every rank halves its micro-batch in the plan and tur
 step); at that redo every rank of the plain loop agrees one more flag, finds the rank that cannot
 redo, and all raise the same ForwardOutOfMemory (a restart from the last checkpoint runs that rank
 at the halved micro-batch). A loop body that leaves mid-step for any other reason (an error, a
-break before optimizer.step()) is settled the same way when Python closes the loader's iterator,
-and the peers raise LoopStopped naming the rank. An OOM in fabric.backward is recovered here as in
+break before optimizer.step()) is settled the same way when Python closes the loader's iterator
+(or, where the script still holds it as the process ends, at exit), and the peers raise
+LoopStopped naming the rank. An OOM in fabric.backward is recovered here as in
 the step form: the micro-batch is halved and the loader yields the redone micro-batches.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -68,6 +71,10 @@ class PlainLoop:
         self.escaped = None              # (why, the plan's micro-batch size): this rank cannot go on in the step
         self.broken = False              # the step ended in an error every rank raised: nothing left to settle
         self.forwards = 0                # forwards through the model since this step (or its agreed redo) began
+        # A script that keeps the loader's iterator (`it = iter(loader)`) and raises out of the whole
+        # script leaves it open: the traceback Python keeps for the exit holds its frame, so the
+        # generator is not closed before the process ends. At exit the step is settled all the same.
+        atexit.register(settle_at_exit, weakref.ref(self))
 
     @property
     def active(self) -> bool:
@@ -240,3 +247,15 @@ class PlainLoop:
     def finish_step(self):
         self.finished = self.strategy.engine.step()      # (collective inside: the step's agreement is done)
         return self.finished
+
+
+def settle_at_exit(ref) -> None:
+    """At interpreter exit: a loop still inside a step (its iterator never closed) settles it, so
+    the peers raise LoopStopped instead of losing this rank in the gradient sync."""
+    loop = ref()
+    if loop is None or not loop.active:
+        return
+    try:
+        loop.leave_mid_step()
+    except Exception:       # at exit nothing is left to report to (the group may be gone)
+        pass
