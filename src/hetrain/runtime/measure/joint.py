@@ -234,8 +234,8 @@ def plan_summary(plan: Plan) -> str:
     parts = {name: p.get(key) or 0.0 for name, key in (
         ("compute", "compute_s"), ("gradient sync", "comm_exposed_s"), ("stragglers", "straggle_s"),
         ("agreement", "agree_s"), ("optimizer", "optimizer_s"))}
-    if not step or not any(parts.values()):
-        return head
+    if not step or not any(parts.values()):          # a pipeline's plan: its split table says what bounds it
+        return head + (f" (a {step * 1e3:.1f} ms step)" if step else "")
     bound = max(parts, key=parts.get)
     if bound == "compute" and plan.devices:
         slowest = max(plan.devices, key=lambda d: d.predicted_compute_s or 0.0)
