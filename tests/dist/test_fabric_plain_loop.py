@@ -379,8 +379,8 @@ def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error(how):
 
 def escape_worker(rank, world, plan, held):
     """Rank 1's loop body raises in the middle of step 1 and the error leaves the whole function;
-    `held`: the script keeps the loader's iterator in a variable (the frame the traceback holds
-    keeps it open, so Python does not close it on the way out)."""
+    `held`: the script keeps the loader's iterator in a variable (closed here when the harness's
+    handler drops the traceback; a real script's exit is the torchrun test below)."""
     from lightning.fabric import Fabric
 
     from hetrain import Emulation, Reporting
@@ -412,3 +412,54 @@ def test_a_loop_body_error_leaving_the_whole_function_stops_every_rank_without_a
     assert "rank 0: raised" in rank0 and "LoopStopped" in rank0
     assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in rank0
     assert "ValueError: the loop body's own error" in rank1             # the rank's own error, reported
+
+
+# A real script under torchrun: rank 1 raises out of the whole script while it keeps the loader's
+# iterator in a variable, which the traceback Python keeps for the exit holds open; the loop's exit
+# handler settles the step, so rank 0 raises LoopStopped instead of losing rank 1 in the sync.
+HELD_SCRIPT = """
+import os, sys
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from hetrain import Emulation, Plan, Reporting
+from hetrain.integrations.lightning import HetrainStrategy
+
+rank = int(os.environ["RANK"])
+strategy = HetrainStrategy(plan=Plan.from_json(open(sys.argv[1]).read()), emulation=Emulation(cluster="a100-80g,rtx3090"),
+                           reporting=Reporting(verbose=False))
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.3))
+x = torch.randn(256, 8, dtype=torch.float64)
+loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()),
+                                                              batch_size=32))
+batches = iter(loader)
+for inputs, target in batches:
+    fabric.backward(F.cross_entropy(model(inputs), target))
+    if rank == 1 and strategy.engine.steps_done == 1:
+        raise ValueError("the loop body's own error")
+    optimizer.step()
+"""
+
+
+def test_a_script_raising_out_of_itself_with_its_iterator_held_stops_every_rank(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from harness import SRC, free_port
+
+    script, plan = tmp_path / "train.py", tmp_path / "plan.json"
+    script.write_text(HELD_SCRIPT)
+    plan.write_text(make_plan().to_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(plan)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "ValueError: the loop body's own error" in out                # rank 1's own error, reported
+    assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in out, out[-3000:]

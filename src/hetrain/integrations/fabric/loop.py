@@ -71,10 +71,7 @@ class PlainLoop:
         self.escaped = None              # (why, the plan's micro-batch size): this rank cannot go on in the step
         self.broken = False              # the step ended in an error every rank raised: nothing left to settle
         self.forwards = 0                # forwards through the model since this step (or its agreed redo) began
-        # A script that keeps the loader's iterator (`it = iter(loader)`) and raises out of the whole
-        # script leaves it open: the traceback Python keeps for the exit holds its frame, so the
-        # generator is not closed before the process ends. At exit the step is settled all the same.
-        atexit.register(settle_at_exit, weakref.ref(self))
+        self.exit_handler = False        # settle_at_exit registered (at the first pass)
 
     @property
     def active(self) -> bool:
@@ -103,6 +100,14 @@ class PlainLoop:
                              "`for batch in loader` was left before its step's optimizer.step())",
                              "leave `for batch in loader` only after optimizer.step(), or use the step form "
                              "`for step in fabric.strategy.steps()`")
+        if not self.exit_handler:
+            # A script that keeps the loader's iterator (`it = iter(loader)`) and raises out of the
+            # whole script leaves it open: the traceback Python keeps for the exit holds it, so the
+            # generator is not closed before the process ends. At exit the step is settled all the
+            # same, before the engine's own exit handler releases the job (atexit runs last-in first,
+            # and the engine registered its handler when it started, before this first pass).
+            atexit.register(settle_at_exit, weakref.ref(self))
+            self.exit_handler = True
         self.micro_batches = self.mb = None
         job, loop = self.strategy.engine.job, steps.loop
         n = self.steps_in_pass(job)
