@@ -1,76 +1,73 @@
 """The job benchmarks/chaos.py throws its faults at: what each `hetrain run` worker runs.
 
-    hetrain run --emulate CLUSTER benchmarks/chaos_job.py --layout NAME --steps N --ckpt DIR --out FILE
+    hetrain run --emulate CLUSTER benchmarks/_chaos_job.py --layout NAME --steps N --ckpt DIR --out FILE
 
-The models are float64 (rounding near 1e-15, far below chaos.py's 1e-6 tolerance): a residual
-stack (data parallelism, pipelines) and a tiny Hugging Face GPT-2 built from a config (tensor
-parallelism split by speed). All train with SGD (momentum) through the one loop of every layout
-(`ht.backward(ht.loss(mb))`, loss_fn= in prepare). At the end rank 0 saves every parameter whole,
-by the user's model's names, whatever the layout cut it into.
+Float64 models (rounding near 1e-15, far below chaos.py's tolerance): a residual stack (data
+parallelism, pipelines) and a tiny Hugging Face GPT-2 built from a config (TP split by speed),
+trained with SGD (momentum) through the one loop of every layout. At the end rank 0 saves every
+parameter whole, by the user's model's names, whatever the layout cut it into.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from chaos import DATASET, GLOBAL_BATCH, LAYOUTS, MICRO, PIPE_MICRO_BATCHES
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import hetrain
+from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
+from hetrain.parallel import PipelineParts
+from hetrain.runtime.parallel.tensor_state import ShardState
+from hetrain.runtime.parallel.tensor_uneven import sharded_parameters
 
 TOKENS, VOCAB = 12, 64       # GPT-2: tokens per sample, vocabulary
 
 
-def residual_net(n_blocks: int):
-    import torch
-    from torch import nn
+class Residual(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.fc = nn.Linear(h, h)
 
-    from hetrain.parallel import PipelineParts
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
 
-    class Residual(nn.Module):
-        def __init__(self, h: int):
-            super().__init__()
-            self.fc = nn.Linear(h, h)
 
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
+class ChaosNet(nn.Module):
+    """Residual blocks in a ModuleList: FSDP2's and capacity-full's units, a pipeline's cut points."""
 
-    class ChaosNet(nn.Module):
-        """Residual blocks in a ModuleList: FSDP2's and capacity-full's units, a pipeline's cut points."""
+    def __init__(self, n_blocks: int, d: int = 16, h: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.blocks = nn.ModuleList(Residual(h) for _ in range(n_blocks))
+        self.out = nn.Linear(h, 1)
 
-        def __init__(self, d: int = 16, h: int = 32):
-            super().__init__()
-            self.inp = nn.Linear(d, h)
-            self.blocks = nn.ModuleList(Residual(h) for _ in range(n_blocks))
-            self.out = nn.Linear(h, 1)
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
 
-        def forward(self, x):
-            x = self.inp(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)
-
-        def pipeline_parts(self):
-            return PipelineParts(first=self.inp, blocks=tuple(self.blocks), last=self.out)
-
-    torch.manual_seed(0)
-    return ChaosNet().double()
+    def pipeline_parts(self):
+        return PipelineParts(first=self.inp, blocks=tuple(self.blocks), last=self.out)
 
 
 def gpt2():
-    """GPT-2 of 2 layers, 8 heads (whole heads split by speed: 5/3 at 1 : 0.67), no dropout (the
-    ranks' shards must compute one model), in float64."""
-    import torch
+    """GPT-2 of 2 layers, 8 heads (5/3 at 1 : 0.67), no dropout (the shards compute one model)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=8, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).double()
+    return GPT2LMHeadModel(config)
 
 
 def data(kind: str):
-    import torch
-
     g = torch.Generator().manual_seed(0)
     if kind == "gpt2":        # next-token prediction on random token sequences
         seq = torch.randint(0, VOCAB, (DATASET, TOKENS + 1), generator=g)
@@ -80,82 +77,45 @@ def data(kind: str):
 
 
 def token_loss(out, y):
-    import torch.nn.functional as F
-
     return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
 def layout_object(case):
-    import hetrain
-
     if case.parallel == "tp":
         return hetrain.TensorParallel(split="speed")
-    if case.parallel == "pp":
-        return hetrain.Pipeline(micro_batches=PIPE_MICRO_BATCHES)
-    if case.parallel == "dp-pp":
-        return hetrain.Pipeline(stages=case.group, micro_batches=PIPE_MICRO_BATCHES)
+    if case.parallel in ("pp", "dp-pp"):
+        return hetrain.Pipeline(stages=case.group if case.parallel == "dp-pp" else None,
+                                micro_batches=PIPE_MICRO_BATCHES)
     return hetrain.DataParallel(sharding=case.sharding)
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def whole_parameters(model, optimizer) -> dict:
-    """{whole-model name: tensor} over all ranks (a collective). Each rank gives what it holds:
-    capacity-full its gathered units; a split by speed each ShardedLinear's rows or columns put at
-    their place in a zero tensor of the whole shape (the ranks' parts then add up to the whole);
-    FSDP2 and even TP their DTensors in full; a pipeline stage its own parameters."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from hetrain.runtime.parallel.tensor_uneven import ShardedLinear
-
+    """{whole-model name: tensor} over all ranks (a collective): capacity-full's units gathered,
+    a split by speed's shards whole as its checkpoints hold them (parallel/tensor_state.py),
+    FSDP2's and an even split's DTensors in full, each pipeline stage's own parameters."""
     sharding = getattr(optimizer, "sharding", None)
     if sharding is not None and hasattr(sharding, "full_parameters"):      # capacity-full
         return {n: t.detach().cpu().clone() for n, t in sharding.full_parameters().items()}
-    placed = {}          # id(parameter): (dim, start, whole size along dim)
-    for m in model.module.modules():
-        if isinstance(m, ShardedLinear):
-            for p in m.sharded():
-                placed[id(p)] = (m.dim if p is m.weight else 0, m.start, m.full)
+    if sharded_parameters(model.module):
+        whole = ShardState(model.module, optimizer).save_dicts()[0]
+        return {n: whole[n].detach().cpu().clone() for n, _ in model.module.named_parameters()}
     held = {id(p) for p in model.parameters()}
-    mine = {}
-    for name, p in model.module.named_parameters():
-        if id(p) not in held:
-            continue
-        t = p.detach()
-        t = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
-        if id(p) in placed:
-            dim, start, full = placed[id(p)]
-            shape = list(t.shape)
-            shape[dim] = full
-            whole = torch.zeros(shape, dtype=t.dtype)
-            whole.narrow(dim, start, t.shape[dim]).copy_(t)
-            t = (whole, True)
-        else:
-            t = (t, False)
-        mine[name] = t
+    mine = {n: full(p.detach()).cpu().clone() for n, p in model.module.named_parameters() if id(p) in held}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    merged = {}
-    for part in everyone:
-        for name, (t, partial) in part.items():
-            if partial and name in merged:
-                merged[name] = merged[name] + t        # the other ranks' zeros add nothing
-            else:
-                merged.setdefault(name, t)
-    return merged
+    return {n: t for part in reversed(everyone) for n, t in part.items()}
 
 
 def main(argv=None) -> None:
-    import torch
-
-    import hetrain
-    from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
-
     p = argparse.ArgumentParser()
     for flag in ("--layout", "--ckpt", "--out"):
         p.add_argument(flag, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--every", type=int, required=True)
+    for flag in ("--steps", "--every"):
+        p.add_argument(flag, type=int, required=True)
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--blocks", type=int, default=4)
     args = p.parse_args(argv)
@@ -168,10 +128,9 @@ def main(argv=None) -> None:
                       reporting=Reporting(sample_log=f"{args.ckpt}/samples", verbose=True),
                       rebalancing=Rebalancing(enabled=case.resplit), memory=Memory(max_micro_batch=MICRO),
                       emulation=Emulation(sample_s=0.002), timeout_s=args.timeout, precision="fp32")
-    model = gpt2() if case.model == "gpt2" else residual_net(args.blocks)
+    torch.manual_seed(0)
+    model = (gpt2() if case.model == "gpt2" else ChaosNet(args.blocks)).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    import torch.nn.functional as F
-
     loss_fn = token_loss if case.model == "gpt2" else F.mse_loss
     model, opt, batches = ht.prepare(model, opt, data(case.model), parallel=layout_object(case), loss_fn=loss_fn)
     for step in batches:

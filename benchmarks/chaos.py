@@ -1,41 +1,29 @@
 """Chaos: N random faults (kills, out-of-memory errors, hangs) thrown at one emulated training run,
 in every layout.
 
-For each layout, runs the same job twice through `hetrain run --max-restarts`: once clean, once
-with a seeded random schedule of faults (runtime/devices/faults.py), and reports how many faults
-were injected and survived, how many restarts they caused, the wall time lost, whether the final
-parameters equal the clean run's, and whether every sample was used exactly once per epoch.
+Each layout's job (benchmarks/_chaos_job.py: float64, SGD with momentum) runs twice through
+`hetrain run --max-restarts`, clean and under a seeded schedule of faults (runtime/devices/faults.py);
+reported: faults injected and survived, restarts, wall time lost, whether the final parameters
+(gathered whole by the model's names) equal the clean run's, every sample used once per epoch.
 
     python benchmarks/chaos.py --layout all --json chaos.json [--faults 20] [--steps 30] [--seed 0]
     python benchmarks/chaos.py --smoke      (seconds: dp, 2 faults, 6 steps; the same code path)
 
-Layouts (--layout, one or several, or `all`):
-    dp             DataParallel(sharding='none') (DDP)                       on a100-80g,rtx3090
-    zero1          DataParallel(sharding='zero1')                            on a100-80g,rtx3090
-    fsdp           DataParallel(sharding='fsdp') (FSDP2)                     on a100-80g,rtx3090
-    capacity       DataParallel(sharding='capacity')                         on a100-80g,rtx3090
-    capacity-full  DataParallel(sharding='capacity-full')                    on a100-80g,rtx3090
-    pp             Pipeline(micro_batches=2): one pipeline of 2 stages       on a100-80g,rtx3090
-    dp-pp          Pipeline(stages=2, micro_batches=2): 2 replicas x 2 stages on a100-80g,rtx3090 twice
-    tp             TensorParallel(split='speed') of a Hugging Face GPT-2     on a100-80g,rtx3090
-    pp-resplit     pp of 6 blocks on two a100-80g, stage 1 slowed 3x from step 1 (in both runs) and
-                   rebalancing on: the pipeline re-splits online while the faults land
+Layouts (LAYOUTS below; --layout one, several or all): DataParallel dp (DDP), zero1, fsdp (FSDP2),
+capacity, capacity-full; pp (one pipeline of 2 stages), dp-pp (2 replicas x 2 stages, 4 devices);
+tp (TensorParallel(split='speed') of a Hugging Face GPT-2); pp-resplit (pp of 6 blocks on two
+a100-80g, stage 1 slowed 3x from step 1 in both runs, rebalancing on: it re-splits while faults
+land). Under TP and capacity-full an OOM ends the attempt (in-loop recovery is off there) and the
+resumed job halves that micro-batch: a restart like a kill.
 
-Under TP and capacity-full in-loop OOM recovery is off (an OOM ends the attempt; the resumed job
-halves that micro-batch), so there an OOM is a restart like a kill.
-
-The job (benchmarks/_chaos_job.py) is float64, trained with SGD (momentum). Its final parameters
-are gathered whole by the user's model's names (a pipeline's stages, FSDP2's and capacity-full's
-shards, TP's rows and columns) and compared with the clean run's: equal within 1e-6 relative, not
-bitwise, because an OOM halves a micro-batch (and a restart may re-plan the shares), so a gradient
-is summed in another order; float64 keeps that rounding near 1e-15, far below the tolerance, while
-a lost or doubled sample or step moves the parameters by orders of magnitude more. Each tensor is
-measured against its largest magnitude, floored at 1e-12 of the model's largest: GPT-2's key biases
-get a zero gradient in exact arithmetic (softmax is unchanged by adding q·b to every key's score),
-so they hold float64 rounding alone (~1e-21) and any reordered sum changes that by ~100% of itself.
-`exact` in the JSON says whether they were bitwise equal; `worst_param` names the tensor furthest
-apart. Exit 0 when every layout survived every fault with the
-clean run's parameters and every sample once, 1 otherwise, 2 for bad input.
+Parameters equal: within 1e-6 relative, not bitwise: a halved micro-batch (or re-planned shares)
+sums a gradient in another order, ~1e-15 in float64, while a lost or doubled sample or step moves
+them by orders more. Each tensor is measured against its largest magnitude, floored at 1e-12 of
+the model's largest: GPT-2's key biases get a zero gradient in exact arithmetic (softmax is
+unchanged by adding q·b to every key's score), so they hold float64 rounding alone (~1e-21), which
+a reordered sum changes by ~100% of itself. `exact`: bitwise equal; `worst_param`: the tensor
+furthest apart. Exit 0 when every layout survived every fault with the clean run's parameters
+and every sample once, 1 otherwise, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -93,40 +81,26 @@ RESPLIT_FROM = 8      # pp-resplit: no restart before this step, so the first at
 
 
 # -- the schedule -------------------------------------------------------------------------------
-def die_phases(layout: str) -> list[str]:
-    """Where a kill can strike. Under a pipeline ht.backward() only records; the schedule's
-    backward runs in no hook a `die:phase=backward` fault strikes from, so kills there come at a
-    step's start or while a checkpoint is written."""
-    return ["start", "checkpoint"] if LAYOUTS[layout].parallel in ("pp", "dp-pp") else ["start", "backward", "checkpoint"]
-
-
 def oom_budget(layout: str) -> tuple[list[list[int]], int]:
-    """The groups of ranks that share one micro-batch size (a pipeline replica's stages shrink
-    together, a TP group's ranks too), and how many halvings each can take before a micro-batch
-    of 1 (then an OOM is fatal)."""
+    """The groups of ranks that share one micro-batch size (a pipeline replica, a TP group), and
+    the halvings each can take before a micro-batch of 1 (then an OOM is fatal)."""
     case = LAYOUTS[layout]
     world = len(case.cluster.split(","))
     groups = [list(range(r, r + case.group)) for r in range(0, world, case.group)]
-    if case.parallel in ("dp", "tp"):
-        micro = MICRO
-    else:
-        micro = GLOBAL_BATCH // len(groups) // PIPE_MICRO_BATCHES
+    micro = MICRO if case.parallel in ("dp", "tp") else GLOBAL_BATCH // len(groups) // PIPE_MICRO_BATCHES
     # the slower device of a pair gets the smaller share: leave it one halving to spare
     return groups, max(1, int(math.log2(micro)) - 1)
 
 
 def schedule(n: int, steps: int, every: int, seed: int, layout: str = "dp") -> list[str]:
-    """n faults: about half OOMs, the rest kills and hangs (restarts). An OOM is recovered inside
-    the step, except where the layout turns that off (TP, capacity-full: `oom_restarts`), where it
-    ends the attempt and the job resumes with that micro-batch halved: a restart like a kill.
-
-    Restart-causing fault i fires in restart attempt i, each at its own step. A kill while a
-    checkpoint is written can only strike at a checkpoint step (a multiple of `every`). An
-    in-loop OOM at step s fires in the attempt that first runs s: the number of restart faults at
-    earlier steps. Under pp-resplit no restart comes before step RESPLIT_FROM, so the first attempt
-    re-splits (a resumed job re-plans from the catalog's speeds and re-splits again)."""
+    """n faults: about half OOMs, the rest kills and hangs. Restart-causing fault i fires in
+    attempt i, each at its own step (a kill in a checkpoint at a multiple of `every`); an in-loop
+    OOM at step s in the attempt that first runs s. A pipeline's backward runs in the schedule, in
+    no hook a kill strikes from. pp-resplit: no restart before RESPLIT_FROM, so the first attempt
+    re-splits."""
     rng = random.Random(seed)
     case = LAYOUTS[layout]
+    phases = ["start", "checkpoint"] if case.parallel in ("pp", "dp-pp") else ["start", "backward", "checkpoint"]
     groups, budget = oom_budget(layout)
     world = sum(len(g) for g in groups)
     n_oom = min(n // 2, budget * len(groups))
@@ -144,7 +118,7 @@ def schedule(n: int, steps: int, every: int, seed: int, layout: str = "dp") -> l
     used: set[int] = set()
     planned = []
     for kind in kinds:
-        phase = rng.choice(die_phases(layout)) if kind == "die" else "start"
+        phase = rng.choice(phases) if kind == "die" else "start"
         free = [s for s in range(first, steps - 1) if s not in used]
         at_checkpoint = [s for s in free if s % every == 0]
         if phase == "checkpoint" and not at_checkpoint:
@@ -227,17 +201,16 @@ def samples_once(ckpt: Path, steps: int) -> bool:
 
 
 def run_layout(layout: str, args, tmp: Path) -> dict:
-    """The clean run and the chaos run of one layout, and their figures. Under --smoke the two run
-    at once (seconds, not a figure of time lost)."""
+    """The clean run, then the chaos run of one layout, and their figures. Under --smoke the two
+    run at once (seconds, not a figure of time lost)."""
+    import torch
+
     faults = schedule(args.faults, args.steps, args.every, args.seed, layout)
-    if args.smoke:
-        with ThreadPoolExecutor(2) as pool:
-            runs = [pool.submit(launch, tmp, f"{layout}-{name}", args, layout, f) for name, f in
-                    (("clean", None), ("chaos", faults))]
-            (clean_s, clean_out, _, clean_stdout, clean_error), chaos = (r.result() for r in runs)
-    else:
-        clean_s, clean_out, _, clean_stdout, clean_error = launch(tmp, f"{layout}-clean", args, layout, None)
-        chaos = None if clean_error else launch(tmp, f"{layout}-chaos", args, layout, faults)
+    with ThreadPoolExecutor(2 if args.smoke else 1) as pool:
+        clean = pool.submit(launch, tmp, f"{layout}-clean", args, layout, None)
+        chaos = pool.submit(lambda: None if not args.smoke and clean.result()[4] else    # no chaos after a failed clean
+                            launch(tmp, f"{layout}-chaos", args, layout, faults))
+        (clean_s, clean_out, _, clean_stdout, clean_error), chaos = clean.result(), chaos.result()
     if clean_error:
         raise SystemExit(f"{layout}: the clean run failed: {clean_error}")
     chaos_s, chaos_out, ckpt, stdout, error = chaos
@@ -245,16 +218,12 @@ def run_layout(layout: str, args, tmp: Path) -> dict:
     fired = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     fired = [f for f in fired if f["kind"] != "slow"]     # pp-resplit's slowdown: the layout's, not a fault
     finished = not error and chaos_out.exists()
-    import torch
-
     equal, exact, worst, worst_param = (compare(torch.load(chaos_out)["params"], torch.load(clean_out)["params"])
                                         if finished else (False, False, math.inf, None))
     case = LAYOUTS[layout]
     return {
         "layout": layout, "parallel": case.parallel, "sharding": case.sharding, "cluster": case.cluster,
-        "model": case.model, "planned": len(faults),
-        "injected": len(fired),
-        "survived": len(fired) if finished else 0,
+        "model": case.model, "planned": len(faults), "injected": len(fired), "survived": len(fired) if finished else 0,
         "restarts": torch.load(chaos_out)["restarts"] if finished else None,
         "resumes_from_checkpoint": stdout.count("resumed from step-"),
         "resplits": stdout.count("pipeline re-split at step"),
