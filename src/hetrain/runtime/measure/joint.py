@@ -28,6 +28,7 @@ from ...hardware.host import usable_cores
 from ...hardware.units import format_bytes
 from ...planning.plan import Plan
 from ...planning.planner import KEPT_TOO_SLOW
+from ..resilience.resume import REPLANNED
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
@@ -219,7 +220,7 @@ def show_plan(log, plan: Plan, total_steps: int, *, computes: dict[str, str] | N
         for reason in d.reasons:
             (log.info if reason.startswith(KEPT_TOO_SLOW) else log.detail)(f"  rank {d.rank}: {reason}")
     for line in filter(None, plan.note.split("; ")):
-        log.detail(f"  plan v{plan.version}: {line}")
+        (log.info if line.startswith(REPLANNED) else log.detail)(f"  plan v{plan.version}: {line}")
     for e in plan.excluded:
         log.info(f"  left out {e.device}: {e.reason}; {e.fix}")
 

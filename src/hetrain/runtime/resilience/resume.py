@@ -99,6 +99,11 @@ def find_checkpoint(job, model) -> Found | None:
     return Found(path, meta)
 
 
+# A resume on another world size: said by default (the run's devices changed under the user), not
+# only under --verbose as the plan's other notes are.
+REPLANNED = "re-planned for"
+
+
 def adopt_plan(job, found: Found | None) -> Plan:
     """The Plan to run: the checkpoint's own on the same world size and layout, else the fresh one
     (its version after the saved one); then the micro-batches of ranks that died of an OOM, halved.
@@ -112,7 +117,7 @@ def adopt_plan(job, found: Found | None) -> Plan:
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,
-                           note=f"re-planned for {job.world_size} devices ({job.plan.describe_layout()}) after "
+                           note=f"{REPLANNED} {job.world_size} devices ({job.plan.describe_layout()}) after "
                                 f"resuming from {saved.world_size} ({saved.describe_layout()})")
     return _apply_escaped_ooms(job, plan)
 
