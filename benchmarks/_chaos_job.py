@@ -15,6 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import train_steps
 from chaos import DATASET, GLOBAL_BATCH, LAYOUTS, MICRO, PIPE_MICRO_BATCHES
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -133,11 +134,7 @@ def main(argv=None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = token_loss if case.model == "gpt2" else F.mse_loss
     model, opt, batches = ht.prepare(model, opt, data(case.model), parallel=layout_object(case), loss_fn=loss_fn)
-    for step in batches:
-        for mb in step:
-            with mb:
-                ht.backward(ht.loss(mb))
-        ht.step()
+    train_steps(ht, batches)
     params = whole_parameters(model, opt)                             # (collective)
     if ht.is_main:
         # torchrun's restart count of the attempt that finished: every restart the faults caused

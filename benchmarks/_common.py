@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 FAST = "a100-80g:1.0"     # the device the clock is calibrated on (speed 1)
 MICRO_SAMPLES = 4.0       # the clock's fixed part of a micro-batch, in samples' worth of T
@@ -55,6 +60,57 @@ def apply_smoke(p: argparse.ArgumentParser, args, **sizes) -> None:
         setattr(args, k, v)
 
 
+SIZE_HELP = {"rounds": "interleaved repetitions, every other one reversed", "steps": "timed steps per run"}
+
+
+def add_sizes(p: argparse.ArgumentParser, **defaults) -> None:
+    """--json, then an int flag for each size (an argument's dest: its default, or (default, help))."""
+    p.add_argument("--json", help="write the figures here")
+    for dest, default in defaults.items():
+        default, help = default if isinstance(default, tuple) else (default, SIZE_HELP.get(dest))
+        p.add_argument("--" + dest.replace("_", "-"), type=int, default=default, help=help)
+
+
+def add_worker_args(p: argparse.ArgumentParser, *names: str, **choices) -> None:
+    """The hidden flags a driver passes its workers: --worker (a switch, or one of `choices`'s
+    modes), then each of `names` (clock-ms a float)."""
+    p.add_argument("--worker", help=argparse.SUPPRESS, **(choices or {"action": "store_true"}))
+    for name in names:
+        p.add_argument(f"--{name}", help=argparse.SUPPRESS, **({"type": float} if name == "clock-ms" else {}))
+
+
+def flags(args, *dests: str) -> list[str]:
+    """`--dest value` for each of `dests` whose value is set: a worker's command line."""
+    return [a for d in dests if getattr(args, d) is not None for a in ("--" + d.replace("_", "-"), str(getattr(args, d)))]
+
+
+def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False, env: dict | None = None):
+    """`script ARGV --out OUT` under torchrun --standalone on `nproc` ranks of one thread, its
+    stdout dropped; the JSON at OUT (per_rank: each rank's at OUT.R, a list)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+               *argv, "--out", str(out)]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                       stdout=subprocess.DEVNULL)
+        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(nproc)] if per_rank else \
+            json.loads(out.read_text())
+
+
+def train_steps(ht, batches) -> tuple[list[float], object]:
+    """Every step of `batches` through hetrain's loop: (the clock before the first step and at
+    each step's end, the last step's loss)."""
+    marks, loss = [time.perf_counter()], None
+    for step in batches:
+        for mb in step:
+            with mb:
+                ht.backward(ht.loss(mb))
+        ht.step()
+        marks.append(time.perf_counter())
+        loss = step.loss
+    return marks, loss
+
+
 def dilate(spec: str, factor: float) -> str:
     """'a100-80g:1.0,t4:0.35@24MiB' with every speed divided by `factor`."""
     out = []
@@ -84,9 +140,9 @@ def loss_of(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def card_autocast(precision: str, spec: str, rank: int = 0):
-    """What a careful user runs on rank `rank`'s card of `spec`, by hetrain's rule: autocast to
-    the card's precision (or the one asked for), computed in fp32 where this CPU runs it slowly."""
+def card_policy(precision: str, spec: str, rank: int = 0):
+    """hetrain's precision policy for rank `rank`'s card of `spec` on this CPU: the card's precision
+    (or the one asked for), computed in fp32 where this CPU runs it slowly."""
     import torch
 
     from hetrain.hardware.cluster import parse_cluster
@@ -94,8 +150,15 @@ def card_autocast(precision: str, spec: str, rank: int = 0):
     from hetrain.runtime.devices.emulation import EmulatedDevice
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
-    policy = PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),
-                                   emulated=EmulatedDevice(parse_cluster(spec)[rank]))
+    return PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),
+                                 emulated=EmulatedDevice(parse_cluster(spec)[rank]))
+
+
+def card_autocast(precision: str, spec: str, rank: int = 0):
+    """What a careful user runs on rank `rank`'s card of `spec`: autocast by card_policy."""
+    import torch
+
+    policy = card_policy(precision, spec, rank)
     if policy.error is not None:
         raise policy.error
     dtype = policy.dtype

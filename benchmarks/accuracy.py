@@ -31,11 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import (Parser, add_clock_arguments, add_smoke, apply_smoke, clock_config, clock_micro_s, clock_s,
-                     describe_clock, dilate, resolve_clocks)
+                     describe_clock, dilate, resolve_clocks, train_steps)
 
 REPO = Path(__file__).resolve().parents[1]
 SPEED_TARGET, MEMORY_TARGET = 0.05, 0.15     # samples/s on the controlled clock (gated); peak memory
@@ -95,13 +94,7 @@ def worker(argv: list[str]) -> None:
     model, opt, data = factory()
     layout = hetrain.TensorParallel(split="speed") if parallel == "tp" else parallel
     model, opt, batches = ht.prepare(model, opt, data, parallel=layout, loss_fn=loss_fn)
-    marks = [time.perf_counter()]
-    for step in batches:
-        for mb in step:
-            with mb:
-                ht.backward(ht.loss(mb))
-        ht.step()
-        marks.append(time.perf_counter())
+    marks, _ = train_steps(ht, batches)
     summary = ht.summary()
     pipe = getattr(ht.job.layout, "pipe", None)
     if ht.is_main:

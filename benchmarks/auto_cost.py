@@ -17,13 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_smoke, apply_smoke
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, torchrun
 
 SPEC = "a100-80g:1.0,rtx3090:0.67"
 MODES = ("auto", "dp")
@@ -54,26 +52,18 @@ def worker(args) -> dict:
 
 
 def launch(mode: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--mode", mode, "--out", str(out), "--d-model", str(args.d_model), "--seq-len", str(args.seq_len)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HETRAIN_CACHE": str(Path(tmp) / "cache")}
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-        return {"prepare_s": max(r["prepare_s"] for r in ranks), "layout": ranks[0]["layout"]}
+    with tempfile.TemporaryDirectory() as cache:          # a fresh profile cache each run
+        ranks = torchrun(__file__, 2, ["--worker", "--mode", mode, *flags(args, "d_model", "seq_len")], per_rank=True,
+                         env={"HETRAIN_CACHE": cache})
+    return {"prepare_s": max(r["prepare_s"] for r in ranks), "layout": ranks[0]["layout"]}
 
 
 def main(argv=None) -> None:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions, every other one reversed")
-    p.add_argument("--d-model", type=int, default=64, help="the demo GPT's width (4 blocks, 4 heads)")
-    p.add_argument("--seq-len", type=int, default=64)
+    add_sizes(p, rounds=3, d_model=(64, "the demo GPT's width (4 blocks, 4 heads)"), seq_len=64)
     add_smoke(p)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_args(p, "out")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         Path(f"{args.out}.{os.environ.get('RANK', '0')}").write_text(json.dumps(worker(args)))

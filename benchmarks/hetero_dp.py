@@ -20,19 +20,16 @@ computed in fp32 where this CPU runs it slowly, on both sides. Clock: controlled
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import (FAST, Parser, add_clock_arguments, add_smoke, apply_smoke, card_autocast, clock_s, describe_clock,
-                     loss_of, model_and_data, resolve_clock)
+from _common import (FAST, Parser, add_clock_arguments, add_sizes, add_smoke, add_worker_args, apply_smoke, card_autocast,
+                     card_policy, clock_s, describe_clock, flags, loss_of, model_and_data, resolve_clock, torchrun)
 
 SLOW = "rtx3090:0.67"
 CONFIGS = {   # name: (mode, cluster spec)
@@ -48,10 +45,6 @@ CONFIGS = {   # name: (mode, cluster spec)
 # -- inside each worker process ----------------------------------------------------------------
 def _model_and_data(args):
     return model_and_data(seq_len=args.seq_len, d_model=args.d_model, layers=args.layers)
-
-
-def _autocast(args, rank: int):
-    return card_autocast(args.precision, args.spec, rank)
 
 
 def worker_plain(args, hook=None) -> tuple[float, list[float]]:
@@ -75,7 +68,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     ddp = DDP(model) if world > 1 else model
     if hook is not None:
         hook(ddp, world)
-    autocast = _autocast(args, rank)
+    autocast = card_autocast(args.precision, args.spec, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, drop_last=True)
     loader = iter(DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True))
@@ -145,38 +138,20 @@ def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, objec
 # -- the driver --------------------------------------------------------------------------------
 def launch(name: str, args) -> dict:
     mode, spec = CONFIGS[name]
-    world = len(spec.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, "--worker", mode, "--spec", spec, "--out", str(out),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-               "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
-               "--precision", args.precision, *(["--clock-ms", str(args.clock_ms)] if args.clock_ms else [])]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+    return torchrun(__file__, len(spec.split(",")), ["--worker", mode, "--spec", spec, *flags(
+        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "precision", "clock_ms")])
 
 
 def main() -> None:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="interleaved repetitions, every other one in reverse order; medians are reported "
-                        "(default: 3 on the controlled clock, 7 on the wall clock)")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    add_sizes(p, rounds=(None, "interleaved repetitions, every other one in reverse order; medians are reported "
+                               "(default: 3 on the controlled clock, 7 on the wall clock)"),
+              steps=40, warmup=5, global_batch=64, seq_len=64, d_model=128, layers=4)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: each card's own, computed in fp32 where this CPU runs it slowly")
     add_clock_arguments(p)
     add_smoke(p)
-    p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_worker_args(p, "spec", "out", choices=["plain", "hetrain"])
     args = p.parse_args()
     if args.warmup < 1:
         p.error("--warmup must be at least 1 (the first timed step's start is the last warm-up step's end)")
@@ -238,14 +213,8 @@ def main() -> None:
     per_round, figures = within_rounds(steady)
     per_round_whole, figures_whole = within_rounds(runs)
     from hetrain.hardware.host import host_facts
-    from hetrain.runtime.devices.precision_policy import PrecisionPolicy
-    from hetrain.runtime.devices.emulation import EmulatedDevice
-    from hetrain.hardware.cluster import parse_cluster
-    import torch
 
-    host = host_facts()
-    policy = PrecisionPolicy.local(args.precision, device=torch.device("cpu"), host=host,
-                                   emulated=EmulatedDevice(parse_cluster(FAST)[0]))
+    host, policy = host_facts(), card_policy(args.precision, FAST)
     setup = {"model": f"GPT {args.layers} layers d={args.d_model} seq {args.seq_len}, AdamW",
              "precision": {"requested": args.precision, "card": policy.name, "computed": policy.compute,
                            "why": policy.choice.reason if policy.choice else ""},

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _common import Parser, add_smoke, apply_smoke  # noqa: E402
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags  # noqa: E402
 from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
 from harness import free_port  # noqa: E402 — the tests' loopback port, as checkpoint_io.py uses
 
@@ -71,10 +71,8 @@ def launch(name: str, args) -> dict:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        work = ["--worker", mode, "--compression", compression, "--spec", ",".join(NODES), "--out", str(out),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-                "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
-                "--precision", args.precision, "--link-gbs", str(args.link_gbs)]
+        work = ["--worker", mode, "--compression", compression, "--spec", ",".join(NODES), "--out", str(out), *flags(
+            args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "precision", "link_gbs")]
         procs = []
         for node, device in enumerate(NODES):
             if mode == "hetrain":
@@ -98,22 +96,13 @@ def launch(name: str, args) -> dict:
 
 def main() -> None:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the figures here")
+    add_sizes(p, rounds=2, steps=20, warmup=4, global_batch=32, seq_len=64, d_model=128, layers=4)
     p.add_argument("--link-gbs", type=float, default=0.05, help="the emulated inter-node link, GB/s")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--verbose", action="store_true", help="show node 0's output")
     add_smoke(p)
-    p.add_argument("--worker", choices=["plain", "hetrain"], help=argparse.SUPPRESS)
+    add_worker_args(p, "spec", "out", choices=["plain", "hetrain"])
     p.add_argument("--compression", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args.worker:

@@ -16,25 +16,18 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
-from _common import Parser, add_smoke, apply_smoke
+from _common import Parser, add_sizes, add_smoke, apply_smoke, train_steps
 
 CLUSTER = "a100-80g:1.0,rtx3090:0.5"
 
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the figures here")
+    add_sizes(p, layers=12, d_model=96, seq_len=64, global_batch=64, micro_batches=16,
+              rounds=(6, "alternating rounds of each split"), steps=(1, "timed steps per round"))
     p.add_argument("--cluster", default=CLUSTER, help="emulated pair (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    p.add_argument("--rounds", type=int, default=6, help="alternating rounds of each split")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per round")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32"],
                    help="each stage computes in its device's precision (auto: what the card runs, where this "
                         "CPU runs it at fp32 speed; see the README's Emulation on any CPU)")
@@ -54,7 +47,6 @@ def run_split(args, data, plan=None):
     """One hetrain job of the small GPT as a 2-stage pipeline: the split hetrain sizes (plan None),
     or the given Plan's. Returns (the job's Plan, its pipeline's split and profile, the timed
     step seconds, the last loss). One warm-up step (metadata, first allocations) is not timed."""
-
     import torch
     import torch.nn.functional as F
 
@@ -73,16 +65,8 @@ def run_split(args, data, plan=None):
     layout = plan if plan is not None else hetrain.Pipeline(micro_batches=args.micro_batches, schedule=args.schedule)
     model, opt, batches = ht.prepare(model, opt, data, parallel=layout,
                                      loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    times, loss, t0 = [], None, None
-    for step in batches:
-        for mb in step:
-            with mb:
-                ht.backward(ht.loss(mb))
-        ht.step()
-        now = time.perf_counter()
-        if t0 is not None:
-            times.append(now - t0)
-        t0, loss = now, step.loss
+    marks, loss = train_steps(ht, batches)
+    times = [b - a for a, b in zip(marks[1:], marks[2:])]        # from the first step's end
     pipe = ht.job.layout.pipe
     out = (ht.plan, pipe.split, pipe.profile, times, loss, cfg)
     ht.close()

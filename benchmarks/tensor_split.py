@@ -18,19 +18,16 @@ CPU-bound); `clock_only` is the ratio the clock alone gives. `--clock wall`: the
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_smoke, apply_smoke
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, resolve_clock, torchrun
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
 CONFIGS = {   # name: (TensorParallel's split, cluster spec)
@@ -103,39 +100,19 @@ def worker(args) -> dict:
 # -- the driver --------------------------------------------------------------------------------
 def launch(name: str, args) -> dict:
     split, spec = CONFIGS[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--split", split, "--spec", spec, "--out", str(out), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-               "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads),
-               *(["--clock-ms", str(args.clock_ms)] if args.clock_ms else [])]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-        clock = [r["clock_s_per_sample"] for r in ranks]
-        return {**ranks[0], "clock_s_per_sample": clock}
+    ranks = torchrun(__file__, 2, ["--worker", "--split", split, "--spec", spec, *flags(
+        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "heads", "clock_ms")], per_rank=True)
+    return {**ranks[0], "clock_s_per_sample": [r["clock_s_per_sample"] for r in ranks]}
 
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions, every other one reversed")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
+    add_sizes(p, rounds=3, steps=8, warmup=2, global_batch=16, seq_len=64, d_model=128, layers=4, heads=8)
     p.add_argument("--fast-pair", action="store_true", help="also run the even split on two A100s (the ceiling)")
     p.add_argument("--clock", default="auto",
                    help="auto (default): controlled clock, T calibrated here; a number: T in ms; wall: the wall clock")
     add_smoke(p)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--split", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--clock-ms", type=float, default=None, help=argparse.SUPPRESS)
+    add_worker_args(p, "split", "spec", "out", "clock-ms")
     args = p.parse_args(argv)
     if not args.worker:
         apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=4, seq_len=16, d_model=32, layers=1, heads=2)
@@ -143,13 +120,8 @@ def parse_args(argv=None):
         p.error("--warmup must be at least 1 (the first timed step starts at the last warm-up step's end)")
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
-    if not args.worker and args.clock not in ("auto", "wall"):
-        try:
-            args.clock_ms = float(args.clock)
-        except ValueError:
-            p.error(f"--clock {args.clock!r}: give auto, wall, or the ms a sample takes at speed 1 (e.g. 10)")
-        if not 0 < args.clock_ms <= 1000:
-            p.error(f"--clock {args.clock}: give a positive number of ms, at most 1000")
+    if not args.worker and args.clock != "auto":     # auto: calibrated on this GPT-2 in main
+        resolve_clock(args, p, micro_batch=args.global_batch)
     return args
 
 
