@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import train_steps
+from _common import hf_gpt2, train_steps
 from chaos import DATASET, GLOBAL_BATCH, LAYOUTS, MICRO, PIPE_MICRO_BATCHES
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -59,13 +59,7 @@ class ChaosNet(nn.Module):
 
 def gpt2():
     """GPT-2 of 2 layers, 8 heads (5/3 at 1 : 0.67), no dropout (the shards compute one model)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=8, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
+    return hf_gpt2(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=8)
 
 
 def data(kind: str):

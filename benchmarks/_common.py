@@ -4,11 +4,9 @@ cluster slowed D times. Not a benchmark (its name starts with _; tests/benchmark
 The controlled clock. An emulated device's compute lasts the CPU's time ÷ its speed (the wall
 clock), or on a controlled clock a micro-batch of m samples lasts (a + m·T)/speed
 (`hetrain.Emulation(sample_s=T, micro_s=a)`): the CPU still computes every sample and a sleep
-makes up the rest; the gradient sync, the optimizer and the loop's own work stay on the wall clock.
-The planner is told nothing of it: the profiler times each device through its own throttle and
-fits a + b·m (runtime/measure/profiler.py), so a benchmark comparing a plan with a run checks the
-fit, the split and the micro-batches against devices whose speed holds still, as a GPU's does and
-a shared virtual CPU's does not. a = 4·T (about what a small micro-batch costs a GPU in launches)
+makes up the rest. The planner is told nothing of it (docs/planning.md), so a benchmark comparing
+a plan with a run checks the fit, the split and the micro-batches against devices whose speed
+holds still, as a GPU's does and a shared virtual CPU's does not. a = 4·T (about what a small micro-batch costs a GPU in launches)
 makes a device that runs many small micro-batches cost more than its rate says, so a profile or a
 planner that ignored a would split wrongly. T must exceed the CPU's own time a sample with the
 devices computing at once: `--clock auto` sets it to 3× the fast device's forward and backward
@@ -97,6 +95,19 @@ def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False
             json.loads(out.read_text())
 
 
+def interleaved(names, rounds: int, *, own_cache: bool = False):
+    """(round, name) over `rounds` rounds of `names`, every other one reversed (on a shared host a
+    config run last in every round ran ~2% slower). own_cache: HETRAIN_CACHE a profile cache of
+    this run alone (one left by another commit or a busy host would set every hetrain run's split;
+    within the run the first hetrain config measures and the rest reuse it, as a restarted job would)."""
+    with (tempfile.TemporaryDirectory(prefix="hetrain-bench-cache-", ignore_cleanup_errors=True) if own_cache
+          else contextlib.nullcontext()) as cache:
+        if cache:
+            os.environ["HETRAIN_CACHE"] = cache
+        for r in range(rounds):
+            yield from ((r, name) for name in (names if r % 2 == 0 else names[::-1]))
+
+
 def train_steps(ht, batches) -> tuple[list[float], object]:
     """Every step of `batches` through hetrain's loop: (the clock before the first step and at
     each step's end, the last step's loss)."""
@@ -132,6 +143,16 @@ def model_and_data(*, seq_len: int, d_model: int, layers: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=seq_len, d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 32)))
     return model, ByteWindows(pydoc_bytes(), seq_len)
+
+
+def hf_gpt2(**config):
+    """A Hugging Face GPT-2 built from a config (no downloads), dropout off, byte tokens 0 at both ends."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    return GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                      **config))
 
 
 def loss_of(model, x, y):
@@ -222,8 +243,7 @@ def resolve_clock(args, p: argparse.ArgumentParser, *, micro_batch: int) -> None
         args.clock_micro_ms = getattr(args, "clock_micro", 0.0) * args.clock_ms or None
 
 
-def clock_s(args) -> float | None:
-    """--clock-ms as seconds a sample at speed 1 (None: the wall clock)."""
+def clock_s(args) -> float | None:      # seconds a sample at speed 1 (None: the wall clock)
     return args.clock_ms / 1000 if getattr(args, "clock_ms", None) else None
 
 
@@ -232,8 +252,7 @@ def clock_micro_s(args) -> float | None:
     return args.clock_micro_ms / 1000 if clock_s(args) and getattr(args, "clock_micro_ms", None) else None
 
 
-def clock_config(args) -> dict:
-    """This clock as fields of hetrain.Emulation (empty: the wall clock)."""
+def clock_config(args) -> dict:        # as fields of hetrain.Emulation (empty: the wall clock)
     if not clock_s(args):
         return {}
     micro = clock_micro_s(args)

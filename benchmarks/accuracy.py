@@ -9,14 +9,11 @@ FSDP2, DP + capacity, a 2-stage pipeline and TP by speed on a 1 : 0.67 pair, DP�
 devices; on request the planner's DP plan on a pair whose slow card is capped (`dp-capped`: many
 small micro-batches, each paying the clock's fixed part) and on three devices (`dp-3dev`).
 
-Clocks (benchmarks/_common.py says why). The controlled clock (`auto`, the default) gates: every
-row within 5% (median of the rounds) and its peak memory within 15%, else exit 1; the planner is
-told nothing of the clock. The wall clock (`--clock wall`, or `auto,wall`, interleaved) is reported
-beside the runs' own spread, (largest − least) / median over the rounds, and never gates: on a
-shared 2-core VM the same plan's runs moved 6-26% between rounds (benchmarks/results/accuracy.json),
-so a 10% error cannot be judged there. An OOM the plan did not foresee, or a redone step, fails a
-row on either clock. Each round starts one layout further on (run_order); --dilate 2 (the default)
-runs every device twice slower, so DP×PP's four devices fit a 2-core host.
+Clocks (benchmarks/_common.py; docs/planning.md says why only one gates): on the controlled clock
+(`auto`, the default) every row within 5% (median of the rounds) and its peak memory within 15%,
+else exit 1; the wall clock (`--clock wall`, or `auto,wall`, interleaved) is reported beside the
+runs' own spread and never gates. An OOM the plan did not foresee, or a redone step, fails a row on
+either clock. --dilate 2 (the default) runs every device twice slower, so DP×PP fits a 2-core host.
 
     python benchmarks/accuracy.py --json out.json                # controlled clock, every layout, 3 rounds
     python benchmarks/accuracy.py --clock auto,wall --json out.json
@@ -100,12 +97,11 @@ def worker(argv: list[str]) -> None:
     if ht.is_main:
         steady = marks[1 + WARMUP_STEPS:]
         timed = len(steady) - 1
-        summary["steady_samples_per_s"] = (timed * int(batch) / (steady[-1] - steady[0])) if timed > 0 else None
-        summary["step_seconds"] = [b - a for a, b in zip(marks, marks[1:])]
+        summary.update(steady_samples_per_s=(timed * int(batch) / (steady[-1] - steady[0])) if timed > 0 else None,
+                       step_seconds=[b - a for a, b in zip(marks, marks[1:])], global_batch=int(batch),
+                       steady_busy_s=[r["busy_s"] / max(1, int(steps) - 1) for r in summary["ranks"]])
         if pipe is not None:
             summary["pipeline_split"] = {"sizes": list(pipe.split.sizes), "bubble": pipe.split.bubble_fraction}
-        summary["global_batch"] = int(batch)
-        summary["steady_busy_s"] = [r["busy_s"] / max(1, int(steps) - 1) for r in summary["ranks"]]
         write_json_atomic(out, summary)
     ht.close()
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, torchrun
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, interleaved, torchrun
 
 SPEC = "a100-80g:1.0,rtx3090:0.67"
 MODES = ("auto", "dp")
@@ -73,14 +73,13 @@ def main(argv=None) -> None:
         p.error("--rounds must be at least 1")
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     chosen: list[str] = []
-    for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            got = launch(mode, args)
-            seconds[mode].append(got["prepare_s"])
-            if mode == "auto":
-                chosen.append(got["layout"])
-            print(f"round {r + 1}/{args.rounds}  prepare(parallel={mode!r}) {got['prepare_s']:.2f} s  "
-                  f"({got['layout']})", flush=True)
+    for r, mode in interleaved(MODES, args.rounds):
+        got = launch(mode, args)
+        seconds[mode].append(got["prepare_s"])
+        if mode == "auto":
+            chosen.append(got["layout"])
+        print(f"round {r + 1}/{args.rounds}  prepare(parallel={mode!r}) {got['prepare_s']:.2f} s  "
+              f"({got['layout']})", flush=True)
     ratios = [a / d for a, d in zip(seconds["auto"], seconds["dp"])]
     figures = {"auto_s": statistics.median(seconds["auto"]), "dp_s": statistics.median(seconds["dp"]),
                "auto_over_dp": statistics.median(ratios)}

@@ -9,21 +9,11 @@ reported: faults injected and survived, restarts, wall time lost, whether the fi
     python benchmarks/chaos.py --layout all --json chaos.json [--faults 20] [--steps 30] [--seed 0]
     python benchmarks/chaos.py --smoke      (seconds: dp, 2 faults, 6 steps; the same code path)
 
-Layouts (LAYOUTS below; --layout one, several or all): DataParallel dp (DDP), zero1, fsdp (FSDP2),
-capacity, capacity-full; pp (one pipeline of 2 stages), dp-pp (2 replicas x 2 stages, 4 devices);
-tp (TensorParallel(split='speed') of a Hugging Face GPT-2); pp-resplit (pp of 6 blocks on two
-a100-80g, stage 1 slowed 3x from step 1 in both runs, rebalancing on: it re-splits while faults
-land). Under TP and capacity-full an OOM ends the attempt (in-loop recovery is off there) and the
-resumed job halves that micro-batch: a restart like a kill.
-
-Parameters equal: within 1e-6 relative, not bitwise: a halved micro-batch (or re-planned shares)
-sums a gradient in another order, ~1e-15 in float64, while a lost or doubled sample or step moves
-them by orders more. Each tensor is measured against its largest magnitude, floored at 1e-12 of
-the model's largest: GPT-2's key biases get a zero gradient in exact arithmetic (softmax is
-unchanged by adding q·b to every key's score), so they hold float64 rounding alone (~1e-21), which
-a reordered sum changes by ~100% of itself. `exact`: bitwise equal; `worst_param`: the tensor
-furthest apart. Exit 0 when every layout survived every fault with the clean run's parameters
-and every sample once, 1 otherwise, 2 for bad input.
+Layouts: LAYOUTS below (--layout one, several or all). Parameters equal: within 1e-6 relative, not
+bitwise (a halved micro-batch sums a gradient in another order), each tensor against its largest
+magnitude floored at 1e-12 of the model's largest: docs/resilience.md says why. `exact`: bitwise
+equal; `worst_param`: the tensor furthest apart. Exit 0 when every layout survived every fault
+with the clean run's parameters and every sample once, 1 otherwise, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -78,6 +68,7 @@ FLOOR = 1e-12         # of the model's largest parameter: below it a tensor hold
 SHUTDOWN_S = 2
 SLOWDOWN = "slow:rank=1,step=1,factor=3"   # pp-resplit, in the clean run and the chaos run alike
 RESPLIT_FROM = 8      # pp-resplit: no restart before this step, so the first attempt moves its blocks
+RESPLIT = "pipeline re-split at step"     # what the job's log says at each re-split
 
 
 # -- the schedule -------------------------------------------------------------------------------
@@ -179,7 +170,7 @@ def launch(tmp: Path, name: str, args, layout: str, faults: list[str] | None) ->
 def compare(a: dict, b: dict) -> tuple[bool, bool, float, str | None]:
     """(within REL_TOL, bitwise, largest relative difference, its name) of two runs' parameters
     {name: tensor}; each tensor's difference over its largest magnitude, floored at FLOOR of the
-    model's largest (the module docstring says why)."""
+    model's largest (docs/resilience.md says why)."""
     import torch
 
     if sorted(a) != sorted(b):
@@ -225,21 +216,16 @@ def run_layout(layout: str, args, tmp: Path) -> dict:
         "layout": layout, "parallel": case.parallel, "sharding": case.sharding, "cluster": case.cluster,
         "model": case.model, "planned": len(faults), "injected": len(fired), "survived": len(fired) if finished else 0,
         "restarts": torch.load(chaos_out)["restarts"] if finished else None,
-        "resumes_from_checkpoint": stdout.count("resumed from step-"),
-        "resplits": stdout.count("pipeline re-split at step"),
-        "clean_resplits": clean_stdout.count("pipeline re-split at step"),
-        "seconds_lost": round(chaos_s - clean_s, 1),
+        "resumes_from_checkpoint": stdout.count("resumed from step-"), "resplits": stdout.count(RESPLIT),
+        "clean_resplits": clean_stdout.count(RESPLIT), "seconds_lost": round(chaos_s - clean_s, 1),
         "params_equal": bool(equal), "exact": bool(exact),
         "max_rel_diff": worst if math.isfinite(worst) else None, "worst_param": worst_param,
         "samples_once": bool(finished and samples_once(ckpt, args.steps)),
         "by_kind": dict(Counter(f["kind"] for f in fired)),
-        "clean_seconds": round(clean_s, 1), "chaos_seconds": round(chaos_s, 1),
-        "error": error or None,
+        "clean_seconds": round(clean_s, 1), "chaos_seconds": round(chaos_s, 1), "error": error or None,
         "not_injectable": (["die in backward (a pipeline's backward runs in the schedule)"]
                            if case.parallel in ("pp", "dp-pp") else []),
-        "ooms_restart": case.oom_restarts,
-        "schedule": faults,
-    }
+        "ooms_restart": case.oom_restarts, "schedule": faults}
 
 
 COLUMNS = ("layout", "injected", "survived", "restarts", "resplits", "seconds_lost", "params_equal", "samples_once")

@@ -8,10 +8,8 @@ The demo GPT at one global batch, configs interleaved in rounds (every other rou
   hetrain    (fast pair)    hetrain on the same identical pair (its overhead where no split helps)
 
 A run's throughput is the global batch over its median step (the whole-window figure and the share
-of steps over 1.25x the median are kept beside it); each figure is the median over rounds of a
-ratio within a round: efficiency = hetrain / Σ alone; balance_efficiency = hetrain(mixed) /
-(ddp(fast pair) × Σs / (n × s_max)); speedup_vs_equal = hetrain(mixed) / ddp-equal(mixed);
-identical_pair_ratio = hetrain(fast pair) / ddp(fast pair). --precision auto: each card's own,
+of steps over 1.25x the median are kept beside it); each figure (`ratios` in main) is the median
+over rounds of a ratio within a round. --precision auto: each card's own,
 computed in fp32 where this CPU runs it slowly, on both sides. Clock: controlled by default
 (benchmarks/_common.py), m·T/speed a micro-batch, for both sides alike.
 
@@ -22,14 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from _common import (FAST, Parser, add_clock_arguments, add_sizes, add_smoke, add_worker_args, apply_smoke, card_autocast,
-                     card_policy, clock_s, describe_clock, flags, loss_of, model_and_data, resolve_clock, torchrun)
+                     card_policy, clock_s, describe_clock, flags, interleaved, loss_of, model_and_data, resolve_clock, torchrun)
 
 SLOW = "rtx3090:0.67"
 CONFIGS = {   # name: (mode, cluster spec)
@@ -48,10 +44,8 @@ def _model_and_data(args):
 
 
 def worker_plain(args, hook=None) -> tuple[float, list[float]]:
-    """Plain torch: DDP + DistributedSampler with an equal split, throttled like hetrain's emulation:
-    (samples/s over the timed steps, each timed step's seconds).
-    `hook(ddp, world)`: called once on the DDP model (benchmarks/multi_node.py registers its
-    emulated link and compression there)."""
+    """Plain DDP + DistributedSampler, equal split, throttled like hetrain's emulation: (samples/s,
+    each timed step's seconds). `hook(ddp, world)`: called once on the DDP model (multi_node.py's link)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -96,12 +90,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     seconds = time.perf_counter() - t0
     del ddp
     dist.destroy_process_group()
-    return args.steps * args.global_batch / seconds, _durations(ends)
-
-
-def _durations(ends: list[float]) -> list[float]:
-    """Each timed step's seconds, from the clock at the start of the first and at every end."""
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return args.steps * args.global_batch / seconds, [b - a for a, b in zip(ends, ends[1:])]
 
 
 def worker_hetrain(args) -> tuple[float, list[float]]:
@@ -110,7 +99,7 @@ def worker_hetrain(args) -> tuple[float, list[float]]:
 
     sps = timed_hetrain(args, emulation=Emulation(cluster=args.spec, sample_s=clock_s(args) or None),
                         reporting=Reporting(verbose=False), marks=ends)[0]
-    return sps, _durations(ends[args.warmup - 1:])     # from the last warm-up step's end
+    return sps, [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]   # from the last warm-up's end
 
 
 def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, object]:
@@ -171,27 +160,17 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"samples_per_s": sps, "step_s": steps}))
         return
 
-    # A profile cache of this run alone: a cache left by another run (another commit, or measured
-    # while the host was busy) would set every hetrain run's split here, and two benchmark runs
-    # could then disagree for a reason that is not in either run. Within the run, the first
-    # hetrain config measures and the rest reuse it, as a user's restarted job would.
-    cache = tempfile.mkdtemp(prefix="hetrain-bench-cache-")
-    os.environ["HETRAIN_CACHE"] = cache
     runs: dict[str, list[float]] = {name: [] for name in CONFIGS}       # whole timed window
     steady: dict[str, list[float]] = {name: [] for name in CONFIGS}     # at the run's median step
     slow_steps: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for r in range(args.rounds):
-        # Position in the sequence matters on a shared host (a config run last in every round ran
-        # ~2% slower here): odd rounds go backwards.
-        for name in (list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]):
-            got = launch(name, args)
-            runs[name].append(got["samples_per_s"])
-            typical = statistics.median(got["step_s"])
-            steady[name].append(args.global_batch / typical)
-            slow_steps[name].append(sum(t > 1.25 * typical for t in got["step_s"]) / len(got["step_s"]))
-            print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s "
-                  f"({steady[name][-1]:.1f} at the median step)", flush=True)
-    shutil.rmtree(cache, ignore_errors=True)
+    for r, name in interleaved(list(CONFIGS), args.rounds, own_cache=True):
+        got = launch(name, args)
+        runs[name].append(got["samples_per_s"])
+        typical = statistics.median(got["step_s"])
+        steady[name].append(args.global_batch / typical)
+        slow_steps[name].append(sum(t > 1.25 * typical for t in got["step_s"]) / len(got["step_s"]))
+        print(f"round {r + 1}/{args.rounds}  {name:<22} {runs[name][-1]:7.1f} samples/s "
+              f"({steady[name][-1]:.1f} at the median step)", flush=True)
     whole = {name: statistics.median(v) for name, v in runs.items()}
     med = {name: statistics.median(v) for name, v in steady.items()}
 

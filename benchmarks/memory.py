@@ -6,17 +6,8 @@ raise torch.OutOfMemoryError past their cap, like a GPU. Every candidate width o
 *run* as a 2-process job under torchrun and "trains" when both ranks finish its steps (AdamW, so
 its state exists from the second step on) without an OOM; a binary search finds the largest.
 
-Study `strategies` (GPT 4 layers, seq 64, global batch 16, 3 steps), each strategy its fixed plan:
-
-    strategy        plan (shares / micro-batches)                 checkpointing     state sharding
-    ddp             equal 8 / 8, whole shares                     none              none (plain DDP)
-    hetrain-ckpt    by speed 10 / 6, the 3090 in micro-batches of 1  on the 3090 only  none
-    zero1           as hetrain-ckpt                               on the 3090 only  even (ZeroRedundancyOptimizer)
-    fsdp            as hetrain-ckpt                               on the 3090 only  even (FSDP2)
-    fsdp-whole      by speed 10 / 6, whole shares                 on the 3090 only  even (FSDP2, full ZeRO-3)
-    capacity        as hetrain-ckpt                               on the 3090 only  proportional to free memory
-
-Study `capacity-full` (GPT 16 layers, seq 32, global batch 8, fp32): capacity-proportional full
+Study `strategies` (GPT 4 layers, seq 64, global batch 16, 3 steps): each strategy its fixed plan
+(STRATEGIES below: shares, micro-batches, checkpointing per rank, state sharding). Study `capacity-full` (GPT 16 layers, seq 32, global batch 8, fp32): capacity-proportional full
 sharding against even FSDP2, the same plan (shares 5 / 3 in one micro-batch each, checkpointing on
 both): the largest model each trains and their ratio (bound (80 + 24) / (2 · 24) ≈ 2.17), then
 throughput at a width both train, --rounds interleaved fresh jobs of --steps steps, the ratio of
@@ -58,12 +49,15 @@ STRATEGIES = {   # study: {name: (shares, micro-batches, checkpointing per rank,
 }
 
 
-def n_params(study: str, width: int) -> int:
+def gpt(study: str, width: int):
     from hetrain.demo.gpt import GPT, GPTConfig
 
     s = STUDIES[study]
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=s["seq"], d_model=width, n_layers=s["layers"],
-                         n_heads=HEADS)).num_params()
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=s["seq"], d_model=width, n_layers=s["layers"], n_heads=HEADS))
+
+
+def n_params(study: str, width: int) -> int:
+    return gpt(study, width).num_params()
 
 
 # -- inside each worker process ----------------------------------------------------------------
@@ -75,7 +69,6 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
 
     import hetrain
     from hetrain import Emulation, Memory, Rebalancing, Reporting
-    from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.planning.plan import DevicePlan, Plan
 
     s, rank = STUDIES[study], int(os.environ["RANK"])
@@ -88,7 +81,7 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
                       reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False), sharding=sharding,
                       max_steps=steps, precision=precision, timeout_s=120)    # each strategy runs exactly its plan
     torch.manual_seed(0)
-    mdl = GPT(GPTConfig(vocab_size=VOCAB, seq_len=s["seq"], d_model=width, n_layers=s["layers"], n_heads=HEADS))
+    mdl = gpt(study, width)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (s["batch"] * steps, s["seq"]), generator=g),
                                           torch.randint(0, VOCAB, (s["batch"] * steps, s["seq"]), generator=g))

@@ -40,9 +40,9 @@ CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
 
 
 # -- inside each worker process ----------------------------------------------------------------
-def worker_plain(args) -> float:
-    """Plain DDP with an equal split, throttled like hetrain's emulation (hetero_dp.worker_plain),
-    its all-reduce through the same emulated link (and torch's fp16 hook when asked)."""
+def worker_plain(args) -> tuple[float, str]:
+    """hetero_dp.worker_plain, its all-reduce through the same emulated link (and torch's fp16 hook
+    when asked): (samples/s, the compression it ran)."""
     from hetrain.runtime.devices.link import LinkThrottle
     from hetrain.runtime.resilience.oom import install
     from hetrain.runtime.sharding.comm_hooks import GradientHook
@@ -50,7 +50,7 @@ def worker_plain(args) -> float:
     def link(ddp, world):
         install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
 
-    return plain_ddp(args, hook=link)[0]
+    return plain_ddp(args, hook=link)[0], args.compression
 
 
 def worker_hetrain(args) -> tuple[float, str]:
@@ -106,13 +106,9 @@ def main() -> None:
     args = p.parse_args()
 
     if args.worker:
-        if args.worker == "plain":
-            figures = {"samples_per_s": worker_plain(args), "compression": args.compression}
-        else:
-            sps, chosen = worker_hetrain(args)
-            figures = {"samples_per_s": sps, "compression": chosen}
+        sps, chosen = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
         if int(os.environ.get("RANK", 0)) == 0:
-            Path(args.out).write_text(json.dumps(figures))
+            Path(args.out).write_text(json.dumps({"samples_per_s": sps, "compression": chosen}))
         return
 
     apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1)

@@ -94,13 +94,10 @@ def worker(args) -> None:
     aware_plan = None
     for _ in range(args.rounds):     # alternating, so both splits see the same machine load
         for name, run in runs.items():
-            if name == "speed_aware":
-                plan = None
-            else:   # the same plan with the blocks halved (a plan run is not re-planned)
-                half = args.layers // 2
-                plan = aware_plan and dataclasses.replace(aware_plan, stage_blocks=(half, args.layers - half))
             if name == "uniform" and aware_plan is None:
                 continue             # the first round plans the speed-aware split first
+            half = args.layers // 2  # uniform: the same plan with the blocks halved (a plan run is not re-planned)
+            plan = None if name == "speed_aware" else dataclasses.replace(aware_plan, stage_blocks=(half, args.layers - half))
             job_plan, split, profile, times, loss, cfg = run_split(args, data, plan)
             run.update(split=split, profile=profile, last_loss=loss)
             run["times"] += times

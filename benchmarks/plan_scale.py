@@ -5,17 +5,10 @@
 The cluster is written in the node grammar, as a user would (so parsing and the hierarchical
 all-reduce over the nodes are timed too): nodes of A100-80G (NVLink), RTX 3090 (PCIe 4), V100-32G
 (NVLink) and T4 (PCIe 3), and nodes with two kinds inside, over 25GbE — heterogeneous across the
-job and within some nodes. Global batch 8 per device. The phases are the functions `hetrain
-simulate` and `hetrain plan` call, in process, each timed on its own:
-
-  parse      hardware/cluster.py parse_cluster_spec
-  topology   planning/topology.py topology_sync (the hierarchical all-reduce and its ring link)
-  profiles   planning/simulate.py cluster_profiles (catalog estimates per device)
-  make_plan  planning/planner.py make_plan (shares, micro-batches, checkpointing)
-  compare    planning/parallelism.py compare_parallelism over equal blocks of the preset: DP vs one
-             pipeline vs every DP×PP layout (the search made fast; rank_layouts calls it)
-  rank       planning/layouts.py rank_layouts, as `hetrain simulate` calls it (cli/simulate.py):
-             every layout (DP, ZeRO-1, capacity, FSDP, PP, DP×PP, TP) ranked
+job and within some nodes. Global batch 8 per device. The phases (PHASES) are the functions
+`hetrain simulate` and `hetrain plan` call, in process, each timed on its own (plan_once): parse,
+topology, profiles, make_plan, compare (compare_parallelism over equal blocks of the preset: DP vs
+one pipeline vs every DP×PP layout) and rank (rank_layouts: every layout ranked).
 
 Each size runs --repeats times (median; the total counts compare twice, inside rank too: an upper
 bound), then `hetrain simulate` and `hetrain plan --model` end to end in a fresh interpreter.

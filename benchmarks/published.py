@@ -1,13 +1,9 @@
 """Published results, reproduced in shape with hetrain's simulator from their published configurations.
 
-Each result is the published ratio(s), the configuration they were measured on (as a cluster spec
-and a model preset, so `hetrain simulate` reproduces every row), and one function per simulator
-column that returns the simulated figures: today `hetrain DP`, hetrain's uneven data-parallel
-split, computed in-process exactly as `hetrain simulate` computes it (cluster_profiles +
-simulate, with the hierarchical link of a spec that names its nodes). A layout ranking (DP,
-ZeRO, PP, TP) is one more entry in a result's `columns`. Ratios are compared, not absolute
-samples/s: the catalog estimates compute from datasheet peaks × 40%, which is not what any of
-these setups measured. docs/published-results.md explains each difference.
+Each result is the published ratio(s), the configuration they were measured on (a cluster spec and
+a model preset, so `hetrain simulate` reproduces every row) and one function per simulator column
+(RESULTS below). Ratios are compared, not absolute samples/s: docs/published-results.md says why
+and explains each difference.
 
     seed     the seed's table (the product's founding figures): A100 120 samples/s alone, RTX 3090 80, both 190
     sailor   Sailor (Strati et al., SOSP 2025) Fig. 1: 16 A100 + 16 V100 ≈ 1.15× 16 A100 (OPT-350M)

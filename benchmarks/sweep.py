@@ -14,14 +14,9 @@ predicted: a ratio at or above 1 fails.
 
     python benchmarks/sweep.py [--trials 8] [--rounds 2] [--json out.json] [--clock wall|MS] [--mix] [--smoke]
 
---mix: two trials in three are declared large (30 GiB of model state and activations: the A100 holds one,
-a 3090 does not, two 3090s do sharded), odd ones small; the sweep runs on a100-80g,rtx3090,rtx3090
-(a large trial runs on the A100 or as a data-parallel job over the two 3090s, whichever is free)
-against the same trials one after another on the A100. --smoke: 2 trials of a few steps, one
-round, the pair against the A100 alone (seconds; the same commands).
-
---clock MS puts the emulated devices on the controlled clock (a step of 32 samples lasts
-32·MS/speed): steady on a drifting host, at the price of imposing each device's compute time.
+--mix: two trials in three declared large (30 GiB: the A100 holds one, two 3090s sharded do) on
+a100-80g,rtx3090,rtx3090 (docs/integrations.md). --smoke: 2 trials of a few steps, one round.
+--clock MS: the controlled clock (a step of 32 samples lasts 32·MS/speed), steady on a drifting host.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A Hugging Face GPT-2 (built from a config: no downloads; 8 heads, dropout off) t
 `parallel=hetrain.TensorParallel(split=...)` on an emulated A100 (1.0) and RTX 3090 (0.6):
   tp-even    every layer cut in half (4/4 heads)
   tp-speed   heads and MLP columns by speed (5/3 heads, 320/192 columns)
-and, with --fast-pair, tp-even on two A100s (the ceiling). Interleaved rounds, every other one
-reversed; a run's throughput is the global batch over its median step; each figure the median over
-rounds of the ratio within a round.
+and, with --fast-pair, tp-even on two A100s (the ceiling). A run's throughput is the global batch
+over its median step; each figure the median over interleaved rounds of the ratio within a round.
 
 Clock: controlled by default (benchmarks/_common.py): a micro-batch of m samples on a TP rank lasts
 m·T·share/speed, `share` its part of the Linear weights, T 8× the whole model's forward+backward
@@ -21,13 +20,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, resolve_clock, torchrun
+from _common import (Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, hf_gpt2, interleaved,
+                     resolve_clock, torchrun)
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
 CONFIGS = {   # name: (TensorParallel's split, cluster spec)
@@ -40,17 +38,13 @@ CONFIGS = {   # name: (TensorParallel's split, cluster spec)
 def gpt2(args):
     """The benchmark's GPT-2 (seeded) and its byte windows of the pydoc text."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
 
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 
-    logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers,
-                     n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                     eos_token_id=0, attn_implementation="sdpa")
-    return GPT2LMHeadModel(cfg), ByteWindows(pydoc_bytes(), args.seq_len)
+    model = hf_gpt2(vocab_size=256, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers,
+                    n_head=args.heads, attn_implementation="sdpa")
+    return model, ByteWindows(pydoc_bytes(), args.seq_len)
 
 
 def loss_of(model, x, y):
@@ -137,20 +131,16 @@ def main(argv=None) -> None:
               "whole model's forward and backward took here)", flush=True)
     load_before = os.getloadavg()
     names = [n for n in CONFIGS if args.fast_pair or n != "tp-even-fast-pair"]
-    cache = tempfile.mkdtemp(prefix="hetrain-bench-cache-")   # this run's own profiles, none left by another
-    os.environ["HETRAIN_CACHE"] = cache
     steady: dict[str, list[float]] = {n: [] for n in names}
     seen: dict[str, dict] = {}
     started = time.perf_counter()
-    for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            got = launch(name, args)
-            steady[name].append(args.global_batch / statistics.median(got["step_s"]))
-            seen[name] = {"speeds": got["speeds"], "micro_batch": got["micro_batch"],
-                          "clock_s_per_sample": got["clock_s_per_sample"]}
-            print(f"round {r + 1}/{args.rounds}  {name:<18} {steady[name][-1]:7.1f} samples/s at the median step "
-                  f"({got['samples_per_s']:.1f} over the window)", flush=True)
-    shutil.rmtree(cache, ignore_errors=True)
+    for r, name in interleaved(names, args.rounds, own_cache=True):
+        got = launch(name, args)
+        steady[name].append(args.global_batch / statistics.median(got["step_s"]))
+        seen[name] = {"speeds": got["speeds"], "micro_batch": got["micro_batch"],
+                      "clock_s_per_sample": got["clock_s_per_sample"]}
+        print(f"round {r + 1}/{args.rounds}  {name:<18} {steady[name][-1]:7.1f} samples/s at the median step "
+              f"({got['samples_per_s']:.1f} over the window)", flush=True)
     per_round = {"speed_vs_even": [s / e for s, e in zip(steady["tp-speed"], steady["tp-even"])]}
     if args.fast_pair:   # the mixed pair split by speed against two fast devices
         per_round["speed_vs_fast_pair"] = [s / f for s, f in zip(steady["tp-speed"], steady["tp-even-fast-pair"])]
