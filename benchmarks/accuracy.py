@@ -115,7 +115,7 @@ def _env(cache: str, model: str) -> dict:
 def ranking_for(spec: str, args, cache: str, workdir: str) -> dict:
     """`hetrain plan --model-factory` on this cluster, then its ranking computed from what the
     job's processes measured, as `hetrain plan` computes the table it prints."""
-    from hetrain.planning.layouts import ModelState
+    from hetrain.planning.ranking import ModelState
     from hetrain.runtime.config import Config, Emulation
     from hetrain.runtime.layouts.ranking import model_facts
     from hetrain.runtime.measure.measurements import Measurements, rank_from_measurements

@@ -48,7 +48,7 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     """One plan of the spec, each phase timed; returns the times and the layout chosen."""
     from hetrain.hardware.cluster import parse_cluster_spec
     from hetrain.planning.cost import GRAD_ELEMENT_BYTES
-    from hetrain.planning.layouts import ModelState, rank_layouts
+    from hetrain.planning.ranking import ModelState, rank_layouts
     from hetrain.planning.options import PlanOptions
     from hetrain.planning.parallelism import compare_parallelism
     from hetrain.planning.pipeline_split import PipelineProfile, StageDevice

@@ -113,8 +113,8 @@ def sailor_dp() -> Figures:
 
 
 def rank_spec(cluster: str, model: ModelSpec, *, global_batch: int, precision: str = "bf16"):
-    """What `hetrain simulate` ranks as every layout (planning/layouts.py) for this cluster."""
-    from hetrain.planning.layouts import ModelState, rank_layouts
+    """What `hetrain simulate` ranks as every layout (planning/ranking.py) for this cluster."""
+    from hetrain.planning.ranking import ModelState, rank_layouts
 
     parsed = parse_cluster_spec(cluster)
     grad_bytes = model.trainable * GRAD_ELEMENT_BYTES

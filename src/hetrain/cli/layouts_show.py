@@ -1,4 +1,4 @@
-"""Every layout ranked (planning/layouts.py) as `hetrain simulate` and `hetrain plan` print it:
+"""Every layout ranked (planning/ranking.py) as `hetrain simulate` and `hetrain plan` print it:
 one table (samples/s, memory per device against what it has, communication per step), the
 winner and why, how to run it, and when nothing fits, what would."""
 
@@ -9,7 +9,7 @@ from rich.table import Table
 from ..console import console
 
 from ..hardware.units import format_bytes
-from ..planning.layouts import LayoutRanking, seconds
+from ..planning.ranking import LayoutRanking, seconds
 
 WIDE = 6        # devices beyond this: memory as the fullest device, not one column each
 

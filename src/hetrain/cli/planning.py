@@ -26,7 +26,7 @@ from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
 from ..hardware.cluster import parse_cluster
 from ..planning.cost import GRAD_ELEMENT_BYTES
-from ..planning.layouts import ModelState, rank_layouts
+from ..planning.ranking import ModelState, rank_layouts
 from ..planning.profile import ModelSpec
 from ..runtime.config import Config, Emulation, Memory, make_config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice

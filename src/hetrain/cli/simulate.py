@@ -1,7 +1,7 @@
 """`hetrain simulate`: predict a cluster that need not exist, from catalog facts and a model given by
 preset or by parameters, FLOPs and activation bytes per sample. No processes: the fastest single
 device, plain DDP with an equal split and hetrain's uneven split side by side, then every layout
-ranked (planning/layouts.py)."""
+ranked (planning/ranking.py)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_b
     """Every layout ranked, on two or more devices (one device runs data parallelism alone)."""
     if len(profiles) < 2:
         return None
-    from ..planning.layouts import ModelState, rank_layouts
+    from ..planning.ranking import ModelState, rank_layouts
     from ..planning.options import PlanOptions
 
     state = ModelState.from_spec(spec, precision=precision, optimizer=optimizer)

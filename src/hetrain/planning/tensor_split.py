@@ -8,7 +8,7 @@ sample. Each rank computes every sample through its fraction of each layer, so t
 
 (a_r, b_r: the device's seconds per micro-batch and per sample for the whole model; B the global
 batch). With f_r = v_r / Σv every rank's part lasts B / Σv: the devices' speeds add up, where the
-even split (layouts._tp_row, f_r = 1/W) runs every rank at the slowest one's pace, B · b_slowest / W.
+even split (ranking._tp_row, f_r = 1/W) runs every rank at the slowest one's pace, B · b_slowest / W.
 The all-reduces are the even split's: every rank sends and receives the whole activations of
 each layer (2 per layer forward, 2 backward), whatever its part. Memory: rank r holds f_r of the
 model state; of the activations it saves its part of the sharded layers' outputs and every
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from ..hardware.units import format_bytes
 from .collectives import allreduce_seconds
-from .layouts import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
+from .ranking import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
 from .options import PlanOptions, ring_link
 from .profile import DeviceProfile
 from .shares import proportional_shares

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from hetrain.planning.collectives import allreduce_seconds
-from hetrain.planning.layouts import TP_COMM_PER_ACTIVATION, ModelState, rank_layouts
+from hetrain.planning.ranking import TP_COMM_PER_ACTIVATION, ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions, ring_link
 from hetrain.planning.profile import DeviceProfile
 from hetrain.planning.tensor_split import (

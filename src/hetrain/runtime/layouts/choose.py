@@ -104,9 +104,9 @@ def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
 
 
 def layout_for(row):
-    """The layout object that runs a ranking row (planning/layouts.LayoutRow): pure. The DP family
+    """The layout object that runs a ranking row (planning/ranking.LayoutRow): pure. The DP family
     by its sharding, 'PP' one pipeline, 'DP×PP d×k' replicas of k stages, 'TP', 'TP by speed'."""
-    from ...planning.layouts import FAMILIES
+    from ...planning.ranking import FAMILIES
 
     sharding = {family: s for s, family in FAMILIES.items()}
     if row.family in sharding:

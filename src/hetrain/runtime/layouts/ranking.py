@@ -96,7 +96,7 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
 
 
 def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
-    """What every layout's memory divides (planning/layouts.ModelState): all parameters, those
+    """What every layout's memory divides (planning/ranking.ModelState): all parameters, those
     that train, their element sizes, the optimizer, and the parameters outside the blocks.
     `stack`: blocks.repeated_blocks(model) when the caller has it (False: found here)."""
     from ..memory.device_memory import optimizer_kind

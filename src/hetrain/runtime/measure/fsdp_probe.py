@@ -1,6 +1,6 @@
 """`hetrain plan` only: what FSDP2 adds to a step on this job's devices and backend, measured.
 
-The ranking's FSDP2 row (planning/layouts.py) is plain DP's step plus FSDP2's collectives: an
+The ranking's FSDP2 row (planning/ranking.py) is plain DP's step plus FSDP2's collectives: an
 all-gather of every unit before its forward and again before its backward, and a reduce-scatter
 of its gradients. On NCCL the gathers are prefetched under compute on their own stream, and the
 bytes model holds. On gloo (the CPU: emulation, and CPU-only jobs) nothing overlaps: every

@@ -314,10 +314,10 @@ def profiles_come_from(m: Measurements) -> str:
 
 
 def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link | None = None):
-    """Every layout ranked (planning/layouts.rank_layouts) on what the ranks measured, as `hetrain
+    """Every layout ranked (planning/ranking.rank_layouts) on what the ranks measured, as `hetrain
     plan --model-factory` prints it: the planner's profiles and options, the blocks the runtime
     measured for pipelines. Returns (ranking or None for one device, profiles, options)."""
-    from ...planning.layouts import measured_pipeline, rank_layouts
+    from ...planning.ranking import measured_pipeline, rank_layouts
 
     profiles = list(planning_profiles(m, config))
     options = options_from_measurements(m, config, link=link, profiles=profiles)
@@ -353,7 +353,7 @@ def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, block
     on what the job measured (runtime/layouts/ranking.measure_for_ranking), its model state from
     `facts` (ranking.model_facts) with `blocks`, its best among RECOMMENDED_FAMILIES (`recommended`).
     Returns rank_from_measurements' triple."""
-    from ...planning.layouts import ModelState
+    from ...planning.ranking import ModelState
 
     ranking, profiles, options = rank_from_measurements(m, config, link=link,
                                                         state=ModelState(**{**facts, "blocks": blocks}))
@@ -363,7 +363,7 @@ def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, block
 def recommended(ranking, *, families=RECOMMENDED_FAMILIES, prefer_simpler_within: float = 0.05):
     """The ranking with its best chosen among `families`, by rank_layouts' own rule (the simplest
     within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
-    from ...planning.layouts import simplest_near_fastest
+    from ...planning.ranking import simplest_near_fastest
 
     if ranking is None or ranking.best is None or ranking.best.family in families:
         return ranking

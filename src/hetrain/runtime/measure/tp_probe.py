@@ -1,6 +1,6 @@
 """`hetrain plan` only: a tensor-parallel step on this job's devices and backend, measured.
 
-The ranking's TP rows (planning/layouts.py, planning/tensor_split.py) cost each rank its part of
+The ranking's TP rows (planning/ranking.py, planning/tensor_split.py) cost each rank its part of
 the model's compute and the activations' all-reduces over the link. On gloo (the CPU: emulation,
 and CPU-only jobs) that is far from what a TP step takes: every layer's forward and backward waits
 in the calling thread for an all-reduce, the sharded layers run smaller matrix products than the

@@ -128,7 +128,7 @@ def test_every_ranking_row_family_maps_to_a_layout_object():
     from hetrain import DataParallel, Pipeline, TensorParallel
     from dataclasses import replace
 
-    from hetrain.planning.layouts import ORDER, LayoutRow
+    from hetrain.planning.ranking import ORDER, LayoutRow
 
     def row(name, family):
         return LayoutRow(name=name, family=family, fits=True, samples_per_s=1.0, memory=(None,), comm_bytes=0.0,
@@ -144,7 +144,7 @@ def test_every_ranking_row_family_maps_to_a_layout_object():
 
 
 def test_the_recommendation_leaves_tensor_parallelism_to_be_asked_for_by_name():
-    from hetrain.planning.layouts import LayoutRanking, LayoutRow
+    from hetrain.planning.ranking import LayoutRanking, LayoutRow
     from hetrain.runtime.measure.measurements import recommended
 
     def row(name, family, sps, fits=True):

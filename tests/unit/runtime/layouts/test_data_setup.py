@@ -10,7 +10,7 @@ import re
 import pytest
 
 from hetrain.errors import UsageError
-from hetrain.planning.layouts import ModelState, rank_layouts
+from hetrain.planning.ranking import ModelState, rank_layouts
 from hetrain.planning.planner import PlanOptions, make_plan
 from hetrain.planning.profile import DeviceProfile
 from hetrain.runtime.layouts.data_setup import tensor_plan

@@ -1,4 +1,4 @@
-"""Every layout ranked (planning/layouts.py): each row agrees with the planner it is built on, the
+"""Every layout ranked (planning/ranking.py): each row agrees with the planner it is built on, the
 memory of each sharding is the state it divides, and the advice for a model that fits nowhere
 works when followed."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from hetrain.hardware.cluster import parse_cluster_spec
 from hetrain.planning.collectives import Link
-from hetrain.planning.layouts import ORDER, ModelState, rank_layouts
+from hetrain.planning.ranking import ORDER, ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions
 from hetrain.planning.planner import make_plan
 from hetrain.planning.presets import fine_tuned, preset
@@ -151,7 +151,7 @@ def test_dp_pp_fixed_cost_follows_the_smallest_replicas_micro_batch_and_spares_t
 def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
     """`hetrain plan` hands the ranking the blocks the runtime measured (Measurements.pipeline):
     a heavy first block moves the split off the equal-blocks one, and the JSON round trip keeps it."""
-    from hetrain.planning.layouts import measured_pipeline
+    from hetrain.planning.ranking import measured_pipeline
     from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, split_pipeline
 
     heavy = PipelineProfile(blocks=(BlockCost(seconds=0.03, param_bytes=4e6, activation_bytes=1e6),)
