@@ -73,3 +73,22 @@ class Pipeline:
 
 
 LAYOUT_TYPES = (DataParallel, TensorParallel, Pipeline)
+
+
+def to_spec(layout) -> dict:
+    """A layout object as plain data (a Plan's and a ranking row's record of it): its type's name and fields."""
+    return {"kind": type(layout).__name__, **{k: v for k, v in vars(layout).items()}}
+
+
+def from_spec(spec: dict):
+    """The layout object `to_spec` recorded (UsageError for a record that names no layout)."""
+    types = {t.__name__: t for t in LAYOUT_TYPES}
+    fields = {k: v for k, v in spec.items() if k != "kind"}
+    kind = spec.get("kind")
+    if kind not in types:
+        raise UsageError(f"layout record {spec!r} names no layout",
+                         f"a layout record's kind is one of {', '.join(types)}")
+    try:
+        return types[kind](**fields)
+    except TypeError as e:
+        raise UsageError(f"layout record {spec!r}: {e}", f"use the fields of hetrain.{kind}") from None

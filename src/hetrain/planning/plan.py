@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..vocabulary import COMPRESSIONS, LAYOUTS
 
-SCHEMA = 4
+SCHEMA = 5
 # 2 added predicted per-device figures and excluded devices, 3 the layout, 4 the gradient
-# compression (all optional: older plans load with their defaults)
-READABLE_SCHEMAS = (1, 2, 3, 4)
+# compression, 5 the memory savers per device (all optional: older plans load with their defaults)
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 
 
 
@@ -40,6 +40,8 @@ class DevicePlan:
     max_micro_batch: int | None = None   # what its memory allows (None: no limit known)
     precision: str = "fp32"              # fp32 | bf16 | fp16
     checkpointing: bool = False          # activation checkpointing on this rank
+    checkpoint_blocks: int | None = None  # with checkpointing: None every block, k the first k blocks
+    offload_optimizer: bool = False      # this rank's optimizer state lives in host memory
     memory_cap_bytes: int | None = None  # emulated cap or real device memory
     per_sample_s: float | None = None    # measured: compute seconds per sample on this device...
     fixed_s: float | None = None         # ...plus these per micro-batch, whatever its size
@@ -214,6 +216,8 @@ _DEVICE_FIELDS = {
     "speed": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, True),
     "share": (_is_int, True), "micro_batch": (_is_int, True), "max_micro_batch": (_optional(_is_int), False),
     "precision": (lambda v: isinstance(v, str), False), "checkpointing": (lambda v: isinstance(v, bool), False),
+    "checkpoint_blocks": (_optional(lambda v: _is_int(v) and v >= 0), False),
+    "offload_optimizer": (lambda v: isinstance(v, bool), False),
     "memory_cap_bytes": (_optional(_is_int), False), "per_sample_s": (_optional(_is_number), False),
     "fixed_s": (_optional(_is_number), False), "reasons": (_is_str_list, False),
     "predicted_compute_s": (_optional(_is_number), False), "predicted_memory_bytes": (_optional(_is_int), False)}
