@@ -53,6 +53,7 @@ class Config:
     loss_weighting: str = "samples"      # 'samples': mean over samples; 'tokens': pass tokens= to backward()
     drop_last: bool = False              # False: a step may straddle two epochs (nothing dropped)
     shuffle: bool = True
+    num_workers: int = 0                 # worker processes reading micro-batches (0: this process)
     precision: str = "fp32"              # fp32 | auto (per device: bf16 where real, else fp16 + one
                                          # job-wide loss scale) | bf16 | fp16 autocast
     allow_fallback: bool = False         # a device that cannot run `precision` runs the nearest it can
@@ -92,6 +93,8 @@ class Config:
             raise bad(f"max_steps={self.max_steps}", "use a number of steps >= 0, or None")
         if self.epochs is not None and not self.epochs > 0:
             raise bad(f"epochs={self.epochs}", "use a positive number of epochs, or None")
+        if self.num_workers < 0:
+            raise bad(f"num_workers={self.num_workers}", "use 0 (read in this process) or a number of worker processes")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad(f"grad_clip={self.grad_clip}", "use a positive max norm, or None")
         method = self.compression.method

@@ -7,7 +7,7 @@ instead of reaching into the Engine's private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -71,6 +71,7 @@ class Job:
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
     dataset: Any = None                      # the user's map-style dataset
     collate: Callable | None = None
+    reader: Any = None                       # worker processes reading micro-batches (loop/workers.py), if any
     sampler: GlobalCursorSampler | None = None
     total_steps: int = 0
     checkpointer: Checkpointer | None = None  # with checkpoint_dir
@@ -131,3 +132,10 @@ class Job:
         ds = self.dataset
         items = ds.__getitems__(list(indices)) if hasattr(ds, "__getitems__") else [ds[i] for i in indices]
         return to_device(self.collate(items), self.device)
+
+    def read(self, chunks) -> Iterator[object]:
+        """Each chunk of dataset indices as `load` gives it, in order: through the worker processes
+        when the job has them (Config.num_workers), else in this process."""
+        if self.reader is not None:
+            return self.reader.read(chunks)
+        return (self.load(c) for c in chunks)

@@ -26,6 +26,7 @@ from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
 from .layouts.pipeline_setup import PipelineSetup
 from .loop import flops, metrics
+from .loop.workers import MicroBatchReader
 from .loop.sampler import GlobalCursorSampler
 from .loop.stream import is_stream, open_stream
 from .measure.joint import show_plan
@@ -82,8 +83,13 @@ def open_data(job: Job, dataset, collate_fn: Callable | None) -> None:
     job.dataset, job.collate = dataset, collate_fn or default_collate
     if is_stream(dataset):   # an IterableDataset: read in order, samples by position (collective)
         job.sampler, job.dataset, job.total_steps = open_stream(cfg, dataset, job.log)
+        if cfg.num_workers:
+            job.log.info(f"num_workers={cfg.num_workers}: a stream is read in this process (its samples arrive "
+                         "step by step, a worker would not see them)")
     else:
         job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
+        if cfg.num_workers:      # micro-batches read by worker processes, kept across steps
+            job.reader = MicroBatchReader(dataset, job.collate, num_workers=cfg.num_workers, device=job.device)
     job.checkpointer = open_checkpoints(cfg, job.rank, job.log)
 
 

@@ -45,11 +45,11 @@ def test_the_arguments_that_map(tmp_path):
 
     a = args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=30, bf16=True,
              max_grad_norm=0.5, seed=7, dataloader_drop_last=True, train_sampling_strategy="sequential",
-             save_steps=10, save_total_limit=2, activation_checkpointing=True)
+             save_steps=10, save_total_limit=2, activation_checkpointing=True, dataloader_num_workers=3)
     c = job_config(a, world_size=2, dataset_len=100, hetrain={"emulation": {"cluster": "a100-80g,rtx3090"},
                                                               "checkpoints": Checkpoints(preempt_grace_s=60)})
     assert c == {"global_batch": 16, "seed": 7, "drop_last": True, "shuffle": False, "grad_clip": 0.5,
-                 "precision": "bf16", "max_steps": 30, "memory": {"activation_checkpointing": "all"},
+                 "precision": "bf16", "num_workers": 3, "max_steps": 30, "memory": {"activation_checkpointing": "all"},
                  # a group given merges field by field with what the arguments decided
                  # every step's state kept: the Trainer's rotation (save_total_limit) removes it with its checkpoint-N
                  "checkpoints": {"dir": str(tmp_path / "hetrain"), "every": 10, "keep": KEEP_ALL, "preempt_grace_s": 60},

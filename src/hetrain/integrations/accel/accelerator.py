@@ -296,8 +296,11 @@ def check_training_loader(loader: DataLoader, run_length: dict | None = None) ->
         raise UsageError("the training DataLoader has batch_sampler=... (no batch_size): hetrain forms each rank's "
                          "micro-batches from its share", "use DataLoader(dataset, batch_size=N, shuffle=...)")
     if loader.num_workers:
-        raise UsageError(f"the training DataLoader has num_workers={loader.num_workers}: hetrain loads each "
-                         "micro-batch in this process", "remove num_workers=")
+        raise UsageError(f"the training DataLoader has num_workers={loader.num_workers}: hetrain forms each rank's "
+                         "micro-batches from its share of every step, so the DataLoader's own workers would read "
+                         "batches no rank trains on",
+                         f"remove num_workers= and pass Accelerator(hetrain={{'num_workers': {loader.num_workers}}}): "
+                         "hetrain's workers read each micro-batch")
     if is_stream(loader.dataset):
         # An IterableDataset's sampler is torch's stand-in: the stream's own order is the order, read
         # as ht.prepare reads a stream (runtime/loop/stream.py), every rank its share of each step.

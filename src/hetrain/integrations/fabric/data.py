@@ -42,8 +42,10 @@ def training_data(loader: DataLoader) -> TrainingData:
         return UsageError(f"HetrainStrategy's training DataLoader: {what}", fix)
 
     if loader.num_workers:
-        raise refuse(f"num_workers={loader.num_workers}: hetrain loads each micro-batch's samples in this process, "
-                     "when the plan calls for them", "remove num_workers=")
+        raise refuse(f"num_workers={loader.num_workers}: hetrain forms each rank's micro-batches from its share of "
+                     "every step, so the DataLoader's own workers would read batches no rank trains on",
+                     f"remove num_workers= and pass HetrainStrategy(num_workers={loader.num_workers}): hetrain's workers "
+                     "read each micro-batch")
     if is_stream(loader.dataset):
         # Its DataLoader's sampler is torch's stand-in (_InfiniteConstantSampler): the stream's own
         # order is the order (runtime/loop/stream.py), so only batch_size is read.

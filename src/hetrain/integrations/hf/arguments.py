@@ -23,7 +23,7 @@ What maps, and to what:
     save_strategy / save_steps            Checkpoints(dir=output_dir/hetrain, every=...): hetrain's exact state
     save_total_limit                      stock's rotation of checkpoint-N, each step's hetrain state with it
     eval_strategy / eval_steps / ...      the Trainer's evaluation, each rank a part of the batches (evaluation.py)
-    dataloader_num_workers                worker processes loading each rank's micro-batches
+    dataloader_num_workers                num_workers: worker processes reading each rank's micro-batches
     activation_checkpointing              Memory(activation_checkpointing='all') (False: the plan's choice)
 Everything else hetrain.init takes comes through `Trainer(..., hetrain={...})`; a group there (e.g.
 {"memory": {"margin": 0.2}} or Memory(margin=0.2)) sets only the fields it names, over what the
@@ -46,7 +46,7 @@ KEEP_ALL = 10**9              # Checkpoints(keep=...): the Trainer's rotation de
 # hetrain={...} keys the Trainer's arguments decide (the table above): two places would be two answers.
 FROM_ARGS = {"max_steps": "max_steps / num_train_epochs", "epochs": "num_train_epochs",
              "grad_clip": "max_grad_norm", "seed": "seed", "drop_last": "dataloader_drop_last",
-             "shuffle": "train_sampling_strategy", "checkpoints.dir": "output_dir",
+             "shuffle": "train_sampling_strategy", "num_workers": "dataloader_num_workers", "checkpoints.dir": "output_dir",
              "checkpoints.every": "save_steps", "checkpoints.keep": "save_total_limit",
              "checkpoints.resume": "trainer.train(resume_from_checkpoint=...)"}
 
@@ -133,7 +133,7 @@ def job_config(args, *, world_size: int, dataset_len: int | None, hetrain: dict)
     batch = global_batch(args, world_size, hetrain)
     config = {"global_batch": batch, "seed": args.data_seed if args.data_seed is not None else args.seed,
               "drop_last": args.dataloader_drop_last, "shuffle": _value(args.train_sampling_strategy) == "random",
-              "grad_clip": args.max_grad_norm or None,
+              "grad_clip": args.max_grad_norm or None, "num_workers": args.dataloader_num_workers,
               "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
     if args.max_steps > 0:
         config["max_steps"] = args.max_steps

@@ -54,11 +54,10 @@ class DataLayout:
             state.count = torch.zeros((), dtype=torch.float64, device=job.device)
             state.loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
             sizes = split_evenly(share, math.ceil(share / state.micro))
-            start, failed = 0, None
-            for k, size in enumerate(sizes):
-                chunk = step.indices[start:start + size]
-                start += size
-                mb = MicroBatch(batch=job.load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
+            failed = None
+            chunks = chunked(step.indices, sizes)
+            for k, (size, chunk, batch) in enumerate(zip(sizes, chunks, job.read(chunks))):
+                mb = MicroBatch(batch=batch, size=size, index=k, count=len(sizes), indices=chunk,
                                 catch_oom=job.config.memory.oom_recovery)
                 state.mb = mb
                 if mb.last and job.guard is not None:
@@ -138,6 +137,14 @@ class DataLayout:
 
     def close(self) -> None:
         pass
+
+
+def chunked(indices, sizes) -> list:
+    """`indices` cut into consecutive runs of these sizes (a step's micro-batches)."""
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def inputs_and_targets(batch, layout: str):

@@ -28,7 +28,7 @@ from ...errors import UsageError
 from ...planning.plan import split_evenly
 from ..resilience import oom as recovery
 from ..loop.steps import MicroBatch
-from .data import DataLayout, inputs_and_targets
+from .data import DataLayout, chunked, inputs_and_targets
 
 
 class PendingLoss:
@@ -75,11 +75,9 @@ class PipelineLayout(DataLayout):
         share = job.plan.devices[job.rank].share
         sizes = split_evenly(share, math.ceil(share / state.micro))
         self._recorded = []
-        start = 0
-        for k, size in enumerate(sizes):
-            chunk = step.indices[start:start + size]
-            start += size
-            mb = MicroBatch(batch=job.load(chunk), size=size, index=k, count=len(sizes), indices=chunk,
+        chunks = chunked(step.indices, sizes)
+        for k, (size, chunk, batch) in enumerate(zip(sizes, chunks, job.read(chunks))):
+            mb = MicroBatch(batch=batch, size=size, index=k, count=len(sizes), indices=chunk,
                             catch_oom=False)
             state.mb = mb
             yield mb
