@@ -38,7 +38,10 @@ is Σ free / (W · min free): (80 + 24) / (2 · 24) ≈ 2.17× for an 80 GB + 24
 
 Activations per sample, for a model of L repeated blocks: `outside + L·block_saved` without
 checkpointing; with it, `outside + L·block_input + block_saved` (each block keeps its input; one
-block's inside is recomputed at a time during backward).
+block's inside is recomputed at a time during backward). With the first k of the L checkpointed
+(the runtime's DevicePlan.checkpoint_blocks), `outside + k·block_input + (L−k)·block_saved`: the
+last L−k blocks' backward ends before the first recompute, which then needs one block's inside
+again, within what they freed.
 """
 
 from __future__ import annotations
@@ -197,10 +200,15 @@ class ActivationProfile:
         return self.outside + self.blocks * self.block_saved
 
 
-def activation_bytes_per_sample(profile: ActivationProfile, *, checkpointing: bool) -> float:
-    if not checkpointing or profile.blocks == 0:
+def activation_bytes_per_sample(profile: ActivationProfile, *, checkpointing: bool, blocks: int | None = None) -> float:
+    """Saved bytes per sample; `blocks`: the first k blocks checkpointed (None: every block)."""
+    n = profile.blocks
+    if not checkpointing or n == 0 or blocks == 0:
         return profile.full
-    return profile.outside + profile.blocks * profile.block_input + profile.block_saved
+    k = n if blocks is None else min(blocks, n)
+    if not 0 < k:
+        raise UsageError(f"checkpointed blocks {blocks!r}", f"give a count in 0..{n}, or None for every block")
+    return profile.outside + k * profile.block_input + max(n - k, 1) * profile.block_saved
 
 
 def transformer_profile(*, seq_len: int, d_model: int, n_layers: int, vocab: int,

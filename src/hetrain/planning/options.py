@@ -71,16 +71,22 @@ class Fit:
     checkpointing: bool
     memory_reason: str
     memory_cap: int | None = None   # the cap memory alone sets (None: memory does not limit it)
+    checkpoint_blocks: int | None = None   # with checkpointing: the fewest blocks that fit (None: every block)
+
+    @property
+    def ckpt(self) -> dict:
+        return {"checkpointing": self.checkpointing, "blocks": self.checkpoint_blocks}
 
 
 def fit(p: DeviceProfile, o: PlanOptions) -> Fit:
     margin = o.memory_margin
     cap = p.max_micro_batch(margin=margin)
-    ckpt = False
-    if cap == 0 and o.allow_checkpointing:
-        cap_c = p.max_micro_batch(margin=margin, checkpointing=True)
-        if cap_c != 0:
-            cap, ckpt = cap_c, True
+    ckpt, blocks = False, None
+    if cap == 0 and o.allow_checkpointing:      # the fewest blocks checkpointed that fit one sample
+        choice = p.fewest_blocks(margin=margin)
+        if choice is not None:
+            ckpt, blocks = choice
+            cap = p.max_micro_batch(margin=margin, checkpointing=True, blocks=blocks)
     limit = o.global_batch
     if o.micro_batch_cap is not None:
         limit = min(limit, o.micro_batch_cap)
@@ -90,14 +96,15 @@ def fit(p: DeviceProfile, o: PlanOptions) -> Fit:
         why = (f"{format_bytes(p.memory_bytes)} memory, {format_bytes(p.fixed_bytes)} model state, "
                f"{format_bytes(p.activation_bytes_per_sample)}/sample"
                + (f" + {format_bytes(p.activation_fixed_bytes)}/micro-batch" if p.activation_fixed_bytes else "")
-               + (f" (×{p.checkpoint_fraction:.2g} with activation checkpointing)" if ckpt else "")
+               + (f" (×{p.keep_fraction(checkpointing=True, blocks=blocks):.2g} with activation checkpointing"
+                  + (f" of {blocks}/{p.blocks} blocks)" if blocks is not None else ")") if ckpt else "")
                + f", {margin:.0%} kept free")
     if cap == 0:
         return Fit(micro=0, checkpointing=False, memory_reason=why)
     micro = limit if cap is None else min(cap, limit)
     if o.micro_batch_cap is not None and (cap is None or o.micro_batch_cap < cap):
         why = f"micro-batch cap {o.micro_batch_cap} given ({why})"
-    return Fit(micro=micro, checkpointing=ckpt, memory_reason=why, memory_cap=cap)
+    return Fit(micro=micro, checkpointing=ckpt, memory_reason=why, memory_cap=cap, checkpoint_blocks=blocks)
 
 
 def does_not_fit(p: DeviceProfile, o: PlanOptions) -> tuple[str, str]:

@@ -62,7 +62,8 @@ def _solve(devs: Sequence[_Dev], batch: int, *, forced: bool) -> dict[int, int] 
 
 def _assignments(profiles, fits, shares: dict[int, int]) -> list[Assignment]:
     return [Assignment(profile=profiles[i], share=s, micro_batch=min(fits[i].micro, s),
-                       checkpointing=fits[i].checkpointing) for i, s in sorted(shares.items())]
+                       checkpointing=fits[i].checkpointing, checkpoint_blocks=fits[i].checkpoint_blocks)
+            for i, s in sorted(shares.items())]
 
 
 def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
@@ -86,7 +87,7 @@ def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 
     for i in indices:
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
-        k = g * (p.recompute_factor if f.checkpointing else 1.0)
+        k = g * p.recompute(**f.ckpt)
         # The last micro-batch's pacing and DDP costs (cost.last_micro_extra), (K − 1) of it. A share
         # in one micro-batch whatever it is (a cap of the whole batch): exact. Under a smaller cap,
         # the cap's micro-batch: more than the last one costs when the share is not a multiple of
@@ -211,7 +212,7 @@ def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions
     p = profiles[i]
     devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch)
     with_it = _solve(devs, o.global_batch, forced=True) if replan else None
-    t1 = p.micro_seconds(1, checkpointing=fits[i].checkpointing)
+    t1 = p.micro_seconds(1, **fits[i].ckpt)
     if with_it:
         c = _cost(profiles, fits, with_it, o)
         reason = (f"too slow to help: with it the step is {c.step_s * 1e3:.1f} ms ({c.samples_per_s:.1f} "
@@ -230,18 +231,19 @@ def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions
 def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, drag: dict[int, str]) -> Plan:
     B = o.global_batch
     members = sorted(shares)
-    best_rate = {i: profiles[i].samples_per_s(min(fits[i].micro, shares[i]),
-                                               checkpointing=fits[i].checkpointing) for i in members}
+    best_rate = {i: profiles[i].samples_per_s(min(fits[i].micro, shares[i]), **fits[i].ckpt) for i in members}
     top = max(best_rate.values())
     standalone_sum = sum(standalone(p, global_batch=B, margin=o.memory_margin, micro_cap=o.micro_batch_cap,
-                                    checkpointing=fits[i].checkpointing)
+                                    checkpointing=fits[i].checkpointing, blocks=fits[i].checkpoint_blocks)
                          for i, p in enumerate(profiles))
     single = max(standalone(p, global_batch=B, margin=o.memory_margin, micro_cap=o.micro_batch_cap,
-                            checkpointing=fits[i].checkpointing) for i, p in enumerate(profiles) if fits[i].micro)
+                            checkpointing=fits[i].checkpointing, blocks=fits[i].checkpoint_blocks)
+                 for i, p in enumerate(profiles) if fits[i].micro)
     plans = []
     for rank, i in enumerate(members):
         p, f, share = profiles[i], fits[i], shares[i]
-        a = Assignment(profile=p, share=share, micro_batch=min(f.micro, share), checkpointing=f.checkpointing)
+        a = Assignment(profile=p, share=share, micro_batch=min(f.micro, share), checkpointing=f.checkpointing,
+                       checkpoint_blocks=f.checkpoint_blocks)
         micro, n_micro = a.micro_batch, a.n_micro
         compute, slowdown = cost.compute_s[rank], cost.stretch_by_device[rank]
         reasons = [
@@ -252,8 +254,10 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
             + (f.memory_reason if micro < share else f"whole share fits ({f.memory_reason})"),
         ]
         if f.checkpointing:
-            reasons.append("activation checkpointing on: one sample does not fit without it "
-                           f"(compute ×{p.recompute_factor:.2f})")
+            reasons.append("activation checkpointing on "
+                           + (f"{f.checkpoint_blocks} of {p.blocks} blocks (the fewest that fit)"
+                              if f.checkpoint_blocks is not None else "every block")
+                           + f": one sample does not fit without it (compute ×{p.recompute(**f.ckpt):.2f})")
         mem = a.memory_bytes()
         reasons.append(f"predicted peak memory {format_bytes(mem)}"
                        + (f" of {format_bytes(p.memory_bytes)}" if p.memory_bytes else ""))
@@ -261,7 +265,8 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
             reasons.append(drag[i])
         plans.append(DevicePlan(
             rank=rank, device=p.device, speed=best_rate[i] / top, share=share, micro_batch=micro,
-            precision=p.precision, checkpointing=f.checkpointing, memory_cap_bytes=p.memory_bytes,
+            precision=p.precision, checkpointing=f.checkpointing, checkpoint_blocks=f.checkpoint_blocks,
+            memory_cap_bytes=p.memory_bytes,
             reasons=tuple(reasons), predicted_compute_s=compute,
             predicted_memory_bytes=int(mem), max_micro_batch=f.memory_cap))
     ddp_pred = ddp_equal_split(profiles, o)
