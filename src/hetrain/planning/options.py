@@ -13,6 +13,9 @@ from .collectives import FREE_LINK, Link
 from .profile import DeviceProfile
 
 
+OFFLOADS = ("plan", "all", "none")       # --offload: where needed to fit | every device | never
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What the planner is asked; every error names the fix."""
@@ -34,6 +37,10 @@ class PlanOptions:
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
     clocked: bool = False                # emulated devices on the controlled clock (cost.py: what can trail)
+    offload: str = "plan"                # optimizer state on host: plan (where needed to fit) | all | none
+    host_memory_bytes: float | None = None   # host memory for offloaded state, all hosts (None: none known)
+    offload_ranks: frozenset[int] = frozenset()   # devices (profile indices) whose optimizer state is on host
+    share_caps: tuple[int | None, ...] = ()       # per device, the largest share (a rank that must not accumulate)
 
     def __post_init__(self) -> None:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -59,6 +66,13 @@ class PlanOptions:
             raise UsageError(f"DDP's cost {self.ddp_cost!r}", "give a measured ratio in [1, 2] (or leave it out)")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
+        if self.offload not in OFFLOADS:
+            raise UsageError(f"offload {self.offload!r}", f"use one of {', '.join(OFFLOADS)}")
+        if self.host_memory_bytes is not None and not self.host_memory_bytes >= 0:
+            raise UsageError(f"host memory {self.host_memory_bytes!r}", "give the host's memory in bytes, e.g. "
+                             "--host-memory 256GiB")
+        if any(c is not None and c < 1 for c in self.share_caps):
+            raise UsageError(f"share caps {self.share_caps}", "give each device's largest share, >= 1, or none")
         if not self.host_load >= 0:
             raise UsageError(f"host load {self.host_load}", "give the other runnable processes, >= 0")
 

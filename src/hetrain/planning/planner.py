@@ -82,9 +82,10 @@ def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
 
 
 def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 1.0,
-          batch: int | None = None) -> list[_Dev]:
+          batch: int | None = None, caps: Sequence[int | None] = ()) -> list[_Dev]:
     out = []
     for i in indices:
+        limit = caps[i] if i < len(caps) else None
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
         k = g * p.recompute(**f.ckpt)
@@ -95,10 +96,10 @@ def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 
         extra = p.paced_cost * ddp_cost - 1
         if batch is None or f.micro >= batch:
             time = StepTime(per_sample=p.per_sample_s * k * (1 + extra), per_micro=p.overhead_s * k,
-                            fixed=p.overhead_s * k * extra, micro=f.micro)
+                            fixed=p.overhead_s * k * extra, micro=f.micro, limit=limit)
         else:
             time = StepTime(per_sample=p.per_sample_s * k, per_micro=p.overhead_s * k,
-                            fixed=(p.overhead_s + p.per_sample_s * f.micro) * k * extra, micro=f.micro)
+                            fixed=(p.overhead_s + p.per_sample_s * f.micro) * k * extra, micro=f.micro, limit=limit)
         out.append(_Dev(index=i, time=time, opt=p.optimizer_s * g))
     return out
 
@@ -142,7 +143,7 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
     factors: dict[int, float] = {}
     best = None
     for _ in range(6 if o.host_cores else 1):
-        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch)
+        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch, o.share_caps)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
@@ -153,6 +154,10 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
         if all(abs(new.get(i, 1.0) - factors.get(i, 1.0)) < 1e-3 for i in indices):
             break
         factors = new
+    if best is None and any(c is not None for c in o.share_caps):
+        raise UsageError(f"the devices that must run their share as one micro-batch take at most "
+                         f"{sum(c for c in o.share_caps if c is not None)} samples, and the rest cannot take the "
+                         f"remainder of {o.global_batch}", "a smaller global batch, or more memory")
     if best is None:
         raise UsageError(f"cannot split a global batch of {o.global_batch} over {len(indices)} device(s)",
                          f"use a global batch of at least {len(indices)}")
@@ -210,7 +215,8 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch)
+    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch,
+                 o.share_caps)
     with_it = _solve(devs, o.global_batch, forced=True) if replan else None
     t1 = p.micro_seconds(1, **fits[i].ckpt)
     if with_it:
@@ -258,6 +264,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
                            + (f"{f.checkpoint_blocks} of {p.blocks} blocks (the fewest that fit)"
                               if f.checkpoint_blocks is not None else "every block")
                            + f": one sample does not fit without it (compute ×{p.recompute(**f.ckpt):.2f})")
+        if i in o.offload_ranks:
+            reasons.append(f"optimizer state in host memory (offload, to fit): its step takes {p.optimizer_s * 1e3:.1f} "
+                           "ms over the host link and on the host's CPU")
         mem = a.memory_bytes()
         reasons.append(f"predicted peak memory {format_bytes(mem)}"
                        + (f" of {format_bytes(p.memory_bytes)}" if p.memory_bytes else ""))
@@ -266,6 +275,7 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         plans.append(DevicePlan(
             rank=rank, device=p.device, speed=best_rate[i] / top, share=share, micro_batch=micro,
             precision=p.precision, checkpointing=f.checkpointing, checkpoint_blocks=f.checkpoint_blocks,
+            offload_optimizer=i in o.offload_ranks,
             memory_cap_bytes=p.memory_bytes,
             reasons=tuple(reasons), predicted_compute_s=compute,
             predicted_memory_bytes=int(mem), max_micro_batch=f.memory_cap))
