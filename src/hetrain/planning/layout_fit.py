@@ -1,6 +1,10 @@
 """When no layout fits: what would make one fit, in numbers (pure).
 
-Each answer changes one thing and solves for it, on the device with the least usable memory
+The memory savers come first, when one is turned off or short of room (they cost the least:
+no devices, no change to the job): activation checkpointing, and optimizer-state offload — its
+fully sharded figure, what each device would still hold, and the host memory it needs.
+
+Then each answer changes one thing and solves for it, on the device with the least usable memory
 (every layout below needs each device to hold its part, so that device decides):
 
   * the global batch: FSDP2 stays fully sharded only while every device runs its share as one
@@ -20,6 +24,7 @@ import math
 
 from ..hardware.units import format_bytes
 from .memory import state_values
+from .savers import host_room
 
 
 def _smallest(profiles, margin: float):
@@ -44,6 +49,17 @@ def what_would_fit(profiles, state, options) -> list[str]:
     out = []
     full = state.state("fsdp", world_size=w, accumulates=False)
     sharded = full.params + full.grads + full.optimizer
+    if not ckpt:
+        out.append("activation checkpointing (--checkpointing plan) keeps a fraction of the activations")
+    off = state.state("fsdp", world_size=w, offload=True)
+    host_need = state.state("fsdp", world_size=1, offload=True).host
+    if options.offload == "none":
+        out.append(f"optimizer-state offload to host memory (--offload plan): fully sharded, each device then holds "
+                   f"{format_bytes(off.total)} of model state instead of {format_bytes(full.total)}, the host "
+                   f"{format_bytes(host_need)}")
+    elif host_room(options) < host_need:
+        out.append(f"host memory for the optimizer state (--host-memory, per node): offloaded and fully sharded it "
+                   f"needs {format_bytes(host_need)}, {format_bytes(host_room(options))} usable")
     # FSDP2 at one micro-batch per device: each device's share capped by its own memory.
     caps = []
     for p in profiles:
@@ -86,6 +102,4 @@ def what_would_fit(profiles, state, options) -> list[str]:
     out.append(f"plain DP needs {format_bytes(need / (1 - margin))} per device "
                f"({format_bytes(need)} used, {margin:.0%} kept free); {small.device} has "
                f"{format_bytes(small.memory_bytes)}")
-    if not ckpt:
-        out.append("activation checkpointing (--checkpointing plan) keeps a fraction of the activations")
     return out

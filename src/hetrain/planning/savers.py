@@ -212,5 +212,8 @@ def saver_cells(plan, profiles, offloaded: frozenset[int]) -> tuple[str, ...]:
 
 def uses(cells: Sequence[str], devices: Sequence[str]) -> str:
     """'; savers: ckpt 12/32 on rtx3090#2, ...' for a row's detail ('' when none is used)."""
-    said = [f"{c} on {d}" for c, d in zip(cells, devices) if c]
-    return f"; savers: {'; '.join(said)}" if said else ""
+    groups: dict[str, list[str]] = {}
+    for c, d in zip(cells, devices):
+        if c:
+            groups.setdefault(c, []).append(d)
+    return "; savers: " + "; ".join(f"{c} on {device_kinds(ds)}" for c, ds in groups.items()) if groups else ""
