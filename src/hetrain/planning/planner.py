@@ -2,7 +2,7 @@
 
 What it decides, per device: the share of the global batch (integers summing exactly to it), the
 micro-batch size and count (memory), activation checkpointing (only when one sample does not fit
-without it), and — when allowed — leaving a device out (too slow to help, or too small for one
+without it, and then of the fewest blocks that fit: options.fit), and — when allowed — leaving a device out (too slow to help, or too small for one
 sample even with checkpointing), with the reason and what would bring it in. It predicts the step
 time and throughput of the plan and of plain equal-split DDP on the same devices.
 
@@ -15,6 +15,10 @@ optimizer step (max over devices) is handled by sweeping the threshold on optimi
 communication by also trying the fastest k devices (k = 1, 2, 4, …): each candidate set is
 costed in full (cost.py) and the fastest kept. Without communication this is the exact optimum
 over all subsets, so more devices are never predicted slower than fewer.
+
+A device may have a largest share (PlanOptions.share_caps: a gathered-state rank that must not
+accumulate, savers.dp_plan) and its optimizer state in host memory (offload_ranks: recorded in
+its DevicePlan; its profile's optimizer_s already holds the cost, savers.with_state).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@
     TP                every layer 1/W                             4 activation all-reduces per layer
 
 Data-parallel layouts share hetrain's planner (planner.make_plan): shares by speed, micro-batches
-by memory, activation checkpointing per device where one sample needs it. Only the bytes of model
-state each device holds change (memory.state_bytes), and the collectives the sharding adds. The
+by memory, activation checkpointing per device where one sample needs it (the fewest blocks), and
+optimizer-state offload to host memory on the smallest cards where that is what fits (savers.py).
+Only the bytes of model state each device holds change (memory.state_bytes), and the collectives
+the sharding adds. The
 pipelines come from parallelism.compare_parallelism, which sizes their stages to each device's
 speed. TP: one group over every device, split evenly or by speed (tensor_split.py).
 

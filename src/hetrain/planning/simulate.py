@@ -73,6 +73,7 @@ class Simulation:
             "plan": {"shares": list(self.plan.shares), "note": self.plan.note,
                      "devices": [{"device": d.device, "share": d.share, "micro_batch": d.micro_batch,
                                   "n_micro": d.n_micro, "checkpointing": d.checkpointing,
+                                  "checkpoint_blocks": d.checkpoint_blocks, "offload_optimizer": d.offload_optimizer,
                                   "reasons": list(d.reasons)} for d in self.plan.devices],
                      "excluded": [vars(e).copy() for e in self.plan.excluded]},
         }

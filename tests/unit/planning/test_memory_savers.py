@@ -213,3 +213,21 @@ def test_llama_8b_on_two_a100s_and_two_3090s_fits_sharded_and_the_best_is_the_fa
     bare = rank_layouts(profiles, state=ModelState.from_spec(spec),
                         options=PlanOptions(global_batch=256, grad_bytes=spec.params * 4, offload="none"))
     assert bare.best is None
+
+
+def test_capacity_full_is_judged_on_its_share_not_on_the_whole_model_state():
+    from hetrain.hardware.cluster import parse_cluster_spec
+    from hetrain.planning.presets import PRESETS
+    from hetrain.planning.ranking import ModelState, _dp_row
+    from hetrain.planning.simulate import cluster_profiles
+
+    spec = PRESETS["llama-8b"]
+    profiles = cluster_profiles(parse_cluster_spec("2xa100-80g,2xrtx3090").devices, spec, precision="bf16",
+                                efficiency=0.4, ratios="spec", optimizer="adamw")
+    state = ModelState.from_spec(spec)
+    row = _dp_row(profiles, state, PlanOptions(global_batch=256, offload="none"), "capacity-full")
+    whole = state.state("none", world_size=1).total
+    assert not row.fits and "fits on no device" not in row.detail
+    # what it names is one device's share (capacity-full splits the state), well under the whole
+    held = float(row.detail.split("(")[1].split(" GiB model state")[0]) * 2**30
+    assert held < whole / 2, row.detail
