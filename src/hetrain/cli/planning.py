@@ -61,7 +61,8 @@ def plan(
     offload: str = typer.Option("plan", "--offload", help="optimizer state in host memory in the data-parallel "
                                 "layouts: plan (smallest cards first, only where needed to fit) | all | none"),
     host_memory: Optional[str] = typer.Option(None, "--host-memory", help="host memory for offloaded optimizer "
-                                              "state, e.g. 512GiB (default: this host's available memory)"),
+                                              "state, e.g. 512GiB (default: with --model this host's available "
+                                              "memory; with --model-factory none, as parallel='auto')"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (replaces the "
                                              "measured or catalog one)"),
     allow_exclusion: bool = typer.Option(False, "--allow-exclusion", help="let the plan leave out devices "
@@ -95,8 +96,10 @@ def plan(
                   precisions=PRECISION_REQUESTS if model_factory else PRECISIONS)
     check_choice(checkpointing, CHECKPOINTINGS, "--checkpointing")
     savers = saver_options(offload, host_memory, checkpointing)
-    if host_memory is None:
-        savers.pop("host_memory_bytes")      # plan_options': this host's
+    if host_memory is None and not model_factory:     # an estimate: this host's available memory
+        from ..runtime.measure.measurements import host_memory_available
+
+        savers["host_memory_bytes"] = host_memory_available()
     if micro_batch is not None:
         positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")
     if model_factory and (model or params):

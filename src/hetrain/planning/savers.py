@@ -3,7 +3,9 @@ and at what cost, and how each device's savers read in a row.
 
 Which devices offload: the smallest cards first (least device memory; ties by rank), and only
 as many as it takes to fit — the first count that fits, found by bisection over 0..W (fewer
-offloaded hold more, so fitting grows with the count). What they offload must fit the host's
+offloaded hold more, so fitting grows with the count) — then the next kind of card too while
+that makes the step more than 1% faster (FSDP2 and capacity-full: a card that can then hold whole
+parameters accumulates instead of running one micro-batch). What they offload must fit the host's
 memory (`PlanOptions.host_memory_bytes`, less the same margin the devices keep): the host holds
 each offloading device's fp32 parameter slice and its optimizer state (memory.state_bytes).
 
@@ -69,8 +71,8 @@ def host_room(o) -> float:
 def fit_with_offload(attempt: Callable[[frozenset[int]], object], profiles, o,
                      host_bytes: Callable[[frozenset[int]], float], speed: Callable[[object], float]):
     """(result, offloaded, note) of the fewest smallest-first devices offloaded with which
-    `attempt` (a plan with those offloaded; UsageError when it does not fit) succeeds, then one
-    more at a time while that is more than FASTER faster (`speed` of a result); raises the last
+    `attempt` (a plan with those offloaded; UsageError when it does not fit) succeeds, then the
+    next kind's too while that is more than FASTER faster (`speed` of a result); raises the last
     UsageError, with why offloading did not help, when none does."""
     order = offload_order(profiles)
     sets = [frozenset(order[:j]) for j in range(len(order) + 1)]
@@ -111,16 +113,20 @@ def fit_with_offload(attempt: Callable[[frozenset[int]], object], profiles, o,
     j, result = best
     if j != lo:
         result = attempt(sets[lo])
-    # One more offloaded can still pay for itself where the fewest that fit leave a device unable
-    # to accumulate (gathered state: it then runs one micro-batch): kept while the step gets faster.
+    # More offloaded can still pay for itself where the fewest that fit leave a device unable to
+    # accumulate (gathered state: it then runs one micro-batch): the rest of the next kind of
+    # device (equal memory) at a time, kept while the step gets faster (at most one try a kind).
     while lo < top:
+        nxt = lo + 1
+        while nxt < top and profiles[order[nxt]].memory_bytes == profiles[order[nxt - 1]].memory_bytes:
+            nxt += 1
         try:
-            more = attempt(sets[lo + 1])
+            more = attempt(sets[nxt])
         except UsageError:
             break
         if speed(more) <= speed(result) * (1 + FASTER):
             break
-        lo, result = lo + 1, more
+        lo, result = nxt, more
     return result, sets[lo], f"offloaded because {first.what}"
 
 

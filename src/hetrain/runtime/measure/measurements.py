@@ -110,8 +110,10 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
         contention=contention, contention_at=contention_at, ddp_cost=ddp_cost, host_cores=host_cores,
         clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None,
-        # what offloaded optimizer state may take: this host's available memory, unless given
-        host_memory_bytes=host_memory_bytes if host_memory_bytes is not None else host_memory_available())
+        # what offloaded optimizer state may take; None (no offload) unless given: parallel='auto'
+        # plans the sharding it picks without offload (runtime/layouts/choose.py), so it must not
+        # pick a row that fits only with it
+        host_memory_bytes=host_memory_bytes)
 
 
 def host_memory_available() -> float | None:
