@@ -90,7 +90,7 @@ def test_a_batch_smaller_than_the_devices_runs_as_a_pipeline_not_data_parallel()
     (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "0"),
      ("--global-batch 0 must be at least 1",)),
     (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "none"),
-     ("no layout fits memory", "FSDP2 fits on")),
+     ("no layout fits memory", "optimizer-state offload to host memory (--offload plan)")),
     (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "all", "--host-memory", "8GiB"),
      ("--offload all: the optimizer state needs 89.7 GiB of host memory", "--host-memory")),
     (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "sometimes"),
