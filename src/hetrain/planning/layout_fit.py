@@ -60,17 +60,21 @@ def what_would_fit(profiles, state, options) -> list[str]:
     elif host_room(options) < host_need:
         out.append(f"host memory for the optimizer state (--host-memory, per node): offloaded and fully sharded it "
                    f"needs {format_bytes(host_need)}, {format_bytes(host_room(options))} usable")
-    # FSDP2 at one micro-batch per device: each device's share capped by its own memory.
+    # FSDP2 at one micro-batch per device: each device's share capped by its own memory (its
+    # optimizer state on host where the host has room for every device's).
+    hosted = options.offload != "none" and host_room(options) >= host_need
+    held = off.total if hosted else sharded + full.transient
     caps = []
     for p in profiles:
-        room = (p.memory_bytes * (1 - margin) if p.memory_bytes else math.inf) - sharded - full.transient
+        room = (p.memory_bytes * (1 - margin) if p.memory_bytes else math.inf) - held
         per = _activations(p, checkpointing=ckpt)
         caps.append(math.inf if not p.memory_bytes else max(0, int(room // per)) if per > 0 else math.inf)
     if all(c >= 1 for c in caps) and w > 1:
         most = sum(caps)
         if math.isfinite(most) and most < options.global_batch:
             out.append(f"FSDP2 fits with a global batch of at most {most} (each device runs its share as one "
-                       "micro-batch, so it stays fully sharded; accumulating micro-batches holds whole parameters)")
+                       "micro-batch, so it stays fully sharded; accumulating micro-batches holds whole parameters)"
+                       + (", its optimizer state on host" if hosted else ""))
     # More devices like the smallest.
     whole = state.state("fsdp", world_size=1, accumulates=False)
     total = whole.params + whole.grads + whole.optimizer

@@ -41,6 +41,7 @@ class PlanOptions:
     host_memory_bytes: float | None = None   # host memory for offloaded state, all hosts (None: none known)
     offload_ranks: frozenset[int] = frozenset()   # devices (profile indices) whose optimizer state is on host
     share_caps: tuple[int | None, ...] = ()       # per device, the largest share (a rank that must not accumulate)
+                                                  # (checkpointing then makes room for it as one micro-batch)
 
     def __post_init__(self) -> None:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -92,12 +93,14 @@ class Fit:
         return {"checkpointing": self.checkpointing, "blocks": self.checkpoint_blocks}
 
 
-def fit(p: DeviceProfile, o: PlanOptions) -> Fit:
+def fit(p: DeviceProfile, o: PlanOptions, *, want: int = 1) -> Fit:
+    """`want`: the micro-batch checkpointing should make room for (1: one sample; more for a
+    device that must run its whole share at once, savers.dp_plan)."""
     margin = o.memory_margin
     cap = p.max_micro_batch(margin=margin)
     ckpt, blocks = False, None
-    if cap == 0 and o.allow_checkpointing:      # the fewest blocks checkpointed that fit one sample
-        choice = p.fewest_blocks(margin=margin)
+    if cap is not None and cap < want and o.allow_checkpointing:   # the fewest blocks checkpointed that fit
+        choice = p.fewest_blocks(margin=margin, micro=want)
         if choice is not None:
             ckpt, blocks = choice
             cap = p.max_micro_batch(margin=margin, checkpointing=True, blocks=blocks)

@@ -184,7 +184,8 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
         raise UsageError(
             f"global batch {o.global_batch} is smaller than the {n} devices",
             f"use a global batch of at least {n} (every device needs one sample), or fewer devices")
-    fits = [fit(p, o) for p in profiles]
+    caps = o.share_caps
+    fits = [fit(p, o, want=caps[i] if i < len(caps) and caps[i] else 1) for i, p in enumerate(profiles)]
     misfits = [i for i in range(n) if fits[i].micro == 0]
     excluded: dict[int, ExcludedDevice] = {}
     if len(misfits) == n:        # explain with the device that has the most memory

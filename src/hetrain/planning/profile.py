@@ -173,20 +173,24 @@ class DeviceProfile:
             return None
         return int(usable // per_sample)
 
-    def fewest_blocks(self, *, margin: float) -> tuple[bool, int | None] | None:
-        """(checkpointing, blocks) with the fewest checkpointed blocks that let one sample fit:
-        (False, None) without; (True, k) for k of the blocks; (True, None) for every block (all of
-        them needed, or the block count unknown); None: not even with every block."""
-        if self.max_micro_batch(margin=margin) != 0:
+    def fewest_blocks(self, *, margin: float, micro: int = 1) -> tuple[bool, int | None] | None:
+        """(checkpointing, blocks) with the fewest checkpointed blocks that let a micro-batch of
+        `micro` samples fit: (False, None) without; (True, k) for k of the blocks; (True, None) for
+        every block (all of them needed, or the block count unknown); None: not even with every
+        block (for `micro` > 1: every block, if one sample fits with it)."""
+        def reaches(cap: int | None) -> bool:
+            return cap is None or cap >= micro
+
+        if reaches(self.max_micro_batch(margin=margin)):
             return False, None
-        if self.max_micro_batch(margin=margin, checkpointing=True) == 0:
-            return None
+        if not reaches(self.max_micro_batch(margin=margin, checkpointing=True)):
+            return (True, None) if micro > 1 and self.max_micro_batch(margin=margin, checkpointing=True) else None
         if self.blocks is None:
             return True, None
         lo, hi = 1, self.blocks          # memory falls as k grows: the first k that fits, by bisection
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.max_micro_batch(margin=margin, checkpointing=True, blocks=mid) != 0:
+            if reaches(self.max_micro_batch(margin=margin, checkpointing=True, blocks=mid)):
                 hi = mid
             else:
                 lo = mid + 1

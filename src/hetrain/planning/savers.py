@@ -179,25 +179,40 @@ def with_state(profiles, state, sharding: str, o, accumulating: frozenset[int],
 def dp_plan(profiles, state, o, sharding: str, offload: frozenset[int], *, gathered: bool):
     """(plan, shaped profiles, capped ranks) for this sharding with these devices offloading.
     Gathered state: a rank that accumulates holds whole parameters (wrap.py); one that cannot
-    hold them runs its share as one micro-batch (its share capped), the others re-planned."""
+    hold them runs its share as one micro-batch (its share capped at the largest that fits with
+    every block checkpointed), the others re-planned; then each capped share is planned again as
+    it came out, so its device checkpoints only the blocks that share needs."""
     w = len(profiles)
     accumulating: frozenset[int] = frozenset()
     caps: dict[int, int] = {}
+
+    def planned(shaped, caps):
+        return make_plan(shaped, replace(o, allow_exclusion=False, offload_ranks=offload,
+                                         share_caps=tuple(caps.get(i) for i in range(w)) if caps else ()))
+
+    def one_micro(p) -> int:
+        most = p.max_micro_batch(margin=o.memory_margin, checkpointing=o.allow_checkpointing)
+        return max(1, min(most if most is not None else o.global_batch, o.micro_batch_cap or o.global_batch))
+
     for _ in range(w + 2):
         shaped = with_state(profiles, state, sharding, o, accumulating, offload)
-        plan = make_plan(shaped, replace(o, allow_exclusion=False, offload_ranks=offload,
-                                         share_caps=tuple(caps.get(i) for i in range(w)) if caps else ()))
+        caps = {i: one_micro(shaped[i]) for i in caps}     # capacity-full's slices move with `accumulating`
+        plan = planned(shaped, caps)
         if not gathered:
-            break
+            return plan, shaped, frozenset()
         new = {d.rank for d in plan.devices if d.n_micro > 1} - accumulating - set(caps)
         if not new:
             break
         whole = with_state(profiles, state, sharding, o, accumulating | new, offload)
         for i in new:
             if fit(whole[i], o).micro == 0:
-                caps[i] = max(1, fit(shaped[i], o).micro)
+                caps[i] = one_micro(shaped[i])
             else:
                 accumulating = accumulating | {i}
+    if caps:       # the shares as they came out: no more checkpointing than they need
+        tight = {i: plan.devices[i].share for i in caps}
+        if tight != caps:
+            plan = planned(shaped, tight)
     return plan, shaped, frozenset(caps)
 
 

@@ -231,3 +231,47 @@ def test_capacity_full_is_judged_on_its_share_not_on_the_whole_model_state():
     # what it names is one device's share (capacity-full splits the state), well under the whole
     held = float(row.detail.split("(")[1].split(" GiB model state")[0]) * 2**30
     assert held < whole / 2, row.detail
+
+
+def _llama(cluster: str):
+    from hetrain.hardware.cluster import parse_cluster_spec
+    from hetrain.planning.presets import PRESETS
+    from hetrain.planning.ranking import ModelState
+    from hetrain.planning.simulate import cluster_profiles
+
+    spec = PRESETS["llama-8b"]
+    profiles = cluster_profiles(parse_cluster_spec(cluster).devices, spec, precision="bf16", efficiency=0.4,
+                                ratios="spec", optimizer="adamw")
+    return profiles, ModelState.from_spec(spec), spec
+
+
+def test_a_gathered_rank_that_cannot_hold_whole_parameters_runs_its_share_as_one_micro_batch():
+    from hetrain.planning.savers import dp_plan
+
+    profiles, state, spec = _llama("2xa100-80g,2xrtx3090")
+    o = PlanOptions(global_batch=256, grad_bytes=spec.params * 4, host_memory_bytes=2**40)
+    for sharding in ("fsdp", "capacity-full"):
+        plan, shaped, capped = dp_plan(profiles, state, o, sharding, frozenset(range(4)), gathered=True)
+        assert capped == {2, 3}                                   # the 3090s
+        for d in plan.devices:
+            assert d.predicted_memory_bytes <= profiles[d.rank].memory_bytes * 0.9
+            if d.rank in capped:
+                assert d.n_micro == 1 and d.share > 1              # checkpointing made room for more than one
+            # a rank that accumulates is planned with whole parameters (its fixed bytes say so)
+            whole = state.state(sharding, world_size=4, accumulates=True, offload=True).transient
+            assert (shaped[d.rank].fixed_bytes >= whole) == (d.n_micro > 1)
+
+
+def test_the_global_batch_advice_with_offload_works():
+    from hetrain.planning.ranking import rank_layouts
+
+    profiles, state, spec = _llama("8xrtx3090")
+    o = PlanOptions(global_batch=256, grad_bytes=spec.params * 4, host_memory_bytes=2**40)
+    ranking = rank_layouts(profiles, state=state, options=o)
+    assert ranking.best is None
+    (line,) = [t for t in ranking.to_fit if t.startswith("FSDP2 fits with a global batch of at most")]
+    assert line.endswith("its optimizer state on host")
+    most = int(line.split("at most ")[1].split(" ")[0])
+    followed = rank_layouts(profiles, state=state, options=PlanOptions(global_batch=most, grad_bytes=spec.params * 4,
+                                                                        host_memory_bytes=2**40))
+    assert followed.best is not None and followed.best.family == "FSDP2"
