@@ -89,8 +89,14 @@ def test_a_batch_smaller_than_the_devices_runs_as_a_pipeline_not_data_parallel()
 @pytest.mark.parametrize("args, words", [
     (("simulate", "--cluster", "a100-80g", "--model", "gpt2-124m", "--global-batch", "0"),
      ("--global-batch 0 must be at least 1",)),
-    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b"),
-     ("no layout fits memory", "FSDP2 fits on")),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "none"),
+     ("no layout fits memory", "optimizer-state offload to host memory (--offload plan)")),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "all", "--host-memory", "8GiB"),
+     ("--offload all: the optimizer state needs 89.7 GiB of host memory", "--host-memory")),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--offload", "sometimes"),
+     ("--offload",)),
+    (("simulate", "--cluster", "a100-80g,rtx3090", "--model", "llama-8b", "--host-memory", "lots"),
+     ("--host-memory",)),
     (("simulate", "--cluster", "a100-80g", "--params", "0", "--flops-per-sample", "1e9", "--activation-bytes", "1e6"),
      ("--params '0' must be a positive number",)),
     (("simulate", "--cluster", "a100-80g", "--params", "1e6", "--flops-per-sample", "-3", "--activation-bytes", "1e6"),
@@ -304,3 +310,27 @@ def test_plan_compares_data_parallel_pipeline_and_hybrid_layouts():
     # 20B parameters with AdamW state do not fit one 80 GB card: whatever the plan says, DP cannot be it
     text = result.stdout + result.stderr
     assert "does not fit" in text or "fits nowhere" in text or "no device" in text, text
+
+
+def test_simulate_fits_llama_8b_with_the_memory_savers_and_says_which_each_device_uses():
+    r = hetrain_here("simulate", "--cluster", "2xa100-80g,2xrtx3090", "--model", "llama-8b", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    layouts = json.loads(r.stdout)["layouts"]
+    best = next(row for row in layouts["rows"] if row["name"] == layouts["best"])
+    assert best["family"] in ("FSDP2", "capacity-full") and best["fits"]
+    assert all(m <= cap for m, cap in zip(best["memory"], layouts["capacity"]))
+    assert "optim on host" in best["savers"][2] and "savers:" in best["detail"]
+    shown = hetrain_here("simulate", "--cluster", "2xa100-80g,2xrtx3090", "--model", "llama-8b").stdout
+    assert "optim on host" in shown and "ckpt " in shown and "/32" in shown
+    # the savers turned off: nothing fits again, and the advice names them first
+    off = hetrain_here("simulate", "--cluster", "2xa100-80g,2xrtx3090", "--model", "llama-8b", "--offload", "none")
+    assert off.returncode == 2 and "fix: optimizer-state offload to host memory (--offload plan)" in off.stderr
+
+
+def test_plan_takes_the_host_memory_and_refuses_an_offload_it_has_no_room_for():
+    args = ("plan", "--model", "llama-8b", "--emulate", "2xa100-80g,2xrtx3090", "--global-batch", "256",
+            "--precision", "bf16")
+    r = hetrain_here(*args, "--host-memory", "256GiB")
+    assert "optim on host" in r.stdout and "FSDP2" in r.stdout
+    one_line_error(hetrain_here(*args, "--offload", "all", "--host-memory", "1GiB"),
+                   "--offload all: the optimizer state needs", "--host-memory")

@@ -16,8 +16,10 @@ WIDE = 6        # devices beyond this: memory as the fullest device, not one col
 
 def _memory_cells(row, ranking: LayoutRanking) -> list[str]:
     cells = []
-    for used, cap in zip(row.memory, ranking.capacity):
-        cells.append("-" if used is None else format_bytes(used) + (f"/{format_bytes(cap)}" if cap else ""))
+    savers = row.savers or ("",) * len(row.memory)
+    for used, cap, saver in zip(row.memory, ranking.capacity, savers):
+        cells.append("-" if used is None else format_bytes(used) + (f"/{format_bytes(cap)}" if cap else "")
+                     + (f" ({saver})" if saver else ""))
     return cells
 
 
@@ -49,8 +51,10 @@ def show_ranking(ranking: LayoutRanking, *, title: str) -> None:
         t.add_row(str(i) if r.fits else "-", r.name, f"{r.samples_per_s:.1f}" if r.fits else "does not fit", vs,
                   comm, *mem)
     con.print(t)
-    con.print("memory: peak per device (model state + activations) / usable (its memory less the margin); "
-              "comm/step: bytes each device moves, and the seconds the step waits for them", markup=False)
+    con.print("memory: peak per device (model state + activations) / usable (its memory less the margin)"
+              + ("; (ckpt k/N: activation checkpointing of k of the N blocks; optim on host: optimizer state "
+                 "offloaded to host memory)" if any(any(r.savers) for r in ranking.rows) else "")
+              + "; comm/step: bytes each device moves, and the seconds the step waits for them", markup=False)
     if ranking.best is not None:
         con.print(f"best layout: {ranking.why}", markup=False)
         con.print(f"  run it: {ranking.best.run}", markup=False)

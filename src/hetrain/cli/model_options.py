@@ -82,3 +82,35 @@ def link_option(link_gbs: Optional[float]) -> Link | None:
     if not link_gbs > 0:
         raise UsageError(f"--link-gbs {link_gbs} must be positive", "give the slowest link's bandwidth in GB/s, e.g. 24")
     return Link(bandwidth_gbs=link_gbs, source="given with --link-gbs")
+
+
+def saver_options(offload: str, host_memory: Optional[str], checkpointing: str, *, nodes: int = 1,
+                  default_host: float | None = None) -> dict:
+    """PlanOptions' memory-saver fields from --offload, --host-memory and --checkpointing:
+    --host-memory is per node (the devices' nodes share no host memory, so it is counted once
+    per node); without it `default_host` per node (None: not known, no offload)."""
+    from ..planning.options import OFFLOADS
+    from ..vocabulary import CHECKPOINTINGS
+
+    if offload not in OFFLOADS:
+        raise UsageError(f"--offload {offload!r} is not one of {', '.join(OFFLOADS)}",
+                         "plan: where needed to fit, smallest cards first; all: every device; none: never")
+    check_choice(checkpointing, CHECKPOINTINGS, "--checkpointing")
+    per_node = float(parse_bytes(host_memory, what="--host-memory")) if host_memory is not None else default_host
+    return {"offload": offload, "host_memory_bytes": None if per_node is None else per_node * max(nodes, 1),
+            "allow_checkpointing": checkpointing != "none"}
+
+
+def check_offload_request(state, options) -> None:
+    """--offload all with no host room for it, even fully sharded: one line with the fix."""
+    from ..hardware.units import format_bytes
+    from ..planning.savers import host_room
+
+    if options.offload != "all":
+        return
+    need = state.state("fsdp", world_size=1, offload=True).host      # the least any layout puts there
+    room = host_room(options)
+    if need > room:
+        raise UsageError(f"--offload all: the optimizer state needs {format_bytes(need)} of host memory at the "
+                         f"least (fully sharded), {format_bytes(room)} usable",
+                         "give the host's memory with --host-memory (per node), or --offload plan")

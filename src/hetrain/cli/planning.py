@@ -30,7 +30,7 @@ from ..planning.ranking import ModelState, rank_layouts
 from ..planning.profile import ModelSpec
 from ..runtime.config import Config, Emulation, Memory, make_config
 from ..vocabulary import CHECKPOINTINGS, PRECISION_REQUESTS, PRECISIONS, check_choice
-from .model_options import check_common, link_option, model_spec, positive_int
+from .model_options import check_common, check_offload_request, link_option, model_spec, positive_int, saver_options
 from .layouts_show import show_ranking
 from .plan_show import show_plan
 
@@ -58,6 +58,11 @@ def plan(
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
     checkpointing: str = typer.Option("plan", "--checkpointing", help="activation checkpointing, as the "
                                       "job's init: plan (where one sample needs it) | all | none"),
+    offload: str = typer.Option("plan", "--offload", help="optimizer state in host memory in the data-parallel "
+                                "layouts: plan (smallest cards first, only where needed to fit) | all | none"),
+    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="host memory for offloaded optimizer "
+                                              "state, e.g. 512GiB (default: with --model this host's available "
+                                              "memory; with --model-factory none, as parallel='auto')"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (replaces the "
                                              "measured or catalog one)"),
     allow_exclusion: bool = typer.Option(False, "--allow-exclusion", help="let the plan leave out devices "
@@ -90,6 +95,11 @@ def plan(
     check_common(global_batch, precision, memory_margin,
                   precisions=PRECISION_REQUESTS if model_factory else PRECISIONS)
     check_choice(checkpointing, CHECKPOINTINGS, "--checkpointing")
+    savers = saver_options(offload, host_memory, checkpointing)
+    if host_memory is None and not model_factory:     # an estimate: this host's available memory
+        from ..runtime.measure.measurements import host_memory_available
+
+        savers["host_memory_bytes"] = host_memory_available()
     if micro_batch is not None:
         positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")
     if model_factory and (model or params):
@@ -117,6 +127,13 @@ def plan(
         blocks = blocks or found
         # parallel='auto' ranks with this same function (runtime/layouts/choose.decide).
         ranking, profiles, options = rank_job_measurements(measured, config, facts=facts, blocks=blocks, link=link)
+        if offload != "plan" or host_memory is not None:     # re-ranked with the savers asked for
+            from ..runtime.measure.measurements import recommended
+
+            options = replace(options, **savers)
+            state = ModelState(**{**facts, "blocks": blocks})
+            check_offload_request(state, options)
+            ranking = recommended(rank_layouts(profiles, state=state, options=options)) if ranking else None
         if measurements:
             write_text_atomic(measurements, measured.to_json())
 
@@ -126,9 +143,10 @@ def plan(
         spec = model_spec(model, params, flops_per_sample, activation_bytes, trainable_params, lora)
         blocks = blocks or spec.blocks
         profiles, default_link = _estimate(spec, cluster, precision)
-        options = plan_options(config, grad_bytes=spec.trainable * GRAD_ELEMENT_BYTES, link=link or default_link,
-                               allow_exclusion=allow_exclusion)
+        options = replace(plan_options(config, grad_bytes=spec.trainable * GRAD_ELEMENT_BYTES,
+                                       link=link or default_link, allow_exclusion=allow_exclusion), **savers)
         state = replace(ModelState.from_spec(spec, precision=precision), blocks=blocks)
+        check_offload_request(state, options)
         ranking = rank_layouts(profiles, state=state, options=options) if len(profiles) > 1 else None
 
         def make():

@@ -22,7 +22,8 @@ from ..planning.cost import DEFAULT_EFFICIENCY, GRAD_ELEMENT_BYTES, fixed_bytes
 from ..planning.memory import STATE_VALUES
 from ..planning.presets import PRESETS
 from ..planning.profile import ModelSpec
-from .model_options import check_common, link_option, model_spec
+from ..planning.savers import DEFAULT_HOST_MEMORY_PER_NODE
+from .model_options import check_common, check_offload_request, link_option, model_spec, saver_options
 from .plan_show import topology_lines
 
 
@@ -70,6 +71,12 @@ def simulate(
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (default: catalog PCIe/NVLink)"),
     optimizer: str = typer.Option("adamw", "--optimizer", help=f"optimizer state: {', '.join(STATE_VALUES)}"),
     memory_margin: float = typer.Option(0.10, "--memory-margin", help="fraction of memory kept free"),
+    checkpointing: str = typer.Option("plan", "--checkpointing", help="activation checkpointing in the layouts: "
+                                      "plan (the fewest blocks that fit, where one sample needs it) | none"),
+    offload: str = typer.Option("plan", "--offload", help="optimizer state in host memory in the data-parallel "
+                                "layouts: plan (smallest cards first, only where needed to fit) | all | none"),
+    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="host memory per node for offloaded "
+                                              "optimizer state, e.g. 512GiB (default 256GiB per node)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object (strategies, devices, answers)"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the GPU catalog and exit"),
     list_presets: bool = typer.Option(False, "--list-presets", help="list the model presets and exit"),
@@ -92,6 +99,8 @@ def simulate(
     if not cluster:
         raise UsageError("no cluster given", "give devices, e.g. --cluster a100-80g,rtx3090 (--list-gpus lists names)")
     check_common(global_batch, precision, memory_margin)
+    if checkpointing == "all":
+        raise UsageError("--checkpointing all in simulate", "use plan (the fewest blocks that fit) or none")
     if not 0 < efficiency <= 1:
         raise UsageError(f"--efficiency {efficiency} is not a fraction", "give a fraction in (0, 1], e.g. 0.4")
     spec = model_spec(model, params, flops_per_sample, activation_bytes, trainable_params, lora)
@@ -109,11 +118,13 @@ def simulate(
     profiles = cluster_profiles(devices, spec, precision=precision, efficiency=efficiency, ratios=ratios,
                                 optimizer=optimizer)
     link = topology.link if topology else link_option(link_gbs)
+    savers = saver_options(offload, host_memory, checkpointing, nodes=len(parsed.topology.nodes) or 1,
+                           default_host=DEFAULT_HOST_MEMORY_PER_NODE)
     ranking = _rank(profiles, spec, precision=precision, optimizer=optimizer, global_batch=global_batch,
-                    grad_bytes=grad_bytes, link=link, memory_margin=memory_margin)
+                    grad_bytes=grad_bytes, link=link, memory_margin=memory_margin, savers=savers)
     try:
         sim = run_simulation(profiles, global_batch=global_batch, grad_bytes=grad_bytes, link=link,
-                             memory_margin=memory_margin)
+                             memory_margin=memory_margin, allow_checkpointing=savers["allow_checkpointing"])
     except UsageError as e:     # plain data parallelism cannot run: the layouts say what can
         sim, dp_error = None, e
     net_lines, net_json = topology_lines(topology, sim, grad_bytes) if topology and sim else ([], None)
@@ -150,7 +161,7 @@ def simulate(
 
 
 def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_batch: int, grad_bytes: float,
-          link, memory_margin: float):
+          link, memory_margin: float, savers: dict):
     """Every layout ranked, on two or more devices (one device runs data parallelism alone)."""
     if len(profiles) < 2:
         return None
@@ -158,7 +169,9 @@ def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_b
     from ..planning.options import PlanOptions
 
     state = ModelState.from_spec(spec, precision=precision, optimizer=optimizer)
-    options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, link=link, memory_margin=memory_margin)
+    options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, link=link, memory_margin=memory_margin,
+                          **savers)
+    check_offload_request(state, options)
     return rank_layouts(profiles, state=state, options=options)
 
 

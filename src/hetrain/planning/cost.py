@@ -166,7 +166,7 @@ def estimate_profile(model: ModelSpec, gpu: GpuSpec, *, label: str, precision: s
         activation_fixed_bytes=(2 * model.trainable if precision != "fp32" else 0.0),
         activation_bytes_per_sample=model.activation_bytes_per_sample * act_scale,
         memory_bytes=memory_bytes if memory_bytes is not None else gpu.memory_bytes,
-        checkpoint_fraction=model.checkpoint_fraction,
+        checkpoint_fraction=model.checkpoint_fraction, blocks=model.blocks,
     )
 
 
@@ -179,6 +179,12 @@ class Assignment:
     share: int
     micro_batch: int
     checkpointing: bool = False
+    checkpoint_blocks: int | None = None     # with checkpointing: None every block, k of them
+
+    @property
+    def ckpt(self) -> dict:
+        """The checkpointing keywords of DeviceProfile's time and memory."""
+        return {"checkpointing": self.checkpointing, "blocks": self.checkpoint_blocks}
 
     @property
     def n_micro(self) -> int:
@@ -201,9 +207,7 @@ class Assignment:
         plus the last micro-batch's pacing and DDP costs (`last_micro_extra`), times `factor`
         (this device's slowdown from sharing host cores)."""
         p = self.profile
-        t = self.n_micro * p.overhead_s + p.per_sample_s * self.share
-        if self.checkpointing:
-            t *= p.recompute_factor
+        t = (self.n_micro * p.overhead_s + p.per_sample_s * self.share) * p.recompute(**self.ckpt)
         return (t + self.last_micro_extra(ddp_cost)) * factor
 
     def last_micro_extra(self, ddp_cost: float = 1.0) -> float:
@@ -212,10 +216,10 @@ class Assignment:
         p = self.profile
         extra = p.paced_cost * ddp_cost - 1
         # the last micro-batch is the smallest (split_evenly: larger first)
-        return extra * p.micro_seconds(self.smallest_micro, checkpointing=self.checkpointing) if extra else 0.0
+        return extra * p.micro_seconds(self.smallest_micro, **self.ckpt) if extra else 0.0
 
     def memory_bytes(self) -> float:
-        return self.profile.memory_needed(self.largest_micro, checkpointing=self.checkpointing)
+        return self.profile.memory_needed(self.largest_micro, **self.ckpt)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,7 +266,7 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
     factors = tuple(c / t if t > 0 else 1.0 for c, t in zip(compute, alone))
     crit = max(range(len(assignments)), key=lambda i: compute[i])
     last = assignments[crit]
-    window = last.profile.micro_seconds(last.smallest_micro, checkpointing=last.checkpointing) \
+    window = last.profile.micro_seconds(last.smallest_micro, **last.ckpt) \
         * factors[crit] * 2 / 3       # backward ≈ 2/3 of a micro-batch
     if sync_s is not None:
         comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
@@ -301,8 +305,8 @@ def _compute_segments(a: Assignment, ddp_cost: float = 1.0) -> list[tuple[bool, 
     `last_micro_extra`: the throttle books it after that backward, and its sleep is paid in the
     next step's). Segments are (on_cpu, seconds of CPU work or of sleep)."""
     p, extra = a.profile, a.last_micro_extra(ddp_cost)
-    dev = sum(p.micro_seconds(m, checkpointing=a.checkpointing) for m in a.micro_sizes) + extra
-    last_cpu = p.micro_seconds(a.micro_sizes[-1], checkpointing=a.checkpointing) * p.cpu_share
+    dev = sum(p.micro_seconds(m, **a.ckpt) for m in a.micro_sizes) + extra
+    last_cpu = p.micro_seconds(a.micro_sizes[-1], **a.ckpt) * p.cpu_share
     cpu = dev * p.cpu_share
     before = cpu - last_cpu * (1 - p.forward_fraction) - extra * p.cpu_share
     return [(True, before), (False, dev - cpu), (True, cpu - before)]
@@ -342,13 +346,14 @@ def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float
 
 
 def standalone(profile: DeviceProfile, *, global_batch: int, margin: float, checkpointing: bool = False,
-               micro_cap: int | None = None) -> float:
+               micro_cap: int | None = None, blocks: int | None = None) -> float:
     """Samples/s of this device training alone on the whole global batch (0 if it cannot fit one)."""
-    cap = profile.max_micro_batch(margin=margin, checkpointing=checkpointing)
+    cap = profile.max_micro_batch(margin=margin, checkpointing=checkpointing, blocks=blocks)
     if cap == 0:
         return 0.0
     micro = global_batch if cap is None else min(cap, global_batch)
     if micro_cap is not None:
         micro = min(micro, micro_cap)
-    a = Assignment(profile=profile, share=global_batch, micro_batch=micro, checkpointing=checkpointing)
+    a = Assignment(profile=profile, share=global_batch, micro_batch=micro, checkpointing=checkpointing,
+                   checkpoint_blocks=blocks)
     return global_batch / (a.compute_s() + profile.optimizer_s)

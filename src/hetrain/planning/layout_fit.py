@@ -1,6 +1,10 @@
 """When no layout fits: what would make one fit, in numbers (pure).
 
-Each answer changes one thing and solves for it, on the device with the least usable memory
+The memory savers come first, when one is turned off or short of room (they cost the least:
+no devices, no change to the job): activation checkpointing, and optimizer-state offload — its
+fully sharded figure, what each device would still hold, and the host memory it needs.
+
+Then each answer changes one thing and solves for it, on the device with the least usable memory
 (every layout below needs each device to hold its part, so that device decides):
 
   * the global batch: FSDP2 stays fully sharded only while every device runs its share as one
@@ -20,6 +24,7 @@ import math
 
 from ..hardware.units import format_bytes
 from .memory import state_values
+from .savers import host_room
 
 
 def _smallest(profiles, margin: float):
@@ -44,17 +49,32 @@ def what_would_fit(profiles, state, options) -> list[str]:
     out = []
     full = state.state("fsdp", world_size=w, accumulates=False)
     sharded = full.params + full.grads + full.optimizer
-    # FSDP2 at one micro-batch per device: each device's share capped by its own memory.
+    if not ckpt:
+        out.append("activation checkpointing (--checkpointing plan) keeps a fraction of the activations")
+    off = state.state("fsdp", world_size=w, offload=True)
+    host_need = state.state("fsdp", world_size=1, offload=True).host
+    if options.offload == "none":
+        out.append(f"optimizer-state offload to host memory (--offload plan): fully sharded, each device then holds "
+                   f"{format_bytes(off.total)} of model state instead of {format_bytes(full.total)}, the host "
+                   f"{format_bytes(host_need)}")
+    elif host_room(options) < host_need:
+        out.append(f"host memory for the optimizer state (--host-memory, per node): offloaded and fully sharded it "
+                   f"needs {format_bytes(host_need)}, {format_bytes(host_room(options))} usable")
+    # FSDP2 at one micro-batch per device: each device's share capped by its own memory (its
+    # optimizer state on host where the host has room for every device's).
+    hosted = options.offload != "none" and host_room(options) >= host_need
+    held = off.total if hosted else sharded + full.transient
     caps = []
     for p in profiles:
-        room = (p.memory_bytes * (1 - margin) if p.memory_bytes else math.inf) - sharded - full.transient
+        room = (p.memory_bytes * (1 - margin) if p.memory_bytes else math.inf) - held
         per = _activations(p, checkpointing=ckpt)
         caps.append(math.inf if not p.memory_bytes else max(0, int(room // per)) if per > 0 else math.inf)
     if all(c >= 1 for c in caps) and w > 1:
         most = sum(caps)
         if math.isfinite(most) and most < options.global_batch:
             out.append(f"FSDP2 fits with a global batch of at most {most} (each device runs its share as one "
-                       "micro-batch, so it stays fully sharded; accumulating micro-batches holds whole parameters)")
+                       "micro-batch, so it stays fully sharded; accumulating micro-batches holds whole parameters)"
+                       + (", its optimizer state on host" if hosted else ""))
     # More devices like the smallest.
     whole = state.state("fsdp", world_size=1, accumulates=False)
     total = whole.params + whole.grads + whole.optimizer
@@ -86,6 +106,4 @@ def what_would_fit(profiles, state, options) -> list[str]:
     out.append(f"plain DP needs {format_bytes(need / (1 - margin))} per device "
                f"({format_bytes(need)} used, {margin:.0%} kept free); {small.device} has "
                f"{format_bytes(small.memory_bytes)}")
-    if not ckpt:
-        out.append("activation checkpointing (--checkpointing plan) keeps a fraction of the activations")
     return out

@@ -36,9 +36,20 @@ the whole trainable model gathered and its whole gradient. f_r ∝ (usable − t
 activations)_r, which fills every device to the same fraction; the bound, against an even split,
 is Σ free / (W · min free): (80 + 24) / (2 · 24) ≈ 2.17× for an 80 GB + 24 GB pair.
 
+Optimizer-state offload (`offload=True`; planning/savers.py decides where and costs it): the
+device keeps its parameters and gradients at the training precision (`device_param_bytes`, 2 at
+bf16) and no optimizer state; host memory holds what the optimizer steps on, the fp32 copy of
+its slice of the trainable parameters and their state (`StateBytes.host`). At bf16 and AdamW:
+2 + 2 bytes per trainable parameter on the device (of its shard), 4 + 8 on the host — the 16
+bytes of the unoffloaded count, moved, not lost. Gathered units and whole-model buffers are then
+at the training precision too.
+
 Activations per sample, for a model of L repeated blocks: `outside + L·block_saved` without
 checkpointing; with it, `outside + L·block_input + block_saved` (each block keeps its input; one
-block's inside is recomputed at a time during backward).
+block's inside is recomputed at a time during backward). With the first k of the L checkpointed
+(the runtime's DevicePlan.checkpoint_blocks), `outside + k·block_input + (L−k)·block_saved`: the
+last L−k blocks' backward ends before the first recompute, which then needs one block's inside
+again, within what they freed.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ class StateBytes:
     grads: float
     optimizer: float
     transient: float = 0.0    # FSDP2's unsharded parameters (and gradients) while they are in use
+    host: float = 0.0         # offload: bytes in host memory (not in total: the device does not hold them)
 
     @property
     def total(self) -> float:
@@ -95,12 +107,28 @@ def check_trainable(n_params: int, trainable: int | None, where: str = "the mode
 def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, fraction: float | None = None,
                 optimizer: str = "adamw", param_bytes: int = 4, state_bytes_per_value: int = 4,
                 unit_params: Sequence[int] = (), root_params: int = 0, accumulates: bool = False,
-                trainable: int | None = None, frozen_param_bytes: float | None = None) -> StateBytes:
+                trainable: int | None = None, frozen_param_bytes: float | None = None, offload: bool = False,
+                device_param_bytes: float | None = None) -> StateBytes:
     """Model state on one device. `fraction`: this device's share of the optimizer state under
     'capacity' (default 1/W). FSDP: `unit_params` = parameters of each sharded unit (block),
     `root_params` = those outside the units, `accumulates` = the rank runs several micro-batches.
     Fine-tuning: `trainable` of the `n_params` have gradients and optimizer state (None: all), the
-    rest are weights of `frozen_param_bytes` each (None: `param_bytes`)."""
+    rest are weights of `frozen_param_bytes` each (None: `param_bytes`). `offload`: the optimizer's
+    slice in host memory, parameters and gradients on the device at `device_param_bytes` (None:
+    `param_bytes`; see the module's docstring)."""
+    if offload:
+        kw = dict(sharding=sharding, world_size=world_size, fraction=fraction, optimizer=optimizer,
+                  state_bytes_per_value=state_bytes_per_value, unit_params=unit_params, root_params=root_params,
+                  accumulates=accumulates, trainable=trainable, frozen_param_bytes=frozen_param_bytes)
+        full = state_bytes(n_params, param_bytes=param_bytes, **kw)
+        low = param_bytes if device_param_bytes is None else device_param_bytes
+        kept = state_bytes(n_params, param_bytes=low, **{**kw, "frozen_param_bytes": (
+            param_bytes if frozen_param_bytes is None else frozen_param_bytes)})
+        whole_opt = float(check_trainable(n_params, trainable)) * state_values(optimizer) * state_bytes_per_value
+        owned = _owned(sharding, world_size, fraction)
+        masters = float(check_trainable(n_params, trainable)) * param_bytes * owned
+        return StateBytes(params=kept.params, grads=kept.grads, optimizer=0.0, transient=kept.transient,
+                          host=(full.optimizer if whole_opt else 0.0) + masters)
     if sharding not in SHARDINGS:
         raise UsageError(f"sharding {sharding!r} is not known", f"use one of {SHARDINGS}")
     if world_size < 1:
@@ -135,6 +163,15 @@ def state_bytes(n_params: int, *, sharding: str = "none", world_size: int = 1, f
         transient = (root_params + 2 * largest) * (p / n_params if n_params else param_bytes)
     return StateBytes(params=p / world_size, grads=g / world_size, optimizer=opt / world_size,
                       transient=min(transient, p + g))
+
+
+def _owned(sharding: str, world_size: int, fraction: float | None) -> float:
+    """The slice of the trainable parameters whose update this device owns."""
+    if sharding == "none" or world_size == 1:
+        return 1.0
+    if sharding in ("capacity", "capacity-full"):
+        return 1.0 / world_size if fraction is None else fraction
+    return 1.0 / world_size
 
 
 def full_shard_transient(unit_params: Sequence[int], root_params: int, *, param_bytes: float,
@@ -197,10 +234,15 @@ class ActivationProfile:
         return self.outside + self.blocks * self.block_saved
 
 
-def activation_bytes_per_sample(profile: ActivationProfile, *, checkpointing: bool) -> float:
-    if not checkpointing or profile.blocks == 0:
+def activation_bytes_per_sample(profile: ActivationProfile, *, checkpointing: bool, blocks: int | None = None) -> float:
+    """Saved bytes per sample; `blocks`: the first k blocks checkpointed (None: every block)."""
+    n = profile.blocks
+    if not checkpointing or n == 0 or blocks == 0:
         return profile.full
-    return profile.outside + profile.blocks * profile.block_input + profile.block_saved
+    k = n if blocks is None else min(blocks, n)
+    if not 0 < k:
+        raise UsageError(f"checkpointed blocks {blocks!r}", f"give a count in 0..{n}, or None for every block")
+    return profile.outside + k * profile.block_input + max(n - k, 1) * profile.block_saved
 
 
 def transformer_profile(*, seq_len: int, d_model: int, n_layers: int, vocab: int,

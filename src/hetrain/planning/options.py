@@ -13,6 +13,9 @@ from .collectives import FREE_LINK, Link
 from .profile import DeviceProfile
 
 
+OFFLOADS = ("plan", "all", "none")       # --offload: where needed to fit | every device | never
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What the planner is asked; every error names the fix."""
@@ -34,6 +37,11 @@ class PlanOptions:
     host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
     host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
     clocked: bool = False                # emulated devices on the controlled clock (cost.py: what can trail)
+    offload: str = "plan"                # optimizer state on host: plan (where needed to fit) | all | none
+    host_memory_bytes: float | None = None   # host memory for offloaded state, all hosts (None: none known)
+    offload_ranks: frozenset[int] = frozenset()   # devices (profile indices) whose optimizer state is on host
+    share_caps: tuple[int | None, ...] = ()       # per device, the largest share (a rank that must not accumulate)
+                                                  # (checkpointing then makes room for it as one micro-batch)
 
     def __post_init__(self) -> None:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
@@ -59,6 +67,13 @@ class PlanOptions:
             raise UsageError(f"DDP's cost {self.ddp_cost!r}", "give a measured ratio in [1, 2] (or leave it out)")
         if self.host_cores is not None and not self.host_cores > 0:
             raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
+        if self.offload not in OFFLOADS:
+            raise UsageError(f"offload {self.offload!r}", f"use one of {', '.join(OFFLOADS)}")
+        if self.host_memory_bytes is not None and not self.host_memory_bytes >= 0:
+            raise UsageError(f"host memory {self.host_memory_bytes!r}", "give the host's memory in bytes, e.g. "
+                             "--host-memory 256GiB")
+        if any(c is not None and c < 1 for c in self.share_caps):
+            raise UsageError(f"share caps {self.share_caps}", "give each device's largest share, >= 1, or none")
         if not self.host_load >= 0:
             raise UsageError(f"host load {self.host_load}", "give the other runnable processes, >= 0")
 
@@ -71,16 +86,24 @@ class Fit:
     checkpointing: bool
     memory_reason: str
     memory_cap: int | None = None   # the cap memory alone sets (None: memory does not limit it)
+    checkpoint_blocks: int | None = None   # with checkpointing: the fewest blocks that fit (None: every block)
+
+    @property
+    def ckpt(self) -> dict:
+        return {"checkpointing": self.checkpointing, "blocks": self.checkpoint_blocks}
 
 
-def fit(p: DeviceProfile, o: PlanOptions) -> Fit:
+def fit(p: DeviceProfile, o: PlanOptions, *, want: int = 1) -> Fit:
+    """`want`: the micro-batch checkpointing should make room for (1: one sample; more for a
+    device that must run its whole share at once, savers.dp_plan)."""
     margin = o.memory_margin
     cap = p.max_micro_batch(margin=margin)
-    ckpt = False
-    if cap == 0 and o.allow_checkpointing:
-        cap_c = p.max_micro_batch(margin=margin, checkpointing=True)
-        if cap_c != 0:
-            cap, ckpt = cap_c, True
+    ckpt, blocks = False, None
+    if cap is not None and cap < want and o.allow_checkpointing:   # the fewest blocks checkpointed that fit
+        choice = p.fewest_blocks(margin=margin, micro=want)
+        if choice is not None:
+            ckpt, blocks = choice
+            cap = p.max_micro_batch(margin=margin, checkpointing=True, blocks=blocks)
     limit = o.global_batch
     if o.micro_batch_cap is not None:
         limit = min(limit, o.micro_batch_cap)
@@ -90,14 +113,15 @@ def fit(p: DeviceProfile, o: PlanOptions) -> Fit:
         why = (f"{format_bytes(p.memory_bytes)} memory, {format_bytes(p.fixed_bytes)} model state, "
                f"{format_bytes(p.activation_bytes_per_sample)}/sample"
                + (f" + {format_bytes(p.activation_fixed_bytes)}/micro-batch" if p.activation_fixed_bytes else "")
-               + (f" (×{p.checkpoint_fraction:.2g} with activation checkpointing)" if ckpt else "")
+               + (f" (×{p.keep_fraction(checkpointing=True, blocks=blocks):.2g} with activation checkpointing"
+                  + (f" of {blocks}/{p.blocks} blocks)" if blocks is not None else ")") if ckpt else "")
                + f", {margin:.0%} kept free")
     if cap == 0:
         return Fit(micro=0, checkpointing=False, memory_reason=why)
     micro = limit if cap is None else min(cap, limit)
     if o.micro_batch_cap is not None and (cap is None or o.micro_batch_cap < cap):
         why = f"micro-batch cap {o.micro_batch_cap} given ({why})"
-    return Fit(micro=micro, checkpointing=ckpt, memory_reason=why, memory_cap=cap)
+    return Fit(micro=micro, checkpointing=ckpt, memory_reason=why, memory_cap=cap, checkpoint_blocks=blocks)
 
 
 def does_not_fit(p: DeviceProfile, o: PlanOptions) -> tuple[str, str]:

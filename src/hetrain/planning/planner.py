@@ -2,7 +2,7 @@
 
 What it decides, per device: the share of the global batch (integers summing exactly to it), the
 micro-batch size and count (memory), activation checkpointing (only when one sample does not fit
-without it), and — when allowed — leaving a device out (too slow to help, or too small for one
+without it, and then of the fewest blocks that fit: options.fit), and — when allowed — leaving a device out (too slow to help, or too small for one
 sample even with checkpointing), with the reason and what would bring it in. It predicts the step
 time and throughput of the plan and of plain equal-split DDP on the same devices.
 
@@ -15,6 +15,10 @@ optimizer step (max over devices) is handled by sweeping the threshold on optimi
 communication by also trying the fastest k devices (k = 1, 2, 4, …): each candidate set is
 costed in full (cost.py) and the fastest kept. Without communication this is the exact optimum
 over all subsets, so more devices are never predicted slower than fewer.
+
+A device may have a largest share (PlanOptions.share_caps: a gathered-state rank that must not
+accumulate, savers.dp_plan) and its optimizer state in host memory (offload_ranks: recorded in
+its DevicePlan; its profile's optimizer_s already holds the cost, savers.with_state).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def _solve(devs: Sequence[_Dev], batch: int, *, forced: bool) -> dict[int, int] 
 
 def _assignments(profiles, fits, shares: dict[int, int]) -> list[Assignment]:
     return [Assignment(profile=profiles[i], share=s, micro_batch=min(fits[i].micro, s),
-                       checkpointing=fits[i].checkpointing) for i, s in sorted(shares.items())]
+                       checkpointing=fits[i].checkpointing, checkpoint_blocks=fits[i].checkpoint_blocks)
+            for i, s in sorted(shares.items())]
 
 
 def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
@@ -81,12 +86,13 @@ def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
 
 
 def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 1.0,
-          batch: int | None = None) -> list[_Dev]:
+          batch: int | None = None, caps: Sequence[int | None] = ()) -> list[_Dev]:
     out = []
     for i in indices:
+        limit = caps[i] if i < len(caps) else None
         p, f = profiles[i], fits[i]
         g = factors.get(i, 1.0)
-        k = g * (p.recompute_factor if f.checkpointing else 1.0)
+        k = g * p.recompute(**f.ckpt)
         # The last micro-batch's pacing and DDP costs (cost.last_micro_extra), (K − 1) of it. A share
         # in one micro-batch whatever it is (a cap of the whole batch): exact. Under a smaller cap,
         # the cap's micro-batch: more than the last one costs when the share is not a multiple of
@@ -94,10 +100,10 @@ def _devs(profiles, fits, indices, factors: dict[int, float], ddp_cost: float = 
         extra = p.paced_cost * ddp_cost - 1
         if batch is None or f.micro >= batch:
             time = StepTime(per_sample=p.per_sample_s * k * (1 + extra), per_micro=p.overhead_s * k,
-                            fixed=p.overhead_s * k * extra, micro=f.micro)
+                            fixed=p.overhead_s * k * extra, micro=f.micro, limit=limit)
         else:
             time = StepTime(per_sample=p.per_sample_s * k, per_micro=p.overhead_s * k,
-                            fixed=(p.overhead_s + p.per_sample_s * f.micro) * k * extra, micro=f.micro)
+                            fixed=(p.overhead_s + p.per_sample_s * f.micro) * k * extra, micro=f.micro, limit=limit)
         out.append(_Dev(index=i, time=time, opt=p.optimizer_s * g))
     return out
 
@@ -141,7 +147,7 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
     factors: dict[int, float] = {}
     best = None
     for _ in range(6 if o.host_cores else 1):
-        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch)
+        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch, o.share_caps)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
@@ -152,6 +158,10 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
         if all(abs(new.get(i, 1.0) - factors.get(i, 1.0)) < 1e-3 for i in indices):
             break
         factors = new
+    if best is None and any(c is not None for c in o.share_caps):
+        raise UsageError(f"the devices that must run their share as one micro-batch take at most "
+                         f"{sum(c for c in o.share_caps if c is not None)} samples, and the rest cannot take the "
+                         f"remainder of {o.global_batch}", "a smaller global batch, or more memory")
     if best is None:
         raise UsageError(f"cannot split a global batch of {o.global_batch} over {len(indices)} device(s)",
                          f"use a global batch of at least {len(indices)}")
@@ -174,7 +184,8 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
         raise UsageError(
             f"global batch {o.global_batch} is smaller than the {n} devices",
             f"use a global batch of at least {n} (every device needs one sample), or fewer devices")
-    fits = [fit(p, o) for p in profiles]
+    caps = o.share_caps
+    fits = [fit(p, o, want=caps[i] if i < len(caps) and caps[i] else 1) for i, p in enumerate(profiles)]
     misfits = [i for i in range(n) if fits[i].micro == 0]
     excluded: dict[int, ExcludedDevice] = {}
     if len(misfits) == n:        # explain with the device that has the most memory
@@ -209,9 +220,10 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch)
+    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch,
+                 o.share_caps)
     with_it = _solve(devs, o.global_batch, forced=True) if replan else None
-    t1 = p.micro_seconds(1, checkpointing=fits[i].checkpointing)
+    t1 = p.micro_seconds(1, **fits[i].ckpt)
     if with_it:
         c = _cost(profiles, fits, with_it, o)
         reason = (f"too slow to help: with it the step is {c.step_s * 1e3:.1f} ms ({c.samples_per_s:.1f} "
@@ -230,18 +242,19 @@ def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions
 def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, drag: dict[int, str]) -> Plan:
     B = o.global_batch
     members = sorted(shares)
-    best_rate = {i: profiles[i].samples_per_s(min(fits[i].micro, shares[i]),
-                                               checkpointing=fits[i].checkpointing) for i in members}
+    best_rate = {i: profiles[i].samples_per_s(min(fits[i].micro, shares[i]), **fits[i].ckpt) for i in members}
     top = max(best_rate.values())
     standalone_sum = sum(standalone(p, global_batch=B, margin=o.memory_margin, micro_cap=o.micro_batch_cap,
-                                    checkpointing=fits[i].checkpointing)
+                                    checkpointing=fits[i].checkpointing, blocks=fits[i].checkpoint_blocks)
                          for i, p in enumerate(profiles))
     single = max(standalone(p, global_batch=B, margin=o.memory_margin, micro_cap=o.micro_batch_cap,
-                            checkpointing=fits[i].checkpointing) for i, p in enumerate(profiles) if fits[i].micro)
+                            checkpointing=fits[i].checkpointing, blocks=fits[i].checkpoint_blocks)
+                 for i, p in enumerate(profiles) if fits[i].micro)
     plans = []
     for rank, i in enumerate(members):
         p, f, share = profiles[i], fits[i], shares[i]
-        a = Assignment(profile=p, share=share, micro_batch=min(f.micro, share), checkpointing=f.checkpointing)
+        a = Assignment(profile=p, share=share, micro_batch=min(f.micro, share), checkpointing=f.checkpointing,
+                       checkpoint_blocks=f.checkpoint_blocks)
         micro, n_micro = a.micro_batch, a.n_micro
         compute, slowdown = cost.compute_s[rank], cost.stretch_by_device[rank]
         reasons = [
@@ -252,8 +265,13 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
             + (f.memory_reason if micro < share else f"whole share fits ({f.memory_reason})"),
         ]
         if f.checkpointing:
-            reasons.append("activation checkpointing on: one sample does not fit without it "
-                           f"(compute ×{p.recompute_factor:.2f})")
+            reasons.append("activation checkpointing on "
+                           + (f"{f.checkpoint_blocks} of {p.blocks} blocks (the fewest that fit)"
+                              if f.checkpoint_blocks is not None else "every block")
+                           + f": one sample does not fit without it (compute ×{p.recompute(**f.ckpt):.2f})")
+        if i in o.offload_ranks:
+            reasons.append(f"optimizer state in host memory (offload, to fit): its step takes {p.optimizer_s * 1e3:.1f} "
+                           "ms over the host link and on the host's CPU")
         mem = a.memory_bytes()
         reasons.append(f"predicted peak memory {format_bytes(mem)}"
                        + (f" of {format_bytes(p.memory_bytes)}" if p.memory_bytes else ""))
@@ -261,7 +279,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
             reasons.append(drag[i])
         plans.append(DevicePlan(
             rank=rank, device=p.device, speed=best_rate[i] / top, share=share, micro_batch=micro,
-            precision=p.precision, checkpointing=f.checkpointing, memory_cap_bytes=p.memory_bytes,
+            precision=p.precision, checkpointing=f.checkpointing, checkpoint_blocks=f.checkpoint_blocks,
+            offload_optimizer=i in o.offload_ranks,
+            memory_cap_bytes=p.memory_bytes,
             reasons=tuple(reasons), predicted_compute_s=compute,
             predicted_memory_bytes=int(mem), max_micro_batch=f.memory_cap))
     ddp_pred = ddp_equal_split(profiles, o)

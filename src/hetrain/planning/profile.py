@@ -87,6 +87,7 @@ class DeviceProfile:
     precision: str = "fp32"
     checkpoint_fraction: float = 0.25        # activations kept under activation checkpointing
     recompute_factor: float = 4 / 3          # compute multiplier under checkpointing (one more forward)
+    blocks: int | None = None                # repeated blocks checkpointing can wrap one by one (None: all or none)
     cpu_share: float = 0.0                   # fraction of its compute time that occupies a host core
     forward_fraction: float = 1 / 3          # of a micro-batch's compute, the forward (backward ≈ 2×)
     paced_cost: float = 1.0                  # a micro-batch paced as an emulator paces it (a sleep before its
@@ -111,6 +112,8 @@ class DeviceProfile:
         if not 0 < self.checkpoint_fraction <= 1 or not self.recompute_factor >= 1:
             raise UsageError(f"{self.device}: checkpoint fraction {self.checkpoint_fraction} / recompute "
                              f"factor {self.recompute_factor}", "use a fraction in (0, 1] and a factor >= 1")
+        if self.blocks is not None and (not isinstance(self.blocks, int) or self.blocks < 1):
+            raise UsageError(f"{self.device}: blocks {self.blocks!r}", "give the model's repeated blocks, >= 1, or none")
         if not 0 < self.forward_fraction < 1:
             raise UsageError(f"{self.device}: forward fraction {self.forward_fraction}", "use a fraction in (0, 1)")
         if not 1 <= self.paced_cost <= 2:
@@ -120,28 +123,48 @@ class DeviceProfile:
         if len(self.sizes) != len(self.seconds):
             raise UsageError(f"{self.device}: {len(self.sizes)} sizes but {len(self.seconds)} timings", fix)
 
-    # -- time ---------------------------------------------------------------------------------
-    def micro_seconds(self, m: int, *, checkpointing: bool = False) -> float:
-        """Seconds for one micro-batch of m samples (forward + backward)."""
-        t = self.overhead_s + self.per_sample_s * m
-        return t * self.recompute_factor if checkpointing else t
+    # -- activation checkpointing of k of the N blocks -----------------------------------------
+    # Each checkpointed block gives up 1/N of the saving checkpointing every block makes, and
+    # costs 1/N of its recompute. Against the exact count of the first k blocks checkpointed
+    # (outside + k·input + (N−k)·inside: memory.activation_bytes_per_sample) this keeps k/N of one
+    # block's inside more: cautious, exact at k = 0 and k = N. `blocks` None: every block.
+    def _k(self, checkpointing: bool, blocks: int | None) -> float:
+        """The fraction of the blocks checkpointed."""
+        if not checkpointing:
+            return 0.0
+        if blocks is None or self.blocks is None:
+            return 1.0
+        return min(max(blocks, 0), self.blocks) / self.blocks
 
-    def samples_per_s(self, m: int, *, checkpointing: bool = False) -> float:
-        return m / self.micro_seconds(m, checkpointing=checkpointing)
+    def keep_fraction(self, *, checkpointing: bool, blocks: int | None = None) -> float:
+        """Activations kept with `blocks` of the model's blocks checkpointed (None: all of them)."""
+        return 1.0 - self._k(checkpointing, blocks) * (1.0 - self.checkpoint_fraction)
+
+    def recompute(self, *, checkpointing: bool, blocks: int | None = None) -> float:
+        """Compute multiplier with `blocks` of the blocks checkpointed (None: all of them)."""
+        return 1.0 + self._k(checkpointing, blocks) * (self.recompute_factor - 1.0)
+
+    # -- time ---------------------------------------------------------------------------------
+    def micro_seconds(self, m: int, *, checkpointing: bool = False, blocks: int | None = None) -> float:
+        """Seconds for one micro-batch of m samples (forward + backward)."""
+        return (self.overhead_s + self.per_sample_s * m) * self.recompute(checkpointing=checkpointing, blocks=blocks)
+
+    def samples_per_s(self, m: int, *, checkpointing: bool = False, blocks: int | None = None) -> float:
+        return m / self.micro_seconds(m, checkpointing=checkpointing, blocks=blocks)
 
     # -- memory -------------------------------------------------------------------------------
-    def memory_needed(self, m: int, *, checkpointing: bool = False) -> float:
+    def memory_needed(self, m: int, *, checkpointing: bool = False, blocks: int | None = None) -> float:
         """Peak bytes with micro-batches of m samples: model state plus one micro-batch's activations."""
         act = self.activation_fixed_bytes + self.activation_bytes_per_sample * m
-        return self.fixed_bytes + (act * self.checkpoint_fraction if checkpointing else act)
+        return self.fixed_bytes + act * self.keep_fraction(checkpointing=checkpointing, blocks=blocks)
 
-    def max_micro_batch(self, *, margin: float, checkpointing: bool = False) -> int | None:
+    def max_micro_batch(self, *, margin: float, checkpointing: bool = False, blocks: int | None = None) -> int | None:
         """Largest micro-batch that fits with `margin` of the memory kept free; None: unlimited,
         0: not even one sample fits."""
         if self.memory_bytes is None:
             return None
         usable = self.memory_bytes * (1 - margin) - self.fixed_bytes
-        keep = self.checkpoint_fraction if checkpointing else 1.0
+        keep = self.keep_fraction(checkpointing=checkpointing, blocks=blocks)
         usable -= self.activation_fixed_bytes * keep
         per_sample = self.activation_bytes_per_sample * keep
         if usable < per_sample or usable <= 0:
@@ -149,6 +172,29 @@ class DeviceProfile:
         if per_sample <= 0:
             return None
         return int(usable // per_sample)
+
+    def fewest_blocks(self, *, margin: float, micro: int = 1) -> tuple[bool, int | None] | None:
+        """(checkpointing, blocks) with the fewest checkpointed blocks that let a micro-batch of
+        `micro` samples fit: (False, None) without; (True, k) for k of the blocks; (True, None) for
+        every block (all of them needed, or the block count unknown); None: not even with every
+        block (for `micro` > 1: every block, if one sample fits with it)."""
+        def reaches(cap: int | None) -> bool:
+            return cap is None or cap >= micro
+
+        if reaches(self.max_micro_batch(margin=margin)):
+            return False, None
+        if not reaches(self.max_micro_batch(margin=margin, checkpointing=True)):
+            return (True, None) if micro > 1 and self.max_micro_batch(margin=margin, checkpointing=True) else None
+        if self.blocks is None:
+            return True, None
+        lo, hi = 1, self.blocks          # memory falls as k grows: the first k that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if reaches(self.max_micro_batch(margin=margin, checkpointing=True, blocks=mid)):
+                hi = mid
+            else:
+                lo = mid + 1
+        return True, (None if lo == self.blocks else lo)
 
     # -- transforms ---------------------------------------------------------------------------
     def scaled(self, factor: float, *, source: str | None = None, **changes) -> DeviceProfile:

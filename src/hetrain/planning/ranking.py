@@ -15,8 +15,10 @@
     TP                every layer 1/W                             4 activation all-reduces per layer
 
 Data-parallel layouts share hetrain's planner (planner.make_plan): shares by speed, micro-batches
-by memory, activation checkpointing per device where one sample needs it. Only the bytes of model
-state each device holds change (memory.state_bytes), and the collectives the sharding adds. The
+by memory, activation checkpointing per device where one sample needs it (the fewest blocks), and
+optimizer-state offload to host memory on the smallest cards where that is what fits (savers.py).
+Only the bytes of model state each device holds change (memory.state_bytes), and the collectives
+the sharding adds. The
 pipelines come from parallelism.compare_parallelism, which sizes their stages to each device's
 speed. TP: one group over every device, split evenly or by speed (tensor_split.py).
 
@@ -37,9 +39,9 @@ from ..errors import UsageError
 from ..hardware.units import compact, device_kinds, format_bytes
 from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
 from .core_sharing import on_shared_cores
-from .memory import capacity_fractions, state_bytes
+from .memory import state_bytes
 from .options import PlanOptions, ring_link
-from .planner import make_plan
+from .savers import dp_plan, fit_with_offload, saver_cells, uses
 from .profile import DeviceProfile
 
 # Bytes all-reduced per sample under Megatron tensor parallelism, as a fraction of the activation
@@ -66,6 +68,7 @@ class ModelState:
     frozen_param_bytes: float = 4       # frozen weights (bf16: 2)
     blocks: int | None = None           # equal blocks a pipeline can cut between; FSDP's units
     root_params: int = 0                # parameters outside the blocks
+    device_param_bytes: float = 4       # an offloading device's weights and gradients (training precision)
 
     @classmethod
     def from_spec(cls, spec, *, precision: str = "bf16", optimizer: str = "adamw") -> ModelState:
@@ -74,15 +77,17 @@ class ModelState:
         from .cost import ELEMENT_BYTES
 
         return cls(params=spec.params, trainable=spec.trainable, optimizer=optimizer, blocks=spec.blocks,
-                   frozen_param_bytes=ELEMENT_BYTES[precision] if spec.frozen else 4)
+                   frozen_param_bytes=ELEMENT_BYTES[precision] if spec.frozen else 4,
+                   device_param_bytes=ELEMENT_BYTES[precision])
 
     def state(self, sharding: str, *, world_size: int, fraction: float | None = None,
-              accumulates: bool = False):
+              accumulates: bool = False, offload: bool = False):
         units = (max(0, self.params - self.root_params) // self.blocks,) * self.blocks if self.blocks else ()
         return state_bytes(self.params, sharding=sharding, world_size=world_size, fraction=fraction,
                            optimizer=self.optimizer, param_bytes=self.param_bytes, trainable=self.trainable,
                            frozen_param_bytes=self.frozen_param_bytes, unit_params=units,
-                           root_params=self.root_params if self.blocks else self.params, accumulates=accumulates)
+                           root_params=self.root_params if self.blocks else self.params, accumulates=accumulates,
+                           offload=offload, device_param_bytes=self.device_param_bytes)
 
     @property
     def weight_bytes(self) -> float:
@@ -105,6 +110,7 @@ class LayoutRow:
     detail: str                            # how it runs, or why it does not fit
     run: str                               # how to ask the runtime for it
     recompute: tuple[str, ...] = ()        # devices that checkpoint activations (compute ×4/3)
+    savers: tuple[str, ...] = ()           # per device, the memory savers it uses ('ckpt 12/32, optim on host')
     stages: int | None = None              # a pipeline row's stages per replica
 
     def to_dict(self) -> dict:
@@ -136,44 +142,19 @@ def _ring(w: int) -> float:
 
 
 # -- data parallel, with or without sharding --------------------------------------------------
-def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accumulating: frozenset[int]):
-    w = len(profiles)
-    fractions = [None] * w
-    if sharding == "capacity-full":      # state in proportion to the room left by activations and gathered units
-        units = state.state(sharding, world_size=w, fraction=0.0).total
-        fractions = list(capacity_fractions([max(0.0, (p.memory_bytes * (1 - o.memory_margin) if p.memory_bytes
-                                                       else 2.0 ** 60) - p.memory_needed(1) + p.fixed_bytes - units)
-                                             for p in profiles]))
-    if sharding == "capacity":
-        whole = state.state("none", world_size=1)
-        free = [(p.memory_bytes * (1 - o.memory_margin) if p.memory_bytes else 2.0 ** 60)
-                - p.memory_needed(1) + p.fixed_bytes - whole.params - whole.grads for p in profiles]
-        if max(free) <= 0:
-            raise UsageError(f"whole parameters and gradients ({format_bytes(whole.params + whole.grads)}) and one "
-                             "sample leave no device room for optimizer state", "")
-        fractions = list(capacity_fractions(free))
-    return [replace(p, fixed_bytes=int(state.state(sharding, world_size=w, fraction=fractions[i],
-                                                   accumulates=i in accumulating).total))
-            for i, p in enumerate(profiles)]
-
-
 def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_excess_s: float | None = None) -> LayoutRow:
     family = FAMILIES[sharding]
     run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
            else f"hetrain.init(sharding={sharding!r})")
     w = len(profiles)
-    accumulating: frozenset[int] = frozenset()
-    for _ in range(3):     # FSDP: a rank that accumulates holds whole parameters (wrap.py); re-plan it
-        try:
-            shaped = _with_state(profiles, state, sharding, o, accumulating)
-            plan = make_plan(shaped, replace(o, allow_exclusion=False))
-        except UsageError as e:
-            return LayoutRow(name=family, family=family, fits=False, samples_per_s=0.0, memory=(None,) * w,
-                             comm_bytes=0.0, comm_s=0.0, detail=e.what, run=run)
-        now = frozenset(d.rank for d in plan.devices if d.n_micro > 1) if sharding in GATHERED else accumulating
-        if now <= accumulating:
-            break
-        accumulating = accumulating | now
+    try:
+        (plan, shaped, capped), offloaded, _ = fit_with_offload(
+            lambda off: dp_plan(profiles, state, o, sharding, off, gathered=sharding in GATHERED), profiles, o,
+            lambda off: sum(state.state(sharding, world_size=w, offload=True).host for _ in off),
+            lambda result: result[0].predicted["samples_per_s"])
+    except UsageError as e:
+        return LayoutRow(name=family, family=family, fits=False, samples_per_s=0.0, memory=(None,) * w,
+                         comm_bytes=0.0, comm_s=0.0, detail=e.what, run=run)
     pred = plan.predicted
     link = ring_link(shaped, o)
     grads, weights = state.grad_bytes, state.weight_bytes
@@ -195,16 +176,20 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
     ckpt = [d.device for d in plan.devices if d.checkpointing]
     acc = [d.device for d in plan.devices if d.n_micro > 1]
     detail = (f"shares {compact(d.share for d in plan.devices)}, micro-batches "
-              + compact(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices)
-              + (f"; activation checkpointing on {device_kinds(ckpt)}" if ckpt else ""))
+              + compact(f"{d.micro_batch}x{d.n_micro}" for d in plan.devices))
     if sharding == "fsdp" and fsdp_excess_s is not None and w > 1:
         detail += f"; FSDP2's collectives and their work measured here: +{seconds(fsdp_excess_s)} a step"
-    if sharding == "fsdp" and acc:
+    if sharding in GATHERED and acc:
         detail += f"; {device_kinds(acc)} accumulate, so they hold whole parameters and gradients during the step"
+    if capped:
+        detail += (f"; {device_kinds([shaped[i].device for i in sorted(capped)])} run their share as one "
+                   "micro-batch (whole parameters to accumulate would not fit)")
+    cells = saver_cells(plan, shaped, offloaded)
+    detail += uses(cells, [d.device for d in plan.devices])
     return LayoutRow(name=family, family=family, fits=True, samples_per_s=o.global_batch / step,
                      memory=tuple(float(d.predicted_memory_bytes or 0) for d in plan.devices),
                      comm_bytes=moved, comm_s=pred.get("comm_exposed_s", 0.0) + extra, detail=detail, run=run,
-                     recompute=tuple(ckpt))
+                     recompute=tuple(ckpt), savers=cells)
 
 
 # -- tensor parallel over every device ---------------------------------------------------------

@@ -42,10 +42,13 @@ class StepTime:
     per_micro: float = 0.0        # seconds per micro-batch, whatever its size
     micro: int | None = None      # the largest micro-batch
     fixed: float = 0.0            # seconds per step whatever the share (the optimizer step, say)
+    limit: int | None = None      # the largest share it may take (a gathered-state rank that must not accumulate)
 
     def seconds(self, share: int) -> float:
         if share <= 0:
             return 0.0
+        if self.limit is not None and share > self.limit:
+            return math.inf
         n_micro = 1 if self.micro is None else -(-share // self.micro)
         return self.fixed + n_micro * self.per_micro + self.per_sample * share
 
@@ -62,7 +65,8 @@ class StepTime:
             left = rest - k * full
             extra = int((left - self.per_micro) // self.per_sample) if left >= one else 0
             s = k * self.micro + min(max(extra, 0), self.micro - 1)
-        s = min(limit, s)
+        s = min(limit, s, self.limit if self.limit is not None else limit)
+        limit = min(limit, self.limit) if self.limit is not None else limit
         # The closed form rounds otherwise than `seconds`: settle on what `seconds` says, so
         # that every device's cap counts exactly the samples ending by then.
         while s > 0 and self.seconds(s) > seconds:
@@ -98,6 +102,10 @@ def solve_shares(batch: int, times: Sequence[StepTime], *, minimum: int = 1) -> 
     lo = max(t.seconds(minimum) for t in kinds) if minimum else min(t.seconds(1) for t in kinds)
     # At hi the device quickest at the whole batch takes all of it, so count(hi) >= batch.
     hi = max(lo, min(t.seconds(batch) for t in kinds))
+    if not math.isfinite(hi):       # every kind has a share limit: all at their limits, if they add up to it
+        if sum(c * max(minimum, t.limit) for t, c in zip(kinds, sizes)) < batch:
+            return None
+        hi = max(lo, max(t.seconds(t.limit) for t in kinds))
     over = count(lo) - batch
     if over >= 0:
         hi = lo

@@ -73,6 +73,7 @@ class Simulation:
             "plan": {"shares": list(self.plan.shares), "note": self.plan.note,
                      "devices": [{"device": d.device, "share": d.share, "micro_batch": d.micro_batch,
                                   "n_micro": d.n_micro, "checkpointing": d.checkpointing,
+                                  "checkpoint_blocks": d.checkpoint_blocks, "offload_optimizer": d.offload_optimizer,
                                   "reasons": list(d.reasons)} for d in self.plan.devices],
                      "excluded": [vars(e).copy() for e in self.plan.excluded]},
         }
@@ -159,7 +160,8 @@ def simulate(profiles: Sequence[DeviceProfile], *, global_batch: int, grad_bytes
     # hetrain.
     index = {d.device: i for i, d in enumerate(profiles)}
     het_assign = {index[d.device]: Assignment(profile=profiles[index[d.device]], share=d.share,
-                                              micro_batch=d.micro_batch, checkpointing=d.checkpointing)
+                                              micro_batch=d.micro_batch, checkpointing=d.checkpointing,
+                                              checkpoint_blocks=d.checkpoint_blocks)
                   for d in plan.devices}
     het_why = (f"shares {compact(d.share for d in plan.devices)} by measured-or-estimated speed, "
                f"micro-batches by each device's memory")

@@ -98,7 +98,8 @@ class Measurements:
 def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_exclusion: bool = False,
                  sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
                  straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
-                 ddp_cost: float = 1.0, host_cores: float | None = None) -> PlanOptions:
+                 ddp_cost: float = 1.0, host_cores: float | None = None,
+                 host_memory_bytes: float | None = None) -> PlanOptions:
     """The planner's options for a job with this Config: what the config decides (batch, memory
     margin, micro-batch cap, whether activation checkpointing may be planned) and what was
     measured or estimated (the rest)."""
@@ -108,7 +109,29 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         allow_checkpointing=config.memory.activation_checkpointing != "none",
         sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
         contention=contention, contention_at=contention_at, ddp_cost=ddp_cost, host_cores=host_cores,
-        clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None)
+        clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None,
+        # what offloaded optimizer state may take; None (no offload) unless given: parallel='auto'
+        # plans the sharding it picks without offload (runtime/layouts/choose.py), so it must not
+        # pick a row that fits only with it
+        host_memory_bytes=host_memory_bytes)
+
+
+def host_memory_available() -> float | None:
+    """This host's available memory in bytes (psutil, else /proc/meminfo's MemAvailable; None: unknown)."""
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def straggle(compute_s) -> float:
