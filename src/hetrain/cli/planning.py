@@ -82,7 +82,7 @@ def plan(
     runs with hetrain.init(global_batch=N, plan="plan.json").
     """
     from ..planning.planner import make_plan
-    from ..runtime.measure.measurements import plan_options
+    from ..runtime.measure.measurements import auto_request, plan_options
 
     if global_batch is None:
         raise UsageError("no --global-batch given", "give the samples per optimizer step over all devices, "
@@ -129,7 +129,8 @@ def plan(
         options = plan_options(config, grad_bytes=spec.trainable * GRAD_ELEMENT_BYTES, link=link or default_link,
                                allow_exclusion=allow_exclusion)
         state = replace(ModelState.from_spec(spec, precision=precision), blocks=blocks)
-        ranking = rank_layouts(profiles, state=state, options=options) if len(profiles) > 1 else None
+        ranking = (rank_layouts(profiles, state=state, options=options, request=auto_request(config))   # auto's rule
+                   if len(profiles) > 1 else None)
 
         def make():
             return make_plan(profiles, options)

@@ -67,6 +67,10 @@ class ModelState:
     frozen_param_bytes: float = 4       # frozen weights (bf16: 2)
     blocks: int | None = None           # equal blocks a pipeline can cut between; FSDP's units
     root_params: int = 0                # parameters outside the blocks
+    # TP: bytes all-reduced per byte of saved activations (a transformer's unless the model's
+    # layers say otherwise: tp_comm_ratio), and why TP cannot split this model ('' : it can).
+    tp_comm_per_activation: float = TP_COMM_PER_ACTIVATION
+    tp_refused: str = ""
 
     @classmethod
     def from_spec(cls, spec, *, precision: str = "bf16", optimizer: str = "adamw") -> ModelState:
@@ -122,11 +126,13 @@ class LayoutRanking:
     why: str                               # why the winner wins (or why none fits)
     to_fit: tuple[str, ...] = ()           # when none fits: what would make one fit
     left_out: tuple[str, ...] = ()         # fitting rows the chooser left out, and why (chooser.Choice)
+    not_offered: str = ""                  # why a family has no row (TP on a model it cannot split)
 
     def to_dict(self) -> dict:
         return {"rows": [r.to_dict() for r in self.rows], "devices": list(self.devices),
                 "capacity": list(self.capacity), "best": self.best.name if self.best else None,
-                "why": self.why, "to_fit": list(self.to_fit), "left_out": list(self.left_out)}
+                "why": self.why, "to_fit": list(self.to_fit), "left_out": list(self.left_out),
+                "not_offered": self.not_offered}
 
 
 def seconds(s: float) -> str:
@@ -226,8 +232,8 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
                          f"sample's activations do not fit {short.device}")
     n_micro = math.ceil(b / m)
     slowest = max(profiles, key=lambda p: p.per_sample_s)
-    compute = (n_micro * slowest.overhead_s + b * slowest.per_sample_s) / w
-    per_sample = TP_COMM_PER_ACTIVATION * max(p.activation_bytes_per_sample for p in profiles)
+    compute = n_micro * slowest.overhead_s + b * slowest.per_sample_s / w     # fixed part whole: tp_compute_seconds
+    per_sample = state.tp_comm_per_activation * max(p.activation_bytes_per_sample for p in profiles)
     link = ring_link(profiles, o)
     comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, link) if w > 1 else 0.0
     step = compute + comm + max(p.optimizer_s for p in profiles) / w
@@ -334,16 +340,20 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
             for s in ("none", "zero1", "capacity", "fsdp", "capacity-full")]
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
+    if len(profiles) > 1 and not state.tp_refused:
         even = _tp_row(profiles, state, options)
         if tp_measured and even.fits:     # said, so the modelled row is not read beside the timed one as its equal
             even = replace(even, detail=f"{even.detail} (modelled: only the split by speed was timed here)")
         rows.append(even)
-        rows.append(speed_tp_row(profiles, options, measured=tp_measured))      # tensor_split.py
+        rows.append(speed_tp_row(profiles, options, measured=tp_measured,                # tensor_split.py
+                                 comm_per_activation=state.tp_comm_per_activation))
     rows = [r if r.spec else replace(r, spec=spec_of(r)) for r in rows]     # the row says what runs
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)
     devices = tuple(p.device for p in profiles)
     ranking = LayoutRanking(rows=tuple(sorted(rows, key=lambda r: (not r.fits, -r.samples_per_s))), devices=devices,
-                            capacity=capacity, best=None, why="")
+                            capacity=capacity, best=None, why="",
+                            not_offered=f"TP not offered: {state.tp_refused}" if len(profiles) > 1 and state.tp_refused
+                            else "")
     ranking = with_choice(ranking, replace(request or AUTO, within=prefer_simpler_within))
     if ranking.best is None and not any(r.fits for r in rows):
         return replace(ranking, to_fit=tuple(what_would_fit(profiles, state, options)))

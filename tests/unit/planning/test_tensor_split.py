@@ -52,7 +52,8 @@ def test_the_step_is_the_slowest_part_plus_the_even_splits_all_reduces():
     assert row.fits and row.comm_s == pytest.approx(comm)
     assert 64 / row.samples_per_s == pytest.approx(max(parts) + comm)
     fixed = _profiles([1.0, 0.6])                                # 1 ms a micro-batch, whatever its size
-    assert tp_compute_seconds(fixed, (0.5, 0.5), batch=64, n_micro=2)[1] == pytest.approx(0.5 * (2 * 0.001 + 64 * 0.01 / 0.6))
+    # a shard runs every layer of each micro-batch: its fixed part whole, its samples' part by fraction
+    assert tp_compute_seconds(fixed, (0.5, 0.5), batch=64, n_micro=2)[1] == pytest.approx(2 * 0.001 + 0.5 * 64 * 0.01 / 0.6)
 
 
 def test_split_by_speed_wins_over_the_even_split_on_a_mixed_pair_and_says_why():

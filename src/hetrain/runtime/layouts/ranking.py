@@ -111,7 +111,29 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
             "param_bytes": train[0].element_size() if train else 4,
             "frozen_param_bytes": frozen[0].element_size() if frozen else 4,
             "optimizer": optimizer_kind(optimizer) or "adamw", "blocks": blocks,
-            "root_params": sum(p.numel() for p in params) - inside if stack else 0}
+            "root_params": sum(p.numel() for p in params) - inside if stack else 0, **tp_facts(model)}
+
+
+def tp_facts(model) -> dict:
+    """What the TP rows cost by (planning/ranking.ModelState): why TP cannot split this model, or
+    its all-reduced bytes per byte of activations from the pairs it splits (tensor_split.tp_comm_ratio),
+    found by the rule the runtime splits by (parallel/tensor_styles.find_splits)."""
+    from ..parallel.tensor_hf import is_hf
+    from ..parallel.tensor_styles import find_splits
+    from ...planning.tensor_split import tp_comm_ratio
+
+    if is_hf(model):              # split by the plan the model declares (parallel/tensor_hf.py): a transformer
+        return {}
+    try:
+        splits = find_splits(model)
+    except UsageError:
+        return {"tp_refused": f"tensor parallelism finds no attention or MLP pair to split in this "
+                              f"{type(model).__name__} (runtime/parallel/tensor_styles.py), so its rows are "
+                              "not costed; parallel=hetrain.TensorParallel(...) says what it needs"}
+    modules = dict(model.named_modules())
+    widths = [(s.kind, modules[s.rowwise].out_features, sum(modules[c].out_features for c in s.colwise))
+              for s in splits]
+    return {"tp_comm_per_activation": tp_comm_ratio(widths)}
 
 
 def _with_tp(job, model, optimizer, measured, forward, say):
