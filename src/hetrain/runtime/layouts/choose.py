@@ -121,7 +121,6 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
     if job.world_size == 1:
         job.log.detail("parallel=auto chose DataParallel(): one device")
         return DataParallel(), None
-    from ..measure.measurements import rank_job_measurements
     from .data_setup import measure_setup
     from .ranking import measure_for_ranking
 
@@ -130,18 +129,27 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
     # on the chooser leaves TP out, so the answer cannot depend on the probe and it is skipped.
     found = measure_for_ranking(job, model, optimizer, forward,                                     # (collective)
                                 time_tp=not job.config.memory.oom_recovery)
-    ranking = rank_job_measurements(found.measurements, job.config, facts=found.facts, blocks=found.blocks,
-                                    has_loss_fn=loss_fn is not None)[0]
+    chosen, ranking = auto_layout(found.measurements, job.config, facts=found.facts, blocks=found.blocks,
+                                  has_loss_fn=loss_fn is not None)
     for line in ranking.left_out:       # e.g. the pipelines, without loss_fn: one line each reason
         job.log.info(f"parallel=auto: {line}")
     if ranking.best is None:
         # Nothing the ranking may pick fits, often for a reason of the job's own (a global batch
         # smaller than the devices): plain data parallelism's own plan names it, with its fix.
         job.log.info(f"parallel=auto: no layout it may run fits ({ranking.why}); DataParallel()'s own plan says why")
-        return DataParallel(), found
-    chosen = layout_for(ranking.best)
-    job.log.detail(f"parallel=auto chose {chosen!r}: {ranking.why}")
+    else:
+        job.log.detail(f"parallel=auto chose {chosen!r}: {ranking.why}")
     return chosen, found
+
+
+def auto_layout(measurements, config, *, facts: dict, blocks: int | None, has_loss_fn: bool):
+    """(the layout object auto runs, the ranking it chose from) on these measurements: pure, the
+    ranking `hetrain plan` prints (measurements.rank_job_measurements) and its chosen row's
+    layout; DataParallel() when nothing it may run fits (its own plan then says why)."""
+    from ..measure.measurements import rank_job_measurements
+
+    ranking = rank_job_measurements(measurements, config, facts=facts, blocks=blocks, has_loss_fn=has_loss_fn)[0]
+    return (layout_for(ranking.best) if ranking.best is not None else DataParallel()), ranking
 
 
 def refuse_removed_keywords(removed: dict) -> None:
