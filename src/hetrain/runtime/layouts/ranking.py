@@ -6,8 +6,8 @@ measure_for_ranking (collective, every rank) takes, in order: the data-parallel 
 (measure/joint.measure_job: profiles, sync and agreement probes), the blocks' costs as a pipeline
 is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
 are 2+ devices), FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
-to shard), and, for `hetrain plan` (time_tp), a step of the model split by speed (measure/tp_probe.py, when it has layers to
-split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
+to shard), and, with time_tp (`hetrain plan`; auto when it may run TP), a step of the model split by speed
+(measure/tp_probe.py, when it has layers to split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class JobMeasurements:
 
 def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bool = False) -> JobMeasurements:
     """What the ranking needs, measured in this job (collective: every rank calls it). `time_tp`:
-    also time the TP split by speed (`hetrain plan`, whose table shows its row); parallel='auto'
-    never runs TP (measurements.RECOMMENDED_FAMILIES), so it does not pay for the probe."""
+    also time the TP split by speed (`hetrain plan`, whose table shows its row, and parallel='auto'
+    wherever it may run TP: choose.decide), so both cost that row alike."""
     from ..parallel.blocks import find_parts, repeated_blocks
     from . import pipeline_setup
 
