@@ -138,12 +138,12 @@ def test_tp_is_not_offered_for_a_two_layer_mlp_it_cannot_split():
     from hetrain.runtime.layouts.ranking import tp_facts
 
     facts = tp_facts(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)))
-    assert "finds no attention or MLP pair to split in this Sequential" in facts["tp_refused"]
+    assert facts["tp_refused"].startswith("tensor parallelism cannot split this Sequential: found 3 blocks")
     state = ModelState(params=8 * 32 * 2 + 40, trainable=8 * 32 * 2 + 40, **facts)
     ranking = rank_layouts(mlp_profiles(), state=state, options=PlanOptions(global_batch=32),
                            request=Request(oom_recovery=False))
     assert not [r for r in ranking.rows if r.family.startswith("TP")]
-    assert ranking.not_offered.startswith("TP not offered: tensor parallelism finds no attention or MLP pair")
+    assert ranking.not_offered.startswith("TP not offered: tensor parallelism cannot split this Sequential")
     assert ranking.best.family == "DP"
 
 

@@ -126,10 +126,8 @@ def tp_facts(model) -> dict:
         return {}
     try:
         splits = find_splits(model)
-    except UsageError:
-        return {"tp_refused": f"tensor parallelism finds no attention or MLP pair to split in this "
-                              f"{type(model).__name__} (runtime/parallel/tensor_styles.py), so its rows are "
-                              "not costed; parallel=hetrain.TensorParallel(...) says what it needs"}
+    except UsageError as e:       # the runtime would refuse it: its own reason, not a costed row
+        return {"tp_refused": f"tensor parallelism cannot split this {type(model).__name__}: {e.what}"}
     modules = dict(model.named_modules())
     widths = [(s.kind, modules[s.rowwise].out_features, sum(modules[c].out_features for c in s.colwise))
               for s in splits]
