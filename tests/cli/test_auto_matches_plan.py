@@ -171,3 +171,11 @@ def test_without_loss_fn_auto_leaves_the_pipelines_out_and_says_so():
     assert [line for line in ranked.left_out if "loss_fn" in line] == [
         "DP×PP 2×2, PP 4 stages left out: no loss_fn: a pipeline's schedule computes the loss on the last stage "
         "(pass loss_fn= to ht.prepare())"]
+
+
+def test_an_explicit_sharding_in_the_config_is_the_only_data_parallel_row_auto_runs():
+    measured, blocks, _, _ = FAMILIES["DP"]            # roomy: plain DP would win
+    for sharding, family in (("zero1", "DP + ZeRO-1"), ("fsdp", "FSDP2"), ("capacity-full", "capacity-full")):
+        config = Config(global_batch=32, sharding=sharding)
+        auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=True)
+        assert ranked.best.family == family and auto == DataParallel(sharding=sharding)

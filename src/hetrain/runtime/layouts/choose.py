@@ -133,6 +133,8 @@ def decide(job, spec, model, optimizer, forward, loss_fn):
                                   has_loss_fn=loss_fn is not None)
     for line in ranking.left_out:       # e.g. the pipelines, without loss_fn: one line each reason
         job.log.info(f"parallel=auto: {line}")
+    if ranking.not_offered:             # TP on a model the runtime cannot split
+        job.log.detail(f"parallel=auto: {ranking.not_offered}")
     if ranking.best is None:
         # Nothing the ranking may pick fits, often for a reason of the job's own (a global batch
         # smaller than the devices): plain data parallelism's own plan names it, with its fix.

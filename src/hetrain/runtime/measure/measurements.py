@@ -344,11 +344,18 @@ def clocked_sample_s(profiles, devices) -> float:
 
 def auto_request(config: Config, *, has_loss_fn: bool = True):
     """What parallel='auto' may run for a job of this config (planning/chooser.Request): the
-    resilience it asks for (Memory.oom_recovery), and whether it has a loss function (`hetrain
-    plan` has no loss function to look at: it ranks as for a job that passes one)."""
+    resilience it asks for (Memory.oom_recovery), whether it has a loss function (`hetrain plan`
+    has no loss function to look at: it ranks as for a job that passes one), and an explicit
+    `sharding` (not 'auto'): the one data-parallel row auto may run, never overridden (a job that
+    asks for capacity-full has no OOM recovery to keep: sharding/wrap.py)."""
     from ...planning.chooser import Request
+    from ...planning.ranking import FAMILIES, ORDER
 
-    return Request(has_loss_fn=has_loss_fn, oom_recovery=config.memory.oom_recovery)
+    families = None
+    if config.sharding != "auto":
+        families = tuple(f for f in ORDER if f not in FAMILIES.values() or f == FAMILIES[config.sharding])
+    return Request(has_loss_fn=has_loss_fn, families=families,
+                   oom_recovery=config.memory.oom_recovery and config.sharding != "capacity-full")
 
 
 def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, blocks: int | None,
