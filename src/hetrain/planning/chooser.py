@@ -105,8 +105,9 @@ def choose(rows: Sequence[LayoutRow], request: Request = AUTO) -> Choice:
                      if best is None or any(r.family in PIPELINES or r.samples_per_s > best.samples_per_s
                                             for r in left))
     if best is None:
-        why = "no layout fits memory" if not any(r.fits for r in rows) else \
-            "only layouts left out fit memory (" + "; ".join(left_out) + ")"
+        why = ("no layout fits memory" if not any(r.fits for r in rows) else
+               "only layouts left out fit memory (" + "; ".join(left_out) + ")" if left_out else
+               "none of the layouts asked for fits memory")
         return Choice(row=None, spec=None, why=why, left_out=left_out)
     return Choice(row=best, spec=best.spec, why=_why(best, fitting, rows, request), left_out=left_out)
 

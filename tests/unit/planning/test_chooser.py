@@ -86,6 +86,8 @@ def test_oom_recovery_rules_out_capacity_full_and_tp_and_without_it_tp_may_win()
 def test_a_family_constraint_chooses_among_its_rows():
     assert choose(table(), Request(families=("FSDP2", "DP + ZeRO-1"))).row.name == "DP + ZeRO-1"
     assert choose(table(), Request(families=("PP",))).row.name == "PP 2 stages"
+    none = choose(table() + [row("DP×PP 2×2", "DP×PP", 0.0, fits=False, stages=2)], Request(families=("DP×PP",)))
+    assert none.row is None and none.why == "none of the layouts asked for fits memory" and none.left_out == ()
 
 
 @pytest.mark.parametrize("params", [2e8, 1e9, 1.5e9, 2.4e9, 3e9])
