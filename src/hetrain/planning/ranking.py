@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from ..hardware.units import compact, device_kinds, format_bytes
-from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
+from .collectives import all_gather_seconds, send_seconds
 from .core_sharing import on_shared_cores
 from .memory import capacity_fractions, state_bytes
 from .options import PlanOptions, ring_link
@@ -71,6 +71,7 @@ class ModelState:
     # layers say otherwise: tp_comm_ratio), and why TP cannot split this model ('' : it can).
     tp_comm_per_activation: float = TP_COMM_PER_ACTIVATION
     tp_refused: str = ""
+    tp_pairs: int = 0                   # the attention and MLP pairs TP splits (0: not known)
 
     @classmethod
     def from_spec(cls, spec, *, precision: str = "bf16", optimizer: str = "adamw") -> ModelState:
@@ -220,7 +221,7 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
 def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     w, b, margin = len(profiles), o.global_batch, o.memory_margin
     name, run = f"TP {w}", "ht.prepare(..., parallel='tp')"
-    from .tensor_split import tp_micro_batch
+    from .tensor_split import tp_comm_seconds, tp_micro_batch
 
     st = state.state("fsdp", world_size=w, accumulates=False)
     held = st.params + st.grads + st.optimizer          # every weight split W ways, nothing gathered
@@ -235,7 +236,8 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     compute = n_micro * slowest.overhead_s + b * slowest.per_sample_s / w     # fixed part whole: tp_compute_seconds
     per_sample = state.tp_comm_per_activation * max(p.activation_bytes_per_sample for p in profiles)
     link = ring_link(profiles, o)
-    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, link) if w > 1 else 0.0
+    comm = tp_comm_seconds(w, n_micro=n_micro, micro_bytes=math.ceil(b / n_micro) * per_sample, link=link,
+                           pairs=state.tp_pairs, floor_s=o.agree_s)
     step = compute + comm + max(p.optimizer_s for p in profiles) / w
     # at most: a shard saves the replicated layers' activations whole (tensor_split.py's docstring)
     mem = tuple(held + p.activation_fixed_bytes + p.activation_bytes_per_sample * m for p in profiles)
@@ -346,7 +348,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
             even = replace(even, detail=f"{even.detail} (modelled: only the split by speed was timed here)")
         rows.append(even)
         rows.append(speed_tp_row(profiles, options, measured=tp_measured,                # tensor_split.py
-                                 comm_per_activation=state.tp_comm_per_activation))
+                                 comm_per_activation=state.tp_comm_per_activation, pairs=state.tp_pairs))
     rows = [r if r.spec else replace(r, spec=spec_of(r)) for r in rows]     # the row says what runs
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)
     devices = tuple(p.device for p in profiles)

@@ -93,6 +93,19 @@ def tp_compute_seconds(profiles: Sequence[DeviceProfile], fractions: Sequence[fl
     return tuple(n_micro * p.overhead_s + f * batch * p.per_sample_s for p, f in zip(profiles, fractions))
 
 
+def tp_comm_seconds(w: int, *, n_micro: int, micro_bytes: float, link, pairs: int = 0, floor_s: float = 0.0) -> float:
+    """The activation all-reduces of a step: `micro_bytes` all-reduced a micro-batch. With the
+    model's `pairs` known, one all-reduce per pair forward and one backward, each costing at least
+    `floor_s` (the measured agreement all-reduce: what a small all-reduce takes on these ranks,
+    where a link fitted to a gradient-sized one says almost nothing); else the bytes as one call."""
+    if w < 2:
+        return 0.0
+    if pairs < 1:
+        return n_micro * allreduce_seconds(w, micro_bytes, link)
+    calls = 2 * pairs
+    return n_micro * calls * max(floor_s, allreduce_seconds(w, micro_bytes / calls, link))
+
+
 def tp_comm_ratio(splits: Sequence[tuple[str, int, int]]) -> float:
     """Bytes all-reduced per byte of saved activations for a model TP splits into these pairs
     (kind 'attention' | 'mlp', the row-parallel layer's output width d, the column-parallel
@@ -106,13 +119,15 @@ def tp_comm_ratio(splits: Sequence[tuple[str, int, int]]) -> float:
 
 
 def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *, units: int | None = None,
-                 measured: dict | None = None, comm_per_activation: float = TP_COMM_PER_ACTIVATION) -> LayoutRow:
+                 measured: dict | None = None, comm_per_activation: float = TP_COMM_PER_ACTIVATION,
+                 pairs: int = 0) -> LayoutRow:
     """The ranking's row for TP over every device, split by speed (see the module docstring).
     `measured`: a step of this split as `hetrain plan` timed it (runtime/measure/tp_probe.py:
     forward + backward of a micro-batch of `micro_batch` rows, the optimizer step); the row's
     micro-batches then cost that, scaled to their rows as the fastest device's profile scales
     (a + b·m), plus hetrain's agreement: the compute and all-reduce model is left out.
-    `comm_per_activation`: bytes all-reduced per byte of saved activations (tp_comm_ratio)."""
+    `comm_per_activation`: bytes all-reduced per byte of saved activations (tp_comm_ratio);
+    `pairs`: the attention and MLP pairs split (tp_comm_seconds; 0: not known)."""
     w, b = len(profiles), o.global_batch
     name = f"TP {w} by speed"
     fractions = speed_fractions([p.per_sample_s for p in profiles], units)
@@ -127,8 +142,8 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *, units: in
     n_micro = math.ceil(b / m)
     compute = tp_compute_seconds(profiles, fractions, batch=b, n_micro=n_micro)
     per_sample = comm_per_activation * max(p.activation_bytes_per_sample for p in profiles)
-    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, ring_link(profiles, o)) \
-        if w > 1 else 0.0
+    comm = tp_comm_seconds(w, n_micro=n_micro, micro_bytes=math.ceil(b / n_micro) * per_sample,
+                           link=ring_link(profiles, o), pairs=pairs, floor_s=o.agree_s)
     step = max(compute) + comm + max(f * p.optimizer_s for p, f in zip(profiles, fractions))
     how = (f"the devices finish their parts together ({seconds(max(compute))} of compute); micro-batch "
            f"{m}x{n_micro}, activation all-reduces {seconds(comm)} per step")

@@ -162,17 +162,20 @@ def test_tp_of_mlp_blocks_all_reduces_by_their_widths_and_pays_each_micro_batchs
 
     facts = tp_facts(nn.Sequential(Block(), Block()))
     ratio = (2 * 8 + 2 * 8) / (2 * (2 * 8 + 2 * 32))     # each pair: d forward + d backward of 2d + 2h kept
-    assert facts == {"tp_comm_per_activation": pytest.approx(ratio)} and tp_comm_ratio([("mlp", 8, 32)]) == ratio
+    assert facts == {"tp_comm_per_activation": pytest.approx(ratio), "tp_pairs": 2}
+    assert tp_comm_ratio([("mlp", 8, 32)]) == ratio
     profiles = mlp_profiles()
-    options = PlanOptions(global_batch=32)
+    agree = 1e-4                                          # a small all-reduce on these ranks, as measured
+    options = PlanOptions(global_batch=32, agree_s=agree)
     ranking = rank_layouts(profiles, state=ModelState(params=1100, trainable=1100, **facts), options=options,
                            request=Request(oom_recovery=False))
     speed = next(r for r in ranking.rows if r.family == "TP by speed")
-    comm = allreduce_seconds(2, 32 * ratio * 400.0, ring_link(profiles, options))
-    assert speed.comm_s == pytest.approx(comm)
+    # 2 pairs, an all-reduce each forward and backward: 4 calls, each at least the measured small one
+    call = max(agree, allreduce_seconds(2, 32 * ratio * 400.0 / 4, ring_link(profiles, options)))
+    assert speed.comm_s == pytest.approx(4 * call)
     # Each shard runs every layer of the one micro-batch, so its 1 ms is paid whole: the split by
     # speed cannot beat data parallelism's shares by 4x as the transformer model once claimed.
-    step = 0.001 + 2 / 3 * 32 * 2e-6 + comm
+    step = 0.001 + 2 / 3 * 32 * 2e-6 + 4 * call
     assert 32 / speed.samples_per_s == pytest.approx(step, rel=1e-6)
     dp = next(r for r in ranking.rows if r.family == "DP")
-    assert speed.samples_per_s < 1.1 * dp.samples_per_s
+    assert speed.samples_per_s < dp.samples_per_s

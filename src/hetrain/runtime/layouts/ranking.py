@@ -131,7 +131,7 @@ def tp_facts(model) -> dict:
     modules = dict(model.named_modules())
     widths = [(s.kind, modules[s.rowwise].out_features, sum(modules[c].out_features for c in s.colwise))
               for s in splits]
-    return {"tp_comm_per_activation": tp_comm_ratio(widths)}
+    return {"tp_comm_per_activation": tp_comm_ratio(widths), "tp_pairs": len(splits)}
 
 
 def _with_tp(job, model, optimizer, measured, forward, say):
