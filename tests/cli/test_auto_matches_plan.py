@@ -179,3 +179,18 @@ def test_an_explicit_sharding_in_the_config_is_the_only_data_parallel_row_auto_r
         config = Config(global_batch=32, sharding=sharding)
         auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=True)
         assert ranked.best.family == family and auto == DataParallel(sharding=sharding)
+
+
+def test_hetrain_plan_follows_the_jobs_oom_recovery_as_auto_does():
+    """A 1B-parameter model on a 1 GB/s link: the gradient all-reduce dwarfs TP's activation
+    all-reduces, so TP by speed predicts the most. With OOM recovery on (the default) `hetrain plan`
+    recommends what auto would run and says in one line what it left out; --no-oom-recovery, as
+    Memory(oom_recovery=False), lets it recommend TP."""
+    args = ("plan", "--params", "1e9", "--flops-per-sample", "6e9", "--activation-bytes", "1MiB", "--emulate",
+            "a100-80g,rtx3090", "--global-batch", "32", "--link-gbs", "1")
+    on, off = hetrain(*args), hetrain(*args, "--no-oom-recovery")
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    assert "best layout: DP: " in on.stdout and "TP 2 by speed predicts" in on.stdout
+    assert "  TP 2 by speed, TP 2, capacity-full left out: it turns in-loop OOM recovery off" in on.stdout
+    assert "best layout: TP 2 by speed: " in off.stdout
+    assert "run it: ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))" in off.stdout

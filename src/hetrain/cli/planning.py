@@ -60,6 +60,8 @@ def plan(
                                       "job's init: plan (where one sample needs it) | all | none"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (replaces the "
                                              "measured or catalog one)"),
+    oom_recovery: bool = typer.Option(True, "--oom-recovery/--no-oom-recovery", help="as the job's "
+                                      "Memory(oom_recovery=...): off, the recommendation may be capacity-full or TP"),
     allow_exclusion: bool = typer.Option(False, "--allow-exclusion", help="let the plan leave out devices "
                                          "too slow to help (then launch without them)"),
     out: Optional[str] = typer.Option(None, "--out", help="write the plan here (hetrain.init(plan=PATH) runs it)"),
@@ -108,7 +110,7 @@ def plan(
             check_writable(path, flag)          # before measuring, not after it
     config = Config(global_batch=global_batch, precision=precision,
                     memory=Memory(margin=memory_margin, max_micro_batch=micro_batch,
-                                  activation_checkpointing=checkpointing),
+                                  activation_checkpointing=checkpointing, oom_recovery=oom_recovery),
                     emulation=Emulation(cluster=emulate, sample_s=emulate_sample_s, micro_s=emulate_micro_s))
     if model_factory:
         from ..runtime.measure.measurements import plan_from_measurements, rank_job_measurements
