@@ -1,8 +1,13 @@
 """prepare(parallel='auto') runs the layout `hetrain plan --model-factory` recommends: both measure
 with runtime/layouts/ranking.measure_for_ranking and rank with measurements.rank_job_measurements.
-Two cases with a clear winner, so timing noise cannot flip them: a small device that plain data
-parallelism (and every sharding) does not fit, where only the pipeline does; and roomy devices,
-where plain DP is the fastest of the layouts auto may run and the simplest."""
+Two cases run both commands, with a clear winner so timing noise cannot flip them: a small device
+that plain data parallelism (and every sharding) does not fit, where only the pipeline does; and
+roomy devices, where plain DP is the fastest of the layouts auto may run and the simplest. Then,
+on given measurements (no timing), every layout family is the answer of one case, and auto
+(choose.auto_layout, what prepare() runs) and `hetrain plan` (rank_job_measurements, what it
+prints) give it alike: memory decides among the data-parallel rows (they tie on a fast link, so
+the simplest that fits wins), blocks and a small device make the pipelines win, a slow link
+and OOM recovery off make tensor parallelism win (the split by speed timed, as both time it)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,13 @@ import textwrap
 import pytest
 
 from clirun import hetrain
+from hetrain import DataParallel, Pipeline, TensorParallel
+from hetrain.layout_spec import from_spec
+from hetrain.planning.profile import DeviceProfile
+from hetrain.runtime.config import Config
+from hetrain.runtime.config_groups import Memory
+from hetrain.runtime.layouts.choose import auto_layout
+from hetrain.runtime.measure.measurements import Measurements, rank_job_measurements
 
 FACTORY = textwrap.dedent("""
     import torch
@@ -97,3 +109,88 @@ def test_auto_runs_the_layout_hetrain_plan_recommends(tmp_path, case):
     assert got["layout"] == expected[1]
     from hetrain import DataParallel, Pipeline
     assert chose.group(1) == repr({"pp": Pipeline(), "dp": DataParallel(sharding="none")}[expected[1]])
+
+
+# -- every family, on given measurements ------------------------------------------------------
+P, MB = 1_000_000, 1e6          # a model of 1M fp32 parameters under AdamW: 16 MB of state, 4 MB of gradients
+
+
+def given(speeds, memory, *, link_s=1e-4, act=0.1 * MB, tp=None) -> Measurements:
+    """What the ranks would have measured: 2 ms a sample at speed 1, a gradient all-reduce (and
+    the exposed sync) of `link_s` seconds; `tp`: the split by speed's timed step."""
+    n = len(speeds)
+    profiles = tuple(DeviceProfile(device=f"d{i}", source="given", overhead_s=5e-4, per_sample_s=0.002 / v,
+                                   fixed_bytes=16 * P, activation_bytes_per_sample=act,
+                                   memory_bytes=None if m is None else int(m))
+                     for i, (v, m) in enumerate(zip(speeds, memory)))
+    return Measurements(labels=tuple(p.device for p in profiles), precisions=("fp32",) * n, profiles=profiles,
+                        grad_bytes=4 * P, host_cores=16, allreduce_s=(link_s,) * n, sync_s=((link_s,) * 3,) * n,
+                        compute_s=((0.0,) * 3,) * n, agree_s=(1e-4,) * n, probe_size=4, tp=tp)
+
+
+def facts(blocks=None) -> dict:
+    return {"params": P, "trainable": P, "param_bytes": 4, "frozen_param_bytes": 4, "optimizer": "adamw",
+            "blocks": blocks, "root_params": 0}
+
+
+TIMED_TP = {"fb_s": 0.02, "opt_s": 0.001, "micro_batch": 32, "runs": 3}
+FAMILIES = {   # family: (measurements, blocks, OOM recovery, the layout object that runs)
+    "DP": (given([1, 0.5], [None, None]), None, True, DataParallel(sharding="none")),
+    "DP + ZeRO-1": (given([1, 0.5], [40 * MB, 16 * MB]), None, True, DataParallel(sharding="zero1")),
+    "DP + capacity": (given([1, 0.5], [40 * MB, 12 * MB]), None, True, DataParallel(sharding="capacity")),
+    "FSDP2": (given([1, 1], [11 * MB, 11 * MB], act=0.01 * MB), 8, True, DataParallel(sharding="fsdp")),
+    "capacity-full": (given([1, 0.5], [40 * MB, 7 * MB]), 4, False, DataParallel(sharding="capacity-full")),
+    "PP": (given([1, 0.5], [40 * MB, 7 * MB]), 4, True, Pipeline()),
+    "DP×PP": (given([1, 0.5, 1, 0.5], [40 * MB, 7 * MB] * 2), 4, True, Pipeline(stages=2)),
+    "TP": (given([1, 1], [None, None], link_s=0.5), None, False, TensorParallel()),
+    "TP by speed": (given([1, 0.5], [None, None], link_s=0.5, tp=TIMED_TP), None, False,
+                    TensorParallel(split="speed")),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_auto_and_hetrain_plan_choose_every_family_alike(family):
+    measured, blocks, oom_recovery, layout = FAMILIES[family]
+    config = Config(global_batch=32, memory=Memory(oom_recovery=oom_recovery))
+    plan = rank_job_measurements(measured, config, facts=facts(blocks), blocks=blocks)[0]    # cli/planning.plan's
+    auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=True)
+    assert plan.best.family == family, plan.why
+    assert auto == from_spec(plan.best.spec) == layout
+    assert ranked.best == plan.best and ranked.why == plan.why
+    if family == "TP by speed":         # the timed step, in both
+        assert "a step measured here" in plan.best.detail
+
+
+def test_without_loss_fn_auto_leaves_the_pipelines_out_and_says_so():
+    measured, blocks, _, _ = FAMILIES["DP×PP"]
+    config = Config(global_batch=32)
+    auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=False)
+    # capacity-full fits too, but it turns OOM recovery off: nothing auto may run fits, so plain
+    # DataParallel() runs and its own plan says why
+    assert auto == DataParallel() and ranked.best is None
+    assert [line for line in ranked.left_out if "loss_fn" in line] == [
+        "DP×PP 2×2, PP 4 stages left out: no loss_fn: a pipeline's schedule computes the loss on the last stage "
+        "(pass loss_fn= to ht.prepare())"]
+
+
+def test_an_explicit_sharding_in_the_config_is_the_only_data_parallel_row_auto_runs():
+    measured, blocks, _, _ = FAMILIES["DP"]            # roomy: plain DP would win
+    for sharding, family in (("zero1", "DP + ZeRO-1"), ("fsdp", "FSDP2"), ("capacity-full", "capacity-full")):
+        config = Config(global_batch=32, sharding=sharding)
+        auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=True)
+        assert ranked.best.family == family and auto == DataParallel(sharding=sharding)
+
+
+def test_hetrain_plan_follows_the_jobs_oom_recovery_as_auto_does():
+    """A 1B-parameter model on a 1 GB/s link: the gradient all-reduce dwarfs TP's activation
+    all-reduces, so TP by speed predicts the most. With OOM recovery on (the default) `hetrain plan`
+    recommends what auto would run and says in one line what it left out; --no-oom-recovery, as
+    Memory(oom_recovery=False), lets it recommend TP."""
+    args = ("plan", "--params", "1e9", "--flops-per-sample", "6e9", "--activation-bytes", "1MiB", "--emulate",
+            "a100-80g,rtx3090", "--global-batch", "32", "--link-gbs", "1")
+    on, off = hetrain(*args), hetrain(*args, "--no-oom-recovery")
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    assert "best layout: DP: " in on.stdout and "TP 2 by speed predicts" in on.stdout
+    assert "  TP 2 by speed, TP 2, capacity-full left out: it turns in-loop OOM recovery off" in on.stdout
+    assert "best layout: TP 2 by speed: " in off.stdout
+    assert "run it: ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))" in off.stdout

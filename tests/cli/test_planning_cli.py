@@ -200,14 +200,16 @@ ENCODER_FACTORY = textwrap.dedent("""
 
 def test_plan_ranks_every_layout_for_a_stock_transformer_encoder(tmp_path):
     """The blocks of a stock nn.TransformerEncoder are found without --blocks, so pipelines are
-    ranked beside data parallelism, sharding and TP, from the job's own measurements."""
+    ranked beside data parallelism and sharding, from the job's own measurements."""
     (tmp_path / "enc.py").write_text(ENCODER_FACTORY)
     r = hetrain("plan", "--model-factory", f"{tmp_path / 'enc.py'}:make", "--emulate", "a100-80g:1.0,rtx3090:0.5",
                 "--global-batch", "16")
     assert r.returncode == 0, r.stderr
     assert "4 TransformerEncoderLayer in 'encoder.layers'" in r.stdout + r.stderr
-    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 2 stages:", "TP 2:"):
+    for layout in ("DP:", "DP + ZeRO-1:", "DP + capacity:", "FSDP2:", "PP 2 stages:"):
         assert f"  {layout}" in r.stdout, r.stdout
+    # its attention's fused q/k/v projection cannot be split: TP is not offered, with the runtime's reason
+    assert "  TP not offered: tensor parallelism cannot split this Classifier" in r.stdout, r.stdout
     assert "best layout: " in r.stdout and "blocks unknown" not in r.stdout
     # FSDP2's step beside DDP's, timed in the job's processes (runtime/measure/fsdp_probe.py)
     assert "FSDP2 measured: a step" in r.stdout + r.stderr and "measured here: +" in r.stdout

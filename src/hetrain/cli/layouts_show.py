@@ -1,6 +1,7 @@
 """Every layout ranked (planning/ranking.py) as `hetrain simulate` and `hetrain plan` print it:
 one table (samples/s, memory per device against what it has, communication per step), the
-winner and why, how to run it, and when nothing fits, what would."""
+winner and why (planning/chooser.py: what parallel='auto' would run), how to run it, what the
+rule left out, and when nothing fits, what would."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def show_ranking(ranking: LayoutRanking, *, title: str) -> None:
     if ranking.best is not None:
         con.print(f"best layout: {ranking.why}", markup=False)
         con.print(f"  run it: {ranking.best.run}", markup=False)
+    for line in (*ranking.left_out, *filter(None, [ranking.not_offered])):    # the chooser's rule left these out
+        con.print(f"  {line}", markup=False)
     for r in ranking.rows:
         con.print(f"  {r.name}: {r.detail}", markup=False)
     if ranking.best is None:

@@ -65,6 +65,8 @@ def plan(
                                               "memory; with --model-factory none, as parallel='auto')"),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="slowest link, GB/s (replaces the "
                                              "measured or catalog one)"),
+    oom_recovery: bool = typer.Option(True, "--oom-recovery/--no-oom-recovery", help="as the job's "
+                                      "Memory(oom_recovery=...): off, the recommendation may be capacity-full or TP"),
     allow_exclusion: bool = typer.Option(False, "--allow-exclusion", help="let the plan leave out devices "
                                          "too slow to help (then launch without them)"),
     out: Optional[str] = typer.Option(None, "--out", help="write the plan here (hetrain.init(plan=PATH) runs it)"),
@@ -87,7 +89,7 @@ def plan(
     runs with hetrain.init(global_batch=N, plan="plan.json").
     """
     from ..planning.planner import make_plan
-    from ..runtime.measure.measurements import plan_options
+    from ..runtime.measure.measurements import auto_request, plan_options
 
     if global_batch is None:
         raise UsageError("no --global-batch given", "give the samples per optimizer step over all devices, "
@@ -118,7 +120,7 @@ def plan(
             check_writable(path, flag)          # before measuring, not after it
     config = Config(global_batch=global_batch, precision=precision,
                     memory=Memory(margin=memory_margin, max_micro_batch=micro_batch,
-                                  activation_checkpointing=checkpointing),
+                                  activation_checkpointing=checkpointing, oom_recovery=oom_recovery),
                     emulation=Emulation(cluster=emulate, sample_s=emulate_sample_s, micro_s=emulate_micro_s))
     if model_factory:
         from ..runtime.measure.measurements import plan_from_measurements, rank_job_measurements
@@ -147,7 +149,8 @@ def plan(
                                        link=link or default_link, allow_exclusion=allow_exclusion), **savers)
         state = replace(ModelState.from_spec(spec, precision=precision), blocks=blocks)
         check_offload_request(state, options)
-        ranking = rank_layouts(profiles, state=state, options=options) if len(profiles) > 1 else None
+        ranking = (rank_layouts(profiles, state=state, options=options, request=auto_request(config))   # auto's rule
+                   if len(profiles) > 1 else None)
 
         def make():
             return make_plan(profiles, options)

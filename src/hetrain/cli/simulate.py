@@ -162,9 +162,11 @@ def simulate(
 
 def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_batch: int, grad_bytes: float,
           link, memory_margin: float, savers: dict):
-    """Every layout ranked, on two or more devices (one device runs data parallelism alone)."""
+    """Every layout ranked, on two or more devices (one device runs data parallelism alone), its
+    best what parallel='auto' of a default job would run (planning/chooser.py)."""
     if len(profiles) < 2:
         return None
+    from ..planning.chooser import AUTO
     from ..planning.ranking import ModelState, rank_layouts
     from ..planning.options import PlanOptions
 
@@ -172,7 +174,7 @@ def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_b
     options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, link=link, memory_margin=memory_margin,
                           **savers)
     check_offload_request(state, options)
-    return rank_layouts(profiles, state=state, options=options)
+    return rank_layouts(profiles, state=state, options=options, request=AUTO)
 
 
 def _show_simulation(sim, spec: ModelSpec, profiles, title: str, net_lines, optimizer: str, precision: str) -> None:

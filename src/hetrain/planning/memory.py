@@ -308,9 +308,18 @@ def sharding_options(n_params: int, devices: Sequence[DeviceMemory], *, optimize
 def choose_sharding(options: Sequence[ShardingOption], devices: Sequence[DeviceMemory]) -> tuple[ShardingOption, str]:
     """The first option that fits every device, in the order none, zero1, capacity, fsdp (least
     communication first: zero1 and capacity add one broadcast of the parameters per step, fsdp
-    all-gathers them forward and backward). Raises UsageError when none fits."""
+    all-gathers them forward and backward). Raises UsageError when none fits. The rule is the
+    chooser's (planning/chooser.py) over these options as DP-family rows: no speed is predicted
+    here, so they tie and the simplest that fits wins."""
+    from .chooser import Request, choose
+    from .ranking import FAMILIES, LayoutRow
+
+    rows = [LayoutRow(name=o.strategy, family=FAMILIES[o.strategy], fits=o.fits(devices),
+                      samples_per_s=1.0 if o.fits(devices) else 0.0, memory=o.peak, comm_bytes=0.0, comm_s=0.0,
+                      detail="", run="", spec={"kind": "DataParallel", "sharding": o.strategy}) for o in options]
+    picked = choose(rows, Request(families=tuple(FAMILIES[o.strategy] for o in options))).row
     for option in options:
-        if option.fits(devices):
+        if picked is not None and option.strategy == picked.name:
             if option.strategy == "none":
                 return option, "the model state and activations fit every device unsharded"
             tighter = [o.strategy for o in options[:options.index(option)]]

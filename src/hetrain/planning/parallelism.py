@@ -302,10 +302,11 @@ def compare_parallelism(profile: PipelineProfile, devices: Sequence[StageDevice]
         raise UsageError("no layout fits memory: " + "; ".join(f"{c.name}: {c.detail}" for c in cands),
                          "try activation checkpointing, sharding parameters and optimizer state (FSDP), "
                          "smaller micro-batches, or devices with more memory")
+    from .chooser import simplest_within
+
     fastest = max(fitting, key=lambda c: c.samples_per_s)
     order = {"dp": 0, "pp": 1, "dp×pp": 2}
-    choice = min((c for c in fitting if c.samples_per_s >= fastest.samples_per_s * (1 - prefer_simpler_within)),
-                 key=lambda c: (order[c.kind], c.stages, -c.samples_per_s))
+    choice = simplest_within(fitting, prefer_simpler_within, simpler=lambda c: (order[c.kind], c.stages))   # the chooser's rule
     others = [c for c in cands if c is not choice]
     why = [f"{choice.samples_per_s:.1f} samples/s predicted"]
     if choice is not fastest:
@@ -360,3 +361,35 @@ def with_step_work(c, profiles, o):
     if not extra > 0 or not c.samples_per_s > 0:
         return c
     return replace(c, samples_per_s=o.global_batch / (o.global_batch / c.samples_per_s + extra))
+
+
+def stage_rows(profile: PipelineProfile, devices: Sequence[StageDevice], o, *, micro_batches, schedule: str,
+               state_factor: float) -> list:
+    """Every DP×PP shape of these devices as ranking rows (planning/ranking.LayoutRow), for
+    Pipeline(stages='auto') to choose from with the chooser: replicas of p stages (p divides the
+    devices, at most half of them and at most the blocks), split as the runtime splits them
+    (split_hybrid at `micro_batches(p)` micro-batches), emulated devices' shared cores counted as
+    the ranking counts them (core_sharing.on_shared_cores under PlanOptions `o`)."""
+    from ..layout_spec import Pipeline, to_spec
+    from .core_sharing import on_shared_cores
+    from .ranking import LayoutRow
+
+    w, rows = len(devices), []
+    for p in range(2, w // 2 + 1):
+        if w % p or p > profile.n_blocks:
+            continue
+        name, spec = f"DP×PP {w // p}×{p}", to_spec(Pipeline(stages=p))
+        try:
+            h = split_hybrid(profile, devices, stages=p, global_batch=o.global_batch, micro_batches=micro_batches(p),
+                             schedule=schedule, state_factor=state_factor, memory_margin=o.memory_margin)
+        except UsageError as e:
+            rows.append(LayoutRow(name=name, family="DP×PP", fits=False, samples_per_s=0.0, memory=(None,) * w,
+                                  comm_bytes=0.0, comm_s=0.0, detail=e.what, run="", stages=p, spec=spec))
+            continue
+        c = on_shared_cores(Candidate(name=name, kind="dp×pp", fits=True, samples_per_s=h.samples_per_s,
+                                      detail=f"blocks per stage {'/'.join(map(str, h.sizes))}", replicas=w // p,
+                                      stages=p, split=h), o, profile)
+        rows.append(LayoutRow(name=name, family="DP×PP", fits=True, samples_per_s=c.samples_per_s,
+                              memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), comm_bytes=0.0,
+                              comm_s=0.0, detail=c.detail, run="", stages=p, spec=spec))
+    return rows

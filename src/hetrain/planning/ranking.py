@@ -23,8 +23,9 @@ pipelines come from parallelism.compare_parallelism, which sizes their stages to
 speed. TP: one group over every device, split evenly or by speed (tensor_split.py).
 
 The ranking is by predicted samples/s among the layouts that fit. The recommendation is the
-fastest, or a simpler one within `prefer_simpler_within` of it (simplest_near_fastest: ORDER, fewer
-collectives for the same speed). When nothing fits, `to_fit` says what would make one fit
+chooser's (planning/chooser.py, the one rule parallel='auto' runs): the fastest the request allows,
+or a simpler one within `prefer_simpler_within` of it (ORDER, fewer collectives for the same speed).
+When nothing fits, `to_fit` says what would make one fit
 (layout_fit.py). Sizes: one make_plan per data-parallel layout (FSDP and capacity-full up to 3
 when ranks accumulate) plus one compare_parallelism; the search's cost is theirs.
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from ..hardware.units import compact, device_kinds, format_bytes
-from .collectives import all_gather_seconds, allreduce_seconds, send_seconds
+from .collectives import all_gather_seconds, send_seconds
 from .core_sharing import on_shared_cores
 from .memory import state_bytes
 from .options import PlanOptions, ring_link
@@ -69,6 +70,11 @@ class ModelState:
     blocks: int | None = None           # equal blocks a pipeline can cut between; FSDP's units
     root_params: int = 0                # parameters outside the blocks
     device_param_bytes: float = 4       # an offloading device's weights and gradients (training precision)
+    # TP: bytes all-reduced per byte of saved activations (a transformer's unless the model's
+    # layers say otherwise: tp_comm_ratio), and why TP cannot split this model ('' : it can).
+    tp_comm_per_activation: float = TP_COMM_PER_ACTIVATION
+    tp_refused: str = ""
+    tp_pairs: int = 0                   # the attention and MLP pairs TP splits (0: not known)
 
     @classmethod
     def from_spec(cls, spec, *, precision: str = "bf16", optimizer: str = "adamw") -> ModelState:
@@ -112,6 +118,7 @@ class LayoutRow:
     recompute: tuple[str, ...] = ()        # devices that checkpoint activations (compute ×4/3)
     savers: tuple[str, ...] = ()           # per device, the memory savers it uses ('ckpt 12/32, optim on host')
     stages: int | None = None              # a pipeline row's stages per replica
+    spec: dict | None = None               # what runs it: layout_spec.to_spec of its layout object
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
@@ -125,11 +132,14 @@ class LayoutRanking:
     best: LayoutRow | None
     why: str                               # why the winner wins (or why none fits)
     to_fit: tuple[str, ...] = ()           # when none fits: what would make one fit
+    left_out: tuple[str, ...] = ()         # fitting rows the chooser left out, and why (chooser.Choice)
+    not_offered: str = ""                  # why a family has no row (TP on a model it cannot split)
 
     def to_dict(self) -> dict:
         return {"rows": [r.to_dict() for r in self.rows], "devices": list(self.devices),
                 "capacity": list(self.capacity), "best": self.best.name if self.best else None,
-                "why": self.why, "to_fit": list(self.to_fit)}
+                "why": self.why, "to_fit": list(self.to_fit), "left_out": list(self.left_out),
+                "not_offered": self.not_offered}
 
 
 def seconds(s: float) -> str:
@@ -196,7 +206,7 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
 def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     w, b, margin = len(profiles), o.global_batch, o.memory_margin
     name, run = f"TP {w}", "ht.prepare(..., parallel='tp')"
-    from .tensor_split import tp_micro_batch
+    from .tensor_split import tp_comm_seconds, tp_micro_batch
 
     st = state.state("fsdp", world_size=w, accumulates=False)
     held = st.params + st.grads + st.optimizer          # every weight split W ways, nothing gathered
@@ -208,10 +218,11 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
                          f"sample's activations do not fit {short.device}")
     n_micro = math.ceil(b / m)
     slowest = max(profiles, key=lambda p: p.per_sample_s)
-    compute = (n_micro * slowest.overhead_s + b * slowest.per_sample_s) / w
-    per_sample = TP_COMM_PER_ACTIVATION * max(p.activation_bytes_per_sample for p in profiles)
+    compute = n_micro * slowest.overhead_s + b * slowest.per_sample_s / w     # fixed part whole: tp_compute_seconds
+    per_sample = state.tp_comm_per_activation * max(p.activation_bytes_per_sample for p in profiles)
     link = ring_link(profiles, o)
-    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, link) if w > 1 else 0.0
+    comm = tp_comm_seconds(w, n_micro=n_micro, micro_bytes=math.ceil(b / n_micro) * per_sample, link=link,
+                           pairs=state.tp_pairs, floor_s=o.agree_s)
     step = compute + comm + max(p.optimizer_s for p in profiles) / w
     # at most: a shard saves the replicated layers' activations whole (tensor_split.py's docstring)
     mem = tuple(held + p.activation_fixed_bytes + p.activation_bytes_per_sample * m for p in profiles)
@@ -296,13 +307,16 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
 # -- the ranking -------------------------------------------------------------------------------
 def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, options: PlanOptions,
                  schedule: str = "1f1b", prefer_simpler_within: float = 0.05, pipeline=None,
-                 fsdp_excess_s: float | None = None, tp_measured: dict | None = None) -> LayoutRanking:
+                 fsdp_excess_s: float | None = None, tp_measured: dict | None = None,
+                 request=None) -> LayoutRanking:
     """Predict every layout on these devices (profiles hold each device's speed, memory and
     activations; their fixed_bytes are replaced by each layout's own) and rank them. `pipeline`:
     (PipelineProfile, [StageDevice]) of measured blocks (measured_pipeline), else equal blocks.
     `fsdp_excess_s`: an FSDP2 step's seconds beyond DP's, as `hetrain plan` timed them (else modelled).
     `tp_measured`: a step of the model split by speed as `hetrain plan` timed it (runtime/measure/
-    tp_probe.py: {"fb_s", "opt_s", "micro_batch"}), for the TP-by-speed row (else modelled)."""
+    tp_probe.py: {"fb_s", "opt_s", "micro_batch"}), for the TP-by-speed row (else modelled).
+    `request`: what the chooser may pick (chooser.Request; None: parallel='auto' of a default job)."""
+    from .chooser import AUTO, spec_of
     from .layout_fit import what_would_fit
     from .tensor_split import speed_tp_row
 
@@ -313,59 +327,32 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
             for s in ("none", "zero1", "capacity", "fsdp", "capacity-full")]
     if len(profiles) > 1:
         rows += _pipeline_rows(profiles, state, options, schedule=schedule, pipeline=pipeline)
+    if len(profiles) > 1 and not state.tp_refused:
         even = _tp_row(profiles, state, options)
         if tp_measured and even.fits:     # said, so the modelled row is not read beside the timed one as its equal
             even = replace(even, detail=f"{even.detail} (modelled: only the split by speed was timed here)")
         rows.append(even)
-        rows.append(speed_tp_row(profiles, options, measured=tp_measured))      # tensor_split.py
-    fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.samples_per_s)
-    rest = [r for r in rows if not r.fits]
+        rows.append(speed_tp_row(profiles, options, measured=tp_measured,                # tensor_split.py
+                                 comm_per_activation=state.tp_comm_per_activation, pairs=state.tp_pairs))
+    rows = [r if r.spec else replace(r, spec=spec_of(r)) for r in rows]     # the row says what runs
     capacity = tuple(p.memory_bytes * (1 - options.memory_margin) if p.memory_bytes else None for p in profiles)
     devices = tuple(p.device for p in profiles)
-    if not fitting:
-        return LayoutRanking(rows=tuple(rest), devices=devices, capacity=capacity, best=None,
-                             why="no layout fits memory", to_fit=tuple(what_would_fit(profiles, state, options)))
-    fastest = fitting[0]
-    best = simplest_near_fastest(fitting, prefer_simpler_within)
-    why = [f"{best.name}: {best.samples_per_s:.1f} samples/s predicted"]
-    if best is not fastest:
-        why.append(f"within {prefer_simpler_within:.0%} of the fastest ({fastest.name}, "
-                   f"{fastest.samples_per_s:.1f}) with fewer collectives")
-    else:
-        runner = next((r for r in fitting if r is not best), None)
-        if runner is not None:
-            why.append(f"{best.samples_per_s / runner.samples_per_s:.2f}× the next ({runner.name}, "
-                       f"{runner.samples_per_s:.1f})" + _because(best, runner))
-    dp = next(r for r in rows if r.family == "DP")
-    if not dp.fits:
-        why.append(f"plain DP does not fit ({dp.detail})")
-    others = [r for r in rest if r is not dp]
-    if others:
-        why.append(f"{', '.join(r.name for r in others)} do{'es' if len(others) == 1 else ''} not fit memory")
-    ordered = [best] + [r for r in fitting if r is not best] + rest
-    return LayoutRanking(rows=tuple(ordered), devices=devices, capacity=capacity, best=best, why="; ".join(why))
+    ranking = LayoutRanking(rows=tuple(sorted(rows, key=lambda r: (not r.fits, -r.samples_per_s))), devices=devices,
+                            capacity=capacity, best=None, why="",
+                            not_offered=f"TP not offered: {state.tp_refused}" if len(profiles) > 1 and state.tp_refused
+                            else "")
+    ranking = with_choice(ranking, replace(request or AUTO, within=prefer_simpler_within))
+    if ranking.best is None and not any(r.fits for r in rows):
+        return replace(ranking, to_fit=tuple(what_would_fit(profiles, state, options)))
+    return ranking
 
 
-def simplest_near_fastest(fitting: Sequence[LayoutRow], within: float) -> LayoutRow:
-    """Of the rows that fit, the simplest (ORDER) within `within` of the fastest's samples/s."""
-    top = max(r.samples_per_s for r in fitting)
-    return min((r for r in fitting if r.samples_per_s >= top * (1 - within)), key=lambda r: (ORDER.index(r.family),
-                                                                                              -r.samples_per_s))
+def with_choice(ranking: LayoutRanking, request) -> LayoutRanking:
+    """The ranking with its best row and why as the chooser (planning/chooser.py) picks for
+    `request`, that row first, then the rest that fit by samples/s, then those that do not."""
+    from .chooser import choose
 
-
-def _because(best: LayoutRow, runner: LayoutRow) -> str:
-    """One reason the winner beats the runner-up, from what they predict."""
-    if runner.samples_per_s >= best.samples_per_s * 0.99:
-        return f": {runner.name} predicts the same within 1%, {best.name} has fewer collectives"
-    if runner.family == "TP":
-        return ": TP runs every device at the slowest one's speed"
-    if runner.comm_s > best.comm_s + 1e-9 and (runner.comm_s - best.comm_s) * runner.samples_per_s > 0.02:
-        return f": {seconds(runner.comm_s)} of {runner.name}'s communication per step against {seconds(best.comm_s)}"
-    if runner.recompute and not best.recompute:
-        return (f": {runner.name} recomputes activations on {device_kinds(runner.recompute)} (checkpointing, compute "
-                f"×4/3) to fit; {best.name} fits without it")
-    if runner.family in ("PP", "DP×PP"):
-        return ": the pipeline's fill and drain (bubble) idles its stages"
-    if best.family in ("PP", "DP×PP"):
-        return ": each device holds only its stage, leaving room for larger micro-batches"
-    return ""
+    c = choose(ranking.rows, request)
+    rest = sorted((r for r in ranking.rows if r is not c.row), key=lambda r: (not r.fits, -r.samples_per_s))
+    return replace(ranking, best=c.row, why=c.why, left_out=c.left_out,
+                   rows=((c.row,) if c.row is not None else ()) + tuple(rest))

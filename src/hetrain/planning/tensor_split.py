@@ -87,17 +87,47 @@ def measured_memory(profiles: Sequence[DeviceProfile], measured: dict, m: int) -
 
 def tp_compute_seconds(profiles: Sequence[DeviceProfile], fractions: Sequence[float], *, batch: int,
                        n_micro: int) -> tuple[float, ...]:
-    """Each rank's compute seconds per step: its fraction of the whole batch through the whole model."""
-    return tuple(f * (n_micro * p.overhead_s + batch * p.per_sample_s) for p, f in zip(profiles, fractions))
+    """Each rank's compute seconds per step: its fraction of the whole batch through the whole
+    model, and every micro-batch's fixed part whole: a shard runs every layer of every micro-batch
+    (as many launches and Python calls as the whole model), so that part does not shrink with f."""
+    return tuple(n_micro * p.overhead_s + f * batch * p.per_sample_s for p, f in zip(profiles, fractions))
 
 
-def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *,
-                 units: int | None = None, measured: dict | None = None) -> LayoutRow:
+def tp_comm_seconds(w: int, *, n_micro: int, micro_bytes: float, link, pairs: int = 0, floor_s: float = 0.0) -> float:
+    """The activation all-reduces of a step: `micro_bytes` all-reduced a micro-batch. With the
+    model's `pairs` known, one all-reduce per pair forward and one backward, each costing at least
+    `floor_s` (the measured agreement all-reduce: what a small all-reduce takes on these ranks,
+    where a link fitted to a gradient-sized one says almost nothing); else the bytes as one call."""
+    if w < 2:
+        return 0.0
+    if pairs < 1:
+        return n_micro * allreduce_seconds(w, micro_bytes, link)
+    calls = 2 * pairs
+    return n_micro * calls * max(floor_s, allreduce_seconds(w, micro_bytes / calls, link))
+
+
+def tp_comm_ratio(splits: Sequence[tuple[str, int, int]]) -> float:
+    """Bytes all-reduced per byte of saved activations for a model TP splits into these pairs
+    (kind 'attention' | 'mlp', the row-parallel layer's output width d, the column-parallel
+    layers' width h): a transformer's (TP_COMM_PER_ACTIVATION) when it has attention; else its
+    MLP pairs' own: each all-reduces d values forward and d backward per token, and saves its input
+    (d), its hidden layer before and after the activation (2h) and hands on d, so 2d / (2d + 2h)
+    of what it keeps. The activations outside the pairs are counted as kept too: a bound."""
+    if not splits or any(kind == "attention" for kind, _, _ in splits):
+        return TP_COMM_PER_ACTIVATION
+    return sum(2 * d for _, d, _ in splits) / sum(2 * d + 2 * h for _, d, h in splits)
+
+
+def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *, units: int | None = None,
+                 measured: dict | None = None, comm_per_activation: float = TP_COMM_PER_ACTIVATION,
+                 pairs: int = 0) -> LayoutRow:
     """The ranking's row for TP over every device, split by speed (see the module docstring).
     `measured`: a step of this split as `hetrain plan` timed it (runtime/measure/tp_probe.py:
     forward + backward of a micro-batch of `micro_batch` rows, the optimizer step); the row's
     micro-batches then cost that, scaled to their rows as the fastest device's profile scales
-    (a + b·m), plus hetrain's agreement: the compute and all-reduce model is left out."""
+    (a + b·m), plus hetrain's agreement: the compute and all-reduce model is left out.
+    `comm_per_activation`: bytes all-reduced per byte of saved activations (tp_comm_ratio);
+    `pairs`: the attention and MLP pairs split (tp_comm_seconds; 0: not known)."""
     w, b = len(profiles), o.global_batch
     name = f"TP {w} by speed"
     fractions = speed_fractions([p.per_sample_s for p in profiles], units)
@@ -111,9 +141,9 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *,
                                 f"activations do not fit {profiles[i].device}")
     n_micro = math.ceil(b / m)
     compute = tp_compute_seconds(profiles, fractions, batch=b, n_micro=n_micro)
-    per_sample = TP_COMM_PER_ACTIVATION * max(p.activation_bytes_per_sample for p in profiles)
-    comm = n_micro * allreduce_seconds(w, math.ceil(b / n_micro) * per_sample, ring_link(profiles, o)) \
-        if w > 1 else 0.0
+    per_sample = comm_per_activation * max(p.activation_bytes_per_sample for p in profiles)
+    comm = tp_comm_seconds(w, n_micro=n_micro, micro_bytes=math.ceil(b / n_micro) * per_sample,
+                           link=ring_link(profiles, o), pairs=pairs, floor_s=o.agree_s)
     step = max(compute) + comm + max(f * p.optimizer_s for p, f in zip(profiles, fractions))
     how = (f"the devices finish their parts together ({seconds(max(compute))} of compute); micro-batch "
            f"{m}x{n_micro}, activation all-reduces {seconds(comm)} per step")

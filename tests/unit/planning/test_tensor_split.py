@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from hetrain.planning.chooser import Request
 from hetrain.planning.collectives import allreduce_seconds
 from hetrain.planning.ranking import TP_COMM_PER_ACTIVATION, ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions, ring_link
@@ -51,7 +52,8 @@ def test_the_step_is_the_slowest_part_plus_the_even_splits_all_reduces():
     assert row.fits and row.comm_s == pytest.approx(comm)
     assert 64 / row.samples_per_s == pytest.approx(max(parts) + comm)
     fixed = _profiles([1.0, 0.6])                                # 1 ms a micro-batch, whatever its size
-    assert tp_compute_seconds(fixed, (0.5, 0.5), batch=64, n_micro=2)[1] == pytest.approx(0.5 * (2 * 0.001 + 64 * 0.01 / 0.6))
+    # a shard runs every layer of each micro-batch: its fixed part whole, its samples' part by fraction
+    assert tp_compute_seconds(fixed, (0.5, 0.5), batch=64, n_micro=2)[1] == pytest.approx(2 * 0.001 + 0.5 * 64 * 0.01 / 0.6)
 
 
 def test_split_by_speed_wins_over_the_even_split_on_a_mixed_pair_and_says_why():
@@ -78,14 +80,15 @@ def test_when_tp_is_best_the_split_by_speed_is_chosen_over_the_even_one():
     # cut pipelines between
     profiles = _profiles([1.0, 0.6], memory=int(6e8), act=1e6)
     state = ModelState(params=P, trainable=P)
-    ranking = rank_layouts(profiles, state=state, options=PlanOptions(global_batch=64, grad_bytes=4 * P))
+    ranking = rank_layouts(profiles, state=state, options=PlanOptions(global_batch=64, grad_bytes=4 * P),
+                           request=Request(oom_recovery=False))       # TP ends an attempt on OOM: allowed
     assert ranking.best is not None and ranking.best.family == "TP by speed", ranking.why
     assert "TP runs every device at the slowest one's speed" in ranking.why
 
 
 def test_equal_devices_keep_the_even_split():
     ranking = rank_layouts(_profiles([1.0, 1.0], memory=int(6e8), act=1e6), state=ModelState(params=P, trainable=P),
-                           options=PlanOptions(global_batch=64, grad_bytes=4 * P))
+                           options=PlanOptions(global_batch=64, grad_bytes=4 * P), request=Request(oom_recovery=False))
     even, speed = _row(ranking, "TP"), _row(ranking, "TP by speed")
     assert speed.samples_per_s == pytest.approx(even.samples_per_s)
     assert ranking.best.family == "TP"

@@ -5,12 +5,13 @@ TensorParallel, Pipeline: layout_spec.py), one of the shorthands 'auto', 'dp', '
     'dp' -> DataParallel()        'tp' -> TensorParallel()        'pp' -> Pipeline()
     'dp-pp' -> Pipeline(stages='auto')      a Plan -> its layout's object (the Plan then fixes it)
 
-'auto' (`decide`) ranks every layout on what this job measures, with the function and ranking
-`hetrain plan --model-factory` uses (ranking.measure_for_ranking, then
-measurements.rank_job_measurements), and runs the ranking's best (`layout_for`): the same answer
-as `hetrain plan`'s recommendation on the same measurements. One device: DataParallel() (there is
-nothing to rank). Without loss_fn a pipeline cannot run: the best of the other rows, by the same
-rule (measurements.recommended).
+An explicit layout object runs as asked, whatever a ranking would prefer. 'auto' (`decide`) ranks
+every layout on what this job measures, with the function and ranking `hetrain plan
+--model-factory` uses (ranking.measure_for_ranking, then measurements.rank_job_measurements), and
+runs the row the one chooser picks (planning/chooser.py: the fastest that fits whose resilience
+the job's config keeps, or a simpler one within 5%): the same answer as `hetrain plan`'s on the
+same measurements. The row says what runs (LayoutRow.spec, `layout_for`). One device:
+DataParallel() (there is nothing to rank). Without loss_fn the pipelines are left out, said in one line.
 Every rank decides from the same exchanged values, so all take the same branch.
 """
 
@@ -104,49 +105,53 @@ def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
 
 
 def layout_for(row):
-    """The layout object that runs a ranking row (planning/ranking.LayoutRow): pure. The DP family
-    by its sharding, 'PP' one pipeline, 'DP×PP d×k' replicas of k stages, 'TP', 'TP by speed'."""
-    from ...planning.ranking import FAMILIES
+    """The layout object that runs a ranking row (planning/ranking.LayoutRow): the one its spec records."""
+    from ...layout_spec import from_spec
 
-    sharding = {family: s for s, family in FAMILIES.items()}
-    if row.family in sharding:
-        return DataParallel(sharding=sharding[row.family])
-    if row.family == "PP":
-        return Pipeline()
-    if row.family == "DP×PP":
-        return Pipeline(stages=row.stages)
-    if row.family == "TP":
-        return TensorParallel()
-    if row.family == "TP by speed":
-        return TensorParallel(split="speed")
-    raise ValueError(f"no layout object for the ranking's row {row.name!r} ({row.family})")
+    if not row.spec:
+        raise ValueError(f"the ranking's row {row.name!r} records no layout")
+    return from_spec(row.spec)
 
 
 def decide(job, spec, model, optimizer, forward, loss_fn):
-    """(the layout object, what auto measured or None) for `spec` (resolve's). Collective for 'auto'."""
+    """(the layout object, what auto measured or None) for `spec` (resolve's). Collective for 'auto'.
+    An explicit layout object is returned as it is: the ranking never overrides it."""
     if spec != "auto":
         return spec, None
     if job.world_size == 1:
         job.log.detail("parallel=auto chose DataParallel(): one device")
         return DataParallel(), None
-    from ..measure.measurements import RECOMMENDED_FAMILIES, rank_job_measurements, recommended
     from .data_setup import measure_setup
     from .ranking import measure_for_ranking
 
     measure_setup(job, model, optimizer)
-    found = measure_for_ranking(job, model, optimizer, forward)                                    # (collective)
-    ranking = rank_job_measurements(found.measurements, job.config, facts=found.facts, blocks=found.blocks)[0]
-    if loss_fn is None:          # a pipeline cannot run without it: the best of the rest, by the same rule
-        ranking = recommended(ranking, families=[f for f in RECOMMENDED_FAMILIES if f not in ("PP", "DP×PP")])
+    # TP by speed is timed, as `hetrain plan` times it, wherever auto may run it: with OOM recovery
+    # on the chooser leaves TP out, so the answer cannot depend on the probe and it is skipped.
+    found = measure_for_ranking(job, model, optimizer, forward,                                     # (collective)
+                                time_tp=not job.config.memory.oom_recovery)
+    chosen, ranking = auto_layout(found.measurements, job.config, facts=found.facts, blocks=found.blocks,
+                                  has_loss_fn=loss_fn is not None)
+    for line in ranking.left_out:       # e.g. the pipelines, without loss_fn: one line each reason
+        job.log.info(f"parallel=auto: {line}")
+    if ranking.not_offered:             # TP on a model the runtime cannot split
+        job.log.detail(f"parallel=auto: {ranking.not_offered}")
     if ranking.best is None:
         # Nothing the ranking may pick fits, often for a reason of the job's own (a global batch
         # smaller than the devices): plain data parallelism's own plan names it, with its fix.
         job.log.info(f"parallel=auto: no layout it may run fits ({ranking.why}); DataParallel()'s own plan says why")
-        return DataParallel(), found
-    best, why = ranking.best, ranking.why
-    chosen = layout_for(best)
-    job.log.detail(f"parallel=auto chose {chosen!r}: {why}")
+    else:
+        job.log.detail(f"parallel=auto chose {chosen!r}: {ranking.why}")
     return chosen, found
+
+
+def auto_layout(measurements, config, *, facts: dict, blocks: int | None, has_loss_fn: bool):
+    """(the layout object auto runs, the ranking it chose from) on these measurements: pure, the
+    ranking `hetrain plan` prints (measurements.rank_job_measurements) and its chosen row's
+    layout; DataParallel() when nothing it may run fits (its own plan then says why)."""
+    from ..measure.measurements import rank_job_measurements
+
+    ranking = rank_job_measurements(measurements, config, facts=facts, blocks=blocks, has_loss_fn=has_loss_fn)[0]
+    return (layout_for(ranking.best) if ranking.best is not None else DataParallel()), ranking
 
 
 def refuse_removed_keywords(removed: dict) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from ...errors import UsageError
 from ...hardware.host import usable_cores
 from ...planning.core_sharing import sharing, stretched_step
-from ...planning.parallelism import split_hybrid
+from ...planning.parallelism import split_hybrid, stage_rows
 from ...planning.pipeline_split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
 from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
@@ -104,7 +104,7 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
     if kind == "pp":
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput
-        stages = _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches)
+        stages = _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches)
     if stages < 2 or w % stages:
         raise UsageError(f"Pipeline(stages={stages}): {w} devices do not form pipelines of {stages} stages",
                          f"use a stage count that divides {w}: {', '.join(str(k) for k in range(2, w + 1) if w % k == 0)}")
@@ -164,25 +164,24 @@ def predict_step(job, splits, profile=None) -> dict:
     return predicted
 
 
-def _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches) -> int:
-    best, why = None, []
-    for p in range(2, w // 2 + 1):
-        if w % p or p > profile.n_blocks:
-            continue
-        try:
-            h = split_hybrid(profile, devices, stages=p, global_batch=cfg.global_batch,
-                             micro_batches=default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)),
-                             schedule=schedule,
-                             state_factor=factor, memory_margin=cfg.memory.margin)
-        except UsageError as e:
-            why.append(f"{w // p}×{p}: {e.what}")
-            continue
-        if best is None or h.samples_per_s > best[1]:
-            best = (p, h.samples_per_s)
+def _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches) -> int:
+    """The stage count of Pipeline(stages='auto'): the chooser's (planning/chooser.py) among the
+    DP×PP shapes (parallelism.stage_rows), the emulated stages' shared cores counted as the ranking
+    and predict_step count them."""
+    from ...planning.chooser import Request, choose
+    from ...planning.options import PlanOptions
+
+    clocked = cfg.emulation.sample_s is not None
+    o = PlanOptions(global_batch=cfg.global_batch, memory_margin=cfg.memory.margin, clocked=clocked,
+                    host_cores=usable_cores() if job.emulated is not None and not clocked else None)
+    rows = stage_rows(profile, devices, o, schedule=schedule, state_factor=factor,
+                      micro_batches=lambda p: default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)))
+    best = choose(rows, Request(families=("DP×PP",))).row
     if best is None:
-        raise UsageError("parallel='dp-pp': no shape of replicas fits: " + "; ".join(why),
+        raise UsageError("parallel='dp-pp': no shape of replicas fits: "
+                         + "; ".join(f"{r.name}: {r.detail}" for r in rows),
                          "use parallel='pp', activation checkpointing, or smaller micro-batches")
-    return best[0]
+    return best.stages
 
 
 def stage_split(plan: Plan, parts: PipelineParts, profile, devices, replica: int):

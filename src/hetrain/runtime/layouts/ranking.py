@@ -6,8 +6,8 @@ measure_for_ranking (collective, every rank) takes, in order: the data-parallel 
 (measure/joint.measure_job: profiles, sync and agreement probes), the blocks' costs as a pipeline
 is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
 are 2+ devices), FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
-to shard), and, for `hetrain plan` (time_tp), a step of the model split by speed (measure/tp_probe.py, when it has layers to
-split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
+to shard), and, with time_tp (`hetrain plan`; auto when it may run TP), a step of the model split by speed
+(measure/tp_probe.py, when it has layers to split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class JobMeasurements:
 
 def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bool = False) -> JobMeasurements:
     """What the ranking needs, measured in this job (collective: every rank calls it). `time_tp`:
-    also time the TP split by speed (`hetrain plan`, whose table shows its row); parallel='auto'
-    never runs TP (measurements.RECOMMENDED_FAMILIES), so it does not pay for the probe."""
+    also time the TP split by speed (`hetrain plan`, whose table shows its row, and parallel='auto'
+    wherever it may run TP: choose.decide), so both cost that row alike."""
     from ..parallel.blocks import find_parts, repeated_blocks
     from . import pipeline_setup
 
@@ -111,7 +111,27 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
             "param_bytes": train[0].element_size() if train else 4,
             "frozen_param_bytes": frozen[0].element_size() if frozen else 4,
             "optimizer": optimizer_kind(optimizer) or "adamw", "blocks": blocks,
-            "root_params": sum(p.numel() for p in params) - inside if stack else 0}
+            "root_params": sum(p.numel() for p in params) - inside if stack else 0, **tp_facts(model)}
+
+
+def tp_facts(model) -> dict:
+    """What the TP rows cost by (planning/ranking.ModelState): why TP cannot split this model, or
+    its all-reduced bytes per byte of activations from the pairs it splits (tensor_split.tp_comm_ratio),
+    found by the rule the runtime splits by (parallel/tensor_styles.find_splits)."""
+    from ..parallel.tensor_hf import is_hf
+    from ..parallel.tensor_styles import find_splits
+    from ...planning.tensor_split import tp_comm_ratio
+
+    if is_hf(model):              # split by the plan the model declares (parallel/tensor_hf.py): a transformer
+        return {}
+    try:
+        splits = find_splits(model)
+    except UsageError as e:       # the runtime would refuse it: its own reason, not a costed row
+        return {"tp_refused": f"tensor parallelism cannot split this {type(model).__name__}: {e.what}"}
+    modules = dict(model.named_modules())
+    widths = [(s.kind, modules[s.rowwise].out_features, sum(modules[c].out_features for c in s.colwise))
+              for s in splits]
+    return {"tp_comm_per_activation": tp_comm_ratio(widths), "tp_pairs": len(splits)}
 
 
 def _with_tp(job, model, optimizer, measured, forward, say):

@@ -336,10 +336,11 @@ def profiles_come_from(m: Measurements) -> str:
 
 
 
-def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link | None = None):
+def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link | None = None, request=None):
     """Every layout ranked (planning/ranking.rank_layouts) on what the ranks measured, as `hetrain
     plan --model-factory` prints it: the planner's profiles and options, the blocks the runtime
-    measured for pipelines. Returns (ranking or None for one device, profiles, options)."""
+    measured for pipelines, the best as the chooser picks for `request` (None: `auto_request`).
+    Returns (ranking or None for one device, profiles, options)."""
     from ...planning.ranking import measured_pipeline, rank_layouts
 
     profiles = list(planning_profiles(m, config))
@@ -348,7 +349,8 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
     if pipeline is not None and config.emulation.cluster and config.emulation.sample_s is not None:
         pipeline = (pipeline[0].on_clock(clocked_sample_s(profiles, pipeline[1])), pipeline[1])
     ranking = (rank_layouts(profiles, state=state, options=options, pipeline=pipeline,
-                            fsdp_excess_s=(m.fsdp or {}).get("excess_s"), tp_measured=m.tp)
+                            fsdp_excess_s=(m.fsdp or {}).get("excess_s"), tp_measured=m.tp,
+                            request=request or auto_request(config))
                if len(profiles) > 1 else None)
     return ranking, profiles, options
 
@@ -363,40 +365,38 @@ def clocked_sample_s(profiles, devices) -> float:
     return fastest.per_sample_s * max(d.speed for d in devices)
 
 
-# What parallel='auto' may run, and so what `hetrain plan --model-factory` recommends: every layout
-# but tensor parallelism, which is asked for by name (parallel=hetrain.TensorParallel(...)): its
-# ranks run every layer in lockstep, so in-loop OOM recovery is off (runtime/layouts/tensor.py),
-# and it needs layers it can split. The table still shows the TP rows and what they predict.
-RECOMMENDED_FAMILIES = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP")
+def auto_request(config: Config, *, has_loss_fn: bool = True):
+    """What parallel='auto' may run for a job of this config (planning/chooser.Request): the
+    resilience it asks for (Memory.oom_recovery), whether it has a loss function (`hetrain plan`
+    has no loss function to look at: it ranks as for a job that passes one), and an explicit
+    `sharding` (not 'auto'): the one data-parallel row auto may run, never overridden (a job that
+    asks for capacity-full has no OOM recovery to keep: sharding/wrap.py)."""
+    from ...planning.chooser import Request
+    from ...planning.ranking import FAMILIES, ORDER
+
+    families = None
+    if config.sharding != "auto":
+        families = tuple(f for f in ORDER if f not in FAMILIES.values() or f == FAMILIES[config.sharding])
+    return Request(has_loss_fn=has_loss_fn, families=families,
+                   oom_recovery=config.memory.oom_recovery and config.sharding != "capacity-full")
 
 
 def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, blocks: int | None,
-                          link: Link | None = None):
+                          link: Link | None = None, has_loss_fn: bool = True):
     """The ranking `hetrain plan --model-factory` prints and parallel='auto' follows: every layout
     on what the job measured (runtime/layouts/ranking.measure_for_ranking), its model state from
-    `facts` (ranking.model_facts) with `blocks`, its best among RECOMMENDED_FAMILIES (`recommended`).
-    Returns rank_from_measurements' triple."""
+    `facts` (ranking.model_facts) with `blocks`, its best the chooser's for this job
+    (`auto_request`). Returns rank_from_measurements' triple."""
     from ...planning.ranking import ModelState
 
-    ranking, profiles, options = rank_from_measurements(m, config, link=link,
-                                                        state=ModelState(**{**facts, "blocks": blocks}))
-    return recommended(ranking), profiles, options
+    return rank_from_measurements(m, config, link=link, state=ModelState(**{**facts, "blocks": blocks}),
+                                  request=auto_request(config, has_loss_fn=has_loss_fn))
 
 
-def recommended(ranking, *, families=RECOMMENDED_FAMILIES, prefer_simpler_within: float = 0.05):
-    """The ranking with its best chosen among `families`, by rank_layouts' own rule (the simplest
-    within `prefer_simpler_within` of the fastest); unchanged when its best is one."""
-    from ...planning.ranking import simplest_near_fastest
+def recommended(ranking, request=None):
+    """The ranking with its best row re-chosen for `request` (planning/chooser.Request; None: a
+    default job's auto), by the one rule (planning/chooser.py); None stays None."""
+    from ...planning.chooser import AUTO
+    from ...planning.ranking import with_choice
 
-    if ranking is None or ranking.best is None or ranking.best.family in families:
-        return ranking
-    tp = ranking.best
-    fitting = [r for r in ranking.rows if r.fits and r.family in families]
-    asked = f"{tp.name} predicts {tp.samples_per_s:.1f} samples/s" + (
-        f"; tensor parallelism is asked for by name: {tp.run}" if tp.family.startswith("TP") else
-        f", and needs what this job lacks: {tp.run}")
-    if not fitting:
-        return replace(ranking, best=None, why=f"only layouts left out fit memory ({asked})")
-    best = simplest_near_fastest(fitting, prefer_simpler_within)
-    return replace(ranking, best=best, rows=(best, *(r for r in ranking.rows if r is not best)),
-                   why=f"{best.name}: {best.samples_per_s:.1f} samples/s predicted ({asked})")
+    return None if ranking is None else with_choice(ranking, request or AUTO)

@@ -128,22 +128,27 @@ def test_every_ranking_row_family_maps_to_a_layout_object():
     from hetrain import DataParallel, Pipeline, TensorParallel
     from dataclasses import replace
 
+    from hetrain.planning.chooser import spec_of
     from hetrain.planning.ranking import ORDER, LayoutRow
 
     def row(name, family):
         return LayoutRow(name=name, family=family, fits=True, samples_per_s=1.0, memory=(None,), comm_bytes=0.0,
                          comm_s=0.0, detail="", run="")
 
+    def spec(r):      # what rank_layouts records on each row: the row says what runs
+        return replace(r, spec=spec_of(r))
+
     names = {"PP": "PP 4 stages", "DP×PP": "DP×PP 2×3", "TP": "TP 4", "TP by speed": "TP by speed"}
-    got = {family: choose.layout_for(replace(row(names.get(family, family), family),
-                                             stages=3 if family == "DP×PP" else None)) for family in ORDER}
+    got = {family: choose.layout_for(spec(replace(row(names.get(family, family), family),
+                                                  stages=3 if family == "DP×PP" else None))) for family in ORDER}
     assert got == {"DP": DataParallel(sharding="none"), "DP + ZeRO-1": DataParallel(sharding="zero1"),
                    "DP + capacity": DataParallel(sharding="capacity"), "FSDP2": DataParallel(sharding="fsdp"),
                    "capacity-full": DataParallel(sharding="capacity-full"), "PP": Pipeline(),
                    "DP×PP": Pipeline(stages=3), "TP": TensorParallel(), "TP by speed": TensorParallel(split="speed")}
 
 
-def test_the_recommendation_leaves_tensor_parallelism_to_be_asked_for_by_name():
+def test_the_recommendation_leaves_tensor_parallelism_out_while_oom_recovery_is_on():
+    from hetrain.planning.chooser import Request
     from hetrain.planning.ranking import LayoutRanking, LayoutRow
     from hetrain.runtime.measure.measurements import recommended
 
@@ -155,12 +160,14 @@ def test_the_recommendation_leaves_tensor_parallelism_to_be_asked_for_by_name():
     ranking = LayoutRanking(rows=(tp, pp, dp), devices=("a", "b"), capacity=(None, None), best=tp, why="")
     got = recommended(ranking)
     assert got.best == dp and "TP 2 by speed predicts 300.0" in got.why       # DP: simpler, within 5% of PP
-    assert recommended(got) is got                                          # already one: unchanged
+    assert any("TP 2 by speed left out" in line and "OOM recovery" in line for line in got.left_out)
+    assert recommended(got).best is got.best                                # the same rule: the same answer
+    assert recommended(ranking, Request(oom_recovery=False)).best == tp     # TP may run when it wins
     alone = LayoutRanking(rows=(tp, row("DP", "DP", 0.0, fits=False)), devices=("a", "b"), capacity=(None, None),
                           best=tp, why="")
     assert recommended(alone).best is None
-    no_pipes = recommended(replace_best(ranking, pp), families=("DP",))
-    assert no_pipes.best == dp
+    no_pipes = recommended(replace_best(ranking, pp), Request(has_loss_fn=False))
+    assert no_pipes.best == dp and any(line.startswith("PP 2 stages left out: no loss_fn") for line in no_pipes.left_out)
 
 
 def replace_best(ranking, best):
