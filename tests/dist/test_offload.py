@@ -132,7 +132,8 @@ def test_offloaded_training_equals_one_process_big_batch_float64(sharding, where
     assert (records[0]["host_bytes"] > 0) == (where == "both")
     assert records[1]["host_bytes"] > 0
     said = [line for line in records[0]["lines"] if "on host" in line]   # rank 0 logs every rank's
-    assert any(line.startswith("optimizer state of rank 1 on host: ") and "cpu1" in line for line in said), said
+    assert any(line.startswith("optimizer state of rank 1 on host: ") and "cpu1 24.0 MiB" in line
+               for line in said), said
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -196,3 +197,32 @@ def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line():
         assert "\n" not in errors[0] and word in errors[0], errors[0]
         if host is not None:
             assert "available" in errors[0] and "1.0 KiB" in errors[0], errors[0]
+
+
+def layout_worker(rank, world, parallel):
+    import hetrain
+    from hetrain.errors import UsageError
+
+    x, y = data()
+    ht = hetrain.init(global_batch=16, max_steps=1, precision="fp32", emulation=Emulation(cluster=PAIR),
+                      reporting=Reporting(verbose=False), memory=Memory(offload_optimizer="always"), timeout_s=60)
+    torch.manual_seed(0)
+    model = (torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                 torch.nn.Linear(16, 1)).double() if parallel == "pp" else
+             BlockNet(D, 16, 2, block=lambda h: torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.Tanh(),
+                                                                     torch.nn.Linear(2 * h, h))).double())
+    try:
+        ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y), parallel=parallel,
+                   loss_fn=F.mse_loss)
+    except UsageError as e:
+        return str(e)
+    finally:
+        ht.close()
+    return None
+
+
+@pytest.mark.parametrize("parallel", ["pp", "tp"])
+def test_offload_under_a_pipeline_or_tensor_parallelism_is_refused_naming_where_it_runs(parallel):
+    errors = run_ranks(layout_worker, 2, parallel)
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert f"this job runs parallel={parallel!r}" in errors[0] and "sharding 'none', 'fsdp'" in errors[0], errors[0]

@@ -199,7 +199,7 @@ def decide(job) -> tuple[object, str]:
         raise UsageError(f"the plan keeps the optimizer state of {who} in host memory, but "
                          "Memory(offload_optimizer='never') forbids it",
                          "use Memory(offload_optimizer='auto') to follow the plan, or a plan without offload")
-    return plan, "the plan"
+    return plan, "as the plan says"
 
 
 def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.Optimizer:
@@ -210,8 +210,8 @@ def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.O
     if not any(d.offload_optimizer for d in job.plan.devices):
         return optimizer
     if job.plan.layout != "dp" or strategy not in OFFLOAD_SHARDINGS:
-        raise UsageError(f"optimizer offload runs under {WHERE}; this job runs parallel={job.plan.layout!r}"
-                         f" with sharding={strategy!r}",
+        runs = f"parallel={job.plan.layout!r}" + (f" with sharding={strategy!r}" if job.plan.layout == "dp" else "")
+        raise UsageError(f"optimizer offload runs under {WHERE}; this job runs {runs}",
                          "use sharding='fsdp' (or 'none', 'capacity-full'), or Memory(offload_optimizer='never')")
     me = job.plan.devices[job.rank]
     stepping = getattr(optimizer, "optim", optimizer) if strategy == "capacity-full" else optimizer
@@ -250,8 +250,10 @@ def check_room(job, need: int, why: str) -> None:
     import torch.distributed as dist
 
     me = job.plan.devices[job.rank]
+    cap = me.memory_cap_bytes or (job.emulated.meter.cap if job.emulated is not None else (
+        torch.cuda.get_device_properties(job.device).total_memory if job.device.type == "cuda" else None))
     mine = {"host": socket.gethostname(), "need": need, "free": host_available_bytes(), "rank": job.rank,
-            "device": me.device, "cap": me.memory_cap_bytes}
+            "device": me.device, "cap": cap}
     everyone = [mine]
     if job.world_size > 1:
         everyone = [None] * job.world_size
@@ -269,5 +271,5 @@ def check_room(job, need: int, why: str) -> None:
     for e in everyone:
         if e["need"]:
             cap = f" {format_bytes(e['cap'])}" if e["cap"] else ""
-            job.log.info(f"optimizer state of rank {e['rank']} on host: {format_bytes(e['need'])} "
-                         f"(parameters, gradients and state), {e['device']}{cap}: {why}")
+            job.log.info(f"optimizer state of rank {e['rank']} on host: {format_bytes(e['need'])}, "
+                         f"{e['device']}{cap} (parameters, gradients and state; {why})")
