@@ -174,6 +174,8 @@ def test_the_offloading_rank_peaks_lower_by_its_optimizer_state():
     assert abs(drop - state) <= 0.01 * state, (drop, state)
     assert after[0]["measured"] == before[0]["measured"]
     assert offloaded[1]["host_bytes"] >= state                      # the host holds it (and the copies)
+    assert after[1]["host"] == offloaded[1]["host_bytes"] and after[0]["host"] == 0    # the table's 'on host'
+    assert after[1]["planned"] == before[1]["planned"] - state      # the plan counts no state on the device
 
 
 # -- refusals ----------------------------------------------------------------------------------------

@@ -135,13 +135,12 @@ class HostOptimizer(torch.optim.Optimizer):
         self._groups_down()
         cuda = False
         for p, h in self.pairs:
-            local = _local(p.detach())
-            cuda = cuda or local.is_cuda
-            h.copy_(local, non_blocking=True)
-            if p.grad is None:
+            if p.grad is None:        # torch's optimizers leave it as it is: nothing to copy either way
                 h.grad = None
                 continue
-            g = _local(p.grad)
+            local, g = _local(p.detach()), _local(p.grad)
+            cuda = cuda or local.is_cuda
+            h.copy_(local, non_blocking=True)
             if h.grad is None or h.grad.shape != g.shape:
                 h.grad = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pin)
             h.grad.copy_(g, non_blocking=True)
@@ -149,7 +148,8 @@ class HostOptimizer(torch.optim.Optimizer):
             torch.cuda.current_stream().synchronize()
         self.host.step()
         for p, h in self.pairs:
-            _local(p.detach()).copy_(h, non_blocking=True)
+            if h.grad is not None:
+                _local(p.detach()).copy_(h, non_blocking=True)
         return None
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.O
     offloaded = HostOptimizer(stepping, pin=job.device.type == "cuda")
     if job.memory_plan is not None:       # the device no longer holds the state it planned
         mp = job.memory_plan
-        job.memory_plan = replace(mp, state=replace(mp.state, optimizer=0.0))
+        job.memory_plan = replace(mp, state=replace(mp.state, optimizer=0.0), host=float(need))
     if stepping is optimizer:
         return offloaded
     optimizer.optim = offloaded          # capacity-full: its slices' optimizer steps on the host
