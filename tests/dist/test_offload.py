@@ -10,6 +10,7 @@ Reference: one process, no hetrain, AdamW on the concatenation of every rank's s
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,6 +58,7 @@ def full(t):
 def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None):
     import hetrain
     from hetrain.runtime.memory import offload
+    from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
 
     if patch_host is not None:
         offload.host_available_bytes = lambda: patch_host
@@ -69,7 +71,8 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
     lines = []
     ht.log.info = lines.append
     model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
-    out = {"indices": [], "lines": lines, "offload": [d.offload_optimizer for d in ht.plan.devices]}
+    out = {"indices": [], "lines": lines, "offload": [d.offload_optimizer for d in ht.plan.devices],
+           "checkpointed": [is_checkpointed(b) for b in model.module.blocks]}
     for step in batches:
         for mb in step:
             with mb:
@@ -134,6 +137,22 @@ def test_offloaded_training_equals_one_process_big_batch_float64(sharding, where
     said = [line for line in records[0]["lines"] if "on host" in line]   # rank 0 logs every rank's
     assert any(line.startswith("optimizer state of rank 1 on host: ") and "cpu1 24.0 MiB" in line
                for line in said), said
+
+
+def blocks_worker(rank, world, plan):
+    return job(plan, STEPS)
+
+
+def test_the_plans_block_count_is_checkpointed_beside_offload_and_stays_exact():
+    """Rank 0 checkpoints the first 2 of its 3 blocks, rank 1 every block and offloads."""
+    devices = tuple(replace(d, checkpointing=True, checkpoint_blocks=k)
+                    for d, k in zip(make_plan((False, True)).devices, (2, None)))
+    plan = Plan(global_batch=64, devices=devices)
+    records = run_ranks(blocks_worker, 2, plan)
+    assert [r["checkpointed"] for r in records] == [[True, True, False], [True, True, True]]
+    ref = reference(steps_of(records))
+    for r in records:
+        assert max_diff(r["params"], ref) <= 1e-12
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
