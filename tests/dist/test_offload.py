@@ -55,7 +55,7 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None):
+def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None, cluster=PAIR):
     import hetrain
     from hetrain.runtime.memory import offload
     from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
@@ -65,7 +65,7 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
     x, y = data()
     model = net()
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=sharding, max_steps=steps,
-                      precision="fp32", emulation=Emulation(cluster=PAIR), reporting=Reporting(verbose=False),
+                      precision="fp32", emulation=Emulation(cluster=cluster), reporting=Reporting(verbose=False),
                       rebalancing=Rebalancing(enabled=False), timeout_s=60, memory=memory or Memory(),
                       checkpoints=checkpoints or Checkpoints())
     lines = []
@@ -87,6 +87,7 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
         out["params"] = {n: full(p) for n, p in model.module.named_parameters()}
         stepping = opt
     out["host_bytes"] = stepping.host_bytes() if hasattr(stepping, "host_bytes") else 0
+    out["strategy"] = ht.job.memory_plan.strategy
     out["memory"] = ht.summary()["memory"]
     ht.close()
     return out
@@ -153,6 +154,21 @@ def test_the_plans_block_count_is_checkpointed_beside_offload_and_stays_exact():
     ref = reference(steps_of(records))
     for r in records:
         assert max_diff(r["params"], ref) <= 1e-12
+
+
+def auto_worker(rank, world, plan):
+    return job(plan, STEPS, sharding="auto", cluster="a100-80g@64MiB,rtx3090@48KiB")
+
+
+def test_auto_sharding_counts_the_offloaded_state_off_the_device():
+    """On a 48 KiB card the unsharded state and activations (54 KiB) do not fit, so sharding='auto'
+    shards; with rank 1's state on the host they fit unsharded (39 KiB), and auto stays at 'none'
+    rather than picking a sharding offload does not run under."""
+    sharded = run_ranks(auto_worker, 2, make_plan())
+    offloaded = run_ranks(auto_worker, 2, make_plan((False, True)))
+    assert sharded[0]["strategy"] not in ("none", "fsdp")
+    assert [r["strategy"] for r in offloaded] == ["none", "none"]
+    assert max_diff(offloaded[1]["params"], reference(steps_of(offloaded))) <= 1e-12
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------

@@ -239,6 +239,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
     """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
+    from . import offload
     from .activation_checkpointing import find_blocks
 
     cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
@@ -261,6 +262,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         accumulates=[bool(a) for a in table.column("accumulates")], trainable=counts["trainable"],
         frozen_param_bytes=counts["frozen_param_bytes"])
+    options = offload.options_with_offload(options, offload.offloading(cfg.memory.offload_optimizer, plan))
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":
         job.log.table(

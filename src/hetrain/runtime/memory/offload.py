@@ -184,6 +184,30 @@ def _as_dtensor(value, param):
 
 
 # -- the job's decision ------------------------------------------------------------------------
+def offloading(mode: str, plan) -> tuple[bool, ...]:
+    """Which ranks will keep their optimizer state on the host (before any refusal: 'never' is none)."""
+    if mode == "never":
+        return tuple(False for _ in plan.devices)
+    return tuple(mode == "always" or d.offload_optimizer for d in plan.devices)
+
+
+def options_with_offload(options, offloads: tuple[bool, ...]):
+    """sharding='auto''s options (planning/memory.sharding_options) as offload runs them: only the
+    shardings it runs under, without the optimizer state on the ranks that offload it."""
+    if not any(offloads):
+        return list(options)
+    from ...planning.memory import ShardingOption
+
+    out = []
+    for o in options:
+        if o.strategy not in OFFLOAD_SHARDINGS:
+            continue
+        states = tuple(replace(s, optimizer=0.0) if off else s for s, off in zip(o.state, offloads))
+        peak = tuple(p - (s.optimizer if off else 0.0) for p, s, off in zip(o.peak, o.state, offloads))
+        out.append(ShardingOption(strategy=o.strategy, state=states, peak=peak))
+    return out
+
+
 def decide(job) -> tuple[object, str]:
     """The plan with every rank's offload as it will run (recorded: same version), and why.
     Memory(offload_optimizer=...): 'auto' follows the plan, 'always' offloads every rank, 'never'
