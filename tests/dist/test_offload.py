@@ -26,6 +26,7 @@ pytestmark = pytest.mark.dist
 N, D = 192, 8
 PAIR = "a100-80g@64MiB,rtx3090@24MiB"
 STEPS = 3
+GAMMA = 0.7        # the resume's LR schedule: each step's rate differs, so a lost one shows
 
 
 def make_plan(offload=(False, False), shares=(24, 40), micros=(8, 40)) -> Plan:
@@ -55,7 +56,8 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None, cluster=PAIR):
+def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None, cluster=PAIR,
+        schedule=False):
     import hetrain
     from hetrain.runtime.memory import offload
     from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
@@ -71,6 +73,9 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
     lines = []
     ht.log.info = lines.append
     model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
+    if scheduler is not None:
+        ht.register_state("schedule", scheduler)
     out = {"indices": [], "lines": lines, "offload": [d.offload_optimizer for d in ht.plan.devices],
            "checkpointed": [is_checkpointed(b) for b in model.module.blocks]}
     for step in batches:
@@ -80,6 +85,8 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
                 ht.backward(F.mse_loss(model(bx), by))
         out["indices"].append(list(step.indices))
         ht.step()
+        if scheduler is not None:
+            scheduler.step()
     if hasattr(opt, "sharding"):
         out["params"] = opt.sharding.full_parameters()
         stepping = opt.optim
@@ -93,15 +100,18 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
     return out
 
 
-def reference(step_indices):
+def reference(step_indices, schedule=False):
     x, y = data()
     model = net()
     opt = adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
     for idx in step_indices:
         idx = torch.tensor(idx)
         F.mse_loss(model(x[idx]), y[idx]).backward()
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -176,24 +186,28 @@ ALL, CUT = 4, 2
 
 
 def save_worker(rank, world, root, sharding):
-    out = job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT))
+    out = job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
+              schedule=True)
     if rank == 0:                    # as if the job had died after saving step CUT
         shutil.rmtree(f"{root}/ck/step-{ALL:08d}")
     return out
 
 
 def resume_worker(rank, world, root, sharding):
-    return job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT))
+    return job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
+               schedule=True)
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp", "capacity-full"])
 def test_resume_with_offload_equals_the_uninterrupted_run(tmp_path, sharding):
+    """Rank 1 offloads; an LR schedule registered with the job: the host optimizer's state and
+    hyperparameters both come back."""
     saved = run_ranks(save_worker, 2, str(tmp_path), sharding)
     resumed = run_ranks(resume_worker, 2, str(tmp_path), sharding)
     for s, r in zip(saved, resumed):
         assert len(r["indices"]) == ALL - CUT
         assert max_diff(r["params"], s["params"]) <= 1e-12
-    assert max_diff(saved[0]["params"], reference(steps_of(saved))) <= 1e-12
+    assert max_diff(saved[0]["params"], reference(steps_of(saved), schedule=True)) <= 1e-12
 
 
 # -- the emulated meter ------------------------------------------------------------------------------
