@@ -98,9 +98,13 @@ class Compression:
                       "give PowerSGD's matrix approximation rank, a whole number from 1 to 1024 (e.g. 4)")
 
 
+OFFLOAD_MODES = ("auto", "never", "always")     # Memory(offload_optimizer=...)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Memory:
-    """How device memory is used: the margin kept free, the micro-batch cap, activation checkpointing."""
+    """How device memory is used: the margin kept free, the micro-batch cap, activation checkpointing,
+    optimizer-state offload."""
 
     margin: float = 0.10                    # fraction of device memory kept free when sizing micro-batches
     max_micro_batch: int | None = None      # cap on every device's micro-batch (None: from memory)
@@ -109,6 +113,9 @@ class Memory:
                                             # checkpointing, fault hooks and FSDP units wrap (None: every
                                             # ModuleList's)
     oom_recovery: bool = True               # shrink a rank's micro-batch on OOM and redo (resilience/oom.py)
+    offload_optimizer: str = "auto"         # optimizer state in host memory (runtime/memory/offload.py):
+                                            # auto: on the ranks the plan says | always: every rank |
+                                            # never: none (a plan that needs it is refused)
 
     def __post_init__(self) -> None:
         check_types(self, "Memory")
@@ -119,6 +126,8 @@ class Memory:
         if self.activation_checkpointing not in CHECKPOINTINGS:
             raise bad(f"Memory(activation_checkpointing={self.activation_checkpointing!r})",
                       f"use one of {CHECKPOINTINGS}")
+        if self.offload_optimizer not in OFFLOAD_MODES:
+            raise bad(f"Memory(offload_optimizer={self.offload_optimizer!r})", f"use one of {OFFLOAD_MODES}")
         if self.blocks is not None and not self.blocks.isidentifier():
             raise bad(f"Memory(blocks={self.blocks!r})",
                       "give the class name of the model's blocks, e.g. Memory(blocks='Block')")

@@ -23,6 +23,7 @@ from ..measure.joint import check_given_plan, measure_job
 from ..measure.measurements import plan_from_measurements
 from ..memory import activation_checkpointing as checkpointing
 from ..memory import device_memory as memory
+from ..memory import offload
 from ..model import PreparedModel
 from ..resilience import oom as recovery
 from ..resilience import resume as persist
@@ -78,6 +79,7 @@ class DataSetup:
         job.guard = make_sync_guard(job, wrapped)
         job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
         job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
+        job.optimizer = offload.apply(job, job.optimizer, wrapped.strategy)   # its state on the host where planned (collective)
         persist.check_registered(job, optimizer)      # state registered before prepare() on the replaced one: refused
         memory.show_wrapping(job.log, wrapped)
         if job.faults:                                # injected faults strike inside the compute (devices/hooks.py)

@@ -348,11 +348,13 @@ class PipelineSetup:
         return None
 
     def build(self, job, model, optimizer, forward) -> None:
+        from ..memory import offload
         from ..memory.device_memory import optimizer_kind
 
         job.plan = job.precision.record_in(job.plan)
         job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
                                                 self.devices, self.loss_fn)                          # (collective)
+        job.optimizer = offload.apply(job, job.optimizer, "pipeline")   # a plan's offload: refused here (dp only)
         pipe = job.layout.pipe
         job.model = StagedModel(model, pipe.module, None)
         job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay

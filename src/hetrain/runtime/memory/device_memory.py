@@ -35,6 +35,7 @@ class MemoryPlan:
     activation_fixed: float = 0.0          # activation bytes that do not grow with the batch
     checkpointing: bool
     note: str = ""
+    host: float = 0.0                      # optimizer offload: bytes held in host memory instead (offload.py)
 
     @property
     def activations(self) -> float | None:
@@ -141,9 +142,10 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
             "planned_activations": (mp.activations if mp and mp.activations is not None else -1.0),
             "measured": peak if peak is not None else -1.0,
             "held_state": float(emulated.meter.fixed) if emulated is not None else -1.0,
-            "cap": float(cap) if cap else -1.0}
+            "cap": float(cap) if cap else -1.0, "host": mp.host if mp else 0.0}
     table = agree.exchange(mine, rank=rank, world_size=world_size, device=device)
     rows, out = [], []
+    offloads = any(table.column("host"))      # a column only when some rank keeps its optimizer state on the host
     for r in range(world_size):
         v = {k: (None if x < 0 else x) for k, x in table.row(r).items()}
         d = plan.devices[r] if plan is not None else None
@@ -153,16 +155,25 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
             return format_bytes(x) if x is not None else "-"
         ratio = (f"{v['measured'] / v['planned']:.2f}" if v["measured"] and v["planned"] else "-")
         rows.append((r, d.device if d else "", fmt(v["planned"]), fmt(v["measured"]), ratio,
-                     fmt(v["held_state"]), fmt(v["cap"]), ("yes" if d is not None and d.checkpointing else "no")))
+                     fmt(v["held_state"]), fmt(v["cap"]), _checkpointed(d))
+                    + ((fmt(v["host"] or None),) if offloads else ()))
     strategy = mp.strategy if mp else "none"
     how = ("counted bytes, emulated" if emulated is not None else
            "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: use --emulate")
     log.table(f"memory per device, sharding={strategy} (planned: state + micro-batch activations; "
               f"measured: {how})",
-              ("rank", "device", "planned", "measured", "ratio", "state", "memory", "ckpt"), rows)
+              ("rank", "device", "planned", "measured", "ratio", "state", "memory", "ckpt")
+              + (("on host",) if offloads else ()), rows)
     if mp is not None and mp.note and rank == 0:
         log.info(f"  {mp.note}")
     return out
+
+
+def _checkpointed(d) -> str:
+    """The ckpt column: no, yes (every block), or the plan's count of blocks."""
+    if d is None or not d.checkpointing:
+        return "no"
+    return "yes" if d.checkpoint_blocks is None else f"{d.checkpoint_blocks} blocks"
 
 
 def _free_for_state(job, params, act_bytes: float | None) -> float | None:
@@ -228,6 +239,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
     """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
+    from . import offload
     from .activation_checkpointing import find_blocks
 
     cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
@@ -250,6 +262,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         accumulates=[bool(a) for a in table.column("accumulates")], trainable=counts["trainable"],
         frozen_param_bytes=counts["frozen_param_bytes"])
+    options = offload.options_with_offload(options, offload.offloading(cfg.memory.offload_optimizer, plan))
     chosen, why = choose_sharding(options, devices)     # raises, on every rank alike, if nothing fits
     if chosen.strategy != "none":
         job.log.table(

@@ -41,8 +41,10 @@ class FullShardedOptimizer(torch.optim.Optimizer):
         self.optim = type(optimizer)([dict(g) for g in self.param_groups], **constructor_defaults(optimizer))
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The optimizer state this rank holds (its slices' parameters and gradients are the model's)."""
-        return state_tensors(self.optim)
+        """The optimizer state this rank holds (its slices' parameters and gradients are the model's);
+        an `optim` that names its own (offloaded to the host: memory/offload.py) is asked."""
+        held = getattr(self.optim, "held_tensors", None)
+        return held() if callable(held) else state_tensors(self.optim)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -95,3 +95,47 @@ def test_apply_from_plan_only_where_the_plan_says():
     # a rank that does not checkpoint still raises when a peer's model has nothing to checkpoint
     with pytest.raises(UsageError):
         apply_from_plan(torch.nn.Linear(2, 2), plan, 0)
+
+
+def peak_and_grads(model, n=4):
+    """The emulated meter's peak over one forward and backward (float64), and the gradients."""
+    x, y = batch(n)
+    meter = MemoryMeter(label="t", cap=None)
+    meter.set_fixed(model, None)
+    with meter.forward():
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return meter.peak, grads
+
+
+def test_the_first_k_blocks_only_same_gradients_and_a_peak_between_none_and_all():
+    none, g_none = peak_and_grads(gpt().double())
+    every = gpt().double()
+    checkpoint_blocks(every)
+    all_, _ = peak_and_grads(every)
+    peaks = []
+    for k in (1, 2, 3):
+        model = gpt().double()
+        assert checkpoint_blocks(model, count=k) == [f"blocks.{i}" for i in range(k)]
+        assert [is_checkpointed(b) for b in model.blocks] == [i < k for i in range(4)]
+        peak, g = peak_and_grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(g_none, g))      # recomputation replays the same ops
+        peaks.append(peak)
+    assert none > peaks[0] > peaks[1] > peaks[2] > all_, (none, peaks, all_)
+    assert checkpoint_blocks(gpt(), count=0) == []
+    with pytest.raises(UsageError, match="number of blocks"):
+        checkpoint_blocks(gpt(), count=-1)
+
+
+def test_apply_from_plan_checkpoints_the_plans_count_of_blocks():
+    plan = Plan(global_batch=8, devices=(
+        DevicePlan(rank=0, device="a", speed=1, share=4, micro_batch=4, checkpointing=True, checkpoint_blocks=2),
+        DevicePlan(rank=1, device="b", speed=1, share=4, micro_batch=4, checkpointing=True)))
+    m0 = gpt()
+    assert apply_from_plan(m0, plan, 0)[1] == ["blocks.0", "blocks.1"]
+    assert [is_checkpointed(b) for b in m0.blocks] == [True, True, False, False]
+    assert len(apply_from_plan(gpt(), plan, 1)[1]) == 4                  # None: every block
+    everywhere, names = apply_from_plan(gpt(), plan, 0, mode="all")   # 'all' overrides the count, recorded
+    assert len(names) == 4 and all(d.checkpoint_blocks is None for d in everywhere.devices)

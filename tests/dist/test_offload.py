@@ -1,0 +1,279 @@
+"""Optimizer-state offload on real gloo ranks: the same training as a single process stepping the
+whole global batch (float64, within 1e-12), on one rank or both, under sharding none, fsdp and
+capacity-full; a resume equal to the uninterrupted run; the emulated meter's peak lower by the
+state's bytes; and the one-line refusals (no host room, a plan needing offload under 'never', a
+layout it does not run under).
+
+Reference: one process, no hetrain, AdamW on the concatenation of every rank's samples of each step.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from nets import BlockNet
+from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
+from hetrain.planning.plan import DevicePlan, Plan
+
+pytestmark = pytest.mark.dist
+
+N, D = 192, 8
+PAIR = "a100-80g@64MiB,rtx3090@24MiB"
+STEPS = 3
+GAMMA = 0.7        # the resume's LR schedule: each step's rate differs, so a lost one shows
+
+
+def make_plan(offload=(False, False), shares=(24, 40), micros=(8, 40)) -> Plan:
+    return Plan(global_batch=sum(shares), devices=tuple(
+        DevicePlan(rank=r, device=f"cpu{r}", speed=1.0, share=s, micro_batch=m, offload_optimizer=o)
+        for r, (s, m, o) in enumerate(zip(shares, micros, offload))))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(N, D, generator=g, dtype=torch.float64),
+            torch.randn(N, 1, generator=g, dtype=torch.float64))
+
+
+def net():
+    torch.manual_seed(0)
+    return BlockNet(D, 16, 3).double()
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def full(t):
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None, cluster=PAIR,
+        schedule=False):
+    import hetrain
+    from hetrain.runtime.memory import offload
+    from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
+
+    if patch_host is not None:
+        offload.host_available_bytes = lambda: patch_host
+    x, y = data()
+    model = net()
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=sharding, max_steps=steps,
+                      precision="fp32", emulation=Emulation(cluster=cluster), reporting=Reporting(verbose=False),
+                      rebalancing=Rebalancing(enabled=False), timeout_s=60, memory=memory or Memory(),
+                      checkpoints=checkpoints or Checkpoints())
+    lines = []
+    ht.log.info = lines.append
+    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
+    if scheduler is not None:
+        ht.register_state("schedule", scheduler)
+    out = {"indices": [], "lines": lines, "offload": [d.offload_optimizer for d in ht.plan.devices],
+           "checkpointed": [is_checkpointed(b) for b in model.module.blocks]}
+    for step in batches:
+        for mb in step:
+            with mb:
+                bx, by = mb.batch
+                ht.backward(F.mse_loss(model(bx), by))
+        out["indices"].append(list(step.indices))
+        ht.step()
+        if scheduler is not None:
+            scheduler.step()
+    if hasattr(opt, "sharding"):
+        out["params"] = opt.sharding.full_parameters()
+        stepping = opt.optim
+    else:
+        out["params"] = {n: full(p) for n, p in model.module.named_parameters()}
+        stepping = opt
+    out["host_bytes"] = stepping.host_bytes() if hasattr(stepping, "host_bytes") else 0
+    out["strategy"] = ht.job.memory_plan.strategy
+    out["memory"] = ht.summary()["memory"]
+    ht.close()
+    return out
+
+
+def reference(step_indices, schedule=False):
+    x, y = data()
+    model = net()
+    opt = adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
+    for idx in step_indices:
+        idx = torch.tensor(idx)
+        F.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def steps_of(records):
+    out = [sum((r["indices"][s] for r in records), []) for s in range(len(records[0]["indices"]))]
+    assert all(len(i) == len(set(i)) for i in out)
+    return out
+
+
+def train_worker(rank, world, plan, sharding, memory):
+    return job(plan, STEPS, sharding=sharding, memory=memory)
+
+
+# -- exact math ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sharding", ["none", "fsdp", "capacity-full"])
+@pytest.mark.parametrize("where", ["rank 1", "both"])
+def test_offloaded_training_equals_one_process_big_batch_float64(sharding, where):
+    """24/40 split (rank 0 three micro-batches, rank 1 one); rank 1 offloads by its plan, or every
+    rank by Memory(offload_optimizer='always')."""
+    plan = make_plan((False, True))
+    memory = Memory(offload_optimizer="always") if where == "both" else None
+    records = run_ranks(train_worker, 2, plan, sharding, memory)
+    ref = reference(steps_of(records))
+    for r in records:
+        assert max_diff(r["params"], ref) <= 1e-12
+        assert r["offload"] == ([False, True] if where == "rank 1" else [True, True])
+    assert (records[0]["host_bytes"] > 0) == (where == "both")
+    assert records[1]["host_bytes"] > 0
+    said = [line for line in records[0]["lines"] if "on host" in line]   # rank 0 logs every rank's
+    assert any(line.startswith("optimizer state of rank 1 on host: ") and "cpu1 24.0 MiB" in line
+               for line in said), said
+
+
+def blocks_worker(rank, world, plan):
+    return job(plan, STEPS)
+
+
+def test_the_plans_block_count_is_checkpointed_beside_offload_and_stays_exact():
+    """Rank 0 checkpoints the first 2 of its 3 blocks, rank 1 every block and offloads."""
+    devices = tuple(replace(d, checkpointing=True, checkpoint_blocks=k)
+                    for d, k in zip(make_plan((False, True)).devices, (2, None)))
+    plan = Plan(global_batch=64, devices=devices)
+    records = run_ranks(blocks_worker, 2, plan)
+    assert [r["checkpointed"] for r in records] == [[True, True, False], [True, True, True]]
+    ref = reference(steps_of(records))
+    for r in records:
+        assert max_diff(r["params"], ref) <= 1e-12
+
+
+def auto_worker(rank, world, plan):
+    return job(plan, STEPS, sharding="auto", cluster="a100-80g@64MiB,rtx3090@48KiB")
+
+
+def test_auto_sharding_counts_the_offloaded_state_off_the_device():
+    """On a 48 KiB card the unsharded state and activations (54 KiB) do not fit, so sharding='auto'
+    shards; with rank 1's state on the host they fit unsharded (39 KiB), and auto stays at 'none'
+    rather than picking a sharding offload does not run under."""
+    sharded = run_ranks(auto_worker, 2, make_plan())
+    offloaded = run_ranks(auto_worker, 2, make_plan((False, True)))
+    assert sharded[0]["strategy"] not in ("none", "fsdp")
+    assert [r["strategy"] for r in offloaded] == ["none", "none"]
+    assert max_diff(offloaded[1]["params"], reference(steps_of(offloaded))) <= 1e-12
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+ALL, CUT = 4, 2
+
+
+def save_worker(rank, world, root, sharding):
+    out = job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
+              schedule=True)
+    if rank == 0:                    # as if the job had died after saving step CUT
+        shutil.rmtree(f"{root}/ck/step-{ALL:08d}")
+    return out
+
+
+def resume_worker(rank, world, root, sharding):
+    return job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
+               schedule=True)
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp", "capacity-full"])
+def test_resume_with_offload_equals_the_uninterrupted_run(tmp_path, sharding):
+    """Rank 1 offloads; an LR schedule registered with the job: the host optimizer's state and
+    hyperparameters both come back."""
+    saved = run_ranks(save_worker, 2, str(tmp_path), sharding)
+    resumed = run_ranks(resume_worker, 2, str(tmp_path), sharding)
+    for s, r in zip(saved, resumed):
+        assert len(r["indices"]) == ALL - CUT
+        assert max_diff(r["params"], s["params"]) <= 1e-12
+    assert max_diff(saved[0]["params"], reference(steps_of(saved), schedule=True)) <= 1e-12
+
+
+# -- the emulated meter ------------------------------------------------------------------------------
+def test_the_offloading_rank_peaks_lower_by_its_optimizer_state():
+    """AdamW holds exp_avg and exp_avg_sq, two float64 values a parameter: that many bytes leave
+    the emulated device of rank 1 (within 1%: the meter counts storages, the figure elements),
+    and rank 0, which keeps its state, peaks as before."""
+    without = run_ranks(train_worker, 2, make_plan(), "none", None)
+    offloaded = run_ranks(train_worker, 2, make_plan((False, True)), "none", None)
+    state = 2 * 8 * sum(p.numel() for p in net().parameters())
+    before, after = without[0]["memory"], offloaded[0]["memory"]
+    drop = before[1]["measured"] - after[1]["measured"]
+    assert abs(drop - state) <= 0.01 * state, (drop, state)
+    assert after[0]["measured"] == before[0]["measured"]
+    assert offloaded[1]["host_bytes"] >= state                      # the host holds it (and the copies)
+    assert after[1]["host"] == offloaded[1]["host_bytes"] and after[0]["host"] == 0    # the table's 'on host'
+    assert after[1]["planned"] == before[1]["planned"] - state      # the plan counts no state on the device
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+def refuse_worker(rank, world, plan, sharding, memory, host):
+    from hetrain.errors import UsageError
+
+    try:
+        job(plan, 1, sharding=sharding, memory=memory, patch_host=host)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line():
+    cases = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, "needs"),
+             (make_plan((False, True)), "none", Memory(offload_optimizer="never"), None, "'never'"),
+             (make_plan((True, False)), "zero1", None, None, "sharding='zero1'")]
+    for plan, sharding, memory, host, word in cases:
+        errors = run_ranks(refuse_worker, 2, plan, sharding, memory, host)
+        assert errors[0] == errors[1] and errors[0] is not None, errors       # every rank alike
+        assert "\n" not in errors[0] and word in errors[0], errors[0]
+        if host is not None:
+            assert "available" in errors[0] and "1.0 KiB" in errors[0], errors[0]
+
+
+def layout_worker(rank, world, parallel):
+    import hetrain
+    from hetrain.errors import UsageError
+
+    x, y = data()
+    ht = hetrain.init(global_batch=16, max_steps=1, precision="fp32", emulation=Emulation(cluster=PAIR),
+                      reporting=Reporting(verbose=False), memory=Memory(offload_optimizer="always"), timeout_s=60)
+    torch.manual_seed(0)
+    model = (torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                 torch.nn.Linear(16, 1)).double() if parallel == "pp" else
+             BlockNet(D, 16, 2, block=lambda h: torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.Tanh(),
+                                                                     torch.nn.Linear(2 * h, h))).double())
+    try:
+        ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y), parallel=parallel,
+                   loss_fn=F.mse_loss)
+    except UsageError as e:
+        return str(e)
+    finally:
+        ht.close()
+    return None
+
+
+@pytest.mark.parametrize("parallel", ["pp", "tp"])
+def test_offload_under_a_pipeline_or_tensor_parallelism_is_refused_naming_where_it_runs(parallel):
+    errors = run_ranks(layout_worker, 2, parallel)
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert f"this job runs parallel={parallel!r}" in errors[0] and "sharding 'none', 'fsdp'" in errors[0], errors[0]
