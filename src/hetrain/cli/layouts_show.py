@@ -63,7 +63,9 @@ def show_ranking(ranking: LayoutRanking, *, title: str) -> None:
         con.print(f"  {line}", markup=False)
     for r in ranking.rows:
         con.print(f"  {r.name}: {r.detail}", markup=False)
-    if ranking.best is None:
+    if ranking.best is None and any(r.fits for r in ranking.rows):
+        con.print(f"no layout parallel='auto' may run: {ranking.why}", markup=False)
+    elif ranking.best is None:
         con.print("no layout fits memory. What would make one fit:", markup=False)
         for line in ranking.to_fit:
             con.print(f"  • {line}", markup=False)

@@ -163,6 +163,10 @@ def plan(
         if ranking.best is not None:
             raise UsageError(e.what, f"plain data parallelism does not fit; the best layout that does: "
                              f"{ranking.best.name}, run it with {ranking.best.run}") from None
+        left = next((r for r in ranking.rows if r.fits), None)      # fits, but auto's rule leaves it out
+        if left is not None:
+            raise UsageError(e.what, f"only layouts auto leaves out fit ({'; '.join(ranking.left_out)}): "
+                             f"ask for {left.name} by name, {left.run}") from None
         raise UsageError("no layout fits memory on these devices", ranking.to_fit[0] if ranking.to_fit
                          else e.fix) from None
     if out:

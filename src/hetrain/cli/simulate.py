@@ -140,7 +140,7 @@ def simulate(
         if net_json is not None:
             out["topology"] = net_json
         typer.echo(json.dumps(out, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
-        if ranking is not None and ranking.best is None:
+        if ranking is not None and not any(r.fits for r in ranking.rows):
             raise typer.Exit(2)
         return
     where = cluster if len(cluster) <= 100 else (
@@ -153,7 +153,7 @@ def simulate(
         from .layouts_show import show_ranking
 
         show_ranking(ranking, title=f"every layout (simulated): {title}")
-        if ranking.best is None:
+        if not any(r.fits for r in ranking.rows):    # a row that fits but auto leaves out is said above
             raise UsageError("no layout fits memory on these devices", ranking.to_fit[0] if ranking.to_fit
                              else "use devices with more memory")
     elif sim is None:
