@@ -328,6 +328,8 @@ def test_simulate_fits_llama_8b_with_the_memory_savers_and_says_which_each_devic
     # the savers turned off: nothing fits again, and the advice names them first
     off = hetrain_here("simulate", "--cluster", "2xa100-80g,2xrtx3090", "--model", "llama-8b", "--offload", "none")
     assert off.returncode == 2 and "fix: optimizer-state offload to host memory (--offload plan)" in off.stderr
+    bare = hetrain_here("simulate", "--cluster", "2xa100-80g,2xrtx3090", "--model", "llama-8b", "--checkpointing", "none")
+    assert bare.returncode == 2 and "fix: activation checkpointing (--checkpointing plan)" in bare.stderr
 
 
 def test_plan_takes_the_host_memory_and_refuses_an_offload_it_has_no_room_for():

@@ -99,8 +99,6 @@ def plan(
     check_choice(checkpointing, CHECKPOINTINGS, "--checkpointing")
     savers = saver_options(offload, host_memory, checkpointing)
     if host_memory is None and not model_factory:     # an estimate: this host's available memory
-        from ..runtime.measure.measurements import host_memory_available
-
         savers["host_memory_bytes"] = host_memory_available()
     if micro_batch is not None:
         positive_int(micro_batch, "--micro-batch", "give a positive cap, or leave it out")
@@ -178,6 +176,24 @@ def plan(
     if ranking is not None:
         show_ranking(ranking, title=f"every layout: global batch {global_batch} over {len(profiles)} devices"
                      + (" (blocks unknown: pipelines not compared; pass --blocks N)" if not blocks else ""))
+
+
+def host_memory_available() -> float | None:
+    """This host's available memory in bytes (psutil, else /proc/meminfo's MemAvailable; None: unknown)."""
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _measure_in_job(factory: str, config: Config):

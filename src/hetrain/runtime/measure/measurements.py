@@ -116,24 +116,6 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         host_memory_bytes=host_memory_bytes)
 
 
-def host_memory_available() -> float | None:
-    """This host's available memory in bytes (psutil, else /proc/meminfo's MemAvailable; None: unknown)."""
-    try:
-        import psutil
-
-        return float(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def straggle(compute_s) -> float:
     """How far the last rank to finish a backward trails the ranks' average, as a fraction, when
     all start together on the same micro-batch size: `compute_s[rank][run]`, median over the runs;
