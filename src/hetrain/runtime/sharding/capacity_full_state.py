@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
+from .optim_slices import check_groups, elementwise, init_optimizer_state, restore_entries, restore_groups
 
 
 def _owners(seg, slot) -> list[int]:
@@ -51,8 +51,6 @@ def _groups(optimizer) -> list[dict]:
 
 def save_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.save. A collective."""
-    from .state import init_optimizer_state
-
     sharding, local = optimizer.sharding, optimizer.optim
     init_optimizer_state(local)
     model_sd = {k: v.detach() for k, v in _other_entries(model).items()}
@@ -85,8 +83,6 @@ def save_dicts(model, optimizer) -> tuple[dict, dict]:
 def load_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.load to fill: the whole entries of every parameter
     this rank owns a part of. Local."""
-    from .state import init_optimizer_state
-
     local = optimizer.optim
     init_optimizer_state(local)
     model_sd = {k: v.detach() for k, v in _other_entries(model).items()}

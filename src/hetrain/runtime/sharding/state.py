@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
+# init_optimizer_state lives in optim_slices.py (capacity_full_state.py needs it too); still importable from here.
+from .optim_slices import check_groups, elementwise, init_optimizer_state, restore_entries, restore_groups
 from .capacity import CapacityShardedOptimizer
 
 
@@ -168,27 +169,6 @@ def _groups(model: nn.Module, optimizer) -> list[dict]:
     names = {p: n for n, p in model.named_parameters()}
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
             for g in optimizer.param_groups]
-
-
-def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
-    """Create a fresh local optimizer's state (as DCP's get_state_dict does: one step with zero
-    gradients and lr 0), so that loading has tensors to fill; parameters and gradients unchanged."""
-    if optim.state:
-        return
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [g.get("lr") for g in optim.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optim.step()
-    for g, lr in zip(optim.param_groups, lrs):
-        if lr is not None:
-            g["lr"] = lr
-    for p, grad in zip(params, grads):
-        p.grad = grad      # the same tensor: capacity's gradient views stay views
 
 
 def _gather_straddling(model: nn.Module, optimizer: CapacityShardedOptimizer, pieces: list[Piece]) -> dict:
