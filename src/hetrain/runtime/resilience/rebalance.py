@@ -1,6 +1,6 @@
 """Online rebalancing: new shares from measured step times, the same decision on every rank.
 
-Every step each rank reports (through the step's one small all-reduce, runtime/ranks/agree.py) its busy
+Every step each rank sends (through the step's one small all-reduce, runtime/ranks/agree.py) its busy
 time in the micro-batches — compute only, never time spent waiting for peers — and the busy time
 of the rest of its step (optimizer). A device's micro-batch time is k_r · (α_r + b_r): α_r is the
 fixed overhead in sample-equivalents, from the time model measured before training (the model's

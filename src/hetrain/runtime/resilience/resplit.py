@@ -94,7 +94,7 @@ class Resplitter:
             self.trial.forget()
         self._streak, self._last = 0, None
         self._refused_streak, self._refused_last = 0, None
-        self._reported = None           # the refused split rank 0's log named last
+        self._logged = None             # the refused split rank 0's log named last
 
     # -- the splitter, at given speeds ------------------------------------------------------------
     def _devices(self, speeds: Sequence[float], *, memory: bool = True) -> list[StageDevice]:
@@ -194,9 +194,9 @@ class Resplitter:
         self._refused_streak = self._refused_streak + 1 if self._refused_last == free.sizes else 1
         self._refused_last = free.sizes
         short = f"{'/'.join(map(str, free.sizes))} (+{gain:.0%}) does not fit memory"
-        if self._refused_streak < self._needed(gain) or self._reported == free.sizes:
+        if self._refused_streak < self._needed(gain) or self._logged == free.sizes:
             return short
-        self._reported = free.sizes
+        self._logged = free.sizes
         fits = self._evaluate(plan, free.sizes, speeds)         # the same split, its memory checked
         taken = (f"keeping {'/'.join(map(str, self.sizes))}" if best is None or best.sizes == self.sizes
                  else f"the best split that fits is {'/'.join(map(str, best.sizes))}")

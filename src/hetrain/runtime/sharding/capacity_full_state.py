@@ -1,4 +1,4 @@
-"""Checkpoints under sharding='capacity-full', in the layout runtime/sharding/state.py describes:
+"""Checkpoints under sharding='capacity-full', in the format runtime/sharding/state.py describes:
 
     model   {parameter name: the whole tensor} for the sharded (trainable) parameters, and the
             module's own state_dict entries for the rest (buffers, frozen weights)
@@ -11,7 +11,7 @@ slice (no copy); the pieces of a straddling one are reduced onto the rank owning
 which contributes it whole. Every key is saved by one rank (DCP keeps plain tensors of disjoint
 keys once). At load, every rank asks DCP for the whole entries of the parameters it owns a part of
 now and keeps its part: whatever world size and fractions saved the checkpoint, each element lands
-on the rank that owns it in this job. Collective at save (every rank walks the same layout in the
+on the rank that owns it in this job. Collective at save (every rank walks the same slices in the
 same order); local at load.
 """
 
