@@ -45,8 +45,7 @@ def worker(args) -> dict:
     started = time.perf_counter()
     ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data, parallel=args.mode,
                loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    seconds = time.perf_counter() - started
-    got = {"prepare_s": seconds, "layout": ht.plan.describe_layout()}
+    got = {"prepare_s": time.perf_counter() - started, "layout": ht.plan.describe_layout()}
     ht.close()
     return got
 

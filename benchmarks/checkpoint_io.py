@@ -1,7 +1,7 @@
 """Checkpoint hashing and verification: rank 0 alone (the code before issue 14) against every rank
 its own share (runtime/resilience/store.py), on ~1 GiB of model + optimizer state, 2 gloo ranks.
 
-A stack of 4096x4096 Linear layers after one AdamW step (3 x 4 bytes a parameter), saved once
+A stack of 4096x4096 Linear layers with AdamW's state made (3 x 4 bytes a parameter), saved once
 (Checkpointer.save); then each way is timed on that checkpoint between the barriers peers wait in:
 
     save, before   rank 0 fsyncs and hashes every file; rank 1 waits in the barrier
@@ -67,6 +67,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, gib: float, roun
 
     from hetrain.runtime.resilience import manifest as mf
     from hetrain.runtime.resilience.store import Checkpointer, gather_all, hash_share
+    from hetrain.runtime.sharding.optim_slices import init_optimizer_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -74,11 +75,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, gib: float, roun
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()                      # the moments exist from here: 3 tensors a parameter
-    for p in model.parameters():
-        p.grad = None
+    init_optimizer_state(opt)       # the moments exist from here: 3 tensors a parameter
     ck = Checkpointer(directory, keep=2, rank=rank, log=Log())
     meta = {"step": 1, "sampler": {}, "plan": "{}", "rng": [], "model_signature": "bench", "global_batch": 1}
     save_s = timed(lambda: ck.save(1, model=model, optimizer=opt, meta=meta))
@@ -89,8 +86,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, gib: float, roun
             "save_after": lambda: gather_all(hash_share(path, rank, world)),
             "load_before": lambda: mf.verify(path) if rank == 0 else None,
             "load_after": lambda: ck.latest()}
-    times = {k: [] for k in ways}
-    cpu = {k: [] for k in ways}
+    times, cpu = {k: [] for k in ways}, {k: [] for k in ways}
     for _ in range(rounds):
         for k, fn in ways.items():
             times[k].append(timed(fn, cpu[k]))

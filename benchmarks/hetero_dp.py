@@ -145,20 +145,18 @@ def main() -> None:
     if args.warmup < 1:
         p.error("--warmup must be at least 1 (the first timed step's start is the last warm-up step's end)")
 
-    if not args.worker:
-        apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1,
-                    precision="fp32")
-        if args.rounds is None:
-            args.rounds = 7 if args.clock == "wall" else 3
-        if args.rounds < 1:
-            p.error(f"--rounds {args.rounds}: give at least 1")
-        resolve_clock(args, p, micro_batch=max(1, args.global_batch // 2))    # the pair's micro-batch
-
     if args.worker:
         sps, steps = (worker_plain if args.worker == "plain" else worker_hetrain)(args)
         if int(os.environ.get("RANK", 0)) == 0:
             Path(args.out).write_text(json.dumps({"samples_per_s": sps, "step_s": steps}))
         return
+    apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1,
+                precision="fp32")
+    if args.rounds is None:
+        args.rounds = 7 if args.clock == "wall" else 3
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1")
+    resolve_clock(args, p, micro_batch=max(1, args.global_batch // 2))    # the pair's micro-batch
 
     runs: dict[str, list[float]] = {name: [] for name in CONFIGS}       # whole timed window
     steady: dict[str, list[float]] = {name: [] for name in CONFIGS}     # at the run's median step

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags  # noqa: E402
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, interleaved  # noqa: E402
 from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
 from harness import free_port  # noqa: E402 — the tests' loopback port, as checkpoint_io.py uses
 
@@ -113,25 +113,19 @@ def main() -> None:
 
     apply_smoke(p, args, rounds=1, steps=2, warmup=1, global_batch=8, seq_len=16, d_model=32, layers=1)
     names = list(CONFIGS)
-    rounds: list[dict] = []
+    rounds: list[dict] = [{} for _ in range(args.rounds)]
     chosen = set()
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        got = {}
-        for name in order:
-            result = launch(name, args)
-            got[name] = result["samples_per_s"]
-            if name == "hetrain-auto":
-                chosen.add(result["compression"])
-            print(f"round {r + 1}/{args.rounds}  {name:15s} {got[name]:8.1f} samples/s", file=sys.stderr)
-        rounds.append(got)
+    for r, name in interleaved(names, args.rounds):
+        result = launch(name, args)
+        rounds[r][name] = result["samples_per_s"]
+        if name == "hetrain-auto":
+            chosen.add(result["compression"])
+        print(f"round {r + 1}/{args.rounds}  {name:15s} {rounds[r][name]:8.1f} samples/s", file=sys.stderr)
     median = {n: statistics.median(rd[n] for rd in rounds) for n in names}
     ratio = lambda a, b: statistics.median(rd[a] / rd[b] for rd in rounds)   # noqa: E731 — within a round
-    ratios = {"hetrain_vs_ddp_equal": ratio("hetrain", "ddp-equal"),
-              "hetrain_fp16_vs_ddp_equal": ratio("hetrain-fp16", "ddp-equal"),
-              "hetrain_fp16_vs_hetrain": ratio("hetrain-fp16", "hetrain"),
-              "ddp_equal_fp16_vs_ddp_equal": ratio("ddp-equal-fp16", "ddp-equal"),
-              "hetrain_auto_vs_hetrain": ratio("hetrain-auto", "hetrain")}
+    ratios = {f"{a}_vs_{b}".replace("-", "_"): ratio(a, b) for a, b in (
+        ("hetrain", "ddp-equal"), ("hetrain-fp16", "ddp-equal"), ("hetrain-fp16", "hetrain"),
+        ("ddp-equal-fp16", "ddp-equal"), ("hetrain-auto", "hetrain"))}
     print(f"\n2 nodes on loopback ({' | '.join(NODES)}), emulated inter-node link {args.link_gbs:g} GB/s, "
           f"global batch {args.global_batch}, {args.steps} timed steps, {args.rounds} round(s)")
     for n in names:

@@ -132,13 +132,10 @@ def main() -> None:
            "node_kinds": list(NODE_KINDS), "sizes": {}}
     for nodes in SIZES:
         spec, n = cluster_spec(nodes), nodes * 8
-        runs, chosen = [], ""
-        for _ in range(args.repeats):
-            t, chosen = plan_once(spec, args.model)
-            runs.append(t)
+        runs, chosen = map(list, zip(*(plan_once(spec, args.model) for _ in range(args.repeats))))
         median = {ph: statistics.median(r[ph] for r in runs) for ph in PHASES}
         total = statistics.median(sum(r.values()) for r in runs)
-        row = {"devices": n, "nodes": nodes, "global_batch": 8 * n, "layout": chosen,
+        row = {"devices": n, "nodes": nodes, "global_batch": 8 * n, "layout": chosen[-1],
                "phases_s": median, "total_s": total, "target_s": TARGETS[n],
                "verdict": verdict(total, TARGETS[n]), "runs": runs}
         if n == 1024:

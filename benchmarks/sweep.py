@@ -108,6 +108,7 @@ ENV = dict(os.environ)
 
 
 def main() -> None:
+    from _common import interleaved      # here: the workers load this file as the objective, without _common
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
@@ -125,16 +126,13 @@ def main() -> None:
     walls: dict[str, list[float]] = {"pair": [], "alone": []}
     per_device: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.rounds):
-            order = ("pair", "alone") if k % 2 == 0 else ("alone", "pair")
-            for side in order:
-                emulate = many if side == "pair" else "a100-80g"
-                got = run(emulate, args.trials, tmp, f"{side}{k}", args.clock)
-                walls[side].append(got["wall_s"])
-                per_device[f"{side}{k}"] = got["devices"]
-                print(f"round {k + 1}: {side:5s} {got['wall_s']:.1f} s  " + ", ".join(
-                    f"{d['device']}: {d['complete']} trials, {d['utilisation']:.0%} busy" for d in got["devices"])
-                    + "".join(f", group {g['group']}: {g['complete']} trials" for g in got["groups"]))
+        for k, side in interleaved(("pair", "alone"), args.rounds):
+            got = run(many if side == "pair" else "a100-80g", args.trials, tmp, f"{side}{k}", args.clock)
+            walls[side].append(got["wall_s"])
+            per_device[f"{side}{k}"] = got["devices"]
+            print(f"round {k + 1}: {side:5s} {got['wall_s']:.1f} s  " + ", ".join(
+                f"{d['device']}: {d['complete']} trials, {d['utilisation']:.0%} busy" for d in got["devices"])
+                + "".join(f", group {g['group']}: {g['complete']} trials" for g in got["groups"]))
     pair, alone = statistics.median(walls["pair"]), statistics.median(walls["alone"])
     ratio = pair / alone
     ideal = "1/2.34 = 0.427 before start-up and the group's sync" if args.mix else "1/1.67 = 0.599 before start-up"

@@ -24,8 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import (Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, hf_gpt2, interleaved,
-                     resolve_clock, torchrun)
+from _common import (Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, clock_s, flags, hf_gpt2,
+                     interleaved, resolve_clock, torchrun)
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
 CONFIGS = {   # name: (TensorParallel's split, cluster spec)
@@ -73,9 +73,9 @@ def worker(args) -> dict:
 
     torch.set_num_threads(1)
     ends: list[float] = []
-    clock = args.clock_ms / 1000 if args.clock_ms else None
     ht = hetrain.init(global_batch=args.global_batch, precision="fp32", max_steps=args.warmup + args.steps,
-                      emulation=Emulation(cluster=args.spec, sample_s=clock), reporting=Reporting(verbose=False))
+                      emulation=Emulation(cluster=args.spec, sample_s=clock_s(args)),
+                      reporting=Reporting(verbose=False))
     model, data = gpt2(args)
     model, _, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
                                      parallel=hetrain.TensorParallel(split=args.split))
@@ -122,8 +122,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
-        got = worker(args)
-        Path(f"{args.out}.{os.environ.get('RANK', '0')}").write_text(json.dumps(got))
+        Path(f"{args.out}.{os.environ.get('RANK', '0')}").write_text(json.dumps(worker(args)))
         return
     if args.clock == "auto":
         args.clock_ms, cpu_ms = calibrate_clock_ms(args)

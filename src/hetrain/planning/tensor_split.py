@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 from ..hardware.units import format_bytes
 from .collectives import allreduce_seconds
-from .ranking import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
 from .options import PlanOptions, ring_link
 from .profile import DeviceProfile
+from .rows import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
 from .shares import proportional_shares
 
 FAMILY = "TP by speed"

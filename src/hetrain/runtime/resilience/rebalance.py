@@ -1,6 +1,6 @@
 """Online rebalancing: new shares from measured step times, the same decision on every rank.
 
-Every step each rank reports (through the step's one small all-reduce, runtime/ranks/agree.py) its busy
+Every step each rank sends (through the step's one small all-reduce, runtime/ranks/agree.py) its busy
 time in the micro-batches — compute only, never time spent waiting for peers — and the busy time
 of the rest of its step (optimizer). A device's micro-batch time is k_r · (α_r + b_r): α_r is the
 fixed overhead in sample-equivalents, from the time model measured before training (the model's
@@ -36,9 +36,9 @@ drifts by more than the gain being judged. The figure is the step's imbalance, t
 rank's busy + fixed time over the ranks' mean (the median over the window, from the agreed table,
 so every rank judges alike): the total work of a step is the same at any split and a drift of
 the host's speed scales every rank alike, so the step time at the split is proportional to it
-while the drift cancels. Lower by at least `threshold / 2`: kept, and the rebalancer goes on.
-Higher by more than that: the shares go back. Either way short of a gain, it
-then holds: no further move until some rank's speed changes at unchanged shares (the `jump` test
+while the drift cancels (trial.py, shared with resplit.py). Lower by at least `threshold / 2`: kept,
+and the rebalancer goes on. Higher by more than that: the shares go back. Either way short of a
+gain, it then holds: no further move until some rank's speed changes at unchanged shares (the `jump` test
 below), which a split-dependent bias cannot fake and a real slowdown does at once.
 
 A move that paid leaves the rebalancer free, with one bound: the next move stays between the
@@ -62,20 +62,13 @@ from dataclasses import dataclass, replace
 
 from ...planning.plan import DevicePlan, Plan
 from ...planning.shares import balanced_shares, step_time
+from .trial import TrialHold, jumped
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     plan: Plan
     message: str
-
-
-def trial_verdict(now: float, before: float, threshold: float) -> str:
-    """A move on trial, judged by what it was meant to lower (a step's seconds, a stage's
-    imbalance): 'keep' if it fell by threshold / 2, 'back' if it rose by as much, else 'hold'."""
-    if now <= before * (1 - threshold / 2):
-        return "keep"
-    return "hold" if now < before * (1 + threshold / 2) else "back"
 
 
 class Rebalancer:
@@ -97,9 +90,10 @@ class Rebalancer:
         self.per_sample: list[list[float]] = [[] for _ in range(world_size)]
         self.fixed: list[list[float]] = [[] for _ in range(world_size)]
         self.alpha = [0.0] * world_size
-        self.steps: list[float] = []    # measured imbalance (slowest rank's work ÷ the mean), at these shares
-        self._trial: dict | None = None  # the move being judged: shares and measured step before it
-        self._holding = False           # a move did not pay: hold until a speed changes at fixed shares
+        # the measured imbalance (slowest rank's work ÷ the mean) at these shares, the move being
+        # judged (the shares before it, and the imbalance there), whether a move that did not pay holds
+        self.trial = TrialHold(threshold=threshold, window=window, min_samples=min_samples,
+                               back_key="shares", figure_key="step_s")
         self._came_from: list[int] | None = None   # the shares before the last move (the bracket's far end)
 
     # -- measurements -------------------------------------------------------------------------
@@ -119,18 +113,13 @@ class Rebalancer:
             ps, fx = self.per_sample[r], self.fixed[r]
             ps.append(busy_s[r] / (self.alpha[r] + samples))
             fx.append(max(fixed_s[r], 0.0))
-            if len(ps) >= self.min_samples + 3:
-                recent, earlier = ps[-3:], ps[:-3]
-                base = sum(earlier) / len(earlier)
-                if all(v > base * (1 + self.jump) for v in recent) or all(v < base / (1 + self.jump) for v in recent):
-                    del ps[:-3], fx[:-3]           # a new regime: forget the old speed
-                    self._holding, self._trial, self._came_from = False, None, None
-                    del self.steps[:-3]
+            if jumped(ps, min_samples=self.min_samples, jump=self.jump):
+                del ps[:-3], fx[:-3]           # a new regime: forget the old speed
+                self.trial.release()
+                self._came_from = None
             del ps[:-self.window], fx[:-self.window]
         if all(b > 0 for b in busy_s):
-            work = [b + max(f, 0.0) for b, f in zip(busy_s, fixed_s)]
-            self.steps.append(max(work) * len(work) / sum(work))
-            del self.steps[:-self.window]
+            self.trial.measure([b + max(f, 0.0) for b, f in zip(busy_s, fixed_s)])
 
     def estimates(self) -> tuple[list[float], list[float]] | None:
         """Seconds per sample and fixed seconds per step, per rank; None until enough data."""
@@ -148,9 +137,9 @@ class Rebalancer:
         t, f = est
         old = list(plan.shares)
         self._since_change += 1
-        if self._trial is not None:
+        if self.trial.judging:
             return self._judge(plan, t, step)
-        if self._holding:
+        if self.trial.holding:
             return None
         new = list(balanced_shares(plan.global_batch, t, f))
         before, after = step_time(old, t, f), step_time(new, t, f)
@@ -170,10 +159,9 @@ class Rebalancer:
         if self._came_from is not None and not _between(new, self._came_from, old):
             # Past where the last move came from: the model that proposed that move no longer
             # holds (see the module's docstring). Speeds did not jump, so hold.
-            self._streak, self._last, self._holding = 0, None, True
+            self._streak, self._last, self.trial.holding = 0, None, True
             return None
-        if len(self.steps) >= self.min_samples:
-            self._trial = {"shares": old, "step_s": statistics.median(self.steps)}
+        self.trial.start(old)
         timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample + {f[d.rank] * 1e3:.0f} ms/step"
                             for d in plan.devices)
         return self._move(plan, new, t, step, f"measured {timings}; predicted step {before * 1e3:.0f} -> "
@@ -182,17 +170,13 @@ class Rebalancer:
     def _judge(self, plan: Plan, t: list[float], step: int) -> Decision | None:
         """The move under trial, once enough steps ran at its shares: keep it if the measured
         imbalance fell by threshold / 2, else hold (and go back if it rose by as much)."""
-        if len(self.steps) < self.min_samples + 2:
+        judged = self.trial.judge()
+        if judged is None:
             return None
-        trial, self._trial = self._trial, None
-        now, before = statistics.median(self.steps), trial["step_s"]
-        verdict = trial_verdict(now, before, self.threshold)
-        if verdict == "keep":
-            return None                                    # it paid: rebalance on as before
-        self._holding = True
-        if verdict == "hold":
-            return None                                    # no measurable gain: stay, and hold
-        return self._move(plan, trial["shares"], t, step,
+        verdict, back, now, before = judged
+        if verdict != "back":
+            return None           # 'keep': it paid, rebalance on as before; 'hold': stay, and hold
+        return self._move(plan, back, t, step,
                           f"back: the move did not pay (slowest rank ×{now:.2f} the mean at "
                           f"{'/'.join(map(str, plan.shares))}, ×{before:.2f} before it); held "
                           f"there until a device's speed changes")
@@ -202,7 +186,7 @@ class Rebalancer:
         self._came_from = list(plan.shares)
         self.per_sample = [[] for _ in range(self.world_size)]   # evidence at the new shares only
         self.fixed = [[] for _ in range(self.world_size)]
-        self.steps = []
+        self.trial.restart()
         fastest = min(t)
         devices = tuple(_with_share(d, s, t[d.rank], fastest / t[d.rank], self.micro_batch_cap)
                         for d, s in zip(plan.devices, new))
@@ -213,8 +197,8 @@ class Rebalancer:
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"per_sample": self.per_sample, "fixed": self.fixed, "streak": self._streak,
-                "last": self._last, "since_change": self._since_change, "steps": self.steps,
-                "trial": self._trial, "holding": self._holding, "came_from": self._came_from}
+                "last": self._last, "since_change": self._since_change, "steps": self.trial.figures,
+                "trial": self.trial.pending, "holding": self.trial.holding, "came_from": self._came_from}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly where it was (same world size), so a resumed run rebalances at the same
@@ -223,8 +207,8 @@ class Rebalancer:
             self.per_sample = [list(v) for v in state["per_sample"]]
             self.fixed = [list(v) for v in state["fixed"]]
             self._streak, self._last, self._since_change = state["streak"], state["last"], state["since_change"]
-            self.steps = list(state.get("steps", []))   # checkpoints from before trials: no trial
-            self._trial, self._holding = state.get("trial"), state.get("holding", False)
+            self.trial.figures = list(state.get("steps", []))   # checkpoints from before trials: no trial
+            self.trial.pending, self.trial.holding = state.get("trial"), state.get("holding", False)
             self._came_from = state.get("came_from")
 
 

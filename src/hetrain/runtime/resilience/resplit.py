@@ -23,7 +23,7 @@ from the same table. The split changes only when, as rebalance.py's shares do:
     gain is under 3× the threshold: a burst of host load predicts a small gain, a device that
     halved its speed a large one), and `cooldown` steps passed since the last change.
 
-A change is a trial. Once `min_samples + 2` steps ran at the new split, the step's imbalance (the
+A change is a trial (trial.py, as rebalance.py's moves are). Once `min_samples + 2` steps ran at the new split, the step's imbalance (the
 busiest stage's busy time over the stages' mean, median over the window: a host whose speed drifts
 scales every stage alike, so it cancels) is compared with the imbalance before the move: lower by
 `threshold / 2`, kept; higher by as much, the blocks go back; either way short of a gain, the split
@@ -53,7 +53,8 @@ from ...hardware.units import format_bytes
 from ...planning.pipeline_split import (PipelineProfile, PipelineSplit, StageDevice, evaluate_split,
                                         split_pipeline)
 from ...planning.plan import Plan
-from .rebalance import Decision, trial_verdict
+from .rebalance import Decision
+from .trial import TrialHold, jumped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,18 +77,24 @@ class Resplitter:
         self.min_samples, self.confirm, self.cooldown = min_samples, confirm, cooldown
         self.p = len(sizing.devices)
         self._since_change = cooldown
+        # the busiest stage's busy time over the mean at this split, the move being judged (the
+        # split before it, and the imbalance there), whether a move that did not pay holds
+        self.trial = TrialHold(threshold=threshold, window=window, min_samples=min_samples,
+                               back_key="sizes", figure_key="imbalance")
         self._fresh(tuple(sizes))
 
-    def _fresh(self, sizes: tuple[int, ...]) -> None:
-        """Evidence at this split only (a stage's busy time depends on the blocks it runs)."""
+    def _fresh(self, sizes: tuple[int, ...], *, judging: bool = False) -> None:
+        """Evidence at this split only (a stage's busy time depends on the blocks it runs); a move's
+        trial and hold go on (`judging`), another change of split forgets them."""
         self.sizes = sizes
         self.speeds: list[list[float]] = [[] for _ in range(self.p)]
-        self.imbalance: list[float] = []
+        if judging:
+            self.trial.restart()
+        else:
+            self.trial.forget()
         self._streak, self._last = 0, None
         self._refused_streak, self._refused_last = 0, None
-        self._reported = None           # the refused split rank 0's log named last
-        self._trial: dict | None = None
-        self._holding = False
+        self._logged = None             # the refused split rank 0's log named last
 
     # -- the splitter, at given speeds ------------------------------------------------------------
     def _devices(self, speeds: Sequence[float], *, memory: bool = True) -> list[StageDevice]:
@@ -123,17 +130,12 @@ class Resplitter:
                 continue
             series = self.speeds[s]
             series.append(m * at_one.stages[s].seconds_per_micro / busy)
-            if len(series) >= self.min_samples + 3:
-                recent, earlier = series[-3:], series[:-3]
-                base = sum(earlier) / len(earlier)
-                if all(v > base * (1 + self.jump) for v in recent) or all(v < base / (1 + self.jump) for v in recent):
-                    del series[:-3]                 # a new regime: forget the old speed
-                    self._holding, self._trial = False, None
-                    del self.imbalance[:-3]
+            if jumped(series, min_samples=self.min_samples, jump=self.jump):
+                del series[:-3]                 # a new regime: forget the old speed
+                self.trial.release()
             del series[:-self.window]
         if all(b > 0 for b in busy_s):
-            self.imbalance.append(max(busy_s) * len(busy_s) / sum(busy_s))
-            del self.imbalance[:-self.window]
+            self.trial.measure(busy_s)
 
     def estimates(self) -> list[float] | None:
         """Each stage's measured speed (relative to the profile's speed 1); None until enough data."""
@@ -148,9 +150,9 @@ class Resplitter:
         if speeds is None or plan.replicas != 1 or len(plan.stage_blocks) != self.p:
             return None
         self._since_change += 1
-        if self._trial is not None:
+        if self.trial.judging:
             return self._judge(plan, speeds, step)
-        if self._holding:
+        if self.trial.holding:
             return None
         current = self._evaluate(plan, self.sizes, speeds)
         best = self._best(plan, speeds, memory=True)
@@ -166,8 +168,7 @@ class Resplitter:
         self._last = best.sizes
         if self._streak < self._needed(gain) or self._since_change < self.cooldown:
             return None
-        if len(self.imbalance) >= self.min_samples:
-            self._trial = {"sizes": list(self.sizes), "imbalance": statistics.median(self.imbalance)}
+        self.trial.start(list(self.sizes))
         return self._move(plan, best, current, speeds, step, f"measured speeds {self._speeds_text(speeds)}; "
                           f"predicted step {current.step_seconds * 1e3:.0f} -> {best.step_seconds * 1e3:.0f} ms "
                           f"(+{gain:.0%})" + (f"; {refused}" if refused else ""))
@@ -193,9 +194,9 @@ class Resplitter:
         self._refused_streak = self._refused_streak + 1 if self._refused_last == free.sizes else 1
         self._refused_last = free.sizes
         short = f"{'/'.join(map(str, free.sizes))} (+{gain:.0%}) does not fit memory"
-        if self._refused_streak < self._needed(gain) or self._reported == free.sizes:
+        if self._refused_streak < self._needed(gain) or self._logged == free.sizes:
             return short
-        self._reported = free.sizes
+        self._logged = free.sizes
         fits = self._evaluate(plan, free.sizes, speeds)         # the same split, its memory checked
         taken = (f"keeping {'/'.join(map(str, self.sizes))}" if best is None or best.sizes == self.sizes
                  else f"the best split that fits is {'/'.join(map(str, best.sizes))}")
@@ -214,23 +215,19 @@ class Resplitter:
     def _judge(self, plan: Plan, speeds: list[float], step: int) -> Decision | None:
         """The move under trial, once enough steps ran at its split: keep it if the measured
         imbalance fell by threshold / 2, else hold (and go back if it rose by as much)."""
-        if len(self.imbalance) < self.min_samples + 2:
+        judged = self.trial.judge()
+        if judged is None:
             return None
-        trial, self._trial = self._trial, None
-        now, before = statistics.median(self.imbalance), trial["imbalance"]
-        verdict = trial_verdict(now, before, self.threshold)
-        if verdict == "keep":
-            return None                                    # it paid: re-split on as before
-        self._holding = True
-        if verdict == "hold":
-            return None                                    # no measurable gain: stay, and hold
+        verdict, sizes, now, before = judged
+        if verdict != "back":
+            return None           # 'keep': it paid, re-split on as before; 'hold': stay, and hold
         current = self._evaluate(plan, self.sizes, speeds)
-        back = self._evaluate(plan, trial["sizes"], speeds)
+        back = self._evaluate(plan, sizes, speeds)
         decision = self._move(plan, back, current, speeds, step,
                               f"back: the move did not pay (busiest stage ×{now:.2f} the mean at "
                               f"{'/'.join(map(str, self.sizes))}, ×{before:.2f} before it); held there "
                               "until a stage's speed changes")
-        self._holding = True
+        self.trial.holding = True
         return decision
 
     def _move(self, plan: Plan, new: PipelineSplit, current: PipelineSplit, speeds: Sequence[float], step: int,
@@ -239,13 +236,11 @@ class Resplitter:
         failed = self.move(new, version)                   # a collective of the pipeline
         self._streak, self._last, self._since_change = 0, None, 0
         if failed is not None:                             # every rank saw the same refusal
-            self._trial, self._holding = None, True
+            self.trial.pending, self.trial.holding = None, True
             self.log.warn_job(f"pipeline re-split {'/'.join(map(str, self.sizes))} -> "
                               f"{'/'.join(map(str, new.sizes))} not made: {failed}")
             return None
-        trial, holding = self._trial, self._holding
-        self._fresh(new.sizes)                             # evidence at the new split only
-        self._trial, self._holding = trial, holding
+        self._fresh(new.sizes, judging=True)               # evidence at the new split only
         devices = tuple(replace(d, speed=v, predicted_memory_bytes=int(st.memory_bytes),
                                 reasons=(f"stage {st.index} of replica 0: blocks {st.start}-{st.stop - 1} "
                                          f"(re-split at step {step})", *d.reasons[1:]))
@@ -261,9 +256,9 @@ class Resplitter:
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"kind": "resplit", "sizes": list(self.sizes), "speeds": self.speeds, "imbalance": self.imbalance,
+        return {"kind": "resplit", "sizes": list(self.sizes), "speeds": self.speeds, "imbalance": self.trial.figures,
                 "streak": self._streak, "last": list(self._last) if self._last else None,
-                "since_change": self._since_change, "trial": self._trial, "holding": self._holding}
+                "since_change": self._since_change, "trial": self.trial.pending, "holding": self.trial.holding}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where it was when the resumed job runs the same split on as many stages (a
@@ -272,7 +267,7 @@ class Resplitter:
                 or len(state["speeds"]) != self.p:
             return
         self.speeds = [list(v) for v in state["speeds"]]
-        self.imbalance = list(state["imbalance"])
+        self.trial.figures = list(state["imbalance"])
         self._streak, self._since_change = state["streak"], state["since_change"]
         self._last = tuple(state["last"]) if state["last"] else None
-        self._trial, self._holding = state["trial"], state["holding"]
+        self.trial.pending, self.trial.holding = state["trial"], state["holding"]

@@ -1,4 +1,4 @@
-"""Checkpoints under sharding='capacity-full', in the layout runtime/sharding/state.py describes:
+"""Checkpoints under sharding='capacity-full', in the format runtime/sharding/state.py describes:
 
     model   {parameter name: the whole tensor} for the sharded (trainable) parameters, and the
             module's own state_dict entries for the rest (buffers, frozen weights)
@@ -11,7 +11,7 @@ slice (no copy); the pieces of a straddling one are reduced onto the rank owning
 which contributes it whole. Every key is saved by one rank (DCP keeps plain tensors of disjoint
 keys once). At load, every rank asks DCP for the whole entries of the parameters it owns a part of
 now and keeps its part: whatever world size and fractions saved the checkpoint, each element lands
-on the rank that owns it in this job. Collective at save (every rank walks the same layout in the
+on the rank that owns it in this job. Collective at save (every rank walks the same slices in the
 same order); local at load.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
+from .optim_slices import check_groups, elementwise, init_optimizer_state, restore_entries, restore_groups
 
 
 def _owners(seg, slot) -> list[int]:
@@ -51,8 +51,6 @@ def _groups(optimizer) -> list[dict]:
 
 def save_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.save. A collective."""
-    from .state import init_optimizer_state
-
     sharding, local = optimizer.sharding, optimizer.optim
     init_optimizer_state(local)
     model_sd = {k: v.detach() for k, v in _other_entries(model).items()}
@@ -85,8 +83,6 @@ def save_dicts(model, optimizer) -> tuple[dict, dict]:
 def load_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.load to fill: the whole entries of every parameter
     this rank owns a part of. Local."""
-    from .state import init_optimizer_state
-
     local = optimizer.optim
     init_optimizer_state(local)
     model_sd = {k: v.detach() for k, v in _other_entries(model).items()}

@@ -1,5 +1,6 @@
-"""Optimizer state held in slices (capacity and capacity-full sharding): which entries follow the
-slice's elements, and a checkpoint's per-parameter state put back into the slice a rank holds."""
+"""Optimizer state held in slices (capacity and capacity-full sharding): a fresh optimizer's state
+created, which entries follow the slice's elements, and a checkpoint's per-parameter state put back
+into the slice a rank holds."""
 
 from __future__ import annotations
 
@@ -41,3 +42,24 @@ def restore_entries(held: dict, saved: dict, local: torch.Tensor,
 def restore_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
     for mine, saved in zip(optimizer.param_groups, groups):
         mine.update({k: v for k, v in saved.items() if k != "params"})   # lr & co; the step copies them down
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create a fresh local optimizer's state (as DCP's get_state_dict does: one step with zero
+    gradients and lr 0), so that loading has tensors to fill; parameters and gradients unchanged."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optim.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optim.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optim.step()
+    for g, lr in zip(optim.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad      # the same tensor: capacity's gradient views stay views

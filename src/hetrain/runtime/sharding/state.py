@@ -1,8 +1,8 @@
-"""Model and optimizer state for checkpoints (resilience/store.py), in one layout under every sharding.
+"""Model and optimizer state for checkpoints (resilience/store.py), in one format under every sharding.
 
     model   torch.distributed.checkpoint's model state dict (FSDP2's DTensor shards, plain tensors
             elsewhere)
-    optim   DCP's own optimizer layout: {"state": {parameter name: {key: value}}, "param_groups":
+    optim   DCP's own optimizer format: {"state": {parameter name: {key: value}}, "param_groups":
             [{hyperparameters..., "params": [parameter names]}]}, every element-wise value shaped
             like its parameter
 
@@ -10,7 +10,7 @@ sharding none / fsdp: DCP's get_state_dict / set_state_dict.
 zero1: ZeroRedundancyOptimizer gives each parameter whole to one rank (its local `.optim`); that
     rank alone contributes the parameter's entries (DCP saves plain tensors per rank; the keys of
     different ranks are disjoint, so the checkpoint holds each entry once).
-capacity-full: capacity_full_state.py, the same layout (whole parameters too, from the slices).
+capacity-full: capacity_full_state.py, the same format (whole parameters too, from the slices).
 capacity: a rank owns a contiguous slice of each param group's flat buffer (capacity.py), so a
     parameter's state may straddle two or more ranks. At save the pieces of such a parameter are
     reduced onto the rank owning its first element, which contributes it whole.
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .optim_slices import check_groups, elementwise, restore_entries, restore_groups
+# init_optimizer_state lives in optim_slices.py (capacity_full_state.py needs it too); still importable from here.
+from .optim_slices import check_groups, elementwise, init_optimizer_state, restore_entries, restore_groups
 from .capacity import CapacityShardedOptimizer
 
 
@@ -66,7 +67,7 @@ def save_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     state = {p.name: {k: _part(v, p) for k, v in p.optim.state[p.local].items()} for p in pieces if p.whole}
     if isinstance(optimizer, CapacityShardedOptimizer):
         state.update(_gather_straddling(model, optimizer, pieces))
-    return _dcp_layout(model, optimizer, state)
+    return _dcp_format(model, optimizer, state)
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -80,7 +81,7 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
                           else (v.clone() if isinstance(v, torch.Tensor) else v))
                       for k, v in p.optim.state[p.local].items()}
              for p in _local_pieces(model, optimizer)}
-    return _dcp_layout(model, optimizer, state)
+    return _dcp_format(model, optimizer, state)
 
 
 def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, model_sd: dict, optim_sd: dict) -> None:
@@ -146,7 +147,7 @@ def _local_pieces(model: nn.Module, optimizer) -> list[Piece]:
     return pieces
 
 
-def _dcp_layout(model: nn.Module, optimizer, state: dict) -> tuple[dict, dict]:
+def _dcp_format(model: nn.Module, optimizer, state: dict) -> tuple[dict, dict]:
     return _dcp_state().get_model_state_dict(model), {"state": state, "param_groups": _groups(model, optimizer)}
 
 
@@ -170,30 +171,9 @@ def _groups(model: nn.Module, optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
-    """Create a fresh local optimizer's state (as DCP's get_state_dict does: one step with zero
-    gradients and lr 0), so that loading has tensors to fill; parameters and gradients unchanged."""
-    if optim.state:
-        return
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [g.get("lr") for g in optim.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optim.step()
-    for g, lr in zip(optim.param_groups, lrs):
-        if lr is not None:
-            g["lr"] = lr
-    for p, grad in zip(params, grads):
-        p.grad = grad      # the same tensor: capacity's gradient views stay views
-
-
 def _gather_straddling(model: nn.Module, optimizer: CapacityShardedOptimizer, pieces: list[Piece]) -> dict:
     """The whole entries of the parameters split over ranks, on the rank owning each one's first
-    element. A collective: every rank walks the same layout in the same order (the empty slice's
+    element. A collective: every rank walks the same slices in the same order (the empty slice's
     rank too), with the keys of its own slice's state (the same optimizer on every rank)."""
     names = {p: n for n, p in model.named_parameters()}
     mine = {p.name: p for p in pieces}
