@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..hardware.units import device_kinds
 from ..layout_spec import to_spec
-from .ranking import ORDER, LayoutRow, seconds
+from .rows import ORDER, LayoutRow, seconds
 
 PIPELINES = ("PP", "DP×PP")
 NO_OOM_RECOVERY = ("capacity-full", "TP", "TP by speed")     # an OOM there ends the attempt
@@ -159,7 +159,7 @@ def because(best: LayoutRow, runner: LayoutRow) -> str:
 def spec_of(row: LayoutRow) -> dict:
     """The layout object that runs a row of the ranking, as data (layout_spec.to_spec): the row says what runs."""
     from ..layout_spec import DataParallel, Pipeline, TensorParallel
-    from .ranking import FAMILIES
+    from .rows import FAMILIES
 
     sharding = {family: s for s, family in FAMILIES.items()}
     layout = (DataParallel(sharding=sharding[row.family]) if row.family in sharding

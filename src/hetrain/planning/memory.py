@@ -312,7 +312,7 @@ def choose_sharding(options: Sequence[ShardingOption], devices: Sequence[DeviceM
     chooser's (planning/chooser.py) over these options as DP-family rows: no speed is predicted
     here, so they tie and the simplest that fits wins."""
     from .chooser import Request, choose
-    from .ranking import FAMILIES, LayoutRow
+    from .rows import FAMILIES, LayoutRow
 
     rows = [LayoutRow(name=o.strategy, family=FAMILIES[o.strategy], fits=o.fits(devices),
                       samples_per_s=1.0 if o.fits(devices) else 0.0, memory=o.peak, comm_bytes=0.0, comm_s=0.0,

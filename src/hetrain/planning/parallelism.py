@@ -372,7 +372,7 @@ def stage_rows(profile: PipelineProfile, devices: Sequence[StageDevice], o, *, m
     the ranking counts them (core_sharing.on_shared_cores under PlanOptions `o`)."""
     from ..layout_spec import Pipeline, to_spec
     from .core_sharing import on_shared_cores
-    from .ranking import LayoutRow
+    from .rows import LayoutRow
 
     w, rows = len(devices), []
     for p in range(2, w // 2 + 1):

@@ -44,15 +44,13 @@ from .memory import state_bytes
 from .options import PlanOptions, ring_link
 from .savers import dp_plan, fit_with_offload, saver_cells, uses
 from .profile import DeviceProfile
-# In rows.py (a leaf tensor_split.py imports too), still importable from here.
-from .rows import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
+# In rows.py (a leaf the chooser, memory and tensor_split import too), still importable from here.
+from .rows import FAMILIES, ORDER, TP_COMM_PER_ACTIVATION, LayoutRow, seconds  # noqa: F401 (re-exported)
 
 # What one stage sends the next per sample, as a fraction of one block's saved activations: a
 # transformer block's output is s·h values (2 bytes at bf16) against ≈ 34·s·h bytes it keeps.
 BOUNDARY_PER_ACTIVATION = 2 / 34
 MAX_MICRO_BATCHES = 128           # pipelines: the most micro-batches tried per step
-ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP", "TP", "TP by speed")   # tensor_split.py
-FAMILIES = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2", "capacity-full": "capacity-full"}
 GATHERED = ("fsdp", "capacity-full")   # parameters gathered per unit: a rank that accumulates holds them whole
 
 
