@@ -141,6 +141,14 @@ class Plan:
             starts.append(starts[-1] + share)
         return tuple(starts[self.replica_of(d.rank)] for d in self.devices)
 
+    def layout_record(self) -> dict:
+        """The layout object this plan runs, as layout_spec.to_spec records it: what its `layout`
+        says (a plan for one pipeline is Pipeline(stages=None), replicas of k stages stages=k)."""
+        if self.layout in ("pp", "dp-pp"):
+            return {"kind": "Pipeline", "stages": None if self.layout == "pp" else self.group,
+                    "schedule": self.schedule or "1f1b"}
+        return {"kind": "TensorParallel" if self.layout == "tp" else "DataParallel"}
+
     def describe_layout(self) -> str:
         if self.layout == "dp":
             return f"data parallel over {self.world_size} device(s)"

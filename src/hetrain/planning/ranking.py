@@ -159,8 +159,8 @@ def _with_state(profiles, state: ModelState, sharding: str, o: PlanOptions, accu
 
 def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_excess_s: float | None = None) -> LayoutRow:
     family = FAMILIES[sharding]
-    run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
-           else f"hetrain.init(sharding={sharding!r})")
+    run = ("ht.prepare(..., parallel=hetrain.DataParallel()) (the planner keeps plain DP when it fits)"
+           if sharding == "none" else f"ht.prepare(..., parallel=hetrain.DataParallel(sharding={sharding!r}))")
     w = len(profiles)
     accumulating: frozenset[int] = frozenset()
     for _ in range(3):     # FSDP: a rank that accumulates holds whole parameters (wrap.py); re-plan it

@@ -36,7 +36,8 @@ from .resilience.store import Checkpointer
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None, forward: Callable, given_plan: Plan | None, parallel="auto",
                 loss_fn: Callable | None = None) -> None:
-    spec, given_plan = choose.resolve(parallel, given_plan)   # a shorthand or a Plan: its layout object, or 'auto'
+    # a shorthand or a Plan: its layout object, or 'auto'; a plan for another layout is refused here
+    spec, given_plan = choose.resolve(parallel, given_plan, world_size=job.world_size)
     open_data(job, dataset, collate_fn)
     job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
     # 'auto': every layout ranked on this job's measurements, as `hetrain plan` ranks them      (collective)

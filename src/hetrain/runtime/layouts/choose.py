@@ -17,7 +17,7 @@ Every rank decides from the same exchanged values, so all take the same branch.
 from __future__ import annotations
 
 from ...errors import UsageError, did_you_mean
-from ...layout_spec import LAYOUT_TYPES, DataParallel, Pipeline, TensorParallel
+from ...layout_spec import LAYOUT_TYPES, DataParallel, Pipeline, TensorParallel, from_spec, reconcile
 from ...planning.memory import state_bytes
 from ...planning.plan import Plan
 from ...vocabulary import PARALLEL_REQUESTS
@@ -31,10 +31,8 @@ _SHORTHANDS = {"dp": DataParallel(), "tp": TensorParallel(), "pp": Pipeline(), "
 LAYOUT_OBJECTS = "hetrain.DataParallel(...), hetrain.TensorParallel(...), hetrain.Pipeline(...)"
 
 
-def requested(parallel, given_plan: Plan | None) -> str:
-    """The layout asked for: a Plan's, or one of PARALLEL_REQUESTS (a one-line error otherwise)."""
-    if isinstance(parallel, Plan):
-        return parallel.layout
+def requested(parallel) -> str:
+    """The shorthand asked for, one of PARALLEL_REQUESTS (a one-line error otherwise)."""
     if not isinstance(parallel, str) or parallel not in PARALLEL_REQUESTS:
         alias = _ALIASES.get(parallel.lower().replace(" ", "")) if isinstance(parallel, str) else None
         hint = (f" (did you mean: {alias}?)" if alias else did_you_mean(parallel, PARALLEL_REQUESTS)) \
@@ -42,19 +40,27 @@ def requested(parallel, given_plan: Plan | None) -> str:
         raise UsageError(f"prepare(parallel={parallel!r}) is not a layout{hint}",
                          f"use {LAYOUT_OBJECTS}, one of {', '.join(PARALLEL_REQUESTS)}, or a Plan from "
                          "`hetrain plan --out`")
-    if parallel == "auto" and given_plan is not None:
-        return given_plan.layout
     return parallel
 
 
-def resolve(parallel, given_plan: Plan | None):
-    """(the layout object or 'auto', the Plan that fixes it or None): every shorthand resolved here."""
-    if isinstance(parallel, LAYOUT_TYPES):
-        return parallel, given_plan
+def resolve(parallel, given_plan: Plan | None, *, world_size: int):
+    """(the layout object or 'auto', the Plan that fixes it or None): every shorthand resolved
+    here. A Plan passed as `parallel` is the plan (it overrides init(plan=) for this prepare) and
+    runs its own layout, as 'auto' with a given plan does; an object or shorthand with a plan for
+    another layout is refused with both named (layout_spec.reconcile), one that agrees takes the
+    plan's values for the fields it left open (DataParallel's sharding, a pipeline's stage count)."""
     if isinstance(parallel, Plan):
-        given_plan = parallel
-    kind = requested(parallel, given_plan)
-    return ("auto" if kind == "auto" else _SHORTHANDS[kind]), given_plan
+        parallel, given_plan = "auto", parallel
+    asked_as = f"prepare(parallel={parallel!r})"
+    if not isinstance(parallel, LAYOUT_TYPES):
+        if requested(parallel) == "auto":
+            if given_plan is None:
+                return "auto", None
+            return from_spec(given_plan.layout_record()), given_plan
+        parallel = _SHORTHANDS[parallel]
+    if given_plan is not None:
+        parallel = reconcile(given_plan.layout_record(), parallel, world_size=world_size, asked_as=asked_as)
+    return parallel, given_plan
 
 
 def check_request(kind: str, *, world_size: int) -> None:

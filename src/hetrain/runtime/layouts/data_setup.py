@@ -34,7 +34,8 @@ from .tensor import TensorLayout
 
 
 class DataSetup:
-    """DataParallel: DDP, or the sharding the object (or the job's `sharding`) names."""
+    """DataParallel: DDP, or the sharding the object names (None: the planner's choice, made
+    when the model is wrapped: device_memory.wrap_for_plan)."""
 
     kind = "dp"
     loop_class = DataLayout
@@ -47,17 +48,17 @@ class DataSetup:
 
     @property
     def blocks_compression(self) -> str | None:
-        """Why gradient compression cannot run here (None: it can)."""
-        return None
+        """Why gradient compression cannot run here (None: it can): a sharding asked for (the
+        planner's own choice of one is settled after wrapping: comm_hooks.settle)."""
+        sharding = self.spec.sharding
+        return None if sharding in (None, "none") else f"parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        sharding = getattr(self.spec, "sharding", None)
-        if sharding is not None and sharding != job.config.sharding:   # the object's, over the job's setting
-            job.config = replace(job.config, sharding=sharding)
         if measured is None:          # parallel='auto' measured already (and set the model up for it)
             measure_setup(job, model, optimizer)
-        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,   # (collective)
-                                            measured=measured.measurements if measured is not None else None)
+        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.spec,   # (collective)
+                                            measured=measured.measurements if measured is not None else None,
+                                            blocked_by=self.blocks_compression)
         job.plan = self.adjust_plan(job)
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
@@ -85,7 +86,7 @@ class DataSetup:
         job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
 
     def wrap(self, job, model, optimizer, forward):
-        return memory.wrap_for_plan(job, model, optimizer, forward)                                 # (collective)
+        return memory.wrap_for_plan(job, model, optimizer, forward, strategy=self.spec.sharding)   # (collective)
 
     def settle(self, job, wrapped) -> Plan:
         """The compression this wrapper can run (comm_hooks.settle)."""
@@ -101,7 +102,7 @@ class TensorSetup(DataSetup):
 
     @property
     def blocks_compression(self) -> str | None:
-        return "parallel='tp'"
+        return f"parallel={self.spec!r}"
 
     def adjust_plan(self, job) -> Plan:
         if job.plan.layout == "tp":
@@ -162,15 +163,16 @@ def measure_setup(job, model, optimizer) -> None:
         checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
 
 
-def plan_split(job, model, optimizer, forward, given: Plan | None, kind: str = "dp", *,
-               measured=None) -> tuple[Plan, tuple | None]:
-    """The given plan (checked against this job), or every rank's measured profiles through the
-    same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
+def plan_split(job, model, optimizer, forward, given: Plan | None, spec, *, measured=None,
+               blocked_by: str | None = None) -> tuple[Plan, tuple | None]:
+    """The given plan (checked against this job and its layout object `spec`), or every rank's
+    measured profiles through the same pure planner (runtime/measure/joint.py). Returns the plan
+    and the profiles it was made from. `blocked_by`: what keeps gradient compression off."""
     if given is not None:
-        return check_given_plan(job, given), None
+        return check_given_plan(job, given, layout=spec), None
     if measured is None:
         measured = measure_job(job, model, optimizer, forward)
-    return plan_from_measurements(measured, job.config, layout=kind)
+    return plan_from_measurements(measured, job.config, blocked_by=blocked_by)
 
 
 def checkpoint_per_plan(job, model) -> Plan:

@@ -337,8 +337,8 @@ class PipelineSetup:
             parts = find_parts(model)
             profile, devices = measure_blocks(job, parts)                                            # (collective)
         profile = on_clock(job, profile)
-        if given_plan is not None and given_plan.layout == kind:
-            job.plan = check_given_plan(job, given_plan)
+        if given_plan is not None:    # run as given: a plan for another layout is refused, never re-planned
+            job.plan = check_given_plan(job, given_plan, layout=self.spec)
         else:
             stages = None if self.spec.stages in (None, "auto") else self.spec.stages
             job.plan = plan_pipeline(job, kind, parts, profile, devices,

@@ -235,15 +235,15 @@ def inter_node_link(m: Measurements) -> Link | None:
 
 
 def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
-                           link: Link | None = None, layout: str = "dp") -> tuple[Plan, tuple[DeviceProfile, ...]]:
+                           link: Link | None = None, blocked_by: str | None = None) -> tuple[Plan, tuple[DeviceProfile, ...]]:
     """The Plan a job with this Config runs on these measurements, and the profiles it was made
     from (the runtime keeps them for rebalancing and reports). Every rank of a job calls it on the
     same gathered measurements, so all hold the same Plan without a further exchange.
 
     The runtime leaves both keywords as they are: every rank's process is running, so each takes
     at least one sample, and the link is the one measured. `hetrain plan` passes
-    --allow-exclusion and --link-gbs through them. `layout`: what will run the plan ('dp', or
-    'tp' for a data-parallel plan tensor parallelism takes over: no gradient compression there).
+    --allow-exclusion and --link-gbs through them. `blocked_by`: what keeps gradient compression
+    off (the layout's word: a sharding asked for, or tensor parallelism taking the plan over).
 
     On a job of several nodes the plan's notes state the inter-node link, and the gradient
     compression is chosen (planning/compression.py; config.compression.method, 'auto' by default)."""
@@ -259,7 +259,7 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     plan = replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
                                        for d, p in zip(plan.devices, kept)),
                    note="; ".join(filter(None, [plan.note, fine_tuning_note(m)])))
-    return _link_and_compression(plan, m, config, options.link, layout), profiles
+    return _link_and_compression(plan, m, config, options.link, blocked_by), profiles
 
 
 def fine_tuning_note(m: Measurements) -> str:
@@ -272,7 +272,8 @@ def fine_tuning_note(m: Measurements) -> str:
             "only (no gradients, no optimizer state) and left out of the gradient sync")
 
 
-def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None, layout: str) -> Plan:
+def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None,
+                          blocked: str | None) -> Plan:
     """The inter-node link in the plan's notes, and the gradient compression chosen for it. A
     single-node job is left exactly as it was unless compression was asked for."""
     from ...planning import compression
@@ -286,8 +287,6 @@ def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Lin
             line += ": the ring's slowest link"
         plan = replace(plan, note="; ".join(filter(None, [plan.note, line])),
                        predicted={**plan.predicted, "inter_node_gbs": inter.bandwidth_gbs})
-    blocked = (f"parallel={layout!r}" if layout != "dp" else
-               f"sharding={config.sharding!r}" if config.sharding not in ("auto", "none") else None)
     choice = compression.choose(
         config.compression.method, grad_bytes=m.grad_bytes, ring=plan.world_size, link=link or FREE_LINK,
         step_s=plan.predicted.get("step_s", 0.0), exposed_s=plan.predicted.get("comm_exposed_s", 0.0),

@@ -157,7 +157,7 @@ def check_registered(job, given_optimizer) -> None:
         if holds(obj, given_optimizer):
             raise UsageError(
                 f"register_state({name!r}) before prepare() holds the optimizer that prepare() replaced "
-                f"(sharding={job.config.sharding!r} builds its own): it would drive the discarded one",
+                f"(the layout's sharding builds its own): it would drive the discarded one",
                 f"build it on the optimizer prepare() returns and call ht.register_state({name!r}, ...) after prepare()")
 
 
@@ -202,7 +202,7 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
         if smaller is None:   # every rank read the same record: all stop here together
             raise DoesNotFit(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
                              "1 sample in the previous attempt: the model does not fit there",
-                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or sharding='fsdp', "
+                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or parallel=hetrain.DataParallel(sharding='fsdp'), "
                              "a smaller model, "
                              "or a device with more memory")
         g = plan.group    # a pipeline or TP group runs one micro-batch size: all of it shrinks
