@@ -69,9 +69,13 @@ class Pipeline:
             raise UsageError(f"Pipeline(schedule={self.schedule!r}) is not a schedule",
                              f"use schedule= one of {', '.join(SCHEDULES)}")
 
+    def one_pipeline(self, world_size: int) -> bool:
+        """One pipeline over every device (else replicas of `stages` stages), on this many devices."""
+        return self.stages is None or self.stages == world_size
+
     def kind_for(self, world_size: int) -> str:
-        """'pp' (one pipeline over every device) or 'dp-pp' (replicas), on this many devices."""
-        return "pp" if self.stages is None or self.stages == world_size else "dp-pp"
+        """The Plan's `layout` word for it: 'pp' (one pipeline) or 'dp-pp' (replicas)."""
+        return "pp" if self.one_pipeline(world_size) else "dp-pp"
 
 
 LAYOUT_TYPES = (DataParallel, TensorParallel, Pipeline)
@@ -96,8 +100,15 @@ def from_spec(spec: dict):
         raise UsageError(f"layout record {spec!r}: {e}", f"use the fields of hetrain.{kind}") from None
 
 
-# A field left open (None, or Pipeline's stages='auto'): the plan's value fills it in.
-_OPEN = (None, "auto")
+
+
+def agrees(planned: dict, asked, *, world_size: int) -> bool:
+    """Whether a plan recorded for `planned` runs the layout object `asked` (reconcile, as a test)."""
+    try:
+        reconcile(planned, asked, world_size=world_size)
+    except UsageError:
+        return False
+    return True
 
 
 def describe_spec(spec: dict) -> str:
@@ -118,6 +129,8 @@ def reconcile(planned: dict, asked, *, world_size: int, asked_as: str | None = N
         if key == "kind" or not agree or key not in fields:
             continue
         mine = fields[key]
+        if value is None and key != "stages":    # the plan left it to the run (DataParallel's sharding)
+            continue
         if isinstance(asked, Pipeline) and key == "stages" and mine == "auto":
             agree = value is not None            # 'auto' is DP×PP: replicas, not one pipeline
             fields[key] = value

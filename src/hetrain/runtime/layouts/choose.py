@@ -63,10 +63,10 @@ def resolve(parallel, given_plan: Plan | None, *, world_size: int):
     return parallel, given_plan
 
 
-def check_request(kind: str, *, world_size: int) -> None:
-    """What 'dp' and 'tp' need of the job (a Pipeline's needs: check_pipeline)."""
-    if kind == "tp" and world_size < 2:
-        raise UsageError(f"parallel={kind!r} on one device: there is nothing to split the model over",
+def check_request(spec, *, world_size: int) -> None:
+    """What DataParallel and TensorParallel need of the job (a Pipeline's needs: check_pipeline)."""
+    if isinstance(spec, TensorParallel) and world_size < 2:
+        raise UsageError(f"parallel={spec!r} on one device: there is nothing to split the model over",
                          "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use parallel='dp'")
 
 

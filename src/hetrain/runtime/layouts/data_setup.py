@@ -16,6 +16,7 @@ from dataclasses import replace
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import UsageError
+from ...layout_spec import TensorParallel, to_spec
 from ...planning.plan import Plan
 from ..devices.link import throttle_for
 from ..loop import flops
@@ -37,14 +38,14 @@ class DataSetup:
     """DataParallel: DDP, or the sharding the object names (None: the planner's choice, made
     when the model is wrapped: device_memory.wrap_for_plan)."""
 
-    kind = "dp"
     loop_class = DataLayout
+    rebalances = True        # the shares move between ranks online (runtime/resilience/rebalance.py)
 
     def __init__(self, spec, loss_fn):
         self.spec, self.loss_fn = spec, loss_fn
 
     def check(self, job) -> None:
-        choose.check_request(self.kind, world_size=job.world_size)
+        choose.check_request(self.spec, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:
@@ -59,9 +60,14 @@ class DataSetup:
         job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.spec,   # (collective)
                                             measured=measured.measurements if measured is not None else None,
                                             blocked_by=self.blocks_compression)
-        job.plan = self.adjust_plan(job)
-        # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
-        return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
+        if given_plan is None:        # planned here: the layout's own form of it, and its record
+            job.plan = replace(self.adjust_plan(job), layout_spec=to_spec(self.spec))
+        return self.count_flops(job, model, forward)
+
+    def count_flops(self, job, model, forward):
+        """Rank 0's count of the model's FLOPs a sample, before wrapping: a forward of the plain
+        model runs no collective, so rank 0 counts alone."""
+        return flops.count_for(job, model, forward)
 
     def adjust_plan(self, job) -> Plan:
         return job.plan
@@ -83,7 +89,7 @@ class DataSetup:
         memory.show_wrapping(job.log, wrapped)
         if job.faults:                                # injected faults strike inside the compute (devices/hooks.py)
             job.hooks.attach_faults(model, block_type=cfg.memory.blocks, sharded=wrapped.strategy == "fsdp")
-        job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
+        job.rebalancer = make_rebalancer(cfg, job.world_size) if self.rebalances else None
 
     def wrap(self, job, model, optimizer, forward):
         return memory.wrap_for_plan(job, model, optimizer, forward, strategy=self.spec.sharding)   # (collective)
@@ -97,16 +103,17 @@ class DataSetup:
 class TensorSetup(DataSetup):
     """TensorParallel: every layer sharded over every rank, evenly or by speed (tensor.py)."""
 
-    kind = "tp"
     loop_class = TensorLayout
+    rebalances = False       # every rank computes the whole batch: no shares to move
 
     @property
     def blocks_compression(self) -> str | None:
         return f"parallel={self.spec!r}"
 
+    def count_flops(self, job, model, forward):
+        return None
+
     def adjust_plan(self, job) -> Plan:
-        if job.plan.layout == "tp":
-            return job.plan
         return tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
                            limit=job.config.memory.max_micro_batch)
 
@@ -150,7 +157,8 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
     devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro, speed=v,
                             reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, {why}",))
                     for d, v in zip(plan.devices, speeds))
-    return replace(plan, devices=devices, layout="tp", group=plan.world_size, compression="none")
+    return replace(plan, devices=devices, layout="tp", layout_spec=to_spec(TensorParallel(split=split)),
+                   group=plan.world_size, compression="none")
 
 
 def measure_setup(job, model, optimizer) -> None:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
+from ...layout_spec import Pipeline as LayoutPipeline
+from ...layout_spec import to_spec
 from ...hardware.host import usable_cores
 from ...planning.core_sharing import sharing, stretched_step
 from ...planning.parallelism import split_hybrid
@@ -95,13 +97,14 @@ def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) 
     return micro_batches            # checked when the Pipeline was made (layout_spec.py)
 
 
-def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
+def plan_pipeline(job, one: bool, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
                   stages: int | None, micro_batches: int | None) -> Plan:
     """The Plan of a pipeline layout (pure, from the agreed profile): blocks per stage, the
-    replicas' shares by throughput, each replica's micro-batch size."""
+    replicas' shares by throughput, each replica's micro-batch size. `one`: one pipeline over
+    every device (else replicas of `stages` stages, None: the best count)."""
     cfg, w = job.config, job.world_size
     factor = state_factor([*parts.blocks, parts.first, parts.last], optimizer_kind)   # frozen: weights only
-    if kind == "pp":
+    if one:
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput
         stages = _best_stages(profile, devices, w, cfg, schedule, factor, micro_batches)
@@ -113,13 +116,13 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
                          f"use at most {profile.n_blocks} stages (parallel=hetrain.Pipeline(stages=k) with fewer stages), or a model with more blocks")
     m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
     common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory.margin)
-    if kind == "pp":
+    if one:
         mu, n = micro_batch_cut(cfg.global_batch, m, stages=stages, schedule=schedule)
         split = plan_split(profile, devices, None, micro_batches=n, micro_batch_size=mu, **common)
-        splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, kind))
+        splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, one))
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
-        splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, kind))
+        splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, one))
     predicted = predict_step(job, splits, profile)
     plans = []
     for r, dev in enumerate(devices):
@@ -135,7 +138,9 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
             memory_cap_bytes=int(dev.memory_bytes) if dev.memory_bytes else None,
             predicted_memory_bytes=int(st.memory_bytes),
             reasons=(f"stage {stage} of replica {replica}: blocks {st.start}-{st.stop - 1}", *reasons)))
-    return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, group=stages,
+    spec = LayoutPipeline(stages=None if one else stages, micro_batches=m, schedule=schedule)
+    kind = spec.kind_for(w)
+    return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, layout_spec=to_spec(spec), group=stages,
                 stage_blocks=splits[0].sizes, schedule=schedule, predicted=predicted,
                 note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
 
@@ -245,10 +250,10 @@ NO_RESPLIT_HYBRID = ("no online re-split under DP×PP: the replicas average thei
                      "(parallel='pp' re-splits online)")
 
 
-def _resplit_reason(cfg, kind: str) -> tuple[str, ...]:
+def _resplit_reason(cfg, one: bool) -> tuple[str, ...]:
     if not cfg.rebalancing.enabled:
         return ()
-    return (RESPLIT_NOTE + "; Rebalancing(enabled=False) keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
+    return (RESPLIT_NOTE + "; Rebalancing(enabled=False) keeps this split",) if one else (NO_RESPLIT_HYBRID,)
 
 
 def make_resplitter(job, devices, optimizer_kind: str):
@@ -256,9 +261,9 @@ def make_resplitter(job, devices, optimizer_kind: str):
     (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
     replicas share one split), with Rebalancing(enabled=False), or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
-    if cfg.rebalancing.enabled and plan.layout == "dp-pp":
+    if cfg.rebalancing.enabled and plan.replicas > 1:       # DP×PP
         job.log.info(NO_RESPLIT_HYBRID)
-    if not cfg.rebalancing.enabled or plan.layout != "pp" or plan.world_size < 2 or pipe.profile is None:
+    if not cfg.rebalancing.enabled or plan.replicas > 1 or plan.world_size < 2 or pipe.profile is None:
         return None
     from ..resilience.resplit import Resplitter, Sizing
 
@@ -330,7 +335,6 @@ class PipelineSetup:
         from ..parallel.blocks import find_parts
         from ..measure.joint import check_given_plan
 
-        kind = self.spec.kind_for(job.world_size)
         if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
             parts, profile, devices = measured.pipeline_parts
         else:
@@ -341,7 +345,7 @@ class PipelineSetup:
             job.plan = check_given_plan(job, given_plan, layout=self.spec)
         else:
             stages = None if self.spec.stages in (None, "auto") else self.spec.stages
-            job.plan = plan_pipeline(job, kind, parts, profile, devices,
+            job.plan = plan_pipeline(job, self.spec.one_pipeline(job.world_size), parts, profile, devices,
                                      optimizer_kind=optimizer_kind(optimizer) or "adamw",
                                      schedule=self.spec.schedule, stages=stages,
                                      micro_batches=self.spec.micro_batches)

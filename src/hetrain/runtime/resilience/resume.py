@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...errors import DoesNotFit, UsageError
+from ...layout_spec import agrees, from_spec
 from ...planning.plan import Plan
 from . import oom as recovery
 from .store import Checkpointer, gather_all, model_signature, rng_state, set_rng_state
@@ -111,9 +112,10 @@ def adopt_plan(job, found: Found | None) -> Plan:
     plan = job.plan
     if found is not None:
         saved = Plan.from_json(found.meta["plan"])
-        same = (saved.layout, saved.group, saved.stage_blocks) == (plan.layout, plan.group, plan.stage_blocks)
+        same = agrees(saved.layout_record(), from_spec(plan.layout_record()), world_size=job.world_size) and \
+            (saved.group, saved.stage_blocks) == (plan.group, plan.stage_blocks)
         if saved.world_size == job.world_size and same:
-            plan = replace(saved, compression=plan.compression, devices=tuple(
+            plan = replace(saved, compression=plan.compression, layout_spec=plan.layout_spec, devices=tuple(
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,

@@ -28,11 +28,12 @@ def test_an_unknown_layout_is_one_line_naming_the_choices(value):
     ("dp", 1, None),
 ])
 def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, world, needle):
+    spec = choose.resolve(kind, None, world_size=world)[0]
     if needle is None:
-        choose.check_request(kind, world_size=world)
+        choose.check_request(spec, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_request(kind, world_size=world)
+        choose.check_request(spec, world_size=world)
     assert needle in e.value.what and e.value.fix
 
 
