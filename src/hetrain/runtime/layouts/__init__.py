@@ -4,10 +4,14 @@ The user names a layout with an object (hetrain.DataParallel, TensorParallel, Pi
 layout_spec.py) or a shorthand ('auto', 'dp', 'pp', 'dp-pp', 'tp', a Plan) that choose.resolve
 turns into one. Each layout owns its steps:
 
-    data_setup.py      DataParallel / TensorParallel: check, plan (measure, make the Plan), build
-                       (checkpointing, wrap, sync guard, rebalancer)
-    pipeline_setup.py  Pipeline: check, plan (measure the blocks, split), build (this rank's stage,
-                       the resplitter)
+    protocol.py        the Layout protocol (check, plan, build, describe, its loop class) and the
+                       RankLoop protocol of the loop objects
+    data_setup.py      DataSetup (DataParallel) and TensorSetup (TensorParallel, composing a
+                       DataSetup): check, plan (measure, make the Plan), build (checkpointing,
+                       wrap, sync guard, rebalancer)
+    pipeline_layouts.py  PipelineSetup (one pipeline) and HybridSetup (DP×PP replicas)
+    pipeline_setup.py  a pipeline's steps: measure the blocks, split, build this rank's stage,
+                       the resplitter
     data.py            the loop of DataParallel: the whole model on every rank (DDP, or a sharding)
     tensor.py          the loop of TensorParallel: a shard of every layer on every rank
     pipelined.py       the loop of Pipeline: one stage of one pipeline replica; the verbs drive the schedule

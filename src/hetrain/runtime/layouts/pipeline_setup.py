@@ -24,10 +24,7 @@ from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
 from ..parallel.blocks import PipelineParts
 from .choose import state_factor
-from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
-                                         unmeasured_profile)
-from ..model import PreparedModel
-from ..resilience import resume as persist
+from ..parallel.pipeline_sizing import (agreed_profile, device_table, param_names, plan_split, unmeasured_profile)
 from .pipelined import PipelineLayout
 
 if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is built, not by every job
@@ -257,12 +254,11 @@ def _resplit_reason(cfg, one: bool) -> tuple[str, ...]:
 
 
 def make_resplitter(job, devices, optimizer_kind: str):
-    """parallel='pp': what moves blocks between stages when a stage's measured speed changes
+    """Pipeline(): what moves blocks between stages when a stage's measured speed changes
     (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
-    replicas share one split), with Rebalancing(enabled=False), or on one device."""
+    replicas share one split: pipeline_layouts.HybridSetup says so), with
+    Rebalancing(enabled=False), or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
-    if cfg.rebalancing.enabled and plan.replicas > 1:       # DP×PP
-        job.log.info(NO_RESPLIT_HYBRID)
     if not cfg.rebalancing.enabled or plan.replicas > 1 or plan.world_size < 2 or pipe.profile is None:
         return None
     from ..resilience.resplit import Resplitter, Sizing
@@ -287,82 +283,3 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.o
 
     return rebuild_optimizer(optimizer, {p: p for p in pipe.parameters()}, who="a pipeline",
                              over="this stage's parameters", otherwise="")
-
-
-class StagedModel(PreparedModel):
-    """What prepare() returns under a pipeline: the user's model for state_dict and attributes;
-    parameters() are this stage's. It cannot be called: no rank holds the whole model."""
-
-    def forward(self, *args, **kwargs):
-        raise UsageError("under a pipeline layout the model is split over the ranks: calling it on one rank "
-                         "cannot compute the output", "compute the loss with ht.backward(ht.loss(mb)) (loss_fn= in prepare)")
-
-
-def show_split(job, pipe: Pipeline) -> None:
-    """The split as a table on rank 0 (every replica's stages gathered by the plan)."""
-    plan = job.plan
-    profile = pipe.profile
-    title = (f"{plan.layout}: {plan.describe_layout()}, {plan.devices[0].n_micro} micro-batches "
-             f"of {plan.devices[0].micro_batch}")
-    # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
-    show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)
-    got = plan.predicted
-    if "stage_stretch" in got:
-        job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
-                     f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
-                     f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
-
-
-class PipelineSetup:
-    """Pipeline(...): this rank's stage of one pipeline replica (one pipeline over every device,
-    or DP×PP's replicas). The same steps as data_setup.DataSetup, in the same order."""
-
-    def __init__(self, spec, loss_fn):
-        self.spec, self.loss_fn = spec, loss_fn
-        self.parts = self.profile = self.devices = None
-
-    def check(self, job) -> None:
-        from .choose import check_pipeline
-
-        check_pipeline(self.spec, loss_fn=self.loss_fn, world_size=job.world_size)
-
-    @property
-    def blocks_compression(self) -> str | None:
-        return "parallel=Pipeline(...)"
-
-    def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        from ..memory.device_memory import optimizer_kind
-        from ..parallel.blocks import find_parts
-        from ..measure.joint import check_given_plan
-
-        if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
-            parts, profile, devices = measured.pipeline_parts
-        else:
-            parts = find_parts(model)
-            profile, devices = measure_blocks(job, parts)                                            # (collective)
-        profile = on_clock(job, profile)
-        if given_plan is not None:    # run as given: a plan for another layout is refused, never re-planned
-            job.plan = check_given_plan(job, given_plan, layout=self.spec)
-        else:
-            stages = None if self.spec.stages in (None, "auto") else self.spec.stages
-            job.plan = plan_pipeline(job, self.spec.one_pipeline(job.world_size), parts, profile, devices,
-                                     optimizer_kind=optimizer_kind(optimizer) or "adamw",
-                                     schedule=self.spec.schedule, stages=stages,
-                                     micro_batches=self.spec.micro_batches)
-        self.parts, self.profile, self.devices = parts, profile, devices
-        return None
-
-    def build(self, job, model, optimizer, forward) -> None:
-        from ..memory.device_memory import optimizer_kind
-
-        job.plan = job.precision.record_in(job.plan)
-        job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
-                                                self.devices, self.loss_fn)                          # (collective)
-        pipe = job.layout.pipe
-        job.model = StagedModel(model, pipe.module, None)
-        job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay
-        job.rebalancer = make_resplitter(job, self.devices, optimizer_kind(optimizer) or "adamw")  # pp: blocks move online
-        persist.check_registered(job, optimizer)
-        if job.emulated is not None:
-            job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
-        show_split(job, pipe)
