@@ -199,3 +199,25 @@ def test_the_layout_comparison_rule_finds_what_it_is_for():
         assert LAYOUT_COMPARISON.search(line), line
     for line in ('layout="tp"', 'name = "dp"', 'return {"layout": plan.layout}', 'if parallel == "auto":'):
         assert not LAYOUT_COMPARISON.search(line), line
+
+
+# runtime/layouts/, bottom first: each module imports only the layout modules below it (no cycle:
+# choose imports the layout classes for 'auto', so they check through checks.py, not choose).
+LAYOUT_MODULES = ("protocol", "checks", "stage_state", "data", "tensor", "pipelined", "data_setup", "pipeline_setup",
+                  "pipeline_layouts", "ranking", "choose", "__init__")
+
+
+def test_runtime_layouts_modules_import_only_the_ones_below_them():
+    folder = SRC / "runtime" / "layouts"
+    assert {p.stem for p in folder.glob("*.py")} == set(LAYOUT_MODULES)
+    wrong = []
+    for path in sorted(folder.glob("*.py")):
+        me = LAYOUT_MODULES.index(path.stem)
+        for line, target, names in _imports(path):
+            if not target.startswith("hetrain.runtime.layouts"):
+                continue
+            parts = target.split(".")
+            used = [parts[3]] if len(parts) > 3 else names        # from . import data: the module named
+            wrong += [f"{path.name}:{line} imports {u}" for u in used
+                      if u in LAYOUT_MODULES and LAYOUT_MODULES.index(u) >= me]
+    assert not wrong, "runtime/layouts imports that point up or across (a cycle):\n" + "\n".join(wrong)

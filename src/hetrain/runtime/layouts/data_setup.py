@@ -29,7 +29,7 @@ from ..resilience import oom as recovery
 from ..resilience import resume as persist
 from ..resilience.rebalance import Rebalancer
 from ..sharding import comm_hooks
-from . import choose
+from .checks import check_request
 from .data import DataLayout
 from .tensor import TensorLayout
 
@@ -44,7 +44,7 @@ class DataSetup:
         self.spec, self.loss_fn = spec, loss_fn
 
     def check(self, job) -> None:
-        choose.check_request(self.spec, world_size=job.world_size)
+        check_request(self.spec, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:
@@ -114,7 +114,7 @@ class TensorSetup:
         self.data = DataSetup(DataParallel(sharding="none"), loss_fn)
 
     def check(self, job) -> None:
-        choose.check_request(self.spec, world_size=job.world_size)
+        check_request(self.spec, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:

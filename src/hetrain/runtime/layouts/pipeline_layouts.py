@@ -12,7 +12,7 @@ from ..measure.joint import check_given_plan
 from ..model import PreparedModel
 from ..parallel.pipeline_sizing import NOT_MEASURED, show
 from ..resilience import resume as persist
-from .choose import check_pipeline
+from .checks import check_pipeline
 from .pipeline_setup import (NO_RESPLIT_HYBRID, build_stage, make_resplitter, measure_blocks, on_clock,
                              plan_pipeline)
 from .pipelined import PipelineLayout

@@ -23,7 +23,7 @@ from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
 from ..parallel.blocks import PipelineParts
-from .choose import state_factor
+from .checks import state_factor
 from ..parallel.pipeline_sizing import (agreed_profile, device_table, param_names, plan_split, unmeasured_profile)
 from .pipelined import PipelineLayout
 

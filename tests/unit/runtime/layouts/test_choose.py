@@ -6,7 +6,7 @@ import pytest
 
 from hetrain.errors import UsageError
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain.runtime.layouts import choose
+from hetrain.runtime.layouts import checks, choose
 
 
 def test_a_known_shorthand_is_taken():
@@ -30,10 +30,10 @@ def test_an_unknown_layout_is_one_line_naming_the_choices(value):
 def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, world, needle):
     spec = choose.resolve(kind, None, world_size=world)[0]
     if needle is None:
-        choose.check_request(spec, world_size=world)
+        checks.check_request(spec, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_request(spec, world_size=world)
+        checks.check_request(spec, world_size=world)
     assert needle in e.value.what and e.value.fix
 
 
@@ -142,10 +142,10 @@ def test_a_pipeline_the_job_cannot_run_is_refused_when_prepare_sees_the_job(spec
     from hetrain import Pipeline
 
     if needle is None:
-        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+        checks.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+        checks.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
     assert needle in e.value.what and e.value.fix
 
 
