@@ -39,7 +39,7 @@ CLUSTERS = {"2dev": "a100-80g:1.0,rtx3090:0.67",
             "4dev": "a100-80g:1.0,a100-80g:1.0,rtx3090:0.67,rtx3090:0.67",
             "2dev-capped": "a100-80g:1.0,t4:0.35@24MiB",
             "3dev": "a100-80g:1.0,rtx3090:0.67,v100-32g:0.5"}
-LAYOUTS = {   # name: (cluster, prepare(parallel=...), Config.sharding, the ranking's row family)
+LAYOUTS = {   # name: (cluster, prepare(parallel=...), DataParallel's sharding, the ranking's row family)
     "dp": ("2dev", "dp", "none", "DP"),
     "fsdp": ("2dev", "dp", "fsdp", "FSDP2"),
     "capacity": ("2dev", "dp", "capacity", "DP + capacity"),
@@ -85,11 +85,12 @@ def worker(argv: list[str]) -> None:
     from hetrain.files import write_json_atomic
 
     ht = hetrain.init(global_batch=int(batch), max_steps=int(steps), seed=0, precision=precision,
-                      sharding=sharding, rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False),
+                      rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False),
                       emulation=Emulation(sample_s=None if clock == "wall" else float(clock),
                                           micro_s=None if micro == "none" else float(micro)))
     model, opt, data = factory()
-    layout = hetrain.TensorParallel(split="speed") if parallel == "tp" else parallel
+    layout = hetrain.TensorParallel(split="speed") if parallel == "tp" else \
+        hetrain.DataParallel(sharding=sharding) if parallel == "dp" else parallel
     model, opt, batches = ht.prepare(model, opt, data, parallel=layout, loss_fn=loss_fn)
     marks, _ = train_steps(ht, batches)
     summary = ht.summary()

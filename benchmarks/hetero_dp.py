@@ -102,7 +102,7 @@ def worker_hetrain(args) -> tuple[float, list[float]]:
     return sps, [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]   # from the last warm-up's end
 
 
-def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, object]:
+def timed_hetrain(args, marks: list | None = None, parallel="auto", **init) -> tuple[float, object]:
     """hetrain on the demo GPT: (samples/s over the timed steps, the plan it ran). `init`: more
     hetrain.init() settings (benchmarks/multi_node.py adds its link and compression); `marks`:
     gets the clock at every step's end (the first `warmup` ones included)."""
@@ -115,7 +115,7 @@ def timed_hetrain(args, marks: list | None = None, **init) -> tuple[float, objec
                       max_steps=args.warmup + args.steps, **init)
     model, data = _model_and_data(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, batches = ht.prepare(model, opt, data)
+    model, opt, batches = ht.prepare(model, opt, data, parallel=parallel)
     marks = [] if marks is None else marks
     seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: loss_of(m, *batch),
                           on_step=lambda step: marks.append(time.perf_counter()))

@@ -78,7 +78,7 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
         for r, (name, speed) in enumerate((("a100-80g", 1.0), ("rtx3090", 0.67)))))
     memory = Memory(oom_recovery=False, **({"margin": s["margin"]} if s["margin"] is not None else {}))
     ht = hetrain.init(global_batch=s["batch"], plan=plan, emulation=Emulation(cluster=SPEC), memory=memory,
-                      reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False), sharding=sharding,
+                      reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False),
                       max_steps=steps, precision=precision, timeout_s=120)    # each strategy runs exactly its plan
     torch.manual_seed(0)
     mdl = gpt(study, width)
@@ -87,7 +87,8 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
                                           torch.randint(0, VOCAB, (s["batch"] * steps, s["seq"]), generator=g))
     result = {"rank": rank, "status": "ok"}
     try:
-        model, opt, batches = ht.prepare(mdl, torch.optim.AdamW(mdl.parameters(), lr=1e-3), data)
+        model, opt, batches = ht.prepare(mdl, torch.optim.AdamW(mdl.parameters(), lr=1e-3), data,
+                                         parallel=hetrain.DataParallel(sharding=sharding))
         for step in batches:
             for mb in step:
                 with mb:

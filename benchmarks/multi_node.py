@@ -56,11 +56,12 @@ def worker_plain(args) -> tuple[float, str]:
 def worker_hetrain(args) -> tuple[float, str]:
     """hetrain's loop, timed (hetero_dp.timed_hetrain), on this node's devices (its launch file's
     --emulate), through the emulated link: (samples/s, the compression the plan ran)."""
-    from hetrain import Compression, Emulation, Reporting
+    from hetrain import Compression, DataParallel, Emulation, Reporting
 
     sps, plan = timed_hetrain(args, compression=Compression(method=args.compression),
                               emulation=Emulation(link_gbs=args.link_gbs),    # the devices: the launch file's
-                              reporting=Reporting(verbose=args.verbose), sharding="none")
+                              reporting=Reporting(verbose=args.verbose),
+                              parallel=DataParallel(sharding="none"))
     return sps, plan.compression
 
 

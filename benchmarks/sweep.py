@@ -75,8 +75,8 @@ def train_group(model, opt, x, y, ctx):
 
     # the same steps of the same batch, the batch split between the members by speed
     data = torch.utils.data.TensorDataset(x.repeat(STEPS, 1), y.repeat(STEPS, 1))
-    ht = hetrain.init(global_batch=BATCH, max_steps=STEPS, shuffle=False, sharding=ctx.sharding)
-    model, opt, batches = ht.prepare(model, opt, data)
+    ht = hetrain.init(global_batch=BATCH, max_steps=STEPS, shuffle=False)
+    model, opt, batches = ht.prepare(model, opt, data, parallel=hetrain.DataParallel(sharding=ctx.sharding))
     for step in batches:
         for mb in step:
             with mb:

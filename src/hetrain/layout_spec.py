@@ -1,7 +1,8 @@
 """What a user passes as prepare(parallel=...): a layout object, checked when it is made.
 
     hetrain.DataParallel(sharding=None)        the whole model on every rank; sharding None: the
-                                               job's `sharding` setting, else one of SHARDINGS
+                                               planner's choice (shard only when the model does not
+                                               fit), else one of SHARDINGS: the one place it is set
     hetrain.TensorParallel(split="even")       a shard of every layer on every rank: 'even' | 'speed'
     hetrain.Pipeline(stages=None, micro_batches=None, schedule="1f1b")
         stages None, or the world size: one pipeline over every device (the old 'pp');
@@ -31,7 +32,8 @@ class DataParallel:
     def __post_init__(self):
         if self.sharding is not None and self.sharding not in SHARDINGS:
             raise UsageError(f"DataParallel(sharding={self.sharding!r}) is not a sharding",
-                             f"use one of {', '.join(SHARDINGS)}, or None for the job's sharding setting")
+                             f"use one of {', '.join(SHARDINGS)}, or None for the planner's choice (shard only when "
+                             "the model does not fit)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,9 +69,13 @@ class Pipeline:
             raise UsageError(f"Pipeline(schedule={self.schedule!r}) is not a schedule",
                              f"use schedule= one of {', '.join(SCHEDULES)}")
 
+    def one_pipeline(self, world_size: int) -> bool:
+        """One pipeline over every device (else replicas of `stages` stages), on this many devices."""
+        return self.stages is None or self.stages == world_size
+
     def kind_for(self, world_size: int) -> str:
-        """'pp' (one pipeline over every device) or 'dp-pp' (replicas), on this many devices."""
-        return "pp" if self.stages is None or self.stages == world_size else "dp-pp"
+        """The Plan's `layout` word for it: 'pp' (one pipeline) or 'dp-pp' (replicas)."""
+        return "pp" if self.one_pipeline(world_size) else "dp-pp"
 
 
 LAYOUT_TYPES = (DataParallel, TensorParallel, Pipeline)
@@ -92,3 +98,49 @@ def from_spec(spec: dict):
         return types[kind](**fields)
     except TypeError as e:
         raise UsageError(f"layout record {spec!r}: {e}", f"use the fields of hetrain.{kind}") from None
+
+
+
+
+def agrees(planned: dict, asked, *, world_size: int) -> bool:
+    """Whether a plan recorded for `planned` runs the layout object `asked` (reconcile, as a test)."""
+    try:
+        reconcile(planned, asked, world_size=world_size)
+    except UsageError:
+        return False
+    return True
+
+
+def describe_spec(spec: dict) -> str:
+    """A layout record as the user writes the object, with the fields it records: Pipeline(stages=2)."""
+    return f"{spec.get('kind')}(" + ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "kind") + ")"
+
+
+def reconcile(planned: dict, asked, *, world_size: int, asked_as: str | None = None):
+    """The layout object that runs a plan recorded for `planned` (a Plan's layout record) when
+    prepare() asked for `asked` (a layout object): `asked` with its open fields taken from the
+    plan. A plan for another layout is refused with both named (UsageError). Pipeline's stages
+    are compared as planned: one pipeline over every device is stages=None."""
+    fields = {k: v for k, v in vars(asked).items()}
+    if isinstance(asked, Pipeline) and fields["stages"] == world_size:
+        fields["stages"] = None
+    agree = planned.get("kind") == type(asked).__name__
+    for key, value in planned.items():
+        if key == "kind" or not agree or key not in fields:
+            continue
+        mine = fields[key]
+        if value is None and key != "stages":    # the plan left it to the run (DataParallel's sharding)
+            continue
+        if isinstance(asked, Pipeline) and key == "stages" and mine == "auto":
+            agree = value is not None            # 'auto' is DP×PP: replicas, not one pipeline
+            fields[key] = value
+        elif mine is None and key != "stages":
+            fields[key] = value
+        elif mine != value:
+            agree = False
+    if not agree:
+        shown = asked_as or f"prepare(parallel={asked!r})"
+        raise UsageError(f"the plan is for {describe_spec(planned)} but {shown}",
+                         "drop one of them: the plan alone runs its layout; or re-plan for this layout "
+                         "(`hetrain plan --out`)")
+    return type(asked)(**fields)

@@ -173,14 +173,6 @@ def test_without_loss_fn_auto_leaves_the_pipelines_out_and_says_so():
         "(pass loss_fn= to ht.prepare())"]
 
 
-def test_an_explicit_sharding_in_the_config_is_the_only_data_parallel_row_auto_runs():
-    measured, blocks, _, _ = FAMILIES["DP"]            # roomy: plain DP would win
-    for sharding, family in (("zero1", "DP + ZeRO-1"), ("fsdp", "FSDP2"), ("capacity-full", "capacity-full")):
-        config = Config(global_batch=32, sharding=sharding)
-        auto, ranked = auto_layout(measured, config, facts=facts(blocks), blocks=blocks, has_loss_fn=True)
-        assert ranked.best.family == family and auto == DataParallel(sharding=sharding)
-
-
 def test_hetrain_plan_follows_the_jobs_oom_recovery_as_auto_does():
     """A 1B-parameter model on a 1 GB/s link: the gradient all-reduce dwarfs TP's activation
     all-reduces, so TP by speed predicts the most. With OOM recovery on (the default) `hetrain plan`

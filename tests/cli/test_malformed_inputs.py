@@ -361,18 +361,39 @@ SCRIPT_CASES = {
     "removed prepare keyword": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Linear(2, 2)\n"
                                 "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), [], parallel='pp', stages=2)",
                                 "parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)"),
+    "stages beyond the blocks": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Sequential("
+                                 "torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\nht.prepare(m, torch.optim.SGD("
+                                 "m.parameters(), lr=0.1), torch.utils.data.TensorDataset(torch.randn(16, 2), "
+                                 "torch.randn(16, 2)), parallel=hetrain.Pipeline(stages=99), "
+                                 "loss_fn=torch.nn.functional.mse_loss)", "99 stages need 99 devices, this job has 2"),
+    "bogus sharding": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Linear(2, 2)\n"
+                       "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), [], "
+                       "parallel=hetrain.DataParallel(sharding='bogus'))",
+                       "DataParallel(sharding='bogus') is not a sharding"),
+    "sharding in init": ("hetrain.init(global_batch=8, sharding='fsdp')",
+                         "ht.prepare(..., parallel=hetrain.DataParallel(sharding='fsdp'))"),
+    "plan for another layout": ("import torch\nht = hetrain.init(global_batch=8, plan='dp.json')\n"
+                                "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\n"
+                                "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), "
+                                "torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 2)), "
+                                "parallel=hetrain.Pipeline(), loss_fn=torch.nn.functional.mse_loss)",
+                                "the plan is for DataParallel() but prepare(parallel=Pipeline(stages=None"),
 }
 
 
 @pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "checkpoint_every",
                                   "plan file", "impossible stages", "stages beyond the job",
-                                  "removed prepare keyword"])
+                                  "removed prepare keyword", "stages beyond the blocks", "bogus sharding",
+                                  "sharding in init", "plan for another layout"])
 def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
     call, words = SCRIPT_CASES[case]
     (tmp_path / "hello.json").write_text('"hello"')
+    (tmp_path / "dp.json").write_text(Plan(global_batch=8, devices=tuple(     # a data-parallel plan, 2 devices
+        DevicePlan(rank=r, device=f"d{r}", speed=1.0, share=4, micro_batch=4) for r in range(2))).to_json())
     (tmp_path / "s.py").write_text(f"import hetrain\n{call}\n")
     emulate = ["--emulate", "a100-80g,rtx3090"] if case in ("negative global batch", "impossible stages",
-                                                            "stages beyond the job") else []
+                                                            "stages beyond the job", "stages beyond the blocks",
+                                                            "plan for another layout") else []
     r = hetrain("run", *emulate, "s.py", cwd=str(tmp_path), env={"HETRAIN_CACHE": str(tmp_path / "cache")})
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hetrain: error")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -56,11 +56,12 @@ def job(plan, steps, *, emulate, dtype=torch.float64, sharding="capacity-full", 
 
     x, y = data(dtype)
     model = net(dtype, **(net_kw or {}))
-    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=sharding, max_steps=steps,
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster=emulate), reporting=Reporting(verbose=False),
                       rebalancing=Rebalancing(enabled=False), timeout_s=60, **extra)
-    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
-    out = {"indices": [], "grads": [], "micro_counts": [], "strategy": ht.config.sharding}
+    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y),
+                                     parallel=hetrain.DataParallel(sharding=sharding))
+    out = {"indices": [], "grads": [], "micro_counts": [], "strategy": sharding}
     for step in batches:
         n = 0
         for mb in step:

@@ -66,13 +66,14 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
         offload.host_available_bytes = lambda: patch_host
     x, y = data()
     model = net()
-    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=sharding, max_steps=steps,
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster=cluster), reporting=Reporting(verbose=False),
                       rebalancing=Rebalancing(enabled=False), timeout_s=60, memory=memory or Memory(),
                       checkpoints=checkpoints or Checkpoints())
     lines = []
     ht.log.info = lines.append
-    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y))
+    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y),
+                                     parallel=hetrain.DataParallel(sharding=None if sharding == "auto" else sharding))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
     if scheduler is not None:
         ht.register_state("schedule", scheduler)
@@ -241,7 +242,7 @@ def refuse_worker(rank, world, plan, sharding, memory, host):
 def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line():
     cases = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, "needs"),
              (make_plan((False, True)), "none", Memory(offload_optimizer="never"), None, "'never'"),
-             (make_plan((True, False)), "zero1", None, None, "sharding='zero1'")]
+             (make_plan((True, False)), "zero1", None, None, "sharding 'zero1'")]
     for plan, sharding, memory, host, word in cases:
         errors = run_ranks(refuse_worker, 2, plan, sharding, memory, host)
         assert errors[0] == errors[1] and errors[0] is not None, errors       # every rank alike
@@ -276,4 +277,5 @@ def layout_worker(rank, world, parallel):
 def test_offload_under_a_pipeline_or_tensor_parallelism_is_refused_naming_where_it_runs(parallel):
     errors = run_ranks(layout_worker, 2, parallel)
     assert errors[0] == errors[1] and errors[0] is not None, errors
-    assert f"this job runs parallel={parallel!r}" in errors[0] and "sharding 'none', 'fsdp'" in errors[0], errors[0]
+    runs = {"pp": "Pipeline(", "tp": "TensorParallel("}[parallel]
+    assert f"this job runs {runs}" in errors[0] and "sharding='none' | 'fsdp'" in errors[0], errors[0]

@@ -57,11 +57,12 @@ def worker(rank, world, faults, log_dir, plan=PLAN, steps=STEPS):
 
     x, y = data()
     net = model()
-    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding="fsdp", max_steps=steps,
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster="a100-80g,rtx3090", faults=faults),
                       reporting=Reporting(verbose=False, sample_log=log_dir), rebalancing=Rebalancing(enabled=False))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    net, opt, batches = ht.prepare(net, opt, torch.utils.data.TensorDataset(x, y))
+    net, opt, batches = ht.prepare(net, opt, torch.utils.data.TensorDataset(x, y),
+                                   parallel=hetrain.DataParallel(sharding="fsdp"))
     guard = ht.job.guard
     record = {"indices": [], "issued": [], "template": None}
     for step in batches:

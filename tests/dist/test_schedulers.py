@@ -46,7 +46,7 @@ def run(world, *, sharding, steps, ckpt=None, before=False, misuse: list | None 
     with `misuse`, appends what register_state said to misuse after the loop."""
     import hetrain
 
-    ht = hetrain.init(global_batch=16, plan=make_plan(world), sharding=sharding, max_steps=steps,
+    ht = hetrain.init(global_batch=16, plan=make_plan(world), max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster=",".join(EMULATE.split(",")[:world])),
                       reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=CUT),
                       rebalancing=Rebalancing(enabled=False))
@@ -55,7 +55,7 @@ def run(world, *, sharding, steps, ckpt=None, before=False, misuse: list | None 
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     if before:     # the wrong way under sharding: drives the optimizer prepare() replaces
         ht.register_state("cosine", torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS))
-    model, opt, batches = ht.prepare(model, opt, dataset())
+    model, opt, batches = ht.prepare(model, opt, dataset(), parallel=hetrain.DataParallel(sharding=sharding))
     straddles = sharding == "capacity" and any(
         bounds[1] not in _param_ends(params) for params, bounds, _ in opt.layout())
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.001)

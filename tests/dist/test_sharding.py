@@ -57,13 +57,14 @@ def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=N
     x, y = data(dtype)
     model = model_for(dtype)
     extra = dict(extra or {})
-    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, sharding=strategy, max_steps=steps,
+    ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster=emulate, faults=extra.pop("faults", None)),
                       reporting=Reporting(verbose=False), **extra)
     warnings = []
     ht.log.warn = ht.log.warn_job = warnings.append
     opt = optimizer_for(opt_name, model.parameters())
-    model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))
+    model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y),
+                                     parallel=hetrain.DataParallel(sharding=strategy))
     record = {"indices": [], "grads": [], "micro_counts": [], "warnings": warnings,
               "optimizer": type(opt).__name__}
     for step in batches:
@@ -166,9 +167,9 @@ def test_sharding_with_one_device_is_explained_not_silent():
 def test_auto_shards_only_when_the_model_does_not_fit_and_stays_exact():
     """The 40-sample micro-batch's activations put the emulated 3090 (18.5 KiB) over its usable
     memory unsharded (8460 B of state + 8960 B of activations > 90% of 18944 B); splitting the
-    momentum evenly fits, so sharding='auto' picks ZeRO-1 — and training stays exact."""
+    momentum evenly fits, so DataParallel() (the planner's choice) picks ZeRO-1 — and training stays exact."""
     plan = make_plan((24, 40), (8, 40))
-    records = run_ranks(worker, 2, "auto", plan, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
+    records = run_ranks(worker, 2, None, plan, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
     assert [r["optimizer"] for r in records] == ["ZeroRedundancyOptimizer"] * 2
     check_equal_to_reference(records, plan, 2, "sgd", torch.float32, tol=1e-5)
 

@@ -92,11 +92,12 @@ def test_fsdp2_cpu_offload_gives_the_same_gradients():
 def engine_worker(rank, world, sharding):
     import hetrain
 
-    ht = hetrain.init(global_batch=8, max_steps=2, sharding=sharding, precision="auto",
+    ht = hetrain.init(global_batch=8, max_steps=2, precision="auto",
                       reporting=Reporting(verbose=False))
     data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    model, opt, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
+    model, opt, batches = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
+                                     parallel=hetrain.DataParallel(sharding=sharding))
     for step in batches:
         for mb in step:
             with ht.autocast():

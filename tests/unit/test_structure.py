@@ -243,3 +243,48 @@ def test_no_module_imports_another_modules_private_names():
             if private or any(part.startswith("_") and not part.startswith("__") for part in target.split(".")):
                 found.append(f"{path.relative_to(SRC)}:{line} from {target} import {', '.join(private) or '...'}")
     assert not found, "private names imported across modules (make them public, or move them):\n" + "\n".join(found)
+
+
+# A layout string compared: `plan.layout == "pp"`, `kind != 'tp'`, `x in ("pp", "dp-pp")`.
+LAYOUT_WORD = r"""["'](?:dp|pp|dp-pp|tp)["']"""
+LAYOUT_COMPARISON = re.compile(rf"""\.layout\s*(?:==|!=|\bin\b|\bnot in\b)|(?:==|!=)\s*{LAYOUT_WORD}|{LAYOUT_WORD}\s*(?:==|!=)"""
+                               rf"""|\bin\s*[(\[{{]\s*{LAYOUT_WORD}""")
+
+
+def test_no_runtime_code_compares_layout_strings():
+    """The runtime asks the layout object (runtime/layouts/) or the plan's record of it
+    (Plan.layout_record) which layout runs, never the words of Plan.layout."""
+    found = [f"{path.relative_to(SRC)}:{i}: {line.strip()}"
+             for path in sorted((SRC / "runtime").rglob("*.py")) for i, line in _code_lines(path)
+             if LAYOUT_COMPARISON.search(line)]
+    assert not found, "layout strings compared (ask the layout object instead):\n" + "\n".join(found)
+
+
+def test_the_layout_comparison_rule_finds_what_it_is_for():
+    for line in ('if plan.layout == "pp":', "x = kind != 'tp'", 'if job.plan.layout in ("pp", "dp-pp"):',
+                 'return "dp" == name'):
+        assert LAYOUT_COMPARISON.search(line), line
+    for line in ('layout="tp"', 'name = "dp"', 'return {"layout": plan.layout}', 'if parallel == "auto":'):
+        assert not LAYOUT_COMPARISON.search(line), line
+
+
+# runtime/layouts/, bottom first: each module imports only the layout modules below it (no cycle:
+# choose imports the layout classes for 'auto', so they check through checks.py, not choose).
+LAYOUT_MODULES = ("protocol", "checks", "stage_state", "data", "tensor", "pipelined", "data_setup", "pipeline_setup",
+                  "pipeline_layouts", "ranking", "choose", "__init__")
+
+
+def test_runtime_layouts_modules_import_only_the_ones_below_them():
+    folder = SRC / "runtime" / "layouts"
+    assert {p.stem for p in folder.glob("*.py")} == set(LAYOUT_MODULES)
+    wrong = []
+    for path in sorted(folder.glob("*.py")):
+        me = LAYOUT_MODULES.index(path.stem)
+        for line, target, names in _imports(path):
+            if not target.startswith("hetrain.runtime.layouts"):
+                continue
+            parts = target.split(".")
+            used = [parts[3]] if len(parts) > 3 else names        # from . import data: the module named
+            wrong += [f"{path.name}:{line} imports {u}" for u in used
+                      if u in LAYOUT_MODULES and LAYOUT_MODULES.index(u) >= me]
+    assert not wrong, "runtime/layouts imports that point up or across (a cycle):\n" + "\n".join(wrong)

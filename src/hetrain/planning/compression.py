@@ -140,7 +140,8 @@ def check_request(request: str, *, backend: str, blocked_by: str | None = None) 
     if blocked_by:
         raise UsageError(f"Compression(method={request!r}): gradient compression is a DDP communication hook of plain "
                          f"data parallelism, and this job runs {blocked_by}",
-                         "for compression use parallel='dp' with sharding='none', or leave Compression(method='auto')")
+                         "for compression use parallel=hetrain.DataParallel(sharding='none'), or leave "
+                         "Compression(method='auto')")
     if request == "bf16" and backend != "nccl":
         # torch's bf16_compress_hook raises TypeError on gloo (measured, torch 2.13): refused up front
         # rather than swapped for fp16, whose range (±65504) is not bf16's
@@ -160,7 +161,7 @@ def choose(request: str, *, grad_bytes: float, ring: int, link: Link, step_s: fl
         return CompressionChoice(name="none")        # one node: nothing new said
     if blocked_by:
         return CompressionChoice(name="none", reason=f"gradient compression none: this job runs {blocked_by} "
-                                 "(compression is for plain data parallelism, sharding='none')")
+                                 "(compression is for plain data parallelism, DataParallel(sharding='none'))")
     if ring <= 1:
         return CompressionChoice(name="none", reason="gradient compression none: one device, no gradient sync"
                                  + (f" (Compression(method={request!r}) asked for)" if request != "auto" else ""))

@@ -13,10 +13,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..vocabulary import COMPRESSIONS, LAYOUTS
 
-SCHEMA = 5
+SCHEMA = 6
 # 2 added predicted per-device figures and excluded devices, 3 the layout, 4 the gradient
-# compression, 5 the memory savers per device (all optional: older plans load with their defaults)
-READABLE_SCHEMAS = (1, 2, 3, 4, 5)
+# compression, 5 the memory savers per device, 6 the layout object's record (all optional: older
+# plans load with their defaults; a plan without the record reads its layout from `layout`)
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
+# Which layout object runs each `layout` (layout_spec.py's class names).
+LAYOUT_KINDS = {"dp": "DataParallel", "tp": "TensorParallel", "pp": "Pipeline", "dp-pp": "Pipeline"}
 
 
 
@@ -91,10 +94,15 @@ class Plan:
     # What DDP's gradient all-reduce sends (planning/compression.py chose it, the reason is in
     # `note`): none | fp16 | bf16 | powersgd (runtime/sharding/comm_hooks.py runs it).
     compression: str = "none"
+    # The layout object that runs it, as layout_spec.to_spec records it: {"kind": "DataParallel",
+    # "sharding": "fsdp"}. None (a plan of schema 5 or older): layout_record() reads `layout`.
+    layout_spec: dict | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if self.layout_spec is not None:
+            _check_layout_spec(self.layout_spec, self.layout)
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression {self.compression!r} is not one of {', '.join(COMPRESSIONS)}")
         if self.group < 1 or len(self.devices) % self.group:
@@ -140,6 +148,18 @@ class Plan:
         for share in self.replica_shares:
             starts.append(starts[-1] + share)
         return tuple(starts[self.replica_of(d.rank)] for d in self.devices)
+
+    def layout_record(self) -> dict:
+        """The layout object this plan runs, as layout_spec.to_spec records it: `layout_spec`, or
+        in an older plan what its `layout` says (a plan for one pipeline is Pipeline(stages=None),
+        replicas of k stages stages=k)."""
+        if self.layout_spec is not None:
+            return dict(self.layout_spec)
+        kind = LAYOUT_KINDS[self.layout]
+        if kind == "Pipeline":
+            return {"kind": kind, "stages": None if self.replicas == 1 else self.group,
+                    "schedule": self.schedule or "1f1b"}
+        return {"kind": kind}
 
     def describe_layout(self) -> str:
         if self.layout == "dp":
@@ -210,7 +230,8 @@ _PLAN_FIELDS = {"global_batch": (_is_int, True), "devices": (lambda v: True, Tru
                 "excluded": (lambda v: True, False), "layout": (lambda v: isinstance(v, str), False),
                 "group": (_is_int, False), "stage_blocks": (lambda v: isinstance(v, list) and all(map(_is_int, v)), False),
                 "schedule": (lambda v: isinstance(v, str), False),
-                "compression": (lambda v: isinstance(v, str), False)}
+                "compression": (lambda v: isinstance(v, str), False),
+                "layout_spec": (lambda v: v is None or isinstance(v, dict), False)}
 _DEVICE_FIELDS = {
     "rank": (_is_int, True), "device": (lambda v: isinstance(v, str), True),
     "speed": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, True),
@@ -222,6 +243,19 @@ _DEVICE_FIELDS = {
     "fixed_s": (_optional(_is_number), False), "reasons": (_is_str_list, False),
     "predicted_compute_s": (_optional(_is_number), False), "predicted_memory_bytes": (_optional(_is_int), False)}
 _EXCLUDED_FIELDS = {name: (lambda v: isinstance(v, str), name != "kind") for name in ("device", "reason", "fix", "kind")}
+
+
+def _check_layout_spec(spec: dict, layout: str) -> None:
+    """A layout record a layout object can be made from, of the family `layout` names (ValueError)."""
+    from ..errors import UsageError
+    from ..layout_spec import from_spec
+
+    try:
+        from_spec(spec)
+    except UsageError as e:
+        raise ValueError(f"the plan's layout_spec: {e.what}") from None
+    if spec.get("kind") != LAYOUT_KINDS[layout]:
+        raise ValueError(f"the plan's layout_spec {spec!r} is not a {layout!r} layout ({LAYOUT_KINDS[layout]})")
 
 
 def _expect(value, kind: type, what: str):

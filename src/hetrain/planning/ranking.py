@@ -125,8 +125,8 @@ def _ring(w: int) -> float:
 # -- data parallel, with or without sharding --------------------------------------------------
 def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_excess_s: float | None = None) -> LayoutRow:
     family = FAMILIES[sharding]
-    run = ("hetrain.init(...) as it is (sharding='auto' keeps plain DP when it fits)" if sharding == "none"
-           else f"hetrain.init(sharding={sharding!r})")
+    run = ("ht.prepare(..., parallel=hetrain.DataParallel()) (the planner keeps plain DP when it fits)"
+           if sharding == "none" else f"ht.prepare(..., parallel=hetrain.DataParallel(sharding={sharding!r}))")
     w = len(profiles)
     try:
         (plan, shaped, capped), offloaded, _ = fit_with_offload(

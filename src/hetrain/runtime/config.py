@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import UsageError, did_you_mean
-from ..vocabulary import LOSS_WEIGHTINGS, PRECISION_REQUESTS, SHARDING_REQUESTS
+from ..vocabulary import LOSS_WEIGHTINGS, PRECISION_REQUESTS
 from .config_groups import (GROUPS, Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting, as_group,
                             bad, check_types)
 
@@ -43,7 +43,16 @@ RENAMED: dict[str, tuple[str, str]] = {
 }
 # Keywords that left Config for a layout object, which prepare(parallel=...) takes (layout_spec.py):
 # how a layout runs is said where the layout is chosen.
-TO_LAYOUT = {"tp_split": "ht.prepare(..., parallel=hetrain.TensorParallel(split={value!r}))"}
+# The sharding has one home, DataParallel(sharding=): the layout is what runs it.
+TO_LAYOUT = {"tp_split": ("TensorParallel(split=...)", "ht.prepare(..., parallel=hetrain.TensorParallel(split={value!r}))"),
+             "sharding": ("DataParallel(sharding=...)",
+                          "ht.prepare(..., parallel=hetrain.DataParallel(sharding={value!r}))")}
+# A plan enters one way per level: init(plan=) for the job, prepare(parallel=plan) for one prepare.
+PLAN_WAYS = ("pass hetrain.init(plan=path_or_Plan) for the job, or ht.prepare(..., parallel=plan) for one "
+             "prepare")
+# What an integration's hetrain={...} holds beside Config's keywords: init's plan, and the sharding
+# of the DataParallel it runs (integration_layout maps it to the layout object).
+INTEGRATION_KEYWORDS = ("plan", "sharding")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,13 +66,9 @@ class Config:
     precision: str = "fp32"              # fp32 | auto (per device: bf16 where real, else fp16 + one
                                          # job-wide loss scale) | bf16 | fp16 autocast
     allow_fallback: bool = False         # a device that cannot run `precision` runs the nearest it can
-    sharding: str = "auto"               # auto: shard only when the model does not fit | none (DDP) | zero1
-                                         # | fsdp | capacity (optimizer state split by free memory)
-                                         # | capacity-full (parameters, gradients and state split so)
     max_steps: int | None = None         # stop after this many optimizer steps...
     epochs: float | None = None          # ...or after this many passes over the data (default 1)
     grad_clip: float | None = None       # clip the global gradient norm to this
-    plan: str | None = None              # path of a saved Plan (JSON) to run instead of splitting
     timeout_s: float = 600.0             # collective timeout: a hung peer becomes an error
     # the groups (config_groups.py); each also accepts a dict of its fields
     memory: Memory = field(default_factory=Memory)
@@ -87,8 +92,6 @@ class Config:
             raise bad(f"loss_weighting={self.loss_weighting!r}", f"use one of {LOSS_WEIGHTINGS}")
         if self.precision not in PRECISION_REQUESTS:
             raise bad(f"precision={self.precision!r}", f"use one of {PRECISION_REQUESTS}")
-        if self.sharding not in SHARDING_REQUESTS:
-            raise bad(f"sharding={self.sharding!r}", f"use one of {SHARDING_REQUESTS}")
         if self.max_steps is not None and self.max_steps < 0:
             raise bad(f"max_steps={self.max_steps}", "use a number of steps >= 0, or None")
         if self.epochs is not None and not self.epochs > 0:
@@ -97,11 +100,6 @@ class Config:
             raise bad(f"num_workers={self.num_workers}", "use 0 (read in this process) or a number of worker processes")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad(f"grad_clip={self.grad_clip}", "use a positive max norm, or None")
-        method = self.compression.method
-        if method not in ("auto", "none") and self.sharding not in ("auto", "none"):
-            raise bad(f"Compression(method={method!r}) with sharding={self.sharding!r}: gradient compression "
-                      "runs as a DDP communication hook of plain data parallelism only",
-                      "use sharding='none' (plain DDP, 'dp') for gradient compression, or Compression(method='auto')")
         if not self.timeout_s > 0:
             raise bad(f"timeout_s={self.timeout_s}", "use a positive number of seconds")
 
@@ -168,14 +166,32 @@ def check_keywords(keywords: dict[str, Any], *, where: str = "hetrain.init") -> 
            if k in RENAMED and (k not in known or (k == "compression" and isinstance(v, str)))}
     if old:
         raise renamed_error(old, where=where)
-    for name, value in keywords.items():
-        if name in TO_LAYOUT:
-            raise UsageError(f"{where}: {name}= is now part of the layout: TensorParallel(split=...)",
-                             f"remove {name}= and pass " + TO_LAYOUT[name].format(value=value))
+    refuse_moved(keywords, where=where)
     for name in keywords:
         if name not in known:
             raise UsageError(f"{where}: unknown keyword {name!r}{close_names(name)}",
                              f"remove {name}=, or use a keyword of hetrain.Config")
+
+
+def refuse_moved(keywords: dict[str, Any], *, where: str) -> None:
+    """A keyword that left Config for the layout object (TO_LAYOUT) or for init(plan=): one error
+    naming its place."""
+    for name, value in keywords.items():
+        if name in TO_LAYOUT:
+            layout, fix = TO_LAYOUT[name]
+            raise UsageError(f"{where}: {name}= is now part of the layout: {layout}",
+                             f"remove {name}= and pass " + fix.format(value=value))
+        if name == "plan":
+            raise UsageError(f"{where}: plan= is not a setting of the job's configuration", PLAN_WAYS)
+
+
+def integration_layout(keywords: dict[str, Any]):
+    """An integration's hetrain={...} (the HF Trainer, Fabric, Accelerate: data parallelism only)
+    as (init's keywords, the layout object prepare() runs): its `sharding` is DataParallel's."""
+    from ..layout_spec import DataParallel
+
+    rest = {k: v for k, v in keywords.items() if k != "sharding"}
+    return rest, DataParallel(sharding=keywords.get("sharding"))
 
 
 def close_names(name: str) -> str:
@@ -190,6 +206,20 @@ def make_config(keywords: dict[str, Any], *, where: str = "hetrain.init") -> Con
     """Config from keywords as any entry point has them, each problem one UsageError naming the fix."""
     check_keywords(keywords, where=where)
     return Config(**keywords)
+
+
+def _refusing_moved(init):
+    """Config(sharding=...) and Config(plan=...) name their new place in one line, as init's do,
+    rather than Python's unexpected-keyword TypeError."""
+    def __init__(self, **keywords):
+        refuse_moved(keywords, where="hetrain.Config")
+        init(self, **keywords)
+
+    __init__.__wrapped__ = init
+    return __init__
+
+
+Config.__init__ = _refusing_moved(Config.__init__)
 
 
 __all__ = ["Config", "Checkpoints", "Compression", "Emulation", "Memory", "Rebalancing", "Reporting", "RENAMED",

@@ -80,7 +80,7 @@ class Engine:
             log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
-        self._given_plan = plan if plan is not None else read_plan_file(config.plan)
+        self._given_plan = plan
         self._loop = StepLoop(self.job)
         self._stats = RunStats(ctx.world_size)
         self._loop.on_step = self._stats.add
@@ -227,15 +227,15 @@ class Engine:
 
 def init(*, plan: Plan | str | None = None, **config) -> Engine:
     """Join the job and read its configuration. Keyword arguments: see hetrain.runtime.config.Config;
-    `plan` (a Plan, or the path of one saved as JSON) fixes every rank's share and micro-batch."""
+    `plan` (a Plan, or the path of one saved as JSON) fixes every rank's share and micro-batch for
+    the job, and its layout (prepare(parallel=plan) is the other way in, for one prepare)."""
     install_excepthook(*env_rank(), lambda: None)   # before the config is checked: bad input is one line
     check_keywords(config)       # an old keyword: one error naming its new place
     if "global_batch" not in config:
         raise UsageError("hetrain.init: no global_batch given", "pass global_batch=N, the samples per optimizer "
                          "step over all devices")
     if isinstance(plan, str):
-        config["plan"] = plan
-        plan = None
+        plan = read_plan_file(plan)
     elif plan is not None and not isinstance(plan, Plan):
         raise UsageError(f"hetrain.init: plan={plan!r} is neither a Plan nor a path",
                          "pass the path of a file `hetrain plan --out` wrote, or a Plan")

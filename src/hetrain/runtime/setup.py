@@ -1,9 +1,9 @@
 """prepare(), in order: small functions over the job record (job.py), each taking what it needs
 and returning what it makes. `prepare_job` is the whole order in one place, the same for every
-layout: the layout object (layout_spec.py) owns its check, plan and build steps
-(runtime/layouts/data_setup.py, pipeline_setup.py), so nothing here asks which layout it is. The
-comment on each line says why it comes where it does. Lines marked (collective) are entered by
-every rank.
+layout: the layout object (layout_spec.py) has one class behind the Layout protocol
+(runtime/layouts/protocol.py) that owns its check, plan and build steps, so nothing here asks
+which layout it is. The comment on each line says why it comes where it does. Lines marked
+(collective) are entered by every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from .devices.link import check_link_request
 from .job import Job
 from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
-from .layouts.pipeline_setup import PipelineSetup
+from .layouts.pipeline_layouts import HybridSetup, PipelineSetup
+from .layouts.protocol import Layout
 from .loop import flops, metrics
 from .loop.workers import MicroBatchReader
 from .loop.sampler import GlobalCursorSampler
@@ -37,12 +38,13 @@ from .resilience.store import Checkpointer
 def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None, forward: Callable, given_plan: Plan | None, parallel="auto",
                 loss_fn: Callable | None = None) -> None:
-    spec, given_plan = choose.resolve(parallel, given_plan)   # a shorthand or a Plan: its layout object, or 'auto'
+    # a shorthand or a Plan: its layout object, or 'auto'; a plan for another layout is refused here
+    spec, given_plan = choose.resolve(parallel, given_plan, world_size=job.world_size)
     open_data(job, dataset, collate_fn)
     job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
     # 'auto': every layout ranked on this job's measurements, as `hetrain plan` ranks them      (collective)
     spec, measured = choose.decide(job, spec, model, optimizer, forward, loss_fn)
-    layout = setup_for(spec, loss_fn)                 # the layout's own plan and build steps
+    layout = setup_for(spec, loss_fn, world_size=job.world_size)   # the layout's own check, plan and build
     layout.check(job)                                 # what the layout needs of this job: before anything is built
     check_link_request(job)                           # Emulation.link_gbs on real GPUs: refused here
     check_compression_request(job.config.compression.method, backend=job.ctx.backend, blocked_by=layout.blocks_compression)
@@ -58,16 +60,19 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.flops = flops.agree_flop_facts(job, counted)  # MFU's parts, on every rank            (collective)
     show_plan(job.log, job.plan, job.total_steps, computes={      # what an emulated device computes in
         e["device"]: e["compute"] for e in job.precision.all_choices if e["compute"] != e["precision"]})
-    job.log.info(f"layout: {job.plan.describe_layout()}")
+    job.log.info(f"layout: {layout.describe(job)}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
     job.met_at = time.perf_counter()                  # the first step's period starts here, on every rank
     freeze_heap()
 
 
-def setup_for(spec, loss_fn):
-    """The plan-and-build steps of a layout object (layout_spec.py), looked up by its type."""
-    return {DataParallel: DataSetup, TensorParallel: TensorSetup, Pipeline: PipelineSetup}[type(spec)](spec, loss_fn)
+def setup_for(spec, loss_fn, *, world_size: int) -> Layout:
+    """The Layout class (runtime/layouts/protocol.py) of a layout object (layout_spec.py): one per
+    layout, a Pipeline's by whether it is one pipeline over every device or DP×PP's replicas."""
+    if isinstance(spec, Pipeline):
+        return (PipelineSetup if spec.one_pipeline(world_size) else HybridSetup)(spec, loss_fn)
+    return {DataParallel: DataSetup, TensorParallel: TensorSetup}[type(spec)](spec, loss_fn)
 
 
 def prepare_to_measure(job: Job, model, optimizer, dataset, collate_fn: Callable | None) -> None:

@@ -46,8 +46,9 @@ def train(params, ctx):
         return loss.item()
     import hetrain
 
-    ht = hetrain.init(global_batch=BATCH, max_steps=STEPS, shuffle=False, sharding=ctx.sharding)
-    model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y))
+    ht = hetrain.init(global_batch=BATCH, max_steps=STEPS, shuffle=False)
+    model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y),
+                                     parallel=hetrain.DataParallel(sharding=ctx.sharding))
     for step in batches:
         for mb in step:
             with mb:

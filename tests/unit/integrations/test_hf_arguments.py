@@ -117,3 +117,20 @@ def test_hetrain_groups_and_old_names_in_the_trainer(tmp_path, given, said, fix)
     with pytest.raises(UsageError) as e:
         Config(**job_config(args(tmp_path), world_size=1, dataset_len=8, hetrain=given))
     assert said in e.value.what and fix in e.value.fix
+
+
+def test_an_integrations_sharding_is_the_data_parallel_layout_it_runs(tmp_path):
+    """hetrain={'sharding': ...} (HF, TRL, Fabric, Accelerate) maps to DataParallel(sharding=...),
+    the one home of a sharding; init's plan passes through to init(plan=)."""
+    from hetrain import DataParallel
+    from hetrain.errors import UsageError
+    from hetrain.integrations.transformers import job_config
+    from hetrain.runtime.config import integration_layout
+
+    c = job_config(args(tmp_path, save_strategy="no"), world_size=1, dataset_len=8,
+                   hetrain={"sharding": "zero1", "plan": "plan.json"})
+    rest, layout = integration_layout(c)
+    assert layout == DataParallel(sharding="zero1") and "sharding" not in rest and rest["plan"] == "plan.json"
+    assert integration_layout({"global_batch": 8}) == ({"global_batch": 8}, DataParallel())
+    with pytest.raises(UsageError, match="not a sharding"):
+        integration_layout({"sharding": "zero3"})

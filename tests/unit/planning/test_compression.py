@@ -98,7 +98,7 @@ def test_where_compression_cannot_run_auto_is_none_and_a_request_names_dp():
     assert blocked.name == "none" and "parallel='tp'" in blocked.reason
     with pytest.raises(UsageError) as e:
         choose("fp16", blocked_by="sharding='fsdp'")
-    assert "parallel='dp' with sharding='none'" in e.value.fix
+    assert "parallel=hetrain.DataParallel(sharding='none')" in e.value.fix
 
 
 def plan() -> Plan:

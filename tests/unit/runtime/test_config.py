@@ -23,8 +23,6 @@ from hetrain.runtime.engine import init
     ({"global_batch": 8, "timeout_s": float("inf")}, "timeout_s=inf is not a finite number", "or leave it out"),
     ({"global_batch": 8, "epochs": float("nan")}, "epochs=nan is not a finite number", "a finite number (or None)"),
     ({"global_batch": 8, "precision": 16}, "precision=16 is not a string", "a string"),
-    ({"global_batch": 8, "compression": Compression(method="fp16"), "sharding": "fsdp"},
-     "Compression(method='fp16') with sharding='fsdp'", "sharding='none'"),
 ])
 def test_bad_top_level_values_name_the_keyword(kwargs, words, fix):
     with pytest.raises(UsageError) as e:
@@ -97,7 +95,7 @@ def test_a_group_takes_a_dict_of_its_fields_and_only_those():
 
 
 def test_a_config_round_trips_through_a_dict_and_json():
-    cfg = Config(global_batch=64, seed=3, precision="auto", sharding="none", max_steps=10,
+    cfg = Config(global_batch=64, seed=3, precision="auto", max_steps=10,
                  memory=Memory(margin=0.2, max_micro_batch=8, activation_checkpointing="all", blocks="Block"),
                  checkpoints=Checkpoints(dir="ck", every=5, keep=2, resume="must", preempt_grace_s=10),
                  rebalancing=Rebalancing(enabled=False, threshold=0.1),
@@ -166,6 +164,21 @@ def test_a_bare_compression_string_names_the_group_even_in_config():
     assert "compression=Compression(method='fp16')" in e.value.fix
 
 
+@pytest.mark.parametrize("keyword, words, fix", [
+    ({"sharding": "zero1"}, "sharding= is now part of the layout",
+     "parallel=hetrain.DataParallel(sharding='zero1')"),
+    ({"plan": "p.json"}, "plan= is not a setting", "hetrain.init(plan=path_or_Plan)"),
+])
+def test_sharding_and_plan_left_config_for_one_home_each(keyword, words, fix):
+    """DataParallel(sharding=) is the one place a sharding is set; a plan enters through init(plan=)
+    or prepare(parallel=plan): Config(...) and make_config name them in one line."""
+    for make in (lambda: Config(global_batch=8, **keyword), lambda: make_config({"global_batch": 8, **keyword})):
+        with pytest.raises(UsageError) as e:
+            make()
+        assert words in e.value.what and fix in e.value.fix
+    assert "sharding" not in Config(global_batch=8).to_dict() and "plan" not in Config(global_batch=8).to_dict()
+
+
 @pytest.fixture
 def hook(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)     # init() installs its own: put it back after
@@ -181,6 +194,8 @@ def hook(monkeypatch):
     ({"checkpoint_dir": "x"}, "checkpoint_dir= is now", "from hetrain import Checkpoints"),   # before global_batch
     ({}, "no global_batch given", "global_batch=N"),
     ({"global_batch": 8, "plan": 3}, "plan=3 is neither a Plan nor a path", "hetrain plan --out"),
+    ({"global_batch": 8, "sharding": "fsdp"}, "sharding= is now part of the layout: DataParallel(sharding=...)",
+     "parallel=hetrain.DataParallel(sharding='fsdp')"),
 ])
 def test_init_refuses_what_config_does_not_know(hook, kwargs, words, fix):
     with pytest.raises(UsageError) as e:

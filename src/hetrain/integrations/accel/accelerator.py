@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from ...errors import UsageError
+from ...runtime.config import integration_layout
 from ...runtime.engine import init
 from ...runtime.loop.stream import is_stream, stream_length
 from ...runtime.ranks.dist import env_rank
@@ -119,9 +120,10 @@ class Accelerator:
         world = env_rank()[1]
         config = {"global_batch": per_step if self.split_batches else per_step * world, "shuffle": shuffle,
                   "drop_last": drop_last, **self.hetrain}
+        config, layout = integration_layout(config)     # hetrain={'sharding': ...}: DataParallel's
         self.engine = engine = init(**config)                                              # (collective)
         model, optimizer, steps = engine.prepare(models[0], optimizers[0], train.dataset,
-                                                 collate_fn=train.collate_fn, parallel="dp")   # (collective)
+                                                 collate_fn=train.collate_fn, parallel=layout)   # (collective)
         self.run = run = Run(engine, steps, run_length_given="max_steps" in self.hetrain or "epochs" in self.hetrain,
                              accumulation=self.gradient_accumulation_steps)
         self.model = model

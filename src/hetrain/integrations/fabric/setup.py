@@ -109,7 +109,7 @@ class Pieces:
                                                               engine.world_size))
         model, prepared, self.steps = engine.prepare(module, optimizer, self.data.dataset,
                                                      collate_fn=self.data.collate_fn, forward=strategy.forward,
-                                                     parallel="dp")                             # (collective)
+                                                     parallel=strategy.layout)                  # (collective)
         if self.scheduler is None:
             return
         if getattr(self.scheduler, "optimizer", None) is not prepared:

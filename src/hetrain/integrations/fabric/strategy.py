@@ -53,7 +53,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from ...errors import UsageError
-from ...runtime.config import Config, make_config
+from ...runtime.config import Config, integration_layout, make_config
 from ...runtime.engine import Engine, init
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
@@ -85,13 +85,15 @@ class HetrainStrategy(ParallelStrategy):
     agreed step, OOM recovery and rebalancing (hetrain's loop, driven through Fabric's verbs).
 
     Every keyword is hetrain.init's (hetrain.runtime.config.Config: max_steps, epochs, precision,
-    sharding, grad_clip, checkpoint_dir, emulate, ...; `plan` fixes every rank's share), but
+    grad_clip, checkpoints, emulation, ...; `plan` fixes every rank's share; `sharding` is the
+    DataParallel the strategy runs: DataParallel(sharding=...)), but
     `global_batch` may be left out: the training DataLoader's batch_size x devices then
     (fabric/setup.py). `forward(model, batch)` is how hetrain calls the model when it measures
     it before training (default: model(**batch) for dicts, model(x) for (x, y)).
     """
 
     def __init__(self, *, global_batch: int | None = None, plan=None, forward=default_forward, **config: Any):
+        config, self.layout = integration_layout(config)      # sharding=: the DataParallel it runs
         _check_config(global_batch, config)
         super().__init__()
         self.config = config

@@ -38,7 +38,7 @@ from dataclasses import fields
 from typing import Any
 
 from ...errors import UsageError
-from ...runtime.config import RENAMED, check_keywords
+from ...runtime.config import INTEGRATION_KEYWORDS, RENAMED, check_keywords
 from ...runtime.config_groups import GROUPS, as_group
 
 HETRAIN_STATE = "hetrain"     # the subdirectory of output_dir that holds hetrain's checkpoints
@@ -129,7 +129,9 @@ def job_config(args, *, world_size: int, dataset_len: int | None, hetrain: dict)
             if key in FROM_ARGS:
                 raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}} sets {key}; TrainingArguments "
                                  f"decides it ({FROM_ARGS[key]})", f"remove it from hetrain= and set {FROM_ARGS[key]}")
-    check_keywords(given, where="hetrain's Trainer (hetrain={...})")      # an old or unknown key: one error
+    # an old or unknown key: one error (plan and sharding are init's and the layout's: trainer.py)
+    check_keywords({k: v for k, v in given.items() if k not in INTEGRATION_KEYWORDS},
+                   where="hetrain's Trainer (hetrain={...})")
     batch = global_batch(args, world_size, hetrain)
     config = {"global_batch": batch, "seed": args.data_seed if args.data_seed is not None else args.seed,
               "drop_last": args.dataloader_drop_last, "shuffle": _value(args.train_sampling_strategy) == "random",

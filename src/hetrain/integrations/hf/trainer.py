@@ -29,6 +29,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from ...errors import UsageError
+from ...runtime.config import integration_layout
 from ...runtime.engine import init
 from ...runtime.loop.stream import is_stream, stream_length
 from ...runtime.ranks.dist import env_rank
@@ -105,6 +106,7 @@ class Trainer(transformers.Trainer):
             config["checkpoints"].update(dir=resume.store, resume=resume.mode)
         # hetrain clips in the optimizer's step pre-hook (clip_and_measure): the norm is stock's grad_norm
         self.max_grad_norm, config["grad_clip"] = config["grad_clip"], None
+        config, self.hetrain_layout = integration_layout(config)   # hetrain={'sharding': ...}: DataParallel's
         self.engine = engine = init(**config)                                               # (collective)
         self.is_in_train = True
         try:
@@ -139,7 +141,7 @@ class Trainer(transformers.Trainer):
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training") \
             if is_stream(dataset) else self.data_collator
         model, optimizer, steps = engine.prepare(self.model, self.optimizer, dataset, collate_fn=collate,
-                                                 parallel="dp")                                # (collective)
+                                                 parallel=self.hetrain_layout)                 # (collective)
         if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is not optimizer:
             raise UsageError("Trainer(optimizers=(optimizer, scheduler)): hetrain's sharding replaced the optimizer, "
                              "and the scheduler holds the old one",

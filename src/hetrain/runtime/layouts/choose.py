@@ -18,8 +18,7 @@ Every rank decides from the same exchanged values, so all take the same branch.
 from __future__ import annotations
 
 from ...errors import UsageError, did_you_mean
-from ...layout_spec import LAYOUT_TYPES, DataParallel, Pipeline, TensorParallel
-from ...planning.memory import state_bytes
+from ...layout_spec import LAYOUT_TYPES, DataParallel, Pipeline, TensorParallel, from_spec, reconcile
 from ...planning.plan import Plan
 from ...vocabulary import PARALLEL_REQUESTS
 
@@ -32,10 +31,8 @@ _SHORTHANDS = {"dp": DataParallel(), "tp": TensorParallel(), "pp": Pipeline(), "
 LAYOUT_OBJECTS = "hetrain.DataParallel(...), hetrain.TensorParallel(...), hetrain.Pipeline(...)"
 
 
-def requested(parallel, given_plan: Plan | None) -> str:
-    """The layout asked for: a Plan's, or one of PARALLEL_REQUESTS (a one-line error otherwise)."""
-    if isinstance(parallel, Plan):
-        return parallel.layout
+def requested(parallel) -> str:
+    """The shorthand asked for, one of PARALLEL_REQUESTS (a one-line error otherwise)."""
     if not isinstance(parallel, str) or parallel not in PARALLEL_REQUESTS:
         alias = _ALIASES.get(parallel.lower().replace(" ", "")) if isinstance(parallel, str) else None
         hint = (f" (did you mean: {alias}?)" if alias else did_you_mean(parallel, PARALLEL_REQUESTS)) \
@@ -43,65 +40,27 @@ def requested(parallel, given_plan: Plan | None) -> str:
         raise UsageError(f"prepare(parallel={parallel!r}) is not a layout{hint}",
                          f"use {LAYOUT_OBJECTS}, one of {', '.join(PARALLEL_REQUESTS)}, or a Plan from "
                          "`hetrain plan --out`")
-    if parallel == "auto" and given_plan is not None:
-        return given_plan.layout
     return parallel
 
 
-def resolve(parallel, given_plan: Plan | None):
-    """(the layout object or 'auto', the Plan that fixes it or None): every shorthand resolved here."""
-    if isinstance(parallel, LAYOUT_TYPES):
-        return parallel, given_plan
+def resolve(parallel, given_plan: Plan | None, *, world_size: int):
+    """(the layout object or 'auto', the Plan that fixes it or None): every shorthand resolved
+    here. A Plan passed as `parallel` is the plan (it overrides init(plan=) for this prepare) and
+    runs its own layout, as 'auto' with a given plan does; an object or shorthand with a plan for
+    another layout is refused with both named (layout_spec.reconcile), one that agrees takes the
+    plan's values for the fields it left open (DataParallel's sharding, a pipeline's stage count)."""
     if isinstance(parallel, Plan):
-        given_plan = parallel
-    kind = requested(parallel, given_plan)
-    return ("auto" if kind == "auto" else _SHORTHANDS[kind]), given_plan
-
-
-def check_request(kind: str, *, world_size: int) -> None:
-    """What 'dp' and 'tp' need of the job (a Pipeline's needs: check_pipeline)."""
-    if kind == "tp" and world_size < 2:
-        raise UsageError(f"parallel={kind!r} on one device: there is nothing to split the model over",
-                         "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use parallel='dp'")
-
-
-def state_factor(modules, optimizer_kind: str) -> float:
-    """Model-state bytes per parameter byte of these modules' parameters (memory.state_bytes,
-    frozen parameters as weights only)."""
-    params = [p for m in modules if m is not None for p in m.parameters()]
-    n = sum(p.numel() for p in params)
-    train = [p for p in params if p.requires_grad]
-    frozen = [p for p in params if not p.requires_grad]
-    pbytes = train[0].element_size() if train else (params[0].element_size() if params else 4)
-    fine = dict(trainable=sum(p.numel() for p in train),
-                frozen_param_bytes=frozen[0].element_size() if frozen else None)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    if not weights:
-        return 1.0
-    return state_bytes(n, optimizer=optimizer_kind, param_bytes=pbytes, **fine).total / weights
-
-
-def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
-    """What a Pipeline needs of the job, checked when prepare() sees it (one line: reason, fix)."""
-    shown = f"parallel={spec!r}"
-    if loss_fn is None:
-        raise UsageError(f"{shown} needs the loss function: the pipeline's schedule computes the loss on the last "
-                         "stage", "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
-    if world_size < 2:
-        raise UsageError(f"{shown} on one device: there is nothing to split the model over",
-                         "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use "
-                         "parallel=hetrain.DataParallel()")
-    stages = spec.stages
-    if stages == "auto" and (world_size < 4 or world_size % 2):
-        raise UsageError(f"{shown} needs replicas of 2+ stages: {world_size} devices do not make 2+ of them",
-                         "use 4, 6, 8... devices, or parallel=hetrain.Pipeline() (one pipeline)")
-    divisors = ", ".join(str(k) for k in range(2, world_size + 1) if world_size % k == 0)
-    if isinstance(stages, int) and stages > world_size:
-        raise UsageError(f"{shown}: {stages} stages need {stages} devices, this job has {world_size}",
-                         f"use a stage count that divides {world_size}: {divisors}")
-    if isinstance(stages, int) and world_size % stages:
-        raise UsageError(f"{shown}: {world_size} devices do not form pipelines of {stages} stages",
-                         f"use a stage count that divides {world_size}: {divisors}")
+        parallel, given_plan = "auto", parallel
+    asked_as = f"prepare(parallel={parallel!r})"
+    if not isinstance(parallel, LAYOUT_TYPES):
+        if requested(parallel) == "auto":
+            if given_plan is None:
+                return "auto", None
+            return from_spec(given_plan.layout_record()), given_plan
+        parallel = _SHORTHANDS[parallel]
+    if given_plan is not None:
+        parallel = reconcile(given_plan.layout_record(), parallel, world_size=world_size, asked_as=asked_as)
+    return parallel, given_plan
 
 
 def layout_for(row):

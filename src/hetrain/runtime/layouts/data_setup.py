@@ -16,6 +16,7 @@ from dataclasses import replace
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import UsageError
+from ...layout_spec import DataParallel, TensorParallel, to_spec
 from ...planning.plan import Plan
 from ..devices.link import throttle_for
 from ..loop import flops
@@ -29,53 +30,70 @@ from ..resilience import oom as recovery
 from ..resilience import resume as persist
 from ..resilience.rebalance import Rebalancer
 from ..sharding import comm_hooks
-from . import choose
+from .checks import check_request
 from .data import DataLayout
 from .tensor import TensorLayout
 
 
 class DataSetup:
-    """DataParallel: DDP, or the sharding the object (or the job's `sharding`) names."""
+    """DataParallel: DDP, or the sharding the object names (None: the planner's choice, made
+    when the model is wrapped: device_memory.wrap_for_plan)."""
 
-    kind = "dp"
     loop_class = DataLayout
 
     def __init__(self, spec, loss_fn):
         self.spec, self.loss_fn = spec, loss_fn
 
     def check(self, job) -> None:
-        choose.check_request(self.kind, world_size=job.world_size)
+        check_request(self.spec, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:
-        """Why gradient compression cannot run here (None: it can)."""
-        return None
+        """Why gradient compression cannot run here (None: it can): a sharding asked for (the
+        planner's own choice of one is settled after wrapping: comm_hooks.settle)."""
+        sharding = self.spec.sharding
+        return None if sharding in (None, "none") else f"parallel={self.spec!r}"
+
+    def describe(self, job) -> str:
+        return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        sharding = getattr(self.spec, "sharding", None)
-        if sharding is not None and sharding != job.config.sharding:   # the object's, over the job's setting
-            job.config = replace(job.config, sharding=sharding)
+        self.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
+        if given_plan is None:        # planned here: its record of the layout object
+            job.plan = replace(job.plan, layout_spec=to_spec(self.spec))
+        # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
+        return flops.count_for(job, model, forward)
+
+    def split(self, job, model, optimizer, forward, given_plan: Plan | None, measured, *, blocked_by) -> None:
+        """The model set up for measuring, and job.plan / job.profiles: the given plan or the
+        data-parallel split of the measurements (what TensorParallel shares)."""
         if measured is None:          # parallel='auto' measured already (and set the model up for it)
             measure_setup(job, model, optimizer)
-        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.kind,   # (collective)
-                                            measured=measured.measurements if measured is not None else None)
-        job.plan = self.adjust_plan(job)
-        # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
-        return flops.count_for(job, model, forward) if job.plan.layout == "dp" else None
-
-    def adjust_plan(self, job) -> Plan:
-        return job.plan
+        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.spec,   # (collective)
+                                            measured=measured.measurements if measured is not None else None,
+                                            blocked_by=blocked_by)
 
     def build(self, job, model, optimizer, forward) -> None:
         # A checkpoint's Plan (adopted by now) decides activation checkpointing and sharding.
         job.plan = checkpoint_per_plan(job, model)
-        wrapped, job.memory_plan, oom_recovery = self.wrap(job, model, optimizer, forward)         # (collective)
+        wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward,       # (collective)
+                                                                      strategy=self.spec.sharding)
+        self.install(job, model, optimizer, wrapped, self.loop_class(self.loss_fn), oom_recovery=oom_recovery,
+                     settle=True)
+        job.rebalancer = make_rebalancer(job.config, job.world_size)
+
+    def install(self, job, model, optimizer, wrapped, loop, *, oom_recovery: bool, settle: bool) -> None:
+        """The wrapped model, its optimizer, sync and guard into the job, and the layout's loop
+        object (what TensorParallel shares). `settle`: the compression this wrapper can run
+        (comm_hooks.settle), recorded in the plan before the guard installs its hook."""
         if oom_recovery != job.config.memory.oom_recovery:   # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
             job.config = replace(job.config, memory=replace(job.config.memory, oom_recovery=oom_recovery))
         cfg = job.config
-        job.layout = self.loop_class(self.loss_fn)
+        job.layout = loop
         job.sync = wrapped.sync                       # DDP, FSDP2's adapter, or None (TP: nothing to sync)
-        job.plan = self.settle(job, wrapped)
+        if settle:
+            job.plan = comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
+                                         backend=job.ctx.backend, world_size=job.world_size)
         job.guard = make_sync_guard(job, wrapped)
         job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
         job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
@@ -84,40 +102,46 @@ class DataSetup:
         memory.show_wrapping(job.log, wrapped)
         if job.faults:                                # injected faults strike inside the compute (devices/hooks.py)
             job.hooks.attach_faults(model, block_type=cfg.memory.blocks, sharded=wrapped.strategy == "fsdp")
-        job.rebalancer = make_rebalancer(cfg, job.world_size) if job.plan.layout == "dp" else None
-
-    def wrap(self, job, model, optimizer, forward):
-        return memory.wrap_for_plan(job, model, optimizer, forward)                                 # (collective)
-
-    def settle(self, job, wrapped) -> Plan:
-        """The compression this wrapper can run (comm_hooks.settle)."""
-        return comm_hooks.settle(job.plan, request=job.config.compression.method, strategy=wrapped.strategy,
-                                 backend=job.ctx.backend, world_size=job.world_size)
 
 
-class TensorSetup(DataSetup):
-    """TensorParallel: every layer sharded over every rank, evenly or by speed (tensor.py)."""
+class TensorSetup:
+    """TensorParallel: every layer sharded over every rank, evenly or by speed (tensor.py). It
+    holds a data-parallel part and delegates what the two share to it: measuring, the split it
+    turns into its own plan (tensor_plan), and installing the wrapped model."""
 
-    kind = "tp"
     loop_class = TensorLayout
+
+    def __init__(self, spec, loss_fn):
+        self.spec, self.loss_fn = spec, loss_fn
+        self.data = DataSetup(DataParallel(sharding="none"), loss_fn)
+
+    def check(self, job) -> None:
+        check_request(self.spec, world_size=job.world_size)
 
     @property
     def blocks_compression(self) -> str | None:
-        return "parallel='tp'"
+        return f"parallel={self.spec!r}"
 
-    def adjust_plan(self, job) -> Plan:
-        if job.plan.layout == "tp":
-            return job.plan
-        return tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
-                           limit=job.config.memory.max_micro_batch)
+    def describe(self, job) -> str:
+        return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
-    def wrap(self, job, model, optimizer, forward):
+    def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
+        self.data.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
+        if given_plan is None:        # the data-parallel split as tensor parallelism runs it
+            job.plan = tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
+                                   limit=job.config.memory.max_micro_batch)
+        return None                   # MFU's FLOPs are counted on the whole model: plain DP only
+
+    def build(self, job, model, optimizer, forward) -> None:
         from .tensor import wrap
 
-        return wrap(job, model, optimizer, split=self.spec.split), None, False                     # (collective)
-
-    def settle(self, job, wrapped) -> Plan:
-        return job.plan
+        job.plan = checkpoint_per_plan(job, model)
+        wrapped = wrap(job, model, optimizer, split=self.spec.split)                                # (collective)
+        job.memory_plan = None
+        # in-loop OOM recovery off: an OOM ends the attempt (tensor.py says why)
+        self.data.install(job, model, optimizer, wrapped, self.loop_class(self.loss_fn), oom_recovery=False,
+                          settle=False)
+        job.rebalancer = None         # every rank computes the whole batch: no shares to move
 
 
 def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int | None) -> Plan:
@@ -151,7 +175,8 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
     devices = tuple(replace(d, share=plan.global_batch, micro_batch=micro, max_micro_batch=micro, speed=v,
                             reasons=(f"tensor parallel: every rank computes all {plan.global_batch} samples, {why}",))
                     for d, v in zip(plan.devices, speeds))
-    return replace(plan, devices=devices, layout="tp", group=plan.world_size, compression="none")
+    return replace(plan, devices=devices, layout="tp", layout_spec=to_spec(TensorParallel(split=split)),
+                   group=plan.world_size, compression="none")
 
 
 def measure_setup(job, model, optimizer) -> None:
@@ -164,15 +189,16 @@ def measure_setup(job, model, optimizer) -> None:
         checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
 
 
-def plan_split(job, model, optimizer, forward, given: Plan | None, kind: str = "dp", *,
-               measured=None) -> tuple[Plan, tuple | None]:
-    """The given plan (checked against this job), or every rank's measured profiles through the
-    same pure planner (runtime/measure/joint.py). Returns the plan and the profiles it was made from."""
+def plan_split(job, model, optimizer, forward, given: Plan | None, spec, *, measured=None,
+               blocked_by: str | None = None) -> tuple[Plan, tuple | None]:
+    """The given plan (checked against this job and its layout object `spec`), or every rank's
+    measured profiles through the same pure planner (runtime/measure/joint.py). Returns the plan
+    and the profiles it was made from. `blocked_by`: what keeps gradient compression off."""
     if given is not None:
-        return check_given_plan(job, given), None
+        return check_given_plan(job, given, layout=spec), None
     if measured is None:
         measured = measure_job(job, model, optimizer, forward)
-    return plan_from_measurements(measured, job.config, layout=kind)
+    return plan_from_measurements(measured, job.config, blocked_by=blocked_by)
 
 
 def checkpoint_per_plan(job, model) -> Plan:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
+from ...layout_spec import Pipeline as LayoutPipeline
+from ...layout_spec import to_spec
 from ...hardware.host import usable_cores
 from ...planning.core_sharing import sharing, stretched_step
 from ...planning.parallelism import split_hybrid, stage_rows
@@ -21,11 +23,8 @@ from ...planning.plan import DevicePlan, Plan
 from ..measure.pipeline_probe import time_stage_cost
 from ..measure import block_cache
 from ..parallel.blocks import PipelineParts
-from .choose import state_factor
-from ..parallel.pipeline_sizing import (NOT_MEASURED, agreed_profile, device_table, param_names, plan_split, show,
-                                         unmeasured_profile)
-from ..model import PreparedModel
-from ..resilience import resume as persist
+from .checks import state_factor
+from ..parallel.pipeline_sizing import (agreed_profile, device_table, param_names, plan_split, unmeasured_profile)
 from .pipelined import PipelineLayout
 
 if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is built, not by every job
@@ -95,13 +94,14 @@ def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) 
     return micro_batches            # checked when the Pipeline was made (layout_spec.py)
 
 
-def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
+def plan_pipeline(job, one: bool, parts: PipelineParts, profile, devices, *, optimizer_kind: str, schedule: str,
                   stages: int | None, micro_batches: int | None) -> Plan:
     """The Plan of a pipeline layout (pure, from the agreed profile): blocks per stage, the
-    replicas' shares by throughput, each replica's micro-batch size."""
+    replicas' shares by throughput, each replica's micro-batch size. `one`: one pipeline over
+    every device (else replicas of `stages` stages, None: the best count)."""
     cfg, w = job.config, job.world_size
     factor = state_factor([*parts.blocks, parts.first, parts.last], optimizer_kind)   # frozen: weights only
-    if kind == "pp":
+    if one:
         stages = w
     elif stages is None:        # the DP×PP shape with the most predicted throughput
         stages = _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches)
@@ -113,13 +113,13 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
                          f"use at most {profile.n_blocks} stages (parallel=hetrain.Pipeline(stages=k) with fewer stages), or a model with more blocks")
     m = default_micro_batches(stages, micro_batches, most=cfg.global_batch // (w // stages))
     common = dict(schedule=schedule, state_factor=factor, memory_margin=cfg.memory.margin)
-    if kind == "pp":
+    if one:
         mu, n = micro_batch_cut(cfg.global_batch, m, stages=stages, schedule=schedule)
         split = plan_split(profile, devices, None, micro_batches=n, micro_batch_size=mu, **common)
-        splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, kind))
+        splits, shares, reasons = [split], (cfg.global_batch,), (*split.reasons, *_resplit_reason(cfg, one))
     else:
         h = split_hybrid(profile, devices, stages=stages, global_batch=cfg.global_batch, micro_batches=m, **common)
-        splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, kind))
+        splits, shares, reasons = h.replicas, h.shares, (*h.reasons, *_resplit_reason(cfg, one))
     predicted = predict_step(job, splits, profile)
     plans = []
     for r, dev in enumerate(devices):
@@ -135,7 +135,9 @@ def plan_pipeline(job, kind: str, parts: PipelineParts, profile, devices, *, opt
             memory_cap_bytes=int(dev.memory_bytes) if dev.memory_bytes else None,
             predicted_memory_bytes=int(st.memory_bytes),
             reasons=(f"stage {stage} of replica {replica}: blocks {st.start}-{st.stop - 1}", *reasons)))
-    return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, group=stages,
+    spec = LayoutPipeline(stages=None if one else stages, micro_batches=m, schedule=schedule)
+    kind = spec.kind_for(w)
+    return Plan(global_batch=cfg.global_batch, devices=tuple(plans), layout=kind, layout_spec=to_spec(spec), group=stages,
                 stage_blocks=splits[0].sizes, schedule=schedule, predicted=predicted,
                 note=f"{kind}: " + "; ".join(reasons[:2]) if reasons else kind)
 
@@ -178,9 +180,9 @@ def _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches)
                       micro_batches=lambda p: default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)))
     best = choose(rows, Request(families=("DP×PP",))).row
     if best is None:
-        raise UsageError("parallel='dp-pp': no shape of replicas fits: "
+        raise UsageError("Pipeline(stages='auto'): no shape of replicas fits: "
                          + "; ".join(f"{r.name}: {r.detail}" for r in rows),
-                         "use parallel='pp', activation checkpointing, or smaller micro-batches")
+                         "use Pipeline() (one pipeline), activation checkpointing, or smaller micro-batches")
     return best.stages
 
 
@@ -244,20 +246,19 @@ NO_RESPLIT_HYBRID = ("no online re-split under DP×PP: the replicas average thei
                      "(parallel='pp' re-splits online)")
 
 
-def _resplit_reason(cfg, kind: str) -> tuple[str, ...]:
+def _resplit_reason(cfg, one: bool) -> tuple[str, ...]:
     if not cfg.rebalancing.enabled:
         return ()
-    return (RESPLIT_NOTE + "; Rebalancing(enabled=False) keeps this split",) if kind == "pp" else (NO_RESPLIT_HYBRID,)
+    return (RESPLIT_NOTE + "; Rebalancing(enabled=False) keeps this split",) if one else (NO_RESPLIT_HYBRID,)
 
 
 def make_resplitter(job, devices, optimizer_kind: str):
-    """parallel='pp': what moves blocks between stages when a stage's measured speed changes
+    """Pipeline(): what moves blocks between stages when a stage's measured speed changes
     (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
-    replicas share one split), with Rebalancing(enabled=False), or on one device."""
+    replicas share one split: pipeline_layouts.HybridSetup says so), with
+    Rebalancing(enabled=False), or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
-    if cfg.rebalancing.enabled and plan.layout == "dp-pp":
-        job.log.info(NO_RESPLIT_HYBRID)
-    if not cfg.rebalancing.enabled or plan.layout != "pp" or plan.world_size < 2 or pipe.profile is None:
+    if not cfg.rebalancing.enabled or plan.replicas > 1 or plan.world_size < 2 or pipe.profile is None:
         return None
     from ..resilience.resplit import Resplitter, Sizing
 
@@ -281,85 +282,3 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.o
 
     return rebuild_optimizer(optimizer, {p: p for p in pipe.parameters()}, who="a pipeline",
                              over="this stage's parameters", otherwise="")
-
-
-class StagedModel(PreparedModel):
-    """What prepare() returns under a pipeline: the user's model for state_dict and attributes;
-    parameters() are this stage's. It cannot be called: no rank holds the whole model."""
-
-    def forward(self, *args, **kwargs):
-        raise UsageError("under a pipeline layout the model is split over the ranks: calling it on one rank "
-                         "cannot compute the output", "compute the loss with ht.backward(ht.loss(mb)) (loss_fn= in prepare)")
-
-
-def show_split(job, pipe: Pipeline) -> None:
-    """The split as a table on rank 0 (every replica's stages gathered by the plan)."""
-    plan = job.plan
-    profile = pipe.profile
-    title = (f"{plan.layout}: {plan.describe_layout()}, {plan.devices[0].n_micro} micro-batches "
-             f"of {plan.devices[0].micro_batch}")
-    # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
-    show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)
-    got = plan.predicted
-    if "stage_stretch" in got:
-        job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
-                     f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
-                     f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
-
-
-class PipelineSetup:
-    """Pipeline(...): this rank's stage of one pipeline replica (one pipeline over every device,
-    or DP×PP's replicas). The same steps as data_setup.DataSetup, in the same order."""
-
-    def __init__(self, spec, loss_fn):
-        self.spec, self.loss_fn = spec, loss_fn
-        self.parts = self.profile = self.devices = None
-
-    def check(self, job) -> None:
-        from .choose import check_pipeline
-
-        check_pipeline(self.spec, loss_fn=self.loss_fn, world_size=job.world_size)
-
-    @property
-    def blocks_compression(self) -> str | None:
-        return "parallel=Pipeline(...)"
-
-    def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        from ..memory.device_memory import optimizer_kind
-        from ..parallel.blocks import find_parts
-        from ..measure.joint import check_given_plan
-
-        kind = self.spec.kind_for(job.world_size)
-        if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
-            parts, profile, devices = measured.pipeline_parts
-        else:
-            parts = find_parts(model)
-            profile, devices = measure_blocks(job, parts)                                            # (collective)
-        profile = on_clock(job, profile)
-        if given_plan is not None and given_plan.layout == kind:
-            job.plan = check_given_plan(job, given_plan)
-        else:
-            stages = None if self.spec.stages in (None, "auto") else self.spec.stages
-            job.plan = plan_pipeline(job, kind, parts, profile, devices,
-                                     optimizer_kind=optimizer_kind(optimizer) or "adamw",
-                                     schedule=self.spec.schedule, stages=stages,
-                                     micro_batches=self.spec.micro_batches)
-        self.parts, self.profile, self.devices = parts, profile, devices
-        return None
-
-    def build(self, job, model, optimizer, forward) -> None:
-        from ..memory import offload
-        from ..memory.device_memory import optimizer_kind
-
-        job.plan = job.precision.record_in(job.plan)
-        job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
-                                                self.devices, self.loss_fn)                          # (collective)
-        job.optimizer = offload.apply(job, job.optimizer, "pipeline")   # a plan's offload: refused here (dp only)
-        pipe = job.layout.pipe
-        job.model = StagedModel(model, pipe.module, None)
-        job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay
-        job.rebalancer = make_resplitter(job, self.devices, optimizer_kind(optimizer) or "adamw")  # pp: blocks move online
-        persist.check_registered(job, optimizer)
-        if job.emulated is not None:
-            job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
-        show_split(job, pipe)

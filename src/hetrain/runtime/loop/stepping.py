@@ -30,7 +30,7 @@ from . import reduce
 from ..job import Job
 from .steps import MicroBatch, Step
 
-FATAL_FIX = ("hetrain.init(memory=Memory(activation_checkpointing='all')), sharding='fsdp', a smaller "
+FATAL_FIX = ("hetrain.init(memory=Memory(activation_checkpointing='all')), parallel=hetrain.DataParallel(sharding='fsdp'), a smaller "
              "model or sequence, or a device with more memory")
 
 

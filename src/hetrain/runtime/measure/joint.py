@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...errors import HetrainError, UsageError
 from ...hardware.host import usable_cores
 from ...hardware.units import format_bytes
+from ...layout_spec import reconcile
 from ...planning.plan import Plan
 from ...planning.planner import KEPT_TOO_SLOW
 from ..resilience.resume import REPLANNED
@@ -187,7 +188,11 @@ def read_plan_file(path: str | None) -> Plan | None:
                          "pass a file written by `hetrain plan --out`, or no plan") from None
 
 
-def check_given_plan(job, plan: Plan) -> Plan:
+def check_given_plan(job, plan: Plan, *, layout=None) -> Plan:
+    """The given plan, when it is for this job: its world size, global batch and, with `layout`
+    (the layout object that runs it), its layout (layout_spec.reconcile: one line naming both)."""
+    if layout is not None:
+        reconcile(plan.layout_record(), layout, world_size=job.world_size)
     if plan.world_size != job.world_size or plan.global_batch != job.config.global_batch:
         raise UsageError(
             f"the given plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "

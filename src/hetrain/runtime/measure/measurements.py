@@ -240,15 +240,15 @@ def inter_node_link(m: Measurements) -> Link | None:
 
 
 def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
-                           link: Link | None = None, layout: str = "dp") -> tuple[Plan, tuple[DeviceProfile, ...]]:
+                           link: Link | None = None, blocked_by: str | None = None) -> tuple[Plan, tuple[DeviceProfile, ...]]:
     """The Plan a job with this Config runs on these measurements, and the profiles it was made
     from (the runtime keeps them for rebalancing and reports). Every rank of a job calls it on the
     same gathered measurements, so all hold the same Plan without a further exchange.
 
     The runtime leaves both keywords as they are: every rank's process is running, so each takes
     at least one sample, and the link is the one measured. `hetrain plan` passes
-    --allow-exclusion and --link-gbs through them. `layout`: what will run the plan ('dp', or
-    'tp' for a data-parallel plan tensor parallelism takes over: no gradient compression there).
+    --allow-exclusion and --link-gbs through them. `blocked_by`: what keeps gradient compression
+    off (the layout's word: a sharding asked for, or tensor parallelism taking the plan over).
 
     On a job of several nodes the plan's notes state the inter-node link, and the gradient
     compression is chosen (planning/compression.py; config.compression.method, 'auto' by default)."""
@@ -264,7 +264,7 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     plan = replace(plan, devices=tuple(replace(d, per_sample_s=p.per_sample_s, fixed_s=p.overhead_s)
                                        for d, p in zip(plan.devices, kept)),
                    note="; ".join(filter(None, [plan.note, fine_tuning_note(m)])))
-    return _link_and_compression(plan, m, config, options.link, layout), profiles
+    return _link_and_compression(plan, m, config, options.link, blocked_by), profiles
 
 
 def fine_tuning_note(m: Measurements) -> str:
@@ -277,7 +277,8 @@ def fine_tuning_note(m: Measurements) -> str:
             "only (no gradients, no optimizer state) and left out of the gradient sync")
 
 
-def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None, layout: str) -> Plan:
+def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Link | None,
+                          blocked: str | None) -> Plan:
     """The inter-node link in the plan's notes, and the gradient compression chosen for it. A
     single-node job is left exactly as it was unless compression was asked for."""
     from ...planning import compression
@@ -291,8 +292,6 @@ def _link_and_compression(plan: Plan, m: Measurements, config: Config, link: Lin
             line += ": the ring's slowest link"
         plan = replace(plan, note="; ".join(filter(None, [plan.note, line])),
                        predicted={**plan.predicted, "inter_node_gbs": inter.bandwidth_gbs})
-    blocked = (f"parallel={layout!r}" if layout != "dp" else
-               f"sharding={config.sharding!r}" if config.sharding not in ("auto", "none") else None)
     choice = compression.choose(
         config.compression.method, grad_bytes=m.grad_bytes, ring=plan.world_size, link=link or FREE_LINK,
         step_s=plan.predicted.get("step_s", 0.0), exposed_s=plan.predicted.get("comm_exposed_s", 0.0),
@@ -349,18 +348,12 @@ def clocked_sample_s(profiles, devices) -> float:
 
 def auto_request(config: Config, *, has_loss_fn: bool = True):
     """What parallel='auto' may run for a job of this config (planning/chooser.Request): the
-    resilience it asks for (Memory.oom_recovery), whether it has a loss function (`hetrain plan`
-    has no loss function to look at: it ranks as for a job that passes one), and an explicit
-    `sharding` (not 'auto'): the one data-parallel row auto may run, never overridden (a job that
-    asks for capacity-full has no OOM recovery to keep: sharding/wrap.py)."""
+    resilience it asks for (Memory.oom_recovery) and whether it has a loss function (`hetrain plan`
+    has no loss function to look at: it ranks as for a job that passes one). An explicit layout
+    (DataParallel(sharding=...), Pipeline(...)) never reaches the chooser: it runs as asked."""
     from ...planning.chooser import Request
-    from ...planning.ranking import FAMILIES, ORDER
 
-    families = None
-    if config.sharding != "auto":
-        families = tuple(f for f in ORDER if f not in FAMILIES.values() or f == FAMILIES[config.sharding])
-    return Request(has_loss_fn=has_loss_fn, families=families,
-                   oom_recovery=config.memory.oom_recovery and config.sharding != "capacity-full")
+    return Request(has_loss_fn=has_loss_fn, oom_recovery=config.memory.oom_recovery)
 
 
 def rank_job_measurements(m: Measurements, config: Config, *, facts: dict, blocks: int | None,

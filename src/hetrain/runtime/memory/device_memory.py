@@ -189,9 +189,10 @@ def _free_for_state(job, params, act_bytes: float | None) -> float | None:
     return None
 
 
-def wrap_for_plan(job, model, optimizer, forward):
+def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None):
     """prepare()'s memory step, after the plan and checkpointing: measure this rank's activations
-    as it will run, wrap the model under the configured sharding (a collective), count what the
+    as it will run, wrap the model under the layout's sharding (DataParallel(sharding=); None:
+    the planner's choice, `_auto_sharding`) (a collective), count what the
     emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan, whether
     in-loop OOM recovery can stay on under this wrapper)."""
     cfg, plan, rank = job.config, job.plan, job.rank
@@ -207,8 +208,7 @@ def wrap_for_plan(job, model, optimizer, forward):
             n_max=min(me.micro_batch, len(job.dataset)))
     act_bytes = None if act is None else act_fixed + act * me.micro_batch
     meter = job.emulated.meter if job.emulated is not None else None
-    strategy = cfg.sharding
-    if strategy == "auto":
+    if strategy is None:
         strategy = _auto_sharding(job, model, optimizer, act_bytes=act_bytes, counts=counts)
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
@@ -236,7 +236,7 @@ def wrap_for_plan(job, model, optimizer, forward):
 
 
 def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: dict) -> str:
-    """sharding='auto': 'none' unless the unsharded model state and activations do not fit some
+    """DataParallel(sharding=None): 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
     from . import offload
@@ -271,7 +271,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
             ("sharding", *[d.label for d in devices], "fits"),
             [(o.strategy, *[format_bytes(p) for p in o.peak], "yes" if o.fits(devices) else "no")
              for o in options])
-        job.log.info(f"sharding=auto chose {chosen.strategy}: {why}")
+        job.log.info(f"DataParallel(sharding=None): the planner chose {chosen.strategy}: {why}")
     return chosen.strategy
 
 

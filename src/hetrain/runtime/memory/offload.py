@@ -38,7 +38,7 @@ from ...planning.memory import state_values
 from ..user_objects import optimizer_kind
 
 OFFLOAD_SHARDINGS = ("none", "fsdp", "capacity-full")
-WHERE = "data parallelism (parallel='dp') under sharding 'none', 'fsdp' or 'capacity-full'"
+WHERE = "hetrain.DataParallel(sharding='none' | 'fsdp' | 'capacity-full')"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -233,10 +233,14 @@ def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.O
     job.plan, why = decide(job)
     if not any(d.offload_optimizer for d in job.plan.devices):
         return optimizer
-    if job.plan.layout != "dp" or strategy not in OFFLOAD_SHARDINGS:
-        runs = f"parallel={job.plan.layout!r}" + (f" with sharding={strategy!r}" if job.plan.layout == "dp" else "")
+    if strategy not in OFFLOAD_SHARDINGS:   # the layout's own: 'tp' and 'pipeline' name theirs
+        from ...layout_spec import from_spec
+
+        runs = repr(from_spec(job.plan.layout_record())) + (f" (sharding {strategy!r})" if strategy not in
+                                                             ("tp", "pipeline") else "")
         raise UsageError(f"optimizer offload runs under {WHERE}; this job runs {runs}",
-                         "use sharding='fsdp' (or 'none', 'capacity-full'), or Memory(offload_optimizer='never')")
+                         "use parallel=hetrain.DataParallel(sharding='fsdp') (or 'none', 'capacity-full'), "
+                         "or Memory(offload_optimizer='never')")
     me = job.plan.devices[job.rank]
     stepping = getattr(optimizer, "optim", optimizer) if strategy == "capacity-full" else optimizer
     need = needed_bytes(stepping) if me.offload_optimizer else 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...errors import DoesNotFit, UsageError
+from ...layout_spec import agrees, from_spec
 from ...planning.plan import Plan
 from . import oom as recovery
 from .store import Checkpointer, gather_all, model_signature, rng_state, set_rng_state
@@ -111,9 +112,10 @@ def adopt_plan(job, found: Found | None) -> Plan:
     plan = job.plan
     if found is not None:
         saved = Plan.from_json(found.meta["plan"])
-        same = (saved.layout, saved.group, saved.stage_blocks) == (plan.layout, plan.group, plan.stage_blocks)
+        same = agrees(saved.layout_record(), from_spec(plan.layout_record()), world_size=job.world_size) and \
+            (saved.group, saved.stage_blocks) == (plan.group, plan.stage_blocks)
         if saved.world_size == job.world_size and same:
-            plan = replace(saved, compression=plan.compression, devices=tuple(
+            plan = replace(saved, compression=plan.compression, layout_spec=plan.layout_spec, devices=tuple(
                 replace(d, device=now.device) for d, now in zip(saved.devices, job.plan.devices)))
         else:
             plan = replace(job.plan, version=saved.version + 1,
@@ -157,7 +159,7 @@ def check_registered(job, given_optimizer) -> None:
         if holds(obj, given_optimizer):
             raise UsageError(
                 f"register_state({name!r}) before prepare() holds the optimizer that prepare() replaced "
-                f"(sharding={job.config.sharding!r} builds its own): it would drive the discarded one",
+                f"(the layout's sharding builds its own): it would drive the discarded one",
                 f"build it on the optimizer prepare() returns and call ht.register_state({name!r}, ...) after prepare()")
 
 
@@ -202,7 +204,7 @@ def _apply_escaped_ooms(job, plan: Plan) -> Plan:
         if smaller is None:   # every rank read the same record: all stop here together
             raise DoesNotFit(f"rank {rank} ({devices[rank].device}) ran out of memory with a micro-batch of "
                              "1 sample in the previous attempt: the model does not fit there",
-                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or sharding='fsdp', "
+                             "hetrain.init(memory=Memory(activation_checkpointing='all')) or parallel=hetrain.DataParallel(sharding='fsdp'), "
                              "a smaller model, "
                              "or a device with more memory")
         g = plan.group    # a pipeline or TP group runs one micro-batch size: all of it shrinks

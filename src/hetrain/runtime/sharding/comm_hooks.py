@@ -127,8 +127,8 @@ class GradientHook:
 def settle(plan, *, request: str, strategy: str, backend: str, world_size: int):
     """The plan's compression as this wrapper can run it (every rank decides alike: the strategy
     comes from values all exchanged). `request`: the Config's; 'auto' keeps the plan's (measured,
-    or a given plan's), an explicit one is recorded in the plan. Sharding that sharding='auto'
-    chose turns an automatic choice off, with a note, and refuses an explicit one (one line)."""
+    or a given plan's), an explicit one is recorded in the plan. Sharding the planner chose
+    (DataParallel(sharding=None)) turns an automatic choice off, with a note, and refuses an explicit one (one line)."""
     from dataclasses import replace
 
     from ...planning.compression import check_request
@@ -136,10 +136,10 @@ def settle(plan, *, request: str, strategy: str, backend: str, world_size: int):
     name = "none" if world_size == 1 else plan.compression if request == "auto" else request
     if name != "none" and strategy != "none":
         if request != "auto":
-            check_request(request, backend=backend, blocked_by=f"sharding={strategy!r} (sharding='auto' chose it)")
+            check_request(request, backend=backend, blocked_by=f"sharding {strategy!r} (DataParallel(sharding=None) chose it)")
         return replace(plan, compression="none", note="; ".join(filter(None, [
-            plan.note, f"gradient compression none: sharding='auto' chose {strategy} (compression is for plain "
-                       "data parallelism, sharding='none')"])))
+            plan.note, f"gradient compression none: the planner chose sharding {strategy} (compression is for "
+                       "plain data parallelism, DataParallel(sharding='none'))"])))
     if name != "none":
         check_request(name, backend=backend)      # a given plan's bf16 on gloo, say
     if name == plan.compression:

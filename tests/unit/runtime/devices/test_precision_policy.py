@@ -116,9 +116,9 @@ def test_record_in_plan_writes_every_ranks_precision():
 
 def test_config_defaults_and_validation():
     c = Config(global_batch=8)
-    assert c.precision == "fp32" and c.sharding == "auto" and c.allow_fallback is False
+    assert c.precision == "fp32" and c.allow_fallback is False
     assert c.memory.activation_checkpointing == "plan"
-    for bad in ({"precision": "fp8"}, {"sharding": "zero3"}, {"memory": {"activation_checkpointing": "sometimes"}},
+    for bad in ({"precision": "fp8"}, {"memory": {"activation_checkpointing": "sometimes"}},
                 {"memory": {"blocks": "not a name"}}):
         with pytest.raises(UsageError) as e:
             Config(global_batch=8, **bad)

@@ -6,21 +6,17 @@ import pytest
 
 from hetrain.errors import UsageError
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain.runtime.layouts import choose
+from hetrain.runtime.layouts import checks, choose
 
 
-def test_a_known_layout_or_a_plans_layout_is_taken():
-    assert choose.requested("pp", None) == "pp"
-    plan = Plan(global_batch=8, layout="tp", group=2, devices=tuple(
-        DevicePlan(rank=r, device="d", speed=1.0, share=8, micro_batch=4) for r in range(2)))
-    assert choose.requested(plan, None) == "tp"
-    assert choose.requested("auto", plan) == "tp"        # init(plan=...) decides when prepare asks for auto
+def test_a_known_shorthand_is_taken():
+    assert choose.requested("pp") == "pp"
 
 
 @pytest.mark.parametrize("value", ["pipeline", "PP", "", 3, None])
 def test_an_unknown_layout_is_one_line_naming_the_choices(value):
     with pytest.raises(UsageError) as e:
-        choose.requested(value, None)
+        choose.requested(value)
     assert "is not a layout" in e.value.what and "dp-pp" in e.value.fix and "Pipeline(" in e.value.fix
     if value == "pipeline":
         assert "did you mean" in e.value.what
@@ -32,28 +28,74 @@ def test_an_unknown_layout_is_one_line_naming_the_choices(value):
     ("dp", 1, None),
 ])
 def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_built(kind, world, needle):
+    spec = choose.resolve(kind, None, world_size=world)[0]
     if needle is None:
-        choose.check_request(kind, world_size=world)
+        checks.check_request(spec, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_request(kind, world_size=world)
+        checks.check_request(spec, world_size=world)
     assert needle in e.value.what and e.value.fix
+
+
+def _plan(layout, group=1, world=2, **kw):
+    return Plan(global_batch=8, layout=layout, group=group, devices=tuple(
+        DevicePlan(rank=r, device="d", speed=1.0, share=8 if group == world else 4, micro_batch=4)
+        for r in range(world)), **kw)
 
 
 def test_shorthands_and_plans_resolve_to_layout_objects_in_one_place():
     from hetrain import DataParallel, Pipeline, TensorParallel
 
-    assert choose.resolve("dp", None) == (DataParallel(), None)
-    assert choose.resolve("tp", None) == (TensorParallel(), None)
-    assert choose.resolve("pp", None) == (Pipeline(), None)
-    assert choose.resolve("dp-pp", None) == (Pipeline(stages="auto"), None)
-    assert choose.resolve("auto", None) == ("auto", None)
-    plan = Plan(global_batch=8, layout="tp", group=2, devices=tuple(
-        DevicePlan(rank=r, device="d", speed=1.0, share=8, micro_batch=4) for r in range(2)))
-    assert choose.resolve(plan, None) == (TensorParallel(), plan)
-    assert choose.resolve("auto", plan) == (TensorParallel(), plan)
+    def resolve(parallel, plan):
+        return choose.resolve(parallel, plan, world_size=2)
+
+    assert resolve("dp", None) == (DataParallel(), None)
+    assert resolve("tp", None) == (TensorParallel(), None)
+    assert resolve("pp", None) == (Pipeline(), None)
+    assert resolve("dp-pp", None) == (Pipeline(stages="auto"), None)
+    assert resolve("auto", None) == ("auto", None)
+    plan = _plan("tp", group=2)
+    assert resolve(plan, None) == (TensorParallel(), plan)
+    assert resolve("auto", plan) == (TensorParallel(), plan)       # init(plan=...) decides when prepare asks for auto
+    assert resolve(plan, _plan("dp")) == (TensorParallel(), plan)  # prepare's plan is the one for this prepare
     own = Pipeline(stages=2, micro_batches=4, schedule="gpipe")
-    assert choose.resolve(own, None) == (own, None)
+    assert resolve(own, None) == (own, None)
+
+
+def test_a_layout_object_that_agrees_with_the_plan_takes_its_open_fields():
+    from hetrain import DataParallel, Pipeline
+
+    pp = _plan("pp", group=2, stage_blocks=(1, 1), schedule="gpipe")
+    assert choose.resolve(Pipeline(schedule="gpipe"), pp, world_size=2)[0] == Pipeline(schedule="gpipe")
+    assert choose.resolve(Pipeline(stages=2, schedule="gpipe"), pp, world_size=2)[0] == \
+        Pipeline(schedule="gpipe")      # two stages on two devices is one pipeline
+    hybrid = _plan("dp-pp", group=2, world=4, stage_blocks=(1, 1), schedule="1f1b")
+    assert choose.resolve(Pipeline(stages="auto"), hybrid, world_size=4)[0] == Pipeline(stages=2)
+    assert choose.resolve(DataParallel(sharding="fsdp"), _plan("dp"), world_size=2)[0] == \
+        DataParallel(sharding="fsdp")
+
+
+@pytest.mark.parametrize("asked, layout, group, world, planned", [
+    ("DataParallel(sharding='fsdp')", "pp", 2, 2, "the plan is for Pipeline(stages=None, schedule='1f1b')"),
+    ("Pipeline(stages=2)", "dp", 1, 2, "the plan is for DataParallel()"),
+    ("'tp'", "dp", 1, 2, "the plan is for DataParallel()"),
+    ("Pipeline()", "dp-pp", 2, 4, "the plan is for Pipeline(stages=2, schedule='1f1b')"),
+    ("Pipeline(stages='auto')", "pp", 2, 2, "the plan is for Pipeline(stages=None"),
+    ("Pipeline(schedule='gpipe')", "pp", 2, 2, "schedule='1f1b'"),
+])
+def test_a_plan_for_another_layout_is_refused_with_both_named(asked, layout, group, world, planned):
+    """Never re-planned or run silently as another layout: one line naming the plan's layout and
+    what prepare() asked for, with the fix (drop one, or re-plan)."""
+    from hetrain import DataParallel, Pipeline, TensorParallel
+
+    objects = {"DataParallel": DataParallel, "Pipeline": Pipeline, "TensorParallel": TensorParallel}
+    piped = layout in ("pp", "dp-pp")
+    given = _plan(layout, group=group, world=world, stage_blocks=(1,) * group if piped else (),
+                  schedule="1f1b" if piped else "")
+    with pytest.raises(UsageError) as e:
+        choose.resolve(eval(asked, objects), given, world_size=world)
+    assert planned in e.value.what and f"but prepare(parallel={eval(asked, objects)!r})" in e.value.what
+    assert "drop one of them" in e.value.fix and "re-plan" in e.value.fix
 
 
 @pytest.mark.parametrize("kwargs,needle,fix", [
@@ -100,10 +142,10 @@ def test_a_pipeline_the_job_cannot_run_is_refused_when_prepare_sees_the_job(spec
     from hetrain import Pipeline
 
     if needle is None:
-        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+        checks.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
         return
     with pytest.raises(UsageError) as e:
-        choose.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
+        checks.check_pipeline(Pipeline(**spec), loss_fn=loss_fn, world_size=world)
     assert needle in e.value.what and e.value.fix
 
 

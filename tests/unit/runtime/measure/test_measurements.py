@@ -137,7 +137,7 @@ def test_two_nodes_the_plan_states_the_inter_node_link_and_plans_compression_for
     assert plan.compression == "fp16" and any(n.startswith("gradient compression fp16: inter-node link") for n in notes)
     assert plan.predicted["step_s"] < plan.predicted["uncompressed_step_s"]
     # the same under tensor parallelism: no compression, said; and nothing asked, nothing compressed
-    assert plan_from_measurements(two, config, layout="tp")[0].compression == "none"
+    assert plan_from_measurements(two, config, blocked_by="parallel=TensorParallel(split='even')")[0].compression == "none"
     assert plan_from_measurements(two, replace(config, compression=Compression(method="none")))[0].compression == "none"
 
 
