@@ -168,11 +168,7 @@ def test_imports_point_down_the_layers_and_runtimes_order():
 
 
 # Import cycles still inside a unit, each with why it stays for now (the test fails on any other).
-CYCLES_ALLOWED = {
-    # split by the layouts change (runtime/layouts/ on its own branch): remove once merged
-    ("hetrain.runtime.layouts.choose", "hetrain.runtime.layouts.data_setup",
-     "hetrain.runtime.layouts.pipeline_setup", "hetrain.runtime.layouts.ranking"),
-}
+CYCLES_ALLOWED: set[tuple[str, ...]] = set()   # none: a cycle is split into leaves, not listed
 
 
 def _import_graph() -> dict[str, set[str]]:
