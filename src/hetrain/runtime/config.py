@@ -219,7 +219,8 @@ def _refusing_moved(init):
     return __init__
 
 
-Config.__init__ = _refusing_moved(Config.__init__)
+# The dataclass's own signature stays what type checkers see (and __wrapped__ keeps it for inspect).
+Config.__init__ = _refusing_moved(Config.__init__)  # type: ignore[method-assign]
 
 
 __all__ = ["Config", "Checkpoints", "Compression", "Emulation", "Memory", "Rebalancing", "Reporting", "RENAMED",
