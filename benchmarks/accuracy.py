@@ -15,7 +15,7 @@ else exit 1; the wall clock (`--clock wall`, or `auto,wall`, interleaved) is rep
 runs' own spread and never gates. An OOM the plan did not foresee, or a redone step, fails a row on
 either clock. --dilate 2 (the default) runs every device twice slower, so DP×PP fits a 2-core host.
 
-    python benchmarks/accuracy.py --json out.json                # controlled clock, every layout, 3 rounds
+    python benchmarks/accuracy.py --json out.json [--smoke]      # controlled clock, every layout, 3 rounds
     python benchmarks/accuracy.py --clock auto,wall --json out.json
 """
 

@@ -8,7 +8,7 @@ model pays), interleaved in rounds, every other round reversed, and the figure i
 over rounds of auto's prepare() seconds over dp's, measured seconds apart. Each run also records
 which layout auto chose, so a change in the answer shows beside the cost.
 
-    PYTHONPATH=src python benchmarks/auto_cost.py --json out.json [--rounds 3]
+    PYTHONPATH=src python benchmarks/auto_cost.py --json out.json [--rounds 3] [--smoke]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ A stack of 4096x4096 Linear layers with AdamW's state made (3 x 4 bytes a parame
 
 The files come from the page cache, so the figures are hashing (CPU) time; --rounds alternations.
 
-    python benchmarks/checkpoint_io.py [--gib 1.0] [--rounds 2] [--dir DIR] [--json out.json]
+    python benchmarks/checkpoint_io.py [--gib 1.0] [--rounds 2] [--dir DIR] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations

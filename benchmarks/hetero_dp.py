@@ -13,7 +13,7 @@ over rounds of a ratio within a round. --precision auto: each card's own,
 computed in fp32 where this CPU runs it slowly, on both sides. Clock: controlled by default
 (benchmarks/_common.py), m·T/speed a micro-batch, for both sides alike.
 
-    python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--clock wall]
+    python benchmarks/hetero_dp.py --json out.json [--rounds 3 (7 on the wall clock)] [--steps 40] [--clock wall] [--smoke]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ a100-80g,rtx3090 train.py`. One stock process gets one CPU thread, as each emula
 (process start to exit: imports, planning and profiling included) and the Trainer's own
 train_runtime.
 
-    python benchmarks/hf_trainer.py [--steps 60] [--rounds 2] [--json out.json]
+    python benchmarks/hf_trainer.py [--steps 60] [--rounds 2] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations

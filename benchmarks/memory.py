@@ -13,7 +13,7 @@ both): the largest model each trains and their ratio (bound (80 + 24) / (2 · 24
 throughput at a width both train, --rounds interleaved fresh jobs of --steps steps, the ratio of
 the medians.
 
-    python benchmarks/memory.py --json out.json [--study strategies|capacity-full|all] [--max-width 1024]
+    python benchmarks/memory.py --json out.json [--study strategies|capacity-full|all] [--max-width 1024] [--smoke]
 """
 
 from __future__ import annotations

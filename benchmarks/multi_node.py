@@ -13,7 +13,7 @@ bytes actually sent (runtime/devices/link.py), in both hetrain and the plain bas
 Configs run interleaved in rounds (every other round reversed), and each figure is the median over
 rounds of a ratio within a round, so the host's drift cancels.
 
-    python benchmarks/multi_node.py --json out.json [--link-gbs 0.05] [--rounds 2] [--steps 20]
+    python benchmarks/multi_node.py --json out.json [--link-gbs 0.05] [--rounds 2] [--steps 20] [--smoke]
 """
 
 from __future__ import annotations

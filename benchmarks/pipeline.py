@@ -1,6 +1,6 @@
 """Pipeline stages sized by device speed vs a uniform split, on an emulated 1 : 0.5 pair.
 
-    python benchmarks/pipeline.py --json out.json
+    python benchmarks/pipeline.py --json out.json [--smoke]
 
 A small GPT (12 blocks) as a 2-stage pipeline (`ht.prepare(parallel="pp")`) on an emulated A100
 (1.0) and RTX 3090 (0.5), in ONE launch of alternating jobs: the split hetrain sizes from measured

@@ -1,6 +1,6 @@
 """How long planning takes on a large mixed cluster: 64 devices (8 nodes × 8) and 1,024 (128 × 8).
 
-    python benchmarks/plan_scale.py [--json out.json] [--repeats 5] [--model gpt2-350m] [--no-cli]
+    python benchmarks/plan_scale.py [--json out.json] [--repeats 5] [--model gpt2-350m] [--no-cli] [--smoke]
 
 The cluster is written in the node grammar, as a user would (so parsing and the hierarchical
 all-reduce over the nodes are timed too): nodes of A100-80G (NVLink), RTX 3090 (PCIe 4), V100-32G

@@ -12,7 +12,7 @@ m·T·share/speed, `share` its part of the Linear weights, T 8× the whole model
 CPU time a sample here (at 3× a TP rank's DTensor and gloo overheads made the even split
 CPU-bound); `clock_only` is the ratio the clock alone gives. `--clock wall`: the CPU's time.
 
-    PYTHONPATH=src python benchmarks/tensor_split.py --json out.json [--rounds 3] [--steps 8] [--fast-pair]
+    PYTHONPATH=src python benchmarks/tensor_split.py --json out.json [--rounds 3] [--steps 8] [--fast-pair] [--smoke]
 """
 
 from __future__ import annotations
