@@ -15,7 +15,6 @@ AUTO_SHARDINGS = ("none", "zero1", "capacity", "fsdp")   # what sharding='auto' 
 # capacity-full (parameters, gradients and optimizer state split by free memory: runtime/sharding/
 # capacity_full.py) is asked for by name: it turns in-loop OOM recovery off, so auto leaves it out.
 SHARDINGS = AUTO_SHARDINGS + ("capacity-full",)
-SHARDING_REQUESTS = ("auto",) + SHARDINGS             # auto: shard only when the model does not fit
 CHECKPOINTINGS = ("plan", "all", "none")              # activation checkpointing: where the plan says | all | none
 LOSS_WEIGHTINGS = ("samples", "tokens")
 RESUME_MODES = ("auto", "must", "never")

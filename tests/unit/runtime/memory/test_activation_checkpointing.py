@@ -28,7 +28,8 @@ def batch(n=4):
             torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g))
 
 
-def saved_bytes_and_grads(model, n=4):
+def meter_and_grads(model, n=4):
+    """The emulated meter after one forward and backward, and the gradients."""
     x, y = batch(n)
     meter = MemoryMeter(label="t", cap=None)
     meter.set_fixed(model, None)
@@ -37,6 +38,11 @@ def saved_bytes_and_grads(model, n=4):
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    return meter, grads
+
+
+def saved_bytes_and_grads(model, n=4):
+    meter, grads = meter_and_grads(model, n)
     return meter.activations, grads
 
 
@@ -99,14 +105,7 @@ def test_apply_from_plan_only_where_the_plan_says():
 
 def peak_and_grads(model, n=4):
     """The emulated meter's peak over one forward and backward (float64), and the gradients."""
-    x, y = batch(n)
-    meter = MemoryMeter(label="t", cap=None)
-    meter.set_fixed(model, None)
-    with meter.forward():
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    meter, grads = meter_and_grads(model, n)
     return meter.peak, grads
 
 
