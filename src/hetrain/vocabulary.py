@@ -11,7 +11,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")                 # what a device computes i
 PRECISION_REQUESTS = ("auto",) + PRECISIONS           # what a user may ask for
 # Data-parallel sharding of the model state. Ordered as planning prefers them when several fit
 # (planning/memory.choose_sharding): least communication first.
-AUTO_SHARDINGS = ("none", "zero1", "capacity", "fsdp")   # what sharding='auto' chooses from
+AUTO_SHARDINGS = ("none", "zero1", "capacity", "fsdp")   # what DataParallel() (sharding None) chooses from
 # capacity-full (parameters, gradients and optimizer state split by free memory: runtime/sharding/
 # capacity_full.py) is asked for by name: it turns in-loop OOM recovery off, so auto leaves it out.
 SHARDINGS = AUTO_SHARDINGS + ("capacity-full",)
