@@ -32,6 +32,7 @@ from ...errors import UsageError
 from ...runtime.config import integration_layout
 from ...runtime.engine import init
 from ...runtime.loop.stream import is_stream, stream_length
+from ...runtime.ranks.collectives import collective_device
 from ...runtime.ranks.dist import env_rank
 from ...runtime.resilience.worker_errors import install_excepthook
 from . import checkpoints, evaluation
@@ -267,11 +268,15 @@ class Trainer(transformers.Trainer):
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def store_flos(self) -> None:
-        """Stock's, summed over hetrain's ranks (the Trainer does not see them as distributed). Collective."""
-        flos = torch.tensor([float(self.current_flos)], dtype=torch.float64)
+        """Stock's, summed over hetrain's ranks (the Trainer does not see them as distributed). Collective:
+        the sum is made on the job's device (a CUDA job's NCCL group takes no CPU tensor)."""
+        flos = float(self.current_flos)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flos)
-        self.state.total_flos += flos.item()
+            device = self.engine.device if self.engine is not None else collective_device()
+            total = torch.tensor([flos], dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            flos = total.item()
+        self.state.total_flos += flos
         self.current_flos = 0.0
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,

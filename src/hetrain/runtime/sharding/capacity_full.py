@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ranks.collectives import collective_device
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -144,11 +146,15 @@ class FullSharding:
     """The units of one model and the hooks that gather and reduce them (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, root: Unit | None, blocks: Sequence[tuple[nn.Module, Unit]], *,
-                 rank: int, world_size: int, fractions: Sequence[float], group=None):
+                 rank: int, world_size: int, fractions: Sequence[float], group=None,
+                 device: torch.device | None = None):
         self.model, self.root, self.rank, self.world_size, self.group = model, root, rank, world_size, group
         self.fractions = tuple(fractions)
         self.blocks = [u for _, u in blocks]
         self.order = ([root] if root is not None else []) + self.blocks   # forward order
+        # The job's device (where the shards live): every tensor handed to a collective is made there
+        shards = self.shards()
+        self.device = device if device is not None else shards[0].device if shards else collective_device(group)
         self.syncing = True
         self.pending: list[tuple[Segment, torch.Tensor, list]] = []        # reduces in flight
         self.applied = self.reduced = 0
@@ -260,7 +266,7 @@ class FullSharding:
         """`_Gather.backward`: the unit's whole flat gradients; accumulate (no_sync) or reduce."""
         unit.in_backward = False
         for seg, g in zip(unit.segments, grads):
-            g = torch.zeros(seg.numel, dtype=seg.shard.dtype, device=seg.shard.device) if g is None else g
+            g = torch.zeros(seg.numel, dtype=seg.shard.dtype, device=self.device) if g is None else g
             if not self.syncing:
                 seg.acc = g.clone() if seg.acc is None else seg.acc.add_(g)
                 continue
@@ -302,7 +308,8 @@ class FullSharding:
         self.wait_reduces()
         grads = [s.grad for s in self.shards() if s.grad is not None]
         dtype = grads[0].dtype if grads else torch.float32
-        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        # made on the job's device even on a rank holding no gradients (NCCL takes no CPU tensor)
+        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device))
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt()
         scale = min(1.0, max_norm / (norm.item() + 1e-6))
@@ -329,7 +336,7 @@ class FullSharding:
         self.wait_reduces()
         out = {}
         for seg in self.segments():
-            whole = torch.zeros(seg.numel, dtype=seg.shard.dtype, device=seg.shard.device)
+            whole = torch.zeros(seg.numel, dtype=seg.shard.dtype, device=self.device)
             a, b = seg.owned
             if seg.shard.grad is not None:
                 whole[a:b] = seg.shard.grad

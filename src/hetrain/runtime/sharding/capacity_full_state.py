@@ -49,6 +49,18 @@ def _groups(optimizer) -> list[dict]:
             for i, g in enumerate(optimizer.param_groups)]
 
 
+def _reduced(sharding, slot, v: torch.Tensor, part, a: int, *, owner: int) -> torch.Tensor:
+    """A straddling parameter's entry whole on `owner` (a collective: every rank, its part or
+    zeros). Summed on the job's device, whatever holds `v`: an offloaded optimizer's state is on
+    the host, and a CUDA job's NCCL group takes no CPU tensor. The owner gets it back where `v`
+    lives (host state stays on the host)."""
+    t = torch.zeros(slot.numel, dtype=v.dtype, device=sharding.device)
+    if part is not None:
+        t[part[0] - slot.offset:part[1] - slot.offset] = v[part[0] - a:part[1] - a]
+    dist.reduce(t, dst=sharding.global_rank(owner), group=sharding.group)
+    return (t.to(v.device) if sharding.rank == owner else t).view(slot.shape)
+
+
 def save_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts for dcp.save. A collective."""
     sharding, local = optimizer.sharding, optimizer.optim
@@ -67,11 +79,7 @@ def save_dicts(model, optimizer) -> tuple[dict, dict]:
                 if owners == [sharding.rank] and part is not None:
                     whole[k] = v[slot.offset - a:slot.offset - a + slot.numel].view(slot.shape)
                 elif len(owners) > 1:
-                    t = torch.zeros(slot.numel, dtype=v.dtype, device=v.device)
-                    if part is not None:
-                        t[part[0] - slot.offset:part[1] - slot.offset] = v[part[0] - a:part[1] - a]
-                    dist.reduce(t, dst=sharding.global_rank(owners[0]), group=sharding.group)
-                    whole[k] = t.view(slot.shape)
+                    whole[k] = _reduced(sharding, slot, v, part, a, owner=owners[0])
                 elif owners == [sharding.rank]:        # an empty parameter: rank 0 saves it
                     whole[k] = torch.zeros(slot.shape, dtype=v.dtype, device=v.device)
             if sharding.rank == owners[0]:
