@@ -86,7 +86,7 @@ def gather(data, *, padded: int, size: int, device):
     longest = max(int(n) for n in lengths)
     full = torch.zeros((longest, *x.shape[1:]), dtype=x.dtype, device=device)
     full[:x.shape[0]] = x
-    parts = [torch.empty_like(full) for _ in lengths]
+    parts = [torch.empty_like(full, device=device) for _ in lengths]
     dist.all_gather(parts, full)
     return torch.cat([p[:int(n)] for p, n in zip(parts, lengths)])
 

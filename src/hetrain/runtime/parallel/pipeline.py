@@ -61,7 +61,8 @@ def _sync_grads(params: Sequence[nn.Parameter], group, *, divide: int = 1, befor
     their gradients before the step, None for none), in one bucket."""
     if not params:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    device = params[0].device          # the job's: the stage's parameters live there
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p, device=device) for p in params]
     added = [g if b is None else g - b for g, b in zip(grads, before or [None] * len(grads))]
     flat = _flatten_dense_tensors(added)
     dist.all_reduce(flat, group=group)

@@ -42,7 +42,8 @@ class ShardState:
     def _whole(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A collective: `value` (shaped like p's shard) as the whole tensor, on every rank."""
         dim, start, stop, _ = self.parts[id(p)]
-        out = torch.zeros(self._shape(p), dtype=value.dtype, device=value.device)
+        device = p.device              # the job's (the parameter's), wherever `value` is kept
+        out = torch.zeros(self._shape(p), dtype=value.dtype, device=device)
         out.narrow(dim, start, stop - start).copy_(value)
         dist.all_reduce(out, group=self.group)
         return out

@@ -198,11 +198,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tenso
     """clip_grad_norm_ over the whole model: the squares of the sharded gradients summed over the
     group (one all-reduce), the whole ones counted once; every rank scales by the same factor."""
     sharded = {id(p) for p in sharded_parameters(model)}
+    device = next(model.parameters()).device     # the job's: the model lives there
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return torch.zeros(())
-    part = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
-    whole = torch.zeros_like(part)
+        return torch.zeros((), device=device)
+    part = torch.zeros((), dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         sq = p.grad.detach().double().pow(2).sum()
         if id(p) in sharded:

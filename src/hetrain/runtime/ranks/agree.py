@@ -47,7 +47,7 @@ def exchange(values: dict[str, float], *, rank: int, world_size: int, device: to
     """All ranks call this with the same keys, in the same order; all get every rank's values."""
     keys = list(values)
     table = torch.zeros(world_size, len(keys), dtype=torch.float64, device=device)
-    table[rank] = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    table[rank] = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(table)
     return Table(keys, table.cpu())

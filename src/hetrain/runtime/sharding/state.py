@@ -193,12 +193,13 @@ def _gather_straddling(model: nn.Module, optimizer: CapacityShardedOptimizer, pi
                 if not elementwise(v, shard):
                     entry[k] = v
                     continue
-                whole = torch.zeros(p.numel(), dtype=v.dtype, device=v.device)
+                device = shard.device          # the job's (the rank's flat parameter), wherever `v` is kept
+                whole = torch.zeros(p.numel(), dtype=v.dtype, device=device)
                 if piece is not None:
                     whole[piece.lo:piece.hi] = v.reshape(-1)[piece.at:piece.at + piece.hi - piece.lo]
                 dst = first if optimizer.group is None else dist.get_global_rank(optimizer.group, first)
                 dist.reduce(whole, dst=dst, group=optimizer.group)
-                entry[k] = whole.view(p.shape)
+                entry[k] = whole.view(p.shape).to(v.device)
             if optimizer.rank == first:
                 out[name] = entry
     return out
