@@ -12,6 +12,8 @@ back in order; compute_metrics and the loss then see what one process would have
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -36,7 +38,7 @@ def _cpu(x):
         return x.detach().cpu()
     if isinstance(x, (list, tuple)):
         return type(x)(_cpu(v) for v in x)
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return {k: _cpu(v) for k, v in x.items()}
     return x
 

@@ -19,6 +19,7 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -206,7 +207,7 @@ class Trainer(transformers.Trainer):
                 with mb:
                     batch, tokens = mb.batch, count(mb.batch) if count else None
                     with engine.autocast():     # a copy: compute_loss pops 'labels' from what it is given
-                        loss = self.compute_loss(model, dict(batch) if isinstance(batch, dict) else batch)
+                        loss = self.compute_loss(model, dict(batch) if isinstance(batch, Mapping) else batch)
                     engine.backward(loss, tokens=tokens)
                 if mb.failed is None:
                     flops.update(dict.fromkeys(mb.indices, float(self.floating_point_ops(batch)) / mb.size))
@@ -304,7 +305,7 @@ class Trainer(transformers.Trainer):
         shift = 1 if type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else 0   # as compute_loss tells
 
         def count(batch) -> int:
-            labels = batch.get("labels") if isinstance(batch, dict) else None
+            labels = batch.get("labels") if isinstance(batch, Mapping) else None
             if labels is None:
                 raise UsageError("loss_weighting='tokens' but the batch has no 'labels'",
                                  "give the dataset 'labels', or use the default loss_weighting='samples'")

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar
+from ..user_objects import rows as batch_rows
 
 # Timed steps of each wrapper, alternating (after one warm-up of each). With 5 and a difference of
 # medians, four `hetrain plan` runs of the dilated pair (2-core EPYC, wall clock) put the FSDP2
@@ -74,7 +75,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         new = dict(copied.named_parameters())
         runs_on.append(rebuild_optimizer(fresh, {p: new[n] for p, n in names.items()}, who="the FSDP2 probe"))
 
-    rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
+    rows = batch_rows(batch) or 1
     # each wrapper its own books of the device (the backward's learned length, the debt)
     paces = [throttle.fresh() if throttle is not None else None for _ in range(2)]
 
@@ -99,7 +100,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     ddp_s = statistics.median(t[0] for t in times)
     fsdp_s = statistics.median(t[1] for t in times)
     return {"excess_s": paired_excess(times), "fsdp_s": fsdp_s, "ddp_s": ddp_s, "runs": runs, "pairs": times,
-            "micro_batch": rows if isinstance(batch, (tuple, list)) else None}
+            "micro_batch": batch_rows(batch)}
 
 
 def paired_excess(pairs) -> float:

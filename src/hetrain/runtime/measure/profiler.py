@@ -45,7 +45,7 @@ import copy
 import hashlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,7 +89,7 @@ def model_signature(model: torch.nn.Module, optimizer, sample, *, precision: str
             return f"T{tuple(obj.shape[1:])}{obj.dtype}"
         if isinstance(obj, (tuple, list)):
             return "(" + ",".join(shapes(o) for o in obj) + ")"
-        if isinstance(obj, dict):
+        if isinstance(obj, Mapping):         # a BatchEncoding too: its shapes, not only its type
             return "{" + ",".join(f"{k}:{shapes(v)}" for k, v in sorted(obj.items())) + "}"
         return type(obj).__name__
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
+from ..user_objects import rows as batch_rows
 from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
 
 # Timed steps, after one warm-up (the median kept). 8, as the pipeline probe; not what steadies
@@ -63,7 +64,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     clocked = own is not None and own.sample_s is not None
     if clocked:                      # this rank's part of the model's clock, as layouts/tensor.wrap sets it
         own.sample_s = own.sample_s * compute_share(sharded)
-    rows = len(batch[0]) if isinstance(batch, (tuple, list)) else 1
+    rows = batch_rows(batch) or 1
 
     meter = MemoryMeter(label="tp probe", cap=None)
     meter.set_fixed(sharded, None)

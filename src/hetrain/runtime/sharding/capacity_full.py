@@ -40,7 +40,7 @@ memory. Every unit must run once per forward, in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -351,6 +351,6 @@ def _tensors(output):
         return [output]
     if isinstance(output, (tuple, list)):
         return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
+    if isinstance(output, Mapping):
         return [t for o in output.values() for t in _tensors(o)]
     return []
