@@ -91,12 +91,18 @@ def regression_data():
     return torch.randn(N, 4, generator=g, dtype=torch.float64), torch.randn(N, 1, generator=g, dtype=torch.float64)
 
 
+def uneven_plan():
+    from hetrain.planning.plan import DevicePlan, Plan
+
+    return Plan(global_batch=24, devices=(DevicePlan(rank=0, device="cpu0", speed=1.0, share=10, micro_batch=4),
+                                          DevicePlan(rank=1, device="cpu1", speed=1.0, share=14, micro_batch=14)))
+
+
 def dataclass_worker(rank, world, steps):
     import hetrain
 
     x, y = regression_data()
-    ht = hetrain.init(global_batch=24, max_steps=steps, emulation=Emulation(cluster=CLUSTER),
-                      reporting=Reporting(verbose=False))
+    ht = hetrain.init(global_batch=24, max_steps=steps, plan=uneven_plan(), reporting=Reporting(verbose=False))
     model = Regression()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y),
