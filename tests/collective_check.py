@@ -3,20 +3,16 @@
 A CUDA job's NCCL group takes only CUDA tensors on the rank's device, and raises on a CPU one. On
 CPU CI the job's device and the host are both 'cpu', so a tensor made by default (on the CPU) or
 beside host-side state (an offloaded optimizer's) cannot be told from one made on the job's device:
-the defect passes every gloo test. Here the job is made to declare a device of its own:
-
-  * `fake_world(device)`: the code under test holds its parameters on `device` (the tests use
-    'meta', a device distinct from the host whose tensors have shapes and dtypes but no data, as
-    the host cannot read a GPU's without a copy) and its host-side state on the CPU. torch.distributed's
-    collectives are replaced by recorders in a fake group of `world` ranks (they move nothing), so
-    the code's own device choices run through its collectives. Code that reads a result's data
-    after a collective (`.item()`) cannot on 'meta': `stop_after=n` raises `CollectiveReached`
-    after the n-th collective, once it is recorded.
-  * `checked_collectives(device)`: the same check around the real collectives, inside gloo test
-    ranks (tests/harness.py run_ranks); the job's device there is the CPU.
-
-Either way `record.assert_on_device()` fails naming every collective that got a tensor elsewhere.
-Modules call collectives as `dist.<name>` (import torch.distributed as dist), which the patch reaches.
+the defect passes every gloo test (real gloo ranks cannot show it). So the job is made to declare
+a device of its own: in `fake_world(device)` the code under test holds its parameters on `device`
+(the tests use 'meta', a device distinct from the host whose tensors have shapes and dtypes but no
+data, as the host cannot read a GPU's without a copy) and its host-side state on the CPU.
+torch.distributed's collectives are replaced by recorders in a fake group of `world` ranks (they
+move nothing), so the code's own device choices run through its collectives, and
+`record.assert_on_device()` fails naming every collective that got a tensor elsewhere. Code that
+reads a result's data after a collective (`.item()`) cannot on 'meta': `stop_after=n` raises
+`CollectiveReached` after the n-th collective, once it is recorded. Modules call collectives as
+`dist.<name>` (import torch.distributed as dist), which the patch reaches.
 """
 
 from __future__ import annotations
@@ -82,21 +78,6 @@ def _patched(values: dict):
                 setattr(dist, name, saved[name])
             else:
                 delattr(dist, name)
-
-
-@contextlib.contextmanager
-def checked_collectives(device: torch.device | str):
-    """Record (and then run) every real collective's tensors' devices; yields the Record."""
-    record = Record(torch.device(device))
-
-    def wrap(name, real):
-        def call(*args, **kwargs):
-            record.calls.append((name, [t.device for t in _tensors([*args, *kwargs.values()])]))
-            return real(*args, **kwargs)
-        return call
-
-    with _patched({n: wrap(n, getattr(dist, n)) for n in TENSOR_COLLECTIVES if hasattr(dist, n)}):
-        yield record
 
 
 @contextlib.contextmanager
