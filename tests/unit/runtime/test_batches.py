@@ -93,3 +93,19 @@ def test_an_error_with_no_message_still_says_what_it_was():
 
     with pytest.raises(ForwardCallError, match=r"AttributeError: \(no message\)"):
         default_forward(Silent(), torch.ones(2))
+
+
+def test_the_trainers_token_count_reads_a_batch_encodings_labels():
+    """DataCollatorWithPadding and tokenizer.pad give BatchEncodings: under token weighting their
+    labels are counted, as a dict's are."""
+    import types
+
+    from hf_tiny import gpt2
+
+    from hetrain.integrations.hf.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)            # only what token_counter reads
+    trainer.model = gpt2()
+    trainer.engine = types.SimpleNamespace(job=types.SimpleNamespace(config=types.SimpleNamespace(loss_weighting="tokens")))
+    labels = torch.tensor([[5, 6, -100, 7], [-100, 1, 2, 3]])
+    assert trainer.token_counter()(BatchEncoding({"input_ids": labels.clamp(min=0), "labels": labels})) == 5     # each row from its second label
