@@ -40,8 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..devices.precision_policy import DTYPES
-from ..user_objects import as_scalar
-from ..user_objects import rows as batch_rows
+from ..user_objects import as_scalar, rows as batch_rows
 
 # Timed steps of each wrapper, alternating (after one warm-up of each). With 5 and a difference of
 # medians, four `hetrain plan` runs of the dilated pair (2-core EPYC, wall clock) put the FSDP2
