@@ -14,6 +14,8 @@ import json
 import os
 import socket
 import time
+
+from ..devices import clock as clocks
 from pathlib import Path
 
 RUN_LOCK = ".hetrain-run.lock"            # the `hetrain run` launcher's, in the run dir
@@ -65,7 +67,7 @@ def try_lock(directory: str | os.PathLike, name: str) -> tuple[DirLock | None, s
     except BaseException:
         os.close(fd)
         raise
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": clocks.wall()}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
     lock = DirLock(path, fd)
