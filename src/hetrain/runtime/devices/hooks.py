@@ -147,17 +147,14 @@ def runqueue_s() -> float:
 
 
 class CudaHooks(DeviceHooks):
-    """Compute time from CUDA events: start, before backward, after backward and end of every
-    micro-batch, and the moment the last backward's gradients are all computed; read after the
-    step's sync (no synchronisation added per micro-batch).
-
-    The last micro-batch's backward also waits for the gradient sync (DDP's finalize makes the
-    stream wait for the all-reduce). Its compute is timed up to its last gradient accumulated, an
-    event each trainable parameter's post-accumulate hook records (the last recording stands):
-    measured on this device, in this step, so activation checkpointing's recompute (about 3x the
-    forward, not 2x) is in it. Where no such hook fires (FSDP2's sharded gradients come from its
-    reduce-scatter), the backward is the forward times the backward/forward ratio this device's
-    micro-batches that do not sync measured, kept across steps (2 until one was measured)."""
+    """Compute time from CUDA events at each micro-batch's start, backward, end of backward and
+    end, read after the step's sync (no synchronisation added per micro-batch). The last backward
+    also waits for the gradient sync (DDP's finalize makes the stream wait for the all-reduce):
+    its compute is timed to its last gradient, an event every trainable parameter's post-accumulate
+    hook records (the last stands), so activation checkpointing's recompute (~3x the forward, not
+    2x) is in it. Where no such hook fires (FSDP2's gradients come from its reduce-scatter), it is
+    the forward times the backward/forward ratio of this device's micro-batches that do not sync,
+    kept across steps (2 until one was measured)."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -179,8 +176,9 @@ class CudaHooks(DeviceHooks):
 
     def attach(self, model) -> None:
         for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._gradient_done)
+            if p.requires_grad:   # (a parameter that takes no such hook leaves the ratio to time it)
+                with contextlib.suppress(RuntimeError):
+                    p.register_post_accumulate_grad_hook(self._gradient_done)
 
     def _gradient_done(self, param) -> None:
         if self._watching:
