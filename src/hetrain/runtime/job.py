@@ -94,7 +94,7 @@ class Job:
     ooms: int = 0                  # out-of-memory errors recovered on this rank
     redone_steps: int = 0          # steps redone by all ranks after an OOM in a gradient sync
     rebalances: int = 0            # share changes made by the rebalancer
-    met_at: float = 0.0            # perf_counter when the ranks last met: a step's agreement, or prepare()'s end
+    met_at: float = 0.0            # devices/clock.host() when the ranks last met: a step's agreement, or prepare()'s end
 
     @property
     def rank(self) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 from collections.abc import Callable
 
 import torch
 from torch.utils.data import default_collate
 
+from .devices import clock as clocks
 from ..layout_spec import DataParallel, Pipeline, TensorParallel
 from ..planning.compression import check_request as check_compression_request
 from ..planning.plan import Plan
@@ -63,7 +63,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.log.info(f"layout: {layout.describe(job)}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
-    job.met_at = time.perf_counter()                  # the first step's period starts here, on every rank
+    job.met_at = clocks.host()                  # the first step's period starts here, on every rank
     freeze_heap()
 
 

@@ -30,6 +30,7 @@ the tensor that crossed the cap. Inputs the signature cannot describe are always
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -40,6 +41,7 @@ import torch
 
 from ...hardware.cluster import ClusterDevice
 from ...hardware.units import format_bytes
+from . import clock
 
 # glibc's mallopt(3) parameters (malloc.h), and what an emulated device sets them to
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -47,6 +49,7 @@ KEEP_FREED_BYTES = 2**30           # free memory at the heap's top before glibc 
 MMAP_FROM_BYTES = 32 * 2**20       # blocks below this come from the heap (glibc's largest allowed)
 RECOUNT_EVERY = 50     # forwards of one input signature between two counts of their activations
 MAX_SIGNATURES = 64    # signatures remembered (inputs that differ every time are simply counted)
+ASYNC_ENV = "HETRAIN_EMULATE_ASYNC"   # 1: emulated devices pay their sleeps at the sync points only
 
 
 def become_emulated_device() -> bool:
@@ -202,10 +205,17 @@ class Throttle:
     is told the clock: the profiler times a device on it as training does (a `fresh()` throttle,
     its forward and backward through `before_backward`/`after_backward`, the time being the
     thread's CPU time plus the sleeps, as the device's hooks count busy time).
+
+    Asynchronous (`asynchronous=True`, HETRAIN_EMULATE_ASYNC=1): the device's work completes after
+    the host call returns, as a GPU's does. `settle()` then sleeps nothing; what is owed is slept
+    at the next sync point (devices/clock.py: a synchronize, a collective hetrain issues), where
+    a GPU's host would wait for it. Its time is still the device's: `charged_s` holds it from the
+    moment it is charged, and devices/clock.DeviceClock reads it; a host clock around the op does
+    not see it, as it does not see a CUDA kernel.
     """
 
     def __init__(self, speed: float, *, seed: int = 0, sample_s: float | None = None,   # seed: per device
-                 micro_s: float | None = None):
+                 micro_s: float | None = None, asynchronous: bool = False):
         if not 0 < speed <= 1:
             raise ValueError(f"emulated speed must be in (0, 1], got {speed}")
         if sample_s is not None and not sample_s > 0:
@@ -224,6 +234,14 @@ class Throttle:
         self.slept_seconds = 0.0
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
+        self.asynchronous = asynchronous
+        if asynchronous:
+            clock.owe(self)
+
+    @property
+    def charged_s(self) -> float:
+        """The device time charged beyond the CPU's: slept, or owed to the next sync."""
+        return self.slept_seconds + self.owed
 
     @property
     def clocked(self) -> bool:
@@ -233,11 +251,12 @@ class Throttle:
         """A throttle of the same device and clock with books of its own (for a probe: the
         device's throttle keeps the training's)."""
         return Throttle(self.speed, seed=self._seed, sample_s=self.sample_s,
-                        micro_s=self.micro_s if self.sample_s is not None else None)
+                        micro_s=self.micro_s if self.sample_s is not None else None, asynchronous=self.asynchronous)
 
     def busy(self) -> float:
-        """This thread's CPU time plus the sleeps: the device's busy time (devices/hooks.py)."""
-        return time.thread_time() + self.slept_seconds
+        """This thread's CPU time plus the device time charged (slept or owed): the device's busy
+        time (devices/hooks.py)."""
+        return clock.thread_cpu() + self.charged_s
 
     def _stretch(self) -> float:
         """Emulated seconds per CPU second, beyond the CPU second itself."""
@@ -250,6 +269,12 @@ class Throttle:
         self.owed += cpu_seconds * self._stretch()
 
     def settle(self) -> None:
+        """Where a synchronous device sleeps what it owes; an asynchronous one waits for a sync."""
+        if not self.asynchronous:
+            self.sync()
+
+    def sync(self) -> None:
+        """The host waits for the device: sleep what is owed."""
         if self.owed > 0:
             self.slept_seconds += self.owed
             time.sleep(self.owed)
@@ -271,11 +296,11 @@ class Throttle:
     @contextmanager
     def compute(self):
         """Throttle a piece of work that has no collective inside (e.g. the optimizer step)."""
-        t0 = time.thread_time()
+        t0 = clock.thread_cpu()
         try:
             yield
         finally:
-            self.pay(time.thread_time() - t0)
+            self.pay(clock.thread_cpu() - t0)
 
     def before_backward(self, forward_cpu: float, *, settle: bool = True, samples: int = 1) -> float:
         """Book the forward and the predicted backward, and sleep for all that is owed (unless
@@ -304,9 +329,13 @@ class Throttle:
 class EmulatedDevice:
     """This rank's emulated GPU: a throttle and a memory meter."""
 
-    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None, micro_s: float | None = None):
+    def __init__(self, spec: ClusterDevice, *, sample_s: float | None = None, micro_s: float | None = None,
+                 asynchronous: bool | None = None):
         self.spec = spec
-        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s, micro_s=micro_s)
+        if asynchronous is None:
+            asynchronous = os.environ.get(ASYNC_ENV, "0").strip() not in ("", "0")
+        self.throttle = Throttle(spec.speed, seed=1000 + spec.index, sample_s=sample_s, micro_s=micro_s,
+                                 asynchronous=asynchronous)
         self.meter = MemoryMeter(label=f"{spec.label} (emulated)", cap=spec.memory_bytes)
 
     @property

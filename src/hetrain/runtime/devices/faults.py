@@ -25,11 +25,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from . import clock as clocks
 from ...errors import UsageError
 from ...hardware.cluster import MAX_DEVICES
 
@@ -179,7 +179,7 @@ def _log_fired(fault: Fault) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({**asdict(fault), "time": time.time()}) + "\n")
+            f.write(json.dumps({**asdict(fault), "time": clocks.wall()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

@@ -8,26 +8,30 @@ path is: forward, weighted backward, gradient sync, agreement, optimizer step.
   EmulatedHooks   a CPU thread playing a GPU: throttle + memory meter (runtime/devices/emulation.py) + runtime/devices/faults.py
 
 Busy time is what the rebalancer and the summary see: compute as the device experiences it, never
-time spent waiting for peers (CPU time, plus the emulation's sleeps; GPU event time).
+time spent waiting for peers (CPU time, plus the emulation's charged sleeps; GPU event time). Every
+figure is read on the device's clock (runtime/devices/clock.py), the optimizer's part of a step too
+(`fixed_start`/`fixed_end`, read by `last_fixed_s` at the next step's agreement).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
+from . import clock as clocks
 from .faults import FaultInjector, injected_oom
 
 
 class DeviceHooks:
     """No emulation, no faults: a clock and nothing else."""
 
-    def __init__(self, device: torch.device):
-        cuda = device.type == "cuda"
-        # CPU: this thread's CPU time, so waits in collectives are not counted as compute
-        self.clock = time.perf_counter if cuda else time.thread_time
+    def __init__(self, device: torch.device, throttle=None):
+        # CPU: this thread's CPU time, so waits in collectives are not counted as compute; an
+        # emulated device's clock adds what its throttle charged (devices/clock.py DeviceClock)
+        self.device_clock = clocks.DeviceClock(device, throttle=throttle)
+        self.clock = self.device_clock.host_part     # what a piece's compute is booked by
+        self._fixed0, self._fixed = None, None   # device-clock marks around the last step's optimizer part
         self.compute_s = 0.0       # this attempt of the step: forward + backward, unthrottled
         self.busy_s = 0.0          # ... as the device experiences it
         self.sync_s = 0.0          # ... and the wall time its last backward was blocked in the gradient sync
@@ -35,8 +39,9 @@ class DeviceHooks:
         self._busy0 = self._started = self._forward_s = self._booked = 0.0
 
     # -- the clock ------------------------------------------------------------------------------
-    def busy(self) -> float:
-        return self.clock()
+    def busy(self):
+        """A mark on the device's clock: seconds off CUDA (CudaHooks times by events instead)."""
+        return self.device_clock.mark()
 
     def attempt_start(self) -> None:
         self.compute_s, self.busy_s, self.sync_s = 0.0, 0.0, 0.0
@@ -45,19 +50,42 @@ class DeviceHooks:
         """The busy time of the step's micro-batches, for the step's agreement table."""
         return self.busy_s
 
+    def attempt_compute_s(self) -> float:
+        """The step's forward + backward compute (unthrottled), for the step's agreement table."""
+        return self.compute_s
+
+    def fixed_start(self) -> None:
+        """The step's part outside its micro-batches starts (unscale, clip, optimizer step)."""
+        self._fixed0 = self.device_clock.mark()
+
+    def fixed_end(self) -> None:
+        self._fixed = (self._fixed0, self.device_clock.mark())
+
+    def last_fixed_s(self) -> float:
+        """The last step's optimizer part on the device's clock (read after the next step's sync)."""
+        return self.device_clock.seconds(*self._fixed) if self._fixed is not None else 0.0
+
+    def attach(self, model) -> None:
+        """The prepared model, for hooks that time its backward (CUDA)."""
+
     def wall_mark(self, mb):
         """Before a backward: where the wall clock (and the run queue) stand, for the last one."""
-        return (time.perf_counter(), runqueue_s()) if mb.last else None
+        return (clocks.host(), runqueue_s(), self._slept()) if mb.last else None
+
+    def _slept(self) -> float:
+        throttle = self.device_clock.throttle
+        return throttle.slept_seconds if throttle is not None else 0.0
 
     def backward_wall(self, mark, backward_s: float) -> None:
         """The last micro-batch's backward runs the gradient sync: the wall time it took beyond
         its own compute (this clock: the thread's CPU time on a CPU) is time blocked there (the
         all-reduce, and any wait in it for slower peers), less the time the thread was ready but
-        not running (a busy host; it stays in the step's remainder, not in the sync)."""
+        not running (a busy host; it stays in the step's remainder, not in the sync), and less an
+        asynchronous emulated device's sleep paid there (its own compute, at the sync point)."""
         if mark is not None:
-            wall0, queued0 = mark
-            queued = runqueue_s() - queued0
-            self.sync_s = max(0.0, time.perf_counter() - wall0 - backward_s - queued)
+            wall0, queued0, slept0 = mark
+            queued, slept = runqueue_s() - queued0, self._slept() - slept0
+            self.sync_s = max(0.0, clocks.host() - wall0 - backward_s - queued - slept)
 
     def attempt_sync_s(self) -> float:
         return self.sync_s
@@ -119,14 +147,23 @@ def runqueue_s() -> float:
 
 
 class CudaHooks(DeviceHooks):
-    """Compute time from CUDA events: start, before backward, after backward of every micro-batch,
-    read after the step's sync (no synchronisation added per micro-batch)."""
+    """Compute time from CUDA events at each micro-batch's start, backward, end of backward and
+    end, read after the step's sync (no synchronisation added per micro-batch). The last backward
+    also waits for the gradient sync (DDP's finalize makes the stream wait for the all-reduce):
+    its compute is timed to its last gradient, an event every trainable parameter's post-accumulate
+    hook records (the last stands), so activation checkpointing's recompute (~3x the forward, not
+    2x) is in it. Where no such hook fires (FSDP2's gradients come from its reduce-scatter), it is
+    the forward times the backward/forward ratio of this device's micro-batches that do not sync,
+    kept across steps (2 until one was measured)."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.device = device
         self._times: list = []
         self._events: list = []
+        # the event the last backward's gradient hooks record; whether it runs now; whether one did
+        self._grads_done, self._watching, self._recorded = None, False, False
+        self.backward_ratio = 2.0     # backward / forward of micro-batches that do not sync, kept
         self._run_peak = 0.0     # the allocator's peak is reset every step: the run's is kept here
 
     def step_start(self, step_index: int) -> None:
@@ -137,47 +174,67 @@ class CudaHooks(DeviceHooks):
         super().attempt_start()
         self._times = []
 
-    def _mark(self, mb) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self._events.append(ev)
-        if len(self._events) == 3:
-            self._times.append((mb.last, self._events))
+    def attach(self, model) -> None:
+        for p in model.parameters():
+            if p.requires_grad:   # (a parameter that takes no such hook leaves the ratio to time it)
+                with contextlib.suppress(RuntimeError):
+                    p.register_post_accumulate_grad_hook(self._gradient_done)
+
+    def _gradient_done(self, param) -> None:
+        if self._watching:
+            self._grads_done.record()
+            self._recorded = True
 
     def micro_batch_start(self, mb, step_index: int) -> None:
-        super().micro_batch_start(mb, step_index)
-        self._events = []
-        self._mark(mb)
+        self._started = self.clock()
+        self._events = [self.device_clock.mark()]
+        self._grads_done, self._watching, self._recorded = None, False, False
 
     def before_backward(self, mb) -> None:
         super().before_backward(mb)
-        self._mark(mb)
+        self._events.append(self.device_clock.mark())
+        if mb.last:
+            self._grads_done, self._watching = torch.cuda.Event(enable_timing=True), True
 
     def after_backward(self, mb, backward_s: float) -> None:
         super().after_backward(mb, backward_s)
-        self._mark(mb)
+        self._watching = False
+        self._events.append(self.device_clock.mark())
+
+    def micro_batch_end(self, mb) -> None:
+        if len(self._events) == 3:         # a micro-batch that ran out of memory is not timed
+            done = self._grads_done if self._recorded else None
+            self._times.append((mb.last, *self._events, self.device_clock.mark(), done))
+
+    def _pieces(self) -> list[tuple[float, float, float, float]]:
+        """(forward, backward as timed, its compute, after it) of each micro-batch, seconds."""
+        clock, out = self.device_clock, []
+        timed = [(last, clock.seconds(s, f), clock.seconds(f, b), clock.seconds(b, e), done, f)
+                 for last, s, f, b, e, done in self._times]
+        ratios = [bwd / fwd for last, fwd, bwd, *_ in timed if not last and fwd > 0]
+        if ratios:
+            self.backward_ratio = sum(ratios) / len(ratios)
+        for last, fwd, bwd, after, done, f in timed:
+            compute = bwd if not last else clock.seconds(f, done) if done is not None else fwd * self.backward_ratio
+            out.append((fwd, bwd, min(compute, bwd), after))
+        return out
 
     def attempt_busy_s(self) -> float:
-        """GPU seconds in forward + backward. The last micro-batch's backward also waits for the
-        gradient sync, so its backward is taken as its forward times the backward/forward ratio of
-        the other micro-batches (2 when there are none)."""
+        """GPU seconds in forward + backward (+ what ran after it in the micro-batch), the last
+        backward's sync wait left out."""
         if not self._times:
             return self.busy_s
-        ms = [(last, s.elapsed_time(f), f.elapsed_time(b)) for last, (s, f, b) in self._times]
-        ratios = [bwd / fwd for last, fwd, bwd in ms if not last and fwd > 0]
-        ratio = sum(ratios) / len(ratios) if ratios else 2.0
-        return sum(fwd + (fwd * ratio if last else bwd) for last, fwd, bwd in ms) / 1e3
+        return sum(fwd + compute + after for fwd, _, compute, after in self._pieces())
+
+    def attempt_compute_s(self) -> float:   # a real device: its compute is its busy time
+        return self.attempt_busy_s()
 
     def wall_mark(self, mb):
         return None          # the sync is read from the CUDA events instead
 
     def attempt_sync_s(self) -> float:
-        """The last backward's GPU time beyond its estimate (attempt_busy_s): the sync it waited for."""
-        if not self._times:
-            return 0.0
-        ms = [(last, s.elapsed_time(f), f.elapsed_time(b)) for last, (s, f, b) in self._times]
-        busy = self.attempt_busy_s() * 1e3
-        return max(0.0, sum(fwd + bwd for _, fwd, bwd in ms) - busy) / 1e3
+        """The last backward's GPU time beyond its compute: the sync it waited for."""
+        return sum(bwd - compute for _, bwd, compute, _ in self._pieces()) if self._times else 0.0
 
     def peak_bytes(self) -> float:
         return max(self._run_peak, float(torch.cuda.max_memory_allocated(self.device)))
@@ -190,7 +247,7 @@ class EmulatedHooks(DeviceHooks):
     """A CPU thread playing a GPU: its throttle and memory meter (runtime/devices/emulation.py), and injected faults."""
 
     def __init__(self, device: torch.device, emulated, faults: FaultInjector):
-        super().__init__(device)
+        super().__init__(device, throttle=emulated.throttle)
         self.emulated = emulated
         self.throttle = emulated.throttle
         self.meter = emulated.meter
@@ -200,9 +257,6 @@ class EmulatedHooks(DeviceHooks):
         self._forward_oom = None       # a fault to raise in the next forward
         self._in_flight = None         # (micro-batch, step) running now, for a fault armed in forward
         self._output_site = False      # backward faults strike from the site's output gradient
-
-    def busy(self) -> float:
-        return self.clock() + self.throttle.slept_seconds
 
     def step_start(self, step_index: int) -> None:
         self.meter.start_step()

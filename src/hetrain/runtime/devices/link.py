@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import clock as clocks
 from ...planning.collectives import Link, allreduce_seconds
 
 
@@ -44,13 +45,13 @@ class LinkThrottle:
         return allreduce_seconds(self.ring, nbytes, self.link)
 
     def finish(self, started: float, nbytes: float) -> float:
-        """A collective of `nbytes`, launched at `started` (time.perf_counter), has completed:
+        """A collective of `nbytes`, launched at `started` (clocks.host), has completed:
         sleep until the emulated link would have carried it. Returns that moment."""
         with self._lock:
             due = max(started, self._free_at) + self.seconds(nbytes)
             self._free_at = due
             self.sent_bytes += nbytes
-        left = due - time.perf_counter()
+        left = due - clocks.host()
         if left > 0:
             time.sleep(left)
             with self._lock:
@@ -67,7 +68,7 @@ class LinkThrottle:
 
     def run(self, collective: Callable[[], object], nbytes: float) -> None:
         """A blocking collective of `nbytes`, through the link."""
-        started = time.perf_counter()
+        started = clocks.host()
         collective()
         self.finish(started, nbytes)
 

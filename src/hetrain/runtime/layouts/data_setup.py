@@ -100,6 +100,7 @@ class DataSetup:
         job.optimizer = offload.apply(job, job.optimizer, wrapped.strategy)   # its state on the host where planned (collective)
         persist.check_registered(job, optimizer)      # state registered before prepare() on the replaced one: refused
         memory.show_wrapping(job.log, wrapped)
+        job.hooks.attach(model)                       # CUDA: the last backward's compute, timed to its last gradient
         if job.faults:                                # injected faults strike inside the compute (devices/hooks.py)
             job.hooks.attach_faults(model, block_type=cfg.memory.blocks, sharded=wrapped.strategy == "fsdp")
 
@@ -219,7 +220,8 @@ def make_sync_guard(job, wrapped):
     if not isinstance(wrapped.sync, DDP):
         return wrapped.sync_guard() if guard else None
     gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
-                                       throttle=throttle_for(job), backend=job.ctx.backend)
+                                       throttle=throttle_for(job), backend=job.ctx.backend,
+                                       device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
     return recovery.install(wrapped.sync, gradient, guard=guard)
 
 

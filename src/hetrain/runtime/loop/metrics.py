@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 
+from ..devices import clock as clocks
 from ...hardware.units import format_bytes
 from ..job import Job
 from .flops import format_mfu
@@ -88,7 +88,7 @@ class Recorder:
 
     def start(self) -> None:
         job = self.job
-        plan, facts, now = job.plan, job.flops, time.time()
+        plan, facts, now = job.plan, job.flops, clocks.wall()
         if job.ctx.restart:
             self.write({"event": "restart", "attempt": job.ctx.restart, "step": job.steps_done, "time": now})
         choices = {e["rank"]: e for e in job.precision.all_choices}
@@ -171,7 +171,7 @@ def step_line(job: Job, step, table, period: float) -> dict:
             "wait_s": max(0.0, period - compute - sync),
             "peak_bytes": int(row["peak_bytes"]) or None, "memory_cap_bytes": d.memory_cap_bytes,
             "mfu": job.flops.mfu(d.rank, samples=d.share, compute_s=compute) if job.flops else None})
-    return {"step": step.index, "time": time.time(), "loss": _finite(step.loss),
+    return {"step": step.index, "time": clocks.wall(), "loss": _finite(step.loss),
             "samples_per_s": job.config.global_batch / period if period > 0 else None, "step_s": period,
             "plan_version": job.plan.version, "devices": devices}
 

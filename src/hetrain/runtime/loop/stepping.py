@@ -17,11 +17,11 @@ decided from that table, identically on every rank. An OOM is handled as runtime
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..devices import clock as clocks
 from ...errors import DoesNotFit, HetrainError, Preempted, UsageError
 from ..ranks import agree
 from ..resilience import resume as persist
@@ -54,7 +54,6 @@ class StepLoop:
         self.job = job
         self.state: StepState | None = None
         self.step_started = 0.0        # wall clock at the end of the previous step
-        self.fixed_s = 0.0             # busy time of the last step outside its micro-batches
         self.checkpoint_due = False
         self.on_step = None            # called with (step, table, elapsed) once a step is done
         self.stop_signals = None       # every rank's stop signal, once a stop was agreed (preempt.py)
@@ -69,7 +68,7 @@ class StepLoop:
         job.hooks.step_start(job.steps_done)
         samples = job.sampler.next_step()
         if self.step_started == 0.0:
-            self.step_started = time.perf_counter()
+            self.step_started = clocks.host()
         indices, epochs = samples.for_rank(job.plan.offsets(), job.plan.shares, job.rank)
         step = Step(index=samples.step, epoch=samples.epoch, indices=indices, epochs=epochs, loop=self)
         self.state = StepState(step=step, micro=job.plan.devices[job.rank].micro_batch)
@@ -98,15 +97,16 @@ class StepLoop:
         state.table = table
         # Agreement to agreement: every rank's micro-batches of the step lie inside this period
         # (finish()'s `elapsed`, finish to finish, also holds this rank's optimizer step jitter).
-        now = time.perf_counter()
+        now = clocks.host()
         state.period_s, job.met_at = now - job.met_at, now
 
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
-        loss_sum, units = float(state.loss_sum), float(state.count)    # one device sync per step
+        clocks.synchronize(job.device)        # the step's sync: the events below are read after it
+        loss_sum, units = float(state.loss_sum), float(state.count)
         if not job.layout.reports_loss(job):   # another rank of its replica reports the same samples
             loss_sum = units = 0.0
-        values = (units, loss_sum, job.hooks.compute_s, job.hooks.attempt_busy_s(), self.fixed_s,
+        values = (units, loss_sum, job.hooks.attempt_compute_s(), job.hooks.attempt_busy_s(), job.hooks.last_fixed_s(),
                   state.micro, outcome == "desync", outcome == "fatal", job.plan.version, job.log.pending,
                   job.preemption.requested, job.hooks.attempt_sync_s(), job.hooks.step_peak_bytes())
         return agree.exchange(dict(zip(agree.STEP_KEYS, values)),
@@ -176,7 +176,7 @@ class StepLoop:
             raise UsageError("ht.step() called before the step's micro-batches all ran",
                              "run `for mb in step: ...` to the end, then call ht.step()")
         step, table, cfg, opt = state.step, state.table, job.config, job.optimizer
-        busy0 = job.hooks.busy()
+        job.hooks.fixed_start()                # the optimizer's part, on the device's clock
         job.precision.unscale_(opt)            # unscale; found-inf agreed by all ranks
         total_units = table.sum("units")
         if cfg.loss_weighting == "tokens":
@@ -188,8 +188,9 @@ class StepLoop:
             stepped = job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
         opt.zero_grad(set_to_none=True)
         job.hooks.after_optimizer(job.layout.held(job), opt)
+        job.hooks.fixed_end()
 
-        now = time.perf_counter()
+        now = clocks.host()
         elapsed, self.step_started = now - self.step_started, now
         step.loss = table.sum("loss_sum") / total_units
         step.samples_per_s = cfg.global_batch / elapsed
@@ -200,7 +201,6 @@ class StepLoop:
         self.state = None
         if cfg.reporting.sample_log:
             persist.log_samples(job, step)
-        self.fixed_s = job.hooks.busy() - busy0
         if job.rebalancer is not None:
             job.rebalancer.observe(job.plan, busy_s=table.column("busy_s"), fixed_s=table.column("fixed_s"))
             decision = job.rebalancer.propose(job.plan, step=job.steps_done)

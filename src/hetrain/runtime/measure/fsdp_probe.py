@@ -32,13 +32,13 @@ import contextlib
 import copy
 import gc
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..devices import clock as clocks
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, rows as batch_rows
 
@@ -80,14 +80,14 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 
     def step(module, opt, own) -> float:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clocks.host()
         # throttled as training throttles (devices/hooks.py): the sleep before the backward, the
         # backward's and the rest's CPU paid with the optimizer's; the collectives' waits on top
         throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
                                    throttle=own, rows=rows)
         paced_optimizer_step(opt, own, device)
         dist.barrier()
-        return time.perf_counter() - t0
+        return clocks.host() - t0
 
     try:
         with torch.random.fork_rng(devices=[device] if cuda else []):
@@ -116,16 +116,16 @@ def throttled_forward_backward(module, batch, *, forward: Callable, device: torc
     (Throttle.before_backward / after_backward: on a controlled clock the pair lasting its clocked
     length for `rows` samples; else the forward's CPU and the predicted backward's stretched), the
     backward's error owed to the next settle; whatever waits inside come on top."""
-    c0 = time.thread_time()
+    c0 = clocks.thread_cpu()
     with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
         loss = as_scalar(forward(module, batch))
     if throttle is not None:
-        forward_cpu = time.thread_time() - c0
+        forward_cpu = clocks.thread_cpu() - c0
         guess = throttle.before_backward(forward_cpu, samples=rows)
-        c0 = time.thread_time()
+        c0 = clocks.thread_cpu()
     loss.backward()
     if throttle is not None:
-        throttle.after_backward(forward_cpu, guess, time.thread_time() - c0)
+        throttle.after_backward(forward_cpu, guess, clocks.thread_cpu() - c0)
 
 
 def paced_optimizer_step(optimizer: torch.optim.Optimizer, throttle, device: torch.device) -> None:
@@ -134,8 +134,7 @@ def paced_optimizer_step(optimizer: torch.optim.Optimizer, throttle, device: tor
     with throttle.compute() if throttle is not None else contextlib.nullcontext():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    clocks.synchronize(device)
 
 
 def stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -13,11 +13,11 @@ apart, so the host's drift (10-40% within seconds on such a host) cancels in the
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from ..devices import clock as clocks
 from ..user_objects import as_scalar
 
 PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
@@ -32,13 +32,13 @@ def timed_pass(model: torch.nn.Module, batch, fwd: Callable, throttle=None, *, s
     a step's last micro-batch (its forward, the sleep: devices/emulation.Throttle.before_backward,
     its backward, the guess's error settled). Returns this thread's CPU seconds of the forward and
     of the backward; gradients are dropped."""
-    c0 = time.thread_time()
+    c0 = clocks.thread_cpu()
     loss = as_scalar(fwd(model, batch))
-    forward = time.thread_time() - c0
+    forward = clocks.thread_cpu() - c0
     guess = throttle.before_backward(forward, samples=samples) if throttle is not None else 0.0
-    c1 = time.thread_time()
+    c1 = clocks.thread_cpu()
     loss.backward()
-    backward = time.thread_time() - c1
+    backward = clocks.thread_cpu() - c1
     if throttle is not None:
         throttle.after_backward(forward, guess, backward)
         throttle.settle()

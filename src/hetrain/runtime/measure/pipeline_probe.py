@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from ..devices import clock as clocks
 from ..ranks import agree
 
 # Timed steps, after one warm-up. 4 were too few on a shared host: four `hetrain plan` runs of the
@@ -187,17 +187,17 @@ def _time_messages(x: torch.Tensor, *, busy_threads: int, gap_s: float, trips: i
     if rank <= 1:
         a = torch.randn(192, 192)
         for _ in range(trips + 2):
-            t1 = time.perf_counter()
-            while time.perf_counter() - t1 < gap_s:
+            t1 = clocks.host()
+            while clocks.host() - t1 < gap_s:
                 a @ a
-            t0 = time.perf_counter()
+            t0 = clocks.host()
             if rank == 0:
                 dist.send(payload, 1)
                 dist.recv(payload, 1)
             else:
                 dist.recv(payload, 0)
                 dist.send(payload, 0)
-            times.append((time.perf_counter() - t0) / 2)
+            times.append((clocks.host() - t0) / 2)
         dist.barrier()
     else:
         done.wait()
@@ -262,13 +262,12 @@ def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, pre
     def step(i: int) -> tuple[float, float]:
         with torch.random.fork_rng(devices=[device] if cuda else []):
             stage.begin_step(i, micro_batches)
-            before, t0 = stage.compute_s, time.perf_counter()
-            cpu0, pieces0, c0 = stage.cpu_s, stage.pieces, time.thread_time()
+            before, t0 = stage.compute_s, clocks.host()
+            cpu0, pieces0, c0 = stage.cpu_s, stage.pieces, clocks.thread_cpu()
             schedule.step(inputs, target=target, losses=[], return_outputs=False)
-            if cuda:          # kernels run after their launch: the step's synchronised wall time
-                torch.cuda.synchronize(device)
-            spent = time.perf_counter() - t0 if cuda else stage.compute_s - before
-            outside = (time.thread_time() - c0) - (stage.cpu_s - cpu0)
+            clocks.synchronize(device)    # kernels run after their launch: the step's synchronised wall time
+            spent = clocks.host() - t0 if cuda else stage.compute_s - before
+            outside = (clocks.thread_cpu() - c0) - (stage.cpu_s - cpu0)
             module.zero_grad(set_to_none=True)
         return spent / micro_batches, max(0.0, outside) / max(1, stage.pieces - pieces0)
     return step

@@ -44,13 +44,13 @@ import contextlib
 import copy
 import hashlib
 import statistics
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ..devices import clock as clocks
 from ...files import cache_dir as _files_cache_dir, write_text_atomic
 from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
@@ -171,10 +171,10 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             return forward(m, b)
 
     clocked = throttle is not None and throttle.clocked and not cuda
-    clock = throttle.busy if clocked else time.thread_time if cpu_clock and not cuda else time.perf_counter
+    clock = throttle.busy if clocked else clocks.thread_cpu if cpu_clock and not cuda else clocks.host
     now = _synced(clock, device)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    started = time.perf_counter()
+    started = clocks.host()
     with torch.random.fork_rng(devices=[device] if cuda else []):
         # The emulator's meter, as training uses it: parameters are model state, not activations.
         meter = MemoryMeter(label="profile", cap=None)
@@ -221,19 +221,19 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             batch = load(m)
             runs, cpu_runs = [], []
             for k in range(MAX_RUNS + 1):
-                t0, c0 = now(), time.thread_time()
+                t0, c0 = now(), clocks.thread_cpu()
                 # Without the emulated meter's hooks: training counts a forward's activations once
                 # and then looks them up (emulate.MemoryMeter), so the hooks are not its cost.
                 loss = as_scalar(fwd(model, batch))
-                t1, forward_cpu = now(), time.thread_time() - c0
+                t1, forward_cpu = now(), clocks.thread_cpu() - c0
                 if clocked:                  # the device's clock, as training runs it (Throttle)
                     guess = throttle.before_backward(forward_cpu, samples=m)
-                c1 = time.thread_time()
+                c1 = clocks.thread_cpu()
                 loss.backward()
                 if clocked:
-                    throttle.after_backward(forward_cpu, guess, time.thread_time() - c1)
+                    throttle.after_backward(forward_cpu, guess, clocks.thread_cpu() - c1)
                     throttle.settle()
-                spent, cpu = now() - t0, time.thread_time() - c0
+                spent, cpu = now() - t0, clocks.thread_cpu() - c0
                 if k == 0:
                     continue                 # warm-up: a new size allocates (and faults in) new memory
                 runs.append(spent)
@@ -245,7 +245,7 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             timed_sizes.append(m)
             seconds.append(statistics.median(runs))
             cpu_seconds.append(statistics.median(cpu_runs))
-            if time.perf_counter() - started > budget_s and len(timed_sizes) >= 2:
+            if clocks.host() - started > budget_s and len(timed_sizes) >= 2:
                 break                        # bounded: fit what was measured
         optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda,
                                              pace=throttle.compute if clocked else contextlib.nullcontext)
@@ -259,7 +259,7 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             b.copy_(buffers[n])
     a, b = fit_linear(timed_sizes, seconds)
     what = ("busy time on its controlled clock (CPU + sleeps)" if clocked else
-            "CPU time of one thread" if clock is time.thread_time else "wall time")
+            "CPU time of one thread" if clock is clocks.thread_cpu else "wall time")
     share = {"cpu_share": min(1.0, sum(cpu_seconds) / sum(seconds))} if clocked and sum(seconds) > 0 else {}
     return DeviceProfile(
         device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
@@ -275,7 +275,7 @@ def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], fl
         return clock
 
     def now() -> float:
-        torch.cuda.synchronize(device)
+        clocks.synchronize(device)
         return clock()
     return now
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from ..devices import clock as clocks
 from ...errors import HetrainError
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
@@ -83,7 +83,7 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
 
         def hook(state, bucket):
             if bucket.is_last():      # on the CPU DDP runs its hooks on the backward's own thread
-                last_launch.append((time.perf_counter(), time.thread_time()))
+                last_launch.append((clocks.host(), clocks.thread_cpu()))
             return gradient(bucket)
         ddp.register_comm_hook(None, hook)
 
@@ -91,17 +91,15 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
         """(seconds to the last bucket's launch, seconds from there to the end, this thread's CPU
         seconds to the launch); on CUDA (0, the whole forward+backward, 0)."""
         dist.barrier()                        # start together, as ranks do after a step's sync
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        clocks.synchronize(device)
+        t0, c0 = clocks.host(), clocks.thread_cpu()
         last_launch.clear()
         with (contextlib.nullcontext() if sync else ddp.no_sync()):
             with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
                 loss = as_scalar(forward(ddp, batch))
             loss.backward()
-        if cuda:
-            torch.cuda.synchronize(device)
-        end = time.perf_counter()
+        clocks.synchronize(device)
+        end = clocks.host()
         launched, cpu = last_launch[-1] if last_launch else (t0, c0)     # the hook runs on the CPU only
         return launched - t0, end - launched, cpu - c0
 
@@ -109,11 +107,11 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
         """(seconds, this thread's CPU seconds) of the forward+backward through the bare module,
         every rank at once (CPU only)."""
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = clocks.host(), clocks.thread_cpu()
         with (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()):
             loss = as_scalar(forward(module, batch))
         loss.backward()
-        return time.perf_counter() - t0, time.thread_time() - c0
+        return clocks.host() - t0, clocks.thread_cpu() - c0
 
     def warm_up() -> None:
         """A synchronised forward+backward, untimed (the first sync also rebuilds DDP's buckets),
@@ -202,12 +200,10 @@ def _median_seconds(collective: Callable[[], object], device: torch.device, *, r
     for k in range(runs + 1):
         if barrier:
             dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        clocks.synchronize(device)
+        t0 = clocks.host()
         collective()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        clocks.synchronize(device)
         if k:
-            times.append(time.perf_counter() - t0)
+            times.append(clocks.host() - t0)
     return statistics.median(times)

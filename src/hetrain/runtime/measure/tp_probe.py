@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..devices import clock as clocks
 from ..devices.emulation import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import rows as batch_rows
@@ -83,7 +83,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
 
     def step(count: bool = False) -> tuple[float, float, float]:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clocks.host()
         act = 0.0
         # throttled as training throttles (devices/hooks.py): the sleep before the backward, the
         # backward's CPU beyond its guess paid with the optimizer's
@@ -94,13 +94,12 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
             act = saved(run)
         else:
             run()
-        if cuda:
-            torch.cuda.synchronize(device)
+        clocks.synchronize(device)
         dist.barrier()
-        t1 = time.perf_counter()
+        t1 = clocks.host()
         paced_optimizer_step(opt, own, device)
         dist.barrier()
-        return t1 - t0, time.perf_counter() - t1, act
+        return t1 - t0, clocks.host() - t1, act
 
     with torch.random.fork_rng(devices=[device] if cuda else []):
         act = step(count=True)[2]              # warm-up: the optimizer's state; what the forward saves

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..devices import clock as clocks
 from ...errors import UsageError
 from ...planning.pipeline_split import BlockCost, PipelineProfile
 
@@ -153,7 +153,7 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
     runs it (parallel/pipeline_stage.py): a bf16 stage's blocks cost what bf16 costs there."""
     device = device or example.device
     cuda = device.type == "cuda"
-    clock = time.perf_counter if cuda else time.thread_time
+    clock = clocks.host if cuda else clocks.thread_cpu
     samples = example.shape[0]
     named = ([("first", parts.first)] if parts.first is not None else []) + \
         [(f"block {i}", b) for i, b in enumerate(parts.blocks)] + \
@@ -170,16 +170,14 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
                 out = part(inp)
             grad = torch.ones_like(out)
             out.backward(grad)
-            if cuda:
-                torch.cuda.synchronize(device)
+            clocks.synchronize(device)
             seconds = math.inf
             for _ in range(repeats):
                 t0 = clock()
                 with stage_autocast(precision, device.type):
                     out_again = part(inp)
                 out_again.backward(grad)
-                if cuda:
-                    torch.cuda.synchronize(device)
+                clocks.synchronize(device)
                 seconds = min(seconds, clock() - t0)
             costs[name] = BlockCost(seconds=seconds / samples, activation_bytes=counter.bytes / samples,
                                     param_bytes=_unique_param_bytes(part), name=name)

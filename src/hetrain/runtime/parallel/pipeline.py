@@ -45,6 +45,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+from ..devices import clock as clocks
 from ...planning.pipeline_split import PipelineSplit
 from ..ranks import agree
 from ..loop import reduce
@@ -61,6 +62,7 @@ def _sync_grads(params: Sequence[nn.Parameter], group, *, divide: int = 1, befor
     their gradients before the step, None for none), in one bucket."""
     if not params:
         return
+    clocks.sync_point()          # the gradients leave once the device computed them (emulated asynchrony)
     device = params[0].device          # the job's: the stage's parameters live there
     grads = [p.grad if p.grad is not None else torch.zeros_like(p, device=device) for p in params]
     added = [g if b is None else g - b for g, b in zip(grads, before or [None] * len(grads))]

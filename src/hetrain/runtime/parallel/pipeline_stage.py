@@ -5,13 +5,13 @@ rows of padded micro-batches, weighted by D·units_k/N."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 from torch.distributed.pipelining import PipelineStage
 
 from ...hardware.units import format_bytes
+from ..devices import clock as clocks
 from ..devices.faults import injected_oom
 from ..loop import reduce
 from .blocks import SavedBytes, stage_autocast, to_fp32
@@ -56,8 +56,12 @@ class MeteredStage(PipelineStage):
         self._meter = meter
         self._precision = precision
         self._faults = faults
-        self.compute_s = 0.0                 # compute pieces, unthrottled
-        self.busy_s = 0.0                    # ... and their throttle sleeps: as the device is busy
+        # Each piece's start and end on the device's clock (CUDA events; off CUDA the wall clock and
+        # what the throttle charged), read once the step has synced: `busy_s`.
+        self._clock = clocks.DeviceClock(self.device, throttle=throttle, wall=True)
+        self._marks: list = []
+        self._busy_s = 0.0
+        self._wall_s = 0.0                   # off CUDA: the pieces' wall time, unthrottled
         self.cpu_s = 0.0                     # ... their CPU time (the probe's schedule overhead is the rest of it)
         self.pieces = 0
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
@@ -66,25 +70,55 @@ class MeteredStage(PipelineStage):
     def begin_step(self, step_index: int, count: int) -> None:
         self.failed, self._step, self._count = None, step_index, count
 
+    @property
+    def chunk(self) -> int:
+        """The micro-batch whose forward or backward runs now (the loss follows its forward)."""
+        return self._chunk
+
+    @property
+    def busy_s(self) -> float:
+        """The pieces' seconds as the device was busy with them (throttled). Reading it waits
+        for the last piece on CUDA: read it after the step's sync."""
+        for start, end in self._marks:
+            self._busy_s += self._clock.seconds(start, end)
+        self._marks = []
+        return self._busy_s
+
+    @property
+    def compute_s(self) -> float:
+        """The pieces' compute, unthrottled (on CUDA, their device time: the same as busy_s)."""
+        return self.busy_s if self._clock.cuda else self._wall_s
+
     def timed(self, run: Callable, share: float = 0.0):
-        # Wall time, not CPU time: a piece holds no communication (the schedule waits for its
-        # inputs before and sends after), so its wall time is its compute. Scaling wall time keeps
-        # the devices' speed ratio even when a shared CPU slows every process. On the controlled
-        # clock a piece lasts its `share` of the micro-batch's clocked forward+backward (forward
-        # 1/3, backward 2/3; the loss, outside the blocks' profile, its own time), whatever it took.
-        t0, c0 = time.perf_counter(), time.thread_time()
+        # Off CUDA, wall time, not CPU time: a piece holds no communication (the schedule waits
+        # for its inputs before and sends after), so its wall time is its compute. Scaling wall
+        # time keeps the devices' speed ratio even when a shared CPU slows every process. On the
+        # controlled clock a piece lasts its `share` of the micro-batch's clocked forward+backward
+        # (forward 1/3, backward 2/3; the loss, outside the blocks' profile, its own time),
+        # whatever it took. On CUDA a piece returns once launched: events time it on the device.
+        start, t0, c0 = self._clock.mark(), clocks.host(), clocks.thread_cpu()
         try:
             return run()
         finally:
-            spent, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            self.compute_s += spent
+            spent, cpu = clocks.host() - t0, clocks.thread_cpu() - c0
+            self._wall_s += spent
             self.cpu_s += cpu
             self.pieces += 1
             if self._throttle is not None and self._clock_s is not None:
                 self._throttle.pay_clocked(self._clock_s * share, cpu, spent)
             elif self._throttle is not None:
                 self._throttle.pay(spent)
-            self.busy_s += time.perf_counter() - t0
+            self._marks.append((start, self._clock.mark()))
+
+    # What a stage sends leaves once its device has computed it: where an asynchronous emulated
+    # device pays its owed time (on CUDA the send waits on the stream, the host does not).
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        clocks.sync_point()
+        return super().get_fwd_send_ops(fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        clocks.sync_point()
+        return super().get_bwd_send_ops(bwd_chunk_id)
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         parent = super().forward_one_chunk
@@ -175,6 +209,7 @@ class RowLoss:
         self.loss_fn, self.replicas, self.stage, self.precision = loss_fn, replicas, stage, precision
         self.targets: torch.Tensor | None = None
         self.starts: list[int] = []
+        self.sizes: list[int] = []
         self.units: list[float] = []
         self.total = 1
         self.parts: dict[int, torch.Tensor] = {}   # k -> units_k · L_k (unscaled, on the device), the last computation of each
@@ -182,6 +217,7 @@ class RowLoss:
     def begin(self, targets: torch.Tensor, sizes, units, total: int) -> None:
         self.targets, self.units, self.total = targets, list(units), total
         self.starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.sizes = list(sizes)
         self.parts = {}
 
     @property
@@ -194,11 +230,13 @@ class RowLoss:
         def run():
             if self.stage.failed is not None or not isinstance(output, torch.Tensor) or output.dim() == 0:
                 return output.sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros(())
-            real = rows >= 0
-            first = int(rows[real][0])
-            k = max(i for i, s in enumerate(self.starts) if s <= first)
+            # Micro-batch k's rows are its first n (padding after them, parallel/pipeline.py
+            # _padded_rows): slices, not a read of `rows`, which on CUDA would wait for every
+            # piece queued before it inside this timed one.
+            k = self.stage.chunk
+            start, n = self.starts[k], self.sizes[k]
             with stage_autocast(self.precision, output.device.type):
-                loss = self.loss_fn(output[real], self.targets[rows[real]])
+                loss = self.loss_fn(output[:n], self.targets[start:start + n])
             units = self.units[k]
             self.parts[k] = loss.detach().double() * units
             loss = loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss

@@ -2,8 +2,9 @@
 
 The kernel releases a flock when the last descriptor of it closes, so a holder killed by
 SIGKILL (a torchrun restart, an OOM kill) frees it with no stale-lock cleanup, and the next
-attempt of the same job takes it again. The file records who holds it (pid, host, start time),
-so a second job can say whose it is in one line; the file itself is never removed (removing
+attempt of the same job takes it again. The file records who holds it (pid and host; when, the
+file's modification time: the module imports nothing of the package, so a process can load it
+alone), so a second job can say whose it is in one line; the file itself is never removed (removing
 it while another process waits on it would let two jobs hold two different files).
 """
 
@@ -44,7 +45,7 @@ def holder(path: Path) -> str:
     """'pid N on host H since T' from the lock file, or what is known."""
     try:
         rec = json.loads(path.read_text())
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(rec["started"])))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
         return f"pid {int(rec['pid'])} on host {rec['host']} (since {since})"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not recorded itself yet"
@@ -65,7 +66,7 @@ def try_lock(directory: str | os.PathLike, name: str) -> tuple[DirLock | None, s
     except BaseException:
         os.close(fd)
         raise
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
     lock = DirLock(path, fd)

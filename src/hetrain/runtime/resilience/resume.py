@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..devices import clock as clocks
 from ...errors import DoesNotFit, UsageError
 from ...layout_spec import agrees, from_spec
 from ...planning.plan import Plan
@@ -232,7 +232,7 @@ def log_samples(job, step) -> None:
     key = _attempts.get(job)
     first = key is None
     if first:   # every rank logs every step: all meet here at the same one, and take rank 0's clock
-        key = _attempts[job] = list(gather(job, (time.time_ns(), job.ctx.restart))[0])   # rank 0's, on every rank
+        key = _attempts[job] = list(gather(job, (clocks.wall_ns(), job.ctx.restart))[0])   # rank 0's, on every rank
     if job.rank % job.plan.group:    # one rank per pipeline or TP group writes: each sample once
         return
     directory = job.config.reporting.sample_log

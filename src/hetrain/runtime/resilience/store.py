@@ -28,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..devices import clock as clocks
 from ...errors import HetrainError, UsageError
 from ..sharding.state import load_state_dicts, save_state_dicts, set_loaded_state
 from . import manifest as mf
@@ -187,7 +187,7 @@ class Checkpointer:
                 return late
             files.update(late)   # a file no rank saw when it listed the directory (none, normally)
             mf.write_manifest(tmp, {"format": FORMAT, "kind": KIND, "step": step, "files": files,
-                                    "saved_at": time.time()})
+                                    "saved_at": clocks.wall()})
             _fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)

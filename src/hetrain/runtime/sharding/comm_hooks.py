@@ -36,12 +36,12 @@ runs the chain on the calling thread, in order: nothing is serialised there.
 
 from __future__ import annotations
 
-import time
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from ..devices import clock as clocks
 from ...planning.compression import POWERSGD_START_ITER
 
 HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
@@ -51,7 +51,8 @@ HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compre
 class GradientHook:
     """One bucket's all-reduce as `compression` sends it, through the emulated link when given."""
 
-    def __init__(self, compression: str = "none", *, powersgd_rank: int = 4, throttle=None, backend: str = "gloo"):
+    def __init__(self, compression: str = "none", *, powersgd_rank: int = 4, throttle=None, backend: str = "gloo",
+                 device_waits: bool = False):
         if compression not in HOOKS:
             raise ValueError(f"compression {compression!r} is not one of {', '.join(HOOKS)}")
         self.compression = compression
@@ -62,6 +63,8 @@ class GradientHook:
                 process_group=None, matrix_approximation_rank=powersgd_rank,
                 start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True)
         self.throttle = throttle
+        # an asynchronous emulated device (devices/clock.py): a bucket leaves once computed
+        self.device_waits = device_waits
         self.serial = compression == "powersgd" and backend == "gloo"
         self._previous = None
         self._saved = None
@@ -69,9 +72,11 @@ class GradientHook:
     @property
     def needed(self) -> bool:
         """Does it do anything DDP's own all-reduce would not?"""
-        return self.compression != "none" or self.throttle is not None
+        return self.compression != "none" or self.throttle is not None or self.device_waits
 
     def __call__(self, bucket) -> torch.futures.Future:
+        if self.device_waits:
+            clocks.sync_point()
         if self.serial and self._previous is not None:
             self._previous.wait()
         if self.throttle is None:            # compression alone: nothing to time or count
@@ -84,7 +89,7 @@ class GradientHook:
 
     def _throttled(self, bucket) -> torch.futures.Future:
         """The bucket's collective, held back by the emulated link for the bytes it sends."""
-        started = time.perf_counter()
+        started = clocks.host()
         buffer = bucket.buffer()
         sent = float(buffer.numel() * buffer.element_size())
         state = self.state
