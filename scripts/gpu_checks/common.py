@@ -116,7 +116,7 @@ def run_ranks(script: str, worker: str, world: int, *, timeout: float, out: str,
     for r in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(rank_env or {}).get(r, {})}
+               "OMP_NUM_THREADS": "1", **(rank_env or {}).get(r, {})}
         cmd = [sys.executable, script, "--worker", worker, "--out", out, "--params", json.dumps(params or {})]
         procs.append(subprocess.Popen(cmd, env=env))
     deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, Claims, gib, main, remaining
+from common import ROOT, Claims, gib, main, remaining, skipped
 
 PACKAGES = ("transformers", "accelerate", "lightning", "peft", "pytest", "nvidia-ml-py", "numpy")
 
@@ -52,8 +52,12 @@ def versions(args) -> dict:
         figure += f", CUDA {torch.version.cuda}, {props.name} cc {props.major}.{props.minor}"
     else:
         c.note("cuda", "not available")
-    doctor = subprocess.run([sys.executable, "-m", "hetrain", "doctor", "--json"], capture_output=True, text=True,
-                            timeout=remaining(args, 2.0))
+    try:
+        doctor = subprocess.run([sys.executable, "-m", "hetrain", "doctor", "--json"], capture_output=True, text=True,
+                                timeout=remaining(args, 2.0))
+    except subprocess.TimeoutExpired:
+        c.expect(False, f"`hetrain doctor --json` finished within the step's {args.limit:.0f} s")
+        return c.outcome(figure)
     text = doctor.stdout
     try:
         found = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
@@ -88,6 +92,8 @@ def _within(version: str, spec: str):
 
 def nccl(args) -> dict:
     """World-1 NCCL: what a CUDA job's collectives meet, group made as hetrain makes it."""
+    if args.rehearse:
+        return skipped("rehearsal: NCCL needs a GPU")
     import torch
     import torch.distributed as dist
 
@@ -147,6 +153,8 @@ def nccl(args) -> dict:
 def launch(args) -> dict:
     """A user's first command: `hetrain run` of the demo on this GPU (torchrun's flags on this
     torch); and LOCAL_RANK past the visible GPUs, which must be one line naming the fix."""
+    if args.rehearse:
+        return skipped("rehearsal: `hetrain run` on a GPU")
     import torch
 
     c = Claims()
