@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh OUT          on a machine with CUDA (without one: says so, runs --dry)
 #   scripts/gpu_check.sh --dry OUT    on a CPU (CI): every CUDA step skipped with its reason; the
 #                                     CPU steps, the logs, summary.json and the table still run
+#   GPU_CHECK_ONLY=oom,timing-dp scripts/gpu_check.sh OUT     those steps alone
 #
 # Runs with $PYTHON (default python3) on the installed torch; sets PYTHONPATH to this checkout's
 # src/ itself. Exit: 0 when no step failed, 1 when one did, 2 on bad usage.
@@ -43,9 +44,11 @@ export GPU_CHECK_SCRATCH="$SCRATCH" HETRAIN_CACHE="$SCRATCH/cache" PYTHONUNBUFFE
 STARTED=$(date +%s)
 NOTE=""
 
-if [ "$DRY" -eq 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-  NOTE="no CUDA device here (torch.cuda.is_available() is False, or torch does not import): ran the dry mode"
-  echo "gpu_check: $NOTE"
+PROBE="$("$PY" -c 'import torch; print(int(torch.cuda.is_available()), torch.__version__, torch.__file__)' 2>/dev/null)"
+if [ "$DRY" -eq 0 ] && [ "${PROBE%% *}" != 1 ]; then
+  if [ -z "$PROBE" ]; then NOTE="$PY cannot import torch"; else NOTE="no CUDA device here (torch.cuda.is_available() is False)"; fi
+  NOTE="$NOTE: ran the dry mode instead"
+  echo "gpu_check: ${NOTE/ran/running}"
   DRY=1
 fi
 MODE=gpu
@@ -71,6 +74,18 @@ STEPS=(
   "gpu-tests facts 95 240 pytest.log"
 )
 [ "$DRY" -eq 1 ] && BUDGET=1200
+if [ -n "${GPU_CHECK_ONLY:-}" ]; then     # GPU_CHECK_ONLY=timing-dp,oom: those steps alone (a rerun)
+  KEEP=()
+  for s in "${STEPS[@]}"; do
+    read -r name _ <<<"$s"
+    [[ ",$GPU_CHECK_ONLY," == *",$name,"* ]] && KEEP+=("$s")
+  done
+  if [ ${#KEEP[@]} -eq 0 ]; then
+    echo "gpu_check: GPU_CHECK_ONLY=$GPU_CHECK_ONLY names no step; name some of: $(for s in "${STEPS[@]}"; do read -r n _ <<<"$s"; printf '%s ' "$n"; done)" >&2
+    exit 2
+  fi
+  STEPS=("${KEEP[@]}")
+fi
 SUM=0
 PARTS=()
 for s in "${STEPS[@]}"; do
@@ -78,8 +93,9 @@ for s in "${STEPS[@]}"; do
   [ "$DRY" -eq 1 ] && limit=$dry_limit
   SUM=$((SUM + limit)); PARTS+=("$name $limit")
 done
-echo "gpu_check ($MODE): $PY, torch from $("$PY" -c 'import torch; print(torch.__file__)' 2>/dev/null || echo '?')"
-echo "budget: $(IFS=,; echo "${PARTS[*]}" | sed 's/,/ s + /g') s = $SUM s of $BUDGET s"
+echo "gpu_check ($MODE): $PY, torch ${PROBE:+${PROBE#* }}${PROBE:-(does not import)}"
+LIST="$(IFS=,; echo "${PARTS[*]}")"
+echo "budget: ${LIST//,/ s + } s = $SUM s of $BUDGET s"
 if [ "$SUM" -gt "$BUDGET" ]; then
   echo "gpu_check: the steps' limits add up to $SUM s, over the $BUDGET s budget; lower them" >&2; exit 2
 fi

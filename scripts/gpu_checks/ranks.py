@@ -209,7 +209,6 @@ def cpu_gpu_worker(rank: int, world: int, kind: str) -> dict:
 
     mine = kind if rank == 0 else "cpu"
     join_gloo(mine)
-    device = _device(mine)
     ht = hetrain.init(global_batch=64, max_steps=3, shuffle=False, precision="fp32", reporting=Reporting(verbose=False),
                       plan=plan([(str(_device(kind)), 40, 8), ("cpu", 24, 8)], 64))
     model = small_net()
