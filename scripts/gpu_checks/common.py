@@ -100,6 +100,42 @@ def remaining(args, reserve: float = 3.0) -> float:
 
 
 # -- processes ----------------------------------------------------------------------------------
+_GROUPS: list = []     # children started in sessions of their own: killed with this step
+
+
+def _kill_groups(*_):
+    import signal
+
+    for p in _GROUPS:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    sys.exit(124)
+
+
+def run_group(cmd: list[str], *, timeout: float, echo: bool = True, **kw) -> tuple[int | None, str]:
+    """Run cmd in a session of its own, output captured (and printed); on timeout kill its whole
+    process group (a launcher's workers hold the GPU: they must not outlive the step).
+    (exit code or None on timeout, output)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _kill_groups)     # the shell's limit reaches the group too
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+    _GROUPS.append(p)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        rc = None
+    if echo or rc != 0:
+        print(out, flush=True)
+    return rc, out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -285,6 +321,13 @@ def ratio(got: float, truth: float) -> float:
 def median(xs) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else math.nan
+
+
+def nccl_version() -> str:
+    import torch
+
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def gib(n) -> str:

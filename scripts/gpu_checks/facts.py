@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, Claims, gib, main, remaining, skipped
+from common import ROOT, Claims, gib, main, nccl_version, remaining, run_group, skipped
 
 PACKAGES = ("transformers", "accelerate", "lightning", "peft", "pytest", "nvidia-ml-py", "numpy")
 
@@ -44,7 +44,7 @@ def versions(args) -> dict:
         free, total = torch.cuda.mem_get_info(0)
         c.note("cuda", torch.version.cuda)
         c.note("cudnn", torch.backends.cudnn.version())
-        c.note("nccl", ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?")
+        c.note("nccl", nccl_version())
         c.note("gpu", f"{props.name}, cc {props.major}.{props.minor}, {gib(props.total_memory)} total, "
                       f"{gib(free)} free of {gib(total)} (mem_get_info, with this process's context)")
         c.note("devices", torch.cuda.device_count())
@@ -52,13 +52,11 @@ def versions(args) -> dict:
         figure += f", CUDA {torch.version.cuda}, {props.name} cc {props.major}.{props.minor}"
     else:
         c.note("cuda", "not available")
-    try:
-        doctor = subprocess.run([sys.executable, "-m", "hetrain", "doctor", "--json"], capture_output=True, text=True,
-                                timeout=remaining(args, 2.0))
-    except subprocess.TimeoutExpired:
+    rc, text = run_group([sys.executable, "-m", "hetrain", "doctor", "--json"], timeout=remaining(args, 2.0),
+                         echo=False)
+    if rc is None:
         c.expect(False, f"`hetrain doctor --json` finished within the step's {args.limit:.0f} s")
         return c.outcome(figure)
-    text = doctor.stdout
     try:
         found = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
         levels = [f["level"] for f in found.get("findings", [])]
@@ -67,8 +65,8 @@ def versions(args) -> dict:
             if f["level"] == "error":
                 print(f"  doctor error: {f['message']} (fix: {f['fix']})")
     except ValueError:
-        c.expect(False, f"`hetrain doctor --json` printed JSON (exit {doctor.returncode}: "
-                        f"{(doctor.stderr.strip().splitlines() or [''])[-1][:160]})")
+        c.expect(False, f"`hetrain doctor --json` printed JSON (exit {rc}: "
+                        f"{(text.strip().splitlines() or [''])[-1][:160]})")
     return c.outcome(figure)
 
 
@@ -146,7 +144,7 @@ def nccl(args) -> dict:
     c.expect(ht.device == device and ht.ctx.backend == "nccl",
              f"hetrain.init in a world of one joins NCCL on cuda:0 (got {ht.ctx.backend} on {ht.device})")
     ht.close()
-    return c.outcome(f"world-1 NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: "
+    return c.outcome(f"world-1 NCCL {nccl_version()}: "
                      f"CPU tensor {'raises' if 'raises' in str(c.details.get('all_reduce of a CPU tensor')) else 'runs'}")
 
 
@@ -163,9 +161,10 @@ def launch(args) -> dict:
     cmd = [sys.executable, "-m", "hetrain", "run", "--run-dir", str(scratch / "launch-run"), "-m",
            "hetrain.demo.train_gpt", "--steps", "6", "--global-batch", "32", "--json", str(result)]
     print("  $ " + " ".join(cmd), flush=True)
-    run = subprocess.run(cmd, timeout=remaining(args, 12.0))
-    c.expect(run.returncode == 0, f"`hetrain run -m hetrain.demo.train_gpt` exits 0 (got {run.returncode})")
-    figure = f"hetrain run exit {run.returncode}"
+    rc, _ = run_group(cmd, timeout=remaining(args, 12.0))
+    c.expect(rc == 0, f"`hetrain run -m hetrain.demo.train_gpt` exits 0 "
+                      f"({'got ' + str(rc) if rc is not None else 'still running at the limit: killed'})")
+    figure = f"hetrain run exit {rc}"
     if result.exists():
         r = json.loads(result.read_text())
         c.note("demo", {k: r.get(k) for k in ("steps", "first_loss", "last_loss", "samples_per_s")})
@@ -191,12 +190,7 @@ def gpu_tests(args) -> dict:
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "gpu"), "-v", "-rs", "-p", "no:cacheprovider",
            "--durations=5"]
     print("  $ " + " ".join(cmd), flush=True)
-    try:
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=remaining(args, 4.0))
-        out, rc = run.stdout + run.stderr, run.returncode
-    except subprocess.TimeoutExpired as e:
-        out, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), None
-    print(out, flush=True)
+    rc, out = run_group(cmd, timeout=remaining(args, 4.0), cwd=ROOT)
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", out.splitlines()[-1]
                                                                                   if out.strip() else "")}
     figure = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no summary"

@@ -104,14 +104,18 @@ def memory(args) -> dict:
                           "free at the end": gib(free1)})
     if not cuda.on:
         return c.outcome("rehearsal: no allocator figures on a CPU")
-    c.expect(measured is not None and abs(measured - allocated) <= 0.02 * allocated,
-             f"hetrain's measured peak is the allocator's ({gib(measured)} vs {gib(allocated)})")
-    c.expect(planned is not None and 0.6 <= allocated / planned <= 1.15,
-             f"the planned peak holds the allocated one within -40%/+15% (planned {gib(planned)}, "
+    def close(a, b, tolerance=0.02):
+        return a is not None and b > 0 and abs(a - b) <= tolerance * b
+    c.expect(close(measured, allocated) or close(measured, reserved),
+             f"hetrain's measured peak is the allocator's ({gib(measured)}; allocated {gib(allocated)}, "
+             f"reserved {gib(reserved)})")
+    c.expect(planned is not None and 0.7 <= allocated / planned <= 1.15,
+             f"the planned peak holds the allocated one within -30%/+15% (planned {gib(planned)}, "
              f"allocated {gib(allocated)}, x{allocated / planned if planned else 0:.2f})")
-    c.expect(key is not None and abs(reported_reserved - reserved) <= 0.05 * reserved,
+    c.expect(close(measured, reserved) or (key is not None and close(reported_reserved, reserved, 0.05)),
              f"hetrain reports the reserved peak, where fragmentation shows (torch: {gib(reserved)}, "
-             f"{reserved / max(allocated, 1):.2f}x allocated; hetrain: {gib(reported_reserved) if key else 'none'})")
+             f"{reserved / max(allocated, 1):.2f}x allocated; hetrain: measured {gib(measured)}"
+             f"{', ' + key + ' ' + gib(reported_reserved) if key else ', no reserved figure'})")
     c.expect(capacity is not None and capacity <= free0 * 1.01,
              f"the capacity hetrain plans with ({gib(capacity)}) is at most what mem_get_info found free "
              f"({gib(free0)}; the card is {gib(total)}: the CUDA context and other processes are not usable)")

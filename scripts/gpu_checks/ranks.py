@@ -55,7 +55,7 @@ def oom_job(rank: int, *, capped: bool, sizes: dict) -> dict:
     from hetrain import Rebalancing, Reporting
 
     device = torch.device("cuda", 0)
-    micro, per_sample = 32, 64 * 2**20
+    micro, per_sample = 32, 128 * 2**20      # 4 GiB of scratch at 32 samples, 2 GiB at 16
     ht = hetrain.init(global_batch=2 * micro, max_steps=4, shuffle=False, precision="fp32",
                       plan=plan([("cuda:0", micro, micro)] * 2, 2 * micro), rebalancing=Rebalancing(enabled=False),
                       reporting=Reporting(verbose=False))
@@ -74,8 +74,9 @@ def oom_job(rank: int, *, capped: bool, sizes: dict) -> dict:
                 ht.backward(token_loss(model(x), y))
         losses.append(ht.step().loss)
         if capped and rank == 1 and step.index == 0:
-            # room for this step's peak less a quarter of the scratch: the planned micro-batch of 32
-            # now runs out of memory in its backward, one of 16 fits
+            # room for this step's peak less a quarter of the scratch (1 GiB): the planned micro-batch
+            # of 32 now runs out of memory in its backward; one of 16 (half the scratch and the
+            # activations) fits with 1 GiB and more to spare
             torch.cuda.synchronize()
             cap = torch.cuda.max_memory_reserved(device) - micro * per_sample // 4
             torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, 0)

@@ -148,10 +148,11 @@ def build_one_stage(module, device, *, micro_batches: int, precision: str):
     return stage, loss, Schedule1F1B(stage, micro_batches, loss_fn=loss, scale_grads=False)
 
 
-def meter_pieces(stage, clock, pieces: list) -> None:
+def meter_pieces(stage, clock) -> list:
     """Events around each piece the stage meters, beside the figure it booked for that piece
-    (its compute_s before and after). Internal: the pieces are MeteredStage.timed calls."""
-    timed = stage.timed
+    (its compute_s before and after), appended to the list returned. Internal: the pieces are
+    MeteredStage.timed calls."""
+    timed, pieces = stage.timed, []
 
     def around(run, share: float = 0.0):
         kind = "loss" if share == 0 else "forward" if share < 0.5 else "backward"
@@ -161,6 +162,7 @@ def meter_pieces(stage, clock, pieces: list) -> None:
         finally:
             pieces.append((kind, a, clock.mark(), stage.compute_s - before))
     stage.timed = around
+    return pieces
 
 
 def timing_pipeline(args) -> dict:
@@ -184,9 +186,9 @@ def timing_pipeline(args) -> dict:
     x, y = (t.to(device) for t in data.tensors)
     rows = torch.arange(m * mu, device=device)
     per_step = []
+    pieces = meter_pieces(stage, clock)
     for i in range(STEPS):
-        pieces: list = []
-        meter_pieces(stage, clock, pieces)
+        pieces.clear()
         stage.begin_step(i, m)
         loss.begin(y, [mu] * m, [float(mu)] * m, m * mu)
         schedule.step(x, target=rows, losses=[], return_outputs=False)
@@ -203,7 +205,7 @@ def timing_pipeline(args) -> dict:
         n = sum(k == kind for k, _, _ in kept)
         c.note(kind, {"pieces": n, "events ms": round(truth * 1e3, 2), "hetrain ms": round(got * 1e3, 2)})
         if n:
-            c.expect(abs(got - truth) <= max(0.25 * truth, 2e-4 * n),
+            c.expect(abs(got - truth) <= max(0.25 * truth, 5e-4 * n),
                      f"{kind} pieces: hetrain's figure is the events' ({got * 1e3:.1f} ms vs {truth * 1e3:.1f} ms "
                      f"over {n} pieces, x{ratio(got, truth):.2f})")
             figure.append(f"{kind} x{ratio(got, truth):.2f}")
