@@ -44,16 +44,6 @@ export GPU_CHECK_SCRATCH="$SCRATCH" HETRAIN_CACHE="$SCRATCH/cache" PYTHONUNBUFFE
 STARTED=$(date +%s)
 NOTE=""
 
-PROBE="$("$PY" -c 'import torch; print(int(torch.cuda.is_available()), torch.__version__, torch.__file__)' 2>/dev/null)"
-if [ "$DRY" -eq 0 ] && [ "${PROBE%% *}" != 1 ]; then
-  if [ -z "$PROBE" ]; then NOTE="$PY cannot import torch"; else NOTE="no CUDA device here (torch.cuda.is_available() is False)"; fi
-  NOTE="$NOTE: ran the dry mode instead"
-  echo "gpu_check: ${NOTE/ran/running}"
-  DRY=1
-fi
-MODE=gpu
-[ "$DRY" -eq 1 ] && MODE=dry
-
 BUDGET=540     # 9 minutes for every step together, on the GPU machine
 # step, module, limit on the GPU (s), limit under --dry (s), log. The GPU limits are sized for one
 # H100 with 16 cores, each step's own work a fraction of its limit; --dry runs on whatever CPU CI
@@ -73,7 +63,6 @@ STEPS=(
   "hf-trainer hf 35 30 runs.log"
   "gpu-tests facts 95 240 pytest.log"
 )
-[ "$DRY" -eq 1 ] && BUDGET=1200
 if [ -n "${GPU_CHECK_ONLY:-}" ]; then     # GPU_CHECK_ONLY=timing-dp,oom: those steps alone (a rerun)
   KEEP=()
   for s in "${STEPS[@]}"; do
@@ -86,6 +75,16 @@ if [ -n "${GPU_CHECK_ONLY:-}" ]; then     # GPU_CHECK_ONLY=timing-dp,oom: those 
   fi
   STEPS=("${KEEP[@]}")
 fi
+PROBE="$("$PY" -c 'import torch; print(int(torch.cuda.is_available()), torch.__version__, torch.__file__)' 2>/dev/null)"
+if [ "$DRY" -eq 0 ] && [ "${PROBE%% *}" != 1 ]; then
+  if [ -z "$PROBE" ]; then NOTE="$PY cannot import torch"; else NOTE="no CUDA device here (torch.cuda.is_available() is False)"; fi
+  NOTE="$NOTE: ran the dry mode instead"
+  echo "gpu_check: ${NOTE/ran/running}"
+  DRY=1
+fi
+MODE=gpu
+[ "$DRY" -eq 1 ] && MODE=dry && BUDGET=1200
+
 SUM=0
 PARTS=()
 for s in "${STEPS[@]}"; do

@@ -92,3 +92,26 @@ def test_the_gpu_limits_fit_the_nine_minute_budget():
     assert len({r[4] for r in rows}) + 1 <= 8          # the logs and summary.json
     for _, module, *_ in rows:
         assert (REPO / "scripts" / "gpu_checks" / f"{module}.py").is_file()
+
+
+def test_the_verdict_names_a_killed_step_a_crashed_one_and_one_the_budget_left_out(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_common", REPO / "scripts" / "gpu_checks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    rows = [("nccl", "facts.log", 25, 31.0, 124), ("memory", "memory.log", 40, 3.0, 1),
+            ("scaler", "memory.log", 30, 2.0, 139), ("gpu-tests", "pytest.log", 95, 0, -1)]
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(map(str, r)) + "\n" for r in rows))
+    (tmp_path / "scaler.json").write_text(json.dumps({"status": "pass", "figure": "scale 2 -> 1", "reason": "",
+                                                      "details": {}}))
+    rc = common.verdict(["--scratch", str(tmp_path), "--out", str(tmp_path), "--mode", "gpu", "--budget", "540",
+                         "--started", "0"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    got = {r["step"]: (r["status"], r["reason"]) for r in summary["steps"]}
+    assert rc == 1 and summary["counts"] == {"pass": 0, "fail": 3, "skip": 1}
+    assert got["nccl"] == ("fail", "over its 25 s limit (killed); see facts.log")
+    assert got["memory"] == ("fail", "exit 1 without a result; see memory.log")
+    assert got["scaler"] == ("fail", "exit 139 after its result; see memory.log")
+    assert got["gpu-tests"] == ("skip", "not run: the 9-minute budget was spent; see pytest.log")
+    assert "GPU CHECK FAILED (gpu): 0 passed, 3 failed, 1 skipped" in capsys.readouterr().out
