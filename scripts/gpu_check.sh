@@ -51,9 +51,9 @@ BUDGET=540     # 9 minutes for every step together, on the GPU machine
 STEPS=(
   "versions facts 25 120 facts.log"
   "nccl facts 25 30 facts.log"
-  "launch facts 35 30 runs.log"
+  "launch facts 40 30 runs.log"
   "timing-dp timing 50 30 timing.log"
-  "timing-pipeline timing 35 30 timing.log"
+  "timing-pipeline timing 30 30 timing.log"
   "memory memory 40 30 memory.log"
   "scaler memory 30 30 memory.log"
   "offload memory 30 30 memory.log"

@@ -88,6 +88,11 @@ def _within(version: str, spec: str):
         return None
 
 
+def read_backend(ht) -> str:
+    """The backend of the group hetrain joined (internal: the engine's context)."""
+    return ht.ctx.backend
+
+
 def nccl(args) -> dict:
     """World-1 NCCL: what a CUDA job's collectives meet, group made as hetrain makes it."""
     if args.rehearse:
@@ -141,8 +146,9 @@ def nccl(args) -> dict:
     from hetrain import Reporting
 
     ht = hetrain.init(global_batch=8, reporting=Reporting(verbose=False))
-    c.expect(ht.device == device and ht.ctx.backend == "nccl",
-             f"hetrain.init in a world of one joins NCCL on cuda:0 (got {ht.ctx.backend} on {ht.device})")
+    backend = read_backend(ht)
+    c.expect(ht.device == device and backend == "nccl",
+             f"hetrain.init in a world of one joins NCCL on cuda:0 (got {backend} on {ht.device})")
     ht.close()
     return c.outcome(f"world-1 NCCL {nccl_version()}: "
                      f"CPU tensor {'raises' if 'raises' in str(c.details.get('all_reduce of a CPU tensor')) else 'runs'}")
