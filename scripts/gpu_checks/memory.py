@@ -104,6 +104,7 @@ def memory(args) -> dict:
                           "free at the end": gib(free1)})
     if not cuda.on:
         return c.outcome("rehearsal: no allocator figures on a CPU")
+
     def close(a, b, tolerance=0.02):
         return a is not None and b > 0 and abs(a - b) <= tolerance * b
     c.expect(close(measured, allocated) or close(measured, reserved),
