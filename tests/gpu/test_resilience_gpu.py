@@ -16,7 +16,16 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs CUDA: a real allocator out-of-memory error and CUDA tensors "
                                         "in torch.distributed.checkpoint")]
 
-WIDTH = 4096
+WIDTH, TOKENS = 1024, 64        # a sample is 64 rows: its activations, not the weights, fill memory
+# Saved for backward per sample, fp32: every Linear's and GELU's input (W, 4W, 4W, W, W, 4W, 4W, W).
+ACTIVATIONS = TOKENS * 20 * WIDTH * 4
+
+
+def net():
+    W = WIDTH
+    return torch.nn.Sequential(torch.nn.Linear(W, 4 * W), torch.nn.GELU(), torch.nn.Linear(4 * W, W), torch.nn.GELU(),
+                               torch.nn.Linear(W, 4 * W), torch.nn.GELU(), torch.nn.Linear(4 * W, W),
+                               torch.nn.Linear(W, 1))
 
 
 def job(steps: int, *, micro: int, ckpt: str | None = None, fraction: float | None = None):
@@ -31,10 +40,10 @@ def job(steps: int, *, micro: int, ckpt: str | None = None, fraction: float | No
                       reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=2),
                       rebalancing=Rebalancing(enabled=False))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2048, WIDTH, generator=g)
-    data = torch.utils.data.TensorDataset(x, x[:, :1])
+    x = torch.randn(1024, TOKENS, WIDTH, generator=g)
+    data = torch.utils.data.TensorDataset(x, x[..., :1])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)], torch.nn.Linear(WIDTH, 1))
+    model = net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     model, opt, batches = ht.prepare(model, opt, data)
     for step in batches:
@@ -50,10 +59,11 @@ def job(steps: int, *, micro: int, ckpt: str | None = None, fraction: float | No
 
 def oom_worker(rank, world):
     total = torch.cuda.get_device_properties(0).total_memory
-    # ~1.9 GiB of model state (fp32 params + grads of 4 × 4096²); the cap leaves room for about
-    # 128 samples' activations, so the planned micro-batch of 512 runs out of memory for real.
-    state = 2 * 4 * (4 * WIDTH * WIDTH + WIDTH)
-    cap = state + 128 * 5 * WIDTH * 4 + 512 * 1024**2
+    # 0.13 GiB of model state (fp32 parameters and gradients, 16.8M) and 5 MiB of activations a
+    # sample: the cap leaves room for about 128 samples' activations and 0.5 GiB of workspace, so
+    # the planned micro-batch of 512 (2.5 GiB of activations) runs out of memory for real.
+    state = 2 * 4 * sum(p.numel() for p in net().parameters())
+    cap = state + 128 * ACTIVATIONS + 512 * 1024**2
     oom = job(2, micro=512, fraction=min(0.9, cap / total))
     clean = job(2, micro=64)
     return oom, clean
