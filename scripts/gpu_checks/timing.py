@@ -37,14 +37,16 @@ def read_loop_compute_s(ht):
     """The loop's own compute figure of the last step (forward + backward as the host clock saw
     them; the step's agreement table's compute_s), or None where it is gone."""
     hooks = getattr(ht.job, "hooks", None)
-    return getattr(hooks, "compute_s", None)
+    read = getattr(hooks, "attempt_compute_s", None)
+    return read() if callable(read) else getattr(hooks, "compute_s", None)
 
 
 def read_optimizer_s(ht):
     """The busy time of the last step outside its micro-batches (the optimizer step), as the
     rebalancer is fed it, or None where it is gone."""
-    loop = vars(ht).get("_loop")
-    return getattr(loop, "fixed_s", None)
+    hooks = getattr(ht.job, "hooks", None)
+    read = getattr(hooks, "last_fixed_s", None)
+    return read() if callable(read) else getattr(vars(ht).get("_loop"), "fixed_s", None)
 
 
 # -- timing-dp ------------------------------------------------------------------------------------
