@@ -22,7 +22,7 @@ from .placement import Need, fits_somewhere, need_of, ranked
 class Asker:
     def __init__(self, setup, module, study):
         self.setup, self.module, self.study = setup, module, study
-        self.form = form_of(module)
+        self.form = form_of(module, setup.entry)
         self.probes: set[int] = set()           # objective-form trials asked before any had finished
         self.peak = max((t.user_attrs.get("peak_bytes") or 0.0 for t in study.get_trials(deepcopy=False)), default=0.0)
 
