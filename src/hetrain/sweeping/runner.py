@@ -172,7 +172,7 @@ class Sweep:
             trial_id = lambda number: storage.get_trial_id_from_study_id_trial_number(study_id, number)  # noqa: E731
             deadline = None if setup.timeout is None else start + setup.timeout
             Scheduler(setup, module, study, trial_id, result, self.say, callbacks=callbacks,
-                      stopped=lambda: self.stopped).run(todo, deadline=deadline)
+                      stopped=lambda: self.stopped, storage=storage).run(todo, deadline=deadline)
         result.wall_s = time.perf_counter() - start
         if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             best = study.best_trial

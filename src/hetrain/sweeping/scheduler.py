@@ -100,11 +100,13 @@ class Run:
 
 class Scheduler:
     def __init__(self, setup, module, study, trial_id, result, say, *, workers=Workers, callbacks=(),
-                 stopped=lambda: False):
+                 stopped=lambda: False, storage=None):
         self.setup, self.module, self.study, self.trial_id = setup, module, study, trial_id
         self.result, self.say, self.make_workers = result, say, workers
         self.callbacks, self.stopped = tuple(callbacks or ()), stopped
-        self.asker = Asker(setup, module, study)
+        fix = None if storage is None else (
+            lambda number, params: storage.set_trial_system_attr(trial_id(number), "fixed_params", params))
+        self.asker = Asker(setup, module, study, fix)
         self.queued: dict[int, tuple[object, Need]] = {}      # number -> (trial, need): asked, not placed
         self.running: dict[int, Run] = {}                      # lead device -> its run
         self.live = [s.index for s in setup.slots]             # devices with a worker
