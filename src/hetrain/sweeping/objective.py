@@ -28,8 +28,9 @@ Or Optuna's own form, as written for `study.optimize`:
 
 `objective` runs in the worker; its suggestions are made there the first time. Placement needs
 the parameters before the trial runs: once a trial has finished, the scheduler samples the
-parameters every finished trial had (Optuna's `ask(fixed_distributions=...)`, the search space
-seen so far) before placing it, and `suggest_*` in the worker returns those same values. The
+parameters every finished trial had (the search space seen so far) before placing it and gives
+them to the trial as `enqueue_trial` does, so `suggest_*` in the worker returns those same values
+(asking.py). The
 need is `memory(params)` where given, else the largest peak a finished trial was measured at;
 until a trial has finished, one trial runs at a time on the largest device (the first measured
 trial). A file defining both forms is run in the `space`/`train` form.
