@@ -401,8 +401,8 @@ def test_a_stock_optuna_script_keeps_its_direction_sampler_and_pruner_and_finds_
     assert best.state.name == "COMPLETE"                                       # the median pruner left it
     # what the script prints after optimize reads the sweep's study: stock's best
     assert script_lines(r.stdout)[-1] == script_lines(stock.stdout)[-1] == "script: best value 5.0 params {'k': 5}"
-    assert ("pruner: the script's MedianPruner(percentile=50.0, n_startup_trials=2" in r.stderr
-            and "direction: maximize" in r.stderr), r.stderr
+    first = next(line for line in r.stderr.splitlines() if line.startswith("pruner: "))
+    assert "the script's MedianPruner(" in first and "n_startup_trials=2" in first and "direction: maximize" in first
 
 
 def test_a_stock_scripts_direction_against_the_command_lines_is_one_line(tmp_path):
@@ -414,12 +414,12 @@ def test_a_stock_scripts_direction_against_the_command_lines_is_one_line(tmp_pat
 
 def test_a_conditional_search_space_loses_no_trial(tmp_path):
     db = tmp_path / "s.db"
-    r = hetrain("sweep", str(CONDITIONAL), "--emulate", "a100-80g@64MiB,rtx3090@64MiB", "--trials", "16",
+    r = hetrain("sweep", str(CONDITIONAL), "--emulate", "a100-80g@64MiB,rtx3090@64MiB", "--trials", "12",
                 "--storage", str(db), "--emulate-sample-s", "0.002", "--pruner", "none")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "KeyError" not in r.stderr, r.stderr[-3000:]
     trials = optuna.load_study(study_name="sweep_conditional", storage=f"sqlite:///{db}").get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 16, [t.user_attrs.get("reason") for t in trials]
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 12, [t.user_attrs.get("reason") for t in trials]
     branch = {"linear": {"linear_alpha"}, "tree": {"tree_depth"}, "fixed": {"fixed_one"},
               "net": {"net_lr", "net_layers"}}
     for t in trials:                                     # each trial's own branch, suggested in its worker
