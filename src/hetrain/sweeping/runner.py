@@ -159,8 +159,11 @@ class Sweep:
                              tally={s.index: DeviceTally() for s in setup.slots})
         self.resumed, self.stopped = [], False
         todo = float("inf") if setup.trials is None else max(0, setup.trials - before)
-        goal = (f"toward --trials {setup.trials}" if setup.trials is not None
-                else f"until the timeout, {setup.timeout:g} s")
+        goal = (f"until the timeout, {setup.timeout:g} s" if setup.trials is None
+                else f"toward {setup.trials} trials (the script's n_trials or --trials)" if setup.entry
+                else f"toward --trials {setup.trials}")
+        if setup.trials is not None and setup.timeout is not None:
+            goal += f", none started after the timeout, {setup.timeout:g} s"
         self.say(f"pruner: {pruner_text(setup)}; direction: {setup.direction}; complete, pruned and failed "
                  f"trials all count {goal}")
         if before and setup.trials is not None:
