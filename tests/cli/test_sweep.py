@@ -372,3 +372,69 @@ def test_a_group_trial_no_group_holds_is_one_line_with_its_need_and_the_largest_
                            "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
                    "trial 0", "fits no device and no group", "needs 91.6 MiB",
                    "the largest group, 2 device(s)", "has room for 57.6 MiB together", "under its best sharding, fsdp")
+
+
+# ---- a stock Optuna script (its __main__ makes the study); conditional search spaces ----
+
+STOCK = Path(__file__).parent / "scripts" / "sweep_optuna_stock.py"
+CONDITIONAL = Path(__file__).parent / "scripts" / "sweep_conditional.py"
+
+
+def script_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("script: ")]
+
+
+def test_a_stock_optuna_script_keeps_its_direction_sampler_and_pruner_and_finds_stocks_best(tmp_path):
+    stock = subprocess.run([sys.executable, str(STOCK)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    db = tmp_path / "s.db"
+    # the command line a user gives a stock script: no --trials, --direction or --pruner
+    r = hetrain("sweep", str(STOCK), "--emulate", SPEC, "--storage", str(db), "--emulate-sample-s", "0.002")
+    assert r.returncode == 0, r.stderr[-3000:]
+    study = optuna.load_study(study_name="sweep_optuna_stock", storage=f"sqlite:///{db}")
+    assert study.direction.name == "MAXIMIZE"
+    trials = study.get_trials()
+    assert len(trials) == 6                                                    # the script's n_trials
+    assert sorted(t.params["k"] for t in trials) == list(range(6))             # its GridSampler: each k once
+    best = study.best_trial
+    assert (best.value, best.params) == (5.0, {"k": 5})                        # stock's choice
+    assert best.state.name == "COMPLETE"                                       # the median pruner left it
+    # what the script prints after optimize reads the sweep's study: stock's best
+    assert script_lines(r.stdout)[-1] == script_lines(stock.stdout)[-1] == "script: best value 5.0 params {'k': 5}"
+    first = next(line for line in r.stderr.splitlines() if line.startswith("pruner: "))
+    assert "the script's MedianPruner(" in first and "n_startup_trials=2" in first and "direction: maximize" in first
+
+
+def test_a_stock_scripts_direction_against_the_command_lines_is_one_line(tmp_path):
+    one_line_error(hetrain("sweep", str(STOCK), "--emulate", SPEC, "--storage", str(tmp_path / "s.db"),
+                           "--direction", "minimize"),
+                   "--direction minimize, but sweep_optuna_stock.py's create_study says direction='maximize'",
+                   "drop --direction")
+
+
+def test_a_conditional_search_space_loses_no_trial(tmp_path):
+    db = tmp_path / "s.db"
+    r = hetrain("sweep", str(CONDITIONAL), "--emulate", "a100-80g@64MiB,rtx3090@64MiB", "--trials", "12",
+                "--storage", str(db), "--emulate-sample-s", "0.002", "--pruner", "none")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "KeyError" not in r.stderr, r.stderr[-3000:]
+    trials = optuna.load_study(study_name="sweep_conditional", storage=f"sqlite:///{db}").get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 12, [t.user_attrs.get("reason") for t in trials]
+    branch = {"linear": {"linear_alpha"}, "tree": {"tree_depth"}, "fixed": {"fixed_one"},
+              "net": {"net_lr", "net_layers"}}
+    for t in trials:                                     # each trial's own branch, suggested in its worker
+        assert set(t.params) == {"kind"} | branch[t.params["kind"]], t.params
+    assert len({t.params["kind"] for t in trials}) > 1   # more than one branch ran: a conditional space
+
+
+@pytest.mark.parametrize("text", [
+    "def fit(trial):\n    return 0.0\n",
+    "def fit(trial):\n    return 0.0\n\nif __name__ == '__main__':\n    print(fit(None))\n",
+])
+def test_a_file_with_no_objective_and_no_main_making_a_study_is_one_line(tmp_path, text):
+    bad = tmp_path / "obj.py"
+    bad.write_text(text)
+    one_line_error(hetrain_here("sweep", str(bad), "--emulate", SPEC, "--trials", "1", "--storage", str(tmp_path / "s.db")),
+                   "defines neither objective(trial) nor space(trial) and train(params, ctx)",
+                   "has no `if __name__ == \"__main__\":` that creates a study",
+                   "study = optuna.create_study(...); study.optimize(objective")

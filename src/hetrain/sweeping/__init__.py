@@ -1,6 +1,7 @@
 """`hetrain sweep`: many hyperparameter trials at once over mixed devices, on Optuna.
 
   objective.py  the user's file (objective, or space, memory, train) and what a trial is handed
+  main_form.py  a stock Optuna script: its __main__ run, create_study and Study.optimize taken over
   session.py    hetrain.sweep: the running trial's device and speed, for Optuna's objective(trial)
   study.py      the storage, the pruner spec (--pruner median:startup=5), what counts toward --trials
   placement.py  PURE: which queued trial a free device takes, from the planner's memory model

@@ -3,11 +3,14 @@
   space/train  space(trial) in this process gives the parameters; memory(params) the need.
   objective    Optuna's own form: the parameters are suggested inside objective(trial), in the
                worker. Once a trial has finished (complete or pruned), the search space those
-               trials share (Optuna's intersection_search_space) is sampled here first
-               (`study.ask(fixed_distributions=...)`), so the trial is placed knowing them and
-               the worker's `suggest_*` returns the same values. Until then nothing is known:
-               one trial at a time runs on the largest device, and its measured peak is the
-               need of later trials that have no memory(params) (the largest peak so far).
+               trials share (Optuna's intersection_search_space) is sampled here first, by the
+               study's sampler, so the trial is placed knowing them. The values are given to the
+               trial as Optuna's `enqueue_trial` gives them (its `fixed_params`): the worker's
+               `suggest_*` returns them, and a parameter the objective does not suggest (a branch
+               of a conditional space the finished trials happened to share) is not recorded.
+               Until then nothing is known: one trial at a time runs on the largest device, and
+               its measured peak is the need of later trials that have no memory(params) (the
+               largest peak so far).
 """
 
 from __future__ import annotations
@@ -19,10 +22,31 @@ from .objective import form_of
 from .placement import Need, fits_somewhere, need_of, ranked
 
 
+def presample(study, trial, space: dict, fix) -> dict:
+    """Values for `space` on a trial just asked, as its sampler would suggest them (its joint
+    sample where the sampler has one, else each alone), set as the trial's fixed parameters with
+    `fix(params)`; values the trial was enqueued with stay."""
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    given = dict(frozen.system_attrs.get("fixed_params", {}))
+    joint = trial.relative_params
+    values = {}
+    for name, dist in space.items():
+        if name in given or dist.single():
+            continue
+        if name in joint and (trial.relative_search_space or {}).get(name) == dist:
+            values[name] = joint[name]
+        else:
+            values[name] = study.sampler.sample_independent(study, frozen, name, dist)
+    values.update(given)
+    fix(values)
+    return values
+
+
 class Asker:
-    def __init__(self, setup, module, study):
-        self.setup, self.module, self.study = setup, module, study
-        self.form = form_of(module)
+    def __init__(self, setup, module, study, fix=None):
+        """`fix(number, params)`: sets a trial's fixed parameters in the storage (objective form)."""
+        self.setup, self.module, self.study, self.fix = setup, module, study, fix
+        self.form = form_of(module, setup.entry)
         self.probes: set[int] = set()           # objective-form trials asked before any had finished
         self.peak = max((t.user_attrs.get("peak_bytes") or 0.0 for t in study.get_trials(deepcopy=False)), default=0.0)
 
@@ -61,8 +85,8 @@ class Asker:
             need = Need(bytes=top.room, how="not known before a trial has finished: it runs alone on the largest "
                                             "device and is measured")
         else:
-            trial = self.study.ask(fixed_distributions=self.search_space())
-            params = dict(trial.params)
+            trial = self.study.ask()
+            params = presample(self.study, trial, self.search_space(), lambda p: self.fix(trial.number, p))
             if memory:
                 need = need_of(memory(params), where=f"memory({params!r})")
             else:

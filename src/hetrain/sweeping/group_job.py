@@ -9,6 +9,7 @@ the result file; a job that ends without one failed (torchrun stops every rank w
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -35,7 +36,8 @@ class GroupJob:
                 "trial_id": trial_id, "number": number, "params": params, "emulated": emulated,
                 "labels": [s.label for s in fit.members], "speeds": [s.speed for s in fit.members],
                 "sharding": fit.sharding, "sample_s": setup.sample_s, "parent": os.getpid(),
-                "result": self.result_path}
+                "result": self.result_path, "entry": setup.entry,
+                "parts": base64.b64encode(setup.parts).decode() if setup.parts is not None else None}
         task_path = os.path.join(self.dir, "task.json")
         with open(task_path, "w") as f:
             json.dump(task, f)

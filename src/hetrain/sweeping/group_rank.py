@@ -10,10 +10,12 @@ rank that fails exits at once with code 1, and torchrun stops the others.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 TIMEOUT_S = 600.0      # a collective that waits longer than this ends the trial's job
 
@@ -70,23 +72,23 @@ def main(task_path: str) -> None:
         device = f"cuda:{local}"
     from .objective import TrialContext, load_objective
     from .session import DEVICE_ENV
-    from .study import pruner_of, storage_of
-    from .trial_run import run_trial
+    from .study import parts_of, storage_of
+    from .trial_run import run_trial, trial_of
 
     os.environ[DEVICE_ENV] = device
     module = load_objective(task["objective"])
     params, number = task["params"], task["number"]
+    setup = SimpleNamespace(parts=base64.b64decode(task["parts"]) if task["parts"] else None, pruner=task["pruner"])
     if rank == 0:
-        study = optuna.load_study(study_name=task["study"], storage=storage_of(task["url"]),
-                                  pruner=pruner_of(task["pruner"]))
-        base = optuna.trial.Trial(study, task["trial_id"])
+        sampler, pruner = parts_of(setup)
+        base, _ = trial_of(task["study"], storage_of(task["url"]), task["trial_id"], sampler, pruner)
     else:
         base = optuna.trial.FixedTrial(params, number)
     ctx = TrialContext(number=number, params=params, device=device, label=task["labels"][rank],
                        speed=task["speeds"][rank], sample_s=task["sample_s"], emulated=task["emulated"],
                        trial=base if rank == 0 else None, parent=task["parent"], rank=rank, world_size=world,
                        members=tuple(task["labels"]), sharding=task["sharding"], agree=_agree)
-    state, value, note, peak = run_trial(module, ctx, GroupTrial(base, ctx), params)
+    state, value, note, peak = run_trial(module, ctx, GroupTrial(base, ctx), params, task["entry"])
     if rank == 0:
         tmp = task["result"] + ".tmp"
         with open(tmp, "w") as f:

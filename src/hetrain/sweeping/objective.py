@@ -28,15 +28,23 @@ Or Optuna's own form, as written for `study.optimize`:
 
 `objective` runs in the worker; its suggestions are made there the first time. Placement needs
 the parameters before the trial runs: once a trial has finished, the scheduler samples the
-parameters every finished trial had (Optuna's `ask(fixed_distributions=...)`, the search space
-seen so far) before placing it, and `suggest_*` in the worker returns those same values. The
+parameters every finished trial had (the search space seen so far) before placing it and gives
+them to the trial as `enqueue_trial` does, so `suggest_*` in the worker returns those same values
+(asking.py). The
 need is `memory(params)` where given, else the largest peak a finished trial was measured at;
 until a trial has finished, one trial runs at a time on the largest device (the first measured
 trial). A file defining both forms is run in the `space`/`train` form.
+
+Or a stock Optuna script, as Optuna's examples are written: `objective(trial)` and, under
+`if __name__ == "__main__":`, `study = optuna.create_study(direction=..., sampler=..., pruner=...)`
+and `study.optimize(objective, n_trials=...)`. That block is run (main_form.py): the study is the
+sweep's, with the script's direction, sampler and pruner, and optimize runs the trials over the
+devices; what the script prints after (its best trial) is the sweep's.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
@@ -51,14 +59,39 @@ from ..errors import UsageError
 
 REQUIRED = ("space", "train")
 FORMS = ("space/train", "objective")
-NEITHER_FIX = ("define objective(trial) -> float (Optuna's form), or space(trial) -> dict and "
-               "train(params, ctx) -> float (see `hetrain sweep --help`)")
+NEITHER_FIX = ("define objective(trial) -> float and, as Optuna's examples do, under "
+               "`if __name__ == \"__main__\":` study = optuna.create_study(...); study.optimize(objective, "
+               "n_trials=...); or space(trial) -> dict and train(params, ctx) -> float (see `hetrain sweep --help`)")
 
 
-def form_of(module: ModuleType) -> str:
+def form_of(module: ModuleType, entry: str | None = None) -> str:
     """'space/train' when the file defines either of them, else 'objective' (load_objective has
-    checked that one of the forms is whole)."""
+    checked that one of the forms is whole); a stock script's optimize(func) is the objective form."""
+    if entry is not None:
+        return "objective"
     return "space/train" if any(callable(getattr(module, n, None)) for n in REQUIRED) else "objective"
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+
+def main_creates_study(path: str | Path) -> bool:
+    """Whether the file is a stock Optuna script: an `if __name__ == "__main__":` block, and a call
+    of create_study in the file (in that block, or in a function it calls)."""
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    if not any(_is_main_guard(node) for node in tree.body):
+        return False
+    return any(isinstance(n, ast.Call) and (getattr(n.func, "attr", None) == "create_study"
+                                            or getattr(n.func, "id", None) == "create_study")
+               for n in ast.walk(tree))
 
 
 def load_objective(path: str) -> ModuleType:
@@ -74,9 +107,10 @@ def load_objective(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     has = {name: callable(getattr(module, name, None)) for name in (*REQUIRED, "objective")}
-    if not any(has.values()):
+    if not any(has.values()) and not main_creates_study(file):
         raise UsageError(f"hetrain sweep: {path!r} defines neither objective(trial) nor space(trial) and "
-                         "train(params, ctx)", NEITHER_FIX)
+                         "train(params, ctx), and has no `if __name__ == \"__main__\":` that creates a study",
+                         NEITHER_FIX)
     missing = [name for name in REQUIRED if not has[name]]
     if missing and len(missing) < len(REQUIRED):
         raise UsageError(f"hetrain sweep: {path!r} defines no {' and no '.join(missing)}()",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from .objective import load_objective
 from .placement import Slot
-from .study import counted, parse_pruner, pruner_of, storage_of
+from .study import counted, parts_of, pruner_text, storage_of
 
 DIRECTIONS = ("minimize", "maximize")
 
@@ -34,12 +34,18 @@ class SweepSetup:
     objective: str                 # the objective file's path
     storage: str                   # the SQLite file
     study: str
-    trials: int
+    trials: int | None
     slots: tuple[Slot, ...]
     targets: tuple[str, ...]       # per slot: "emulated" or the GPU's CUDA index
     pruner: str = "median"         # a pruner spec (study.parse_pruner)
     direction: str = "minimize"
     sample_s: float | None = None  # the emulated devices' controlled clock (benchmarks, tests)
+    # a stock Optuna script (main_form.py): the function its __main__ handed to study.optimize,
+    # its (sampler, pruner) pickled for every process, and optimize's timeout; trials None: no
+    # n_trials, the timeout ends the sweep
+    entry: str | None = None
+    parts: bytes | None = None
+    timeout: float | None = None
 
     @property
     def url(self) -> str:
@@ -91,8 +97,9 @@ def open_study(setup: SweepSetup, say: Callable[[str], None]):
     from optuna.trial import TrialState
 
     storage = storage_of(setup.url)
+    sampler, pruner = parts_of(setup)
     study = optuna.create_study(storage=storage, study_name=setup.study, load_if_exists=True,
-                                direction=setup.direction, pruner=pruner_of(setup.pruner))
+                                direction=setup.direction, sampler=sampler, pruner=pruner)
     if study.direction.name.lower() != setup.direction:
         raise UsageError(f"study {setup.study!r} in {setup.storage!r} was made to {study.direction.name.lower()}, "
                          f"not {setup.direction}", f"pass --direction {study.direction.name.lower()}, or a new --study")
@@ -116,37 +123,76 @@ def open_study(setup: SweepSetup, say: Callable[[str], None]):
     return study, storage, study_id, resumed
 
 
-def run_sweep(setup: SweepSetup, *, say: Callable[[str], None]) -> SweepResult:
-    """The whole sweep; `say` gets a line per event (a trial placed, finished, re-queued)."""
-    import optuna
-    from optuna.trial import TrialState
+class Sweep:
+    """A sweep's study, held: the storage locked, the study made or continued. `run` runs trials on
+    it (once for a file in the objective forms; once per study.optimize of a stock script)."""
 
-    from .scheduler import Scheduler
+    def __init__(self, setup: SweepSetup, say: Callable[[str], None]):
+        import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    module = load_objective(setup.objective)
-    lock = lock_storage(setup.storage)
-    try:
-        study, storage, study_id, resumed = open_study(setup, say)
-        before = sum(counted(t) for t in study.get_trials(deepcopy=False))
-        result = SweepResult(setup=setup, wall_s=0.0, finished_before=before, resumed=resumed,
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.say, self.stopped = say, False
+        self.lock = lock_storage(setup.storage)
+        try:
+            self.study, self.storage, self.study_id, self.resumed = open_study(setup, say)
+        except BaseException:
+            self.lock.close()
+            raise
+        # Study.stop, as the script's callbacks and GridSampler (its grid used up) call it: no new trial
+        self.study.stop = self.stop
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def finished(self) -> int:
+        return sum(counted(t) for t in self.study.get_trials(deepcopy=False))
+
+    def run(self, setup: SweepSetup, module, *, callbacks=()) -> SweepResult:
+        """Trials until the study has setup.trials finished, or setup.timeout passed, or stop()."""
+        from optuna.trial import TrialState
+
+        from .scheduler import Scheduler
+
+        study, storage, study_id = self.study, self.storage, self.study_id
+        before = self.finished()
+        result = SweepResult(setup=setup, wall_s=0.0, finished_before=before, resumed=self.resumed,
                              tally={s.index: DeviceTally() for s in setup.slots})
-        todo = max(0, setup.trials - before)
-        say(f"pruner: {parse_pruner(setup.pruner).describe()}; complete, pruned and failed trials all count "
-            f"toward --trials {setup.trials}")
-        if before:
-            say(f"study {setup.study!r}: {before} trial(s) already finished; {todo} to go")
+        self.resumed, self.stopped = [], False
+        todo = float("inf") if setup.trials is None else max(0, setup.trials - before)
+        goal = (f"until the timeout, {setup.timeout:g} s" if setup.trials is None
+                else f"toward {setup.trials} trials (the script's n_trials or --trials)" if setup.entry
+                else f"toward --trials {setup.trials}")
+        if setup.trials is not None and setup.timeout is not None:
+            goal += f", none started after the timeout, {setup.timeout:g} s"
+        self.say(f"pruner: {pruner_text(setup)}; direction: {setup.direction}; complete, pruned and failed "
+                 f"trials all count {goal}")
+        if before and setup.trials is not None:
+            self.say(f"study {setup.study!r}: {before} trial(s) already finished; {todo} to go")
         start = time.perf_counter()
         if todo:
             # Optuna's Trial keeps its storage id privately: the worker's Trial is built from the id
             # the storage gives for the trial's number
             trial_id = lambda number: storage.get_trial_id_from_study_id_trial_number(study_id, number)  # noqa: E731
-            Scheduler(setup, module, study, trial_id, result, say).run(todo)
+            deadline = None if setup.timeout is None else start + setup.timeout
+            Scheduler(setup, module, study, trial_id, result, self.say, callbacks=callbacks,
+                      stopped=lambda: self.stopped, storage=storage).run(todo, deadline=deadline)
         result.wall_s = time.perf_counter() - start
         if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             best = study.best_trial
             result.best = {"number": best.number, "value": best.value, "params": best.params,
                            "device": best.user_attrs.get("device")}
         return result
+
+    def close(self) -> None:
+        self.lock.close()
+
+
+def run_sweep(setup: SweepSetup, *, say: Callable[[str], None]) -> SweepResult:
+    """The whole sweep of a file in the objective forms; `say` gets a line per event (a trial
+    placed, finished, re-queued)."""
+    module = load_objective(setup.objective)
+    sweep = Sweep(setup, say)
+    try:
+        return sweep.run(setup, module)
     finally:
-        lock.close()
+        sweep.close()

@@ -99,22 +99,32 @@ class Run:
 
 
 class Scheduler:
-    def __init__(self, setup, module, study, trial_id, result, say, *, workers=Workers):
+    def __init__(self, setup, module, study, trial_id, result, say, *, workers=Workers, callbacks=(),
+                 stopped=lambda: False, storage=None):
         self.setup, self.module, self.study, self.trial_id = setup, module, study, trial_id
         self.result, self.say, self.make_workers = result, say, workers
-        self.asker = Asker(setup, module, study)
+        self.callbacks, self.stopped = tuple(callbacks or ()), stopped
+        fix = None if storage is None else (
+            lambda number, params: storage.set_trial_system_attr(trial_id(number), "fixed_params", params))
+        self.asker = Asker(setup, module, study, fix)
         self.queued: dict[int, tuple[object, Need]] = {}      # number -> (trial, need): asked, not placed
         self.running: dict[int, Run] = {}                      # lead device -> its run
         self.live = [s.index for s in setup.slots]             # devices with a worker
         self.finished = 0
         self.todo = 0
 
-    def run(self, todo: int) -> None:
+    def run(self, todo: float, deadline: float | None = None) -> None:
+        """Until `todo` trials have finished; past the deadline (study.optimize's timeout) or once
+        the study is stopped, no new trial is asked and the ones asked finish, as in Optuna."""
         self.todo = todo
         self.workers = self.make_workers(self.setup)
         asked, ok = 0, False
         try:
-            while self.finished < todo:
+            while True:
+                if self.stopped() or (deadline is not None and time.perf_counter() >= deadline):
+                    self.todo = todo = min(todo, asked)
+                if self.finished >= todo:
+                    break
                 live = [s for s in self.setup.slots if s.index in self.live]
                 while asked < todo and len(self.queued) < len(live) and self.asker.may_ask(self.queued, self.running):
                     number, trial, need = self.asker.ask(live)
@@ -186,10 +196,12 @@ class Scheduler:
         self.say(f"trial {number} needs {format_bytes(need.bytes)}: a data-parallel job over {fit.label}, "
                  f"{fit.sharding} sharding ({fit.why})")
 
-    def finish(self, index, number, state, value, note, busy, reports, peak=None) -> None:
+    def finish(self, index, number, state, value, note, busy, reports, peak=None, stop=False) -> None:
         held = self.running.get(index)
         if held is None or held.number != number:     # a dead worker's last word, its trial already failed
             return
+        if stop:                                      # the objective called trial.study.stop()
+            self.study.stop()
         self.end(index, number, held.trial, held.need, state, value, note, busy, reports, peak=peak,
                  run=self.running.pop(index))
 
@@ -216,6 +228,10 @@ class Scheduler:
                 trial.set_user_attr("reason", note)
             self.study.tell(trial, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
         self.finished += 1
+        if self.callbacks:       # study.optimize's callbacks, as Optuna calls them after each trial
+            frozen = next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
+            for callback in self.callbacks:
+                callback(self.study, frozen)
         label = None if index is None else trial.user_attrs.get("device", self.setup.slots[index].label)
         self.result.ran.append({"number": number, "device": label, "state": state, "value": value,
                                 "params": self.asker.params_of(number, trial), "memory_bytes": need.bytes,
@@ -224,7 +240,7 @@ class Scheduler:
                                 "sharding": group.sharding if group is not None else None})
         shown = f"value {value:.6g}" if value is not None else note
         self.say(f"trial {number}{f' on {label}' if label else ''}: {state}, {shown} ({busy:.1f} s) "
-                 f"[{self.finished}/{self.todo}]")
+                 f"[{self.finished}{f'/{self.todo}' if self.todo != float('inf') else ''}]")
 
     def check_workers(self) -> None:
         for index, code in self.workers.dead(self.live):

@@ -5,10 +5,15 @@ Optuna's MedianPruner with Optuna's own defaults: no trial is pruned before `sta
 have finished, nor before step `warmup` (0) of its own; it is checked every `interval` (1) steps.
 A trial the pruner stops counts toward --trials like a complete one (it used its device), as does
 a failed one; an interrupted trial (a sweep that was killed) and one that fit nowhere do not.
+
+A stock Optuna script (its `__main__` makes the study) gives its own sampler and pruner instead:
+they travel to every process of the sweep pickled (SweepSetup.parts), so the workers' suggestions
+and pruning decisions are the script's, not the defaults.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -72,6 +77,30 @@ def parse_pruner(spec: str) -> PrunerSpec:
 
 def pruner_of(spec: str):
     return parse_pruner(spec).make()
+
+
+def parts_of(setup) -> tuple:
+    """(sampler, pruner) of the sweep's study: the script's own, else Optuna's default sampler (None)
+    and the --pruner spec's pruner (given on the command line, it overrides the script's)."""
+    sampler, pruner = pickle.loads(setup.parts) if setup.parts is not None else (None, None)
+    return sampler, pruner if pruner is not None else pruner_of(setup.pruner)
+
+
+def describe_pruner(pruner) -> str:
+    """A pruner object as the first line and the table say it: its class and its settings."""
+    import optuna
+
+    if isinstance(pruner, optuna.pruners.NopPruner):
+        return "none"
+    settings = ", ".join(f"{k.lstrip('_')}={v!r}" for k, v in vars(pruner).items()
+                         if isinstance(v, (bool, int, float, str)))
+    return f"{type(pruner).__name__}({settings})"
+
+
+def pruner_text(setup) -> str:
+    if setup.parts is not None and pickle.loads(setup.parts)[1] is not None:
+        return f"the script's {describe_pruner(parts_of(setup)[1])}"
+    return parse_pruner(setup.pruner).describe()
 
 
 def storage_of(url: str):

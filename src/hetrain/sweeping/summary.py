@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..console import console
 from ..hardware.units import format_bytes
 from .runner import SweepResult
-from .study import parse_pruner
+from .study import pruner_text
 
 
 def utilisation(result: SweepResult, index: int) -> float:
@@ -18,8 +18,9 @@ def print_table(result: SweepResult) -> None:
 
     s = result.setup
     con = console()
-    t = Table(title=f"hetrain sweep: {s.objective}, study {s.study!r} in {s.storage}, {s.trials} trials, "
-              f"{s.direction}, pruner {parse_pruner(s.pruner).describe()}", title_justify="left", show_edge=False, pad_edge=False)
+    trials = f"{s.trials} trials" if s.trials is not None else f"trials for {s.timeout:g} s"
+    t = Table(title=f"hetrain sweep: {s.objective}, study {s.study!r} in {s.storage}, {trials}, "
+              f"{s.direction}, pruner {pruner_text(s)}", title_justify="left", show_edge=False, pad_edge=False)
     died = bool(result.deaths)
     columns = ["device", "memory", "complete", "pruned", "failed", "busy s", "utilisation", "largest trial"]
     for c in columns + (["worker died"] if died else []):
@@ -64,7 +65,7 @@ def to_dict(result: SweepResult) -> dict:
     s = result.setup
     return {
         "objective": s.objective, "storage": s.storage, "study": s.study, "trials": s.trials,
-        "direction": s.direction, "pruner": s.pruner, "wall_s": result.wall_s,
+        "direction": s.direction, "pruner": pruner_text(s), "wall_s": result.wall_s,
         "finished_before": result.finished_before, "resumed": result.resumed, "worker_deaths": result.deaths,
         "devices": [{"device": slot.label, "memory_bytes": slot.memory_bytes, "speed": slot.speed,
                      "complete": result.tally[slot.index].complete, "pruned": result.tally[slot.index].pruned,

@@ -40,17 +40,32 @@ class PeakMemory:
         return float(max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start))
 
 
-def run_trial(module, ctx: TrialContext, trial, params: dict) -> tuple[str, float | None, str | None, float]:
-    """(state, value, note, peak bytes) of one trial: train(params, ctx) or objective(trial)."""
+def trial_of(study_name: str, storage, trial_id: int, sampler, pruner):
+    """Optuna's Trial of a trial the scheduler asked, on a study object of its own synced with the
+    storage first (what `study.ask` does for the trial it creates), and the list that collects
+    the objective's `trial.study.stop()` calls (the scheduler stops asking on one)."""
+    import optuna
+
+    study = optuna.load_study(study_name=study_name, storage=storage, sampler=sampler, pruner=pruner)
+    study.get_trials(deepcopy=False)      # every trial, this one included, read into the storage's cache
+    stops: list[bool] = []
+    study.stop = lambda: stops.append(True)
+    return optuna.trial.Trial(study, trial_id), stops
+
+
+def run_trial(module, ctx: TrialContext, trial, params: dict,
+              entry: str | None = None) -> tuple[str, float | None, str | None, float]:
+    """(state, value, note, peak bytes) of one trial: train(params, ctx), objective(trial), or the
+    function a stock script's __main__ handed to study.optimize (`entry`)."""
     import optuna
 
     meter = PeakMemory(ctx.emulated)
     set_current(ctx)
     try:
-        if form_of(module) == "space/train":
+        if form_of(module, entry) == "space/train":
             value = float(module.train(params, ctx))
         else:
-            value = float(module.objective(trial))
+            value = float(getattr(module, entry or "objective")(trial))
         outcome = ("complete", value, None)
     except (Pruned, optuna.TrialPruned) as e:
         outcome = ("pruned", None, str(e) or "pruned")

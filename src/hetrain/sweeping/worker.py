@@ -5,6 +5,13 @@ before torch is imported) or, emulated, runs one thread. It leaves when told (a 
 its parent, the scheduler, is gone: between trials, and inside one at the trial's next
 `ctx.compute` or `ctx.report` (TrialContext.parent), so a scheduler killed alone leaves no worker
 training on behind it.
+
+Each trial gets a study object of its own, synced with the storage before its Trial is built, as
+Optuna's `study.ask` does: Optuna's cached storage knows only the trials it has read, so a
+`suggest_*` the scheduler did not sample (a branch of a conditional space) on a trial created
+since would fail, and a study kept from one trial to the next would give the sampler the history
+it cached at the first. The sampler and pruner are the study's (the script's own where it gave
+them), the sampler reseeded per worker as Optuna reseeds it per thread of `n_jobs`.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     reports, peak bytes) on `results` for each."""
     import logging
 
-    from .study import pruner_of, storage_of
+    from .study import parts_of, storage_of
 
     slot, target = setup.slots[index], setup.targets[index]
     if target != "emulated":
@@ -35,11 +42,13 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
         become_emulated_device()        # one CPU thread, glibc keeping freed memory, as the job's ranks
     from .objective import TrialContext, load_objective
     from .session import DEVICE_ENV
-    from .trial_run import run_trial
+    from .trial_run import run_trial, trial_of
 
     os.environ[DEVICE_ENV] = "cpu" if emulated else "cuda:0"     # the environment says it too (session.py)
     module = load_objective(setup.objective)
-    study = optuna.load_study(study_name=setup.study, storage=storage_of(setup.url), pruner=pruner_of(setup.pruner))
+    sampler, pruner = parts_of(setup)
+    if sampler is not None:
+        sampler.reseed_rng()              # copies of one seeded sampler would suggest alike
     while os.getppid() == parent:
         try:
             task = tasks.get(timeout=0.5)
@@ -48,9 +57,9 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
         if task is None:
             return
         trial_id, number, params = task
+        trial, stops = trial_of(setup.study, storage_of(setup.url), trial_id, sampler, pruner)
         ctx = TrialContext(number=number, params=params, device="cpu" if emulated else "cuda:0", label=slot.label,
-                           speed=slot.speed, sample_s=setup.sample_s, emulated=emulated,
-                           trial=optuna.trial.Trial(study, trial_id), parent=parent)
+                           speed=slot.speed, sample_s=setup.sample_s, emulated=emulated, trial=trial, parent=parent)
         t0 = time.perf_counter()
-        state, value, note, peak = run_trial(module, ctx, ctx.trial, params)
-        results.put((index, number, state, value, note, time.perf_counter() - t0, ctx.reports, peak))
+        state, value, note, peak = run_trial(module, ctx, ctx.trial, params, setup.entry)
+        results.put((index, number, state, value, note, time.perf_counter() - t0, ctx.reports, peak, bool(stops)))
