@@ -215,8 +215,9 @@ class Rebalancer:
 class FirstSteps(Rebalancer):
     """Over a plan that was not measured (hetrain could not call the model before training:
     runtime/measure/model_call.py), its shares are a guess from the catalog. The first proposal,
-    once every rank has `min_samples` steps of device times, is taken at once: no threshold, no
-    streak and no trial (there is no measured plan to go back to). Then as Rebalancer."""
+    once every rank has `min_samples` steps of device times, is taken at once if it gains more
+    than the threshold: no streak and no trial (there is no measured plan to go back to). Then as
+    Rebalancer."""
 
     replanned = False
 
@@ -229,8 +230,8 @@ class FirstSteps(Rebalancer):
         self.replanned = True
         t, f = est
         new = list(balanced_shares(plan.global_batch, t, f))
-        if new == list(plan.shares):
-            return None
+        if step_time(list(plan.shares), t, f) / step_time(new, t, f) - 1 <= self.threshold:
+            return None           # the catalog's guess was as good (within the threshold)
         timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample" for d in plan.devices)
         return self._move(plan, new, t, step, f"re-planned from the first {self.min_samples} steps (the model "
                                               f"was not measured before training): {timings}")
