@@ -77,6 +77,7 @@ def train(fabric, model, optimizer, loader, test_loader, clips):
 
 def worker(rank, world, plan):
     from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain.errors import UsageError
     from hetrain.integrations.lightning import Fabric, HetrainStrategy
 
     fabric = Fabric(strategy=HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
@@ -91,6 +92,11 @@ def worker(rank, world, plan):
     whole = fabric.setup_dataloaders(DataLoader(Points(TEST_N, seed=4), batch_size=TEST_BATCH),
                                      use_distributed_sampler=False)
     out["whole_len"] = len(whole)
+    try:                  # ranks run their own numbers of evaluation batches: a collective there would hang
+        for _ in test_loader:
+            fabric.barrier()
+    except UsageError as e:
+        out["inside_eval"] = (e.what, e.fix)
     fabric.strategy.close()
     return out
 
@@ -128,3 +134,5 @@ def test_clip_gradients_and_the_split_evaluation_equal_stock_fabric_in_one_proce
     assert [r0["seen"], r1["seen"]] == [[25] * EPOCHS, [12] * EPOCHS]
     assert (r0["test_len"], r1["test_len"]) == (5, 3)
     assert r0["whole_len"] == r1["whole_len"] == 8      # use_distributed_sampler=False: not split
+    what, fix = r0["inside_eval"]
+    assert "fabric.barrier inside a pass over an evaluation loader" in what and "after the evaluation loop" in fix
