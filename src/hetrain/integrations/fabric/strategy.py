@@ -91,7 +91,8 @@ class HetrainStrategy(ParallelStrategy):
     DataParallel the strategy runs: DataParallel(sharding=...)), but
     `global_batch` may be left out: the training DataLoader's batch_size x devices then
     (fabric/setup.py). `forward(model, batch)` is how hetrain calls the model when it measures
-    it before training (default: model(**batch) for dicts, model(x) for (x, y)).
+    it before training (default: model(**batch) for dicts, model(x) for (x, y)); a model it
+    cannot call so is planned from the loop's first steps instead (runtime/measure/model_call.py).
     """
 
     def __init__(self, *, global_batch: int | None = None, plan=None, forward=default_forward, **config: Any):
