@@ -1,4 +1,4 @@
-"""Lightning Fabric across mixed devices: a stock Fabric loop, with only the strategy changed.
+"""Lightning Fabric across mixed devices: a stock Fabric loop, with only the import of Fabric changed.
 
     hetrain run --emulate a100-80g,rtx3090 examples/fabric_train.py     # no GPU: an emulated pair
     hetrain run examples/fabric_train.py                                 # one process per GPU
@@ -15,16 +15,14 @@ OOM in a forward cannot be redone by this loop (every rank stops with one error)
 
 import torch
 import torch.nn.functional as F
-from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from hetrain import Memory
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
-from hetrain.integrations.lightning import HetrainStrategy
+from hetrain.integrations.lightning import Fabric, HetrainStrategy     # the changed line
 
-fabric = Fabric(strategy=HetrainStrategy(grad_clip=1.0, memory=Memory(max_micro_batch=8)))
-fabric.launch()                                   # joins the job `hetrain run` started; reads --emulate
+fabric = Fabric(strategy=HetrainStrategy(memory=Memory(max_micro_batch=8)))   # joins the job: no launch()
 
 model = GPT(GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -33,7 +31,8 @@ model, optimizer = fabric.setup(model, optimizer)
 text_train, text_val = split(pydoc_bytes())
 train_windows = torch.utils.data.Subset(ByteWindows(text_train, seq_len=64), range(32 * 15))   # 15 steps an epoch
 loader = fabric.setup_dataloaders(DataLoader(train_windows, batch_size=16, shuffle=True))
-val_loader = fabric.setup_dataloaders(DataLoader(ByteWindows(text_val, seq_len=64), batch_size=64))
+val_windows = torch.utils.data.Subset(ByteWindows(text_val, seq_len=64), range(256))
+val_loader = fabric.setup_dataloaders(DataLoader(val_windows, batch_size=64))       # split across the ranks
 
 
 def loss_of(batch):
@@ -45,15 +44,18 @@ for epoch in range(2):
     for batch in loader:                  # this rank's micro-batches of each global step
         optimizer.zero_grad()             # a no-op inside the step: the micro-batches accumulate
         fabric.backward(loss_of(batch))   # weighted by the micro-batch's size
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)   # clips the step's final gradient, in the step
         step = optimizer.step()           # None until this rank's last micro-batch; then the global step
         if step is not None and step.index % 5 == 4:
             fabric.print(f"epoch {epoch}  step {step.index + 1:2d}  loss {step.loss:.4f}")
 
-# Evaluation loaders are Fabric's as usual: every rank sees all of it, so no collective is needed.
+# An evaluation loader is split across the ranks by the plan's shares (each sample once): sum on
+# each rank, then gather, as stock Fabric scripts do.
 model.eval()
 with torch.no_grad():
-    val = torch.stack([loss_of(batch) for batch, _ in zip(val_loader, range(4))]).mean()
-fabric.print(f"validation loss {val.item():.4f} on {4 * 64} windows")
+    total = sum((loss_of(batch) * len(batch[0]) for batch in val_loader), torch.zeros(()))
+val = fabric.all_gather(total).sum() / len(val_loader.dataset)
+fabric.print(f"validation loss {val.item():.4f} on {len(val_loader.dataset)} windows")
 
 fabric.strategy.engine.summary()          # every device's busy time, memory and share, side by side
 fabric.strategy.close()

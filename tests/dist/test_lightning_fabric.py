@@ -202,7 +202,9 @@ def test_fabric_settings_that_conflict_with_hetrain_are_one_usage_error_naming_t
         what, fix = bad["batch_size"]      # 4 x 2 devices is not the global batch of 16
         assert "HetrainStrategy(global_batch=16)" in what and "batch_size=4 on 2 devices is 8" in what
         assert "DataLoader(batch_size=8)" in fix
-        assert "HetrainStrategy(grad_clip=1.0)" in bad["clip_gradients"][1]
+        what, fix = bad["clip_gradients"]       # between steps: no step's gradient to clip
+        assert "fabric.clip_gradients(max_norm=...) outside a step" in what
+        assert "between fabric.backward(loss) and optimizer.step()" in fix
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -91,7 +91,9 @@ LAYERS = (
 RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience",
            "job", "loop", "parallel", "measure", "layouts", "setup", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
-PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)"}
+PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
+                   "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "
+                                                      "as it rebuilds one for its DistributedSampler"}
 
 
 def _module(path: Path) -> str:

@@ -75,6 +75,8 @@ class Job:
     sampler: GlobalCursorSampler | None = None
     total_steps: int = 0
     checkpointer: Checkpointer | None = None  # with checkpoint_dir
+    unmeasured: str | None = None            # why hetrain could not call the model (measure/model_call.py)
+    unmeasured_facts: list | None = None     # every rank's (error, catalog speed, label, precision) from that probe
     plan: Plan | None = None
     layout: DataLayout | None = None         # layouts/: how this rank runs a step (data, tensor, pipelined)
     profiles: tuple[DeviceProfile, ...] | None = None   # every rank's, when this job measured them

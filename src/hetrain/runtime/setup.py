@@ -31,6 +31,7 @@ from .loop.workers import MicroBatchReader
 from .loop.sampler import GlobalCursorSampler
 from .loop.stream import is_stream, open_stream
 from .measure.joint import show_plan
+from .measure.model_call import probe as probe_model_call
 from .resilience import resume as persist
 from .resilience.store import Checkpointer
 
@@ -42,6 +43,12 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     spec, given_plan = choose.resolve(parallel, given_plan, world_size=job.world_size)
     open_data(job, dataset, collate_fn)
     job.precision.agree(rank=job.rank, world_size=job.world_size, device=job.device, log=job.log)  # (collective)
+    # Can hetrain call the model itself? If not, data parallelism plans from the user's first steps,
+    # and 'auto' (whose ranking measures the model) is DataParallel(). Pipelines and TP place the
+    # model themselves (never whole on one device) and call it through loss_fn.         (collective)
+    if spec == "auto" or isinstance(spec, DataParallel):
+        if probe_model_call(job, model, forward) is not None:
+            spec = DataParallel() if spec == "auto" else spec
     # 'auto': every layout ranked on this job's measurements, as `hetrain plan` ranks them      (collective)
     spec, measured = choose.decide(job, spec, model, optimizer, forward, loss_fn)
     layout = setup_for(spec, loss_fn, world_size=job.world_size)   # the layout's own check, plan and build

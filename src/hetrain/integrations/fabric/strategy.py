@@ -27,22 +27,21 @@ strategy implements Fabric's Strategy API on top of the Engine instead of overri
 
 What Fabric gives up under it (each refused with the fix, never silently changed): its launcher
 (`fabric run`, spawn), its precision plugins (hetrain picks each device's precision:
-HetrainStrategy(precision=...)), its DistributedSampler (hetrain splits the global batch),
-fabric.clip_gradients (HetrainStrategy(grad_clip=...)), several models or optimizers, and
-pipelines. Fabric's
-no_backward_sync warns and does nothing, as for any strategy without sync control: hetrain already
-syncs once per step.
+HetrainStrategy(precision=...)), its DistributedSampler on the training data (hetrain splits the
+global batch; evaluation loaders are split by the plan: fabric/evaluation.py), several models or
+optimizers, and pipelines. fabric.clip_gradients clips the step's final gradient, in the step
+(fabric/clipping.py). Fabric's no_backward_sync warns and does nothing, as for any strategy
+without sync control: hetrain already syncs once per step.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins import Precision
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
@@ -53,13 +52,16 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from ...errors import UsageError
-from ...runtime.config import Config, integration_layout, make_config
+from ...runtime.config import integration_layout, make_config
 from ...runtime.engine import Engine, init
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
+from .clipping import Clipping, Request
 from .data import LoaderStep, StepLoader, training_data
+from .evaluation import evaluation_loader, refuse_sharded
 from .loop import PlainLoop
 from .setup import Pieces, global_batch
+from .world import check_device, check_world, emulates
 
 # Set on the DataLoader, which Fabric users already do; two places to say it would be two answers.
 FROM_THE_LOADER = ("shuffle", "drop_last")
@@ -89,7 +91,8 @@ class HetrainStrategy(ParallelStrategy):
     DataParallel the strategy runs: DataParallel(sharding=...)), but
     `global_batch` may be left out: the training DataLoader's batch_size x devices then
     (fabric/setup.py). `forward(model, batch)` is how hetrain calls the model when it measures
-    it before training (default: model(**batch) for dicts, model(x) for (x, y)).
+    it before training (default: model(**batch) for dicts, model(x) for (x, y)); a model it
+    cannot call so is planned from the loop's first steps instead (runtime/measure/model_call.py).
     """
 
     def __init__(self, *, global_batch: int | None = None, plan=None, forward=default_forward, **config: Any):
@@ -103,6 +106,9 @@ class HetrainStrategy(ParallelStrategy):
         self.engine: Engine | None = None        # hetrain's job, joined by fabric.launch()
         self.pieces = Pieces(self)               # the model, optimizer and data handed over; hetrain's Steps
         self.plain = PlainLoop(self)             # Fabric's own loop over hetrain's steps
+        self.clipping = Clipping(self)           # fabric.clip_gradients, applied in the step
+        self.split_next = False                  # the loader being set up asked for Fabric's sampler
+        self.evaluating = 0                      # evaluation passes in progress (their batches differ by rank)
         self._num_nodes = 1                      # Fabric(num_nodes=...), set by Fabric's connector
 
     def job_config(self) -> dict:
@@ -175,7 +181,10 @@ class HetrainStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> None:
-        """None: Fabric adds no DistributedSampler; hetrain samples every rank's uneven share."""
+        """None: Fabric adds no DistributedSampler; hetrain samples every rank's uneven share. Fabric
+        reads this for a loader set up with use_distributed_sampler=True (its default) only: that
+        loader, when it is not the training data, is split here (process_dataloader)."""
+        self.split_next = True
         return None
 
     # -- ranks and device: the job's --------------------------------------------------------------
@@ -216,56 +225,26 @@ class HetrainStrategy(ParallelStrategy):
         engine = init(plan=self.given_plan, **self.job_config())                # (collective)
         with ExitStack() as undo:
             undo.push(engine)     # a setting refused below: release the job without a barrier, as on any error
-            self.check_device(engine)
+            check_device(self, engine)
             undo.pop_all()
         self.engine = engine
         rank_zero_only.rank = utils_rank_zero_only.rank = engine.rank     # Fabric's rank-zero printing
         super().setup_environment()                                        # the accelerator readies the device
 
     def check_world(self) -> None:
-        """Fabric's accelerator, devices and num_nodes against what the launcher started, before
-        joining: a refused setting leaves no job behind."""
-        emulated = Config(**self.job_config()).with_launch_file().emulation.cluster
-        if emulated and not isinstance(self.accelerator, CPUAccelerator):
-            raise UsageError(f"Fabric chose {type(self.accelerator).__name__}, but this job emulates its devices on "
-                             "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
-        devices, nodes = len(self.parallel_devices or ()), self.num_nodes
-        if isinstance(self.accelerator, CPUAccelerator) and devices == 1 and nodes == 1:
-            return        # Fabric's CPU default ('auto' is one device): emulated ranks, one per process
-        world = env_rank()[1]
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        job_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-        if devices != local or nodes != job_nodes:
-            raise UsageError(
-                f"Fabric(devices={devices}, num_nodes={nodes}) but the job has {local} process(es) on this node and "
-                f"{job_nodes} node(s) ({world} in all), as `hetrain run` / torchrun started them",
-                f"pass Fabric(devices={local}, num_nodes={job_nodes}), or leave both at their defaults and launch one "
-                "process per device with `hetrain run`")
+        check_world(self)
 
-    def check_device(self, engine: Engine) -> None:
-        """Fabric's accelerator and this rank's device against the one hetrain runs it on."""
-        device = engine.device
-        wanted = CUDAAccelerator if device.type == "cuda" else CPUAccelerator
-        if not isinstance(self.accelerator, wanted):
-            what = "an emulated device" if engine.emulated is not None else str(device)
-            raise UsageError(
-                f"Fabric's accelerator is {type(self.accelerator).__name__}, but hetrain runs rank {engine.rank} on "
-                f"{what} ({device})",
-                "pass Fabric(accelerator='cpu') for emulated devices" if device.type == "cpu"
-                else "pass Fabric(accelerator='cuda'), or leave it at 'auto'")
-        if device.type == "cuda":    # check_world saw one Fabric device per local process
-            fabric_device = self.parallel_devices[engine.ctx.local_rank]
-            if fabric_device != device:
-                raise UsageError(f"Fabric's devices put local rank {engine.ctx.local_rank} on {fabric_device}, "
-                                 f"hetrain on {device} (one process per visible GPU, in order)",
-                                 "choose the GPUs with CUDA_VISIBLE_DEVICES and leave Fabric's devices at 'auto'")
+    def emulates(self) -> bool:
+        return emulates(self)
 
     # -- setup, in any order: hetrain's prepare() once the model, optimizer and data are in ----------
     def process_dataloader(self, dataloader):
-        """The first DataLoader set up is the training data (hetrain's steps); later ones
-        (evaluation) are returned as they are: every rank iterates all of each."""
+        """The first DataLoader set up is the training data (hetrain's steps); later ones are
+        evaluation loaders, split by the plan's shares (fabric/evaluation.py) unless set up with
+        use_distributed_sampler=False."""
+        split, self.split_next = self.split_next, False
         if self.pieces.data is not None:
-            return dataloader
+            return evaluation_loader(self, dataloader) if split else dataloader
         data = training_data(dataloader)
         self.pieces.take_data(data)
         return StepLoader(self, data)
@@ -311,19 +290,41 @@ class HetrainStrategy(ParallelStrategy):
         return self.joined().step()
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        raise UsageError("fabric.clip_gradients under HetrainStrategy: before optimizer.step() the gradient is not "
-                         "final yet (hetrain unscales and corrects it in the step)",
-                         f"pass HetrainStrategy(grad_clip={max_norm}): hetrain clips the global norm in the step")
+        """Clips the step's final gradient, in the step (fabric/clipping.py); the tensor returned
+        holds its total norm once optimizer.step() has taken the step."""
+        return self.clipping.ask(Request(max_norm=float(max_norm), norm_type=float(norm_type),
+                                         error_if_nonfinite=error_if_nonfinite))
 
     def clip_gradients_value(self, module, optimizer, clip_val):
-        raise UsageError("fabric.clip_gradients(clip_val=...) under HetrainStrategy: hetrain clips by norm, in the "
-                         "step", "pass HetrainStrategy(grad_clip=MAX_NORM) instead")
+        self.clipping.ask(Request(clip_val=float(clip_val)))
+
+    # -- evaluation: each rank its part of the batches (fabric/evaluation.py) -----------------------
+    def evaluation_shares(self) -> list[int]:
+        """How an evaluation loader is split: the plan's shares, evenly before there is a plan."""
+        engine = self.engine
+        plan = engine.job.plan if engine is not None and self.pieces.steps is not None else None
+        if plan is not None:
+            refuse_sharded(self.pieces.module)
+        return list(plan.shares) if plan is not None else [1] * self.world_size
+
+    @contextmanager
+    def evaluation_pass(self):
+        self.evaluating += 1
+        try:
+            yield
+        finally:
+            self.evaluating -= 1
 
     # -- Fabric's collectives, on the job's process group ----------------------------------------
     def check_collective(self, name: str) -> None:
         """Inside a global step of Fabric's own loop ranks are at different batches (their shares
         differ), so a collective there would wait on a peer that never calls it: refused, with
         the place where every rank meets."""
+        if self.evaluating and self.world_size > 1:
+            raise UsageError(f"fabric.{name} inside a pass over an evaluation loader: under HetrainStrategy each rank "
+                             "evaluates its own part of the batches, in its own number of batches, so its peers "
+                             f"would not call it with it", f"call fabric.{name} after the evaluation loop (sum "
+                             "there, then gather), or set the loader up with use_distributed_sampler=False")
         if self.plain.active and self.world_size > 1:
             raise UsageError(f"fabric.{name} inside a global step of Fabric's own loop under HetrainStrategy: each "
                              "rank runs its own number of batches a step, so its peers would not call it with it",

@@ -36,6 +36,11 @@ class FabricModel(nn.Module):
         prepared = strategy.engine.job.model if strategy.engine is not None else None
         if prepared is None:
             return self.module(*args, **kwargs)
+        if not strategy.in_step():
+            # Evaluation, between steps: ranks run different numbers of batches there
+            # (fabric/evaluation.py), and DDP's forward may run collectives of its own (buffers
+            # broadcast, its buckets' rebuild). The user's module holds the same parameters.
+            return prepared.module(*args, **kwargs)
         strategy.plain.forwards += 1
         try:
             return prepared(*args, **kwargs)

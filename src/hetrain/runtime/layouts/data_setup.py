@@ -22,13 +22,14 @@ from ..devices.link import throttle_for
 from ..loop import flops
 from ..measure.joint import check_given_plan, measure_job
 from ..measure.measurements import plan_from_measurements
+from ..measure.model_call import unmeasured_plan
 from ..memory import activation_checkpointing as checkpointing
 from ..memory import device_memory as memory
 from ..memory import offload
 from ..model import PreparedModel
 from ..resilience import oom as recovery
 from ..resilience import resume as persist
-from ..resilience.rebalance import Rebalancer
+from ..resilience.rebalance import FirstSteps, Rebalancer
 from ..sharding import comm_hooks
 from .checks import check_request
 from .data import DataLayout
@@ -80,7 +81,7 @@ class DataSetup:
                                                                       strategy=self.spec.sharding)
         self.install(job, model, optimizer, wrapped, self.loop_class(self.loss_fn), oom_recovery=oom_recovery,
                      settle=True)
-        job.rebalancer = make_rebalancer(job.config, job.world_size)
+        job.rebalancer = make_rebalancer(job.config, job.world_size, unmeasured=job.unmeasured is not None)
 
     def install(self, job, model, optimizer, wrapped, loop, *, oom_recovery: bool, settle: bool) -> None:
         """The wrapped model, its optimizer, sync and guard into the job, and the layout's loop
@@ -197,6 +198,9 @@ def plan_split(job, model, optimizer, forward, given: Plan | None, spec, *, meas
     and the profiles it was made from. `blocked_by`: what keeps gradient compression off."""
     if given is not None:
         return check_given_plan(job, given, layout=spec), None
+    if measured is None and job.unmeasured is not None:    # hetrain could not call the model
+        job.log.info(f"{job.unmeasured}: planned from the catalog, then from the device times of the first steps")
+        return unmeasured_plan(job), None
     if measured is None:
         measured = measure_job(job, model, optimizer, forward)
     return plan_from_measurements(measured, job.config, blocked_by=blocked_by)
@@ -225,7 +229,9 @@ def make_sync_guard(job, wrapped):
     return recovery.install(wrapped.sync, gradient, guard=guard)
 
 
-def make_rebalancer(cfg, world_size: int) -> Rebalancer | None:
+def make_rebalancer(cfg, world_size: int, *, unmeasured: bool = False) -> Rebalancer | None:
+    """The online rebalancer; over a plan that was not measured (measure/model_call.py), one that
+    re-plans from the first steps' device times at once."""
     if not (cfg.rebalancing.enabled and world_size > 1):
         return None
-    return Rebalancer(world_size=world_size, threshold=cfg.rebalancing.threshold, micro_batch_cap=cfg.memory.max_micro_batch)
+    return (FirstSteps if unmeasured else Rebalancer)(world_size=world_size, threshold=cfg.rebalancing.threshold, micro_batch_cap=cfg.memory.max_micro_batch)

@@ -57,6 +57,7 @@ class StepLoop:
         self.checkpoint_due = False
         self.on_step = None            # called with (step, table, elapsed) once a step is done
         self.stop_signals = None       # every rank's stop signal, once a stop was agreed (preempt.py)
+        self.clip_hook = None          # an integration's clip, (job, step), on the final gradient (fabric.clip_gradients)
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self) -> Step:
@@ -184,6 +185,8 @@ class StepLoop:
                 global_batch=cfg.global_batch, total_units=total_units))
         if cfg.grad_clip is not None:
             job.layout.clip(job, cfg.grad_clip)
+        if self.clip_hook is not None:
+            self.clip_hook(job, step)
         with job.hooks.optimizer():
             stepped = job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
         opt.zero_grad(set_to_none=True)

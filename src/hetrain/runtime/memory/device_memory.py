@@ -201,7 +201,7 @@ def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None
     counts = parameter_counts(params)
     n_params, param_bytes = counts["n_params"], counts["param_bytes"]
     act = act_fixed = None
-    if job.emulated is not None or job.device.type == "cuda":
+    if (job.emulated is not None or job.device.type == "cuda") and job.unmeasured is None:
         act_fixed, act = measure_activations(
             job.load, model=model, forward=forward, device=job.device,
             autocast=lambda: job.precision.autocast(job.device.type),
@@ -216,6 +216,10 @@ def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None
     if meter is not None:
         meter.set_fixed(model, wrapped.optimizer)     # this rank's shards, now
     oom_recovery = cfg.memory.oom_recovery and wrapped.strategy != "capacity-full"  # off there: sharding/wrap.py
+    if wrapped.strategy == "fsdp" and oom_recovery and job.unmeasured is not None:
+        oom_recovery = False     # its guard learns a step's collectives by calling the model
+        wrapped.lines.append("  in-loop OOM recovery under FSDP2: off (hetrain could not call the model to learn "
+                             "a step's collectives)")
     if wrapped.strategy == "fsdp" and oom_recovery:
         # An OOM mid-step leaves collectives owed to the peers: learn one step's, to complete them
         # (runtime/sharding/fsdp_guard.py). Two samples: BatchNorm cannot train on one.

@@ -212,6 +212,38 @@ class Rebalancer:
             self._came_from = state.get("came_from")
 
 
+class FirstSteps(Rebalancer):
+    """Over a plan that was not measured (hetrain could not call the model before training:
+    runtime/measure/model_call.py), its shares are a guess from the catalog. The first proposal,
+    once every rank has `min_samples` steps of device times, is taken at once if it gains more
+    than the threshold: no streak and no trial (there is no measured plan to go back to). Then as
+    Rebalancer."""
+
+    replanned = False
+
+    def propose(self, plan: Plan, *, step: int) -> Decision | None:
+        if self.replanned:
+            return super().propose(plan, step=step)
+        est = self.estimates()
+        if est is None or plan.world_size != self.world_size:
+            return None
+        self.replanned = True
+        t, f = est
+        new = list(balanced_shares(plan.global_batch, t, f))
+        if step_time(list(plan.shares), t, f) / step_time(new, t, f) - 1 <= self.threshold:
+            return None           # the catalog's guess was as good (within the threshold)
+        timings = ", ".join(f"{d.device} {t[d.rank] * 1e3:.2f} ms/sample" for d in plan.devices)
+        return self._move(plan, new, t, step, f"re-planned from the first {self.min_samples} steps (the model "
+                                              f"was not measured before training): {timings}")
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "replanned": self.replanned}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.replanned = state.get("replanned", False)
+
+
 def _between(new: list[int], a: list[int], b: list[int]) -> bool:
     """Every device's new share within [a, b] (either order), give or take one sample of rounding."""
     return all(min(x, y) - 1 <= n <= max(x, y) + 1 for n, x, y in zip(new, a, b))
