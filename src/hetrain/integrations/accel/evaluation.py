@@ -66,6 +66,15 @@ class EvalLoader:
             acc.current_eval, self.padded, self.size = None, 0, 0
 
 
+def all_tensors(data) -> bool:
+    """Tensors, or dicts/lists/tuples of them (else gather_for_metrics gathers objects, as stock does)."""
+    if isinstance(data, Mapping):
+        return all(all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(all_tensors(v) for v in data)
+    return isinstance(data, torch.Tensor)
+
+
 def gather(data, *, padded: int, size: int, device):
     """Every rank's `data` concatenated along dim 0 in rank order (a collective); a rank's
     `padded` repeated samples dropped from a tensor whose first dimension is its batch (`size`)."""
