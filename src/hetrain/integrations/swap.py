@@ -123,7 +123,7 @@ def swap_trainer(module) -> None:
     swapped = type("Trainer", (Trainer,), {"__init__": __init__, "__module__": __name__, "__doc__": Trainer.__doc__})
     module.Accelerator = accelerate.accelerator.Accelerator
     module.Trainer = swapped
-    setattr(transformers, "Trainer", swapped)
+    transformers.Trainer = swapped
     say("transformers", "transformers.Trainer", "Trainer (and every Trainer subclass defined after it)")
 
 
