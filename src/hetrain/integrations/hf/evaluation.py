@@ -19,15 +19,13 @@ from torch.utils.data import DataLoader, Subset
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
+from ..accel.evaluation import split
+
 
 def batch_ranges(batches: int, shares: list[int]) -> list[range]:
-    """Contiguous runs of batch indices, one per rank, sized by the shares (largest remainder)."""
-    total = sum(shares)
-    exact = [batches * s / total for s in shares]
-    counts = [int(e) for e in exact]
-    for r in sorted(range(len(shares)), key=lambda r: counts[r] - exact[r])[:batches - sum(counts)]:
-        counts[r] += 1
-    starts = np.cumsum([0] + counts)
+    """Contiguous runs of batch indices, one per rank, sized by the shares (largest remainder:
+    the one split of an evaluation over uneven ranks, accel/evaluation.py's)."""
+    starts = np.cumsum([0] + split(batches, shares))
     return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
