@@ -15,6 +15,8 @@ downloaded), a 64-example alpaca-style dataset, and LLaMA-Factory's own SFT reci
 (integrations/swap.py) puts hetrain's Trainer under transformers' Seq2SeqTrainer before
 LLaMA-Factory defines its CustomSeq2SeqTrainer on it (overriding compute_loss), so the run is
 hetrain's loop with LLaMA-Factory's data, template, loss and callbacks, and nothing is edited.
+LLaMA-Factory's collator returns a tokenizer's BatchEncoding, which hetrain's planning must call as
+model(**batch) (its measurement of the model before training).
 """
 
 import json
