@@ -58,9 +58,9 @@ def _cuda_count() -> int:
 def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool = False,
                  emulate: str | None = None, nproc: int | None = None, max_restarts: int = 0,
                  config: dict | None = None, run_dir: str | None = None, rdzv: Rendezvous | None = None,
-                 node_name: str | None = None) -> Launch:
+                 node_name: str | None = None, swap: bool = False) -> Launch:
     """The torchrun argv and environment for running `target` (a script path, or a module).
-    `config`: what the command line sets, as Config's keywords with a dict per group (e.g.
+    `swap`: zero-change mode (integrations/swap.py). `config`: what the command line sets, as Config's keywords with a dict per group (e.g.
     {"checkpoints": {"dir": D}}); `emulate` joins it as {"emulation": {"cluster": ...}}. `rdzv`: this
     node's part of a multi-node job (launching/nodes.py), None for one node."""
     if not module and not Path(target).is_file():
@@ -150,6 +150,10 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         json.dump({"config": config, "defaults": defaults, "run_dir": run_dir,
                    "node": node}, f, indent=2)
     env[LAUNCH_ENV] = launch_file
+    if swap:       # the stock Trainer / TRL / Accelerate classes replaced by hetrain's in each worker
+        env["PYTHONPATH"] = _swap_path(run_dir)
+        reasons.append("zero-change mode: the workers import hetrain's Trainer, TRL trainers and Accelerator in place "
+                       "of the stock classes (--no-swap: the stock ones)")
 
     # After SIGTERM torchrun waits this long for the workers before SIGKILL: the workers' grace to
     # reach the step boundary (runtime/resilience/preempt.py), then time to write the checkpoint.
@@ -160,6 +164,17 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
                   lock=lock, hosts_rendezvous=rdzv is not None and rdzv.hosts_store)
+
+
+def _swap_path(run_dir: str) -> str:
+    """The workers' PYTHONPATH with a folder holding hetrain's sitecustomize.py first (integrations/swap.py)."""
+    from .integrations.swap import SITE, SITE_NAME
+
+    folder = os.path.join(run_dir, "swap")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, SITE_NAME), "w") as f:
+        f.write(SITE)
+    return os.pathsep.join([folder] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
 def _one_node(emulate: str, node_name: str | None) -> tuple[str, str | None]:

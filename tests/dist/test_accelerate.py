@@ -40,14 +40,15 @@ class Points(torch.utils.data.Dataset):
 
 def script(accelerator_cls, batch_size: int, out_dir: str, *, save_after=None, resume=False, **accel_kwargs):
     """An Accelerate training script, as written for stock Accelerate."""
+    accelerator = accelerator_cls(gradient_accumulation_steps=ACCUM, **accel_kwargs)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    total = EPOCHS * N // (STOCK_BATCH * ACCUM)
+    # stock steps a scheduler once per process per optimizer step (AcceleratedScheduler)
+    total = EPOCHS * N // (STOCK_BATCH * ACCUM) * accelerator.num_processes
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total)
     train = torch.utils.data.DataLoader(Points(N, 0), batch_size=batch_size, shuffle=False)
     evaluate = torch.utils.data.DataLoader(Points(EVAL_N, 1), batch_size=5)
-    accelerator = accelerator_cls(gradient_accumulation_steps=ACCUM, **accel_kwargs)
     model, optimizer, train, evaluate, scheduler = accelerator.prepare(model, optimizer, train, evaluate, scheduler)
     start = 0
     if resume:
@@ -81,9 +82,9 @@ def script(accelerator_cls, batch_size: int, out_dir: str, *, save_after=None, r
             "lr": scheduler.get_last_lr()[0]}
 
 
-def write_plan(path) -> str:
+def write_plan(path, micros=MICROS) -> str:
     devices = tuple(DevicePlan(rank=r, device=name, speed=speed, share=s, micro_batch=m)
-                    for r, (name, speed, s, m) in enumerate(zip(("a100-80g", "rtx3090"), (1.0, 0.67), SHARES, MICROS)))
+                    for r, (name, speed, s, m) in enumerate(zip(("a100-80g", "rtx3090"), (1.0, 0.67), SHARES, micros)))
     path.write_text(Plan(global_batch=sum(SHARES), devices=devices).to_json())
     return str(path)
 
@@ -142,6 +143,68 @@ def test_save_state_then_load_state_resumes_exactly(runs):
         assert r["syncs"] == 4                          # the second epoch only
         assert max_diff(r["params"], whole["params"]) == 0.0
         assert r["lr"] == whole["lr"]                   # the scheduler's state came back with the job's
+
+
+def manual_script(accelerator_cls, batch_size: int, **accel_kwargs):
+    """Accelerate's nlp_example.py loop with a batch over its maximum: the Accelerator accumulates
+    nothing, the script divides the loss by 2 and steps the optimizer every other batch."""
+    accelerator = accelerator_cls(**accel_kwargs)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    train = torch.utils.data.DataLoader(Points(N, 0), batch_size=batch_size, shuffle=False, drop_last=True)
+    total = len(train) * EPOCHS // 2
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / (total * 2))
+    model, optimizer, train, scheduler = accelerator.prepare(model, optimizer, train, scheduler)
+    stepped = 0
+    for _ in range(EPOCHS):
+        for step, (x, y) in enumerate(train):
+            accelerator.backward(F.mse_loss(model(x), y) / 2)
+            if step % 2 == 0:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                stepped += 1
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    accelerator.end_training()
+    return {"params": params, "stepped": stepped, "lr": scheduler.get_last_lr()[0]}
+
+
+def manual_worker(rank, world, plan):
+    from hetrain.errors import UsageError
+    from hetrain.integrations.accelerate import Accelerator
+
+    try:
+        return manual_script(Accelerator, STOCK_BATCH * ACCUM // world, hetrain={
+            "plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
+            "emulation": {"cluster": "a100-80g,rtx3090"}})
+    except UsageError as e:
+        return str(e)
+
+
+def test_a_scripts_own_accumulation_on_uneven_shares_equals_one_process(tmp_path):
+    """nlp_example.py's manual accumulation: 16 samples a batch (10 and 6 on the two ranks), the
+    optimizer stepped after batches 0, 2 of each epoch of 4: what one stock process does."""
+    import accelerate
+
+    stock = manual_script(accelerate.Accelerator, STOCK_BATCH * ACCUM, cpu=True)
+    assert stock["stepped"] == 4
+    for r in run_ranks(manual_worker, 2, write_plan(tmp_path / "plan.json", micros=SHARES), timeout=180):
+        assert isinstance(r, dict), r
+        assert r["stepped"] == 4
+        assert max_diff(r["params"], stock["params"]) <= 1e-12
+        assert r["lr"] == pytest.approx(stock["lr"])    # twice the scheduler steps over twice the batches
+    # The tolerance sees another batching of the same loop (8 samples a batch, one process).
+    every = manual_script(accelerate.Accelerator, STOCK_BATCH * ACCUM // 2, cpu=True)
+    assert max_diff(every["params"], stock["params"]) > 1e-3
+
+
+def test_a_scripts_own_accumulation_over_several_micro_batches_a_rank_is_one_line_naming_the_fix(tmp_path):
+    # rank 0 runs its 10 samples as 5 + 5: its batches 1, 3, ... end the steps, rank 1's 0, 1, 2, ...
+    said = run_ranks(manual_worker, 2, write_plan(tmp_path / "plan.json", micros=(5, 6)), timeout=180)
+    assert said[0] == said[1]
+    assert "called optimizer.step() after their last batch" in said[0] and "accumulate(model)" in said[0]
+    assert "\n" not in said[0]
 
 
 def failing_worker(rank, world, plan, caught):

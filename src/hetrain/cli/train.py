@@ -66,6 +66,9 @@ def run(
                                     "makes it pay), none, fp16, bf16 (NCCL), powersgd (an approximation)"),
     emulate_link_gbs: Optional[float] = typer.Option(
         None, "--emulate-link-gbs", help="emulated devices on several nodes: the inter-node link's GB/s"),
+    no_swap: bool = typer.Option(
+        False, "--no-swap", help="run the script's own transformers/TRL Trainer and accelerate.Accelerator classes "
+                                 "(by default hetrain's replace them in the workers: a stock script needs no edit)"),
     slurm: bool = typer.Option(False, "--slurm", help="take --nnodes, --node-rank, --rdzv-endpoint and --rdzv-id "
                                                      "from Slurm's variables (one `hetrain run` per node under srun)"),
 ) -> None:
@@ -100,7 +103,7 @@ def run(
                       timeout_s=rdzv_timeout, last_call_s=rdzv_last_call)
     launch = build_launch(target=script, target_args=tuple(ctx.args), module=module, emulate=emulate,
                           nproc=nproc, max_restarts=max_restarts, run_dir=run_dir, rdzv=rdzv, node_name=node_name,
-                          config={"checkpoints": {"dir": checkpoint_dir},
+                          swap=not no_swap, config={"checkpoints": {"dir": checkpoint_dir},
                                   "reporting": {"metrics_dir": metrics_dir, "status_every": status_every,
                                                 "details": True if verbose else None},
                                   "allow_fallback": allow_fallback or None, "precision": precision,
@@ -112,7 +115,7 @@ def run(
 
 # The launcher's reasons that only explain the emulation's own set-up (`--verbose` prints them):
 # the plan's precision column says what an emulated device computes in.
-_EMULATION_INTERNALS = ("OMP_NUM_THREADS=", "host CPU: ")
+_EMULATION_INTERNALS = ("OMP_NUM_THREADS=", "host CPU: ", "zero-change mode: ")
 
 
 def describe(launch, verbose: bool) -> str:

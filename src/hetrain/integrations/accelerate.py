@@ -16,11 +16,13 @@
             preds = accelerator.gather_for_metrics(model(**batch).logits)   # each sample once, in order
     accelerator.save_state("ckpt")                   # hetrain's exact checkpoint; load_state("ckpt") resumes
 
-Launch with `hetrain run [--emulate a100-80g,rtx3090] train.py`. The global batch is stock's on
-this many equal GPUs, batch_size x gradient_accumulation_steps x processes, split unevenly
-(accel/accelerator.py); how the loop maps onto hetrain's steps is in accel/loop.py, evaluation in
-accel/evaluation.py. Accelerate's plugins (DeepSpeed, FSDP, Megatron), trackers and other verbs
-are refused in one line naming the fix.
+Launch with `hetrain run [--emulate a100-80g,rtx3090] train.py` (which swaps the class in for an
+unedited script too: integrations/swap.py). It is a subclass of accelerate.Accelerator: every
+attribute of the stock class is there, and only what decides the split and the gradient sync is
+hetrain's (accel/accelerator.py). The global batch is stock's on this many equal GPUs,
+batch_size x gradient_accumulation_steps x processes, split unevenly; how the loop maps onto
+hetrain's steps is in accel/loop.py, evaluation in accel/evaluation.py. Accelerate's own
+distribution engines (DeepSpeed, FSDP, Megatron plugins) are refused in one line naming the fix.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from . import require
 
 require("accelerate", extra="hf", feature="hetrain.integrations.accelerate")
 
-# After the check: the refusal of Accelerate's other verbs names them from accelerate.Accelerator.
+# After the check: the class is accelerate.Accelerator's subclass.
 from .accel.accelerator import Accelerator
 
 __all__ = ["Accelerator"]

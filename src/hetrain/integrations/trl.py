@@ -23,9 +23,16 @@ require("transformers", extra="hf", feature="hetrain.integrations.trl")
 trl = require("trl", extra="hf", feature="hetrain.integrations.trl")
 
 # After the checks: these import transformers and TRL, whose absence would otherwise be a bare ImportError.
+from .hf.trainer import Trainer
 from .trl_parts.trainers import TrlLoop, hetrain_trainer
 
-SFTTrainer = hetrain_trainer(trl.SFTTrainer)
-DPOTrainer = hetrain_trainer(trl.DPOTrainer)
+
+def _hetrains(cls: type) -> type:
+    """Under `hetrain run`'s class swap (integrations/swap.py) TRL's class is hetrain's already."""
+    return cls if issubclass(cls, Trainer) else hetrain_trainer(cls)
+
+
+SFTTrainer = _hetrains(trl.SFTTrainer)
+DPOTrainer = _hetrains(trl.DPOTrainer)
 
 __all__ = ["DPOTrainer", "SFTTrainer", "TrlLoop", "hetrain_trainer"]

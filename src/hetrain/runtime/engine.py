@@ -170,10 +170,11 @@ class Engine:
         averaged over."""
         self._loop.backward(loss, tokens)
 
-    def step(self) -> Step:
+    def step(self, *, optimizer_step: bool = True) -> Step:
         """Finish the step: optimizer step (or the skip every rank agreed on), then rebalancing
-        and checkpoints when due. Returns the step, with its global loss."""
-        return self._loop.finish()
+        and checkpoints when due. Returns the step, with its global loss. optimizer_step=False
+        (the same on every rank): the step's gradient stays, added to by the next (accumulation)."""
+        return self._loop.finish(optimizer_step=optimizer_step)
 
     # -- the end ------------------------------------------------------------------------------
     def summary(self) -> dict:

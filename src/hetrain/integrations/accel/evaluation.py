@@ -18,16 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
-
-
-def split(total: int, weights) -> list[int]:
-    """`total` in proportion to `weights` (largest remainders; sums to total exactly)."""
-    w = [float(x) for x in weights]
-    raw = [total * x / sum(w) for x in w]
-    sizes = [math.floor(r) for r in raw]
-    for i in sorted(range(len(w)), key=lambda i: raw[i] - sizes[i], reverse=True)[:total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
+from ..evaluation import split
 
 
 class EvalLoader:
@@ -64,6 +55,15 @@ class EvalLoader:
                 yield acc.to_device(collate([data[i] for i in indices]))
         finally:
             acc.current_eval, self.padded, self.size = None, 0, 0
+
+
+def all_tensors(data) -> bool:
+    """Tensors, or dicts/lists/tuples of them (else gather_for_metrics gathers objects, as stock does)."""
+    if isinstance(data, Mapping):
+        return all(all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(all_tensors(v) for v in data)
+    return isinstance(data, torch.Tensor)
 
 
 def gather(data, *, padded: int, size: int, device):

@@ -141,7 +141,8 @@ def job_config(args, *, world_size: int, dataset_len: int | None, hetrain: dict)
         config["max_steps"] = args.max_steps
     else:
         config["epochs"] = float(args.num_train_epochs)
-    if args.activation_checkpointing or args.gradient_checkpointing:
+    # (activation_checkpointing: a TrainingArguments field from transformers 5.7 on)
+    if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
         config["memory"] = {"activation_checkpointing": "all"}
     save = _value(args.save_strategy)
     if save != "no":

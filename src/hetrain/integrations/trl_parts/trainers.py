@@ -84,6 +84,13 @@ def refuse_class(trainer_cls: type) -> None:
                          "ht.prepare, or hetrain.integrations.accelerate.Accelerator")
     if issubclass(trainer_cls, Trainer):
         raise UsageError(f"hetrain_trainer({name}): it is hetrain's Trainer already", f"use {name} as it is")
+    refuse_loop_overrides(trainer_cls)
+
+
+def refuse_loop_overrides(trainer_cls: type) -> None:
+    """What a Trainer subclass defines that hetrain's loop would silently bypass (its own batches,
+    KTO's pairing, its own training_step): one UsageError each."""
+    name = trainer_cls.__name__
     below = [c for c in trainer_cls.__mro__ if c is not transformers.Trainer and issubclass(c, transformers.Trainer)]
     own = [(c.__name__, m) for c in below for m in OWN_BATCHES if m in vars(c)]
     if own:
@@ -100,6 +107,17 @@ def refuse_class(trainer_cls: type) -> None:
         raise UsageError(f"hetrain_trainer({name}): {stepped[0]} overrides training_step, which hetrain's loop "
                          "never calls (it calls compute_loss for each micro-batch, then one agreed step)",
                          "move that per-batch work into compute_loss")
+
+
+class TrlSwap(TrlLoop):
+    """TrlLoop over a TRL class that already stands on hetrain's Trainer (`hetrain run`'s class swap,
+    integrations/swap.py): TRL's constructor does not take hetrain=, so it is set after."""
+
+    def __init__(self, *args, hetrain: dict | None = None, **kwargs):
+        super(TrlLoop, self).__init__(*args, **kwargs)
+        self.hetrain.update(hetrain or {})
+        refuse_arguments(type(self).__name__, self.args)
+        self.hetrain.setdefault("loss_weighting", "tokens" if self.normalised_by_tokens() else "samples")
 
 
 def refuse_arguments(trainer: str, args) -> None:

@@ -169,28 +169,34 @@ class StepLoop:
             state.loss_sum += loss.detach().double() * units
 
     # -- the end of the step --------------------------------------------------------------------
-    def finish(self) -> Step:
+    def finish(self, *, optimizer_step: bool = True) -> Step:
         """Token correction, clip, optimizer step (or the agreed skip), zero gradients; then
-        rebalance, log samples and mark a checkpoint due."""
+        rebalance, log samples and mark a checkpoint due. optimizer_step=False (agreed by every
+        rank): the gradient is kept for the next step to add to (a script's own accumulation)."""
         job, state = self.job, self.state
         if state is None or state.table is None:
             raise UsageError("ht.step() called before the step's micro-batches all ran",
                              "run `for mb in step: ...` to the end, then call ht.step()")
         step, table, cfg, opt = state.step, state.table, job.config, job.optimizer
-        job.hooks.fixed_start()                # the optimizer's part, on the device's clock
-        job.precision.unscale_(opt)            # unscale; found-inf agreed by all ranks
         total_units = table.sum("units")
-        if cfg.loss_weighting == "tokens":
-            reduce.scale_gradients(job.model.parameters(), reduce.token_correction(
-                global_batch=cfg.global_batch, total_units=total_units))
-        if cfg.grad_clip is not None:
-            job.layout.clip(job, cfg.grad_clip)
-        if self.clip_hook is not None:
-            self.clip_hook(job, step)
-        with job.hooks.optimizer():
-            stepped = job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
-        opt.zero_grad(set_to_none=True)
-        job.hooks.after_optimizer(job.layout.held(job), opt)
+        stepped = False
+        job.hooks.fixed_start()                    # the optimizer's part, on the device's clock
+        if optimizer_step:
+            job.precision.unscale_(opt)            # unscale; found-inf agreed by all ranks
+            if cfg.loss_weighting == "tokens":
+                reduce.scale_gradients(job.model.parameters(), reduce.token_correction(
+                    global_batch=cfg.global_batch, total_units=total_units))
+            if cfg.grad_clip is not None:
+                job.layout.clip(job, cfg.grad_clip)
+            if self.clip_hook is not None:
+                self.clip_hook(job, step)
+            with job.hooks.optimizer():
+                stepped = job.precision.step(opt, step_index=step.index, log=job.log)    # or the agreed skip
+            opt.zero_grad(set_to_none=True)
+            job.hooks.after_optimizer(job.layout.held(job), opt)
+        elif cfg.loss_weighting == "tokens":     # each step's correction would scale the steps before it too
+            raise UsageError("a step without its optimizer step (the gradient kept for the next) under "
+                             "loss_weighting='tokens'", "step the optimizer every step, or weight by samples")
         job.hooks.fixed_end()
 
         now = clocks.host()
@@ -215,8 +221,9 @@ class StepLoop:
                 job.log.info(decision.message)
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
         stop = table.any("stop")       # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)
-        self.checkpoint_due = job.checkpointer is not None and (
-            stop or job.steps_done % cfg.checkpoints.every == 0 or job.steps_done == job.total_steps)
+        # (not while a gradient is kept for the next step: a checkpoint does not hold it)
+        self.checkpoint_due = job.checkpointer is not None and (stop or optimizer_step and (
+            job.steps_done % cfg.checkpoints.every == 0 or job.steps_done == job.total_steps))
         if stop:
             self.stop_signals = table.column("stop")
             job.preemption.at_boundary = True
