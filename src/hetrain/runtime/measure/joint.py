@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
