@@ -48,3 +48,12 @@ def test_activations_leave_out_the_gradients_the_first_backward_allocates(monkey
         model, torch.randn(4, 64), forward=lambda m, b: m(b).sum(), device=torch.device("cuda", 0),
         autocast=contextlib.nullcontext)
     assert saved == true_activations
+
+
+def test_the_step_s_peak_the_loop_reports_is_reserved_bytes(monkeypatch):
+    from hetrain.runtime.devices.hooks import CudaHooks
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * GIB)
+    hooks = CudaHooks(torch.device("cuda", 0))
+    assert hooks.step_peak_bytes() == 5 * GIB and hooks.peak_bytes() == 5 * GIB
