@@ -75,19 +75,25 @@ class SyncGuard:
     def complete_missing(self) -> int:
         """Run the gradient hook on zeros for every bucket this backward did not launch, in bucket
         order, so each peer's collective meets what it expects (a compressed hook's dtype, size and
-        number of all-reduces); returns how many. One bucket's zeros exist at a time."""
+        number of all-reduces); returns how many. One buffer, the largest missing bucket's size,
+        serves every bucket, zeroed again for each: a collective's tensor may outlive its wait
+        (NCCL's watchdog holds it until it sees the work done), so a fresh one per bucket could
+        hold several at once."""
         launched = set(self.launched)
         with self.allocating():
             buckets = bucket_layout(self.ddp)
             missing = [b for b in buckets if b.index() not in launched]
+            shared: dict = {}     # (dtype, device): the one buffer
             for bucket in missing:
                 meta = bucket.buffer()
                 if meta.is_meta:
-                    zeros = torch.zeros(meta.shape, dtype=meta.dtype, device=bucket.parameters()[0].device)
-                    bucket.set_buffer(zeros)
-                    del zeros
+                    key = (meta.dtype, bucket.parameters()[0].device)
+                    if key not in shared:
+                        size = max(b.buffer().numel() for b in missing if b.buffer().dtype == meta.dtype)
+                        shared[key] = torch.empty(size, dtype=key[0], device=key[1])
+                    bucket.set_buffer(shared[key][:meta.numel()].zero_())
                 self.gradient(bucket).wait()
-                bucket.set_buffer(meta)           # this bucket's zeros freed before the next one's
+                bucket.set_buffer(meta)
         return len(missing)
 
     def redo(self) -> None:
