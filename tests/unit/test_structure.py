@@ -14,8 +14,9 @@ ALLOWED = {
     "torch._foreach_mul_": "one fused in-place multiply of every gradient (reduce.scale_gradients)",
     "os._exit": "a worker stopping on an error skips teardown: its peers may already be gone",
     "ddp.reducer._reset_state": "DDP has no public way to run a forward again after a broken backward",
-    "self.ddp.reducer._get_zeros_like_grad_buckets": "the buckets an OOM left unsent, to complete with zeros",
+    "ddp.reducer._get_zeros_like_grad_buckets": "the buckets an OOM left unsent (their layout, as meta tensors)",
     "torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
+    "torch.utils._python_dispatch": "TorchDispatchMode (see PRIVATE_IMPORTS)",
 }
 ACCESS = re.compile(r"\b((?:\w+\.)*\w+)\.(_[A-Za-z]\w*)")
 
@@ -93,7 +94,9 @@ RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "
-                                                      "as it rebuilds one for its DistributedSampler"}
+                                                      "as it rebuilds one for its DistributedSampler",
+                   "torch.utils._python_dispatch": "TorchDispatchMode: the bucket layout an OOM completion needs "
+                                                   "without its memory, and the emulated meter of what a recovery allocates"}
 
 
 def _module(path: Path) -> str:

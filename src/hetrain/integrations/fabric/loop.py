@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import HetrainError, UsageError
-from ...runtime.resilience.oom import record_escaped_oom
+from ...runtime.resilience.oom import free_cached, record_escaped_oom
 
 NOT_PULLED = object()     # the next micro-batch has not been asked of hetrain's step yet
 
@@ -162,10 +162,11 @@ class PlainLoop:
         return mb
 
     # -- a rank that cannot go on in the step: an OOM in a forward, or a loop body that left -------------
-    def forward_oom(self, error: torch.OutOfMemoryError) -> None:
-        """Called by the model's forward on an OOM (the caller re-raises it if this returns): settle
-        this rank's part of the step with its peers; every rank then raises ForwardOutOfMemory."""
-        self.settle(FORWARD_OOM, f"forward: {error}".splitlines()[0][:200])
+    def forward_oom(self, failed: str) -> None:
+        """Called by the model's forward on an OOM, out of its except block (the failed forward's
+        graph released; the caller raises the error again if this returns): settle this rank's
+        part of the step with its peers; every rank then raises ForwardOutOfMemory."""
+        self.settle(FORWARD_OOM, failed)
 
     def leave_mid_step(self) -> None:
         """The loader's iterator closed inside a step: this rank's own error (if any) goes on, and
@@ -175,23 +176,30 @@ class PlainLoop:
         except (HetrainError, RuntimeError):
             pass          # the agreed stop is the peers' to raise; here the loop body's own error goes on
 
+    def settles(self) -> bool:
+        """Would `settle` complete anything with the peers now?"""
+        mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
+        if self.broken or not self.active or mb is None or self.strategy.engine.job.guard is None:
+            return False     # nothing in flight, no peers to settle with (or OOM recovery off)
+        # DDP's first forward of a step may run collectives before the model does (module buffers
+        # broadcast; once, its buckets' order), which this rank has not met: its peers wait there,
+        # and learn of it when this process exits.
+        return self.forwards > 0
+
     def settle(self, why: int, failed: str) -> None:
         """Complete this rank's part of the step's gradient sync with zeros and report the
         micro-batch failed, as an OOM inside the sync is reported: every rank turns to redo the
         step, and at that redo all raise the same error (agree_escapes)."""
+        if not self.settles():
+            return
         job = self.strategy.engine.job
         guard = job.guard
         mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
-        if self.broken or not self.active or mb is None or guard is None:
-            return           # nothing in flight, no peers to settle with (or OOM recovery off)
-        if self.forwards == 0:
-            # DDP's first forward of a step may run collectives before the model does (module
-            # buffers broadcast; once, its buckets' order), which this rank has not met: its
-            # peers wait there, and learn of it when this process exits.
-            return
         micro = job.micro_batch
         if not guard.every_oom_desyncs and not mb.desynced:      # DDP (FSDP2's guard settles in the agreement)
             if not (mb.last and mb.backward_done and mb.failed is None):   # its gradient sync not done yet
+                job.optimizer.zero_grad(set_to_none=True)    # the step is redone: its gradients go first
+                free_cached(job.device)
                 guard.begin()
                 guard.complete_missing()
             mb.desynced = True

@@ -45,8 +45,12 @@ class FabricModel(nn.Module):
         try:
             return prepared(*args, **kwargs)
         except torch.OutOfMemoryError as e:
-            strategy.plain.forward_oom(e)   # Fabric's own loop: settled with the peers, one error on all
-            raise
+            if not strategy.plain.settles():
+                raise
+            failed = f"forward: {e}".splitlines()[0][:200]
+        # Out of the except block: its traceback no longer holds the failed forward's graph.
+        strategy.plain.forward_oom(failed)   # Fabric's own loop: settled with the peers, one error on all
+        raise torch.OutOfMemoryError(failed)
 
 
 def _target(opt) -> torch.optim.Optimizer:

@@ -9,7 +9,9 @@ micro-batch, for all the step's compute (Throttle).
 Memory. Parameters, gradients and optimizer state are counted from their tensors; activations
 are counted as the forward saves them for backward (`saved_tensors_hooks`). When the total would
 pass the cap, the forward raises `torch.OutOfMemoryError` — the same type a CUDA OOM raises — so
-the recovery code that handles it is the real one.
+the recovery code that handles it is the real one. An OOM, the cap's or an injected one, leaves
+the failed graph held and the device full until the graph is released (held_memory.py): a
+recovery that allocates before releasing fails a second time, as on a GPU.
 
 The process. A device is one CPU thread (`become_emulated_device`), and glibc keeps the memory a
 step frees: left to itself it returns freed blocks to the system and the next step faults them in
@@ -42,6 +44,7 @@ import torch
 from ...hardware.cluster import ClusterDevice
 from ...hardware.units import format_bytes
 from . import clock
+from .held_memory import Ledger, Saved
 
 # glibc's mallopt(3) parameters (malloc.h), and what an emulated device sets them to
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -129,6 +132,8 @@ class MemoryMeter:
         self._skip: set[int] = set()  # storages that are already counted as fixed (parameters)
         self._counted: dict[object, list[int]] = {}   # signature: [activation bytes, forwards since]
         self.hooked_forwards = 0      # forwards counted tensor by tensor (the rest were looked up)
+        self.ledger = Ledger(label)   # what the graphs hold, and an OOM's failed graph (held_memory.py)
+        self.count_next = False       # count the next forward tensor by tensor (an OOM is due in it)
 
     def reach(self, total: int) -> None:
         self.peak = max(self.peak, total)
@@ -142,21 +147,32 @@ class MemoryMeter:
         self._skip = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.reach(self.fixed)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor):
         storage = _local(t).untyped_storage()    # a DTensor (TP, FSDP2) saves its local shard
         ptr = storage.data_ptr()
-        if ptr not in self._seen and ptr not in self._skip and not (
-                self.saved_is_state is not None and self.saved_is_state(ptr)):
+        if ptr in self._skip or (self.saved_is_state is not None and self.saved_is_state(ptr)):
+            return t
+        if ptr not in self._seen:
             self._seen.add(ptr)
             self.activations += storage.nbytes()
             total = self.fixed + self.activations
             self.reach(total)
             if self.cap is not None and total > self.cap:
+                self.out_of_memory()
                 raise torch.OutOfMemoryError(
                     f"{self.label}: out of memory (emulated): needs {format_bytes(total)} "
                     f"({format_bytes(self.fixed)} model state + {format_bytes(self.activations)} "
                     f"activations so far), cap {format_bytes(self.cap)}")
-        return t
+        return self.ledger.hold(t, ptr, storage.nbytes())
+
+    def out_of_memory(self) -> None:
+        """An OOM strikes now (the cap, or an injected fault): the graph in flight stays held, and
+        the device full, until it is released (held_memory.py)."""
+        self.ledger.out_of_memory()
+
+    def allocating(self):
+        """Meter a recovery's allocations: an OOM while the failed graph is still held."""
+        return self.ledger.allocating()
 
     @contextmanager
     def forward(self, signature: object = None):
@@ -164,7 +180,8 @@ class MemoryMeter:
         `signature` (hashable: the inputs' shapes, dtypes, grad and autocast modes), a forward
         seen before is looked up instead while it fits (see the module's docstring)."""
         known = self._counted.get(signature) if signature is not None else None
-        if known is not None and known[1] + 1 < RECOUNT_EVERY and (
+        count_now, self.count_next = self.count_next, False
+        if known is not None and known[1] + 1 < RECOUNT_EVERY and not count_now and (
                 self.cap is None or self.fixed + known[0] <= self.cap):
             known[1] += 1
             self.activations = known[0]
@@ -174,11 +191,15 @@ class MemoryMeter:
         self._seen.clear()
         self.activations = 0
         self.hooked_forwards += 1
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield self
         if signature is not None and (known is not None or len(self._counted) < MAX_SIGNATURES):
             # completed: remember what this graph saves (the most any count of it found)
             self._counted[signature] = [max(self.activations, known[0] if known else 0), 0]
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, Saved) else packed
 
 
 class Throttle:

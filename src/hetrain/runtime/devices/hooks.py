@@ -237,10 +237,12 @@ class CudaHooks(DeviceHooks):
         return sum(bwd - compute for _, bwd, compute, _ in self._pieces()) if self._times else 0.0
 
     def peak_bytes(self) -> float:
-        return max(self._run_peak, float(torch.cuda.max_memory_allocated(self.device)))
+        return max(self._run_peak, float(torch.cuda.max_memory_reserved(self.device)))
 
     def step_peak_bytes(self) -> float:
-        return float(torch.cuda.max_memory_allocated(self.device))
+        """Reserved, not allocated: the allocator's segments, where fragmentation shows (an OOM
+        with free bytes in the cache that fit no block)."""
+        return float(torch.cuda.max_memory_reserved(self.device))
 
 
 class EmulatedHooks(DeviceHooks):
@@ -273,6 +275,8 @@ class EmulatedHooks(DeviceHooks):
     def micro_batch_start(self, mb, step_index: int) -> None:
         self._forward_oom = self.faults.oom(step_index, mb.index, mb.count, "forward", escape=0) if self.faults else None
         self._in_flight = (mb, step_index)
+        if self._forward_oom is not None or self._backward_oom_due(mb, step_index):
+            self.meter.count_next = True       # its graph tracked, to be held after the OOM (held_memory.py)
         super().micro_batch_start(mb, step_index)
 
     def attach_faults(self, model, *, block_type: str | None, sharded: bool) -> None:
@@ -295,7 +299,17 @@ class EmulatedHooks(DeviceHooks):
         """From a forward pre-hook on the fault site: an injected OOM strikes inside the forward."""
         if self._forward_oom is not None:
             fault, self._forward_oom = self._forward_oom, None
-            raise injected_oom(fault)
+            raise self._injected(fault)
+
+    def _injected(self, fault) -> torch.OutOfMemoryError:
+        """An injected OOM, whose failed graph the meter holds until it is released."""
+        self.meter.out_of_memory()
+        return injected_oom(fault)
+
+    def _backward_oom_due(self, mb, step_index: int) -> bool:
+        faults = self.faults
+        return bool(faults) and any(faults.due("oom", step_index, micro=m, phase="backward", escape=0)
+                                    for m in (mb.index, mb.index - mb.count))
 
     def _arm_backward(self, module, args, output) -> None:
         """Forward hook on the fault site (FSDP2): a backward fault due in this micro-batch
@@ -304,8 +318,7 @@ class EmulatedHooks(DeviceHooks):
             return
         mb, step_index = self._in_flight
         faults = self.faults
-        due = faults.due("oom", step_index, micro=mb.index, phase="backward", escape=0) or faults.due(
-            "oom", step_index, micro=mb.index - mb.count, phase="backward", escape=0)
+        due = self._backward_oom_due(mb, step_index)
         die = mb.last and faults.due("die", step_index, phase="backward")
         if due or die:
             output.register_hook(self._strike(mb, step_index, die))
@@ -316,7 +329,7 @@ class EmulatedHooks(DeviceHooks):
                 self.faults.maybe_die(step_index, "backward")
             oom = self.faults.oom(step_index, mb.index, mb.count, "backward", escape=0)
             if oom is not None:
-                raise injected_oom(oom)
+                raise self._injected(oom)
         return boom
 
     def micro_batch_end(self, mb) -> None:
@@ -354,7 +367,7 @@ class EmulatedHooks(DeviceHooks):
         def boom(grad):
             if die:
                 faults.maybe_die(step_index, "backward")
-            raise injected_oom(oom)
+            raise self._injected(oom)
 
         handle = params[len(params) // 2].register_hook(boom)
         try:

@@ -84,10 +84,16 @@ class DataLayout:
         """This rank ran out of memory: 'fatal', 'desync' (agreed next), or None (redo locally)."""
         job.ooms += 1
         job.hooks.attempt_failed()
-        if job.guard is not None and job.guard.every_oom_desyncs and not failed.desynced:
+        smaller = recovery.smaller_micro_batch(state.micro)
+        owes = job.guard is not None and not failed.desynced and (job.guard.every_oom_desyncs or smaller is None)
+        if owes:
+            # The step is abandoned: its gradients go before the zeros that settle the peers come
+            # (the failed graph went with the micro-batch: the `with mb:` block and backward()).
+            job.optimizer.zero_grad(set_to_none=True)
+            recovery.free_cached(job.device)
+        if owes and job.guard.every_oom_desyncs:
             job.guard.complete_missing()    # FSDP2: peers wait in this step's collectives (fsdp_guard.py)
             failed.desynced = True
-        smaller = recovery.smaller_micro_batch(state.micro)
         job.log.warn(f"{job.device_label}: out of memory in micro-batch "
                      f"{failed.index + 1}/{failed.count} ({failed.failed}) of step {state.step.index}; "
                      + (f"micro-batch {state.micro} -> {smaller}, redoing" if smaller else "cannot shrink"))
@@ -100,6 +106,7 @@ class DataLayout:
         if failed.desynced:
             return "desync"
         job.optimizer.zero_grad(set_to_none=True)
+        recovery.free_cached(job.device)
         # The failed forward may have run DDP's pre-forward buffer broadcast (it does, in a
         # step's first forward) without its post-forward: the redo must not broadcast again,
         # or this rank would be one collective ahead of its peers.

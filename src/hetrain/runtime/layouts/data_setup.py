@@ -221,12 +221,18 @@ def make_sync_guard(job, wrapped):
     Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
     cfg = job.config
     guard = cfg.memory.oom_recovery and job.world_size > 1
+    if cfg.memory.oom_recovery:
+        recovery.keep_anchor(job.device)     # drains a failed backward's graph (oom.release_graph)
     if not isinstance(wrapped.sync, DDP):
-        return wrapped.sync_guard() if guard else None
-    gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
-                                       throttle=throttle_for(job), backend=job.ctx.backend,
-                                       device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
-    return recovery.install(wrapped.sync, gradient, guard=guard)
+        made = wrapped.sync_guard() if guard else None
+    else:
+        gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
+                                           throttle=throttle_for(job), backend=job.ctx.backend,
+                                           device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
+        made = recovery.install(wrapped.sync, gradient, guard=guard)
+    if made is not None and job.emulated is not None:   # what the completion allocates, on the emulated meter
+        made.allocating = job.emulated.meter.allocating
+    return made
 
 
 def make_rebalancer(cfg, world_size: int, *, unmeasured: bool = False) -> Rebalancer | None:

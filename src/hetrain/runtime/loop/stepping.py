@@ -25,6 +25,7 @@ from ..devices import clock as clocks
 from ...errors import DoesNotFit, HetrainError, Preempted, UsageError
 from ..ranks import agree
 from ..resilience import resume as persist
+from ..resilience import oom as recovery
 from ..resilience import preempt
 from . import reduce
 from ..job import Job
@@ -160,8 +161,15 @@ class StepLoop:
             if not job.config.memory.oom_recovery:
                 raise
             mb.failed = f"backward: {e}".splitlines()[0][:200]
+        if mb.failed is not None:
+            # Out of the except block, whose traceback held the failed graph: release it before
+            # anything allocates (runtime/resilience/oom.py).
+            recovery.release_graph(job.device, scaled, loss)
+            del scaled
             if mb.last and job.guard is not None:    # peers are inside this step's gradient
-                job.guard.complete_missing()           # all-reduces: finish ours, with zeros
+                job.optimizer.zero_grad(set_to_none=True)   # all-reduces: the step is abandoned
+                recovery.free_cached(job.device)
+                job.guard.complete_missing()           # finish ours, with zeros
                 mb.desynced = True
         job.hooks.after_backward(mb, job.hooks.clock() - t0)
         if mb.failed is None:

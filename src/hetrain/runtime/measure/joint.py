@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,6 +32,7 @@ from ..resilience.resume import REPLANNED
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
+from ..devices.cuda_memory import usable_bytes
 from ..devices.link import throttle_for
 from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync, time_inter_node_allreduce
 
@@ -94,7 +94,7 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
                   "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     cap = None
     if emu is None and job.device.type == "cuda":
-        cap = torch.cuda.get_device_properties(job.device).total_memory
+        cap = usable_bytes(job.device)
     if job.world_size == 1 and emu is None and cap is None:
         return mine          # one device, memory not limited: nothing to decide or measure
     n = len(job.dataset)

@@ -20,6 +20,7 @@ from ...planning.memory import (DeviceMemory, StateBytes, choose_sharding, shard
                                state_bytes)
 from ..ranks import agree
 from ..sharding import wrap as sharding
+from ..devices.cuda_memory import usable_bytes
 from ..devices.emulation import MemoryMeter
 from ..user_objects import as_scalar, default_forward, optimizer_kind
 
@@ -63,10 +64,14 @@ def saved_activation_bytes(model, batch, *, forward=default_forward, device, aut
         with meter.forward(), autocast():
             loss = as_scalar(forward(model, batch))
         saved = float(meter.activations)
+        fresh = [p for p in model.parameters() if p.requires_grad and p.grad is None]
         loss.backward()
         if cuda:
+            # The backward's peak holds the gradients it allocated: model state (counted there),
+            # not activations.
             torch.cuda.synchronize(device)
-            saved = max(saved, float(torch.cuda.max_memory_allocated(device) - base))
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in fresh if p.grad is not None)
+            saved = max(saved, float(torch.cuda.max_memory_allocated(device) - base - grads))
         model.zero_grad(set_to_none=True)
     return saved
 
@@ -124,8 +129,8 @@ def plan_memory(*, n_params: int, param_bytes: int, optimizer: torch.optim.Optim
 def measured_peak(device: torch.device, emulated) -> float | None:
     if emulated is not None:
         return float(emulated.meter.peak)
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
+    if device.type == "cuda":        # reserved: an OOM from fragmentation shows there, not in allocated
+        return float(torch.cuda.max_memory_reserved(device))
     return None
 
 
@@ -135,7 +140,7 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
     the run's peak as the device hooks kept it (CUDA's allocator peak is reset every step)."""
     peak = peak or measured_peak(device, emulated)
     cap = emulated.meter.cap if emulated is not None else (
-        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+        usable_bytes(device) if device.type == "cuda" else None)
     mp = memory_plan
     mine = {"planned": mp.total if mp else -1.0,
             "planned_state": mp.state.total if mp else -1.0,
@@ -248,7 +253,7 @@ def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: di
 
     cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
     cap = emu.meter.cap if emu is not None else (
-        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+        usable_bytes(device) if device.type == "cuda" else None)
     me = plan.devices[job.rank]
     table = agree.exchange({"usable": cap * (1 - cfg.memory.margin) if cap else -1.0, "act": act_bytes or 0.0,
                             "accumulates": float(me.n_micro > 1)},

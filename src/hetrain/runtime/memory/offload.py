@@ -35,6 +35,7 @@ import torch
 from ...errors import UsageError
 from ...hardware.units import format_bytes
 from ...planning.memory import state_values
+from ..devices.cuda_memory import usable_bytes
 from ..user_objects import optimizer_kind
 
 OFFLOAD_SHARDINGS = ("none", "fsdp", "capacity-full")
@@ -279,7 +280,7 @@ def check_room(job, need: int, why: str) -> None:
 
     me = job.plan.devices[job.rank]
     cap = me.memory_cap_bytes or (job.emulated.meter.cap if job.emulated is not None else (
-        torch.cuda.get_device_properties(job.device).total_memory if job.device.type == "cuda" else None))
+        usable_bytes(job.device) if job.device.type == "cuda" else None))
     mine = {"host": socket.gethostname(), "need": need, "free": host_available_bytes(), "rank": job.rank,
             "device": me.device, "cap": cap}
     everyone = [mine]

@@ -16,6 +16,7 @@ from ...hardware.units import format_bytes
 from ...planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
 from ...planning.plan import split_evenly
+from ..devices.cuda_memory import usable_bytes
 from ..ranks import agree
 from .blocks import PipelineParts, profile_blocks
 
@@ -30,7 +31,7 @@ def device_table(ht) -> list[StageDevice]:
 
         gpu = catalog.lookup(torch.cuda.get_device_name(ht.device))
         speed = gpu.speed_index if gpu is not None else 1.0
-        memory = float(torch.cuda.get_device_properties(ht.device).total_memory)
+        memory = float(usable_bytes(ht.device))
     table = agree.exchange({"speed": speed, "memory": memory}, rank=ht.rank, world_size=ht.world_size,
                            device=ht.device)
     # Emulated: the block costs are this CPU's, the speed-1.0 time, so the spec's speeds are kept as

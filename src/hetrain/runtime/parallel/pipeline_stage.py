@@ -14,6 +14,7 @@ from ...hardware.units import format_bytes
 from ..devices import clock as clocks
 from ..devices.faults import injected_oom
 from ..loop import reduce
+from ..resilience.oom import free_cached, keep_anchor, release_graph
 from .blocks import SavedBytes, stage_autocast, to_fp32
 
 
@@ -65,6 +66,7 @@ class MeteredStage(PipelineStage):
         self.cpu_s = 0.0                     # ... their CPU time (the probe's schedule overhead is the rest of it)
         self.pieces = 0
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
+        keep_anchor(self.device)             # before the stage's first graph: drains a failed backward's
         self._step, self._count, self._chunk = 0, 1, 0
 
     def begin_step(self, step_index: int, count: int) -> None:
@@ -147,6 +149,7 @@ class MeteredStage(PipelineStage):
             except torch.OutOfMemoryError as e:
                 self._fail("forward", chunk, e)
                 self._flight.backward_done(chunk)
+            free_cached(self.device)      # out of the except block: its traceback held the failed forward
         return self._stand_in_output()
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
@@ -156,14 +159,15 @@ class MeteredStage(PipelineStage):
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
             except torch.OutOfMemoryError as e:
                 self._fail("backward", self._chunk, e)
+            out = bwd_kwargs["stage_output"]       # the failed graph, released before the zeros come
+            release_graph(self.device, *(out if isinstance(out, (tuple, list)) else (out,)))
+            free_cached(self.device)
         # Zeros for the previous stage, shaped like this stage's inputs: it is waiting for them.
         return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
                      for v in bwd_kwargs["input_values"]), None
 
     def _fail(self, phase: str, chunk: int, error: Exception) -> None:
         self.failed = f"{phase} of micro-batch {chunk + 1}/{self._count}: {str(error).splitlines()[0][:160]}"
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _stand_in_output(self):
         """What this stage sends on once it has run out of memory in this step: zeros shaped like the

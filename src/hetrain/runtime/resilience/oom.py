@@ -13,6 +13,12 @@ Where an OOM can strike, and what keeps the peers safe:
     (compressed or not: runtime/sharding/comm_hooks.py), so every peer's collective completes.
     Then the step's small all-reduce (runtime/ranks/agree.py) tells every rank; all discard the step's
     gradients, reset DDP's reducer and redo the step with the smaller micro-batch.
+Releasing before allocating. Right after a real OOM the device is full, and the failed graph holds
+most of it: the `except` block's traceback, the loss (and the scaled loss) point to it. So the
+caller leaves the `except` block first, drops the graph (`release_graph`: the loss detached in
+place, so the caller's tensor no longer holds it), frees the abandoned step's gradients, returns
+the allocator's cache (`free_cached`), and only then completes the sync, one bucket's zeros at a
+time (a full gradient's zeros at once would fail a second time, with the peers inside NCCL).
 Under FSDP2 collectives run in every micro-batch's forward and backward; there every OOM is
 completed and agreed like the last backward's (runtime/sharding/fsdp_guard.py says how).
 Every rank reports its micro-batch size in that same all-reduce, so the new size enters the Plan
@@ -24,11 +30,16 @@ the rank's micro-batch is halved there (`record_escaped_oom`, applied on resume)
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import glob
 import json
 import os
+import threading
 
+import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...files import write_json_atomic
 
@@ -43,12 +54,14 @@ class SyncGuard:
         self.ddp = ddp
         self.gradient = gradient          # a runtime/sharding/comm_hooks.py GradientHook
         self.launched: list[int] = []
+        self.allocating = contextlib.nullcontext   # an emulated device meters the completion (MemoryMeter.allocating)
         ddp.register_comm_hook(self, SyncGuard.hook)
 
     @staticmethod
     def hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
-        self.launched.append(bucket.index())
-        return self.gradient(bucket)
+        future = self.gradient(bucket)
+        self.launched.append(bucket.index())     # once issued: a hook that raised still owes its bucket
+        return future
 
     every_oom_desyncs = False    # an OOM outside the last backward leaves no collective owed
 
@@ -62,17 +75,90 @@ class SyncGuard:
     def complete_missing(self) -> int:
         """Run the gradient hook on zeros for every bucket this backward did not launch, in bucket
         order, so each peer's collective meets what it expects (a compressed hook's dtype, size and
-        number of all-reduces); returns how many."""
-        buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
+        number of all-reduces); returns how many. One buffer, the largest missing bucket's size,
+        serves every bucket, zeroed again for each: a collective's tensor may outlive its wait
+        (NCCL's watchdog holds it until it sees the work done), so a fresh one per bucket could
+        hold several at once."""
         launched = set(self.launched)
-        missing = [i for i in range(len(buckets)) if i not in launched]
-        for i in missing:
-            self.gradient(buckets[i]).wait()
+        with self.allocating():
+            buckets = bucket_layout(self.ddp)
+            missing = [b for b in buckets if b.index() not in launched]
+            shared: dict = {}     # (dtype, device): the one buffer
+            for bucket in missing:
+                meta = bucket.buffer()
+                if meta.is_meta:
+                    key = (meta.dtype, bucket.parameters()[0].device)
+                    if key not in shared:
+                        size = max(b.buffer().numel() for b in missing if b.buffer().dtype == meta.dtype)
+                        shared[key] = torch.empty(size, dtype=key[0], device=key[1])
+                    bucket.set_buffer(shared[key][:meta.numel()].zero_())
+                self.gradient(bucket).wait()
+                bucket.set_buffer(meta)
         return len(missing)
 
     def redo(self) -> None:
         """Every rank agreed to redo the step: the hook's state as before the failed attempt."""
         self.gradient.redo()
+
+
+class _BucketShapes(TorchDispatchMode):
+    """The reducer's zero buckets as meta tensors: their shapes, dtypes and parameters, no memory."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.zeros_like.default:
+            return torch.empty_like(args[0], device="meta")
+        return func(*args, **(kwargs or {}))
+
+
+def bucket_layout(ddp: DDP) -> list:
+    """DDP's gradient buckets, in index order, with meta buffers (`set_buffer` gives one its
+    zeros). Where the reducer's allocation is out of reach of the dispatch mode, the buffers come
+    back real (zeros for every bucket at once, as torch's own API gives them)."""
+    with _BucketShapes():
+        return ddp.reducer._get_zeros_like_grad_buckets()
+
+
+def release_graph(device: torch.device, *tensors) -> None:
+    """After a failed backward: detach these tensors in place (the loss the caller still holds),
+    then drain the autograd engine. torch's engine keeps the nodes a failed backward had queued
+    (and the graph behind them) in the thread's ready queue until a later backward pops them, so
+    dropping every reference frees nothing until then; a backward through a node older than any
+    training graph (`keep_anchor`) pops them first (the queue runs newest nodes first) and drops
+    them. A view cannot be detached in place: it keeps its graph until its holder lets go."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            try:
+                t.detach_()
+            except RuntimeError:
+                pass
+    thread = threading.get_ident()
+    for where in dict.fromkeys((torch.device(device), torch.device("cpu"))):
+        anchor = _ANCHORS.get((thread, where))
+        if anchor is not None:
+            leaf, node = anchor
+            node.backward(retain_graph=True)
+            leaf.grad = None
+
+
+_ANCHORS: dict = {}     # (thread, device): (leaf, a one-node graph made before any training graph)
+
+
+def keep_anchor(device: torch.device) -> None:
+    """Make this thread's anchors (on `device` and the CPU), before its first training forward."""
+    thread = threading.get_ident()
+    for where in dict.fromkeys((torch.device(device), torch.device("cpu"))):
+        if (thread, where) not in _ANCHORS:
+            leaf = torch.zeros((), device=where, requires_grad=True)
+            _ANCHORS[(thread, where)] = (leaf, leaf * 1.0)
+
+
+def free_cached(device: torch.device) -> None:
+    """After an OOM, once the failed graph's references are gone: collect what a reference cycle
+    still holds, and hand the CUDA allocator's cached blocks back, so the completion and the redo
+    find the memory the failed step had."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def install(ddp: DDP, gradient, *, guard: bool) -> SyncGuard | None:

@@ -24,6 +24,7 @@ from its checkpoint) rather than guessing a collective and corrupting or hanging
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -89,6 +90,7 @@ class FSDPGuard:
         self.issued: list[Collective] = []
         self.template: list[Collective] | None = None
         self._stale: set[int] = set()    # units whose unsharded gradients a broken step may have left
+        self.allocating = contextlib.nullcontext   # an emulated device meters the completion (MemoryMeter.allocating)
         for unit in self.units:
             unit.set_custom_all_gather(RecordingAllGather(self.issued))
             unit.set_custom_reduce_scatter(RecordingReduceScatter(self.issued))
@@ -119,16 +121,18 @@ class FSDPGuard:
                 "peers wait for are unknown, so this rank stops rather than hang them",
                 "keep the model's forward the same in every step (no skipped blocks), or sharding='none'")
         missing = template[done:]
-        for c in missing:
-            ws = dist.get_world_size(c.group)
-            if c.kind == "all_gather":
-                out = torch.zeros(c.numel * ws, dtype=c.dtype, device=c.device)
-                dist.all_gather_single(out, out.narrow(0, dist.get_rank(c.group) * c.numel, c.numel),
-                                       group=c.group)
-            else:
-                dist.reduce_scatter_single(output=torch.zeros(c.numel // ws, dtype=c.dtype, device=c.device),
-                                           input=torch.zeros(c.numel, dtype=c.dtype, device=c.device),
-                                           group=c.group, op=c.op)
+        with self.allocating():
+            for c in missing:      # one collective's zeros at a time: each freed before the next
+                ws = dist.get_world_size(c.group)
+                if c.kind == "all_gather":
+                    out = torch.zeros(c.numel * ws, dtype=c.dtype, device=c.device)
+                    dist.all_gather_single(out, out.narrow(0, dist.get_rank(c.group) * c.numel, c.numel),
+                                           group=c.group)
+                    del out
+                else:
+                    dist.reduce_scatter_single(output=torch.zeros(c.numel // ws, dtype=c.dtype, device=c.device),
+                                               input=torch.zeros(c.numel, dtype=c.dtype, device=c.device),
+                                               group=c.group, op=c.op)
         self.issued[:] = template
         return len(missing)
 
