@@ -45,9 +45,9 @@ def test_no_module_reads_or_writes_another_objects_underscore_attributes():
     assert not found, "private attributes used from outside their object:\n" + "\n".join(found)
 
 
-def test_every_module_stays_under_400_lines():
+def test_every_module_stays_under_600_lines():
     long = [f"{p.relative_to(SRC)}: {n}" for p in sorted(SRC.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > 400]
+            if (n := len(p.read_text().splitlines())) > 600]
     assert not long, long
 
 
