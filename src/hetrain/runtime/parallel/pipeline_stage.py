@@ -142,13 +142,15 @@ class MeteredStage(PipelineStage):
             return torch.zeros((), device=self.device, requires_grad=True)
         if metas is None:   # before the shapes were agreed: nothing to stand in with
             raise torch.OutOfMemoryError(f"stage {self.stage_index}: out of memory before its first send ({self.failed})")
-        outs = tuple(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=self.device).zero_()
-                     .requires_grad_(m.dtype.is_floating_point or m.dtype.is_complex) for m in metas)
+        outs = tuple(torch.empty_strided(m.shape, m.stride() if callable(m.stride) else m.stride, dtype=m.dtype,
+                                         device=self.device).zero_().requires_grad_(m.dtype.is_floating_point)
+                     for m in metas)
         return outs[0] if len(outs) == 1 else outs
 
     def _declared_outputs(self):
         """The stage's output metadata as the pipeline agreed it (None before): torch 2.13+ keeps it
-        in the stage's meta record, 2.11 behind get_outputs_meta()."""
+        in the stage's meta record (shape, stride and dtype fields), 2.11 behind get_outputs_meta()
+        (meta tensors)."""
         record = getattr(self, "_stage_meta", None)
         if record is not None:
             return record.outputs
