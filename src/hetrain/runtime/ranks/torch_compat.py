@@ -4,6 +4,9 @@
   * The tensor-into-one-buffer collectives are `all_gather_single` / `reduce_scatter_single` from
     torch 2.13 on; before, only `all_gather_into_tensor` / `reduce_scatter_tensor`, which 2.13 keeps
     but deprecates (a FutureWarning per call). The newer one is taken where it exists.
+  * Redoing an FSDP2 step an OOM broke needs `FSDPModule.reset_iter_state()` (torch 2.13 on). Without
+    it in-loop OOM recovery under FSDP2 is off: an OOM ends the attempt, and --max-restarts resumes
+    with the micro-batch halved, as under tensor parallelism.
   * Leaving after an error with NCCL work in flight: `destroy_process_group` shuts the communicators
     down and can wait on that work for ever; aborting them does not wait. torch's abort of every
     group at once (`distributed_c10d._abort_process_group`: 2.11, 2.13 and 2.14 have it) aborts them
@@ -26,6 +29,13 @@ def reduce_scatter_single(output, input, *, op=None, group=None, async_op: bool 
     """`input` reduced over the ranks (`op`, default sum), this rank's slice of it into `output`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
+
+
+def fsdp_redoes_a_broken_step() -> bool:
+    """Whether FSDP2 can be reset after an exception cut a forward or backward short."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "reset_iter_state")
 
 
 def abort_process_groups() -> str:
