@@ -64,10 +64,10 @@ def _torchrun_parser_without_shutdown_timeout(real):
     (added in 2.12)."""
     def parser():
         p = real()
-        action = next(a for a in p._actions if "--shutdown-timeout" in a.option_strings)
-        p._remove_action(action)
-        for option in action.option_strings:
-            del p._option_string_actions[option]
+        for action in [a for a in p._actions if "--shutdown-timeout" in a.option_strings]:   # none on 2.11
+            p._remove_action(action)
+            for option in action.option_strings:
+                del p._option_string_actions[option]
         return p
     return parser
 
