@@ -42,6 +42,7 @@ class Launch:
     temporary_dir: bool = False                  # the run dir is ours to remove after the run
     hosts_rendezvous: bool = False               # this node hosts a multi-node job's rendezvous store
     lock: object = field(default=None, repr=False, compare=False)   # the run dir's (lock.DirLock), until run_launch ends
+    shutdown_s: int = PREEMPT_SHUTDOWN_S         # after SIGTERM, the wait for the workers before SIGKILL
 
     def describe(self) -> str:
         lines = [f"launching {self.nproc} process(es) with torchrun:", "  " + " ".join(self.argv)]
@@ -160,10 +161,24 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
     shutdown_s = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or PREEMPT_SHUTDOWN_S)
     where = ["--standalone"] if rdzv is None else rdzv.torchrun_args()
     argv = [sys.executable, "-m", "torch.distributed.run", *where,
-            f"--nproc-per-node={count}", f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_s}"]
+            f"--nproc-per-node={count}", f"--max-restarts={max_restarts}"]
+    if torchrun_takes_shutdown_timeout():
+        argv.append(f"--shutdown-timeout={shutdown_s}")
+    else:       # torch 2.11's torchrun: hetrain's agent (launching/agent.py) gives its stops this wait
+        reasons.append(f"this torch's torchrun has no --shutdown-timeout (torch 2.12+): hetrain's agent waits "
+                       f"{shutdown_s} s for the workers after SIGTERM")
     argv += (["-m", target] if module else [target]) + list(target_args)
     return Launch(argv=tuple(argv), env=env, reasons=tuple(reasons), nproc=count, temporary_dir=temporary_dir,
-                  lock=lock, hosts_rendezvous=rdzv is not None and rdzv.hosts_store)
+                  lock=lock, hosts_rendezvous=rdzv is not None and rdzv.hosts_store, shutdown_s=shutdown_s)
+
+
+def torchrun_takes_shutdown_timeout() -> bool:
+    """Whether the installed torchrun has --shutdown-timeout (torch 2.12 on; 2.11's refuses it as an
+    unrecognized argument), asked of its own argument parser."""
+    from torch.distributed.run import get_args_parser
+
+    known, _ = get_args_parser().parse_known_args(["--shutdown-timeout=1", "script.py"])
+    return getattr(known, "shutdown_timeout", None) == 1
 
 
 def _swap_path(run_dir: str) -> str:
@@ -292,7 +307,7 @@ def _run_in_process(launch: Launch, run_dir: str) -> int:
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     try:
-        with restarts_only_when_they_can_help(run_dir):
+        with restarts_only_when_they_can_help(run_dir, shutdown_s=launch.shutdown_s):
             run(parse_args(list(launch.argv[3:])))   # argv minus 'python -m torch.distributed.run'
         if launch.hosts_rendezvous:
             # The other nodes' agents close the rendezvous after the exit barrier, through the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from harness import run_ranks
 from nets import BlockNet as Net
@@ -174,7 +175,8 @@ def test_auto_shards_only_when_the_model_does_not_fit_and_stays_exact():
     check_equal_to_reference(records, plan, 2, "sgd", torch.float32, tol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "capacity", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "capacity", pytest.param("fsdp", marks=pytest.mark.skipif(
+    not hasattr(FSDPModule, "reset_iter_state"), reason="FSDP2's in-loop OOM recovery needs reset_iter_state (torch 2.13+)"))])
 def test_sharded_state_survives_oom_recovery_in_the_gradient_sync(strategy):
     """An OOM in rank 1's only (last) backward, in the middle of the gradient sync (DDP's
     all-reduce, FSDP2's reduce-scatters): every rank discards the step and redoes it, rank 1 with

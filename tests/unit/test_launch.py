@@ -57,3 +57,43 @@ def test_one_nodes_part_of_a_node_spec_is_its_emulate_and_its_name():
 def test_a_node_spec_naming_more_than_this_node_is_refused(script, spec, words):
     with pytest.raises(UsageError, match=words):
         launch.build_launch(target=script, emulate=spec)
+
+
+def _torchrun_parser_without_shutdown_timeout(real):
+    """torchrun's argument parser as torch 2.11 has it: the installed one less --shutdown-timeout
+    (added in 2.12)."""
+    def parser():
+        p = real()
+        for action in [a for a in p._actions if "--shutdown-timeout" in a.option_strings]:   # none on 2.11
+            p._remove_action(action)
+            for option in action.option_strings:
+                del p._option_string_actions[option]
+        return p
+    return parser
+
+
+def test_a_torchrun_without_shutdown_timeout_gets_a_command_it_accepts(monkeypatch, tmp_path, script):
+    """On torch 2.11 every `hetrain run` failed at launch: 'unrecognized arguments:
+    --shutdown-timeout=90'. The command leaves the flag out where torchrun lacks it (the agent
+    gives the wait instead: launching/agent.py) and says so."""
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(launch, "_cuda_count", lambda: 0)
+    monkeypatch.setattr(torchrun, "get_args_parser", _torchrun_parser_without_shutdown_timeout(torchrun.get_args_parser))
+    built = launch.build_launch(target=script, nproc=2, run_dir=str(tmp_path / "run"))
+    args = torchrun.parse_args(list(built.argv[3:]))       # what run_launch hands torchrun: exits on a bad flag
+    assert args.nproc_per_node == "2" and not hasattr(args, "shutdown_timeout")
+    assert not any(a.startswith("--shutdown-timeout") for a in built.argv)
+    assert built.shutdown_s == launch.PREEMPT_SHUTDOWN_S
+    assert f"waits {launch.PREEMPT_SHUTDOWN_S} s" in built.describe()
+
+
+def test_a_torchrun_with_shutdown_timeout_is_given_the_preemption_wait(monkeypatch, tmp_path, script):
+    import torch.distributed.run as torchrun
+
+    if not launch.torchrun_takes_shutdown_timeout():
+        pytest.skip("this torch's torchrun has no --shutdown-timeout (2.11)")
+    monkeypatch.setattr(launch, "_cuda_count", lambda: 0)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    built = launch.build_launch(target=script, nproc=2, run_dir=str(tmp_path / "run"))
+    assert torchrun.parse_args(list(built.argv[3:])).shutdown_timeout == launch.PREEMPT_SHUTDOWN_S

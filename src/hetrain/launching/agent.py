@@ -10,6 +10,8 @@ together at a saved step because a node is joining are that membership change, n
 from __future__ import annotations
 
 import contextlib
+import inspect
+import signal
 import sys
 import time
 
@@ -43,11 +45,13 @@ def nodes_waiting(rdzv_handler, *, within_s: float = WAITING_CHECK_S, poll_s: fl
 
 
 @contextlib.contextmanager
-def restarts_only_when_they_can_help(run_dir: str):
+def restarts_only_when_they_can_help(run_dir: str, *, shutdown_s: int = TORCHRUN_STOP_WAIT_S):
     """While torchrun runs here: its agent, except that a worker error a restart cannot fix
     (`restartable` in the worker's error record) ends the job instead of using up --max-restarts
     on the same failure. torchrun builds its agent by name in launcher.api; we put ours there for
-    the duration, and put torchrun's back after."""
+    the duration, and put torchrun's back after. `shutdown_s`: the wait after SIGTERM that
+    --shutdown-timeout gives a torchrun that has it; on one without it (torch 2.11) the agent's
+    own stops wait this long."""
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.api import WorkerState
 
@@ -64,6 +68,21 @@ def restarts_only_when_they_can_help(run_dir: str):
         # job's end. Workers that stopped at a step boundary (Preempted: a signal, or a node
         # joining) keep torchrun's wait: the others may still be writing that checkpoint.
         failed_stop_grace_s = FAILED_STOP_GRACE_S
+        stop_timeout_s: int | None = None        # the wait the next close is given (torch 2.11's _shutdown)
+
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=None):
+            # torch 2.12 gave the agent's _shutdown a timeout (and torchrun --shutdown-timeout);
+            # 2.11's takes the signal alone, and its process context's close waits its own 30 s.
+            parent = super()._shutdown
+            if "timeout" in inspect.signature(parent).parameters:
+                return parent(death_sig, **({} if timeout is None else {"timeout": timeout}))
+            # Without the parameter the wait goes to the process context's close, below: what the
+            # caller asked, else --shutdown-timeout's (torch's own calls: the end, a signal, a stop).
+            self.stop_timeout_s = shutdown_s if timeout is None else timeout
+            try:
+                return parent(death_sig)
+            finally:
+                self.stop_timeout_s = None
 
         def _start_workers(self, worker_group):
             started = super()._start_workers(worker_group)
@@ -71,6 +90,8 @@ def restarts_only_when_they_can_help(run_dir: str):
             close = pcontext.close
 
             def close_after_a_failure(death_sig=None, timeout=None):
+                if timeout is None and self.stop_timeout_s is not None:    # _shutdown's, above
+                    timeout = self.stop_timeout_s
                 if timeout is None:      # the context's own close: all workers done, or one failed
                     codes = [f.exitcode for f in getattr(pcontext, "_failures", {}).values()]
                     failed = any(code != Preempted.exit_code for code in codes)

@@ -16,14 +16,13 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..errors import UsageError
 from ..hardware.cluster import parse_cluster
 from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
-from .ranks.dist import DistContext, env_rank, init_distributed, shutdown
+from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
 from .ranks.nodes import join_nodes
 from .devices.emulation import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
@@ -54,7 +53,7 @@ class Engine:
         cluster = parse_cluster(config.emulation.cluster) if config.emulation.cluster else None
         if cluster is not None:
             become_emulated_device()   # one CPU thread, throttled from there; glibc keeps freed memory
-        use_cuda = cluster is None and torch.cuda.is_available()
+        use_cuda = cluster is None and (torch.cuda.is_available() or cuda_asked_for())
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.reporting.verbose,
@@ -195,15 +194,14 @@ class Engine:
     def _at_exit(self) -> None:
         """An interpreter exit without close() (an error the script caught, say): free the DDP
         wrapper before the process group goes, which is what stops gloo aborting at exit (SIGABRT:
-        ranks/dist.py's docstring). No barrier: peers may be gone."""
+        ranks/dist.py's docstring). No barrier: peers may be gone; NCCL's communicators are aborted."""
         if self._closed:
             return
         self._closed = True
         self.job.log.flush_alone()
         self._release()
         gc.collect()
-        if self.ctx.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_after_error(self.ctx)
 
     def _release(self) -> None:
         self.job.preemption.uninstall()

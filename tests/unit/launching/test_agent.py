@@ -13,12 +13,15 @@ from hetrain.launching.agent import nodes_waiting, restarts_only_when_they_can_h
 from hetrain.runtime.resilience.worker_errors import write_error
 
 
-def _agent(monkeypatch, run_dir, pcontext):
+def _agent(monkeypatch, run_dir, pcontext, *, base=None, shutdown_s=30):
     """hetrain's agent class, an instance with only what stopping workers uses, and torchrun's
-    _start_workers replaced by one that hands it `pcontext` (a recorder of close() calls)."""
+    _start_workers replaced by one that hands it `pcontext` (a recorder of close() calls).
+    `base`: the torchrun agent class it is made on (default: the installed torch's)."""
     import torch.distributed.launcher.api as launcher_api
 
-    with restarts_only_when_they_can_help(str(run_dir)):
+    if base is not None:
+        monkeypatch.setattr(launcher_api, "LocalElasticAgent", base)
+    with restarts_only_when_they_can_help(str(run_dir), shutdown_s=shutdown_s):
         agent_class = launcher_api.LocalElasticAgent
     assert launcher_api.LocalElasticAgent is not agent_class          # torchrun's is back
 
@@ -73,6 +76,69 @@ def test_a_group_with_a_failed_member_is_stopped_after_a_short_grace(monkeypatch
     group = type("Group", (), {"state": WorkerState[state]})()
     agent._stop_workers(group)
     assert pcontext.calls == [(signal.SIGTERM, timeout)]
+
+
+def _agent_of_torch_2_11():
+    """torchrun's agent as torch 2.11 has it: _shutdown takes the signal alone (no timeout), and
+    its process context's close gets no wait (it waits its own 30 s)."""
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent211(LocalElasticAgent):
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM) -> None:
+            if self._pcontext:
+                self._pcontext.close(death_sig)
+    return Agent211
+
+
+@pytest.mark.parametrize("state, timeout", [("FAILED", 5), ("UNHEALTHY", 5), ("HEALTHY", 90)])
+def test_on_torch_2_11_s_agent_a_failed_group_still_stops_after_the_short_grace(monkeypatch, tmp_path, state,
+                                                                                timeout):
+    """torch 2.11's agent._shutdown has no timeout: the failed group's stop used to raise TypeError
+    there (every failure under `hetrain run` became a launcher traceback). The grace reaches the
+    process context's close instead; a healthy group's stop waits --shutdown-timeout's time."""
+    import signal
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    pcontext = Closes()
+    agent = _agent(monkeypatch, tmp_path, pcontext, base=_agent_of_torch_2_11(), shutdown_s=90)
+    agent._stop_workers(type("Group", (), {"state": WorkerState[state]})())
+    assert pcontext.calls == [(signal.SIGTERM, timeout)]
+
+
+def test_on_torch_2_11_s_agent_a_signal_stop_waits_the_launch_s_shutdown_time(monkeypatch, tmp_path):
+    """torchrun 2.11 has no --shutdown-timeout: after SIGTERM (a preemption) its agent calls
+    _shutdown(signal) and would kill the workers after 30 s, before their checkpoint is written.
+    hetrain's agent gives that close the launch's wait; later calls go back to torchrun's."""
+    import signal
+
+    pcontext = Closes()
+    agent = _agent(monkeypatch, tmp_path, pcontext, base=_agent_of_torch_2_11(), shutdown_s=90)
+    agent._shutdown(signal.SIGINT)                 # as 2.11's run() calls it on a signal
+    pcontext.close()                               # the context closing itself later: no failure, 30 s
+    assert pcontext.calls == [(signal.SIGINT, 90), (None, 30)]
+
+
+def _installed_agent_takes_a_timeout() -> bool:
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return "timeout" in inspect.signature(LocalElasticAgent.__dict__["_shutdown"]).parameters
+
+
+@pytest.mark.skipif(not _installed_agent_takes_a_timeout(), reason="this torch's agent._shutdown has no timeout (2.11)")
+def test_on_an_agent_with_shutdown_timeout_the_wait_passes_through(monkeypatch, tmp_path):
+    """torch 2.12+: _shutdown's timeout goes to torch's own (its default 30 s when none is given)."""
+    import signal
+
+    pcontext = Closes()
+    agent = _agent(monkeypatch, tmp_path, pcontext, shutdown_s=90)
+    agent._shutdown(signal.SIGTERM, timeout=90)
+    agent._shutdown()
+    assert pcontext.calls == [(signal.SIGTERM, 90), (signal.SIGTERM, 30)]
 
 
 class Rendezvous:

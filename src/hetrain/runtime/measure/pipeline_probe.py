@@ -73,7 +73,7 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
     "first_s"/"last_s" where the model has those parts and, emulated, "piece_overhead_s" and
     (2+ ranks) "contention", "contention_at", "message_s", "busy_message_s" (module docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    solo = [dist.new_group([r]) for r in range(world)][rank]      # every rank creates every group, in order
+    solo = solo_group()
     x = _block_input(parts, example, device, precision)
     big = int(x.shape[0])
     sizes = (1, big) if big > 1 else (1,)
@@ -119,6 +119,21 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
                    contention_at=int(min(world, cores)), message_s=shared["message_s"],
                    busy_message_s=shared["busy_message_s"])
     return out
+
+
+_SOLO: dict = {}      # the default group -> this rank's group of itself, made once for it
+
+
+def solo_group():
+    """This rank's process group of its own rank alone, for one-stage pipelines (a collective the
+    first time a default group asks: every rank creates every rank's group, in order). Made once
+    per default group and kept: each new group is a communicator (on NCCL, GPU memory and setup
+    time) that nothing else would destroy before the job's end."""
+    world = dist.group.WORLD
+    if _SOLO.get("world") is not world:      # a new default group: the old one's groups went with it
+        _SOLO.clear()
+        _SOLO.update(world=world, solo=[dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()])
+    return _SOLO["solo"]
 
 
 def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, steps: int) -> dict:

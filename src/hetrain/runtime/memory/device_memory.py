@@ -19,6 +19,7 @@ from ...hardware.units import format_bytes
 from ...planning.memory import (DeviceMemory, StateBytes, choose_sharding, sharding_options,
                                state_bytes)
 from ..ranks import agree
+from ..ranks.torch_compat import fsdp_redoes_a_broken_step
 from ..sharding import wrap as sharding
 from ..devices.cuda_memory import usable_bytes
 from ..devices.emulation import MemoryMeter
@@ -225,6 +226,11 @@ def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None
         oom_recovery = False     # its guard learns a step's collectives by calling the model
         wrapped.lines.append("  in-loop OOM recovery under FSDP2: off (hetrain could not call the model to learn "
                              "a step's collectives)")
+    if wrapped.strategy == "fsdp" and oom_recovery and not fsdp_redoes_a_broken_step():
+        oom_recovery = False
+        wrapped.lines.append("  in-loop OOM recovery under FSDP2 is off: this torch cannot reset FSDP2 after a broken "
+                             "step (reset_iter_state: torch 2.13+); an OOM ends the attempt and --max-restarts "
+                             "resumes with half the micro-batch")
     if wrapped.strategy == "fsdp" and oom_recovery:
         # An OOM mid-step leaves collectives owed to the peers: learn one step's, to complete them
         # (runtime/sharding/fsdp_guard.py). Two samples: BatchNorm cannot train on one.

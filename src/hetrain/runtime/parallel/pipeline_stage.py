@@ -171,16 +171,31 @@ class MeteredStage(PipelineStage):
 
     def _stand_in_output(self):
         """What this stage sends on once it has run out of memory in this step: zeros shaped like the
-        outputs the pipeline agreed at its first step (so every receive completes), needing grad so
-        the schedule's backward runs through. The step is redone by every rank: these values are
-        never used for a gradient that is kept."""
-        if self.is_last:
+        outputs the pipeline agreed at its first step (so every receive completes, and torch 2.11's
+        check of every stage's output, the last's included, passes: shape, dtype and strides), needing
+        grad so the schedule's backward runs through. The step is redone by every rank: these values
+        are never used for a gradient that is kept."""
+        metas = self._declared_outputs()
+        if metas is None and self.is_last:      # nothing sent on, nothing to match: the loss's stand-in
             return torch.zeros((), device=self.device, requires_grad=True)
-        metas = self._stage_meta.outputs
         if metas is None:   # before the shapes were agreed: nothing to stand in with
             raise torch.OutOfMemoryError(f"stage {self.stage_index}: out of memory before its first send ({self.failed})")
-        outs = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device, requires_grad=True) for m in metas)
+        outs = tuple(torch.empty_strided(m.shape, m.stride() if callable(m.stride) else m.stride, dtype=m.dtype,
+                                         device=self.device).zero_().requires_grad_(m.dtype.is_floating_point)
+                     for m in metas)
         return outs[0] if len(outs) == 1 else outs
+
+    def _declared_outputs(self):
+        """The stage's output metadata as the pipeline agreed it (None before): torch 2.13+ keeps it
+        in the stage's meta record (shape, stride and dtype fields), 2.11 behind get_outputs_meta()
+        (meta tensors)."""
+        record = getattr(self, "_stage_meta", None)
+        if record is not None:
+            return record.outputs
+        try:
+            return self.get_outputs_meta()
+        except (AssertionError, RuntimeError):      # not configured yet
+            return None
 
     def _strike(self, chunk: int, phase: str) -> None:
         """An injected out-of-memory fault (runtime/devices/faults.py) for this micro-batch and phase."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from .torch_compat import abort_process_groups
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,34 @@ def env_rank() -> tuple[int, int]:
         return 0, 1
 
 
+def cuda_asked_for() -> bool:
+    """CUDA_VISIBLE_DEVICES names GPUs: the job is meant for them, even where torch sees none
+    ('' or '-1' hides them all: the CPU is meant)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return bool(visible) and not visible.startswith("-")
+
+
+def check_cuda_device(local_rank: int) -> None:
+    """The GPU this rank is to use exists: one line with the fix instead of CUDA's 'invalid device
+    ordinal' at set_device. torchrun numbers LOCAL_RANK 0..n-1 on a node, so it fails where each
+    process sees fewer GPUs (a scheduler's per-task CUDA_VISIBLE_DEVICES, say), or none."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "CUDA_VISIBLE_DEVICES is unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU build)"
+        raise UsageError(f"a GPU (cuda:{local_rank}) is asked for, but torch sees none here: torch "
+                         f"{torch.__version__} with {build}, {shown}",
+                         "run where `nvidia-smi` lists GPUs, with a CUDA build of torch; or, to train on the CPU, "
+                         "unset CUDA_VISIBLE_DEVICES (--emulate SPEC emulates GPUs on it)")
+    if local_rank >= count:
+        raise UsageError(f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) ({shown}): it "
+                         f"would use cuda:{local_rank}",
+                         f"start at most {count} process(es) per node (`hetrain run --nproc {count}`, torchrun "
+                         f"--nproc-per-node={count}), or let each process see all the node's GPUs (no per-task "
+                         "CUDA_VISIBLE_DEVICES, e.g. Slurm --gpus-per-node instead of --gpus-per-task)")
+
+
 def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
     """Join the job's process group (torchrun env vars), or make a group of one."""
     rank = _env_int("RANK", 0)
@@ -72,6 +101,7 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
         raise UsageError(f"RANK={rank} but WORLD_SIZE={world}: RANK must be below WORLD_SIZE",
                          "launch with torchrun / `hetrain run`, which set both")
     if use_cuda:
+        check_cuda_device(local_rank)
         # Before anything else touches CUDA, or every rank makes a context on GPU 0.
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -106,6 +136,19 @@ def init_distributed(*, timeout_s: float, use_cuda: bool) -> DistContext:
                             device_id=device if backend == "nccl" else None)
     return DistContext(rank, world, local_rank, device, backend, restart, owns_group=True,
                        local_world_size=_env_int("LOCAL_WORLD_SIZE", world, low=1))
+
+
+def leave_after_error(ctx: DistContext | None) -> str | None:
+    """Leave the group when the job did not end with close() (an error, or an exit without it): no
+    barrier, peers may be gone. NCCL's communicators are aborted: destroy_process_group shuts them
+    down and can wait for ever on a collective a lost peer never joins; an abort does not wait.
+    gloo's group is destroyed as on a clean exit. Returns how the group was left (None: not ours)."""
+    if ctx is None or not ctx.owns_group or not dist.is_initialized():
+        return None
+    if "nccl" in ctx.backend:
+        return abort_process_groups()
+    dist.destroy_process_group()
+    return "destroy_process_group"
 
 
 def shutdown(ctx: DistContext | None) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import HetrainError
+from ..ranks.torch_compat import all_gather_single, reduce_scatter_single
 
 
 @dataclass(frozen=True)
@@ -53,27 +54,28 @@ class _Allocating:
 
 
 class RecordingAllGather(_Allocating):
-    """FSDP2's default all-gather (`dist.all_gather_single`), recorded once it is issued."""
+    """FSDP2's default all-gather (`all_gather_single`; `all_gather_into_tensor` before torch 2.13),
+    recorded once it is issued."""
 
     def __init__(self, issued: list[Collective]):
         self.issued = issued
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         self.issued.append(Collective("all_gather", input_tensor.numel(), input_tensor.dtype,
                                       input_tensor.device, group))
         return work
 
 
 class RecordingReduceScatter(_Allocating):
-    """FSDP2's default reduce-scatter (`dist.reduce_scatter_single`), recorded once it is issued."""
+    """FSDP2's default reduce-scatter (`reduce_scatter_single`; `reduce_scatter_tensor` before torch
+    2.13), recorded once it is issued."""
 
     def __init__(self, issued: list[Collective]):
         self.issued = issued
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        work = reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
         self.issued.append(Collective("reduce_scatter", input_tensor.numel(), input_tensor.dtype,
                                       input_tensor.device, group, op))
         return work
@@ -126,13 +128,11 @@ class FSDPGuard:
                 ws = dist.get_world_size(c.group)
                 if c.kind == "all_gather":
                     out = torch.zeros(c.numel * ws, dtype=c.dtype, device=c.device)
-                    dist.all_gather_single(out, out.narrow(0, dist.get_rank(c.group) * c.numel, c.numel),
-                                           group=c.group)
+                    all_gather_single(out, out.narrow(0, dist.get_rank(c.group) * c.numel, c.numel), group=c.group)
                     del out
                 else:
-                    dist.reduce_scatter_single(output=torch.zeros(c.numel // ws, dtype=c.dtype, device=c.device),
-                                               input=torch.zeros(c.numel, dtype=c.dtype, device=c.device),
-                                               group=c.group, op=c.op)
+                    reduce_scatter_single(torch.zeros(c.numel // ws, dtype=c.dtype, device=c.device),
+                                          torch.zeros(c.numel, dtype=c.dtype, device=c.device), group=c.group, op=c.op)
         self.issued[:] = template
         return len(missing)
 
