@@ -22,6 +22,8 @@ FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", 
 NEW_METHODS = {"new_tensor", "new_zeros", "new_ones", "new_empty", "new_full"}
 JOB_ROOTS = {"self", "job", "engine", "ctx", "sharding"}
 # (module, function): why its tensors need no job device
+# torch_compat's stand-ins for collectives that torch < 2.13 lacks, called by their bare names
+COMPAT = {"all_gather_single", "reduce_scatter_single"}
 ALLOWED = {
     ("runtime/measure/pipeline_probe.py", "_time_messages"):
         "runs for emulated devices only (speed given), which are CPU ranks over gloo: host tensors by design",
@@ -54,6 +56,8 @@ def _own_nodes(fn):
 def _is_collective(call: ast.Call) -> bool:
     name = _dotted(call.func) or ""
     head, _, last = name.rpartition(".")
+    if head == "" and last in COMPAT:       # runtime/ranks/torch_compat.py's version-proof collectives
+        return True
     return last in COLLECTIVES and head in ("dist", "torch.distributed")
 
 
