@@ -103,11 +103,26 @@ def swap_accelerate(module) -> None:
         say("Accelerate", "accelerate.Accelerator", "Accelerator")
 
 
+PENDING: list = []       # transformers.trainer modules loaded while hetrain's Trainer was being defined
+
+
+def trainer_defined(module=None) -> None:
+    """hf/trainer.py has loaded, hetrain's Trainer with it: the swap that had to wait for it runs now."""
+    while PENDING:
+        swap_trainer(PENDING.pop())
+
+
 def swap_trainer(module) -> None:
     """transformers.trainer loaded: its Trainer becomes hetrain's, and its own Accelerator stays stock's."""
     import accelerate.accelerator
     import transformers
 
+    ours = sys.modules.get("hetrain.integrations.hf.trainer")
+    if ours is not None and not hasattr(ours, "Trainer"):
+        # A script imported hetrain's Trainer itself, whose class statement loaded this module:
+        # the class does not exist yet, so the swap waits for it (trainer_defined, once hf/trainer.py has loaded)
+        PENDING.append(module)
+        return
     from .hf.trainer import Trainer
     from .trl_parts.trainers import refuse_loop_overrides
 
@@ -138,4 +153,5 @@ def swap_trl(module) -> None:
 
 
 AFTER = {"accelerate": swap_accelerate, "transformers.trainer": swap_trainer,
+         "hetrain.integrations.hf.trainer": trainer_defined,
          **{name: swap_trl for name in TRL_MODULES}}

@@ -326,3 +326,4 @@ class Trainer(transformers.Trainer):
         if dist.is_initialized() and engine.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+

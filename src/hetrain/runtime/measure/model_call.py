@@ -22,6 +22,7 @@ from ...planning.memory import partition_bounds
 from ...planning.plan import DevicePlan, Plan
 from ..loop.flops import local_peak
 from ..sharding.fsdp_guard import one_step
+from ..user_objects import ForwardCallError
 
 UNMEASURED = "not measured"     # how the plan's note and reasons begin
 
@@ -38,8 +39,9 @@ def probe(job, model, forward) -> str | None:
     except torch.OutOfMemoryError:
         oom = True            # callable: measuring says what fits
     except Exception as e:    # noqa: BLE001 — any failure of the call: the user's loop knows how
-        text = str(e).splitlines()[0][:160] if str(e) else ""
-        error = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        cause = e.__cause__ if isinstance(e, ForwardCallError) and e.__cause__ is not None else e
+        text = str(cause).splitlines()[0][:160] if str(cause) else ""
+        error = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
     if oom:                   # outside the except block: its traceback held the failed graph
         model.zero_grad(set_to_none=True)
         if job.device.type == "cuda":
