@@ -280,6 +280,16 @@ def token_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def micro_batches(ht, model, step) -> None:
+    """The user's loop over one step's micro-batches: forward under the job's autocast, weighted backward."""
+    for mb in step:
+        with mb:
+            x, y = mb.batch
+            with ht.autocast():
+                loss = token_loss(model(x), y)
+            ht.backward(loss)
+
+
 def plan(devices: list[tuple[str, int, int]], global_batch: int):
     """A fixed Plan: [(device label, share, micro-batch)] by rank (no measuring before training)."""
     import hetrain

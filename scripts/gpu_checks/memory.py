@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import Claims, device_of, gib, main, plan, read_metrics, token_data, token_loss, tower
+from common import Claims, device_of, gib, main, micro_batches, plan, read_metrics, token_data, tower
 
 
 # -- internal figures (adapt these reads when hetrain's internals change) -------------------------
@@ -78,12 +78,7 @@ def memory(args) -> dict:
     model, opt, batches = ht.prepare(model, opt, token_data(64 * 6, seq, vocab))
     allocated = reserved = 0
     for step in batches:
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                with ht.autocast():
-                    loss = token_loss(model(x), y)
-                ht.backward(loss)
+        micro_batches(ht, model, step)
         ht.step()
         # hetrain resets the allocator's peaks as each step starts: read them as each ends
         allocated = max(allocated, cuda.allocated())
@@ -146,12 +141,7 @@ def scaler(args) -> dict:
     fused = any(g.get("fused") for g in opt.param_groups)
     moved, scales = [], []
     for step in batches:
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                with ht.autocast():
-                    loss = token_loss(model(x), y)
-                ht.backward(loss)
+        micro_batches(ht, model, step)
         if step.index == inject:        # one gradient overflows, as an fp16 overflow would
             params[0].grad.view(-1)[0] = float("inf")
         before, scale = [p.detach().clone() for p in params], read_loss_scale(ht)
@@ -195,10 +185,7 @@ def offload_run(args, mode: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in batches:
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                ht.backward(token_loss(model(x), y))
+        micro_batches(ht, model, step)
         ht.step()
     state_devices = sorted({v.device.type for s in opt.state.values() for v in s.values()
                             if isinstance(v, torch.Tensor) and v.dim() > 0})

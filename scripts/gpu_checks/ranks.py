@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import (Claims, gib, join_gloo, leave_group, main, plan, read_metrics, remaining, run_ranks,
+from common import (Claims, gib, join_gloo, leave_group, main, micro_batches, plan, read_metrics, remaining, run_ranks,
                     token_data, token_loss, tower, worker_main)
 
 SCRIPT = str(Path(__file__).resolve())
@@ -68,10 +68,7 @@ def oom_job(rank: int, *, capped: bool, sizes: dict) -> dict:
     on[0] = rank == 1
     losses, cap = [], None
     for step in batches:
-        for mb in step:
-            with mb:
-                x, y = mb.batch
-                ht.backward(token_loss(model(x), y))
+        micro_batches(ht, model, step)
         losses.append(ht.step().loss)
         if capped and rank == 1 and step.index == 0:
             # room for this step's peak less a quarter of the scratch (1 GiB): the planned micro-batch

@@ -133,18 +133,3 @@ def rows(batch) -> int | None:
     else:
         return None
     return next((n for n in map(rows, values) if n is not None), None)
-
-
-def take(batch, start: int, stop: int):
-    """Samples [start, stop) of a batch: every tensor with the batch's leading size cut along it,
-    the rest (a 0-d tensor, a per-batch value) as it is."""
-    n = rows(batch)
-    return _rebuild(batch, lambda t: t[start:stop] if t.dim() and t.shape[0] == n else t)
-
-
-def split(batch, sizes) -> list:
-    """The batch cut into consecutive parts of these sizes (summing to its rows)."""
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + int(size))
-    return [take(batch, a, b) for a, b in zip(bounds, bounds[1:])]

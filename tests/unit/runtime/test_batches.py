@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import BatchEncoding
 
-from hetrain.runtime.user_objects import ForwardCallError, default_forward, rows, split, take, to_device
+from hetrain.runtime.user_objects import ForwardCallError, default_forward, rows, to_device
 
 META = torch.device("meta")
 
@@ -53,15 +53,9 @@ def test_every_batch_kind_moves_to_the_device_keeping_its_type(batch):
         assert moved.note == "kept"
 
 
-def test_a_batch_encoding_is_counted_cut_and_split_as_one_batch():
+def test_a_batch_encoding_is_counted_as_one_batch():
     enc = _encoding(5)
     assert rows(enc) == 5 and rows(Pair(torch.ones(4, 2), torch.zeros(4))) == 4 and rows({"k": "v"}) is None
-    part = take(enc, 1, 3)
-    assert isinstance(part, BatchEncoding) and part["input_ids"].tolist() == [[3, 4, 5], [6, 7, 8]]
-    parts = split(Pair(torch.arange(5.0)[:, None], torch.arange(5.0)), [2, 3])
-    assert [p.y.tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0, 4.0]] and parts[1].note == "kept"
-    scalar = take({"x": torch.ones(4, 2), "scale": torch.tensor(2.0)}, 0, 1)
-    assert scalar["x"].shape == (1, 2) and scalar["scale"].item() == 2.0      # a per-batch value stays whole
 
 
 class KeywordModel(nn.Module):
