@@ -36,6 +36,9 @@ class GpuSpec:
     pcie_gen: int
     datacenter: bool
     speed_index: float            # relative training throughput, A100-80GB SXM = 1.0
+    vendor: str = "nvidia"        # nvidia | amd | intel | huawei | cpu: devices of one vendor form an island
+    device_type: str = "cuda"     # torch's device type: cuda (NVIDIA, and AMD through HIP) | hpu | xpu | npu | cpu
+    backend: str = "nccl"         # the vendor's collective library as torch.distributed names it
 
     @property
     def real_bf16(self) -> bool:
@@ -65,6 +68,8 @@ def all_gpus() -> tuple[GpuSpec, ...]:
             tdp_w=float(d["tdp_w"]), compute_capability=(major, minor),
             nvlink_gbs=float(d.get("nvlink_gbs", 0)), pcie_gen=int(d["pcie_gen"]),
             datacenter=bool(d["datacenter"]), speed_index=float(d["speed_index"]),
+            vendor=str(d.get("vendor", "nvidia")), device_type=str(d.get("device_type", "cuda")),
+            backend=str(d.get("backend", "nccl")),
         ))
     return tuple(specs)
 

@@ -58,6 +58,7 @@ class ClusterDevice:
     speed_source: str          # 'catalog speed index 0.67' or 'given in --emulate'
     memory_bytes: int
     memory_source: str         # 'catalog: 24 GiB card' or 'given cap'
+    island: str = ""           # the device island it belongs to ('' : the job is one island)
 
     @property
     def label(self) -> str:
@@ -92,6 +93,7 @@ class Topology:
     nodes: tuple[Node, ...]
     net: LinkSpec | None         # None: one node
     named: bool                  # the spec named its nodes (the node form)
+    bridge: LinkSpec | None = None   # the host bridge joining device islands (None: one island)
 
     def node_of(self, device: int) -> Node:
         return next(n for n in self.nodes if device in n.devices)
