@@ -18,6 +18,19 @@ Nodes and links (the multi-node form), items separated by `;`:
 A flat spec is one node (named 'node0') whose link comes from the catalog. Devices are numbered
 in node order, and speeds are rescaled over the whole cluster, as for a flat spec.
 
+Islands and their bridge (the island form, one machine; hardware/islands.py), items separated by `;`:
+    ISLAND=DEVICES[/LINK]; ISLAND=DEVICES[/LINK]; ...; bridge=[host:]LINK
+  e.g. nv=2xa100-80g/nvlink; amd=2xmi300x/xgmi; bridge=host:25GbE
+  ISLAND  named as a node is (not 'net' or 'bridge'); its devices share one vendor and torch device
+          type (NVIDIA, AMD, Intel Gaudi, Intel XPU, Huawei Ascend, the CPU) and so one collective
+          library; every device gets `island=ISLAND`
+  LINK    after DEVICES: the link inside the island (nvlink, xgmi, hccs, pcie4, ...); after
+          `bridge=`: the link between islands, staged through host memory (`host:25GbE`; `host` alone
+          is the cards' own PCIe). Needed with two islands or more; net= is the nodes form's.
+A flat spec is one island, except that `cpu` items (`2xa100-80g,cpu`) are an island of their own
+('cpu', beside one named after the cards' vendor, bridged by host memory); a flat spec or island
+mixing two GPU vendors is an error that shows the island form.
+
 Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`. On a
 multi-node job each node's `hetrain run --emulate` names that node's devices: a flat spec, or that
 node's one `NODE=DEVICES[/LINK]` item (NODE becomes the node's name unless --node-name is given).
@@ -94,6 +107,7 @@ class Topology:
     net: LinkSpec | None         # None: one node
     named: bool                  # the spec named its nodes (the node form)
     bridge: LinkSpec | None = None   # the host bridge joining device islands (None: one island)
+    islands: tuple = ()          # hardware/islands.Island per island ((): one island, or a flat spec)
 
     def node_of(self, device: int) -> Node:
         return next(n for n in self.nodes if device in n.devices)
@@ -141,10 +155,21 @@ def parse_cluster_spec(spec: str) -> ClusterSpec:
     """A cluster spec's devices and topology (the grammar: this module's docstring)."""
     if not spec or not spec.strip():
         raise _bad(spec, "the cluster spec is empty")
+    from . import islands
+
     if "=" not in spec and ";" not in spec:
-        devices = _build(_devices(spec, 0))
+        raw = _devices(spec, 0)
+        names, bridge = islands.flat_islands(tuple(g for g, _, _ in raw), spec)
+        devices = _build(raw, names)
         node = Node(name="node0", devices=tuple(range(len(devices))), part=spec.strip(), link=None)
-        return ClusterSpec(devices=devices, topology=Topology(nodes=(node,), net=None, named=False))
+        return ClusterSpec(devices=devices, topology=Topology(nodes=(node,), net=None, named=False, bridge=bridge))
+    if islands.is_island_spec(spec):
+        devices, found, bridge, flat = islands.parse_islands(spec, _devices, _build)
+        if len(found) > 1 and bridge is None:
+            raise islands.no_bridge(spec, {i.name: i.devices for i in found})
+        node = Node(name="node0", devices=tuple(range(len(devices))), part=flat, link=None)
+        return ClusterSpec(devices=devices, topology=Topology(nodes=(node,), net=None, named=False,
+                                                              bridge=bridge, islands=found))
     raw: list[tuple[catalog.GpuSpec, float | None, int | None]] = []
     nodes: list[Node] = []
     net: str | None = None
@@ -177,6 +202,9 @@ def parse_cluster_spec(spec: str) -> ClusterSpec:
         raise _bad_node(spec.strip(), "no node is named")
     net_link = parse_link(net, where="between nodes (net=)") if net is not None else None
     if len(nodes) > 1 and net_link is None:
+        if len({islands.default_name(raw[d][0]) for n in nodes for d in n.devices}) > 1:
+            # two vendors' devices and no link: the island form (with its bridge) was meant
+            raise islands.no_bridge(spec, {n.name: n.devices for n in nodes})
         raise _bad_node(spec.strip(), f"{len(nodes)} nodes but no net=LINK between them")
     return ClusterSpec(devices=_build(raw), topology=Topology(nodes=tuple(nodes), net=net_link, named=True))
 
@@ -221,7 +249,8 @@ def _devices(spec: str, before: int) -> list[tuple[catalog.GpuSpec, float | None
     return raw
 
 
-def _build(raw: list[tuple[catalog.GpuSpec, float | None, int | None]]) -> tuple[ClusterDevice, ...]:
+def _build(raw: list[tuple[catalog.GpuSpec, float | None, int | None]],
+           islands: list[str] | None = None) -> tuple[ClusterDevice, ...]:
     speeds = [s if s is not None else gpu.speed_index for gpu, s, _ in raw]
     scale = max(1.0, max(speeds))
     return tuple(
@@ -231,6 +260,7 @@ def _build(raw: list[tuple[catalog.GpuSpec, float | None, int | None]]) -> tuple
             memory_bytes=mem if mem is not None else gpu.memory_bytes,
             memory_source=("given cap" if mem is not None
                            else f"catalog: {format_bytes(gpu.memory_bytes)} card"),
+            island=islands[i] if islands else "",
         )
         for i, (gpu, s, mem) in enumerate(raw)
     )

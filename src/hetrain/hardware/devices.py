@@ -62,6 +62,8 @@ class Device:
         emulation, which passes on V100/T4 and is slow)."""
         if self.kind == "cpu":
             return None
+        if self.spec is not None and self.spec.vendor != "nvidia":
+            return self.spec.real_bf16      # no compute capability: the catalog's flag
         return self.compute_capability >= (8, 0) if self.compute_capability else None
 
     @property
@@ -140,8 +142,8 @@ def devices_from_facts(facts: dict) -> tuple[Device, ...]:
 def from_cluster_device(d) -> Device:
     """An emulated device (a `cluster.ClusterDevice`): catalog facts, the spec's speed and cap."""
     spec = d.gpu
-    return Device(kind="emulated", index=d.index, name=spec.name, spec=spec,
-                  memory_bytes=d.memory_bytes, compute_capability=spec.compute_capability,
+    return Device(kind="emulated", index=d.index, name=spec.name, spec=spec, memory_bytes=d.memory_bytes,
+                  compute_capability=spec.compute_capability if spec.vendor == "nvidia" else None,
                   power_limit_w=spec.tdp_w, pcie_gen_gpu_max=spec.pcie_gen, speed=d.speed,
                   source=f"catalog, emulated ({d.speed_source}; {d.memory_source})",
                   notes=("emulated: a throttled CPU process, catalog facts only",))

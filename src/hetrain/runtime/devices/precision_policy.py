@@ -35,7 +35,7 @@ def device_facts(device: torch.device, emulated=None, host=None) -> DeviceFacts:
     if emulated is not None:
         slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
         return DeviceFacts(label=emulated.label, kind="emulated",
-                           capability=tuple(emulated.spec.gpu.compute_capability),
+                           capability=tuple(emulated.spec.gpu.precision_capability),
                            host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
     if device.type == "cuda":
         return DeviceFacts(label=f"cuda:{device.index} {torch.cuda.get_device_name(device)}", kind="cuda",
