@@ -73,7 +73,14 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         raise UsageError(f"--max-restarts {max_restarts} is negative", "use 0 or more")
     # Every input is checked before any work (the host measurement below, the run dir, a launch).
     if emulate is not None and ("=" in emulate or ";" in emulate):
-        emulate, node_name = _one_node(emulate, node_name)
+        from .hardware.islands import is_island_spec
+
+        if not is_island_spec(emulate):
+            emulate, node_name = _one_node(emulate, node_name)
+        elif rdzv is not None:
+            raise UsageError(f"--emulate {emulate!r} names device islands, which are on one machine, on a "
+                             "multi-node launch", "give each node its own devices (flat, or its NODE=DEVICES "
+                             "item), or run the islands on one machine without --nnodes")
     cluster = parse_cluster(emulate) if emulate is not None else None     # '' is a bad spec, not none
     gpus = _cuda_count() if cluster is None else 0
     _check_nproc(nproc, len(cluster) if cluster is not None else None, gpus)
@@ -91,6 +98,11 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         count = len(cluster)
         reasons.append("processes: one per emulated device" + (" of this node" if rdzv else "") + ": "
                        + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
+        from .hardware.islands import describe_islands
+
+        islands = describe_islands(emulate)
+        if islands:
+            reasons.append(islands + " (every group gloo under emulation)")
         env["OMP_NUM_THREADS"] = "1"
         reasons.append("OMP_NUM_THREADS=1: an emulated device is one CPU thread, throttled to its speed")
         # Measured here, once per host (then cached), before any worker computes: how fast this
@@ -103,6 +115,10 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
             reasons.append(host.note)
     else:
         count = gpus or 1
+        if not gpus and nproc is None:     # a Gaudi or Ascend machine whose torch lacks the plugin
+            from .hardware.islands import check_real_devices
+
+            check_real_devices()
         if gpus:
             reasons.append(f"processes: one per visible GPU ({gpus})")
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

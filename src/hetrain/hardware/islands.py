@@ -239,3 +239,20 @@ def check_real_devices(root: str = "/") -> None:
         if why:
             raise UsageError(f"this machine has {where}, but {why}: the job would run on the CPU",
                              PLUGINS[device_type][2] + "; or, to train on the CPU on purpose, pass --nproc N")
+
+
+def describe_islands(spec: str) -> str | None:
+    """'islands: nv = a100-80g#0,a100-80g#1 (nccl), amd = mi300x#2,mi300x#3 (rccl); bridge host 25GbE'
+    for a spec of several islands (None for one)."""
+    from .cluster import parse_cluster_spec
+
+    parsed = parse_cluster_spec(spec)
+    names = list(dict.fromkeys(d.island for d in parsed.devices))
+    if len(names) < 2:
+        return None
+    parts = []
+    for name in names:
+        mine = [d for d in parsed.devices if d.island == name]
+        parts.append(f"{name} = {','.join(d.label for d in mine)} ({mine[0].gpu.collective})")
+    bridge = parsed.topology.bridge
+    return "islands: " + ", ".join(parts) + (f"; bridge {bridge.name} ({bridge.source})" if bridge else "")

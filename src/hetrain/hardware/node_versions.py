@@ -5,7 +5,10 @@ different torch builds compute differently, so a mismatch is an error that names
 the install that fixes it. A driver difference alone is a warning: NCCL runs across drivers.
 
 `versions_here` is one rank's versions, cheaply (no full machine query, no peer-copy child);
-the lead gathers them (one all_gather_object) and `check_node_versions` compares them. Pure but
+the lead gathers them (one all_gather_object) and `check_node_versions` compares them. A job of
+several device islands (vendors: runtime/ranks/island_facts.py) compares them within each island
+only: an NVIDIA island's CUDA torch and an AMD island's ROCm torch differ by nature, and only the
+host-staged bridge (gloo) joins them. Pure but
 for versions_here. With HETRAIN_MACHINE naming a recorded machine description, versions_here
 reads that file instead: the recorded-machine boundary tests feed mismatches through.
 """
@@ -118,13 +121,34 @@ def _within_nodes(per_rank, node_of, names) -> list[str]:
     return warnings
 
 
-def check_node_versions(per_rank: list[dict], node_of: list[int], node_names: list[str]) -> list[str]:
+def check_node_versions(per_rank: list[dict], node_of: list[int], node_names: list[str],
+                        island_of: list[str] | None = None) -> list[str]:
     """Compare every rank's `versions_here` across nodes (rank r runs on node node_of[r], named
     node_names[node_of[r]]). Raises UsageError, one line, when torch, CUDA or NCCL differ;
-    returns warnings (one line each) for a driver difference, [] when everything matches."""
+    returns warnings (one line each) for a driver difference, [] when everything matches.
+    `island_of`: each rank's device island; versions are then compared within each island, and
+    the error names it."""
     if len(per_rank) != len(node_of) or any(not 0 <= n < len(node_names) for n in node_of):
         raise ValueError(f"check_node_versions: {len(per_rank)} ranks, node_of {node_of!r}, "
                          f"{len(node_names)} node names do not fit together")
+    if island_of is not None and len(island_of) != len(per_rank):
+        raise ValueError(f"check_node_versions: {len(per_rank)} ranks but {len(island_of)} islands")
+    if island_of is None or len(set(island_of)) < 2:
+        return _check(per_rank, node_of, node_names)
+    warnings = []
+    for island in dict.fromkeys(island_of):
+        ranks = [r for r, i in enumerate(island_of) if i == island]
+        try:
+            found = _check([per_rank[r] for r in ranks], [node_of[r] for r in ranks], node_names)
+        except UsageError as e:
+            raise UsageError(f"in device island {island!r} (ranks {','.join(map(str, ranks))}): {e.what}",
+                             e.fix) from None
+        warnings += [f"in device island {island!r}: {w}" for w in found]
+    return warnings
+
+
+def _check(per_rank: list[dict], node_of: list[int], node_names: list[str]) -> list[str]:
+    """check_node_versions over one island's ranks (node indices still into node_names)."""
     warnings = _within_nodes(per_rank, node_of, node_names)
     per_node: dict[int, dict] = {}
     for r, n in enumerate(node_of):        # a node's value: its first rank's (known) value

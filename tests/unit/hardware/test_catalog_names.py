@@ -84,10 +84,15 @@ def test_no_two_cards_share_a_name():
 
 def test_every_entry_is_consistent():
     for s in catalog.all_gpus():
-        assert s.fp32_tflops > 0 and s.fp16_tflops > 0 and s.memory_bytes > 0 and s.tdp_w > 0, s.key
+        assert s.fp32_tflops > 0 and s.memory_bytes > 0 and s.tdp_w > 0, s.key
+        assert (s.fp16_tflops > 0) == s.fp16, s.key
         assert s.bandwidth_gbs > 0 and 3 <= s.pcie_gen <= 5 and s.speed_index > 0, s.key
-        # bf16 tensor throughput exactly where the hardware has bf16 (cc >= 8.0)
-        assert (s.bf16_tflops > 0) == s.real_bf16 == (s.compute_capability >= (8, 0)), s.key
+        if s.vendor == "nvidia":   # bf16 tensor throughput exactly where the hardware has bf16 (cc >= 8.0)
+            assert s.bf16 is None and s.fp16, s.key
+            assert (s.bf16_tflops > 0) == s.real_bf16 == (s.compute_capability >= (8, 0)), s.key
+        else:                      # no compute capability: the explicit flag says it
+            assert s.compute_capability == (0, 0) and s.bf16 is not None, s.key
+            assert (s.bf16_tflops > 0) == s.real_bf16 == s.bf16, s.key
         assert s.names, f"{s.key}: no driver-reported name"
 
 

@@ -20,7 +20,8 @@ import socket
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ...hardware.cluster import device_items, parse_cluster
+from ...hardware.cluster import device_items, parse_cluster_spec
+from ...hardware.islands import is_island_spec
 from ..config import LAUNCH_ENV
 
 
@@ -28,6 +29,7 @@ from ..config import LAUNCH_ENV
 class JobNodes:
     names: tuple[str, ...]                 # per node, in node order
     node_of: tuple[int, ...]               # per rank: its node's index into `names`
+    islands: object = None                 # island_facts.JobIslands, found at start (join_nodes)
 
     @property
     def count(self) -> int:
@@ -78,13 +80,14 @@ def local_device(spec: str | None, *, local_rank: int, local_world: int) -> str 
 
 
 def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spec: str | None,
-           versions: dict | None = None) -> tuple[JobNodes, str | None, list[dict]]:
+           versions: dict | None = None, device: dict | None = None) -> tuple[JobNodes, str | None, list[dict]]:
     """(the job's nodes, the job's cluster spec or None, every rank's record). A collective when
     world_size > 1: every rank calls it, with its own node's spec. `agreed_restart(records)`
     is the job's attempt number: a node that joined later counts its own restarts from 0."""
     mine = {"group": int(os.environ.get("GROUP_RANK", "0") or 0), "name": node_name(),
             "device": local_device(spec, local_rank=local_rank, local_world=local_world),
-            "versions": versions or {}, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+            "versions": versions or {}, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "island": device or {}}
     if world_size > 1:
         import torch.distributed as dist
 
@@ -103,6 +106,13 @@ def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spe
         raise UsageError(f"some nodes emulate their devices and some do not ({side})",
                          "give every node's `hetrain run` an --emulate spec of its own devices, or none")
     job_spec = ",".join(t["device"] for t in table) if all(emulated) else None
+    if job_spec is not None and is_island_spec(spec):
+        if nodes.spans_nodes:
+            raise UsageError(f"--emulate {spec!r} names device islands, which are on one machine, but the job "
+                             f"spans {nodes.count} nodes",
+                             "on several nodes give each node its own devices (node form or flat); islands "
+                             "and their bridge= are one machine's")
+        job_spec = spec            # one machine: its islands and bridge as given
     return nodes, job_spec, table
 
 
@@ -129,17 +139,30 @@ def join_nodes(ctx, config, log):
     from dataclasses import replace
 
     from ...hardware.node_versions import check_node_versions, versions_here
+    from .island_facts import job_islands, rank_device
 
+    spec = config.emulation.cluster
     nodes, job_spec, records = gather(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                                      local_world=ctx.local_world_size, spec=config.emulation.cluster,
-                                      versions=versions_here() if ctx.world_size > 1 else None)
-    cluster = parse_cluster(job_spec) if job_spec is not None else None
+                                      local_world=ctx.local_world_size, spec=spec,
+                                      versions=versions_here() if ctx.world_size > 1 else None,
+                                      device=rank_device(ctx.device) if spec is None else None)
+    parsed = parse_cluster_spec(job_spec) if job_spec is not None else None
+    cluster = parsed.devices if parsed is not None else None
+    bridge = parsed.topology.bridge if parsed is not None else None
+    # emulation: the job-wide spec's islands; real devices: what each rank found it trains on
+    facts = [rank_device(emulated=d) for d in parsed.devices] if parsed is not None else [r["island"] for r in records]
+    islands = job_islands(facts, bridge=bridge.name if bridge else "",
+                          bridge_gbs=bridge.bandwidth_gbs if bridge else None)
+    nodes = replace(nodes, islands=islands)
     if job_spec is not None:
         config = replace(config, emulation=replace(config.emulation, cluster=job_spec))
     ctx = replace(ctx, restart=agreed_restart(records))   # what depends on the attempt is alike on every rank
-    if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node
+    if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node of an island
+        island_of = [islands.island_of(r).name for r in range(len(records))] if islands.multi else None
         for warning in check_node_versions([r["versions"] for r in records], list(nodes.node_of),
-                                           list(nodes.names)):
+                                           list(nodes.names), island_of=island_of):
             log.warn_job(warning)
         log.info(describe(nodes, cluster))
+    if islands.multi:
+        log.info(islands.describe())
     return ctx, config, nodes, cluster
