@@ -31,6 +31,12 @@ def _machine(machine_file: str | None, cluster: str | None, measure: bool) -> ma
     return machine.live(measure=measure)
 
 
+def _islands(devices) -> list[str]:
+    from ..hardware.islands import device_islands
+
+    return device_islands(devices)
+
+
 def _rank() -> int:
     """This process's rank under torchrun (0 alone): only rank 0 prints."""
     value = os.environ.get("RANK", "") or "0"
@@ -47,10 +53,13 @@ def _print_doctor(m: machine.Machine, findings) -> None:
 
     console = make_console(highlight=True, soft_wrap=False)   # wide off a terminal: one row per line in logs
     console.print(f"[bold]hetrain doctor[/bold] — {m.source}")
-    devices = Table("device", "name", "memory", "cc", "catalog", "source", title="devices", title_justify="left")
-    for d in m.devices:
+    from ..hardware.islands import device_islands
+
+    devices = Table("device", "name", "vendor", "island", "memory", "cc", "catalog", "source", title="devices",
+                    title_justify="left")
+    for d, island in zip(m.devices, device_islands(m.devices)):
         summary = d.summary().split(", ")
-        devices.add_row(d.label, d.name, summary[1] if len(summary) > 1 else "-",
+        devices.add_row(d.label, d.name, d.vendor, island, summary[1] if len(summary) > 1 else "-",
                         "{}.{}".format(*d.compute_capability) if d.compute_capability else "-",
                         d.spec.key if d.spec else ("-" if d.kind == "cpu" else "not in catalog"), d.source)
     console.print(devices)
@@ -86,7 +95,8 @@ def doctor(
     if rank == 0:
         if json_out:
             typer.echo(json.dumps({
-                "source": m.source, "devices": [d.to_dict() for d in m.devices],
+                "source": m.source, "devices": [{**d.to_dict(), "island": island} for d, island
+                                                in zip(m.devices, _islands(m.devices))],
                 "topology": [ln.to_dict() for ln in m.links],
                 "findings": [f.to_dict() for f in findings], "counts": doctor_mod.counts(findings)}, indent=2))
         else:

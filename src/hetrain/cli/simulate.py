@@ -128,6 +128,9 @@ def simulate(
     except UsageError as e:     # plain data parallelism cannot run: the layouts say what can
         sim, dp_error = None, e
     net_lines, net_json = topology_lines(topology, sim, grad_bytes) if topology and sim else ([], None)
+    from ..hardware.islands import describe_islands
+
+    islands_line = describe_islands(cluster)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
                                              "trainable_params": spec.trainable,
@@ -139,6 +142,8 @@ def simulate(
                "layouts": ranking.to_dict() if ranking else None}
         if net_json is not None:
             out["topology"] = net_json
+        if islands_line:
+            out["islands"] = islands_line
         typer.echo(json.dumps(out, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         if ranking is not None and not any(r.fits for r in ranking.rows):
             raise typer.Exit(2)
@@ -147,6 +152,8 @@ def simulate(
         f"{len(devices)} devices ({device_kinds([d.label for d in devices], limit=0)})"
         + (f" on {len(parsed.topology.nodes)} nodes" if parsed.topology.named else ""))
     title = f"{spec.name} on {where}, global batch {global_batch}, {precision}"
+    if islands_line:
+        typer.echo(islands_line)
     if sim is not None:
         _show_simulation(sim, spec, profiles, title, net_lines, optimizer, precision)
     if ranking is not None:

@@ -69,11 +69,12 @@ def _cpu_precision_finding(recorded: dict | None) -> Finding:
 
 
 def check_precision(m: Machine, o: DoctorOptions) -> list[Finding]:
-    gpus = [d for d in m.gpus if d.compute_capability]
+    # non-NVIDIA devices have no compute capability: their catalog entry says bf16 (real_bf16)
+    gpus = [d for d in m.gpus if d.compute_capability or d.real_bf16 is not None]
     if not gpus:
         return [_cpu_precision_finding(m.facts.get("cpu_precision"))]
     lacking = [d for d in gpus if not d.real_bf16]
-    cc = lambda d: "cc {}.{}".format(*d.compute_capability)   # noqa: E731
+    cc = lambda d: "cc {}.{}".format(*d.compute_capability) if d.compute_capability else d.vendor   # noqa: E731
     if o.precision == "bf16" and lacking:
         return [Finding(level="error", check="precision",
                         message=f"bf16 asked for, but {', '.join(f'{d.label} {d.name} ({cc(d)})' for d in lacking)} "

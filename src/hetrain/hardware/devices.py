@@ -39,6 +39,7 @@ class Device:
     utilization_pct: int | None = None
     h2d_gbs: float | None = None                # measured host-to-device copy bandwidth
     speed: float | None = None                  # emulated: relative speed
+    island: str = ""                            # emulated: the cluster spec's island ('' : none named)
     source: str = ""                            # where the facts came from
     notes: tuple[str, ...] = field(default=())
 
@@ -67,6 +68,15 @@ class Device:
         return self.compute_capability >= (8, 0) if self.compute_capability else None
 
     @property
+    def vendor(self) -> str:
+        """nvidia | amd | intel | huawei | cpu: the catalog's, else read off the driver's name."""
+        if self.spec is not None:
+            return self.spec.vendor
+        if self.kind == "cpu":
+            return "cpu"
+        return "amd" if self.name.upper().startswith(("AMD", "RADEON")) else "nvidia"
+
+    @property
     def datacenter(self) -> bool | None:
         return self.spec.datacenter if self.spec else None
 
@@ -88,6 +98,7 @@ class Device:
         d["spec"] = self.spec.key if self.spec else None
         d["label"] = self.label
         d["real_bf16"] = self.real_bf16
+        d["vendor"] = self.vendor
         d["datacenter"] = self.datacenter
         d["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
         d["notes"] = list(self.notes)
@@ -144,6 +155,6 @@ def from_cluster_device(d) -> Device:
     spec = d.gpu
     return Device(kind="emulated", index=d.index, name=spec.name, spec=spec, memory_bytes=d.memory_bytes,
                   compute_capability=spec.compute_capability if spec.vendor == "nvidia" else None,
-                  power_limit_w=spec.tdp_w, pcie_gen_gpu_max=spec.pcie_gen, speed=d.speed,
+                  power_limit_w=spec.tdp_w, pcie_gen_gpu_max=spec.pcie_gen, speed=d.speed, island=d.island,
                   source=f"catalog, emulated ({d.speed_source}; {d.memory_source})",
                   notes=("emulated: a throttled CPU process, catalog facts only",))

@@ -17,9 +17,11 @@ def _val(x) -> str:
     return "unknown" if x is None or x == "" else str(x)
 
 
-def _gpu_lines(d) -> list[str]:
+def _gpu_lines(d, island: str = "-") -> list[str]:
     cc = "{}.{}".format(*d.compute_capability) if d.compute_capability else "unknown"
+    kind = f"{d.spec.device_type}, {d.spec.collective}" if d.spec else "cuda"
     lines = [f"- {d.label}: {d.name}" + ("" if d.visible else " (not visible to torch)"),
+             f"    vendor: {d.vendor} (torch device type and library: {kind}); island: {island}",
              f"    catalog: {d.spec.key if d.spec else 'not in catalog'}; compute capability {cc}; "
              f"bf16 in hardware: {'yes' if d.real_bf16 else 'no' if d.real_bf16 is False else 'unknown'}",
              f"    memory: {format_bytes(d.memory_bytes) if d.memory_bytes else 'unknown'}; "
@@ -84,8 +86,10 @@ def render_text(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> st
                 f"GPUs {', '.join(r.get('gpus') or []) or 'none'}" for i, r in enumerate(rank_versions)]
     gpus = m.all_gpus
     out += ["", f"GPUs ({len(gpus)}):" if gpus else "GPUs: none (no GPU is present)"]
-    for d in gpus:
-        out += _gpu_lines(d)
+    from .islands import device_islands
+
+    for d, island in zip(gpus, device_islands(gpus)):
+        out += _gpu_lines(d, island)
     rows = matrix(m.devices, m.links)
     if rows:
         out += ["", "Topology (nvidia-smi codes; p2p: ok = copy verified, NO = unavailable, BROKEN = wrong data):"]
@@ -102,7 +106,10 @@ def render_text(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> st
 
 
 def render_json(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> dict:
-    out = {"machine": m.facts, "devices": [d.to_dict() for d in m.devices],
+    from .islands import device_islands
+
+    out = {"machine": m.facts, "devices": [{**d.to_dict(), "island": island}
+                                           for d, island in zip(m.devices, device_islands(m.devices))],
            "topology": [ln.to_dict() for ln in m.links], "env": m.env}
     if rank_versions:
         out["ranks"] = list(rank_versions)

@@ -256,3 +256,21 @@ def describe_islands(spec: str) -> str | None:
         parts.append(f"{name} = {','.join(d.label for d in mine)} ({mine[0].gpu.collective})")
     bridge = parsed.topology.bridge
     return "islands: " + ", ".join(parts) + (f"; bridge {bridge.name} ({bridge.source})" if bridge else "")
+
+
+def device_islands(devices) -> list[str]:
+    """Each `devices.Device`'s island for display: the spec's name, else (a machine mixing
+    vendors) its vendor's island name, else '-' (one island)."""
+    named = [d.island for d in devices]
+    if any(named):
+        return [n or "-" for n in named]
+    kinds = {(d.vendor, d.spec.device_type if d.spec else "cuda") for d in devices}
+    if len(kinds) < 2:
+        return ["-"] * len(devices)
+    return [_vendor_island(d) for d in devices]
+
+
+def _vendor_island(d) -> str:
+    if d.spec is not None:
+        return default_name(d.spec)
+    return d.vendor
