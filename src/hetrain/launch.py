@@ -98,9 +98,10 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         count = len(cluster)
         reasons.append("processes: one per emulated device" + (" of this node" if rdzv else "") + ": "
                        + ", ".join(f"{d.label} speed {d.speed:.2f}" for d in cluster))
+        from .hardware.cluster import parse_cluster_spec
         from .hardware.islands import describe_islands
 
-        islands = describe_islands(emulate)
+        islands = describe_islands(parse_cluster_spec(emulate))
         if islands:
             reasons.append(islands + " (every group gloo under emulation)")
         env["OMP_NUM_THREADS"] = "1"

@@ -130,7 +130,7 @@ def simulate(
     net_lines, net_json = topology_lines(topology, sim, grad_bytes) if topology and sim else ([], None)
     from ..hardware.islands import describe_islands
 
-    islands_line = describe_islands(cluster)
+    islands_line = describe_islands(parsed)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
                                              "trainable_params": spec.trainable,

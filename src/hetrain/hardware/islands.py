@@ -241,12 +241,9 @@ def check_real_devices(root: str = "/") -> None:
                              PLUGINS[device_type][2] + "; or, to train on the CPU on purpose, pass --nproc N")
 
 
-def describe_islands(spec: str) -> str | None:
+def describe_islands(parsed) -> str | None:
     """'islands: nv = a100-80g#0,a100-80g#1 (nccl), amd = mi300x#2,mi300x#3 (rccl); bridge host 25GbE'
-    for a spec of several islands (None for one)."""
-    from .cluster import parse_cluster_spec
-
-    parsed = parse_cluster_spec(spec)
+    for a parsed cluster spec (cluster.ClusterSpec) of several islands (None for one)."""
     names = list(dict.fromkeys(d.island for d in parsed.devices))
     if len(names) < 2:
         return None

@@ -81,10 +81,10 @@ def test_a_cpu_item_in_a_flat_spec_is_an_island_of_its_own():
 
 
 def test_describe_islands_names_devices_libraries_and_bridge():
-    line = islands.describe_islands(SPEC)
+    line = islands.describe_islands(parse_cluster_spec(SPEC))
     assert line.startswith("islands: nv = a100-80g#0,a100-80g#1 (nccl), amd = mi300x#2,mi300x#3 (rccl); "
                            "bridge host 25GbE")
-    assert islands.describe_islands("a100-80g,rtx3090") is None
+    assert islands.describe_islands(parse_cluster_spec("a100-80g,rtx3090")) is None
 
 
 @pytest.mark.parametrize("spec,what", [
