@@ -271,3 +271,24 @@ def _vendor_island(d) -> str:
     if d.spec is not None:
         return default_name(d.spec)
     return d.vendor
+
+
+def join_node_items(items: list[str], *, bridge: str = "host") -> str:
+    """A multi-node emulated job's spec from every rank's device item ('a100-80g:1.0@40MiB'), in
+    rank order: flat when the nodes share a vendor (or add only the CPU), else the island form
+    with one island per vendor (each a run of consecutive ranks) and `bridge`."""
+    flat = ",".join(items)
+    gpus = [catalog.resolve(re.split(r"[:@]", item, maxsplit=1)[0].strip()) for item in items]
+    if len({default_name(g) for g in gpus if g.vendor != "cpu"}) < 2:
+        return flat
+    runs: list[tuple[str, list[str]]] = []
+    for g, item in zip(gpus, items):
+        name = default_name(g)
+        if runs and runs[-1][0] == name:
+            runs[-1][1].append(item)
+        elif any(n == name for n, _ in runs):
+            raise UsageError(f"the job's {name} devices are not consecutive ranks ({flat})",
+                             "order the nodes so that each vendor's devices come together (their --node-rank)")
+        else:
+            runs.append((name, [item]))
+    return "; ".join(f"{n}={','.join(i)}" for n, i in runs) + f"; bridge={bridge}"

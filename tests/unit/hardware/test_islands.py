@@ -170,3 +170,13 @@ def test_an_emulated_gaudi_gets_bf16_from_its_catalog_flag():
     for name, bf16 in (("gaudi2", True), ("mi300x", True), ("v100", False)):
         emulated = SimpleNamespace(label=f"{name}#0", spec=SimpleNamespace(gpu=catalog.resolve(name)))
         assert device_facts("cpu", emulated=emulated).real_bf16 is bf16, name
+
+
+def test_emulated_nodes_of_different_vendors_join_as_islands():
+    assert islands.join_node_items(["a100-80g:1.0", "rtx3090"]) == "a100-80g:1.0,rtx3090"
+    assert islands.join_node_items(["a100-80g", "cpu"]) == "a100-80g,cpu"
+    spec = islands.join_node_items(["a100-80g:1.0@1GiB", "a100-80g", "mi300x", "cpu"])
+    assert spec == "nvidia=a100-80g:1.0@1GiB,a100-80g; amd=mi300x; cpu=cpu; bridge=host"
+    assert [d.island for d in parse_cluster_spec(spec).devices] == ["nvidia", "nvidia", "amd", "cpu"]
+    with pytest.raises(UsageError, match="not consecutive"):
+        islands.join_node_items(["a100-80g", "mi300x", "a100-80g"])

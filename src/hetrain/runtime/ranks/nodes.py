@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ...errors import UsageError
 from ...hardware.cluster import device_items, parse_cluster_spec
-from ...hardware.islands import is_island_spec
+from ...hardware.islands import is_island_spec, join_node_items
 from ..config import LAUNCH_ENV
 
 
@@ -105,7 +105,8 @@ def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spe
                                                    else "real GPUs (no --emulate)") for n in range(nodes.count))
         raise UsageError(f"some nodes emulate their devices and some do not ({side})",
                          "give every node's `hetrain run` an --emulate spec of its own devices, or none")
-    job_spec = ",".join(t["device"] for t in table) if all(emulated) else None
+    # nodes of different vendors: one island each, the network between them the bridge
+    job_spec = join_node_items([t["device"] for t in table]) if all(emulated) else None
     if job_spec is not None and is_island_spec(spec):
         if nodes.spans_nodes:
             raise UsageError(f"--emulate {spec!r} names device islands, which are on one machine, but the job "
