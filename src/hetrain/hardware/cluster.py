@@ -206,7 +206,12 @@ def parse_cluster_spec(spec: str) -> ClusterSpec:
             # two vendors' devices and no link: the island form (with its bridge) was meant
             raise islands.no_bridge(spec, {n.name: n.devices for n in nodes})
         raise _bad_node(spec.strip(), f"{len(nodes)} nodes but no net=LINK between them")
-    return ClusterSpec(devices=_build(raw), topology=Topology(nodes=tuple(nodes), net=net_link, named=True))
+    # nodes of different vendors are islands by vendor, and the network between nodes their bridge
+    names = [islands.default_name(g) for g, _, _ in raw]
+    mixed = len(set(names)) > 1
+    bridge = (net_link or islands.host_bridge("host", tuple(g for g, _, _ in raw))) if mixed else None
+    return ClusterSpec(devices=_build(raw, names if mixed else None),
+                       topology=Topology(nodes=tuple(nodes), net=net_link, named=True, bridge=bridge))
 
 
 def _devices(spec: str, before: int) -> list[tuple[catalog.GpuSpec, float | None, int | None]]:

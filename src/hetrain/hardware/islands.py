@@ -80,7 +80,7 @@ def mixed_vendors(gpus, where: str, *, spec: str) -> UsageError:
                       f"(cluster spec {spec.strip()!r})")
 
 
-def _host_bridge(text: str, gpus: tuple[catalog.GpuSpec, ...]) -> LinkSpec:
+def host_bridge(text: str, gpus: tuple[catalog.GpuSpec, ...]) -> LinkSpec:
     """`bridge=host`: device-to-host copies over the slowest card's own PCIe slot."""
     cards = [g for g in gpus if g.device_type != "cpu"] or list(gpus)
     gen = min(g.pcie_gen for g in cards)
@@ -94,7 +94,7 @@ def parse_bridge(text: str, gpus: tuple[catalog.GpuSpec, ...]) -> LinkSpec:
     s = text.strip()
     head, colon, rest = s.partition(":")
     if s.lower() == "host":
-        return _host_bridge(s, gpus)
+        return host_bridge(s, gpus)
     if colon and head.strip().lower() == "host":
         link = parse_link(rest, where="between islands (bridge=)")
     else:
@@ -115,7 +115,7 @@ def flat_islands(gpus: tuple[catalog.GpuSpec, ...], spec: str) -> tuple[list[str
     check_one_vendor(cards, "the cluster spec", spec)
     if not cards or len(cards) == len(gpus):
         return [""] * len(gpus), None
-    return [default_name(g) for g in gpus], _host_bridge("host", tuple(gpus))
+    return [default_name(g) for g in gpus], host_bridge("host", tuple(gpus))
 
 
 def parse_islands(spec: str, devices_of, build):

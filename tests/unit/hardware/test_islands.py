@@ -180,3 +180,9 @@ def test_emulated_nodes_of_different_vendors_join_as_islands():
     assert [d.island for d in parse_cluster_spec(spec).devices] == ["nvidia", "nvidia", "amd", "cpu"]
     with pytest.raises(UsageError, match="not consecutive"):
         islands.join_node_items(["a100-80g", "mi300x", "a100-80g"])
+
+
+def test_nodes_of_different_vendors_are_islands_bridged_by_the_network():
+    c = parse_cluster_spec("dgx=2xa100-80g/nvlink; mi=2xmi300x/xgmi; net=100GbE")
+    assert [d.island for d in c.devices] == ["nvidia", "nvidia", "amd", "amd"]
+    assert c.topology.bridge is c.topology.net and c.topology.named
