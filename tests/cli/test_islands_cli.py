@@ -111,3 +111,17 @@ def test_job_start_finds_islands_and_compares_versions_inside_each(monkeypatch, 
             nodes_mod.join_nodes(_Ctx(), Config(global_batch=8), log)
         assert e.value.what.startswith("in device island 'amd' (ranks 2,3): NCCL differs across nodes")
         assert e.value.exit_code == 2
+
+
+def test_doctor_and_env_show_each_devices_vendor_and_island():
+    import json
+
+    spec = "nv=a100-80g; gaudi=gaudi2; bridge=host:25GbE"
+    r = hetrain_here("doctor", "--cluster", spec, "--json")
+    assert r.returncode == 0, r.stderr
+    devices = json.loads(r.stdout)["devices"]
+    assert [(d["vendor"], d["island"], d["real_bf16"]) for d in devices] == [("nvidia", "nv", True),
+                                                                               ("intel", "gaudi", True)]
+    text = hetrain_here("env", "--cluster", "2xa100-80g,cpu").stdout
+    assert "vendor: nvidia (torch device type and library: cuda, nccl); island: nvidia" in text
+    assert "vendor: cpu (torch device type and library: cpu, gloo); island: cpu" in text
