@@ -128,6 +128,8 @@ def simulate(
     except UsageError as e:     # plain data parallelism cannot run: the layouts say what can
         sim, dp_error = None, e
     net_lines, net_json = topology_lines(topology, sim, grad_bytes) if topology and sim else ([], None)
+    islands = _islands(parsed, profiles, spec, precision=precision, global_batch=global_batch, grad_bytes=grad_bytes,
+                       memory_margin=memory_margin, savers=savers)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
                                              "trainable_params": spec.trainable,
@@ -139,6 +141,8 @@ def simulate(
                "layouts": ranking.to_dict() if ranking else None}
         if net_json is not None:
             out["topology"] = net_json
+        if islands is not None:
+            out["islands"] = islands[1]
         typer.echo(json.dumps(out, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         if ranking is not None and not any(r.fits for r in ranking.rows):
             raise typer.Exit(2)
@@ -153,11 +157,27 @@ def simulate(
         from .layouts_show import show_ranking
 
         show_ranking(ranking, title=f"every layout (simulated): {title}")
+    for line in islands[0] if islands is not None else ():
+        console().print(f"• {line}", markup=False)
+    if ranking is not None:
         if not any(r.fits for r in ranking.rows):    # a row that fits but auto leaves out is said above
             raise UsageError("no layout fits memory on these devices", ranking.to_fit[0] if ranking.to_fit
                              else "use devices with more memory")
     elif sim is None:
         raise dp_error
+
+
+def _islands(parsed, profiles, spec: ModelSpec, *, precision: str, global_batch: int, grad_bytes: float,
+             memory_margin: float, savers: dict):
+    """Device islands joined by a bridge: the three ways to train them (cli/islands_show.py), or None."""
+    from .islands_show import has_islands, island_report
+    from ..planning.options import PlanOptions
+
+    if not has_islands(parsed):
+        return None
+    options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, memory_margin=memory_margin,
+                          allow_checkpointing=savers["allow_checkpointing"])
+    return island_report(parsed, profiles, spec, options, precision=precision)
 
 
 def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_batch: int, grad_bytes: float,

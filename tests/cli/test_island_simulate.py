@@ -1,0 +1,47 @@
+"""`hetrain simulate` on device islands joined by a bridge (cli/islands_show.py): the three ways to
+train them, the verdict, the warning, the ratio to a one-vendor cluster. The island spec's parser
+is another part's: the cluster records are built here and handed to the command."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from clirun import hetrain_here
+from hetrain.hardware import catalog
+from hetrain.hardware.cluster import ClusterDevice, ClusterSpec, Node, Topology
+from hetrain.hardware.links import parse_link
+from hetrain.planning.islands import HIER, PP, SUBSET
+
+A100 = catalog.resolve("a100-80g")
+AMD = replace(A100, key="amd-like", vendor="amd")
+
+
+def device(i, gpu, speed, island):
+    return ClusterDevice(index=i, gpu=gpu, speed=speed, speed_source="given", memory_bytes=gpu.memory_bytes,
+                         memory_source="catalog", island=island)
+
+
+def test_simulate_shows_the_three_ways_for_an_island_spec(monkeypatch):
+    import hetrain.cli.simulate as sim
+
+    devices = [device(0, A100, 1.0, "nv"), device(1, A100, 1.0, "nv"), device(2, AMD, 0.9, "amd"),
+               device(3, AMD, 0.9, "amd")]
+    nodes = (Node(name="nv", devices=(0, 1), part="2xa100-80g", link=None),
+             Node(name="amd", devices=(2, 3), part="2xa100-80g", link=None))
+
+    def spec_with(link):
+        return ClusterSpec(devices=tuple(devices), topology=Topology(nodes=nodes, net=None, named=False,
+                                                                     bridge=parse_link(link, where="bridge")))
+
+    monkeypatch.setattr(sim, "parse_cluster_spec", lambda text: spec_with(text.split("bridge=host:")[1]))
+    r = hetrain_here("simulate", "--cluster", "nv=2xa100-80g; amd=2xamd; bridge=host:1GbE", "--model", "gpt2-124m")
+    assert r.returncode == 0, r.stderr
+    for name in (HIER, PP, SUBSET):
+        assert f"• {name}: " in r.stdout
+    assert "• only nv trains: " in r.stdout and "• warning: the bridge (0.113 GB/s" in r.stdout
+    assert "this cluster reaches" in r.stdout
+    r = hetrain_here("simulate", "--cluster", "nv=2xa100-80g; amd=2xamd; bridge=host:ib-ndr", "--model", "gpt2-124m",
+                     "--json")
+    out = json.loads(r.stdout)["islands"]
+    assert out["best"] == HIER and out["warning"] == "" and 0.85 < out["homogeneous"]["ratio"] <= 1.0
