@@ -258,7 +258,9 @@ def _verdict(best: Option | None, opts: Sequence[Option], islands: Sequence[Isla
     line = f"{best.name} over {' + '.join(best.islands)}: {best.samples_per_s:.1f} samples/s"
     if runner is not None:
         line += f" against {runner.samples_per_s:.1f} ({runner.name})"
-    return line + f"; the bridge adds {_ms(best.bridge_s)} a step"
+    if best.name == PP:
+        return line + f"; boundary sends over the bridge take {_ms(best.bridge_s)} a step, inside the stages' time"
+    return line + f"; the gradient's staging and bridge take {_ms(best.bridge_s)} a step"
 
 
 def bridge_warning(hier: Option, ar: BridgeAllReduce, bridge: Link, grad_bytes: float) -> str:

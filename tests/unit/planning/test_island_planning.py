@@ -91,7 +91,8 @@ def test_a_fast_bridge_trains_every_island_and_a_slow_one_only_the_island_that_p
     fast = run(devices, islands, bridge("ib-ndr"))
     assert fast.best.name == HIER and fast.best.islands == ("nv", "amd")
     assert {o.name for o in fast.options} == {HIER, PP, SUBSET}
-    assert fast.verdict.startswith(f"{HIER} over nv + amd: {fast.best.samples_per_s:.1f} samples/s")
+    assert fast.verdict.startswith(f"{HIER} over nv + amd: {fast.best.samples_per_s:.1f} samples/s against ")
+    assert fast.verdict.endswith(f"the gradient's staging and bridge take {fast.best.bridge_s * 1e3:.3g} ms a step")
     assert not fast.warning
     slow = run(devices, islands, bridge("1GbE"))
     assert slow.best.name == SUBSET and slow.best.islands == ("nv",)
@@ -152,3 +153,22 @@ def test_the_mixed_cluster_against_the_same_count_of_its_fastest_cards():
     mixed = compare(islands, profiles, options(), bridge=link, blocks=GPT2.blocks).best.samples_per_s
     ref = compare(same, same_profiles, options(), bridge=link, blocks=GPT2.blocks).best.samples_per_s
     assert 0.85 < mixed / ref < 1.0                  # 3.8 cards' worth of compute against 4, less the staging
+
+
+def test_the_published_amd_nvidia_case_pipelines_across_the_vendors_near_the_studys_ratio():
+    """arXiv 2602.18007: LLaMA-8B on an NVIDIA node and an AMD node, vendors mixed only across
+    pipeline stages, 94-98% of an all-NVIDIA cluster with device-direct transfers. The AMD card at
+    0.96 of the NVIDIA one: the study's own all-AMD figure (the mixed run beat it by 0.9-2.3%)."""
+    h100 = catalog.resolve("h100-sxm")
+    spec = PRESETS["llama-8b"]
+    devices, islands = cluster(("nv", h100, 1.0, 8), ("amd", replace(h100, key="amd-like", vendor="amd"), 0.96, 8))
+    profiles = cluster_profiles(devices, spec)
+    kw = dict(bridge=bridge("400GbE"), blocks=spec.blocks)
+    c = compare(islands, profiles, options(512, spec), **kw)
+    assert c.best.name == PP and not c.options[0].fits            # whole-model DP does not fit 80 GB cards
+    same, same_profiles = homogeneous(islands, profiles, islands[0])
+    ref = compare(same, same_profiles, options(512, spec), **kw).best.samples_per_s
+    native = [replace(i, host_gbs=(math.inf,) * i.size) for i in islands]
+    direct = compare(native, profiles, options(512, spec), **kw).best.samples_per_s
+    assert 0.94 <= direct / ref <= 0.98                           # device-direct: the study's range
+    assert 0.85 < c.best.samples_per_s / ref < direct / ref       # staged through the host: below it
