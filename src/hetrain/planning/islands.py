@@ -300,7 +300,12 @@ def cpu_line(cpu: Sequence[Island], islands: Sequence[Island], c: Comparison, op
             return (f"the CPU ({names}) trains: {own} of {b} samples a step ({own / b:.1%}); the bridge round "
                     f"it joins costs {_ms(best.bridge_s)}" + offload)
     share = sum(s for d, s in hier.shares if d in labels)
-    saved = max(0.0, sub.compute_s - hier.compute_s) if hier.fits and sub.fits else 0.0
     added = hier.bridge_s - (sub.bridge_s if sub.fits else 0.0)
-    return (f"the CPU ({names}) is left out: its share would be {share} of {b} samples ({share / b:.1%}), "
-            f"saving {_ms(saved)} of compute a step, while the bridge round it adds costs {_ms(added)}" + offload)
+    one = min(profiles[j].overhead_s + profiles[j].per_sample_s for i in cpu for j in i.devices)
+    if sub.fits and one > sub.compute_s:      # even its smallest share outlasts the others' step
+        gain = f"even one sample takes it {_ms(one)}, longer than the {_ms(sub.compute_s)} the others compute a step"
+    else:
+        saved = max(0.0, sub.compute_s - hier.compute_s) if hier.fits and sub.fits else 0.0
+        gain = f"saving {_ms(saved)} of compute a step"
+    return (f"the CPU ({names}) is left out: its share would be {share} of {b} samples ({share / b:.1%}), {gain}, "
+            f"while the bridge round it adds costs {_ms(added)}" + offload)
