@@ -52,13 +52,13 @@ def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchica
             ways["hierarchical"] = lambda: hierarchical(tensor, islands, bridge_gbs)
         out = {}
         for name, run in ways.items():
-            times = []
+            spans = []
             for _ in range(reps + 1):            # the first one warms gloo's buffers up
-                dist.barrier()                   # every rank leaves a throttled collective together
-                start = time.perf_counter()
+                dist.barrier()
+                start = time.monotonic()         # one clock for every process of this host
                 run()
-                times.append(time.perf_counter() - start)
-            out[name] = statistics.median(times[1:])
+                spans.append((start, time.monotonic()))
+            out[name] = spans[1:]
         return out
     finally:
         dist.destroy_process_group()
@@ -86,7 +86,10 @@ def allreduce_figures(args) -> dict:
     nbytes = args.mbytes * 1e6
     per_rank = run_ranks(allreduce_worker, world, nbytes, args.bridge_gbs, islands, args.reps, HIERARCHICAL,
                          timeout=240)
-    measured = {name: max(r[name] for r in per_rank) for name in per_rank[0]}     # the last rank out
+    # A collective lasts from the last rank in to the last rank out: ranks leave the barrier before
+    # it at different moments on a busy host, and no rank can start the collective's work earlier.
+    measured = {name: statistics.median(max(r[name][i][1] for r in per_rank) - max(r[name][i][0] for r in per_rank)
+                                        for i in range(args.reps)) for name in per_rank[0]}
     predicted = predicted_allreduce(islands, nbytes, args.bridge_gbs)
     out = {"islands": islands, "bytes": nbytes, "bridge_gbs": args.bridge_gbs}
     for name, pred in predicted.items():

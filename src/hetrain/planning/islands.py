@@ -60,7 +60,8 @@ class Option:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "islands": list(self.islands), "fits": self.fits,
-                "samples_per_s": self.samples_per_s, "step_s": self.step_s, "compute_s": self.compute_s,
+                "samples_per_s": self.samples_per_s, "step_s": self.step_s if math.isfinite(self.step_s) else None,
+                "compute_s": self.compute_s,
                 "bridge_s": self.bridge_s, "detail": self.detail, "shares": [list(s) for s in self.shares]}
 
 
