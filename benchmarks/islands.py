@@ -193,8 +193,10 @@ def main() -> None:
     add_sizes(p, reps=(20, "all-reduces timed per way"), steps=(12, "timed steps per pair job"), rounds=3,
               island=(2, "ranks per island (two islands)"), global_batch=(64, "samples per step of a pair"))
     p.add_argument("--mbytes", type=float, default=8.0, help="the gradient all-reduced, MB")
-    p.add_argument("--bridge-gbs", type=float, default=0.1, help="the emulated bridge, GB/s")
-    p.add_argument("--clock-ms", type=float, default=10.0, help="the controlled clock: ms a sample at speed 1")
+    # Slow enough that the link's time, not gloo's own copies and sums, sets a collective's length,
+    # and a sample long enough that the devices' CPU stays under the clock on a busy host.
+    p.add_argument("--bridge-gbs", type=float, default=0.05, help="the emulated bridge, GB/s")
+    p.add_argument("--clock-ms", type=float, default=20.0, help="the controlled clock: ms a sample at speed 1")
     args = p.parse_args()
     apply_smoke(p, args, reps=3, steps=2, rounds=1, island=1, global_batch=64)
     if args.smoke:
