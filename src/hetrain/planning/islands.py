@@ -155,14 +155,17 @@ def pipeline_option(islands: Sequence[Island], profiles: Sequence[DeviceProfile]
 
 
 def _stages(islands, profiles, cut, blocks, micro, boundary, bridge, margin) -> tuple[list[float], list[str]]:
-    """Each stage's seconds a micro-batch (compute, overhead, its boundary sends), and the devices
+    """Each stage's seconds a micro-batch (compute, overhead, its boundaries' crossings), and the devices
     its state and k micro-batches in flight do not fit."""
     k = len(islands)
     per_stage, too_big = [], []
     for s, (isl, b) in enumerate(zip(islands, cut)):
         rate = sum(1 / profiles[j].per_sample_s for j in isl.devices)
         compute = micro * (b / blocks) / rate + max(profiles[j].overhead_s for j in isl.devices)
-        sends = sum(boundary_seconds(boundary, isl, islands[t], bridge) for t in (s - 1, s + 1) if 0 <= t < k)
+        # Each boundary is crossed twice a micro-batch (the activation on, its gradient back), and
+        # both its stages take part in each crossing (a staged copy on each side, the bridge
+        # between), without overlapping their compute: the host-staged path blocks.
+        sends = sum(2 * boundary_seconds(boundary, isl, islands[t], bridge) for t in (s - 1, s + 1) if 0 <= t < k)
         per_stage.append(compute + sends)
         for j in isl.devices:          # its stage's state, and its part of k micro-batches in flight
             p = profiles[j]
