@@ -43,5 +43,20 @@ def test_simulate_shows_the_three_ways_for_an_island_spec(monkeypatch):
     assert "this cluster reaches" in r.stdout
     r = hetrain_here("simulate", "--cluster", "nv=2xa100-80g; amd=2xamd; bridge=host:ib-ndr", "--model", "gpt2-124m",
                      "--json")
-    out = json.loads(r.stdout)["islands"]
+    whole = json.loads(r.stdout)
+    out = whole["islands"]
     assert out["best"] == HIER and out["warning"] == "" and 0.85 < out["homogeneous"]["ratio"] <= 1.0
+    # The DP table and the layout ranking plan with the bridge too: their ring is the hierarchical all-reduce's.
+    assert whole["link"]["source"].startswith("hierarchical across 2 device islands over the bridge (ib-ndr")
+
+
+def test_islands_without_a_bridge_are_one_line_exit_2(monkeypatch):
+    import hetrain.cli.simulate as sim
+
+    devices = [device(0, A100, 1.0, "nv"), device(1, AMD, 0.9, "amd")]
+    nodes = (Node(name="node0", devices=(0, 1), part="a100-80g,a100-80g", link=None),)
+    monkeypatch.setattr(sim, "parse_cluster_spec", lambda text: ClusterSpec(
+        devices=tuple(devices), topology=Topology(nodes=nodes, net=None, named=False)))
+    r = hetrain_here("simulate", "--cluster", "nv=a100-80g; amd=amd", "--model", "gpt2-124m")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "names no bridge between them" in r.stderr and "bridge=host:25GbE" in r.stderr

@@ -27,16 +27,33 @@ def _island_links(cluster) -> dict[str, Link]:
     return out
 
 
+def _bridge(cluster) -> Link:
+    if cluster.topology.bridge is None:
+        raise UsageError("a cluster of several device islands names no bridge between them",
+                         "add bridge=LINK, e.g. 'nv=2xa100-80g/nvlink; amd=2xmi300x/xgmi; bridge=host:25GbE'")
+    return to_link(cluster.topology.bridge)
+
+
+def bridged_link(cluster, grad_bytes: float) -> Link:
+    """The one ring link over every device as slow as the hierarchical all-reduce across the
+    islands (staging and bridge included): what the DP table and the layout ranking plan with."""
+    from ..planning.bridge_cost import hierarchical_allreduce
+    from ..planning.collectives import link_from_measurement
+
+    bridge = _bridge(cluster)
+    islands = islands_of(cluster.devices, _island_links(cluster))
+    seconds = hierarchical_allreduce(islands, grad_bytes, bridge).total_s
+    return link_from_measurement(len(cluster.devices), grad_bytes, seconds,
+                                 f"hierarchical across {len(islands)} device islands over the bridge ({bridge.source})")
+
+
 def island_report(cluster, profiles, spec, options, *, precision: str = "bf16") -> tuple[list[str], dict]:
     """Lines to print and the JSON of the comparison, for a cluster spec with islands."""
     from ..planning.cost import ELEMENT_BYTES
     from ..planning.islands import compare, homogeneous
     from ..planning.memory import state_bytes
 
-    if cluster.topology.bridge is None:
-        raise UsageError("a cluster of several device islands names no bridge between them",
-                         "add bridge=LINK, e.g. 'nv=2xa100-80g/nvlink; amd=2xmi300x/xgmi; bridge=host:25GbE'")
-    bridge = to_link(cluster.topology.bridge)
+    bridge = _bridge(cluster)
     islands = islands_of(cluster.devices, _island_links(cluster))
     per_param = state_bytes(1, optimizer="adamw").optimizer
     kw = dict(bridge=bridge, blocks=spec.blocks, trainable=spec.trainable, element_bytes=ELEMENT_BYTES[precision],

@@ -24,6 +24,7 @@ from ..planning.presets import PRESETS
 from ..planning.profile import ModelSpec
 from ..planning.savers import DEFAULT_HOST_MEMORY_PER_NODE
 from .model_options import check_common, check_offload_request, link_option, model_spec, saver_options
+from .islands_show import bridged_link, has_islands
 from .plan_show import topology_lines
 
 
@@ -118,6 +119,8 @@ def simulate(
     profiles = cluster_profiles(devices, spec, precision=precision, efficiency=efficiency, ratios=ratios,
                                 optimizer=optimizer)
     link = topology.link if topology else link_option(link_gbs)
+    if has_islands(parsed):      # every device's gradient crosses the bridge: the ranking's ring is as slow
+        link = bridged_link(parsed, grad_bytes)
     savers = saver_options(offload, host_memory, checkpointing, nodes=len(parsed.topology.nodes) or 1,
                            default_host=DEFAULT_HOST_MEMORY_PER_NODE)
     ranking = _rank(profiles, spec, precision=precision, optimizer=optimizer, global_batch=global_batch,
@@ -170,7 +173,7 @@ def simulate(
 def _islands(parsed, profiles, spec: ModelSpec, *, precision: str, global_batch: int, grad_bytes: float,
              memory_margin: float, savers: dict):
     """Device islands joined by a bridge: the three ways to train them (cli/islands_show.py), or None."""
-    from .islands_show import has_islands, island_report
+    from .islands_show import island_report
     from ..planning.options import PlanOptions
 
     if not has_islands(parsed):
