@@ -106,9 +106,11 @@ class BridgeAllReduce:
 
 
 def hierarchical_allreduce(islands: Sequence[Island], nbytes: float, bridge: Link, *,
-                           leaders: bool | None = None) -> BridgeAllReduce:
+                           leaders: bool | None = None, bridge_links: int = 1) -> BridgeAllReduce:
     """The hierarchical all-reduce of `nbytes` over `islands` (module docstring). `leaders`: None
-    picks what the runtime does (leaders when island sizes differ)."""
+    picks what the runtime does (leaders when island sizes differ). `bridge_links`: host links of
+    the bridge's bandwidth each island has (1: one NIC, which all its shards cross; n: a link per
+    rank, each shard on its own, as multi-NIC hosts run it); the leaders' form uses one."""
     if not islands:
         raise ValueError("no islands")
     if leaders is None:
@@ -123,8 +125,9 @@ def hierarchical_allreduce(islands: Sequence[Island], nbytes: float, bridge: Lin
     rs = max(reduce_scatter_seconds(i.size, nbytes, i.link) for i in islands)
     ag = max(all_gather_seconds(i.size, nbytes, i.link) for i in islands)
     one_way = max(stage_seconds(s, i.slowest_host_gbs) for s, i in zip(shard, islands))
+    parallel = 1 if leaders else max(1, min(bridge_links, min(i.size for i in islands)))
     return BridgeAllReduce(within_s=rs + ag, staging_s=2 * one_way,
-                           bridge_s=allreduce_seconds(len(islands), nbytes, bridge), leaders=leaders)
+                           bridge_s=allreduce_seconds(len(islands), nbytes / parallel, bridge), leaders=leaders)
 
 
 def flat_allreduce(islands: Sequence[Island], nbytes: float, bridge: Link) -> BridgeAllReduce:

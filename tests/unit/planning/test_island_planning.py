@@ -65,6 +65,9 @@ def test_the_hierarchical_all_reduce_is_its_three_phases_and_the_staging_over_ea
     assert ar.staging_s == pytest.approx(2 * (s / 2) / 12e9)             # the slower PCIe, a shard each way
     assert ar.bridge_s == pytest.approx(allreduce_seconds(2, s, net))    # S through each island's bridge link
     assert ar.total_s == pytest.approx(ar.within_s + ar.staging_s + ar.bridge_s)
+    # A host link per rank (multi-NIC hosts): each shard crosses on its own.
+    assert hierarchical_allreduce([nv, amd], s, net, bridge_links=2).bridge_s == pytest.approx(
+        allreduce_seconds(2, s / 2, net))
     # Islands of different sizes: one leader per island stages the whole gradient.
     solo = Island(name="amd", devices=(2,), link=Link(bandwidth_gbs=100.0), host_gbs=(12.0,))
     lead = hierarchical_allreduce([nv, solo], s, net)
