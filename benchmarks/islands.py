@@ -78,6 +78,21 @@ def predicted_allreduce(islands: list[list[int]], nbytes: float, bridge_gbs: flo
             "hierarchical": hierarchical_allreduce(isl, nbytes, bridge).total_s}
 
 
+def per_rank_links(islands: list[list[int]], nbytes: float, bridge_gbs: float) -> float:
+    """The hierarchical prediction with a bridge link per rank (each shard on its own), the other
+    reading of an emulated bridge whose every shard ring is throttled on its own."""
+    from hetrain.planning.bridge_cost import ON_HOST, Island, hierarchical_allreduce
+    from hetrain.planning.collectives import Link
+    from hetrain.planning.cost import catalog_link
+    from hetrain.hardware import catalog
+
+    card = catalog.resolve("a100-80g")
+    isl = [Island(name=f"i{k}", devices=tuple(ranks), link=catalog_link([card] * len(ranks)),
+                  host_gbs=(ON_HOST,) * len(ranks)) for k, ranks in enumerate(islands)]
+    return hierarchical_allreduce(isl, nbytes, Link(bandwidth_gbs=bridge_gbs, latency_s=0.0),
+                                  bridge_links=max(len(r) for r in islands)).total_s
+
+
 def allreduce_figures(args) -> dict:
     from harness import run_ranks
 
@@ -91,7 +106,8 @@ def allreduce_figures(args) -> dict:
     measured = {name: statistics.median(max(r[name][i][1] for r in per_rank) - max(r[name][i][0] for r in per_rank)
                                         for i in range(args.reps)) for name in per_rank[0]}
     predicted = predicted_allreduce(islands, nbytes, args.bridge_gbs)
-    out = {"islands": islands, "bytes": nbytes, "bridge_gbs": args.bridge_gbs}
+    out = {"islands": islands, "bytes": nbytes, "bridge_gbs": args.bridge_gbs,
+           "hierarchical_per_rank_links_s": per_rank_links(islands, nbytes, args.bridge_gbs)}
     for name, pred in predicted.items():
         got = measured.get(name)
         out[name] = {"predicted_s": pred, "measured_s": got,
