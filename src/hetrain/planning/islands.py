@@ -13,14 +13,16 @@
                         out add
 
 The choice is the chooser's rule (chooser.simplest_within): the fastest, or a simpler one within
-5% of it, simpler meaning fewer islands joined: one island, then hierarchical DP, then the
-pipeline. When a subset wins, `Comparison.verdict` says so in one line with the figures; a CPU
+5% of it, simpler meaning fewer islands joined or fewer crossings: only the islands that pay,
+then hierarchical DP, then the pipeline. When a subset wins, `Comparison.verdict` says so in one line with the figures; a CPU
 island gets its own line (`cpu_line`): its share, or why it is left out, and what it would cost
 holding offloaded optimizer state instead (the same host link, bridge_cost.offload_step_seconds).
 
 The pipeline is modelled, not searched: 1F1B with M micro-batches over k stages lasts
-(M + k − 1) × the slowest stage's micro-batch (its compute, its overhead, and the boundary sends
-it waits on), plus each island's all-reduce of its stage's gradients and the optimizer.
+(M + k − 1) × the slowest stage's micro-batch (its compute, its overhead, and both crossings of
+each of its boundaries, staged and not overlapped), plus each island's all-reduce of its stage's
+gradients and the optimizer. Memory: a device holds its stage's share of the model state and of
+k micro-batches' activations (its part of each, DP splitting a micro-batch by the island's size).
 """
 
 from __future__ import annotations
