@@ -24,6 +24,7 @@ from ..planning.presets import PRESETS
 from ..planning.profile import ModelSpec
 from ..planning.savers import DEFAULT_HOST_MEMORY_PER_NODE
 from .model_options import check_common, check_offload_request, link_option, model_spec, saver_options
+from .islands_show import bridged_link, has_islands
 from .plan_show import topology_lines
 
 
@@ -118,6 +119,8 @@ def simulate(
     profiles = cluster_profiles(devices, spec, precision=precision, efficiency=efficiency, ratios=ratios,
                                 optimizer=optimizer)
     link = topology.link if topology else link_option(link_gbs)
+    if has_islands(parsed):      # every device's gradient crosses the bridge: the ranking's ring is as slow
+        link = bridged_link(parsed, grad_bytes)
     savers = saver_options(offload, host_memory, checkpointing, nodes=len(parsed.topology.nodes) or 1,
                            default_host=DEFAULT_HOST_MEMORY_PER_NODE)
     ranking = _rank(profiles, spec, precision=precision, optimizer=optimizer, global_batch=global_batch,
@@ -131,6 +134,8 @@ def simulate(
     from ..hardware.islands import describe_islands
 
     islands_line = describe_islands(parsed)
+    islands = _islands(parsed, profiles, spec, precision=precision, global_batch=global_batch, grad_bytes=grad_bytes,
+                       memory_margin=memory_margin, savers=savers)
     if json_out:
         out = {"cluster": cluster, "model": {"name": spec.name, "params": spec.params,
                                              "trainable_params": spec.trainable,
@@ -142,8 +147,10 @@ def simulate(
                "layouts": ranking.to_dict() if ranking else None}
         if net_json is not None:
             out["topology"] = net_json
-        if islands_line:
-            out["islands"] = islands_line
+        if islands is not None:
+            out["islands"] = {"found": islands_line, **islands[1]}
+        elif islands_line:
+            out["islands"] = {"found": islands_line}
         typer.echo(json.dumps(out, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         if ranking is not None and not any(r.fits for r in ranking.rows):
             raise typer.Exit(2)
@@ -160,11 +167,27 @@ def simulate(
         from .layouts_show import show_ranking
 
         show_ranking(ranking, title=f"every layout (simulated): {title}")
+    for line in islands[0] if islands is not None else ():
+        console().print(f"• {line}", markup=False)
+    if ranking is not None:
         if not any(r.fits for r in ranking.rows):    # a row that fits but auto leaves out is said above
             raise UsageError("no layout fits memory on these devices", ranking.to_fit[0] if ranking.to_fit
                              else "use devices with more memory")
     elif sim is None:
         raise dp_error
+
+
+def _islands(parsed, profiles, spec: ModelSpec, *, precision: str, global_batch: int, grad_bytes: float,
+             memory_margin: float, savers: dict):
+    """Device islands joined by a bridge: the three ways to train them (cli/islands_show.py), or None."""
+    from .islands_show import island_report
+    from ..planning.options import PlanOptions
+
+    if not has_islands(parsed):
+        return None
+    options = PlanOptions(global_batch=global_batch, grad_bytes=grad_bytes, memory_margin=memory_margin,
+                          allow_checkpointing=savers["allow_checkpointing"])
+    return island_report(parsed, profiles, spec, options, precision=precision)
 
 
 def _rank(profiles, spec: ModelSpec, *, precision: str, optimizer: str, global_batch: int, grad_bytes: float,
