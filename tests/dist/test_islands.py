@@ -1,4 +1,4 @@
-"""Data parallel across device islands (runtime/ranks/islands.py, island_sync.py) on real gloo
+"""Data parallel across device islands (runtime/ranks/islands.py, runtime/sharding/island_hooks.py) on real gloo
 groups: the hierarchical all-reduce sums exactly what a flat all-reduce sums, in the sharded form
 (equal islands) and the leaders' form (unequal ones); only bridge ranks touch the bridge, each
 with host tensors; the emulated bridge is slowed to its link; and a training job spanning islands
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.dist
 def sum_worker(rank, world, island_of, bridge_gbs, sizes):
     import torch.distributed as dist
 
-    from hetrain.runtime.ranks.island_sync import IslandSync
     from hetrain.runtime.ranks.islands import Islands, make_groups
+    from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
     dist.init_process_group("gloo")
     islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs)
-    groups = make_groups(islands, rank=rank, emulated=True)
+    groups = attach_links(make_groups(islands, rank=rank, emulated=True))
     sync = IslandSync(groups, world_size=world, device=torch.device("cpu"))
     out = []
     started = time.monotonic()

@@ -30,9 +30,8 @@ from ..model import PreparedModel
 from ..resilience import oom as recovery
 from ..resilience import resume as persist
 from ..resilience.rebalance import FirstSteps, Rebalancer
-from ..ranks import island_sync
 from ..ranks.islands import for_job as island_layout
-from ..sharding import comm_hooks
+from ..sharding import comm_hooks, island_hooks
 from .checks import check_request
 from .data import DataLayout
 from .tensor import TensorLayout
@@ -228,7 +227,7 @@ def make_sync_guard(job, wrapped):
     if not isinstance(wrapped.sync, DDP):
         made = wrapped.sync_guard() if guard else None
     elif (islands := island_layout(job)) is not None:   # ranks on 2+ device islands: the hierarchical all-reduce
-        made = recovery.install(wrapped.sync, island_sync.make(job, islands), guard=guard)
+        made = recovery.install(wrapped.sync, island_hooks.make(job, islands), guard=guard)
     else:
         gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
                                            throttle=throttle_for(job), backend=job.ctx.backend,

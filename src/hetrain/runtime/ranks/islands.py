@@ -4,8 +4,8 @@ bridge over gloo on host memory.
 Vendor collective libraries do not talk to each other (an NCCL and an RCCL rank in one ring fail),
 so a job whose ranks span islands runs each island's collectives on that island's own library and
 joins the islands over gloo, on host copies of the tensors. Under emulation every group is gloo,
-and the links are slowed to what the spec names (runtime/devices/link.py LinkThrottle): each
-island's group to its island's link, the bridge to the bridge's.
+and the links are slowed to what the spec names (runtime/devices/link.py LinkThrottle, attached by
+runtime/sharding/island_hooks.py): each island's group to its island's link, the bridge to the bridge's.
 
 The bridge groups. Not one group of all ranks: across islands only matching pieces travel, and a
 ring over all W ranks would price and carry what the hierarchical all-reduce never sends. The
@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..devices import clock as clocks
-from ..devices.link import LinkThrottle
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,8 @@ class IslandGroups:
     native_ranks: tuple[int, ...]
     bridge: object | None             # a gloo ProcessGroup, or None: this rank does not cross
     bridge_ranks: tuple[int, ...]
-    native_throttle: LinkThrottle | None = None
-    bridge_throttle: LinkThrottle | None = None
+    native_throttle: object | None = None   # runtime/devices/link.py LinkThrottles, under emulation
+    bridge_throttle: object | None = None
     bridged_bytes: float = 0.0        # what this rank sent over the bridge, in all
 
     @property
@@ -121,7 +119,8 @@ class IslandGroups:
 
 def make_groups(islands: Islands, *, rank: int, emulated: bool) -> IslandGroups:
     """Every group of the job (a collective: every rank makes every group, in the same order, as
-    new_group requires). Under emulation the native groups are gloo too, slowed to their links."""
+    new_group requires). Under emulation the native groups are gloo too (the links' throttles are
+    attached above this layer: runtime/sharding/island_hooks.py attach_links)."""
     native = bridge = None
     native_ranks: tuple[int, ...] = ()
     bridge_ranks: tuple[int, ...] = ()
@@ -135,14 +134,7 @@ def make_groups(islands: Islands, *, rank: int, emulated: bool) -> IslandGroups:
         group = dist.new_group(list(ranks), backend="gloo")
         if rank in ranks:
             bridge, bridge_ranks = group, ranks
-    made = IslandGroups(islands, rank, native, native_ranks, bridge, bridge_ranks)
-    if emulated:
-        gbs = islands.links_gbs.get(islands.island_of[rank])
-        if gbs and len(native_ranks) > 1:
-            made.native_throttle = LinkThrottle(gbs=gbs, ring=len(native_ranks))
-        if islands.bridge_gbs and bridge is not None:
-            made.bridge_throttle = LinkThrottle(gbs=islands.bridge_gbs, ring=len(bridge_ranks))
-    return made
+    return IslandGroups(islands, rank, native, native_ranks, bridge, bridge_ranks)
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,10 +155,10 @@ def bridge_all_reduce(tensor: torch.Tensor, groups: IslandGroups) -> torch.Tenso
             torch.cuda.current_stream(tensor.device).synchronize()
     assert host.device.type == "cpu", "the bridge takes host tensors only"
     nbytes = float(host.numel() * host.element_size())
-    started = clocks.host()
-    dist.all_reduce(host, group=groups.bridge)
-    if groups.bridge_throttle is not None:
-        groups.bridge_throttle.finish(started, nbytes)
+    if groups.bridge_throttle is None:
+        dist.all_reduce(host, group=groups.bridge)
+    else:
+        groups.bridge_throttle.run(lambda: dist.all_reduce(host, group=groups.bridge), nbytes)
     groups.bridged_bytes += nbytes
     if staged:
         tensor.copy_(host)

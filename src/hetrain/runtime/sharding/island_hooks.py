@@ -1,11 +1,11 @@
 """Data parallel across device islands: DDP's gradient all-reduce as a hierarchical one, in a
 communication hook (DistributedDataParallel.register_comm_hook).
 
-For a bucket of S bytes, with islands of n ranks each (runtime/ranks/islands.py, the sharded form):
+For a bucket of S bytes, with islands of n ranks each (runtime/ranks/islands.py; the sharded form):
   1. reduce-scatter inside the island, on its native group: each rank holds the island's sum of
      its 1/n shard (the bucket padded with zeros to a multiple of n);
   2. all-reduce that shard over the bridge, with the matching rank of every other island (gloo,
-     staged through host memory: islands.bridge_all_reduce);
+     staged through host memory: runtime/ranks/islands.py bridge_all_reduce);
   3. all-gather inside the island: every rank holds the whole sum.
 Islands of different sizes have different shard boundaries, so there the leaders' form runs: reduce
 to the island's leader, the leaders all-reduce the whole bucket over the bridge, broadcast back.
@@ -19,8 +19,7 @@ rank issues the native and bridge collectives in the same order (two threads cou
 two buckets' collectives differently on two ranks, and gloo would pair the wrong ones). So buckets
 overlap the backward, not each other; the optimizer waits for the last (DDP's finalize).
 
-OOM recovery, rebalancing, resume. The hook has GradientHook's interface
-(runtime/sharding/comm_hooks.py): OOM recovery's SyncGuard calls it for every bucket and completes
+OOM recovery, rebalancing, resume. The hook has GradientHook's interface (comm_hooks.py): OOM recovery's SyncGuard calls it for every bucket and completes
 an interrupted backward by calling it on zero buckets, which run the same three steps, so the
 peers of every island meet what they wait for. Rebalancing and resume change only the shares
 and micro-batches, which the hook never reads (it sums whatever each rank computed). It keeps no
@@ -31,13 +30,15 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..devices import clock as clocks
-from .islands import IslandGroups, bridge_all_reduce, native_run
-from .torch_compat import all_gather_single, reduce_scatter_single
+from ..devices.link import LinkThrottle
+from ..ranks.islands import IslandGroups, bridge_all_reduce, make_groups, native_run
+from ..ranks.torch_compat import all_gather_single, reduce_scatter_single
 
 
 class IslandSync:
@@ -138,11 +139,27 @@ class IslandSync:
         """The step is redone: nothing to put back."""
 
 
+def attach_links(groups: IslandGroups) -> IslandGroups:
+    """Emulated devices: this rank's island group slowed to the island's link, its bridge group to
+    the bridge's (the island spec's figures; none named, none slowed)."""
+    islands = groups.islands
+    gbs = islands.links_gbs.get(islands.island_of[groups.rank])
+    if gbs and len(groups.native_ranks) > 1:
+        groups.native_throttle = LinkThrottle(gbs=gbs, ring=len(groups.native_ranks))
+    if islands.bridge_gbs and groups.bridge is not None:
+        groups.bridge_throttle = LinkThrottle(gbs=islands.bridge_gbs, ring=len(groups.bridge_ranks))
+    return groups
+
+
 def make(job, islands) -> IslandSync:
     """The job's groups (a collective) and the hook over them, the layout shown once."""
-    from .islands import make_groups
-
+    if job.plan is not None and job.plan.compression != "none":     # not combined (yet): said in the plan
+        job.plan = replace(job.plan, compression="none", note="; ".join(filter(None, [
+            job.plan.note, f"gradient compression none: {job.plan.compression} is not run by the hierarchical "
+                           "all-reduce across islands"])))
     groups = make_groups(islands, rank=job.rank, emulated=job.emulated is not None)
+    if job.emulated is not None:
+        attach_links(groups)
     asynchronous = job.emulated is not None and job.emulated.throttle.asynchronous
     job.log.info(f"data parallel across islands: {islands.describe()}")
     return IslandSync(groups, world_size=job.world_size, device=job.device, device_waits=asynchronous)
