@@ -117,21 +117,23 @@ class IslandGroups:
         return self.native_ranks[0]
 
 
-def make_groups(islands: Islands, *, rank: int, emulated: bool) -> IslandGroups:
+def make_groups(islands: Islands, *, rank: int, emulated: bool, timeout=None) -> IslandGroups:
     """Every group of the job (a collective: every rank makes every group, in the same order, as
     new_group requires). Under emulation the native groups are gloo too (the links' throttles are
-    attached above this layer: runtime/sharding/island_hooks.py attach_links)."""
+    attached above this layer: runtime/sharding/island_hooks.py attach_links). `timeout`: the job's
+    collective timeout (a timedelta; None: torch's default, 30 minutes for a hung peer)."""
+    extra = {} if timeout is None else {"timeout": timeout}
     native = bridge = None
     native_ranks: tuple[int, ...] = ()
     bridge_ranks: tuple[int, ...] = ()
     for name in islands.names:
         ranks = islands.members(name)
         backend = "gloo" if emulated else islands.backends.get(name, "gloo")
-        group = dist.new_group(list(ranks), backend=backend)
+        group = dist.new_group(list(ranks), backend=backend, **extra)
         if rank in ranks:
             native, native_ranks = group, ranks
     for ranks in islands.bridge_ranks():
-        group = dist.new_group(list(ranks), backend="gloo")
+        group = dist.new_group(list(ranks), backend="gloo", **extra)
         if rank in ranks:
             bridge, bridge_ranks = group, ranks
     return IslandGroups(islands, rank, native, native_ranks, bridge, bridge_ranks)
@@ -198,3 +200,37 @@ def _spec_links(spec: str | None) -> tuple[float | None, dict]:
     topology = parse_cluster_spec(spec).topology
     bridge = topology.bridge.bandwidth_gbs if topology.bridge is not None else None
     return bridge, {n.name: n.link.bandwidth_gbs for n in topology.nodes if n.link is not None}
+
+
+def pipeline_groups(islands: Islands, grid, *, rank: int, emulated: bool, timeout) -> tuple:
+    """(this rank's pipeline group, its data-parallel group) of a DP×PP mesh (`grid`: a row per
+    replica, its stages' ranks) over islands, as the research practice runs it: the replicas of a
+    stage (a column) on one island, summing their gradients on its native backend; a replica's
+    pipeline (a row) across islands over gloo, the bridge. A collective: every rank makes every
+    group, in the same order. A column that spans islands is refused: its gradient sum would have
+    to cross the bridge every step (data parallel across islands: parallel='dp')."""
+    from ...errors import UsageError
+
+    for s in range(len(grid[0])):
+        column = [row[s] for row in grid]
+        names = sorted({islands.island_of[r] for r in column})
+        if len(names) > 1:
+            raise UsageError(
+                f"DP×PP across islands: stage {s}'s replicas (ranks {', '.join(map(str, column))}) are on islands "
+                f"{', '.join(names)}, so their gradient sum would cross the bridge every step",
+                "order the ranks so that stage s of every replica is on one island (rank = replica × stages "
+                "+ stage: e.g. islands nv,amd,nv,amd for 2 stages), or use parallel='dp' across islands")
+    mine = {}
+    for ranks in grid:
+        crosses = len({islands.island_of[r] for r in ranks}) > 1
+        backend = "gloo" if emulated or crosses else islands.backends.get(islands.island_of[ranks[0]], "gloo")
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine["pp"] = group
+    for s in range(len(grid[0])):
+        ranks = [row[s] for row in grid]
+        backend = "gloo" if emulated else islands.backends.get(islands.island_of[ranks[0]], "gloo")
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine["dp"] = group
+    return mine["pp"], mine["dp"]

@@ -157,7 +157,10 @@ def make(job, islands) -> IslandSync:
         job.plan = replace(job.plan, compression="none", note="; ".join(filter(None, [
             job.plan.note, f"gradient compression none: {job.plan.compression} is not run by the hierarchical "
                            "all-reduce across islands"])))
-    groups = make_groups(islands, rank=job.rank, emulated=job.emulated is not None)
+    from datetime import timedelta
+
+    groups = make_groups(islands, rank=job.rank, emulated=job.emulated is not None,
+                         timeout=timedelta(seconds=job.config.timeout_s))
     if job.emulated is not None:
         attach_links(groups)
     asynchronous = job.emulated is not None and job.emulated.throttle.asynchronous

@@ -82,7 +82,7 @@ def test_the_bridge_groups_are_gloo_whatever_the_islands_backends(monkeypatch):
     from hetrain.runtime.ranks import islands as isl
 
     made = []
-    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None: made.append((tuple(ranks), backend)) or object())
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **_: made.append((tuple(ranks), backend)) or object())
     layout = isl.Islands(island_of=("nv", "nv", "amd", "amd"), backends={"nv": "nccl", "amd": "nccl"})
     groups = isl.make_groups(layout, rank=1, emulated=False)
     assert made == [((0, 1), "nccl"), ((2, 3), "nccl"), ((0, 2), "gloo"), ((1, 3), "gloo")]
@@ -102,3 +102,22 @@ def test_the_guard_flags_a_bridge_collective_outside_the_staging_function(tmp_pa
         "def shortcut(grad, groups):\n    dist.all_reduce(grad, group=groups.bridge)\n\n"
         "def fine(grad, groups):\n    dist.all_reduce(grad, group=groups.native)\n")
     assert [f.split(" ", 1)[1].split(":")[0] for f in findings(tmp_path)] == ["shortcut"]
+
+
+def test_dp_x_pp_across_islands_keeps_each_stage_s_replicas_on_one_island(monkeypatch):
+    import pytest
+    import torch.distributed as dist
+
+    from hetrain.errors import UsageError
+    from hetrain.runtime.ranks import islands as isl
+
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **_: made.append((tuple(ranks), backend)) or object())
+    grid = [[0, 1], [2, 3]]        # replica r, stage s: rank 2r + s
+    apart = isl.Islands(island_of=("nv", "amd", "nv", "amd"), backends={"nv": "nccl", "amd": "hccl"})
+    isl.pipeline_groups(apart, grid, rank=0, emulated=False, timeout=None)
+    # pipelines cross the islands over gloo; each stage's replicas sum on their island's backend
+    assert made == [((0, 1), "gloo"), ((2, 3), "gloo"), ((0, 2), "nccl"), ((1, 3), "hccl")]
+    together = isl.Islands(island_of=("nv", "nv", "amd", "amd"), backends={"nv": "nccl", "amd": "hccl"})
+    with pytest.raises(UsageError, match="stage 0's replicas .ranks 0, 2. are on islands amd, nv"):
+        isl.pipeline_groups(together, grid, rank=0, emulated=False, timeout=None)
