@@ -39,8 +39,8 @@ def worker(rank, world):
 
     islands.pipeline_groups = recorded
     join_group()
-    out = train("gpt", n=24, global_batch=12, steps=2, emulate="4xa100-80g",
-                parallel=pipeline_plan("dp-pp", blocks=(3, 1), schedule="1f1b", shares=(5, 7), micro=(3, 4),
+    out = train("stack2", n=24, global_batch=12, steps=2, emulate="4xa100-80g",
+                parallel=pipeline_plan("dp-pp", blocks=(1, 1), schedule="1f1b", shares=(5, 7), micro=(3, 4),
                                        world=world))
     return out, made
 
