@@ -19,7 +19,7 @@ The first bridge group is always the leaders'.
 
 The host-staging rule: every collective on a bridge group goes through `bridge_all_reduce`, which
 copies a device tensor to host memory (pinned on CUDA, so the copy is a DMA), runs gloo there and
-copies the result back. tests/unit/runtime/ranks/test_islands_bridge_rule.py checks that no other
+copies the result back. tests/unit/runtime/ranks/test_island_groups.py checks that no other
 code hands a bridge group to a collective.
 
 Which island a rank is on: under emulation its device's `island` (hardware/cluster.py

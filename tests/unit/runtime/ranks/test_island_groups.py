@@ -1,4 +1,5 @@
-"""Guard: device tensors stay off the bridge unless staged through host memory.
+"""The islands' groups (runtime/ranks/islands.py), and a guard: device tensors stay off the bridge
+unless staged through host memory.
 
 The bridge between device islands is gloo on host memory (runtime/ranks/islands.py): a device
 tensor handed to it fails on a real GPU (gloo cannot read HPU/NPU/XPU memory, and a CUDA one would
@@ -121,3 +122,28 @@ def test_dp_x_pp_across_islands_keeps_each_stage_s_replicas_on_one_island(monkey
     together = isl.Islands(island_of=("nv", "nv", "amd", "amd"), backends={"nv": "nccl", "amd": "hccl"})
     with pytest.raises(UsageError, match="stage 0's replicas .ranks 0, 2. are on islands amd, nv"):
         isl.pipeline_groups(together, grid, rank=0, emulated=False, timeout=None)
+
+
+def test_a_job_of_one_island_makes_no_groups_and_asks_no_rank(monkeypatch):
+    """Today's path untouched: devices that name no island (a flat spec, real GPUs) decide it
+    without a collective; a job whose devices do gathers their islands once."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.runtime.ranks import islands as isl
+
+    asked = []
+    monkeypatch.setattr(dist, "all_gather_object", lambda table, mine: asked.append(mine) or table.__setitem__(
+        slice(None), [{"island": n, "backend": "nccl"} for n in ("nv", "nv", "amd")]))
+    device = parse_cluster("a100-80g")[0]
+    job = SimpleNamespace(world_size=3, emulated=SimpleNamespace(spec=device), config=SimpleNamespace(
+        emulation=SimpleNamespace(cluster="3xa100-80g")))
+    assert isl.for_job(job) is None and asked == []
+    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None)) is None and asked == []
+    from dataclasses import replace
+    job.emulated.spec = replace(device, island="nv")
+    layout = isl.for_job(job)
+    assert asked == [{"island": "nv", "backend": "nccl"}]
+    assert layout.island_of == ("nv", "nv", "amd") and layout.leaders == (0, 2) and not layout.sharded
