@@ -16,14 +16,14 @@ from harness import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def sum_worker(rank, world, island_of, bridge_gbs, sizes):
+def sum_worker(rank, world, island_of, bridge_gbs, sizes, links=None):
     import torch.distributed as dist
 
     from hetrain.runtime.ranks.islands import Islands, make_groups
     from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
     dist.init_process_group("gloo")
-    islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs)
+    islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links or {})
     groups = attach_links(make_groups(islands, rank=rank, emulated=True))
     sync = IslandSync(groups, world_size=world, device=torch.device("cpu"))
     out = []
@@ -40,7 +40,8 @@ def sum_worker(rank, world, island_of, bridge_gbs, sizes):
     result = {"elapsed": elapsed, "carried": groups.bridge_throttle.sent_bytes if groups.bridge_throttle else None,
               "diffs": out, "bridged": groups.bridged_bytes, "bridge_ranks": groups.bridge_ranks,
               "native_ranks": groups.native_ranks,
-              "throttled": groups.bridge_throttle is not None}
+              "throttled": groups.bridge_throttle is not None,
+              "native_carried": groups.native_throttle.sent_bytes if groups.native_throttle else None}
     dist.destroy_process_group()
     return result
 
@@ -60,11 +61,14 @@ def test_hierarchical_sum_equals_a_flat_all_reduce(island_of):
         assert [r["bridged"] for r in results] == [nbytes, 0.0, nbytes]
 
 
-def test_the_emulated_bridge_is_slowed_to_its_link():
+def test_the_emulated_bridge_and_island_links_are_slowed_to_their_figures():
     # 2+1 leaders' form: 8 * 72 bytes a sum, a 2-leader ring: 2(k-1)/k · S / B = S / B
     gbs = 8 * 72 / 0.05 / 1e9          # 50 ms a sum
-    results = run_ranks(sum_worker, 3, ("nv", "nv", "amd"), gbs, (72, 72))
+    results = run_ranks(sum_worker, 3, ("nv", "nv", "amd"), gbs, (72, 72), {"nv": 100.0, "amd": 100.0})
     assert [r["throttled"] for r in results] == [True, False, True]     # a non-leader never crosses
+    # island nv's link carries each sum's reduce and broadcast (half an all-reduce's bytes each);
+    # amd, an island of one, has no link to cross
+    assert [r["native_carried"] for r in results] == [2 * 8 * 72, 2 * 8 * 72, None]
     for r in results:
         assert max(r["diffs"]) <= 1e-12
         assert r["elapsed"] >= 0.1       # two sums of 50 ms on the link (a lower bound on any host)
