@@ -1,7 +1,10 @@
 """A pipeline across device islands (runtime/ranks/islands.py pipeline_groups) on a 2×2 DP×PP mesh
 of real gloo ranks: stage 0 of both replicas on island nv, stage 1 on island amd, so each
 pipeline crosses the bridge and each stage's replicas sum their gradients inside one island; the
-training equals one process (float64; tests/pipeline_runs.py's reference)."""
+training equals one process (float64; tests/pipeline_runs.py's reference). Every activation and
+gradient the stages exchange goes through the bridge's host staging (islands.staged_p2p, which
+stages device tensors; here told to stage the CPU's too, so its copies and landings are what the
+stages compute on)."""
 
 from __future__ import annotations
 
@@ -38,10 +41,13 @@ def worker(rank, world):
         return pp, dp
 
     islands.pipeline_groups = recorded
+    staged = []
+    islands._needs_staging = lambda tensor, group: staged.append(tensor.shape) or True
     join_group()
     out = train("stack2", n=24, global_batch=12, steps=2, emulate="4xa100-80g",
                 parallel=pipeline_plan("dp-pp", blocks=(1, 1), schedule="1f1b", shares=(5, 7), micro=(3, 4),
                                        world=world))
+    made["staged"] = len(staged)
     return out, made
 
 
@@ -54,3 +60,6 @@ def test_dp_x_pp_across_islands_matches_one_big_batch():
     made = [m for _, m in results]
     assert [m["pp"] for m in made] == [[0, 1], [0, 1], [2, 3], [2, 3]]     # each pipeline: nv then amd
     assert [m["dp"] for m in made] == [[0, 2], [1, 3], [0, 2], [1, 3]]     # each stage's replicas: one island
+    # per step and micro-batch, each stage sends once and receives once (activations forward,
+    # gradients back): 2 steps, replica 0 in 2 micro-batches, replica 1 in 2
+    assert [m["staged"] for m in made] == [8, 8, 8, 8]

@@ -234,3 +234,39 @@ def pipeline_groups(islands: Islands, grid, *, rank: int, emulated: bool, timeou
         if rank in ranks:
             mine["dp"] = group
     return mine["pp"], mine["dp"]
+
+
+def _needs_staging(tensor: torch.Tensor, group) -> bool:
+    """A device tensor sent or received over a gloo group (the bridge between islands)."""
+    return tensor.device.type != "cpu" and "gloo" in str(dist.get_backend(group))
+
+
+def staged_p2p(ops: list, landing: list) -> list:
+    """A pipeline's sends and receives (torch's P2POps) as the bridge carries them: a device tensor
+    on a gloo group goes through a host copy (pinned on CUDA). A send's copy is made now; a
+    receive lands in a host buffer, and (host, device tensor) is appended to `landing`, for `land`
+    once the receive has completed. Other ops are left as they are."""
+    out = []
+    for op in ops:
+        tensor = op.tensor
+        if not _needs_staging(tensor, op.group):
+            out.append(op)
+            continue
+        host = _host_buffer(tensor)
+        if op.op in (dist.isend, dist.send):
+            host.copy_(tensor, non_blocking=True)
+            if tensor.device.type == "cuda":      # gloo reads the host copy: it must have landed
+                torch.cuda.current_stream(tensor.device).synchronize()
+        else:
+            landing.append((host, tensor))
+        out.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
+    return out
+
+
+def land(landing: list) -> None:
+    """The staged receives, completed, copied into the device tensors the stage reads (receive
+    buffers of activations are leaves that require grad: filled as data, outside autograd)."""
+    with torch.no_grad():
+        for host, tensor in landing:
+            tensor.copy_(host)
+    landing.clear()
