@@ -20,7 +20,8 @@ The first bridge group is always the leaders'.
 The host-staging rule: every collective on a bridge group goes through `bridge_all_reduce`, which
 copies a device tensor to host memory (pinned on CUDA, so the copy is a DMA), runs gloo there and
 copies the result back. tests/unit/runtime/ranks/test_island_groups.py checks that no other
-code hands a bridge group to a collective.
+code hands a bridge group to a collective. A pipeline across islands (`pipeline_groups`) sends its
+activations and gradients over a gloo group through `staged_p2p`, the same staging for P2P.
 
 Which island a rank is on: under emulation its device's `island` (hardware/cluster.py
 ClusterDevice, from the island spec); the job-wide layout comes from one all_gather_object at
