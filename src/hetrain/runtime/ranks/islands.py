@@ -193,14 +193,23 @@ def for_job(job) -> Islands | None:
 
 
 def _spec_links(spec: str | None) -> tuple[float | None, dict]:
-    """(the bridge's GB/s, {island: its link's GB/s}) from an island spec's topology."""
+    """(the bridge's GB/s, {island: its link's GB/s}) from an island spec."""
     from ...hardware.cluster import parse_cluster_spec
 
-    if not spec:
-        return None, {}
-    topology = parse_cluster_spec(spec).topology
+    return spec_links(parse_cluster_spec(spec)) if spec else (None, {})
+
+
+def spec_links(cluster) -> tuple[float | None, dict]:
+    """(the bridge's GB/s, {island: its own link's GB/s}) of a ClusterSpec: the topology's bridge,
+    and for each island the link of the node its devices are on, where the spec names one."""
+    topology = cluster.topology
     bridge = topology.bridge.bandwidth_gbs if topology.bridge is not None else None
-    return bridge, {n.name: n.link.bandwidth_gbs for n in topology.nodes if n.link is not None}
+    links: dict = {}
+    for device in cluster.devices:
+        link = topology.node_of(device.index).link
+        if device.island and link is not None:
+            links.setdefault(device.island, link.bandwidth_gbs)
+    return bridge, links
 
 
 def pipeline_groups(islands: Islands, grid, *, rank: int, emulated: bool, timeout) -> tuple:

@@ -147,3 +147,22 @@ def test_a_job_of_one_island_makes_no_groups_and_asks_no_rank(monkeypatch):
     layout = isl.for_job(job)
     assert asked == [{"island": "nv", "backend": "nccl"}]
     assert layout.island_of == ("nv", "nv", "amd") and layout.leaders == (0, 2) and not layout.sharded
+
+
+def test_the_emulated_links_come_from_the_spec_s_bridge_and_each_island_s_own_link():
+    from dataclasses import replace
+
+    from hetrain.hardware.cluster import ClusterSpec, Node, Topology, parse_cluster
+    from hetrain.hardware.links import parse_link
+    from hetrain.runtime.ranks.islands import spec_links
+
+    devices = parse_cluster("4xa100-80g")
+    devices = tuple(replace(d, island="nv" if d.index < 2 else "amd") for d in devices)
+    nodes = (Node(name="nv", devices=(0, 1), part="2xa100-80g", link=parse_link("12GB/s", where="test")),
+             Node(name="amd", devices=(2, 3), part="2xa100-80g", link=None))
+    cluster = ClusterSpec(devices=devices, topology=Topology(nodes=nodes, net=None, named=True,
+                                                            bridge=parse_link("25GbE", where="test")))
+    bridge, links = spec_links(cluster)
+    assert links == {"nv": 12.0}                  # amd names no link of its own: not slowed
+    assert bridge == parse_link("25GbE", where="test").bandwidth_gbs and 2 < bridge < 4
+    assert spec_links(replace(cluster, topology=replace(cluster.topology, bridge=None)))[0] is None
