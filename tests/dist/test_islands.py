@@ -48,6 +48,7 @@ def sum_worker(rank, world, island_of, bridge_gbs, sizes, links=None):
 
 @pytest.mark.parametrize("island_of", [("nv", "nv", "amd", "amd"), ("nv", "nv", "amd")], ids=["2+2", "2+1"])
 def test_hierarchical_sum_equals_a_flat_all_reduce(island_of):
+    """(2+2 runs again inside a training job below; here the sizes an island's ranks do not divide.)"""
     sizes = (1, 7, 64)
     results = run_ranks(sum_worker, len(island_of), island_of, None, sizes)
     for r in results:
@@ -159,7 +160,10 @@ def test_data_parallel_across_islands_equals_one_process(case):
     for rank, r in enumerate(records):
         assert r["hook"] == "IslandSync"
         assert max((a - b).abs().max().item() for a, b in zip(r["params"], ref)) <= 1e-12
-    assert all(r["bridged"] > 0 for r in records) if len(island_of) == 4 else records[1]["bridged"] == 0
+    if len(island_of) == 4:     # sharded: one bucket of 129 float64 a step, padded to 130, half each
+        assert [r["bridged"] for r in records] == [steps * 8 * 65] * 4
+    else:                       # leaders: the whole bucket, a step; rank 1 never crosses
+        assert [r["bridged"] for r in records] == [(steps + 1) * 8 * 129, 0.0, (steps + 1) * 8 * 129]
     if faults:
         assert [r["redone"] for r in records] == [1, 1, 1] and records[2]["micro"] == 3
 
