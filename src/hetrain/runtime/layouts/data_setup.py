@@ -30,7 +30,8 @@ from ..model import PreparedModel
 from ..resilience import oom as recovery
 from ..resilience import resume as persist
 from ..resilience.rebalance import FirstSteps, Rebalancer
-from ..sharding import comm_hooks
+from ..ranks.islands import for_job as island_layout
+from ..sharding import comm_hooks, island_hooks
 from .checks import check_request
 from .data import DataLayout
 from .tensor import TensorLayout
@@ -225,6 +226,8 @@ def make_sync_guard(job, wrapped):
         recovery.keep_anchor(job.device)     # drains a failed backward's graph (oom.release_graph)
     if not isinstance(wrapped.sync, DDP):
         made = wrapped.sync_guard() if guard else None
+    elif (islands := island_layout(job)) is not None:   # ranks on 2+ device islands: the hierarchical all-reduce
+        made = recovery.install(wrapped.sync, island_hooks.make(job, islands), guard=guard)
     else:
         gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
                                            throttle=throttle_for(job), backend=job.ctx.backend,

@@ -226,7 +226,13 @@ def _groups(job, grid):
 
     import torch.distributed as dist
 
+    from ..ranks.islands import for_job as island_layout
+    from ..ranks.islands import pipeline_groups as island_pipeline_groups
+
     timeout = timedelta(seconds=job.config.timeout_s)
+    islands = island_layout(job)            # ranks on 2+ device islands: DP inside each, PP across
+    if islands is not None:
+        return island_pipeline_groups(islands, grid, rank=job.rank, emulated=job.emulated is not None, timeout=timeout)
     mine = {}
     for r, ranks in enumerate(grid):
         group = dist.new_group(ranks, timeout=timeout)

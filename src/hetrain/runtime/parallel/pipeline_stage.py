@@ -14,6 +14,7 @@ from ...hardware.units import format_bytes
 from ..devices import clock as clocks
 from ..devices.faults import injected_oom
 from ..loop import reduce
+from ..ranks.islands import land, staged_p2p
 from ..resilience.oom import free_cached, keep_anchor, release_graph
 from .blocks import SavedBytes, stage_autocast, to_fp32
 
@@ -68,6 +69,7 @@ class MeteredStage(PipelineStage):
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
         keep_anchor(self.device)             # before the stage's first graph: drains a failed backward's
         self._step, self._count, self._chunk = 0, 1, 0
+        self._landing: dict = {}             # (phase, chunk): staged receives still to land
 
     def begin_step(self, step_index: int, count: int) -> None:
         self.failed, self._step, self._count = None, step_index, count
@@ -114,20 +116,30 @@ class MeteredStage(PipelineStage):
 
     # What a stage sends leaves once its device has computed it: where an asynchronous emulated
     # device pays its owed time (on CUDA the send waits on the stream, the host does not).
+    # Across device islands the pipeline's group is the gloo bridge: device tensors go through
+    # host copies (runtime/ranks/islands.py staged_p2p), received ones land before their piece runs.
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         clocks.sync_point()
-        return super().get_fwd_send_ops(fwd_chunk_id)
+        return staged_p2p(super().get_fwd_send_ops(fwd_chunk_id), [])
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         clocks.sync_point()
-        return super().get_bwd_send_ops(bwd_chunk_id)
+        return staged_p2p(super().get_bwd_send_ops(bwd_chunk_id), [])
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        return staged_p2p(super().get_fwd_recv_ops(fwd_chunk_id), self._landing.setdefault(("fwd", fwd_chunk_id), []))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        return staged_p2p(super().get_bwd_recv_ops(bwd_chunk_id), self._landing.setdefault(("bwd", bwd_chunk_id), []))
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        land(self._landing.pop(("fwd", fwd_chunk_id), []))
         parent = super().forward_one_chunk
         self._chunk = fwd_chunk_id
         return self.timed(lambda: parent(fwd_chunk_id, args, kwargs, save_forward_output), share=1 / 3)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        land(self._landing.pop(("bwd", bwd_chunk_id), []))
         parent = super().backward_one_chunk
         self._chunk = bwd_chunk_id
         out = self.timed(lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward,
