@@ -179,7 +179,15 @@ def native_run(groups: IslandGroups, collective, nbytes: float) -> None:
 def for_job(job) -> Islands | None:
     """The job's islands, or None when it is one island (every rank calls it alike: the decision
     is the cluster spec's, which every rank holds). Emulated devices name their island; the links'
-    figures come from the island spec (the bridge, and an island's own link where it names one)."""
+    figures come from the island spec (the bridge, and an island's own link where it names one).
+    Real devices: the islands every rank's device put in the job's nodes at start (nodes.join_nodes),
+    gathered there already, so no collective here."""
+    found = getattr(job.nodes, "islands", None) if job.emulated is None else None
+    if found is not None:
+        if not found.multi or job.world_size < 2:
+            return None
+        return Islands(island_of=tuple(found.island_of(r).name for r in range(job.world_size)),
+                       backends={i.name: i.backend for i in found.islands}, bridge_gbs=found.bridge_gbs)
     spec = job.emulated.spec if job.emulated is not None else None
     if spec is None or not spec.island or job.world_size < 2:
         return None

@@ -147,7 +147,10 @@ def attach_links(groups: IslandGroups) -> IslandGroups:
     if gbs and len(groups.native_ranks) > 1:
         groups.native_throttle = LinkThrottle(gbs=gbs, ring=len(groups.native_ranks))
     if islands.bridge_gbs and groups.bridge is not None:
-        groups.bridge_throttle = LinkThrottle(gbs=islands.bridge_gbs, ring=len(groups.bridge_ranks))
+        # The bridge is one host link per island (the spec names one: a NIC), which every shard's ring
+        # crosses at once: n rings share it, each at 1/n (planning/bridge_cost.py prices the same).
+        rings = len(islands.bridge_ranks())
+        groups.bridge_throttle = LinkThrottle(gbs=islands.bridge_gbs / rings, ring=len(groups.bridge_ranks))
     return groups
 
 
