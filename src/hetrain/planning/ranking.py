@@ -207,7 +207,7 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
 def measured_pipeline(data: dict | None):
     """(PipelineProfile, [StageDevice]) from what `hetrain plan` measured (Measurements.pipeline),
     or None."""
-    from .pipeline_split import PipelineProfile, StageDevice
+    from ..runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 
     if not data:
         return None
@@ -216,7 +216,7 @@ def measured_pipeline(data: dict | None):
 
 def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
     from .parallelism import compare_parallelism, with_fixed_cost, with_step_work
-    from .pipeline_split import PipelineProfile, StageDevice
+    from ..runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 
     w = len(profiles)
     if w < 2 or not state.blocks:

@@ -183,7 +183,7 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
 
 def measure_setup(job, model, optimizer) -> None:
     """The whole model on this rank's device, counted, checkpointed as configured: what the
-    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline_setup.py)."""
+    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline/setup.py)."""
     model.to(job.device)
     if job.emulated is not None:                      # the emulated meter holds the model from here
         job.emulated.meter.set_fixed(model, optimizer)

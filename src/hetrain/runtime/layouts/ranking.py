@@ -35,8 +35,8 @@ def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bo
     """What the ranking needs, measured in this job (collective: every rank calls it). `time_tp`:
     also time the TP split by speed (`hetrain plan`, whose table shows its row, and parallel='auto'
     wherever it may run TP: choose.decide), so both cost that row alike."""
-    from ..parallel.blocks import find_parts, repeated_blocks
-    from . import pipeline_setup
+    from .pipeline.blocks import find_parts, repeated_blocks
+    from .pipeline import setup as pipeline_setup
 
     say = say or job.log.detail          # what was measured: a reason, under --verbose
     measured = measure_job(job, model, optimizer, forward)                                          # (collective)
@@ -100,7 +100,7 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
     that train, their element sizes, the optimizer, and the parameters outside the blocks.
     `stack`: blocks.repeated_blocks(model) when the caller has it (False: found here)."""
     from ..memory.device_memory import optimizer_kind
-    from ..parallel.blocks import repeated_blocks
+    from .pipeline.blocks import repeated_blocks
 
     params = list(model.parameters())
     train = [p for p in params if p.requires_grad]

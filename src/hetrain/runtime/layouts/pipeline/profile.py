@@ -1,13 +1,13 @@
 """A model's blocks as the pipeline planner costs them (pure; no torch): each part's seconds,
-activation and parameter bytes per sample (runtime/parallel/blocks.profile_blocks measures them),
-and how a stage runs them on its device and host (runtime/measure/pipeline_probe.py)."""
+activation and parameter bytes per sample (runtime/layouts/pipeline/blocks.profile_blocks measures them),
+and how a stage runs them on its device and host (runtime/layouts/pipeline/probe.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ..errors import UsageError
+from ....errors import UsageError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,7 @@ class BlockCost:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineProfile:
-    """Costs of a model's blocks (and its first/last parts), e.g. from `runtime/parallel/blocks.profile_blocks`."""
+    """Costs of a model's blocks (and its first/last parts), e.g. from `runtime/layouts/pipeline/blocks.profile_blocks`."""
 
     blocks: tuple[BlockCost, ...]
     first: BlockCost | None = None     # runs before the blocks, on the first stage
@@ -37,12 +37,12 @@ class PipelineProfile:
     boundary_bytes: float = 0.0        # activation bytes per sample sent from one stage to the next
     tied_param_bytes: float = 0.0      # parameters the first and last parts share (held twice)
     # How a stage runs a block of profiled time s: a micro-batch of µ rows takes block_s + f·µ·s
-    # (measured by runtime/measure/pipeline_probe.py; 1 and 0: not measured).
+    # (measured by runtime/layouts/pipeline/probe.py; 1 and 0: not measured).
     stage_factor: float = 1.0
     block_s: float = 0.0
     first_s: float = 0.0               # ... and what the first / last part adds a micro-batch on its stage
     last_s: float = 0.0                # (the last's with the loss, a piece of its own)
-    # Emulated stages on one host's cores (runtime/measure/pipeline_probe.py; planning/core_sharing.py
+    # Emulated stages on one host's cores (runtime/layouts/pipeline/probe.py; planning/core_sharing.py
     # plays them out): how much slower a piece computes with `contention_at` computing at once, and a
     # message's one-way seconds to a waiting stage with a core free / with every core busy.
     contention: float = 1.0
@@ -83,7 +83,7 @@ class PipelineProfile:
         profile is measured on it instead, runtime/measure/profiler.py): the whole model's forward and backward
         last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
         them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'
-        share of the clock (runtime/parallel/pipeline_stage.py), whatever its CPU took."""
+        share of the clock (runtime/layouts/pipeline/stage.py), whatever its CPU took."""
         total = self.stage_seconds(0, len(self.blocks), first=True, last=True)
         if not sample_s > 0 or not total > 0:
             raise UsageError(f"the controlled clock's {sample_s!r} s a sample over blocks of {total!r} s",

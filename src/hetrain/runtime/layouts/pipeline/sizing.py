@@ -1,6 +1,6 @@
-"""Sizing a pipeline before it is built (runtime/layouts/pipeline_setup.py): every rank's speed
+"""Sizing a pipeline before it is built (runtime/layouts/pipeline/setup.py): every rank's speed
 and memory (`device_table`), the block costs agreed by all ranks, the split by the planner
-(planning/pipeline_split.py), and what is shown and warned about it."""
+(runtime/layouts/pipeline/split.py), and what is shown and warned about it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import UsageError
-from ...hardware.units import format_bytes
-from ...planning.pipeline_split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
+from ....errors import UsageError
+from ....hardware.units import format_bytes
+from .split import (BlockCost, PipelineProfile, PipelineSplit, StageDevice,
                                        evaluate_split, split_pipeline)
-from ...planning.plan import split_evenly
-from ..devices.cuda_memory import usable_bytes
-from ..ranks import agree
+from ....planning.plan import split_evenly
+from ...devices.cuda_memory import usable_bytes
+from ...ranks import agree
 from .blocks import PipelineParts, profile_blocks
 
 def device_table(ht) -> list[StageDevice]:
@@ -27,7 +27,7 @@ def device_table(ht) -> list[StageDevice]:
     if ht.emulated is not None:
         speed, memory = ht.emulated.spec.speed, float(ht.emulated.spec.memory_bytes)
     elif ht.device.type == "cuda":
-        from ...hardware import catalog
+        from ....hardware import catalog
 
         gpu = catalog.lookup(torch.cuda.get_device_name(ht.device))
         speed = gpu.speed_index if gpu is not None else 1.0

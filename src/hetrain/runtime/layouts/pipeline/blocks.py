@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..devices import clock as clocks
-from ...errors import UsageError
-from ...planning.pipeline_split import BlockCost, PipelineProfile
+from ...devices import clock as clocks
+from ....errors import UsageError
+from .split import BlockCost, PipelineProfile
 
 
 # -- what a model's blocks are ----------------------------------------------------------------
@@ -87,7 +87,7 @@ class StageModule(nn.Module):
         self.last = parts.last if is_last else None
 
     def reslice(self, parts: PipelineParts, start: int, stop: int) -> None:
-        """Hold blocks [start, stop) from now on (an online re-split: resilience/resplit.py). The
+        """Hold blocks [start, stop) from now on (an online re-split: layouts/pipeline/resplit.py). The
         module object stays the same, so what holds it (the prepared model, the checkpoint's
         stage state) sees the new blocks; `first` and `last` stay with their stages."""
         self.blocks = nn.ModuleList(parts.blocks[start:stop])
@@ -100,7 +100,7 @@ class StageModule(nn.Module):
         return self.last(x) if self.last is not None else x
 
 
-# -- how a stage computes (parallel/pipeline_stage.py), and its blocks are measured alike -------
+# -- how a stage computes (layouts/pipeline/stage.py), and its blocks are measured alike -------
 def stage_autocast(precision, device_type: str):
     """The device's autocast (runtime/devices/precision_policy.py: a no-op for fp32), or none without a policy."""
     return precision.autocast(device_type) if precision is not None else contextlib.nullcontext()
@@ -148,9 +148,9 @@ def profile_blocks(parts: PipelineParts, example: torch.Tensor, *, device: torch
     micro-batch), per sample. Times are this thread's CPU time on CPU (throttling excluded) and
     synchronised wall time on CUDA; the least of `repeats` runs (preemption only adds time; 15, as
     5 left block 0's figure 8% above its neighbours' in one plan of a DP×PP benchmark on a shared
-    2-core host, and every stage's factor is read against block 0's: runtime/measure/pipeline_probe.py).
+    2-core host, and every stage's factor is read against block 0's: runtime/layouts/pipeline/probe.py).
     `precision`: the device's PrecisionPolicy, whose autocast every part runs under, as a stage
-    runs it (parallel/pipeline_stage.py): a bf16 stage's blocks cost what bf16 costs there."""
+    runs it (layouts/pipeline/stage.py): a bf16 stage's blocks cost what bf16 costs there."""
     device = device or example.device
     cuda = device.type == "cuda"
     clock = clocks.host if cuda else clocks.thread_cpu

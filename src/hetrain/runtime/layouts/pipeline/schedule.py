@@ -1,5 +1,5 @@
 """Pipeline parallelism on mixed devices, on `torch.distributed.pipelining`: one stage of one
-pipeline replica, run by the user's loop through hetrain's verbs (runtime/layouts/pipelined.py).
+pipeline replica, run by the user's loop through hetrain's verbs (runtime/layouts/pipeline/loop.py).
 
     model, opt, batches = ht.prepare(model, opt, dataset, parallel="pp", loss_fn=loss_fn)
     for step in batches:
@@ -9,10 +9,10 @@ pipeline replica, run by the user's loop through hetrain's verbs (runtime/layout
         ht.step()
 
 What happens, and why:
-  * Splitting. The model is cut between its blocks (parallel/blocks.py: an nn.Sequential, an
+  * Splitting. The model is cut between its blocks (layouts/pipeline/blocks.py: an nn.Sequential, an
     nn.ModuleList, the demo GPT with embeddings on the first stage and ln_f + head on the last, or
     `PipelineParts(first=, blocks=, last=)`). Stages are hand-built `PipelineStage`s, not traced.
-  * Sizing (parallel/pipeline_sizing.py, planning/pipeline_split.py): slower devices get fewer
+  * Sizing (layouts/pipeline/sizing.py, runtime/layouts/pipeline/split.py): slower devices get fewer
     blocks, within each device's memory for the schedule's activations in flight.
   * Tied weights (the GPT's embedding = head weight). The first and last stages each hold the
     same initial weight; after the backward their gradients are summed over the two ranks, so
@@ -45,12 +45,12 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from ..devices import clock as clocks
-from ...planning.pipeline_split import PipelineSplit
-from ..ranks import agree
-from ..loop import reduce
+from ...devices import clock as clocks
+from .split import PipelineSplit
+from ...ranks import agree
+from ...loop import reduce
 from .blocks import PipelineParts, StageModule, find_parts, param_storage_ptrs, profile_blocks
-from .pipeline_stage import Flight, MeteredStage, RowLoss
+from .stage import Flight, MeteredStage, RowLoss
 
 __all__ = ["Pipeline", "PipelineParts", "find_parts", "profile_blocks"]
 
@@ -216,12 +216,12 @@ class Pipeline:
 
     def resplit(self, split: PipelineSplit, optimizer: torch.optim.Optimizer, *, version: int) -> str | None:
         """Run `split` (the same blocks, cut elsewhere) from the next step on: a collective of the
-        pipeline, at a step boundary (runtime/resilience/resplit.py decides it). The blocks this stage
-        gains arrive with their parameters, buffers and optimizer state (parallel/pipeline_move.py),
+        pipeline, at a step boundary (runtime/layouts/pipeline/resplit.py decides it). The blocks this stage
+        gains arrive with their parameters, buffers and optimizer state (layouts/pipeline/move.py),
         the stage and schedule are built afresh at the next step (its receive buffers and shapes
         are the new boundary's), and the tied weights' groups follow their holders. Returns None, or
         why nothing moved (the same on every rank)."""
-        from .pipeline_move import move_blocks
+        from .move import move_blocks
 
         old = self.split.bounds[self.stage_index]
         why = move_blocks(parts=self.parts, old_bounds=self.split.bounds, new_bounds=split.bounds,

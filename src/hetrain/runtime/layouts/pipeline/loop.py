@@ -9,10 +9,10 @@
 The schedule (GPipe or 1F1B, torch.distributed.pipelining) needs every micro-batch at once, so
 `ht.loss(mb)` returns a PendingLoss and `ht.backward` records it with the micro-batch's units
 (samples or tokens); once the last micro-batch is recorded, the rank's pass runs the schedule
-(parallel/pipeline.py: Pipeline.run) and the step's agreement, the optimizer step, checkpoints and
+(layouts/pipeline/schedule.py: Pipeline.run) and the step's agreement, the optimizer step, checkpoints and
 OOM recovery are the same code as under data parallelism (runtime/loop/stepping.py):
   * the loss and units of a replica are reported once, by its last stage;
-  * an OOM on any stage is completed with stand-ins (parallel/pipeline_stage.py), reported in the
+  * an OOM on any stage is completed with stand-ins (layouts/pipeline/stage.py), reported in the
     step's table, and every rank redoes the step; the failing replica's micro-batches shrink
     together (one µ for all its stages), the others keep theirs;
   * rebalancing is off: shares move between replicas only by re-planning (a restart).
@@ -24,11 +24,11 @@ import math
 
 import torch
 
-from ...errors import UsageError
-from ...planning.plan import split_evenly
-from ..resilience import oom as recovery
-from ..loop.steps import MicroBatch
-from .data import DataLayout, chunked, inputs_and_targets
+from ....errors import UsageError
+from ....planning.plan import split_evenly
+from ...resilience import oom as recovery
+from ...loop.steps import MicroBatch
+from ..data import DataLayout, chunked, inputs_and_targets
 
 
 class PendingLoss:

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice
+from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice
 from hetrain.planning.profile import DeviceProfile
 from hetrain.runtime.measure.measurements import clocked_sample_s
-from hetrain.runtime.parallel.pipeline import Pipeline
+from hetrain.runtime.layouts.pipeline.schedule import Pipeline
 
 
 def blocks(*seconds: float) -> PipelineProfile:

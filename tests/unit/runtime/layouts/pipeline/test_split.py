@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetrain.errors import UsageError
-from hetrain.planning.pipeline_split import (BlockCost, PipelineProfile, StageDevice, bubble_fraction, evaluate_split,
+from hetrain.runtime.layouts.pipeline.split import (BlockCost, PipelineProfile, StageDevice, bubble_fraction, evaluate_split,
                                              in_flight, split_pipeline)
 
 from pipeline_cases import compositions, devices, profile

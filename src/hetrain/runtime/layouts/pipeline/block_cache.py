@@ -1,5 +1,5 @@
 """The pipeline measurement of a model (its blocks' costs and how much longer a stage runs them,
-layouts/pipeline_setup.measure_blocks) kept in $HETRAIN_CACHE/pipelines, as profiles are
+layouts/pipeline/setup.measure_blocks) kept in $HETRAIN_CACHE/pipelines, as profiles are
 (profiler.py): `hetrain plan` measures, and the job that follows sizes its stages from the same
 figures, so the layout the ranking costed is the one that runs (measured twice, two splits within
 a few percent of each other can each win once: the ranking's 2/2 against the runtime's 3/1 on
@@ -18,17 +18,17 @@ import hashlib
 import json
 from pathlib import Path
 
-from ...errors import HetrainError
-from ...files import cache_dir, write_json_atomic
-from ...planning.pipeline_split import PipelineProfile
+from ....errors import HetrainError
+from ....files import cache_dir, write_json_atomic
+from .split import PipelineProfile
 
 VERSION = 5             # 4: a factor and a fixed cost per block, from two sizes; 5: contention, messages
 
 
 def path_for(parts, example, job, devices) -> Path | None:
     """Where this model's pipeline measurement on this CPU and cluster is kept (None: caching off)."""
-    from ..parallel.blocks import StageModule
-    from .profiler import device_key, model_signature
+    from .blocks import StageModule
+    from ...measure.profiler import device_key, model_signature
 
     root = cache_dir("pipelines")
     if root is None:

@@ -16,7 +16,7 @@ plus two sends over the link, when one is given (its output on, that output's gr
 collectives.send_seconds). f (`stage_factor`) and o (`block_s`) are how a stage runs a block
 against the block's profiled time: o seconds a block per micro-batch whatever its size (the
 pipeline machinery around every op) and f per row (measured where a pipeline is sized,
-runtime/measure/pipeline_probe.py; 1 and 0 when not measured).
+runtime/layouts/pipeline/probe.py; 1 and 0 when not measured).
 With fixed per-stage times a fill-drain pipeline lasts Σ_s t_s + (m − 1)·max_s t_s, so the
 slowest stage sets the pace: the split minimises max_s t_s (then Σ_s t_s). On a mixed machine a
 uniform split leaves the fast devices waiting for the slow one; sizing stages by speed (a device
@@ -38,13 +38,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import UsageError
-from ..vocabulary import SCHEDULES
-from ..hardware.units import format_bytes as _gib
-from .collectives import FREE_LINK, Link, send_seconds
-from .memory import ADAMW_STATE_FACTOR
-from .plan import split_evenly
-from .pipeline_profile import BlockCost, PipelineProfile
+from ....errors import UsageError
+from ....vocabulary import SCHEDULES
+from ....hardware.units import format_bytes as _gib
+from ....planning.collectives import FREE_LINK, Link, send_seconds
+from ....planning.memory import ADAMW_STATE_FACTOR
+from ....planning.plan import split_evenly
+from .profile import BlockCost, PipelineProfile
 from .stage_plan import PipelineSplit, StagePlan, bubble_fraction
 
 __all__ = ["RESPLIT_NOTE", "BlockCost", "PipelineProfile", "StageDevice", "StagePlan", "PipelineSplit", "StageCosts",
@@ -52,7 +52,7 @@ __all__ = ["RESPLIT_NOTE", "BlockCost", "PipelineProfile", "StageDevice", "Stage
 
 _EPS = 1e-12
 # What a plain pipeline's plan and ranking say of the runtime's online re-split
-# (runtime/resilience/resplit.py): the split above is where it starts, not where it must stay.
+# (runtime/layouts/pipeline/resplit.py): the split above is where it starts, not where it must stay.
 RESPLIT_NOTE = ("re-split online: when a stage's measured speed changes, blocks move between stages "
                 "with their optimizer state at a step boundary (when the faster split fits memory)")
 

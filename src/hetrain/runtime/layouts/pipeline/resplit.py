@@ -13,7 +13,7 @@ agreed block costs at speed 1 (the profile the split was sized from), so every r
 every stage, the seconds its pieces would have taken at speed 1 (m micro-batches of µ rows through
 its blocks: PipelineSplit's own stage time) and the stage's measured speed, that over its busy
 time. No collective is added to a step. From the medians of those speeds over up to `window`
-steps, the planner's own splitter (planning/pipeline_split.split_pipeline, with its memory check
+steps, the planner's own splitter (runtime/layouts/pipeline/split.split_pipeline, with its memory check
 against each device's memory) proposes the best split, and every rank reaches the same proposal
 from the same table. The split changes only when, as rebalance.py's shares do:
 
@@ -35,7 +35,7 @@ parameters, gradients and optimizer state, and the schedule's activations in fli
 the best split that fits is taken instead, if it gains, and rank 0's log says once, in one line
 with every rank's numbers side by side, what was refused and why.
 
-The move itself is a collective of the pipeline at the step boundary (parallel/pipeline_move.py,
+The move itself is a collective of the pipeline at the step boundary (layouts/pipeline/move.py,
 through Pipeline.resplit): one all_gather first checks that every rank proposes the same split,
 then parameters and optimizer state travel point to point. Plain pipelines only: under DP×PP every
 replica must keep the same blocks on a stage (their gradients are averaged stage by stage), so its
@@ -48,13 +48,13 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from ...errors import UsageError
-from ...hardware.units import format_bytes
-from ...planning.pipeline_split import (PipelineProfile, PipelineSplit, StageDevice, evaluate_split,
+from ....errors import UsageError
+from ....hardware.units import format_bytes
+from .split import (PipelineProfile, PipelineSplit, StageDevice, evaluate_split,
                                         split_pipeline)
-from ...planning.plan import Plan
-from .rebalance import Decision
-from .trial import TrialHold, jumped
+from ....planning.plan import Plan
+from ...resilience.rebalance import Decision
+from ...resilience.trial import TrialHold, jumped
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
 """Moving blocks between pipeline stages at a step boundary (an online re-split: the decision is
-runtime/resilience/resplit.py's): the parameters, buffers and optimizer state of every block that
+runtime/layouts/pipeline/resplit.py's): the parameters, buffers and optimizer state of every block that
 changes stage travel from the rank that trained them to the rank that trains them next, and the
 optimizer steps over the new stage's parameters from then on. Nothing is recomputed or reset: the
 moment estimates and step counts an AdamW kept for a block are the ones the new owner continues.

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...errors import UsageError
-from ...planning.plan import Plan
-from ..measure.joint import check_given_plan
-from ..model import PreparedModel
-from ..parallel.pipeline_sizing import NOT_MEASURED, show
-from ..resilience import resume as persist
-from .checks import check_pipeline
-from .pipeline_setup import (NO_RESPLIT_HYBRID, build_stage, make_resplitter, measure_blocks, on_clock,
+from ....errors import UsageError
+from ....planning.plan import Plan
+from ...measure.joint import check_given_plan
+from ...model import PreparedModel
+from .sizing import NOT_MEASURED, show
+from ...resilience import resume as persist
+from ..checks import check_pipeline
+from .setup import (NO_RESPLIT_HYBRID, build_stage, make_resplitter, measure_blocks, on_clock,
                              plan_pipeline)
-from .pipelined import PipelineLayout
+from .loop import PipelineLayout
 
 if TYPE_CHECKING:
-    from ..parallel.pipeline import Pipeline
+    from .schedule import Pipeline
 
 
 class StagedModel(PreparedModel):
@@ -69,8 +69,8 @@ class PipelineSetup:
         return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        from ..memory.device_memory import optimizer_kind
-        from ..parallel.blocks import find_parts
+        from ...memory.device_memory import optimizer_kind
+        from .blocks import find_parts
 
         if measured is not None and measured.pipeline_parts is not None:    # parallel='auto' measured them
             parts, profile, devices = measured.pipeline_parts
@@ -90,8 +90,8 @@ class PipelineSetup:
         return None
 
     def build(self, job, model, optimizer, forward) -> None:
-        from ..memory import offload
-        from ..memory.device_memory import optimizer_kind
+        from ...memory import offload
+        from ...memory.device_memory import optimizer_kind
 
         job.plan = job.precision.record_in(job.plan)
         job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,

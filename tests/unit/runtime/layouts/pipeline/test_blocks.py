@@ -8,8 +8,8 @@ import torch
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.errors import UsageError
 from hetrain.demo.gpt import GPTEmbed, GPTHead
-from hetrain.runtime.parallel.blocks import PipelineParts, StageModule, find_parts, profile_blocks
-from hetrain.runtime.parallel.pipeline import _padded_rows
+from hetrain.runtime.layouts.pipeline.blocks import PipelineParts, StageModule, find_parts, profile_blocks
+from hetrain.runtime.layouts.pipeline.schedule import _padded_rows
 
 
 def gpt():
@@ -74,7 +74,7 @@ def test_profile_measures_each_part_and_the_tied_weight():
 
 
 def test_profile_scaled_to_the_fastest_device():
-    from hetrain.runtime.parallel.pipeline_sizing import _scaled
+    from hetrain.runtime.layouts.pipeline.sizing import _scaled
 
     prof = profile_blocks(find_parts(gpt()), torch.randint(0, 32, (2, 8)), repeats=1)
     half = _scaled(prof, 0.5)      # measured on a device half as fast as the fastest
@@ -87,7 +87,7 @@ def test_standard_stacks_of_blocks_are_found_without_help():
     import torch
     from torch import nn
 
-    from hetrain.runtime.parallel.blocks import find_parts, repeated_blocks
+    from hetrain.runtime.layouts.pipeline.blocks import find_parts, repeated_blocks
 
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
     encoder = nn.TransformerEncoder(layer, num_layers=3, norm=nn.LayerNorm(16), enable_nested_tensor=False)

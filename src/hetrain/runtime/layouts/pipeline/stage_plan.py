@@ -1,13 +1,13 @@
 """What a pipeline split predicts (pure; no torch): each stage's blocks, time per micro-batch and
-memory, and the pipeline's step time under a fill-drain schedule. Made by planning/pipeline_split.py
+memory, and the pipeline's step time under a fill-drain schedule. Made by runtime/layouts/pipeline/split.py
 (which says how the numbers are computed) and re-exported there."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from ..hardware.units import format_bytes as _gib
+from ....errors import UsageError
+from ....hardware.units import format_bytes as _gib
 
 _EPS = 1e-12
 

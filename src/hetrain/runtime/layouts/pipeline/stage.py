@@ -1,4 +1,4 @@
-"""One pipeline stage as a device runs it (parallel/pipeline.py builds them): each micro-batch's
+"""One pipeline stage as a device runs it (layouts/pipeline/schedule.py builds them): each micro-batch's
 forward and backward piece under the device's autocast, throttled to the emulated speed, its
 activations counted in flight, stand-ins after an out-of-memory error; and the loss over the real
 rows of padded micro-batches, weighted by D·units_k/N."""
@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from ...hardware.units import format_bytes
-from ..devices import clock as clocks
-from ..devices.faults import injected_oom
-from ..loop import reduce
-from ..resilience.oom import free_cached, keep_anchor, release_graph
+from ....hardware.units import format_bytes
+from ...devices import clock as clocks
+from ...devices.faults import injected_oom
+from ...loop import reduce
+from ...resilience.oom import free_cached, keep_anchor, release_graph
 from .blocks import SavedBytes, stage_autocast, to_fp32
 
 
@@ -249,7 +249,7 @@ class RowLoss:
         def run():
             if self.stage.failed is not None or not isinstance(output, torch.Tensor) or output.dim() == 0:
                 return output.sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros(())
-            # Micro-batch k's rows are its first n (padding after them, parallel/pipeline.py
+            # Micro-batch k's rows are its first n (padding after them, layouts/pipeline/schedule.py
             # _padded_rows): slices, not a read of `rows`, which on CUDA would wait for every
             # piece queued before it inside this timed one.
             k = self.stage.chunk

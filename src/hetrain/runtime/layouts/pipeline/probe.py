@@ -1,9 +1,9 @@
 """How much longer a block takes as a pipeline stage runs it than alone, measured where a pipeline is
-sized (layouts/pipeline_setup.measure_blocks: in `hetrain plan`, and in a job unless the cache has
+sized (layouts/pipeline/setup.measure_blocks: in `hetrain plan`, and in a job unless the cache has
 it).
 
-The pipeline model (planning/pipeline_split.py) costs a stage's micro-batch from its blocks, timed
-one by one (parallel/blocks.profile_blocks). A stage runs more than its blocks: the pipelining
+The pipeline model (runtime/layouts/pipeline/split.py) costs a stage's micro-batch from its blocks, timed
+one by one (layouts/pipeline/blocks.profile_blocks). A stage runs more than its blocks: the pipelining
 schedule's forward_one_chunk and backward_one_chunk (argument flattening, detaching the inputs,
 stage_backward's autograd call), hetrain's metering around each piece (its autocast, the saved-bytes
 count on emulated devices, a hook per saved tensor) and, on an emulated device, the sleep after
@@ -52,8 +52,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..devices import clock as clocks
-from ..ranks import agree
+from ...devices import clock as clocks
+from ...ranks import agree
 
 # Timed steps, after one warm-up. 4 were too few on a shared host: four `hetrain plan` runs of the
 # dilated DP×PP 2×2 cluster (2-core AMD EPYC VM, wall clock) predicted its row 101-125 samples/s
@@ -145,7 +145,7 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
     keep every core busy: a stage blocked in a receive is woken at once on a free core, after the
     scheduler's delay on a full one (0.6-2.7 ms against 0.1-1.2 in the 4-rank probes run on a 2-core
     AMD EPYC, gloo)."""
-    from ...hardware.host import usable_cores
+    from ....hardware.host import usable_cores
 
     rank, world = dist.get_rank(), dist.get_world_size()
     big = x[:max(1, int(x.shape[0]))]
@@ -253,9 +253,9 @@ def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, pre
     throttle stretches)."""
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from ..devices.emulation import Throttle
-    from ..parallel.blocks import PipelineParts, StageModule, param_storage_ptrs
-    from ..parallel.pipeline_stage import Flight, MeteredStage
+    from ...devices.emulation import Throttle
+    from .blocks import PipelineParts, StageModule, param_storage_ptrs
+    from .stage import Flight, MeteredStage
 
     # One block, as a stage of its own: the model need not fit one device (why it is pipelined).
     module = copy.deepcopy(StageModule(PipelineParts(blocks=(part,) if part is not None else parts.blocks[:1]), 0, 1,
@@ -291,7 +291,7 @@ def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, pre
 def _block_input(parts, example: torch.Tensor, device: torch.device, precision) -> torch.Tensor:
     """What the first block takes: the example through `first` (a copy, on the device), in fp32
     as activations cross stages."""
-    from ..parallel.blocks import stage_autocast, to_fp32
+    from .blocks import stage_autocast, to_fp32
 
     x = example.to(device)
     if parts.first is None:

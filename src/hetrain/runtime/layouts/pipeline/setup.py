@@ -12,23 +12,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import UsageError
-from ...layout_spec import Pipeline as LayoutPipeline
-from ...layout_spec import to_spec
-from ...hardware.host import usable_cores
-from ...planning.core_sharing import sharing, stretched_step
-from ...planning.parallelism import split_hybrid, stage_rows
-from ...planning.pipeline_split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
-from ...planning.plan import DevicePlan, Plan
-from ..measure.pipeline_probe import time_stage_cost
-from ..measure import block_cache
-from ..parallel.blocks import PipelineParts
-from .checks import state_factor
-from ..parallel.pipeline_sizing import (agreed_profile, device_table, param_names, plan_split, unmeasured_profile)
-from .pipelined import PipelineLayout
+from ....errors import UsageError
+from ....layout_spec import Pipeline as LayoutPipeline
+from ....layout_spec import to_spec
+from ....hardware.host import usable_cores
+from ....planning.core_sharing import sharing, stretched_step
+from ....planning.parallelism import split_hybrid, stage_rows
+from .split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
+from ....planning.plan import DevicePlan, Plan
+from .probe import time_stage_cost
+from . import block_cache
+from .blocks import PipelineParts
+from ..checks import state_factor
+from .sizing import (agreed_profile, device_table, param_names, plan_split, unmeasured_profile)
+from .loop import PipelineLayout
 
 if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is built, not by every job
-    from ..parallel.pipeline import Pipeline
+    from .schedule import Pipeline
 
 
 def measure_blocks(job, parts: PipelineParts):
@@ -148,7 +148,7 @@ def predict_step(job, splits, profile=None) -> dict:
 
     Emulated, the stages are processes of this one host and share its cores: the step is played
     out on them (planning/core_sharing.py, as the layout ranking costs it) with the contention and
-    message times the pipeline probe measured (runtime/measure/pipeline_probe.py). The replicas'
+    message times the pipeline probe measured (runtime/layouts/pipeline/probe.py). The replicas'
     gradient all-reduce and the optimizer are not in it (`hetrain plan`'s ranking has them). On
     the controlled clock a piece lasts its clocked length, its waits for a core inside its sleep:
     no sharing to pay for.
@@ -170,8 +170,8 @@ def _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches)
     """The stage count of Pipeline(stages='auto'): the chooser's (planning/chooser.py) among the
     DP×PP shapes (parallelism.stage_rows), the emulated stages' shared cores counted as the ranking
     and predict_step count them."""
-    from ...planning.chooser import Request, choose
-    from ...planning.options import PlanOptions
+    from ....planning.chooser import Request, choose
+    from ....planning.options import PlanOptions
 
     clocked = cfg.emulation.sample_s is not None
     o = PlanOptions(global_batch=cfg.global_batch, memory_margin=cfg.memory.margin, clocked=clocked,
@@ -203,7 +203,7 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     replica, stage = divmod(job.rank, stages)
     grid = [[r * stages + s for s in range(stages)] for r in range(replicas)]
     pp_group, dp_group = _groups(job, grid) if replicas > 1 else (None, None)                        # (collective)
-    from ..parallel.pipeline import Pipeline
+    from .schedule import Pipeline
     pipe = Pipeline(parts=parts, names=param_names(model), split=stage_split(plan, parts, profile, devices, replica),
                     stage_index=stage, rank_grid=grid, replica=replica, loss_fn=loss_fn, device=job.device,
                     emulated=job.emulated, precision=job.precision, faults=job.faults,
@@ -254,13 +254,13 @@ def _resplit_reason(cfg, one: bool) -> tuple[str, ...]:
 
 def make_resplitter(job, devices, optimizer_kind: str):
     """Pipeline(): what moves blocks between stages when a stage's measured speed changes
-    (runtime/resilience/resplit.py), with the job's rebalance settings; None under DP×PP (its
+    (runtime/layouts/pipeline/resplit.py), with the job's rebalance settings; None under DP×PP (its
     replicas share one split: pipeline_layouts.HybridSetup says so), with
     Rebalancing(enabled=False), or on one device."""
     cfg, plan, pipe = job.config, job.plan, job.layout.pipe
     if not cfg.rebalancing.enabled or plan.replicas > 1 or plan.world_size < 2 or pipe.profile is None:
         return None
-    from ..resilience.resplit import Resplitter, Sizing
+    from .resplit import Resplitter, Sizing
 
     parts = pipe.parts
     factor = state_factor([*parts.blocks, parts.first, parts.last], optimizer_kind)
@@ -278,7 +278,7 @@ def make_resplitter(job, devices, optimizer_kind: str):
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, pipe: Pipeline) -> torch.optim.Optimizer:
-    from ..sharding.wrap import rebuild_optimizer
+    from ...sharding.wrap import rebuild_optimizer
 
     return rebuild_optimizer(optimizer, {p: p for p in pipe.parameters()}, who="a pipeline",
                              over="this stage's parameters", otherwise="")

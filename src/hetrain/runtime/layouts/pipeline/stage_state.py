@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..sharding.state import init_optimizer_state
+from ...sharding.state import init_optimizer_state
 
 
 class StageState:
