@@ -209,7 +209,7 @@ def test_heads_that_do_not_divide_are_refused_evenly_naming_the_split_by_speed_w
         assert got["logits"] < 1e-12 and got["grads"] < 1e-12, got
 
 
-def test_a_bad_split_names_the_fix_and_the_old_keyword_names_the_layout():
+def test_a_bad_split_names_the_fix_and_tp_split_in_config_names_the_layout():
     import hetrain
     from hetrain.errors import UsageError
     from hetrain.runtime.config import make_config
@@ -217,7 +217,7 @@ def test_a_bad_split_names_the_fix_and_the_old_keyword_names_the_layout():
     with pytest.raises(UsageError, match="split='fast'") as bad:
         hetrain.TensorParallel(split="fast")
     assert "speed" in bad.value.fix and "even" in bad.value.fix
-    with pytest.raises(UsageError, match="tp_split= is now part of the layout") as old:
+    with pytest.raises(UsageError, match="tp_split= is not a keyword of hetrain.Config; it is TensorParallel") as old:
         make_config({"global_batch": 8, "tp_split": "speed"})
     assert "parallel=hetrain.TensorParallel(split='speed')" in old.value.fix
 
