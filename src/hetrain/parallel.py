@@ -8,6 +8,6 @@ The code is in runtime/parallel/ (it runs inside each rank, on torch.distributed
 """
 
 from .runtime.layouts.pipeline.blocks import PipelineParts, find_parts
-from .runtime.parallel.tensor import tensor_parallel, tp_plan
+from .runtime.layouts.tensor.shard import tensor_parallel, tp_plan
 
 __all__ = ["PipelineParts", "find_parts", "tensor_parallel", "tp_plan"]

@@ -87,7 +87,7 @@ def grads_of(model) -> dict:
 
 def local_errors(model, whole: dict, values: dict) -> float:
     """The largest difference between this rank's `values` (by name) and its part of `whole`."""
-    from hetrain.runtime.parallel.tensor_uneven import ShardedLinear
+    from hetrain.runtime.layouts.tensor.uneven import ShardedLinear
 
     part = {}
     for mname, m in model.named_modules():
@@ -108,7 +108,7 @@ def local_errors(model, whole: dict, values: dict) -> float:
 
 
 def one_step(kind: str, speeds, **over):
-    from hetrain.runtime.parallel.tensor import shard
+    from hetrain.runtime.layouts.tensor.shard import shard
 
     x, y = data().tensors
     ref, model = make(kind, **over), make(kind, **over)
@@ -135,7 +135,7 @@ def refusal(fn) -> str:
 def direct_worker(rank, world):
     import torch.distributed as dist
 
-    from hetrain.runtime.parallel.tensor import tensor_parallel
+    from hetrain.runtime.layouts.tensor.shard import tensor_parallel
 
     dist.init_process_group("gloo")
     out = {}

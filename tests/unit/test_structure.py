@@ -90,7 +90,7 @@ LAYERS = (
 )
 # runtime/, bottom first. A subpackage (or top-level module) imports only from those below it.
 RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience",
-           "job", "loop", "parallel", "measure", "layouts", "setup", "engine", "__init__")
+           "job", "loop", "measure", "layouts", "setup", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "
@@ -128,8 +128,8 @@ def _imports(path: Path):
 
 # A layout's package keeps its pure planning modules beside its runtime ones: they belong to the
 # planning layer (and unit), so planning/ may import them and they import nothing above planning.
-PIPELINE = "hetrain.runtime.layouts.pipeline"
-PURE_LAYOUT_MODULES = {f"{PIPELINE}.profile", f"{PIPELINE}.stage_plan", f"{PIPELINE}.split"}
+PIPELINE, TENSOR = "hetrain.runtime.layouts.pipeline", "hetrain.runtime.layouts.tensor"
+PURE_LAYOUT_MODULES = {f"{PIPELINE}.profile", f"{PIPELINE}.stage_plan", f"{PIPELINE}.split", f"{TENSOR}.split"}
 
 
 def _layer_of(module: str) -> tuple[int, int]:
@@ -280,12 +280,13 @@ def test_the_layout_comparison_rule_finds_what_it_is_for():
 
 
 # runtime/layouts/, bottom first: each module imports only the layout modules below it (no cycle:
-# choose imports the layout classes for 'auto', so they check through checks.py, not choose). The
-# pipeline package (one layout's plan, stage, schedule, loop, probe and moves) sits as one entry,
-# its own modules in their order below.
+# choose imports the layout classes for 'auto', so they check through checks.py, not choose). A
+# layout's package (its plan, split, stage or shard, loop, probe and moves: pipeline, tensor) sits
+# as one entry, its own modules in their order below.
 LAYOUT_MODULES = ("protocol", "checks", "data", "tensor", "data_setup", "pipeline", "ranking", "choose", "__init__")
 PIPELINE_MODULES = ("profile", "stage_plan", "split", "blocks", "stage", "move", "schedule", "sizing", "stage_state",
                     "loop", "probe", "block_cache", "resplit", "setup", "layout", "__init__")
+TENSOR_MODULES = ("split", "styles", "hf", "uneven", "state", "shard", "probe", "loop", "__init__")
 
 
 def _wrong_order(folder: Path, package: str, order: tuple[str, ...]) -> list[str]:
@@ -303,10 +304,13 @@ def _wrong_order(folder: Path, package: str, order: tuple[str, ...]) -> list[str
 
 def test_runtime_layouts_modules_import_only_the_ones_below_them():
     folder = SRC / "runtime" / "layouts"
-    assert {p.stem for p in folder.glob("*.py")} | {"pipeline"} == set(LAYOUT_MODULES)
+    packages = {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert {p.stem for p in folder.glob("*.py")} | packages == set(LAYOUT_MODULES)
     assert {p.stem for p in (folder / "pipeline").glob("*.py")} == set(PIPELINE_MODULES)
+    assert {p.stem for p in (folder / "tensor").glob("*.py")} == set(TENSOR_MODULES)
     wrong = _wrong_order(folder, "hetrain.runtime.layouts", LAYOUT_MODULES)
     wrong += _wrong_order(folder / "pipeline", PIPELINE, PIPELINE_MODULES)
+    wrong += _wrong_order(folder / "tensor", TENSOR, TENSOR_MODULES)
     assert not wrong, "runtime/layouts imports that point up or across (a cycle):\n" + "\n".join(wrong)
 
 

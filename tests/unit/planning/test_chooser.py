@@ -19,7 +19,7 @@ from hetrain.planning.parallelism import split_hybrid, stage_rows
 from hetrain.runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 from hetrain.planning.profile import DeviceProfile
 from hetrain.planning.ranking import LayoutRow, ModelState, rank_layouts
-from hetrain.planning.tensor_split import tp_comm_ratio
+from hetrain.runtime.layouts.tensor.split import tp_comm_ratio
 
 
 def row(name, family, sps, *, fits=True, stages=None):

@@ -33,7 +33,7 @@ from ..resilience.rebalance import FirstSteps, Rebalancer
 from ..sharding import comm_hooks
 from .checks import check_request
 from .data import DataLayout
-from .tensor import TensorLayout
+from .tensor.loop import TensorLayout
 
 
 class DataSetup:
@@ -135,7 +135,7 @@ class TensorSetup:
         return None                   # MFU's FLOPs are counted on the whole model: plain DP only
 
     def build(self, job, model, optimizer, forward) -> None:
-        from .tensor import wrap
+        from .tensor.loop import wrap
 
         job.plan = checkpoint_per_plan(job, model)
         wrapped = wrap(job, model, optimizer, split=self.spec.split)                                # (collective)
@@ -153,7 +153,7 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
     Each device's speed becomes its rate a sample relative to the fastest (1 / per_sample_s), the
     weights a split by speed cuts the layers by, as the ranking and `hetrain plan`'s probe cut them:
     the data-parallel plan's speeds are its shares' rates, fixed costs a micro-batch included."""
-    from ...planning.tensor_split import speed_fractions, tp_micro_batch
+    from .tensor.split import speed_fractions, tp_micro_batch
 
     w = plan.world_size
     speeds = [d.speed for d in plan.devices]

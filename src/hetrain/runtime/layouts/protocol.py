@@ -8,7 +8,7 @@ layout it is), and the protocol of the loop object a layout builds (the step loo
                            pipeline.layout.HybridSetup     Pipeline(stages=k): DP×PP replicas of k stages
 
 A layout owns what it needs of the job (check), its plan, its build, and through its loop class
-(`loop_class`: data.DataLayout, tensor.TensorLayout, pipeline.loop.PipelineLayout) how ht.loss is
+(`loop_class`: data.DataLayout, tensor.loop.TensorLayout, pipeline.loop.PipelineLayout) how ht.loss is
 computed and whose loss counts, the rank's pass over its micro-batches and its checkpoint state;
 `describe` is its one line for the log and for errors. A leaf: it imports no other layout module.
 """

@@ -1,6 +1,6 @@
 """Tensor parallelism split by speed, costed for the layout ranking (pure: no torch).
 
-The runtime's `TensorParallel(split='speed')` (runtime/parallel/tensor_uneven.py) gives rank r a fraction f_r
+The runtime's `TensorParallel(split='speed')` (runtime/layouts/tensor/uneven.py) gives rank r a fraction f_r
 of every layer's heads and MLP columns, in proportion to its speed v_r = 1 / its seconds per
 sample. Each rank computes every sample through its fraction of each layer, so the step is
 
@@ -18,7 +18,7 @@ row takes the whole model's activations, a bound, and so does the micro-batch ev
 (`tp_micro_batch`: the runtime's choice, runtime/layouts/data_setup.tensor_plan, is this one).
 
 That is the model before any run. `hetrain plan` times a step of the split instead
-(runtime/measure/tp_probe.py), at the micro-batch the runtime will run, and counts what each rank
+(runtime/layouts/tensor/probe.py), at the micro-batch the runtime will run, and counts what each rank
 holds; the row costs and sizes that (`measured`): on gloo the modelled step was 2.5x too fast on
 the demo GPT (every layer's all-reduces waited in the calling thread, the small sharded matmuls
 and the split's bookkeeping cost CPU an emulated device is throttled on).
@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..hardware.units import format_bytes
-from .collectives import allreduce_seconds
-from .options import PlanOptions, ring_link
-from .profile import DeviceProfile
-from .rows import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
-from .shares import proportional_shares
+from ....hardware.units import format_bytes
+from ....planning.collectives import allreduce_seconds
+from ....planning.options import PlanOptions, ring_link
+from ....planning.profile import DeviceProfile
+from ....planning.rows import TP_COMM_PER_ACTIVATION, LayoutRow, seconds
+from ....planning.shares import proportional_shares
 
 FAMILY = "TP by speed"
 RUN = "ht.prepare(..., parallel=hetrain.TensorParallel(split='speed'))"
@@ -122,7 +122,7 @@ def speed_tp_row(profiles: Sequence[DeviceProfile], o: PlanOptions, *, units: in
                  measured: dict | None = None, comm_per_activation: float = TP_COMM_PER_ACTIVATION,
                  pairs: int = 0) -> LayoutRow:
     """The ranking's row for TP over every device, split by speed (see the module docstring).
-    `measured`: a step of this split as `hetrain plan` timed it (runtime/measure/tp_probe.py:
+    `measured`: a step of this split as `hetrain plan` timed it (runtime/layouts/tensor/probe.py:
     forward + backward of a micro-batch of `micro_batch` rows, the optimizer step); the row's
     micro-batches then cost that, scaled to their rows as the fastest device's profile scales
     (a + b·m), plus hetrain's agreement: the compute and all-reduce model is left out.

@@ -1,8 +1,8 @@
 """Tensor parallelism with each rank's part of every layer in proportion to its speed.
 
-    model = tensor_parallel(model, speeds=[1.0, 0.6])   # parallel/tensor.py: 8 heads -> 5 / 3
+    model = tensor_parallel(model, speeds=[1.0, 0.6])   # layouts/tensor/shard.py: 8 heads -> 5 / 3
 
-The same Megatron pairs as the even split (parallel/tensor_styles.py finds them; tensor_hf.py for
+The same Megatron pairs as the even split (layouts/tensor/styles.py finds them; hf.py for
 Hugging Face models), cut unevenly:
   * attention: the unit is one key/value group (one key/value head and the query heads that
     share it). A rank takes whole, contiguous groups: q rows [u0·g·d, u1·g·d), k and v rows
@@ -42,9 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import UsageError
-from ...planning.shares import proportional_shares
-from .tensor_styles import Split
+from ....errors import UsageError
+from ....planning.shares import proportional_shares
+from .styles import Split
 
 
 class _CopyToShards(torch.autograd.Function):
@@ -182,7 +182,7 @@ def _swap(model: nn.Module, name: str, dim: int, u0: int, u1: int, n: int, group
 
 def localize_uneven(model: nn.Module, splits: list[Split], counts: list[tuple[int, ...]], rank: int) -> None:
     """Head-count attributes an attention module views its heads with, as this rank's share of
-    them: total · (its units / all units) (see tensor_styles._attention)."""
+    them: total · (its units / all units) (see styles._attention)."""
     modules = dict(model.named_modules())
     for s, per_rank in zip(splits, counts):
         for attr, total in s.head_attrs:

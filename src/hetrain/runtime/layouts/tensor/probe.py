@@ -1,6 +1,6 @@
 """`hetrain plan` only: a tensor-parallel step on this job's devices and backend, measured.
 
-The ranking's TP rows (planning/ranking.py, planning/tensor_split.py) cost each rank its part of
+The ranking's TP rows (planning/ranking.py, runtime/layouts/tensor/split.py) cost each rank its part of
 the model's compute and the activations' all-reduces over the link. On gloo (the CPU: emulation,
 and CPU-only jobs) that is far from what a TP step takes: every layer's forward and backward waits
 in the calling thread for an all-reduce, the sharded layers run smaller matrix products than the
@@ -14,8 +14,8 @@ run 113. So `hetrain plan` times it, as it times FSDP2 (fsdp_probe.py):
 and what each rank holds then (its shards' state, and the activations its forward saves: the
 allocator's peak over the forward on CUDA, the emulator's saved-tensor meter elsewhere, as the
 profiler counts them), on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap:
-parallel/tensor.shard by the devices' speeds), every rank the same rows (the caller passes the
-micro-batch the runtime will run: planning/tensor_split.tp_micro_batch), each rank's compute throttled as in training
+layouts/tensor/shard.shard by the devices' speeds), every rank the same rows (the caller passes the
+micro-batch the runtime will run: runtime/layouts/tensor/split.tp_micro_batch), each rank's compute throttled as in training
 (runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the controlled clock its
 part of the model's clock, as the runtime sets it), from a barrier to a barrier (the slowest rank
 sets it). The job's own model is left as it was. The even split (DTensor) is not timed: the row
@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..devices import clock as clocks
-from ..devices.emulation import MemoryMeter, model_state_bytes
-from ..devices.precision_policy import DTYPES
-from ..user_objects import rows as batch_rows
-from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
+from ...devices import clock as clocks
+from ...devices.emulation import MemoryMeter, model_state_bytes
+from ...devices.precision_policy import DTYPES
+from ...user_objects import rows as batch_rows
+from ...measure.fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward
 
 # Timed steps, after one warm-up (the median kept). 8, as the pipeline probe; not what steadies
 # TP's figure: two sets of four plans of the dilated pair (2-core EPYC, wall clock) read the TP
@@ -51,7 +51,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch", "memory"
     (every rank's [state bytes, activation bytes] at those rows, in rank order)}. Raises
     UsageError where the model has no layers to split (the caller skips TP then)."""
-    from ..parallel.tensor import compute_share, rebuild, shard
+    from .shard import compute_share, rebuild, shard
 
     dtype = DTYPES.get(precision)
     cuda = device.type == "cuda"

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from ...errors import UsageError
-from ..user_objects import find_blocks
+from ....errors import UsageError
+from ...user_objects import find_blocks
 
 Q, K, V = ("q", "q_proj", "query", "wq"), ("k", "k_proj", "key", "wk"), ("v", "v_proj", "value", "wv")
 OUT = ("proj", "o_proj", "out_proj", "c_proj", "dense", "wo")

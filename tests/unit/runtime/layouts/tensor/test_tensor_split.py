@@ -15,7 +15,7 @@ from hetrain.planning.collectives import allreduce_seconds
 from hetrain.planning.ranking import TP_COMM_PER_ACTIVATION, ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions, ring_link
 from hetrain.planning.profile import DeviceProfile
-from hetrain.planning.tensor_split import (
+from hetrain.runtime.layouts.tensor.split import (
     speed_fractions,
     speed_tp_row,
     tp_compute_seconds,
@@ -100,7 +100,7 @@ def test_a_part_that_does_not_fit_says_which_device():
 
 
 def test_a_measured_step_replaces_the_compute_and_all_reduce_model():
-    """`hetrain plan` times a step of the split (runtime/measure/tp_probe.py): the row costs its
+    """`hetrain plan` times a step of the split (runtime/layouts/tensor/probe.py): the row costs its
     micro-batches from it, scaled to their rows as the fastest profile scales (a + b·m), plus the
     optimizer step it timed and the agreement; the modelled compute and all-reduces are gone."""
     profiles = _profiles([1.0, 0.5])                    # a = 1 ms, b = 10 ms a sample at speed 1

@@ -5,7 +5,7 @@
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())   # the same x, y on every rank
     loss.backward(); opt.step()
 
-The Megatron layout, written as torch's parallel styles (parallel/tensor_styles.py states the rule
+The Megatron layout, written as torch's parallel styles (layouts/tensor/styles.py states the rule
 that finds it in a model's blocks: by the common names, else by structure):
   * attention: q, k, v `ColwiseParallel` (each rank computes a contiguous slice of their output
     features = whole heads, which is why a fused qkv projection is refused), the output projection
@@ -19,11 +19,11 @@ A model the rule does not fit takes `plan=`: styles by submodule name, used as g
 
 Hugging Face models (transformers' PreTrainedModel) are split by the plan the model declares
 (config.base_model_tp_plan: Llama, Mistral, ...; GPT-2 after its Conv1Ds become Linears):
-parallel/tensor_hf.py.
+layouts/tensor/hf.py.
 
 The even split runs each rank at the slowest one's pace on mixed devices. `speeds=` (one relative
 speed per rank) splits every layer in proportion instead: whole key/value groups of heads and whole
-MLP columns per rank, on plain tensors and two autograd all-reduces (parallel/tensor_uneven.py says
+MLP columns per rank, on plain tensors and two autograd all-reduces (layouts/tensor/uneven.py says
 how and why DTensor cannot hold such shards).
 """
 
@@ -40,9 +40,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ...errors import UsageError
-from .tensor_hf import gpt2_to_linears, hf_splits, is_hf
-from .tensor_styles import (
+from ....errors import UsageError
+from .hf import gpt2_to_linears, hf_splits, is_hf
+from .styles import (
     Split,
     check_size,
     find_splits,
@@ -50,7 +50,7 @@ from .tensor_styles import (
     styles,
     tp_plan,
 )
-from .tensor_uneven import (
+from .uneven import (
     ShardedLinear,
     check_speeds,
     localize_uneven,
@@ -78,7 +78,7 @@ def gpt_block_plan() -> dict:
 class Sharded:
     """What `shard` did: the model (sharded in place), the parameters a transformation renamed
     ({old name: new names}: GPT-2's c_attn), each split's units per rank, and whether they were cut
-    by speed (plain-tensor shards, tensor_uneven.py) rather than evenly (DTensor)."""
+    by speed (plain-tensor shards, uneven.py) rather than evenly (DTensor)."""
 
     model: nn.Module
     splits: list[Split] = field(default_factory=list)
@@ -106,7 +106,7 @@ class Sharded:
 
 def find_model_splits(model: nn.Module) -> tuple[list[Split], dict[str, tuple[str, ...]]]:
     """The Megatron pairs of `model`: a transformers model's declared plan (GPT-2 transformed
-    first, in place), else the structure rule (tensor_styles.find_splits)."""
+    first, in place), else the structure rule (styles.find_splits)."""
     if is_hf(model):
         renamed = gpt2_to_linears(model) if getattr(model.config, "model_type", None) == "gpt2" else {}
         return hf_splits(model), renamed
@@ -177,7 +177,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh | None = None, *, plan: d
     """Shard `model` in place over the 1-D `mesh` (default: every rank of the job, on this
     process's device type) and return it. `plan`: parallel styles by submodule name, for a model
     whose layout `tp_plan` cannot find (it is then used as given). `speeds`: one relative speed
-    per rank, to split every layer in proportion (parallel/tensor_uneven.py); None: evenly."""
+    per rank, to split every layer in proportion (layouts/tensor/uneven.py); None: evenly."""
     return shard(model, mesh, plan=plan, speeds=speeds).model
 
 
@@ -210,7 +210,7 @@ def full_grad(p: nn.Parameter) -> torch.Tensor:
 def rebuild(optimizer, mapping: dict):
     """The same optimizer class, hyperparameters and param groups over the sharded parameters;
     `mapping`: each old parameter's new ones (GPT-2's fused c_attn became three)."""
-    from ..sharding.capacity import constructor_defaults
+    from ...sharding.capacity import constructor_defaults
 
     if optimizer.state:
         raise UsageError("tensor parallelism needs a fresh optimizer, but this one has state already",

@@ -3,7 +3,7 @@
 The plan, as the even split hands it to DTensor's `parallelize_module(model, mesh, plan)`
 ("colwise" = ColwiseParallel(): the weight's output rows Shard(0), the input replicated;
 "rowwise" = RowwiseParallel(): the input features Shard(1), the partial outputs all-reduced),
-and what the split by speed cuts instead (tensor_uneven.ShardedLinear, the same rows / columns):
+and what the split by speed cuts instead (uneven.ShardedLinear, the same rows / columns):
 
     model             module (per block *)                 style     unit a rank takes whole
     GPT2LMHeadModel   transformer.h.*.attn.c_attn.q/k/v     colwise   heads (head_dim rows each)
@@ -29,12 +29,12 @@ transformers declares each model's Megatron layout in its config, as `base_model
 under the base model (`base_model_prefix`: "model"). `hf_splits` reads that plan, so a Llama,
 Mistral or Qwen-like model is split as transformers itself would split it, and no structure rule
 is guessed. Its embeddings and the head (`lm_head`, "colwise_gather_output" in the causal LM's
-own plan) stay replicated here, as for every model (parallel/tensor.py); only "colwise" and
+own plan) stay replicated here, as for every model (layouts/tensor/shard.py); only "colwise" and
 "rowwise" entries are taken, anything else (packed, MoE, sequence parallel) is refused with plan=.
 
 How the local head count comes out right. Llama's attention views q/k/v as (..., -1, head_dim)
 and repeats each key/value head `num_key_value_groups` times: a rank holding whole key/value heads
-with their query heads (even or by speed: parallel/tensor_uneven.py) gets its own head count from
+with their query heads (even or by speed: layouts/tensor/uneven.py) gets its own head count from
 the -1, and the group size is unchanged, so nothing is localized (config.num_attention_heads is
 read only at construction). Rotary embeddings are computed once per forward from positions and
 applied per head: replicated, the same on every rank.
@@ -67,8 +67,8 @@ import sys
 import torch
 from torch import nn
 
-from ...errors import UsageError
-from .tensor_styles import Split
+from ....errors import UsageError
+from .styles import Split
 
 GPT2_TP_PLAN = {
     "h.*.attn.c_attn.q": "colwise", "h.*.attn.c_attn.k": "colwise", "h.*.attn.c_attn.v": "colwise",

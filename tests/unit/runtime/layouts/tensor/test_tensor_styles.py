@@ -9,8 +9,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.errors import UsageError
-from hetrain.runtime.parallel.tensor import gpt_block_plan, tp_plan
-from hetrain.runtime.parallel.tensor_styles import find_splits, localize_heads
+from hetrain.runtime.layouts.tensor.shard import gpt_block_plan, tp_plan
+from hetrain.runtime.layouts.tensor.styles import find_splits, localize_heads
 
 
 def kinds(plan):

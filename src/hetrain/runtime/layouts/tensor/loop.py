@@ -1,5 +1,5 @@
 """Tensor parallelism (parallel='tp') in the user's loop: every rank holds a shard of each layer
-(parallel/tensor.py) and all ranks run the same micro-batches, so the loop is data parallelism's
+(layouts/tensor/shard.py) and all ranks run the same micro-batches, so the loop is data parallelism's
 with one replica: no gradient sync (the sharded gradients are each rank's own, the replicated ones
 equal on every rank), the loss reported once.
 
@@ -7,13 +7,13 @@ The split: `parallel=hetrain.TensorParallel(split='even')` (default; also parall
 layer evenly with DTensor's Colwise/RowwiseParallel; `TensorParallel(split='speed')` in proportion to each device's speed in the plan
 every rank agreed on (its measured samples/s relative to the fastest: the same numbers as the
 data-parallel shares), as whole key/value groups of heads and whole MLP columns
-(parallel/tensor_uneven.py). Under the split by speed the sharded gradients are plain tensors,
+(layouts/tensor/uneven.py). Under the split by speed the sharded gradients are plain tensors,
 so gradient clipping sums their squares over the ranks itself, and checkpoints hold every
-sharded entry whole under the whole model's names (parallel/tensor_state.py).
+sharded entry whole under the whole model's names (layouts/tensor/state.py).
 
 On the emulated controlled clock (`Emulation.sample_s`) a micro-batch of m samples lasts
 m·T·share/speed on a TP rank, `share` being the rank's part of the model's Linear weights
-(parallel/tensor.compute_share: the matmul FLOPs it computes, the replicated head counted whole):
+(layouts/tensor/shard.compute_share: the matmul FLOPs it computes, the replicated head counted whole):
 a split by speed then evens the ranks' times, an even split leaves the slow rank behind, as on GPUs.
 
 Out of memory: the collectives run inside every layer's forward and backward, so one rank
@@ -27,8 +27,8 @@ resume is exact.
 
 from __future__ import annotations
 
-from ...errors import UsageError
-from .data import DataLayout
+from ....errors import UsageError
+from ..data import DataLayout
 
 
 class TensorLayout(DataLayout):
@@ -38,7 +38,7 @@ class TensorLayout(DataLayout):
         return job.rank % job.plan.group == 0
 
     def clip(self, job, max_norm: float) -> None:
-        from ..parallel.tensor_uneven import clip_grad_norm, sharded_parameters
+        from .uneven import clip_grad_norm, sharded_parameters
 
         if sharded_parameters(job.model.module):    # a split by speed: plain-tensor shards
             clip_grad_norm(job.model.module, max_norm)
@@ -46,8 +46,8 @@ class TensorLayout(DataLayout):
             super().clip(job, max_norm)
 
     def states(self, job):
-        from ..parallel.tensor_state import ShardState
-        from ..parallel.tensor_uneven import sharded_parameters
+        from .state import ShardState
+        from .uneven import sharded_parameters
 
         if sharded_parameters(job.model.module):
             return ShardState(job.model.module, job.optimizer)
@@ -55,11 +55,11 @@ class TensorLayout(DataLayout):
 
 
 def wrap(job, model, optimizer, *, split: str = "even"):
-    """The model's layers sharded over every rank (parallel/tensor.py), evenly or by the plan's
+    """The model's layers sharded over every rank (layouts/tensor/shard.py), evenly or by the plan's
     speeds (TensorParallel(split=...)), and the optimizer rebuilt over the sharded parameters
     (a collective for the even split: DTensor's mesh)."""
-    from ..parallel.tensor import compute_share, rebuild, shard
-    from ..sharding.wrap import Wrapped
+    from .shard import compute_share, rebuild, shard
+    from ...sharding.wrap import Wrapped
 
     computes = {e["compute"] for e in job.precision.all_choices}
     if len(computes) > 1:   # every rank decides from the same gathered choices: all raise together
@@ -84,8 +84,8 @@ def wrap(job, model, optimizer, *, split: str = "even"):
            else "evenly (DTensor): ")
     lines = [f"parallel=tp: every layer split over {job.world_size} devices {how}{done.describe()}; this rank "
              f"computes {share:.1%} of the model's Linear weights; in-loop OOM recovery is off "
-             "(runtime/layouts/tensor.py says why): an OOM ends the attempt and --max-restarts resumes smaller"]
+             "(runtime/layouts/tensor/loop.py says why): an OOM ends the attempt and --max-restarts resumes smaller"]
     if done.renamed:
         lines.append(f"parallel=tp: {len(done.renamed)} fused parameters became q, k, v Linears "
-                     "(parallel/tensor_hf.py): checkpoints hold them by their new names")
+                     "(layouts/tensor/hf.py): checkpoints hold them by their new names")
     return Wrapped("tp", model, opt, None, lines=lines)

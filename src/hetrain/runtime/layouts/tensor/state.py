@@ -1,4 +1,4 @@
-"""Checkpoint entries of a model split by speed (parallel/tensor_uneven.py), as the whole model's.
+"""Checkpoint entries of a model split by speed (layouts/tensor/uneven.py), as the whole model's.
 
 torch.distributed.checkpoint reshards DTensors, whose shards sit at torch.chunk's offsets, but a
 split by speed holds plain tensors of different sizes on different ranks under one name: saved as
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sharding.state import init_optimizer_state
-from .tensor_uneven import ShardedLinear
+from ...sharding.state import init_optimizer_state
+from .uneven import ShardedLinear
 
 
 class ShardState:
