@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 import hetrain
 from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
 from hetrain.parallel import PipelineParts
-from hetrain.runtime.parallel.tensor_state import ShardState
-from hetrain.runtime.parallel.tensor_uneven import sharded_parameters
+from hetrain.runtime.layouts.tensor.state import ShardState
+from hetrain.runtime.layouts.tensor.uneven import sharded_parameters
 
 TOKENS, VOCAB = 12, 64       # GPT-2: tokens per sample, vocabulary
 
@@ -90,7 +90,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def whole_parameters(model, optimizer) -> dict:
     """{whole-model name: tensor} over all ranks (a collective): capacity-full's units gathered,
-    a split by speed's shards whole as its checkpoints hold them (parallel/tensor_state.py),
+    a split by speed's shards whole as its checkpoints hold them (runtime/layouts/tensor/state.py),
     FSDP2's and an even split's DTensors in full, each pipeline stage's own parameters."""
     sharding = getattr(optimizer, "sharding", None)
     if sharding is not None and hasattr(sharding, "full_parameters"):      # capacity-full

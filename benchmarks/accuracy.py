@@ -120,7 +120,7 @@ def ranking_for(spec: str, args, cache: str, workdir: str) -> dict:
     from hetrain.runtime.config import Config, Emulation
     from hetrain.runtime.layouts.ranking import model_facts
     from hetrain.runtime.measure.measurements import Measurements, rank_from_measurements
-    from hetrain.runtime.parallel.blocks import find_parts
+    from hetrain.runtime.layouts.pipeline.blocks import find_parts
 
     path = os.path.join(workdir, f"measured-{len(spec.split(','))}dev-{abs(hash(spec))}.json")
     cmd = [sys.executable, "-m", "hetrain", "plan", "--model-factory", f"{Path(__file__).resolve()}:factory",

@@ -80,7 +80,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from hetrain.demo.gpt import GPT
-    from hetrain.planning.pipeline_split import StageDevice, evaluate_split
+    from hetrain.runtime.layouts.pipeline.split import StageDevice, evaluate_split
     from hetrain.report import write_json
 
     if args.dilate < 1:

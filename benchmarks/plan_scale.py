@@ -51,7 +51,7 @@ def plan_once(spec: str, model: str) -> tuple[dict[str, float], str]:
     from hetrain.planning.ranking import ModelState, rank_layouts
     from hetrain.planning.options import PlanOptions
     from hetrain.planning.parallelism import compare_parallelism
-    from hetrain.planning.pipeline_split import PipelineProfile, StageDevice
+    from hetrain.runtime.layouts.pipeline.split import PipelineProfile, StageDevice
     from hetrain.planning.planner import make_plan
     from hetrain.planning.presets import fine_tuned
     from hetrain.planning.simulate import cluster_profiles

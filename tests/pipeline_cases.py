@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice
+from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice
 
 
 def profile(n=12, seconds=1e-3, act=1e6, params=4e6, first=None, last=None, tied=0.0):

@@ -139,8 +139,8 @@ def build_one_stage(module, device, *, micro_batches: int, precision: str):
     from torch.distributed.pipelining import Schedule1F1B
 
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
-    from hetrain.runtime.parallel.blocks import param_storage_ptrs
-    from hetrain.runtime.parallel.pipeline_stage import Flight, MeteredStage, RowLoss
+    from hetrain.runtime.layouts.pipeline.blocks import param_storage_ptrs
+    from hetrain.runtime.layouts.pipeline.stage import Flight, MeteredStage, RowLoss
 
     policy = PrecisionPolicy.local(precision, device=device)
     policy.agree(rank=0, world_size=1, device=device)

@@ -9,7 +9,7 @@ that does not fit, or a preemption (launch.py stops restarting on those).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 
 class HetrainError(Exception):
@@ -59,8 +59,7 @@ def say(what: str, fix: str | None = None, *, tag: str = "", error: bool = True)
         print(f"  fix: {fix}", file=sys.stderr)
 
 
-def did_you_mean(word: str, choices: Iterable[str], n: int = 3, *, shown: Mapping[str, str] | None = None) -> str:
-    """' (did you mean: a, b?)' for close names, or '' when nothing is close; `shown`: how to
-    write a choice in the message (e.g. an old keyword at its new place), where not as itself."""
+def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
+    """' (did you mean: a, b?)' for close names, or '' when nothing is close."""
     close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=n, cutoff=0.5)
-    return f" (did you mean: {', '.join((shown or {}).get(c, c) for c in close)}?)" if close else ""
+    return f" (did you mean: {', '.join(close)}?)" if close else ""

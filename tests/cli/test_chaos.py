@@ -56,7 +56,7 @@ def test_twenty_faults_per_layout_are_a_schedule_the_runtime_can_survive(layout)
 def test_a_reordered_gradient_sum_compares_equal_though_gpt2_key_biases_hold_rounding_alone():
     """Why TP's chaos run read 'max rel diff 1.0': an OOM halves the micro-batch, so each gradient
     is summed in another order, and GPT-2's key biases (one tensor each once TP splits c_attn into
-    q, k, v: parallel/tensor_hf.py) get a zero gradient in exact arithmetic (softmax is unchanged
+    q, k, v: runtime/layouts/tensor/hf.py) get a zero gradient in exact arithmetic (softmax is unchanged
     by adding q·b to every key's score); they hold float64 rounding alone (~1e-21), which a
     reordered sum changes by ~100% of itself. The comparison floors each tensor's scale at a
     fraction of the model's, so that passes, and a lost sample still fails it."""
@@ -67,7 +67,7 @@ def test_a_reordered_gradient_sum_compares_equal_though_gpt2_key_biases_hold_rou
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hetrain.runtime.parallel.tensor_hf import gpt2_to_linears
+    from hetrain.runtime.layouts.tensor.hf import gpt2_to_linears
 
     chaos = load_chaos()
     torch.manual_seed(0)

@@ -345,8 +345,8 @@ SCRIPT_CASES = {
     "negative global batch": ("hetrain.init(global_batch=-1, emulation=hetrain.Emulation(cluster='a100-80g,rtx3090'))",
                               "global_batch=-1"),
     "unknown keyword": ("hetrain.init(global_batch=8, bogus_keyword=1)", "'bogus_keyword'"),
-    "old keyword": ("hetrain.init(global_batch=8, checkpoint_dir='ck')",
-                    "checkpoint_dir= is now checkpoints=Checkpoints(dir=...)"),
+    "checkpoint_dir in init": ("hetrain.init(global_batch=8, checkpoint_dir='ck')",
+                               "checkpoint_dir= is not a keyword of hetrain.Config; it is checkpoints=Checkpoints(dir=...)"),
     "checkpoint_every": ("hetrain.init(global_batch=8, checkpoints=hetrain.Checkpoints(every=-3))",
                          "Checkpoints(every=-3"),
     "junk rank": ("hetrain.init(global_batch=8)", "RANK='junk'"),
@@ -358,9 +358,6 @@ SCRIPT_CASES = {
                               "m.parameters(), lr=0.1), torch.utils.data.TensorDataset(torch.randn(16, 2), "
                               "torch.randn(16, 2)), parallel=hetrain.Pipeline(stages=4), loss_fn=torch.nn.functional"
                               ".mse_loss)", "4 stages need 4 devices, this job has 2"),
-    "removed prepare keyword": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Linear(2, 2)\n"
-                                "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), [], parallel='pp', stages=2)",
-                                "parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)"),
     "stages beyond the blocks": ("import torch\nht = hetrain.init(global_batch=8)\nm = torch.nn.Sequential("
                                  "torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\nht.prepare(m, torch.optim.SGD("
                                  "m.parameters(), lr=0.1), torch.utils.data.TensorDataset(torch.randn(16, 2), "
@@ -370,8 +367,8 @@ SCRIPT_CASES = {
                        "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), [], "
                        "parallel=hetrain.DataParallel(sharding='bogus'))",
                        "DataParallel(sharding='bogus') is not a sharding"),
-    "sharding in init": ("hetrain.init(global_batch=8, sharding='fsdp')",
-                         "ht.prepare(..., parallel=hetrain.DataParallel(sharding='fsdp'))"),
+    "sharding in Config": ("hetrain.Config(global_batch=8, sharding='fsdp')",
+                           "it is DataParallel(sharding=...) in prepare(parallel=...)"),
     "plan for another layout": ("import torch\nht = hetrain.init(global_batch=8, plan='dp.json')\n"
                                 "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))\n"
                                 "ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), "
@@ -381,10 +378,10 @@ SCRIPT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "old keyword", "checkpoint_every",
+@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "checkpoint_dir in init", "checkpoint_every",
                                   "plan file", "impossible stages", "stages beyond the job",
-                                  "removed prepare keyword", "stages beyond the blocks", "bogus sharding",
-                                  "sharding in init", "plan for another layout"])
+                                  "stages beyond the blocks", "bogus sharding",
+                                  "sharding in Config", "plan for another layout"])
 def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
     call, words = SCRIPT_CASES[case]
     (tmp_path / "hello.json").write_text('"hello"')

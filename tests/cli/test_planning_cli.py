@@ -240,7 +240,7 @@ def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
     assert plan == runtime_plan                               # every field, every device's
     assert all(d.per_sample_s and d.fixed_s is not None for d in plan.devices)   # the rebalancer's model too
     # the pipeline's blocks and how much longer a stage runs them, timed on each rank
-    # (runtime/measure/pipeline_probe.py), kept for the job that follows (runtime/measure/block_cache.py)
+    # (runtime/layouts/pipeline/probe.py), kept for the job that follows (runtime/layouts/pipeline/block_cache.py)
     assert re.search(r"pipeline blocks measured: .*a stage runs them x[\d.]+ \+ [\d.]+ ms a block", r.stdout + r.stderr), \
         r.stderr
     assert measured.pipeline["profile"]["block_s"] > 0

@@ -1,5 +1,5 @@
-"""How much longer a stage runs its blocks than they take alone (runtime/measure/pipeline_probe.py), and the cached
-pipeline measurement (runtime/measure/block_cache.py), on 2 gloo ranks with emulated devices: the
+"""How much longer a stage runs its blocks than they take alone (runtime/layouts/pipeline/probe.py), and the cached
+pipeline measurement (runtime/layouts/pipeline/block_cache.py), on 2 gloo ranks with emulated devices: the
 probe leaves the job's model as it was and gives every rank the same figure (the median of the
 ranks'); the job that follows `hetrain plan` sizes from the same measurement, read from the cache;
 a corrupt cache file is measured again."""
@@ -24,9 +24,9 @@ def worker(rank, world, cache: str):
 
     os.environ["HETRAIN_CACHE"] = cache
     import hetrain
-    from hetrain.runtime.layouts.pipeline_setup import measure_blocks
-    from hetrain.runtime.measure.pipeline_probe import time_stage_cost
-    from hetrain.runtime.parallel.blocks import find_parts
+    from hetrain.runtime.layouts.pipeline.setup import measure_blocks
+    from hetrain.runtime.layouts.pipeline.probe import time_stage_cost
+    from hetrain.runtime.layouts.pipeline.blocks import find_parts
     from hetrain.runtime.setup import prepare_to_measure
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""A pipeline re-splits online when a stage's device slows down (runtime/resilience/resplit.py,
-parallel/pipeline_move.py), on real gloo process groups and the controlled clock.
+"""A pipeline re-splits online when a stage's device slows down (runtime/layouts/pipeline/resplit.py,
+layouts/pipeline/move.py), on real gloo process groups and the controlled clock.
 
 Two emulated A100s run a 6-block float64 stack (its blocks' measured costs made equal:
 equal_blocks) as 2 stages (3/3, sized by their equal speeds) on
@@ -115,7 +115,7 @@ def equal_blocks(rank) -> None:
 
     import torch.distributed as dist
 
-    from hetrain.runtime.measure import block_cache
+    from hetrain.runtime.layouts.pipeline import block_cache
 
     if rank == 0:
         paths = sorted((Path(os.environ["HETRAIN_CACHE"]) / "pipelines").glob("*.json"))
@@ -173,7 +173,7 @@ def assert_same_training(a, b):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_a_slowed_stage_gives_blocks_away_with_their_adamw_state_and_the_math_of_a_fixed_split(tmp_path, schedule):
-    from hetrain.planning.pipeline_split import StageDevice, split_pipeline
+    from hetrain.runtime.layouts.pipeline.split import StageDevice, split_pipeline
 
     results = run_ranks(worker, 2, str(tmp_path / "ckpt"), schedule, timeout=400,
                         env={"HETRAIN_CACHE": str(tmp_path / "cache")})
@@ -231,7 +231,7 @@ def test_a_slowed_stage_gives_blocks_away_with_their_adamw_state_and_the_math_of
 
 
 def capped_worker(rank, world):
-    from hetrain.planning.pipeline_split import evaluate_split
+    from hetrain.runtime.layouts.pipeline.split import evaluate_split
     from pipeline_runs import join_group
 
     join_group()
@@ -271,8 +271,8 @@ def disagreeing_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from hetrain.runtime.parallel.blocks import PipelineParts, StageModule
-    from hetrain.runtime.parallel.pipeline_move import move_blocks
+    from hetrain.runtime.layouts.pipeline.blocks import PipelineParts, StageModule
+    from hetrain.runtime.layouts.pipeline.move import move_blocks
     from nets import Residual
 
     dist.init_process_group("gloo")

@@ -93,7 +93,7 @@ def make_llama():
 
 def errors(model, ref, x, y):
     """The largest forward and gradient differences from the single-process reference."""
-    from hetrain.runtime.parallel.tensor import full_grad
+    from hetrain.runtime.layouts.tensor.shard import full_grad
 
     ref_logits = ref(x)
     F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
@@ -107,7 +107,7 @@ def errors(model, ref, x, y):
 def tp_worker(rank, world):
     import hetrain
     from hetrain.errors import UsageError
-    from hetrain.runtime.parallel.tensor import tensor_parallel
+    from hetrain.runtime.layouts.tensor.shard import tensor_parallel
 
     ref, x, y = make()
     ht = hetrain.init(global_batch=6, reporting=Reporting(verbose=False))

@@ -87,7 +87,7 @@ def grads_of(model) -> dict:
 
 def local_errors(model, whole: dict, values: dict) -> float:
     """The largest difference between this rank's `values` (by name) and its part of `whole`."""
-    from hetrain.runtime.parallel.tensor_uneven import ShardedLinear
+    from hetrain.runtime.layouts.tensor.uneven import ShardedLinear
 
     part = {}
     for mname, m in model.named_modules():
@@ -108,7 +108,7 @@ def local_errors(model, whole: dict, values: dict) -> float:
 
 
 def one_step(kind: str, speeds, **over):
-    from hetrain.runtime.parallel.tensor import shard
+    from hetrain.runtime.layouts.tensor.shard import shard
 
     x, y = data().tensors
     ref, model = make(kind, **over), make(kind, **over)
@@ -135,7 +135,7 @@ def refusal(fn) -> str:
 def direct_worker(rank, world):
     import torch.distributed as dist
 
-    from hetrain.runtime.parallel.tensor import tensor_parallel
+    from hetrain.runtime.layouts.tensor.shard import tensor_parallel
 
     dist.init_process_group("gloo")
     out = {}
@@ -209,7 +209,7 @@ def test_heads_that_do_not_divide_are_refused_evenly_naming_the_split_by_speed_w
         assert got["logits"] < 1e-12 and got["grads"] < 1e-12, got
 
 
-def test_a_bad_split_names_the_fix_and_the_old_keyword_names_the_layout():
+def test_a_bad_split_names_the_fix_and_tp_split_in_config_names_the_layout():
     import hetrain
     from hetrain.errors import UsageError
     from hetrain.runtime.config import make_config
@@ -217,7 +217,7 @@ def test_a_bad_split_names_the_fix_and_the_old_keyword_names_the_layout():
     with pytest.raises(UsageError, match="split='fast'") as bad:
         hetrain.TensorParallel(split="fast")
     assert "speed" in bad.value.fix and "even" in bad.value.fix
-    with pytest.raises(UsageError, match="tp_split= is now part of the layout") as old:
+    with pytest.raises(UsageError, match="tp_split= is not a keyword of hetrain.Config; it is TensorParallel") as old:
         make_config({"global_batch": 8, "tp_split": "speed"})
     assert "parallel=hetrain.TensorParallel(split='speed')" in old.value.fix
 

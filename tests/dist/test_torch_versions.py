@@ -88,7 +88,7 @@ def stack():
 
 def pipeline_worker(rank, world):
     import hetrain
-    from hetrain.runtime.parallel.pipeline_stage import MeteredStage
+    from hetrain.runtime.layouts.pipeline.stage import MeteredStage
 
     seen = []       # (failed, shape, dtype, stride) of every output a stage's forward returned
     forward = MeteredStage.forward_maybe_with_nosync
@@ -133,9 +133,9 @@ def probe_worker(rank, world):
     from torch import nn
 
     import hetrain
-    from hetrain.planning.pipeline_profile import BlockCost
-    from hetrain.runtime.measure import pipeline_probe
-    from hetrain.runtime.parallel.blocks import find_parts
+    from hetrain.runtime.layouts.pipeline.profile import BlockCost
+    from hetrain.runtime.layouts.pipeline import probe as pipeline_probe
+    from hetrain.runtime.layouts.pipeline.blocks import find_parts
 
     ht = hetrain.init(global_batch=8, reporting=Reporting(verbose=False))
     made = []

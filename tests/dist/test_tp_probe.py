@@ -22,7 +22,7 @@ def worker(rank, world):
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.errors import UsageError
-    from hetrain.runtime.measure.tp_probe import time_tp_step
+    from hetrain.runtime.layouts.tensor.probe import time_tp_step
 
     ht = hetrain.init(global_batch=8, emulation=Emulation(cluster="a100-80g,rtx3090:0.5"),
                       reporting=Reporting(verbose=False), precision="fp32")

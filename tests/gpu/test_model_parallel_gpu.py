@@ -53,7 +53,7 @@ def test_pipeline_on_two_gpus_matches_one_process(schedule):
 
 def tp_worker(rank, world):
     import hetrain
-    from hetrain.runtime.parallel.tensor import full_grad, tensor_parallel
+    from hetrain.runtime.layouts.tensor.shard import full_grad, tensor_parallel
 
     ref_loss, ref = reference()
     ht = hetrain.init(global_batch=10, reporting=Reporting(verbose=False))

@@ -90,7 +90,7 @@ LAYERS = (
 )
 # runtime/, bottom first. A subpackage (or top-level module) imports only from those below it.
 RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience",
-           "job", "loop", "parallel", "measure", "layouts", "setup", "engine", "__init__")
+           "job", "loop", "measure", "layouts", "setup", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "
@@ -126,8 +126,16 @@ def _imports(path: Path):
                 yield node.lineno, a.name, []
 
 
+# A layout's package keeps its pure planning modules beside its runtime ones: they belong to the
+# planning layer (and unit), so planning/ may import them and they import nothing above planning.
+PIPELINE, TENSOR = "hetrain.runtime.layouts.pipeline", "hetrain.runtime.layouts.tensor"
+PURE_LAYOUT_MODULES = {f"{PIPELINE}.profile", f"{PIPELINE}.stage_plan", f"{PIPELINE}.split", f"{TENSOR}.split"}
+
+
 def _layer_of(module: str) -> tuple[int, int]:
     parts = module.split(".")
+    if module in PURE_LAYOUT_MODULES:
+        return _layer_of("hetrain.planning")
     top = parts[1] if len(parts) > 1 else "hetrain"
     layer = next(i for i, names in enumerate(LAYERS) if top in names)
     if top == "runtime":
@@ -155,6 +163,8 @@ def test_the_layer_tables_name_every_package_and_runtime_part():
 
 
 def _unit(module: str) -> str:
+    if module in PURE_LAYOUT_MODULES:
+        return "hetrain.planning"
     parts = module.split(".")
     return ".".join(parts[:3]) if parts[1:2] == ["runtime"] and len(parts) > 2 else ".".join(parts[:2])
 
@@ -270,22 +280,46 @@ def test_the_layout_comparison_rule_finds_what_it_is_for():
 
 
 # runtime/layouts/, bottom first: each module imports only the layout modules below it (no cycle:
-# choose imports the layout classes for 'auto', so they check through checks.py, not choose).
-LAYOUT_MODULES = ("protocol", "checks", "stage_state", "data", "tensor", "pipelined", "data_setup", "pipeline_setup",
-                  "pipeline_layouts", "ranking", "choose", "__init__")
+# choose imports the layout classes for 'auto', so they check through checks.py, not choose). A
+# layout's package (its plan, split, stage or shard, loop, probe and moves: pipeline, tensor) sits
+# as one entry, its own modules in their order below.
+LAYOUT_MODULES = ("protocol", "checks", "data", "tensor", "data_setup", "pipeline", "ranking", "choose", "__init__")
+PIPELINE_MODULES = ("profile", "stage_plan", "split", "blocks", "stage", "move", "schedule", "sizing", "stage_state",
+                    "loop", "probe", "block_cache", "resplit", "setup", "layout", "__init__")
+TENSOR_MODULES = ("split", "styles", "hf", "uneven", "state", "shard", "probe", "loop", "__init__")
+
+
+def _wrong_order(folder: Path, package: str, order: tuple[str, ...]) -> list[str]:
+    wrong = []
+    for path in sorted(folder.glob("*.py")):
+        me = order.index(path.stem)
+        for line, target, names in _imports(path):
+            if not (target == package or target.startswith(package + ".")):
+                continue
+            rest = target[len(package) + 1:].split(".") if target != package else []
+            used = [rest[0]] if rest else names                   # from . import data: the module named
+            wrong += [f"{path.relative_to(SRC)}:{line} imports {u}" for u in used if u in order and order.index(u) >= me]
+    return wrong
 
 
 def test_runtime_layouts_modules_import_only_the_ones_below_them():
     folder = SRC / "runtime" / "layouts"
-    assert {p.stem for p in folder.glob("*.py")} == set(LAYOUT_MODULES)
-    wrong = []
-    for path in sorted(folder.glob("*.py")):
-        me = LAYOUT_MODULES.index(path.stem)
-        for line, target, names in _imports(path):
-            if not target.startswith("hetrain.runtime.layouts"):
-                continue
-            parts = target.split(".")
-            used = [parts[3]] if len(parts) > 3 else names        # from . import data: the module named
-            wrong += [f"{path.name}:{line} imports {u}" for u in used
-                      if u in LAYOUT_MODULES and LAYOUT_MODULES.index(u) >= me]
+    packages = {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert {p.stem for p in folder.glob("*.py")} | packages == set(LAYOUT_MODULES)
+    assert {p.stem for p in (folder / "pipeline").glob("*.py")} == set(PIPELINE_MODULES)
+    assert {p.stem for p in (folder / "tensor").glob("*.py")} == set(TENSOR_MODULES)
+    wrong = _wrong_order(folder, "hetrain.runtime.layouts", LAYOUT_MODULES)
+    wrong += _wrong_order(folder / "pipeline", PIPELINE, PIPELINE_MODULES)
+    wrong += _wrong_order(folder / "tensor", TENSOR, TENSOR_MODULES)
     assert not wrong, "runtime/layouts imports that point up or across (a cycle):\n" + "\n".join(wrong)
+
+
+def test_the_pure_layout_modules_exist_and_import_no_torch():
+    """planning/ and a layout package's planning modules run where torch is absent (`hetrain
+    simulate`, `hetrain plan` from the catalog): no torch import, at module level or inside a function."""
+    pure = [SRC.parent / (m.replace(".", "/") + ".py") for m in sorted(PURE_LAYOUT_MODULES)]
+    assert all(p.exists() for p in pure), [str(p) for p in pure if not p.exists()]
+    found = [f"{path.relative_to(SRC)}:{line} imports {target}"
+             for path in pure + sorted((SRC / "planning").rglob("*.py"))
+             for line, target, _ in _imports(path) if target == "torch" or target.startswith("torch.")]
+    assert not found, "torch imported by pure planning:\n" + "\n".join(found)

@@ -115,9 +115,9 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def pipeline_parts(self):
-        """The cuts a pipeline makes (runtime/parallel/blocks.find_parts asks for them): the
+        """The cuts a pipeline makes (runtime/layouts/pipeline/blocks.find_parts asks for them): the
         embeddings, the blocks, then the final norm and the tied head."""
-        from ..runtime.parallel.blocks import PipelineParts
+        from ..runtime.layouts.pipeline.blocks import PipelineParts
 
         return PipelineParts(first=GPTEmbed(self.tok, self.pos), blocks=tuple(self.blocks),
                              last=GPTHead(self.ln_f, self.head))

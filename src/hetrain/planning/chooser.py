@@ -10,7 +10,7 @@ The request (`Request`) allows:
   * `families`: a constraint (the DP family for sharding='auto', DP×PP for Pipeline(stages='auto'));
   * pipelines only with a loss function: their schedule computes the loss on the last stage;
   * with in-loop OOM recovery asked for (Memory.oom_recovery, the default), only the layouts that
-    keep it: capacity-full (sharding/wrap.py) and tensor parallelism (runtime/layouts/tensor.py)
+    keep it: capacity-full (sharding/wrap.py) and tensor parallelism (runtime/layouts/tensor/loop.py)
     turn it off, so auto runs them only with oom_recovery=False (or when asked for by name).
     Restarts from checkpoints hold under every layout, so they rule nothing out.
 A row the request leaves out is said in one line (`Choice.left_out`) when it fits, so a faster

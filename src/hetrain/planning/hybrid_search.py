@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import UsageError
 from ..hardware.units import compact
-from .pipeline_split import PipelineSplit, StageCosts, StageDevice, micro_batch_cut
+from ..runtime.layouts.pipeline.split import PipelineSplit, StageCosts, StageDevice, micro_batch_cut
 from .shares import proportional_shares
 
 _EPS = 1e-12

@@ -27,7 +27,7 @@ from ..hardware.units import compact, format_bytes as _gib
 from .collectives import FREE_LINK, Link, allreduce_seconds
 from .memory import ADAMW_STATE_FACTOR
 from .hybrid_search import batch_error, best_split, renamed, replica_kinds, shares_error
-from .pipeline_split import (PipelineProfile, PipelineSplit, StageCosts, StageDevice, evaluate_split,
+from ..runtime.layouts.pipeline.split import (PipelineProfile, PipelineSplit, StageCosts, StageDevice, evaluate_split,
                              micro_batch_cut, split_pipeline)
 from .shares import proportional_shares
 

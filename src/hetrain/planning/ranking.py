@@ -177,7 +177,7 @@ def _dp_row(profiles, state: ModelState, o: PlanOptions, sharding: str, fsdp_exc
 def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
     w, b, margin = len(profiles), o.global_batch, o.memory_margin
     name, run = f"TP {w}", "ht.prepare(..., parallel='tp')"
-    from .tensor_split import tp_comm_seconds, tp_micro_batch
+    from ..runtime.layouts.tensor.split import tp_comm_seconds, tp_micro_batch
 
     st = state.state("fsdp", world_size=w, accumulates=False)
     held = st.params + st.grads + st.optimizer          # every weight split W ways, nothing gathered
@@ -207,7 +207,7 @@ def _tp_row(profiles, state: ModelState, o: PlanOptions) -> LayoutRow:
 def measured_pipeline(data: dict | None):
     """(PipelineProfile, [StageDevice]) from what `hetrain plan` measured (Measurements.pipeline),
     or None."""
-    from .pipeline_split import PipelineProfile, StageDevice
+    from ..runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 
     if not data:
         return None
@@ -216,7 +216,7 @@ def measured_pipeline(data: dict | None):
 
 def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
     from .parallelism import compare_parallelism, with_fixed_cost, with_step_work
-    from .pipeline_split import PipelineProfile, StageDevice
+    from ..runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 
     w = len(profiles)
     if w < 2 or not state.blocks:
@@ -289,7 +289,7 @@ def rank_layouts(profiles: Sequence[DeviceProfile], *, state: ModelState, option
     `request`: what the chooser may pick (chooser.Request; None: parallel='auto' of a default job)."""
     from .chooser import AUTO, spec_of
     from .layout_fit import what_would_fit
-    from .tensor_split import speed_tp_row
+    from ..runtime.layouts.tensor.split import speed_tp_row
 
     profiles = list(profiles)
     if not profiles:

@@ -1,7 +1,7 @@
 """What every layout's ranking row is made of (pure): the row itself, the layout families in the
 ranking's order, the TP traffic constant and the seconds formatter. A leaf, so that ranking.py
 (which ranks the rows), chooser.py (which picks one), memory.py's sharding choice and
-tensor_split.py (which builds the TP-by-speed row) import it rather than each other."""
+layouts/tensor/split.py (which builds the TP-by-speed row) import it rather than each other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # bytes kept per sample: per layer 4 all-reduces of s·h bf16 values (2 forward, 2 backward) = 8·s·h
 # bytes against ≈ 34·s·h saved (Korthikanti et al. 2022, without the attention scores).
 TP_COMM_PER_ACTIVATION = 8 / 34
-ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP", "TP", "TP by speed")   # tensor_split.py
+ORDER = ("DP", "DP + ZeRO-1", "DP + capacity", "FSDP2", "capacity-full", "PP", "DP×PP", "TP", "TP by speed")   # layouts/tensor/split.py
 FAMILIES = {"none": "DP", "zero1": "DP + ZeRO-1", "capacity": "DP + capacity", "fsdp": "FSDP2", "capacity-full": "capacity-full"}
 
 

@@ -4,8 +4,9 @@ The user's knobs sit at the top level; the rest come in groups (config_groups.py
 checkpoints=Checkpoints(...), rebalancing=Rebalancing(...), compression=Compression(...),
 reporting=Reporting(...), and emulation=Emulation(...) (the launcher's and the tests', not a script's).
 Every entry point (hetrain.init, the Fabric strategy, the HF Trainer's hetrain={...}, `hetrain plan`'s
-saved config) builds it through `make_config`, so a keyword of an older hetrain gets one error naming
-its new place.
+saved config) builds it through `make_config`, and `Config(...)` itself checks its keywords the same
+way: an unknown one is one error with the close names or, for a word from another tool (WHERE), the
+place the setting lives in hetrain.
 """
 
 from __future__ import annotations
@@ -23,33 +24,40 @@ from .config_groups import (GROUPS, Checkpoints, Compression, Emulation, Memory,
 LAUNCH_ENV = "HETRAIN_LAUNCH"   # path to the launch file `hetrain run` writes for its workers
 METRICS_SUBDIR = "metrics"      # Reporting.metrics_dir's default, inside Checkpoints.dir: the figures stay with it
 
-# The keywords of the flat Config this one replaced -> (group field, the group's field). One table:
-# make_config's error and its test both read it, so they cannot drift apart.
-RENAMED: dict[str, tuple[str, str]] = {
-    "checkpoint_dir": ("checkpoints", "dir"), "checkpoint_every": ("checkpoints", "every"),
-    "keep_checkpoints": ("checkpoints", "keep"), "resume": ("checkpoints", "resume"),
-    "preempt_grace_s": ("checkpoints", "preempt_grace_s"),
-    "rebalance": ("rebalancing", "enabled"), "rebalance_threshold": ("rebalancing", "threshold"),
-    "compression": ("compression", "method"),       # the same name: a bare string is the old form
-    "powersgd_rank": ("compression", "powersgd_rank"),
-    "memory_margin": ("memory", "margin"), "micro_batch": ("memory", "max_micro_batch"),
-    "checkpointing": ("memory", "activation_checkpointing"), "checkpoint_blocks": ("memory", "blocks"),
-    "oom_recovery": ("memory", "oom_recovery"),
-    "verbose": ("reporting", "verbose"), "status_every": ("reporting", "status_every"),
-    "metrics_dir": ("reporting", "metrics_dir"), "sample_log": ("reporting", "sample_log"),
-    "emulate": ("emulation", "cluster"), "emulate_sample_s": ("emulation", "sample_s"),
-    "emulate_micro_s": ("emulation", "micro_s"), "emulate_link_gbs": ("emulation", "link_gbs"),
-    "faults": ("emulation", "faults"),
+# Words people bring from other tools (DeepSpeed, Accelerate, HF TrainingArguments) or from a layout
+# object, each -> (where the setting lives in hetrain, the keyword to pass instead). An unknown
+# keyword named here gets that place in one line rather than the close names.
+_BATCH = ("global_batch=N, the samples per step over all devices: hetrain cuts each device's share into "
+          "micro-batches itself (memory=Memory(max_micro_batch=...) caps one)", "global_batch=N")
+_PRECISION = "precision=, one word for the job ('auto': bf16 where a device has it, else fp16)"
+WHERE: dict[str, tuple[str, str]] = {
+    "sharding": ("DataParallel(sharding=...) in prepare(parallel=...): the layout runs the sharding",
+                 "ht.prepare(..., parallel=hetrain.DataParallel(sharding={value!r}))"),
+    "tp_split": ("TensorParallel(split=...) in prepare(parallel=...)",
+                 "ht.prepare(..., parallel=hetrain.TensorParallel(split={value!r}))"),
+    "zero_stage": ("DataParallel(sharding=...) in prepare(parallel=...): ZeRO-1 is 'zero1', ZeRO-3 'fsdp'",
+                   "ht.prepare(..., parallel=hetrain.DataParallel(sharding='zero1'))"),
+    "checkpoint_dir": ("checkpoints=Checkpoints(dir=...) (or `hetrain run --checkpoint-dir`)",
+                       "checkpoints=hetrain.Checkpoints(dir={value!r})"),
+    "output_dir": ("checkpoints=Checkpoints(dir=...) (or `hetrain run --checkpoint-dir`)",
+                   "checkpoints=hetrain.Checkpoints(dir={value!r})"),
+    "save_steps": ("checkpoints=Checkpoints(every=...)", "checkpoints=hetrain.Checkpoints(every={value!r})"),
+    "resume_from_checkpoint": ("checkpoints=Checkpoints(resume=...)", "checkpoints=hetrain.Checkpoints(resume='auto')"),
+    "gradient_accumulation_steps": _BATCH,
+    "micro_batch": _BATCH, "micro_batch_size": _BATCH, "batch_size": _BATCH, "per_device_train_batch_size": _BATCH,
+    "train_batch_size": _BATCH, "train_micro_batch_size_per_gpu": _BATCH,
+    "fp16": (_PRECISION, "precision='fp16'"), "bf16": (_PRECISION, "precision='bf16'"),
+    "mixed_precision": (_PRECISION, "precision='bf16' (or 'fp16', 'auto')"),
+    "max_grad_norm": ("grad_clip=", "grad_clip={value!r}"),
+    "gradient_clipping": ("grad_clip=", "grad_clip={value!r}"),
+    "gradient_checkpointing": ("memory=Memory(activation_checkpointing=...)",
+                               "memory=hetrain.Memory(activation_checkpointing='all')"),
+    "offload_optimizer": ("memory=Memory(offload_optimizer=...)", "memory=hetrain.Memory(offload_optimizer='always')"),
+    "num_train_epochs": ("epochs=", "epochs={value!r}"),
+    "dataloader_num_workers": ("num_workers=", "num_workers={value!r}"),
+    "plan": ("init(plan=) for the job, or prepare(parallel=plan) for one prepare",
+             "hetrain.init(plan=path_or_Plan), or ht.prepare(..., parallel=plan)"),
 }
-# Keywords that left Config for a layout object, which prepare(parallel=...) takes (layout_spec.py):
-# how a layout runs is said where the layout is chosen.
-# The sharding has one home, DataParallel(sharding=): the layout is what runs it.
-TO_LAYOUT = {"tp_split": ("TensorParallel(split=...)", "ht.prepare(..., parallel=hetrain.TensorParallel(split={value!r}))"),
-             "sharding": ("DataParallel(sharding=...)",
-                          "ht.prepare(..., parallel=hetrain.DataParallel(sharding={value!r}))")}
-# A plan enters one way per level: init(plan=) for the job, prepare(parallel=plan) for one prepare.
-PLAN_WAYS = ("pass hetrain.init(plan=path_or_Plan) for the job, or ht.prepare(..., parallel=plan) for one "
-             "prepare")
 # What an integration's hetrain={...} holds beside Config's keywords: init's plan, and the sharding
 # of the DataParallel it runs (integration_layout maps it to the layout object).
 INTEGRATION_KEYWORDS = ("plan", "sharding")
@@ -78,11 +86,15 @@ class Config:
     reporting: Reporting = field(default_factory=Reporting)
     emulation: Emulation = field(default_factory=Emulation)
 
+    def __new__(cls, *args, **keywords):
+        # Config(sharding=...) gets the one line naming where the setting lives, as init() does,
+        # not Python's unexpected-keyword TypeError
+        check_keywords(keywords, where="hetrain.Config")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         for name in GROUPS:         # a dict (JSON) becomes its group, checked there
             value = getattr(self, name)
-            if name == "compression" and isinstance(value, str):
-                raise renamed_error({name: value})
             object.__setattr__(self, name, as_group(name, value))
         check_types(self)           # types first: the checks below compare numbers
         if self.global_batch < 1:
@@ -141,48 +153,19 @@ class Config:
         return asdict(self)
 
 
-def renamed_error(old: dict[str, Any], *, where: str = "hetrain.init") -> UsageError:
-    """One error for every keyword of the flat Config given: each one's new place, and the fix with
-    the import and the groups as they should be written."""
-    moved: dict[str, dict[str, Any]] = {}
-    said = []
-    for name, value in old.items():
-        group, key = RENAMED[name]
-        moved.setdefault(group, {})[key] = value
-        said.append(f"{name}= is now {group}={GROUPS[group].__name__}({key}=...)")
-    what = "; ".join(said)
-    classes = ", ".join(GROUPS[g].__name__ for g in moved)
-    calls = ", ".join(f"{g}={GROUPS[g].__name__}(" + ", ".join(f"{k}={v!r}" for k, v in keys.items()) + ")"
-                      for g, keys in moved.items())
-    return UsageError(f"{where}: {what}", f"from hetrain import {classes}; then pass {calls}")
-
-
 def check_keywords(keywords: dict[str, Any], *, where: str = "hetrain.init") -> None:
-    """Config's keywords as given: an old one (RENAMED) is one error naming its new place; an
-    unknown one, one error with the close names."""
+    """Config's keywords as given: an unknown one is one UsageError naming where the setting lives
+    (WHERE), or the close names."""
     known = [f.name for f in fields(Config)]
-    # compression= is both: a group now, a bare string ('fp16') before
-    old = {k: v for k, v in keywords.items()
-           if k in RENAMED and (k not in known or (k == "compression" and isinstance(v, str)))}
-    if old:
-        raise renamed_error(old, where=where)
-    refuse_moved(keywords, where=where)
-    for name in keywords:
-        if name not in known:
-            raise UsageError(f"{where}: unknown keyword {name!r}{close_names(name)}",
-                             f"remove {name}=, or use a keyword of hetrain.Config")
-
-
-def refuse_moved(keywords: dict[str, Any], *, where: str) -> None:
-    """A keyword that left Config for the layout object (TO_LAYOUT) or for init(plan=): one error
-    naming its place."""
     for name, value in keywords.items():
-        if name in TO_LAYOUT:
-            layout, fix = TO_LAYOUT[name]
-            raise UsageError(f"{where}: {name}= is now part of the layout: {layout}",
+        if name in known:
+            continue
+        if name in WHERE:
+            place, fix = WHERE[name]
+            raise UsageError(f"{where}: {name}= is not a keyword of hetrain.Config; it is {place}",
                              f"remove {name}= and pass " + fix.format(value=value))
-        if name == "plan":
-            raise UsageError(f"{where}: plan= is not a setting of the job's configuration", PLAN_WAYS)
+        raise UsageError(f"{where}: unknown keyword {name!r}{did_you_mean(name, known)}",
+                         f"remove {name}=, or use a keyword of hetrain.Config")
 
 
 def integration_layout(keywords: dict[str, Any]):
@@ -194,34 +177,11 @@ def integration_layout(keywords: dict[str, Any]):
     return rest, DataParallel(sharding=keywords.get("sharding"))
 
 
-def close_names(name: str) -> str:
-    """' (did you mean: ...?)' over Config's keywords, an old keyword shown at its new place
-    (a misspelt `checkpoint_evry` is pointed at `checkpoints=Checkpoints(every=...)`)."""
-    spelled = {f.name: f.name for f in fields(Config)}
-    spelled.update({old: f"{g}={GROUPS[g].__name__}({k}=...)" for old, (g, k) in RENAMED.items() if old not in spelled})
-    return did_you_mean(name, spelled, shown=spelled)
-
-
 def make_config(keywords: dict[str, Any], *, where: str = "hetrain.init") -> Config:
     """Config from keywords as any entry point has them, each problem one UsageError naming the fix."""
     check_keywords(keywords, where=where)
     return Config(**keywords)
 
 
-def _refusing_moved(init):
-    """Config(sharding=...) and Config(plan=...) name their new place in one line, as init's do,
-    rather than Python's unexpected-keyword TypeError."""
-    def __init__(self, **keywords):
-        refuse_moved(keywords, where="hetrain.Config")
-        init(self, **keywords)
-
-    __init__.__wrapped__ = init
-    return __init__
-
-
-# The dataclass's own signature stays what type checkers see (and __wrapped__ keeps it for inspect).
-Config.__init__ = _refusing_moved(Config.__init__)  # type: ignore[method-assign]
-
-
-__all__ = ["Config", "Checkpoints", "Compression", "Emulation", "Memory", "Rebalancing", "Reporting", "RENAMED",
+__all__ = ["Config", "Checkpoints", "Compression", "Emulation", "Memory", "Rebalancing", "Reporting", "WHERE",
            "LAUNCH_ENV", "METRICS_SUBDIR", "make_config", "check_keywords"]

@@ -36,7 +36,6 @@ from .devices.precision_policy import PrecisionPolicy
 from .user_objects import default_forward
 from .resilience import resume as persist
 from .setup import prepare_job
-from .layouts.choose import refuse_removed_keywords
 from .measure.joint import read_plan_file
 from .loop.stepping import StepLoop
 from .loop.steps import Step, Steps
@@ -118,7 +117,7 @@ class Engine:
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset, *,
                 collate_fn: Callable | None = None, forward: Callable = default_forward, parallel="auto",
-                loss_fn: Callable | None = None, **removed):
+                loss_fn: Callable | None = None):
         """Choose the layout, plan the split, wrap the model, resume if a checkpoint exists, and
         return (model, optimizer, steps). The order is setup.prepare_job's.
 
@@ -128,7 +127,6 @@ class Engine:
         stage computes the loss). `forward(model, batch)` is how hetrain calls the model when it
         measures it before training (default: model(x) for (x, y) batches).
         """
-        refuse_removed_keywords(removed)       # schedule=, stages=, micro_batches=: Pipeline(...) now
         if self._prepared:
             raise UsageError("prepare() was already called", "call prepare() once per hetrain.init()")
         self._prepared = True
@@ -229,7 +227,7 @@ def init(*, plan: Plan | str | None = None, **config) -> Engine:
     `plan` (a Plan, or the path of one saved as JSON) fixes every rank's share and micro-batch for
     the job, and its layout (prepare(parallel=plan) is the other way in, for one prepare)."""
     install_excepthook(*env_rank(), lambda: None)   # before the config is checked: bad input is one line
-    check_keywords(config)       # an old keyword: one error naming its new place
+    check_keywords(config)       # an unknown keyword: one error naming where it lives, or the close names
     if "global_batch" not in config:
         raise UsageError("hetrain.init: no global_batch given", "pass global_batch=N, the samples per optimizer "
                          "step over all devices")

@@ -24,7 +24,7 @@ from .devices.link import check_link_request
 from .job import Job
 from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
-from .layouts.pipeline_layouts import HybridSetup, PipelineSetup
+from .layouts.pipeline.layout import HybridSetup, PipelineSetup
 from .layouts.protocol import Layout
 from .loop import flops, metrics
 from .loop.workers import MicroBatchReader

@@ -16,10 +16,10 @@ from hetrain.planning.core_sharing import stretched_step
 from hetrain.planning.memory import AUTO_SHARDINGS, DeviceMemory, choose_sharding, sharding_options
 from hetrain.planning.options import PlanOptions, ring_link
 from hetrain.planning.parallelism import split_hybrid, stage_rows
-from hetrain.planning.pipeline_split import PipelineProfile, StageDevice
+from hetrain.runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 from hetrain.planning.profile import DeviceProfile
 from hetrain.planning.ranking import LayoutRow, ModelState, rank_layouts
-from hetrain.planning.tensor_split import tp_comm_ratio
+from hetrain.runtime.layouts.tensor.split import tp_comm_ratio
 
 
 def row(name, family, sps, *, fits=True, stages=None):

@@ -9,7 +9,7 @@ from hetrain.errors import UsageError
 from hetrain.planning.collectives import (FREE_LINK, Link, all_gather_seconds, allreduce_seconds,
                                           link_from_measurement, reduce_scatter_seconds, send_seconds)
 from hetrain.planning.parallelism import compare_parallelism
-from hetrain.planning.pipeline_split import PipelineProfile, evaluate_split
+from hetrain.runtime.layouts.pipeline.split import PipelineProfile, evaluate_split
 
 from pipeline_cases import devices, profile
 

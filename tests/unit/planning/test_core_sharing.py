@@ -8,7 +8,7 @@ import pytest
 from hetrain.planning.core_sharing import cpu_rate, play_step, stretched_step
 from hetrain.planning.ranking import ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions
-from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice, evaluate_split, split_pipeline
+from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice, evaluate_split, split_pipeline
 from hetrain.planning.profile import DeviceProfile
 
 

@@ -11,7 +11,7 @@ import pytest
 from hetrain.errors import UsageError
 from hetrain.planning.collectives import FREE_LINK, Link, allreduce_seconds
 from hetrain.planning.parallelism import compare_parallelism, split_hybrid
-from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice, evaluate_split, split_pipeline
+from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice, evaluate_split, split_pipeline
 from hetrain.planning.shares import proportional_shares
 
 from pipeline_cases import compositions, devices, profile
@@ -74,7 +74,7 @@ CLUSTERS = {
     "slow-replica": (profile(6), devices(1.0, 1.0, 1.0, 1.0, 0.1, 0.1), 48, None),
     # equal replicas: one kind
     "one-kind": (profile(6), devices(1.0, 0.5, 1.0, 0.5, 1.0, 0.5), 48, None),
-    # blocks as a stage runs them (runtime/measure/pipeline_probe.py): x1.3 a row, 2 ms a block
+    # blocks as a stage runs them (runtime/layouts/pipeline/probe.py): x1.3 a row, 2 ms a block
     "stage-costs": (PipelineProfile(blocks=tuple(BlockCost(seconds=1e-3 * (1 + i % 2), activation_bytes=1e6,
                                                            param_bytes=4e6) for i in range(8)),
                                     stage_factor=1.3, block_s=2e-3),

@@ -9,7 +9,7 @@ import pytest
 from hetrain.errors import UsageError
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.planning.parallelism import compare_parallelism, evaluate_hybrid, split_hybrid
-from hetrain.planning.pipeline_split import PipelineProfile, stage_devices
+from hetrain.runtime.layouts.pipeline.split import PipelineProfile, stage_devices
 
 from pipeline_cases import compositions, devices, profile
 
@@ -94,7 +94,7 @@ def test_compare_from_a_cluster_spec_and_a_whole_model_profile():
 
 
 def test_micro_batch_cut_is_what_the_runtime_runs():
-    from hetrain.planning.pipeline_split import micro_batch_cut
+    from hetrain.runtime.layouts.pipeline.split import micro_batch_cut
     from hetrain.planning.plan import DevicePlan
 
     # 19 samples asked in 8: micro-batches of 3, and 7 of them hold all 19 (not 8 of 3: 24 rows)

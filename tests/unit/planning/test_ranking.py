@@ -152,7 +152,7 @@ def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
     """`hetrain plan` hands the ranking the blocks the runtime measured (Measurements.pipeline):
     a heavy first block moves the split off the equal-blocks one, and the JSON round trip keeps it."""
     from hetrain.planning.ranking import measured_pipeline
-    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, split_pipeline
+    from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, split_pipeline
 
     heavy = PipelineProfile(blocks=(BlockCost(seconds=0.03, param_bytes=4e6, activation_bytes=1e6),)
                             + (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 3)
@@ -170,11 +170,11 @@ def test_measured_blocks_size_the_pipelines_rows_as_the_runtime_would():
 
 
 def test_a_measured_stage_factor_replaces_the_whole_model_fixed_cost_stretch():
-    """Blocks measured with how a stage runs them (stage_factor, runtime/measure/pipeline_probe.py):
+    """Blocks measured with how a stage runs them (stage_factor, runtime/layouts/pipeline/probe.py):
     each stage pays it in the split's own costing, so the row is that split's prediction, not
     stretched again by the whole model's fixed cost (with_fixed_cost); unmeasured (1), the stretch
     stays."""
-    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice, split_pipeline
+    from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice, split_pipeline
 
     blocks = (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 4
     devices = [StageDevice(name=f"dev{i}", speed=1.0) for i in range(2)]
@@ -229,7 +229,7 @@ def test_a_pipeline_row_adds_each_stages_optimizer_and_the_agreement_after_its_s
     """What a step runs after its schedule, as the DP rows count it: the slowest stage's optimizer
     over its part of the parameters (its device's measured optimizer seconds, a whole model's) and
     hetrain's agreement all-reduce."""
-    from hetrain.planning.pipeline_split import BlockCost, PipelineProfile, StageDevice
+    from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice
 
     blocks = (BlockCost(seconds=0.01, param_bytes=4e6, activation_bytes=1e6),) * 4
     devices = [StageDevice(name=f"dev{i}", speed=s) for i, s in enumerate((1.0, 0.5))]

@@ -1,17 +1,20 @@
 """Config, its groups and init(): every bad keyword or value is a UsageError naming it and the fix,
-raised before anything joins a process group; a keyword of the flat Config names its new place."""
+raised before anything joins a process group; a word from another tool names where the setting
+lives in hetrain."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+from dataclasses import fields
 
 import pytest
 
 import hetrain
 from hetrain import Checkpoints, Compression, Emulation, Memory, Rebalancing, Reporting
 from hetrain.errors import UsageError
-from hetrain.runtime.config import LAUNCH_ENV, RENAMED, Config, make_config
+from hetrain.runtime.config import LAUNCH_ENV, WHERE, Config, make_config
 from hetrain.runtime.config_groups import GROUPS
 from hetrain.runtime.engine import init
 
@@ -115,67 +118,50 @@ def test_the_groups_are_exported_from_hetrain():
         assert name in hetrain.__all__ and getattr(hetrain, name) is GROUPS[name.lower()]
 
 
-# One value for each old keyword, as a flat Config took it
-OLD_VALUES = {"checkpoint_dir": "ck", "checkpoint_every": 5, "keep_checkpoints": 2, "resume": "never",
-              "preempt_grace_s": 10.0, "rebalance": False, "rebalance_threshold": 0.1, "compression": "fp16",
-              "powersgd_rank": 8, "memory_margin": 0.2, "micro_batch": 4, "checkpointing": "all",
-              "checkpoint_blocks": "Block", "oom_recovery": False, "verbose": False, "status_every": 10,
-              "metrics_dir": "m", "sample_log": "s", "emulate": "a100-80g,rtx3090", "emulate_sample_s": 0.002,
-              "emulate_micro_s": 0.001, "emulate_link_gbs": 1.0, "faults": "die:rank=1,step=5"}
-
-
-def test_the_old_value_table_covers_every_renamed_keyword():
-    assert set(OLD_VALUES) == set(RENAMED)
-
-
-@pytest.mark.parametrize("old", sorted(RENAMED))
-def test_each_old_keyword_is_one_error_naming_its_new_place(old):
-    group, field = RENAMED[old]
-    cls = GROUPS[group].__name__
-    value = OLD_VALUES[old]
-    with pytest.raises(UsageError) as e:
-        make_config({"global_batch": 8, old: value})
-    assert e.value.what == f"hetrain.init: {old}= is now {group}={cls}({field}=...)"
-    assert e.value.fix == f"from hetrain import {cls}; then pass {group}={cls}({field}={value!r})"
-    # ...and the fix works: the value lands where the error says
-    fixed = Config(global_batch=8, **{group: GROUPS[group](**_with_needs(group, field, value))})
-    assert getattr(getattr(fixed, group), field) == value
-
-
-def _with_needs(group: str, field: str, value):
-    """The field, with what it cannot stand without (micro_s needs a clock)."""
-    return {"sample_s": 0.002, field: value} if (group, field) == ("emulation", "micro_s") else {field: value}
-
-
-def test_several_old_keywords_are_still_one_error():
-    with pytest.raises(UsageError) as e:
-        make_config({"global_batch": 8, "checkpoint_dir": "ck", "checkpoint_every": 5, "micro_batch": 4},
-                    where="HetrainStrategy")
-    assert e.value.what == ("HetrainStrategy: checkpoint_dir= is now checkpoints=Checkpoints(dir=...); checkpoint_every= "
-                            "is now checkpoints=Checkpoints(every=...); micro_batch= is now memory=Memory(max_micro_batch=...)")
-    assert e.value.fix == ("from hetrain import Checkpoints, Memory; then pass checkpoints=Checkpoints(dir='ck', every=5), "
-                           "memory=Memory(max_micro_batch=4)")
-
-
-def test_a_bare_compression_string_names_the_group_even_in_config():
-    with pytest.raises(UsageError) as e:
-        Config(global_batch=8, compression="fp16")         # type: ignore[arg-type]
-    assert "compression= is now compression=Compression(method=...)" in e.value.what
-    assert "compression=Compression(method='fp16')" in e.value.fix
-
-
-@pytest.mark.parametrize("keyword, words, fix", [
-    ({"sharding": "zero1"}, "sharding= is now part of the layout",
-     "parallel=hetrain.DataParallel(sharding='zero1')"),
-    ({"plan": "p.json"}, "plan= is not a setting", "hetrain.init(plan=path_or_Plan)"),
+@pytest.mark.parametrize("keywords, place, fix", [
+    ({"sharding": "fsdp"}, "it is DataParallel(sharding=...) in prepare(parallel=...)",
+     "remove sharding= and pass ht.prepare(..., parallel=hetrain.DataParallel(sharding='fsdp'))"),
+    ({"checkpoint_dir": "ck"}, "it is checkpoints=Checkpoints(dir=...) (or `hetrain run --checkpoint-dir`)",
+     "remove checkpoint_dir= and pass checkpoints=hetrain.Checkpoints(dir='ck')"),
+    ({"zero_stage": 3}, "ZeRO-3 'fsdp'", "parallel=hetrain.DataParallel(sharding="),
+    ({"gradient_accumulation_steps": 4}, "global_batch=N", "remove gradient_accumulation_steps="),
+    ({"bf16": True}, "precision=", "pass precision='bf16'"),
+    ({"plan": "p.json"}, "init(plan=) for the job", "hetrain.init(plan=path_or_Plan)"),
 ])
-def test_sharding_and_plan_left_config_for_one_home_each(keyword, words, fix):
-    """DataParallel(sharding=) is the one place a sharding is set; a plan enters through init(plan=)
-    or prepare(parallel=plan): Config(...) and make_config name them in one line."""
-    for make in (lambda: Config(global_batch=8, **keyword), lambda: make_config({"global_batch": 8, **keyword})):
+def test_a_word_from_another_tool_names_where_the_setting_lives(keywords, place, fix):
+    """Config(...) and make_config (init, the integrations) alike: one line, the setting's place."""
+    for where, make in (("hetrain.Config", lambda: Config(global_batch=8, **keywords)),
+                        ("HetrainStrategy", lambda: make_config({"global_batch": 8, **keywords}, where="HetrainStrategy"))):
         with pytest.raises(UsageError) as e:
             make()
-        assert words in e.value.what and fix in e.value.fix
+        name = next(iter(keywords))
+        assert e.value.what.startswith(f"{where}: {name}= is not a keyword of hetrain.Config; ") and \
+            place in e.value.what and fix in e.value.fix, (e.value.what, e.value.fix)
+        assert "\n" not in str(e.value)
+
+
+def test_every_place_in_the_hint_table_is_a_real_setting():
+    """Each fix passes a keyword Config takes (a group's field, where it names one), or a layout
+    object prepare() takes, or init's plan: the table cannot point at a setting that is not there."""
+    known = {f.name for f in fields(Config)}
+    for name, (place, fix) in WHERE.items():
+        assert name not in known, name                     # a hint never shadows a real keyword
+        fix = fix.format(value="v")
+        if fix.startswith(("ht.prepare(", "hetrain.init(plan=")):
+            continue
+        keyword = fix.split("=", 1)[0]
+        assert keyword in known, (name, fix)
+        if group := re.match(r"(\w+)=hetrain\.(\w+)\((\w+)=", fix):
+            assert GROUPS[group[1]].__name__ == group[2] and group[3] in {f.name for f in fields(GROUPS[group[1]])}, fix
+
+
+def test_an_unknown_keyword_gets_the_close_names_in_config_too():
+    with pytest.raises(UsageError) as e:
+        Config(global_batch=8, presicion="fp16")            # type: ignore[call-arg]
+    assert e.value.what.startswith("hetrain.Config: unknown keyword 'presicion' (did you mean: precision")
+    with pytest.raises(UsageError) as e:
+        Config(global_batch=8, compression="fp16")          # type: ignore[arg-type]
+    assert "compression='fp16' is not a Compression" in e.value.what and "Compression(...)" in e.value.fix
     assert "sharding" not in Config(global_batch=8).to_dict() and "plan" not in Config(global_batch=8).to_dict()
 
 
@@ -186,15 +172,14 @@ def hook(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, words, fix", [
     ({"global_batch": 8, "bogus_keyword": 1}, "unknown keyword 'bogus_keyword'", "remove bogus_keyword="),
-    ({"global_batch": 8, "checkpoint_evry": 5}, "did you mean: checkpoints=Checkpoints(every=...)",
-     "remove checkpoint_evry="),
+    ({"global_batch": 8, "checkpoint_evry": 5}, "did you mean: checkpoints", "remove checkpoint_evry="),
     ({"global_batch": 8, "presicion": "fp16"}, "did you mean: precision", "remove presicion="),
-    ({"global_batch": 8, "checkpoint_dir": "x"}, "checkpoint_dir= is now checkpoints=Checkpoints(dir=...)",
-     "from hetrain import Checkpoints; then pass checkpoints=Checkpoints(dir='x')"),
-    ({"checkpoint_dir": "x"}, "checkpoint_dir= is now", "from hetrain import Checkpoints"),   # before global_batch
+    ({"global_batch": 8, "checkpoint_dir": "x"}, "hetrain.init: checkpoint_dir= is not a keyword of hetrain.Config; "
+     "it is checkpoints=Checkpoints(dir=...)", "pass checkpoints=hetrain.Checkpoints(dir='x')"),
+    ({"checkpoint_dir": "x"}, "checkpoint_dir= is not a keyword", "Checkpoints(dir='x')"),   # before global_batch
     ({}, "no global_batch given", "global_batch=N"),
     ({"global_batch": 8, "plan": 3}, "plan=3 is neither a Plan nor a path", "hetrain plan --out"),
-    ({"global_batch": 8, "sharding": "fsdp"}, "sharding= is now part of the layout: DataParallel(sharding=...)",
+    ({"global_batch": 8, "sharding": "fsdp"}, "it is DataParallel(sharding=...) in prepare(parallel=...)",
      "parallel=hetrain.DataParallel(sharding='fsdp')"),
 ])
 def test_init_refuses_what_config_does_not_know(hook, kwargs, words, fix):

@@ -38,7 +38,7 @@ from dataclasses import fields
 from typing import Any
 
 from ...errors import UsageError
-from ...runtime.config import INTEGRATION_KEYWORDS, RENAMED, check_keywords
+from ...runtime.config import INTEGRATION_KEYWORDS, check_keywords
 from ...runtime.config_groups import GROUPS, as_group
 
 HETRAIN_STATE = "hetrain"     # the subdirectory of output_dir that holds hetrain's checkpoints
@@ -121,15 +121,12 @@ def job_config(args, *, world_size: int, dataset_len: int | None, hetrain: dict)
                          "use save_strategy='steps' with save_steps=N")
     given = {name: _set_fields(name, value) for name, value in hetrain.items()}
     for name, value in given.items():
-        # an old keyword is named by where it went (checkpoint_dir: 'checkpoints.dir'), so one that
-        # TrainingArguments decides says so rather than only that it moved
-        dotted = [f"{name}.{k}" for k in value] if name in GROUPS and isinstance(value, dict) else \
-            ([".".join(RENAMED[name])] if name in RENAMED and name not in GROUPS else [name])
+        dotted = [f"{name}.{k}" for k in value] if name in GROUPS and isinstance(value, dict) else [name]
         for key in dotted:
             if key in FROM_ARGS:
                 raise UsageError(f"hetrain's Trainer: hetrain={{'{name}': ...}} sets {key}; TrainingArguments "
                                  f"decides it ({FROM_ARGS[key]})", f"remove it from hetrain= and set {FROM_ARGS[key]}")
-    # an old or unknown key: one error (plan and sharding are init's and the layout's: trainer.py)
+    # an unknown key: one error (plan and sharding are init's and the layout's: trainer.py)
     check_keywords({k: v for k, v in given.items() if k not in INTEGRATION_KEYWORDS},
                    where="hetrain's Trainer (hetrain={...})")
     batch = global_batch(args, world_size, hetrain)

@@ -111,18 +111,3 @@ def auto_layout(measurements, config, *, facts: dict, blocks: int | None, has_lo
 
     ranking = rank_job_measurements(measurements, config, facts=facts, blocks=blocks, has_loss_fn=has_loss_fn)[0]
     return (layout_for(ranking.best) if ranking.best is not None else DataParallel()), ranking
-
-
-def refuse_removed_keywords(removed: dict) -> None:
-    """prepare(schedule=, stages=, micro_batches=): one UsageError naming parallel=Pipeline(...);
-    any other unknown keyword: Python's own TypeError."""
-    if not removed:
-        return
-    moved = [n for n in removed if n in ("schedule", "stages", "micro_batches")]
-    if len(moved) < len(removed):
-        raise TypeError(f"prepare() got an unexpected keyword argument "
-                        f"{next(n for n in removed if n not in moved)!r}")
-    given = ", ".join(f"{n}={removed[n]!r}" for n in moved)
-    raise UsageError(f"prepare({given}): a pipeline's stages, micro-batches and schedule are no longer keywords "
-                     "of prepare(), they are the layout's",
-                     "pass parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)")

@@ -34,7 +34,7 @@ from ..ranks.islands import for_job as island_layout
 from ..sharding import comm_hooks, island_hooks
 from .checks import check_request
 from .data import DataLayout
-from .tensor import TensorLayout
+from .tensor.loop import TensorLayout
 
 
 class DataSetup:
@@ -136,7 +136,7 @@ class TensorSetup:
         return None                   # MFU's FLOPs are counted on the whole model: plain DP only
 
     def build(self, job, model, optimizer, forward) -> None:
-        from .tensor import wrap
+        from .tensor.loop import wrap
 
         job.plan = checkpoint_per_plan(job, model)
         wrapped = wrap(job, model, optimizer, split=self.spec.split)                                # (collective)
@@ -154,7 +154,7 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
     Each device's speed becomes its rate a sample relative to the fastest (1 / per_sample_s), the
     weights a split by speed cuts the layers by, as the ranking and `hetrain plan`'s probe cut them:
     the data-parallel plan's speeds are its shares' rates, fixed costs a micro-batch included."""
-    from ...planning.tensor_split import speed_fractions, tp_micro_batch
+    from .tensor.split import speed_fractions, tp_micro_batch
 
     w = plan.world_size
     speeds = [d.speed for d in plan.devices]
@@ -184,7 +184,7 @@ def tensor_plan(plan: Plan, profiles, *, split: str, margin: float, limit: int |
 
 def measure_setup(job, model, optimizer) -> None:
     """The whole model on this rank's device, counted, checkpointed as configured: what the
-    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline_setup.py)."""
+    data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline/setup.py)."""
     model.to(job.device)
     if job.emulated is not None:                      # the emulated meter holds the model from here
         job.emulated.meter.set_fixed(model, optimizer)

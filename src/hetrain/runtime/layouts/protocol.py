@@ -4,11 +4,11 @@ layout it is), and the protocol of the loop object a layout builds (the step loo
     Layout                 data_setup.DataSetup        DataParallel (DDP or a sharding)
                            data_setup.TensorSetup      TensorParallel (composes a DataSetup: it
                                                        shares the measuring, the split, checkpoints)
-                           pipeline_layouts.PipelineSetup   Pipeline(): one pipeline over every device
-                           pipeline_layouts.HybridSetup     Pipeline(stages=k): DP×PP replicas of k stages
+                           pipeline.layout.PipelineSetup   Pipeline(): one pipeline over every device
+                           pipeline.layout.HybridSetup     Pipeline(stages=k): DP×PP replicas of k stages
 
 A layout owns what it needs of the job (check), its plan, its build, and through its loop class
-(`loop_class`: data.DataLayout, tensor.TensorLayout, pipelined.PipelineLayout) how ht.loss is
+(`loop_class`: data.DataLayout, tensor.loop.TensorLayout, pipeline.loop.PipelineLayout) how ht.loss is
 computed and whose loss counts, the rank's pass over its micro-batches and its checkpoint state;
 `describe` is its one line for the log and for errors. A leaf: it imports no other layout module.
 """

@@ -7,7 +7,7 @@ measure_for_ranking (collective, every rank) takes, in order: the data-parallel 
 is sized from them (pipeline_setup.measure_blocks, when the model's blocks can be cut and there
 are 2+ devices), FSDP2's excess over a DDP step (measure/fsdp_probe.py, when there are blocks
 to shard), and, with time_tp (`hetrain plan`; auto when it may run TP), a step of the model split by speed
-(measure/tp_probe.py, when it has layers to split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
+(layouts/tensor/probe.py, when it has layers to split and the ranks one precision). The model must be set up for measuring first (data_setup.measure_setup).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def measure_for_ranking(job, model, optimizer, forward, *, say=None, time_tp: bo
     """What the ranking needs, measured in this job (collective: every rank calls it). `time_tp`:
     also time the TP split by speed (`hetrain plan`, whose table shows its row, and parallel='auto'
     wherever it may run TP: choose.decide), so both cost that row alike."""
-    from ..parallel.blocks import find_parts, repeated_blocks
-    from . import pipeline_setup
+    from .pipeline.blocks import find_parts, repeated_blocks
+    from .pipeline import setup as pipeline_setup
 
     say = say or job.log.detail          # what was measured: a reason, under --verbose
     measured = measure_job(job, model, optimizer, forward)                                          # (collective)
@@ -100,7 +100,7 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
     that train, their element sizes, the optimizer, and the parameters outside the blocks.
     `stack`: blocks.repeated_blocks(model) when the caller has it (False: found here)."""
     from ..memory.device_memory import optimizer_kind
-    from ..parallel.blocks import repeated_blocks
+    from .pipeline.blocks import repeated_blocks
 
     params = list(model.parameters())
     train = [p for p in params if p.requires_grad]
@@ -116,13 +116,13 @@ def model_facts(model, optimizer, blocks, *, stack=False) -> dict:
 
 def tp_facts(model) -> dict:
     """What the TP rows cost by (planning/ranking.ModelState): why TP cannot split this model, or
-    its all-reduced bytes per byte of activations from the pairs it splits (tensor_split.tp_comm_ratio),
-    found by the rule the runtime splits by (parallel/tensor_styles.find_splits)."""
-    from ..parallel.tensor_hf import is_hf
-    from ..parallel.tensor_styles import find_splits
-    from ...planning.tensor_split import tp_comm_ratio
+    its all-reduced bytes per byte of activations from the pairs it splits (tensor/split.tp_comm_ratio),
+    found by the rule the runtime splits by (layouts/tensor/styles.find_splits)."""
+    from .tensor.hf import is_hf
+    from .tensor.styles import find_splits
+    from .tensor.split import tp_comm_ratio
 
-    if is_hf(model):              # split by the plan the model declares (parallel/tensor_hf.py): a transformer
+    if is_hf(model):              # split by the plan the model declares (layouts/tensor/hf.py): a transformer
         return {}
     try:
         splits = find_splits(model)
@@ -135,13 +135,13 @@ def tp_facts(model) -> dict:
 
 
 def _with_tp(job, model, optimizer, measured, forward, say):
-    """The measurements plus a step of the model split by speed (measure/tp_probe.py: collective,
+    """The measurements plus a step of the model split by speed (layouts/tensor/probe.py: collective,
     every rank), when there are devices to split it over and one precision for all of them (TP
     runs its shards in lockstep, in one dtype: layouts/tensor.wrap). A model without layers to
     split is left out on every rank alike (shard decides from the model, the same everywhere)."""
     from ..measure.measurements import planning_profiles
-    from ..measure.tp_probe import time_tp_step
-    from ...planning.tensor_split import speed_fractions, tp_micro_batch
+    from .tensor.probe import time_tp_step
+    from .tensor.split import speed_fractions, tp_micro_batch
 
     computes = {e["compute"] for e in job.precision.all_choices}
     if job.world_size < 2 or not measured.probe_size or len(computes) > 1:

@@ -145,7 +145,7 @@ class Checkpointer:
              midway=None, states=None) -> Path:
         """Collective: every rank calls it with the same step. `midway()` runs between the data
         and the manifest (fault injection: a crash there must leave the old checkpoints intact).
-        `states`: the layout's state dicts (runtime/layouts/stage_state.py; default: the model and
+        `states`: the layout's state dicts (runtime/layouts/pipeline/stage_state.py; default: the model and
         optimizer under data parallelism, runtime/sharding/state.py)."""
         final, tmp = self.path(step), self.dir / f"step-{step:08d}.tmp"
         if self.rank == 0:

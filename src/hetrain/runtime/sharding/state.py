@@ -102,7 +102,7 @@ def set_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode
 
 # -- who owns what ----------------------------------------------------------------------------------
 def _full(optimizer) -> bool:
-    from .capacity_full_wrap import FullShardedOptimizer
+    from .capacity_full import FullShardedOptimizer
 
     return isinstance(optimizer, FullShardedOptimizer)
 

@@ -184,7 +184,7 @@ def _capacity(model, optimizer, device, rank, world_size, free_bytes) -> Wrapped
 
 def _capacity_full(model, optimizer, rank, world_size, free_bytes, block_type, accumulates, meter) -> Wrapped:
     from ..user_objects import optimizer_kind
-    from .capacity_full_wrap import FullSync, shard_fully
+    from .capacity_full import FullSync, shard_fully
 
     blocks = [m for _, m in find_blocks(model, block_type)]
     sharding, opt, lines = shard_fully(model, optimizer, rank=rank, world_size=world_size, blocks=blocks,

@@ -156,16 +156,6 @@ def test_a_pipeline_over_every_device_or_replicas_of_fewer_stages():
     assert Pipeline(stages=2).kind_for(4) == "dp-pp" and Pipeline(stages="auto").kind_for(4) == "dp-pp"
 
 
-def test_the_removed_prepare_keywords_name_the_pipeline_object():
-    choose.refuse_removed_keywords({})
-    with pytest.raises(UsageError) as e:
-        choose.refuse_removed_keywords({"stages": 2, "micro_batches": 4})
-    assert "stages=2" in e.value.what and "parallel=hetrain.Pipeline(stages=..., micro_batches=..., schedule=...)" \
-        in e.value.fix
-    with pytest.raises(TypeError):
-        choose.refuse_removed_keywords({"stage": 2})
-
-
 def test_every_ranking_row_family_maps_to_a_layout_object():
     from hetrain import DataParallel, Pipeline, TensorParallel
     from dataclasses import replace

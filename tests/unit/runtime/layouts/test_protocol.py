@@ -8,10 +8,10 @@ import pytest
 from hetrain import DataParallel, Pipeline, TensorParallel
 from hetrain.runtime.layouts.data import DataLayout
 from hetrain.runtime.layouts.data_setup import DataSetup, TensorSetup
-from hetrain.runtime.layouts.pipeline_layouts import HybridSetup, PipelineSetup
-from hetrain.runtime.layouts.pipelined import PipelineLayout
+from hetrain.runtime.layouts.pipeline.layout import HybridSetup, PipelineSetup
+from hetrain.runtime.layouts.pipeline.loop import PipelineLayout
 from hetrain.runtime.layouts.protocol import Layout, RankLoop
-from hetrain.runtime.layouts.tensor import TensorLayout
+from hetrain.runtime.layouts.tensor.loop import TensorLayout
 from hetrain.runtime.setup import setup_for
 
 
