@@ -141,7 +141,16 @@ def test_a_job_of_one_island_makes_no_groups_and_asks_no_rank(monkeypatch):
     job = SimpleNamespace(world_size=3, emulated=SimpleNamespace(spec=device), config=SimpleNamespace(
         emulation=SimpleNamespace(cluster="3xa100-80g")))
     assert isl.for_job(job) is None and asked == []
-    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None)) is None and asked == []
+    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=None)) is None and asked == []
+    # Real devices: the islands found at start (nodes.join_nodes), read without a second gather.
+    from hetrain.runtime.ranks.island_facts import job_islands
+
+    one = job_islands([{"vendor": "nvidia", "device_type": "cuda", "backend": "nccl"}] * 3)
+    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=SimpleNamespace(islands=one))) is None
+    two = job_islands([{"vendor": v, "device_type": "cuda", "backend": "nccl"} for v in ("nvidia", "amd", "amd")],
+                      bridge="host 25GbE", bridge_gbs=2.8)
+    real = isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=SimpleNamespace(islands=two)))
+    assert real.island_of == ("nvidia", "amd", "amd") and real.leaders == (0, 1) and asked == []
     from dataclasses import replace
     job.emulated.spec = replace(device, island="nv")
     layout = isl.for_job(job)
