@@ -168,7 +168,7 @@ def card_policy(precision: str, spec: str, rank: int = 0):
 
     from hetrain.hardware.cluster import parse_cluster
     from hetrain.hardware.host import host_facts
-    from hetrain.runtime.devices.emulation import EmulatedDevice
+    from hetrain.emulation.device import EmulatedDevice
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
     return PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),

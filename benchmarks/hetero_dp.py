@@ -52,7 +52,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hetrain.hardware.cluster import parse_cluster
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -43,7 +43,7 @@ CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
 def worker_plain(args) -> tuple[float, str]:
     """hetero_dp.worker_plain, its all-reduce through the same emulated link (and torch's fp16 hook
     when asked): (samples/s, the compression it ran)."""
-    from hetrain.runtime.devices.link import LinkThrottle
+    from hetrain.emulation.link import LinkThrottle
     from hetrain.runtime.resilience.oom import install
     from hetrain.runtime.sharding.comm_hooks import GradientHook
 

@@ -53,7 +53,7 @@ def full(t):
 
 def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=None):
     import hetrain
-    from hetrain.runtime.devices.emulation import optimizer_state_tensors
+    from hetrain.emulation.device import optimizer_state_tensors
 
     x, y = data(dtype)
     model = model_for(dtype)

@@ -40,7 +40,7 @@ def worker(rank, world):
         refused = None
     except UsageError as e:
         refused = e.what
-    from hetrain.runtime.devices.emulation import MemoryMeter, model_state_bytes
+    from hetrain.emulation.device import MemoryMeter, model_state_bytes
 
     meter = MemoryMeter(label="whole", cap=None)
     meter.set_fixed(model, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..errors import UsageError
 from ..vocabulary import PRECISIONS
@@ -96,6 +96,11 @@ class DeviceProfile:
     link_gbs: float | None = None            # this device's link to its peers (GB/s), when known
     sizes: tuple[int, ...] = ()              # the micro-batch sizes measured…
     seconds: tuple[float, ...] = ()          # …and their seconds (what the fit came from)
+    # What this device shares with the others that the cost model must play out (cost.py): an
+    # object with the methods cost.step_cost and the ranking call (hetrain/emulation/sharing.py's
+    # SharedHost, for the processes of one host). None: devices that compute independently. Set
+    # where the profiles are planned from, never saved with them.
+    host: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         fix = "re-measure (delete the profile cache) or check the numbers given"
@@ -206,7 +211,9 @@ class DeviceProfile:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"schema": PROFILE_SCHEMA, **asdict(self)}
+        out = asdict(replace(self, host=None))
+        del out["host"]
+        return {"schema": PROFILE_SCHEMA, **out}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

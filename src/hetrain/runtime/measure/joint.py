@@ -33,7 +33,7 @@ from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
 from ..devices.cuda_memory import usable_bytes
-from ..devices.link import throttle_for
+from ...emulation.link import throttle_for
 from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync, time_inter_node_allreduce
 
 if TYPE_CHECKING:

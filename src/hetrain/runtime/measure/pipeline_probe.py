@@ -253,7 +253,7 @@ def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, pre
     throttle stretches)."""
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from ..devices.emulation import Throttle
+    from ...emulation.device import Throttle
     from ..parallel.blocks import PipelineParts, StageModule, param_storage_ptrs
     from ..parallel.pipeline_stage import Flight, MeteredStage
 

@@ -55,10 +55,10 @@ from ...files import cache_dir as _files_cache_dir, write_text_atomic
 from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
-from ..devices.emulation import MemoryMeter, model_state_bytes
+from ...emulation.device import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
-from .pacing import PACED_PASS_S, paced_cost
+from ...emulation.pacing import PACED_PASS_S, paced_cost
 
 PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices on the

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import clock as clocks
-from ..devices.emulation import MemoryMeter, model_state_bytes
+from ...emulation.device import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import rows as batch_rows
 from .fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward

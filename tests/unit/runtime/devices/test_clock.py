@@ -17,7 +17,7 @@ import torch
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.runtime.devices import clock as clocks
-from hetrain.runtime.devices.emulation import EmulatedDevice, Throttle
+from hetrain.emulation.device import EmulatedDevice, Throttle
 from hetrain.runtime.devices.faults import FaultInjector
 from hetrain.runtime.devices.hooks import CudaHooks, EmulatedHooks
 from hetrain.runtime.loop.steps import MicroBatch

@@ -12,7 +12,7 @@ import torch
 
 from hetrain.planning.collectives import Link, allreduce_seconds
 from hetrain.planning.compression import POWERSGD_START_ITER
-from hetrain.runtime.devices.link import LinkThrottle, throttle_for
+from hetrain.emulation.link import LinkThrottle, throttle_for
 from hetrain.runtime.ranks.nodes import JobNodes
 from hetrain.runtime.sharding.comm_hooks import GradientHook
 from hetrain.runtime.config import Config, Emulation

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices import clock as clocks
-from ..user_objects import as_scalar
+from ..runtime.devices import clock as clocks
+from ..runtime.user_objects import as_scalar
 
 PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
 PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
