@@ -422,7 +422,8 @@ import os, sys
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from hetrain import Emulation, Plan, Reporting
+from hetrain import Plan, Reporting
+from hetrain.emulation import Emulation
 from hetrain.integrations.lightning import HetrainStrategy
 
 rank = int(os.environ["RANK"])

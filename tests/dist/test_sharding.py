@@ -16,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from harness import run_ranks
 from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

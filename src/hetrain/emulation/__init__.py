@@ -14,6 +14,11 @@ rest of hetrain reaches it at two points:
   pacing.py       what pacing costs a device's CPU (the profile's paced_cost)
   sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
 
-The launcher and the tests turn it on with the `Emulation` config group (runtime/config.py; not
-part of hetrain's public API) or `hetrain run --emulate`. Importing this package loads no torch.
+The launcher and the tests turn it on with the `Emulation` config group (`hetrain run --emulate`
+writes it into the launch file; a test imports it from here): it is not part of hetrain's public
+API, since a training script never sets it. Importing this package loads no torch.
 """
+
+from ..runtime.config_groups import Emulation
+
+__all__ = ["Emulation"]

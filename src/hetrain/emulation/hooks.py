@@ -55,7 +55,7 @@ class EmulatedHooks(DeviceHooks):
         fault strikes from the gradient of that block's output, half-way through the backward: the
         sharded parameters get their gradients from FSDP2's reduce-scatter, not from autograd, so a
         hook on one of them would never fire."""
-        from ..user_objects import find_blocks
+        from ..runtime.user_objects import find_blocks
 
         blocks = [m for _, m in find_blocks(model, block_type)]
         site = blocks[len(blocks) // 2] if blocks else model
