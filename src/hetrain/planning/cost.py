@@ -12,8 +12,8 @@ hidden (overlapped); what is left after the backward ends — at least the last 
 The agreement is hetrain's one small all-reduce per step (runtime/ranks/agree.py), measured at the
 start of a job (0 when not measured, and for plain DDP, which has none).
 
-Devices that share something the cost model cannot see apart (the processes of one host: the
-emulator's devices) carry it in their profiles (DeviceProfile.host): the step is then played out
+Devices that share something the cost model cannot see apart (the processes of one host, CPU
+threads playing GPUs) carry it in their profiles (DeviceProfile.host): the step is then played out
 on it, it adds its stragglers (every step waits for its last device, and which one is last
 changes from step to step) and the CPU a synced micro-batch costs there. Devices with no host
 compute independently, as GPUs do, and only the last micro-batch's measured `paced_cost` is added.
@@ -194,10 +194,10 @@ class Assignment:
 class StepCost:
     step_s: float
     samples_per_s: float
-    compute_s: tuple[float, ...]     # per device, contention included
+    compute_s: tuple[float, ...]     # per device, what they share included
     optimizer_s: float               # the optimizer phase (the slowest device's)
     comm: CommCost
-    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: no contention)
+    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: nothing shared)
     bottleneck: int                  # index of the device whose compute sets the step
     agree_s: float = 0.0             # hetrain's per-step agreement all-reduce
     straggle_s: float = 0.0          # the step's wait for whichever device is last this time

@@ -374,9 +374,8 @@ def stage_rows(profile: PipelineProfile, devices: Sequence[StageDevice], o, *, m
     """Every DP×PP shape of these devices as ranking rows (planning/ranking.LayoutRow), for
     Pipeline(stages='auto') to choose from with the chooser: replicas of p stages (p divides the
     devices, at most half of them and at most the blocks), split as the runtime splits them
-    (split_hybrid at `micro_batches(p)` micro-batches), emulated devices' shared cores counted as
-    what the devices share (`host`: DeviceProfile.host's kind) counted as the ranking counts it
-    (`on_host`)."""
+    (split_hybrid at `micro_batches(p)` micro-batches), what the devices share (`host`: as
+    DeviceProfile.host) counted as the ranking counts it (`on_host`)."""
     from ..layout_spec import Pipeline, to_spec
     from .rows import LayoutRow
 

@@ -337,7 +337,7 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
     paced, ddp_cost = max((profiles[i].paced_cost for i in members), default=1.0), _ddp_cost(profiles)
     if ddp_cost >= 1.005 or paced >= 1.005:
         notes.append("a step's last micro-batch costs more CPU than its profile's flat-out passes: "
-                     + ", ".join(filter(None, (f"×{paced:.3f} paced (a backward after the emulator's sleep, measured)"
+                     + ", ".join(filter(None, (f"×{paced:.3f} paced (a backward after a paced sleep, measured)"
                                                if paced >= 1.005 else "",
                                                f"×{ddp_cost:.3f} through DDP (its hooks and bucket copies, "
                                                "measured beside the bare module)" if ddp_cost >= 1.005 else ""))))
