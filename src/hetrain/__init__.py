@@ -24,7 +24,7 @@ from .version import __version__
 
 install_import_hook()    # a bad value in a group made before init() is one line, as init()'s own are
 
-# Not Emulation: the launcher and the tests set it (hetrain.emulation.Emulation), a script never does.
+# The launcher's and the tests' settings group is not exported here: a script never sets it.
 __all__ = ["init", "Engine", "Config", "Checkpoints", "Rebalancing", "Compression", "Memory", "Reporting",
            "Plan", "DevicePlan", "DataParallel", "TensorParallel", "Pipeline",
            "HetrainError", "UsageError", "__version__"]

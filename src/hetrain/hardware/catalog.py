@@ -42,7 +42,7 @@ class GpuSpec:
 
     @property
     def real_bf16(self) -> bool:
-        """bf16 in hardware (compute capability >= 8.0); below that torch emulates it slowly."""
+        """bf16 in hardware (compute capability >= 8.0); below that torch runs it in software, slowly."""
         return self.compute_capability >= (8, 0)
 
 

@@ -1,5 +1,5 @@
 """sharding='capacity-full' set up: units, fractions agreed by every rank, the fit check, the
-optimizer over the owned slices and the emulated meter (the mechanics: capacity_full.py).
+optimizer over the owned slices and the device hooks' meter (the mechanics: capacity_full.py).
 
 Fractions. A rank's usable memory less what it holds beyond its shards (its activations, buffers,
 frozen weights and the gathered units: planning/memory.full_shard_transient) is its *free*
