@@ -79,6 +79,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..planning.cost import Assignment
+    from ..planning.profile import DeviceProfile
 
 
 def cpu_rate(running: int, *, cores: float, load: float = 0.0, contention: float = 1.0,
@@ -233,7 +238,7 @@ def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float
 
 
 def _compute_segments(a: Assignment, ddp_cost: float = 1.0) -> list[tuple[bool, float]]:
-    """This device's step as the emulator runs it (runtime/devices/emulation.py: one sleep, for the whole
+    """This device's step as the emulator runs it (device.py's Throttle: one sleep, for the whole
     step's compute, before the last micro-batch's backward): the earlier micro-batches and the last
     forward on the CPU, the sleep, the last backward on the CPU (with the last micro-batch's extra,
     `last_micro_extra`: the throttle books it after that backward, and its sleep is paid in the
@@ -255,7 +260,7 @@ def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float
 
     `contention`: how much slower a job computes while `contention_at` jobs compute on separate
     cores (measured); k jobs at once slow each other by 1 + (contention − 1)·(k − 1)/(contention_at − 1),
-    nothing when one computes alone (core_sharing.cpu_rate, which pipelines use too)."""
+    nothing when one computes alone (cpu_rate, which pipelines use too)."""
     queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
     pos = [0] * len(queue)
     left = [q[0][1] if q else 0.0 for q in queue]

@@ -1,4 +1,4 @@
-"""runtime/measure/pacing.py: paced_cost reads what a backward after the throttle's sleep costs
+"""emulation/pacing.py: paced_cost reads what a backward after the throttle's sleep costs
 beyond a flat-out one, and nothing where the sleep costs nothing."""
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ import contextlib
 import torch
 
 from . import clock as clocks
-from .faults import FaultInjector
 
 
 class DeviceHooks:

@@ -21,7 +21,7 @@ for devices contending for the host's cores).
 
 On the controlled clock (Emulation.sample_s) a device's compute lasts what its clock says,
 not c/s, and the profiler is not told the clock: it times the device as training runs it, each
-forward and backward through a fresh throttle of the device's own (devices/emulation.Throttle:
+forward and backward through a fresh throttle of the device's own (emulation/device.Throttle:
 the sleep before the backward, the guess of the backward settled after it), the time being the
 thread's CPU time plus the sleeps (the device's busy time, as its hooks count it), and fits
 a + b·m to that as to any device's times. `cpu_share` is then measured too: the CPU seconds over
@@ -33,7 +33,7 @@ sleep costs more CPU than a hot one (caches and the core went to other work: 1.4
 2-core EPYC, measured inside training runs), and the throttle charges that CPU as the device's
 compute. So the profiler also times a few passes paced as training paces them (through a
 fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
-and keeps the median ratio as `paced_cost` (pacing.py; cost.py charges it on a step's last
+and keeps the median ratio as `paced_cost` (emulation/pacing.py; cost.py charges it on a step's last
 micro-batch). Such a profile is cached per speed; a device at speed 1, which never sleeps, is
 not paced.
 """

@@ -301,7 +301,7 @@ def test_on_the_clock_the_planner_gives_a_capped_device_less_when_each_micro_bat
     assert best_share(CLOCK_A) == 4 and best_share(0.0) == 8
 
 
-# -- the CPU's own clock: an emulated device is paced (runtime/measure/pacing.py) -----------
+# -- the CPU's own clock: an emulated device is paced (emulation/pacing.py) -----------
 def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cache, monkeypatch):
     from hetrain.emulation.device import Throttle
 

@@ -1,6 +1,6 @@
 """The gradient hook's pieces that need no process group: PowerSGD's state kept and put back
 around an agreed redo, and the emulated link's arithmetic (runtime/sharding/comm_hooks.py,
-runtime/devices/link.py). The hooks themselves run in tests/dist/test_compression.py."""
+emulation/link.py). The hooks themselves run in tests/dist/test_compression.py."""
 
 from __future__ import annotations
 
