@@ -1,7 +1,8 @@
 """A CPU thread playing a GPU: the device hooks of an emulated device (its throttle and memory
 meter, emulation/device.py, and injected faults, runtime/devices/faults.py), and `make_hooks`, the
-one place a job's device hooks are made: the runtime reaches the emulator through these hooks and
-the profiles it measures through them, nowhere else.
+one place a job's device hooks are made: the runtime reaches the emulator mainly through these
+hooks and the profiles measured through them (tests/unit/test_structure_emulation.py names the
+other modules that import it).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ gets, a data-parallel step and an emulated pipeline's step played out on the sha
 (DeviceProfile.host): the cost model (planning/cost.py) and the layout ranking call its methods
 and never learn what it models. Devices with no host compute independently, as GPUs do.
 
-Data parallelism (`SharedHost.play`, `shared_cpu_finish`; these figures were PlanOptions fields):
+Data parallelism (`SharedHost.play`, `shared_cpu_finish`):
 
 Stragglers: every step waits for its last device, and which device is last changes from step to
 step (on a shared host, whichever process the scheduler left behind), so the step is longer than
