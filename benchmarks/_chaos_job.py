@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import hetrain
-from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
+from hetrain import Checkpoints, Memory, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 from hetrain.parallel import PipelineParts
 from hetrain.runtime.layouts.tensor.state import ShardState
 from hetrain.runtime.layouts.tensor.uneven import sharded_parameters

@@ -3,7 +3,7 @@ cluster slowed D times. Not a benchmark (its name starts with _; tests/benchmark
 
 The controlled clock. An emulated device's compute lasts the CPU's time ÷ its speed (the wall
 clock), or on a controlled clock a micro-batch of m samples lasts (a + m·T)/speed
-(`hetrain.Emulation(sample_s=T, micro_s=a)`): the CPU still computes every sample and a sleep
+(`hetrain.emulation.Emulation(sample_s=T, micro_s=a)`): the CPU still computes every sample and a sleep
 makes up the rest. The planner is told nothing of it (docs/planning.md), so a benchmark comparing
 a plan with a run checks the fit, the split and the micro-batches against devices whose speed
 holds still, as a GPU's does and a shared virtual CPU's does not. a = 4·T (about what a small micro-batch costs a GPU in launches)
@@ -168,7 +168,7 @@ def card_policy(precision: str, spec: str, rank: int = 0):
 
     from hetrain.hardware.cluster import parse_cluster
     from hetrain.hardware.host import host_facts
-    from hetrain.runtime.devices.emulation import EmulatedDevice
+    from hetrain.emulation.device import EmulatedDevice
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
     return PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),
@@ -252,7 +252,7 @@ def clock_micro_s(args) -> float | None:
     return args.clock_micro_ms / 1000 if clock_s(args) and getattr(args, "clock_micro_ms", None) else None
 
 
-def clock_config(args) -> dict:        # as fields of hetrain.Emulation (empty: the wall clock)
+def clock_config(args) -> dict:        # as fields of hetrain.emulation.Emulation (empty: the wall clock)
     if not clock_s(args):
         return {}
     micro = clock_micro_s(args)

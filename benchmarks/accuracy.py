@@ -81,7 +81,8 @@ def worker(argv: list[str]) -> None:
     the clock's seconds a sample or 'wall', its seconds a micro-batch or 'none', out)."""
     parallel, sharding, batch, steps, precision, clock, micro, out = argv
     import hetrain
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.files import write_json_atomic
 
     ht = hetrain.init(global_batch=int(batch), max_steps=int(steps), seed=0, precision=precision,

@@ -32,7 +32,8 @@ def worker(args) -> dict:
     import torch.nn.functional as F
 
     import hetrain
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 

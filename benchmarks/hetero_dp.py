@@ -52,7 +52,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hetrain.hardware.cluster import parse_cluster
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -76,7 +76,7 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
         t = time.thread_time()                 # the same emulation as hetrain's engine:
         with autocast():
             loss = loss_of(ddp, x, y)
-        forward_cpu = time.thread_time() - t   # sleep before the backward (runtime/devices/emulation.py)
+        forward_cpu = time.thread_time() - t   # sleep before the backward (emulation/device.py)
         guess = throttle.before_backward(forward_cpu, samples=len(x))
         t = time.thread_time()
         loss.backward()
@@ -95,7 +95,8 @@ def worker_plain(args, hook=None) -> tuple[float, list[float]]:
 
 def worker_hetrain(args) -> tuple[float, list[float]]:
     ends: list[float] = []
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
 
     sps = timed_hetrain(args, emulation=Emulation(cluster=args.spec, sample_s=clock_s(args) or None),
                         reporting=Reporting(verbose=False), marks=ends)[0]

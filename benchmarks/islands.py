@@ -63,7 +63,7 @@ def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchica
     import torch
     import torch.distributed as dist
 
-    from hetrain.runtime.devices.link import LinkThrottle
+    from hetrain.emulation.link import LinkThrottle
 
     dist.init_process_group("gloo")
     try:
@@ -144,7 +144,8 @@ def pair_job(rank, world, spec, plan, steps, sample_s):
     import torch.nn.functional as F
 
     import hetrain
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
 

@@ -68,7 +68,8 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
     import torch.nn.functional as F
 
     import hetrain
-    from hetrain import Emulation, Memory, Rebalancing, Reporting
+    from hetrain import Memory, Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.planning.plan import DevicePlan, Plan
 
     s, rank = STUDIES[study], int(os.environ["RANK"])

@@ -4,7 +4,7 @@ with and without gradient compression, measured side by side in one run.
 Each config is one job of two "nodes", each a launcher on this host joined by torchrun's c10d
 rendezvous: node 0 holds an emulated A100-80G, node 1 an emulated RTX 3090 (speed 0.67). Every
 gradient all-reduce crosses the emulated inter-node link, throttled to --link-gbs GB/s for the
-bytes actually sent (runtime/devices/link.py), in both hetrain and the plain baseline:
+bytes actually sent (emulation/link.py), in both hetrain and the plain baseline:
   ddp-equal        plain torch DDP (torchrun c10d), DistributedSampler, equal split
   ddp-equal-fp16   the same with torch's fp16_compress_hook
   hetrain          `hetrain run --nnodes 2`, speed-proportional shares, compression='none'
@@ -43,7 +43,7 @@ CONFIGS = {"ddp-equal": ("plain", "none"), "ddp-equal-fp16": ("plain", "fp16"),
 def worker_plain(args) -> tuple[float, str]:
     """hetero_dp.worker_plain, its all-reduce through the same emulated link (and torch's fp16 hook
     when asked): (samples/s, the compression it ran)."""
-    from hetrain.runtime.devices.link import LinkThrottle
+    from hetrain.emulation.link import LinkThrottle
     from hetrain.runtime.resilience.oom import install
     from hetrain.runtime.sharding.comm_hooks import GradientHook
 
@@ -56,7 +56,8 @@ def worker_plain(args) -> tuple[float, str]:
 def worker_hetrain(args) -> tuple[float, str]:
     """hetrain's loop, timed (hetero_dp.timed_hetrain), on this node's devices (its launch file's
     --emulate), through the emulated link: (samples/s, the compression the plan ran)."""
-    from hetrain import Compression, DataParallel, Emulation, Reporting
+    from hetrain import Compression, DataParallel, Reporting
+    from hetrain.emulation import Emulation
 
     sps, plan = timed_hetrain(args, compression=Compression(method=args.compression),
                               emulation=Emulation(link_gbs=args.link_gbs),    # the devices: the launch file's

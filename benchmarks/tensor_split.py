@@ -68,7 +68,8 @@ def worker(args) -> dict:
     import torch
 
     import hetrain
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.benching.worker import timed_steps  # `hetrain bench`'s timed loop
 
     torch.set_num_threads(1)

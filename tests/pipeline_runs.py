@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from nets import Residual
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 LR, SEED = 0.1, 3
 

@@ -2,7 +2,7 @@
 
 On a terminal rich fits output to the window. Anywhere else (a log file, a pipe, CI, a test
 capturing output) rich has no window and falls back to 80 columns (or $COLUMNS), and a table of
-per-device figures then wraps each row over several lines, "a100-80g#0 (emulated)" split in
+per-device figures then wraps each row over several lines, "a100-80g#0 (rank 0)" split in
 three: unreadable and ungreppable. So off a terminal the width is at least PIPED_WIDTH, which
 holds most of hetrain's tables with one line per row, and a wider table (a long reason in a cell)
 is printed at its own width (LogConsole); text lines are never wrapped (soft_wrap).

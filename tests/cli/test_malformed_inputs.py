@@ -342,7 +342,8 @@ def test_a_profile_cache_from_another_host_is_measured_again():
 
 # -- inside the workers: hetrain.init() in a script ----------------------------------------------
 SCRIPT_CASES = {
-    "negative global batch": ("hetrain.init(global_batch=-1, emulation=hetrain.Emulation(cluster='a100-80g,rtx3090'))",
+    "negative global batch": ("import hetrain.emulation\n"
+                              "hetrain.init(global_batch=-1, emulation=hetrain.emulation.Emulation(cluster='a100-80g,rtx3090'))",
                               "global_batch=-1"),
     "unknown keyword": ("hetrain.init(global_batch=8, bogus_keyword=1)", "'bogus_keyword'"),
     "checkpoint_dir in init": ("hetrain.init(global_batch=8, checkpoint_dir='ck')",

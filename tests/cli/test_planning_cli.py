@@ -19,7 +19,7 @@ from hetrain.planning.plan import Plan
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.joint import SYNC_RUNS, sync_runs
 from hetrain.runtime.measure.measurements import Measurements, plan_from_measurements
-from hetrain import Emulation
+from hetrain.emulation import Emulation
 
 
 @pytest.fixture(autouse=True)

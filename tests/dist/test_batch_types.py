@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

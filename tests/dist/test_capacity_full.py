@@ -18,7 +18,8 @@ from torch import nn
 from harness import run_ranks
 from nets import BlockNet, Residual
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
+from hetrain import Checkpoints, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from harness import run_ranks
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

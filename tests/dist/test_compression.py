@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hetrain import Compression, Emulation, Memory, Rebalancing, Reporting
+from hetrain import Compression, Memory, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

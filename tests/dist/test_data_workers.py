@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist

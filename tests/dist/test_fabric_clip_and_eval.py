@@ -76,7 +76,8 @@ def train(fabric, model, optimizer, loader, test_loader, clips):
 
 
 def worker(rank, world, plan):
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.errors import UsageError
     from hetrain.integrations.lightning import Fabric, HetrainStrategy
 

@@ -35,7 +35,8 @@ class TwoArgs(torch.nn.Module):
 
 
 def worker(rank, world):
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import Fabric, HetrainStrategy
 
     fabric = Fabric(strategy=HetrainStrategy(

@@ -94,7 +94,8 @@ def train(fabric, model, optimizer, loader, epochs=EPOCHS, scheduler=None):
 def worker(rank, world, plan, order):
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import HetrainStrategy
 
     config = {"plan": plan, "emulation": Emulation(cluster="a100-80g,rtx3090"),
@@ -206,7 +207,8 @@ BACKWARD_OOMS = "oom:rank=1,step=1,micro=0,phase=backward; oom:rank=0,step=2,mic
 def oom_worker(rank, world, plan, faults):
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.errors import HetrainError
     from hetrain.integrations.lightning import HetrainStrategy
 
@@ -280,7 +282,8 @@ def test_unpacking_a_step_says_a_step_is_not_a_batch():
 def collective_worker(rank, world, plan):
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.errors import UsageError
     from hetrain.integrations.lightning import HetrainStrategy
 
@@ -340,7 +343,8 @@ def test_max_steps_caps_the_loops_passes():
 def leave_worker(rank, world, plan, how):
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.errors import HetrainError
     from hetrain.integrations.lightning import HetrainStrategy
 
@@ -383,7 +387,8 @@ def escape_worker(rank, world, plan, held):
     handler drops the traceback; a real script's exit is the torchrun test below)."""
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Reporting
+    from hetrain import Reporting
+    from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import HetrainStrategy
 
     strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
@@ -422,7 +427,8 @@ import os, sys
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from hetrain import Emulation, Plan, Reporting
+from hetrain import Plan, Reporting
+from hetrain.emulation import Emulation
 from hetrain.integrations.lightning import HetrainStrategy
 
 rank = int(os.environ["RANK"])

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

@@ -33,7 +33,7 @@ class Stack(torch.nn.Module):
 def worker(rank, world, clock=None):
     import torch.distributed as dist
 
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
     from hetrain.runtime.measure.fsdp_probe import time_fsdp_excess
 
     dist.init_process_group("gloo")

@@ -38,7 +38,7 @@ def test_dp_x_pp_matches_one_big_batch_with_uneven_replica_shares_and_clipping()
     results = run_ranks(worker, 4, timeout=240)
     planned, given = zip(*results)
     # The pipelines' own prediction: four emulated stages on this host's cores, each stretched by
-    # the others computing beside it (planning/core_sharing.py), the same on every rank.
+    # the others computing beside it (emulation/sharing.py), the same on every rank.
     got = planned[0]["predicted"]
     assert all(r["predicted"] == got for r in planned), [r["predicted"] for r in planned]
     cores = len(os.sched_getaffinity(0))

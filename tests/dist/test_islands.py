@@ -104,7 +104,8 @@ def train_worker(rank, world, island_of, plan, steps, faults):
     import torch.nn.functional as F
 
     import hetrain
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
 
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps, precision="fp32",
                       emulation=Emulation(cluster=f"{world}xa100-80g", faults=faults),

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from nets import Residual
 
 from harness import run_ranks
-from hetrain import Checkpoints, Emulation, Reporting
+from hetrain import Checkpoints, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

@@ -77,7 +77,8 @@ def worker(rank, world, plan, faults=FAULTS):
     from lightning.fabric import Fabric
     from torch.utils.data import DistributedSampler
 
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import HetrainStrategy
 
     config = {"global_batch": plan.global_batch, "plan": plan, "loss_weighting": "tokens", "max_steps": STEPS,

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(importlib.util.find_spec("peft") is None or

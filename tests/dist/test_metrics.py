@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
+from hetrain import Checkpoints, Memory, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

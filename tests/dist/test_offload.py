@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from nets import BlockNet
-from hetrain import Checkpoints, Emulation, Memory, Rebalancing, Reporting
+from hetrain import Checkpoints, Memory, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist

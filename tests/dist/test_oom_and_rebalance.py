@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from harness import run_ranks
 from hetrain.planning.shares import proportional_shares
 from hetrain.runtime.resilience.resume import read_sample_log
-from hetrain import Emulation, Memory, Rebalancing, Reporting
+from hetrain import Memory, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

@@ -19,7 +19,8 @@ from harness import run_ranks
 from nets import BlockNet
 from hetrain.planning.plan import DevicePlan, Plan
 from hetrain.runtime.resilience.resume import read_sample_log
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 # Redoing a step needs FSDP2's reset_iter_state (torch 2.13+); before it, an OOM ends the attempt
 # (runtime/memory/device_memory.py; tests/dist/test_torch_versions.py runs FSDP2 that way).

@@ -15,7 +15,7 @@ def complete_worker(rank, world):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hetrain.runtime.devices.emulation import MemoryMeter
+    from hetrain.emulation.device import MemoryMeter
     from hetrain.runtime.resilience.oom import SyncGuard
     from hetrain.runtime.sharding.comm_hooks import GradientHook
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from harness import run_ranks
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

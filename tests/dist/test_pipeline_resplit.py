@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from harness import run_ranks
-from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
+from hetrain import Checkpoints, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

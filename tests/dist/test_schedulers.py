@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from harness import run_ranks
 from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
+from hetrain import Checkpoints, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

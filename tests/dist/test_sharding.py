@@ -16,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from harness import run_ranks
 from nets import BlockNet as Net
 from hetrain.planning.plan import DevicePlan, Plan
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +54,7 @@ def full(t):
 
 def worker(rank, world, strategy, plan, steps, opt_name, dtype, emulate, extra=None):
     import hetrain
-    from hetrain.runtime.devices.emulation import optimizer_state_tensors
+    from hetrain.emulation.device import optimizer_state_tensors
 
     x, y = data(dtype)
     model = model_for(dtype)

@@ -88,7 +88,8 @@ def fabric_loop(fabric, model, optimizer, loader, passes, *, hetrain=True):
 def fabric_worker(rank, world, max_steps):
     from lightning.fabric import Fabric
 
-    from hetrain import Emulation, Rebalancing, Reporting
+    from hetrain import Rebalancing, Reporting
+    from hetrain.emulation import Emulation
     from hetrain.errors import UsageError
     from hetrain.integrations.lightning import HetrainStrategy
 

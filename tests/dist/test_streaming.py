@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
+from hetrain import Checkpoints, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 from hetrain.planning.plan import DevicePlan, Plan
 
 pytestmark = pytest.mark.dist

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_ranks
-from hetrain import Checkpoints, Emulation, Reporting
+from hetrain import Checkpoints, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

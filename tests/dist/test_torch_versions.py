@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from nets import BlockNet, Residual
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

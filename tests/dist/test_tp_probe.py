@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from harness import run_ranks
-from hetrain import Emulation, Reporting
+from hetrain import Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 
@@ -40,7 +41,7 @@ def worker(rank, world):
         refused = None
     except UsageError as e:
         refused = e.what
-    from hetrain.runtime.devices.emulation import MemoryMeter, model_state_bytes
+    from hetrain.emulation.device import MemoryMeter, model_state_bytes
 
     meter = MemoryMeter(label="whole", cap=None)
     meter.set_fixed(model, None)

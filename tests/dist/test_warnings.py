@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hetrain import Emulation, Rebalancing, Reporting
+from hetrain import Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 pytestmark = pytest.mark.dist
 

@@ -56,8 +56,9 @@ _JOB = """
 import sys
 import torch
 import hetrain
+import hetrain.emulation
 ht = hetrain.init(global_batch=8, max_steps=2, reporting=hetrain.Reporting(verbose=False),
-                  emulation=hetrain.Emulation(cluster="a100-80g"))   # the memory meter too
+                  emulation=hetrain.emulation.Emulation(cluster="a100-80g"))   # the memory meter too
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
 model = torch.nn.Linear(4, 1)
 model, opt, batches = ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)

@@ -81,16 +81,18 @@ LAYERS = (
     {"layout_spec"},                    # the layout objects prepare(parallel=) takes, in those words
     {"hardware", "report", "reporting"},
     {"planning"},                       # pure: no torch.distributed
-    {"runtime"},                        # inside each rank; its own order below
+    {"runtime", "emulation"},           # inside each rank; its own order below (emulation: one of its parts)
     {"parallel", "integrations", "launching", "demo", "sweeping"},
     {"launch"},
     {"benching"},
     {"cli"},
     {"__main__", "hetrain"},            # the package's face: `import hetrain`
 )
-# runtime/, bottom first. A subpackage (or top-level module) imports only from those below it.
-RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience",
-           "job", "loop", "measure", "layouts", "setup", "engine", "__init__")
+# runtime/, bottom first. A subpackage (or top-level module) imports only from those below it. The
+# CPU emulator (hetrain/emulation/) is a package of its own that plays a device: it stands on the
+# device clock and hooks and under everything that runs a device (planning never imports it).
+RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "emulation", "sharding", "memory",
+           "resilience", "job", "loop", "measure", "layouts", "setup", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "
@@ -138,6 +140,8 @@ def _layer_of(module: str) -> tuple[int, int]:
         return _layer_of("hetrain.planning")
     top = parts[1] if len(parts) > 1 else "hetrain"
     layer = next(i for i, names in enumerate(LAYERS) if top in names)
+    if top == "emulation":
+        return layer, RUNTIME.index("emulation")
     if top == "runtime":
         return layer, RUNTIME.index(parts[2] if len(parts) > 2 else "__init__")
     return layer, 0
@@ -159,7 +163,7 @@ def test_the_layer_tables_name_every_package_and_runtime_part():
     assert tops == set().union(*LAYERS), tops ^ set().union(*LAYERS)
     parts = {p.stem if p.is_file() else p.name for p in (SRC / "runtime").iterdir()
              if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
-    assert parts == set(RUNTIME), parts ^ set(RUNTIME)
+    assert parts | {"emulation"} == set(RUNTIME), parts ^ set(RUNTIME)
 
 
 def _unit(module: str) -> str:

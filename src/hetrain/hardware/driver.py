@@ -248,7 +248,7 @@ def query_machine(*, measure: bool = False, peers_here: bool = False) -> dict:
         import pynvml
 
         call(pynvml.nvmlShutdown)
-    if not gpus:       # no GPU: the CPU is the device (and what emulated devices run on)
+    if not gpus:       # no GPU: the CPU is the device (and what CPU-played GPUs run on)
         facts["cpu_precision"] = _cpu_precision()
     facts["net"] = query_net()
     return facts

@@ -42,10 +42,7 @@ def ddp_equal_split(profiles: Sequence[DeviceProfile], o: PlanOptions) -> DDPPre
     assignments = tuple(Assignment(profile=p, share=s, micro_batch=min(micro, s), checkpointing=ckpt)
                         for p, s in zip(profiles, shares))
     cost = step_cost(assignments, global_batch=o.global_batch, grad_bytes=o.grad_bytes,
-                     link=ring_link(profiles, o), host_cores=o.host_cores, host_load=o.host_load,
-                     sync_s=o.sync_s if n > 1 else None, straggle=o.straggle, straggle_stretch=o.straggle_stretch,
-                     contention=o.contention, contention_at=o.contention_at, ddp_cost=o.ddp_cost,
-                     clocked=o.clocked)
+                     link=ring_link(profiles, o), sync_s=o.sync_s if n > 1 else None)
     why = (f"{shares[0]} samples per device in micro-batches of {micro} (the smallest device's)"
            + (" with activation checkpointing" if ckpt else "")
            + f", so every step waits for {profiles[cost.bottleneck].device}")

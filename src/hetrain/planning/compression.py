@@ -146,7 +146,7 @@ def check_request(request: str, *, backend: str, blocked_by: str | None = None) 
         # torch's bf16_compress_hook raises TypeError on gloo (measured, torch 2.13): refused up front
         # rather than swapped for fp16, whose range (±65504) is not bf16's
         raise UsageError(f"Compression(method='bf16') needs NCCL (CUDA): torch's bf16_compress_hook does not run on "
-                         f"{backend or 'gloo'} (CPU and emulated devices)",
+                         f"{backend or 'gloo'} (CPU devices)",
                          "use Compression(method='fp16') (the same bytes saved), or 'auto'")
 
 

@@ -12,18 +12,11 @@ hidden (overlapped); what is left after the backward ends — at least the last 
 The agreement is hetrain's one small all-reduce per step (runtime/ranks/agree.py), measured at the
 start of a job (0 when not measured, and for plain DDP, which has none).
 
-Stragglers: every step waits for its last device, and which device is last changes from step to
-step (on a shared host, whichever process the scheduler left behind), so the step is longer than
-the slowest device's average. A job measures this at its start: all ranks run the same backward
-at once, and `straggle` is how far the last one trails their average. That probe runs every
-device flat out (contention `straggle_stretch`); a step whose devices sleep part of the time
-contends less, and trails in proportion to its own stretch beyond 1 (`straggle_at`). The trail
-comes from the CPU's jitter, so it is a fraction of the compute that the CPU times: all of it on a
-GPU or an emulated device on the CPU's own clock (its compute is its CPU time ÷ its speed), but on
-the controlled clock (`clocked`: a micro-batch lasts m·T/speed, the sleep making up what the CPU
-did not take) only the last backward, which runs after the step's sleep: its CPU time, about 2/3
-of its micro-batch's. Charged on the whole step there, it read the capped 1 : 0.35 pair of
-benchmarks/accuracy.py (now its dp-capped row) 3-8% slower than it ran, round after round.
+Devices that share something the cost model cannot see apart (the processes of one host, CPU
+threads playing GPUs) carry it in their profiles (DeviceProfile.host): the step is then played out
+on it, it adds its stragglers (every step waits for its last device, and which one is last
+changes from step to step) and the CPU a synced micro-batch costs there. Devices with no host
+compute independently, as GPUs do, and only the last micro-batch's measured `paced_cost` is added.
 
 Compute without a profile comes from the model's FLOPs per sample and the catalog's peak at the
 precision, times a stated efficiency (model FLOPs utilisation, default 40%).
@@ -31,30 +24,6 @@ precision, times a stated efficiency (model FLOPs utilisation, default 40%).
 Memory: parameters, gradients and optimizer state (fixed; memory.state_bytes), plus one
 micro-batch's activations; activation checkpointing keeps a fraction of them and recomputes one
 forward (×4/3 compute).
-
-Emulated devices share the host's CPU cores: a device of speed s computes on the CPU for a
-fraction s of its busy time and sleeps the rest, so when more devices (with whatever else the host
-runs) want a core than there are cores, their compute stretches. `shared_cpu_finish` plays a step
-out as the emulator runs it — every device starts together after the previous step's sync, and
-computes its step, sleeping once before its last backward — with the cores shared equally among the processes
-that want one (processor sharing); the planner plans with the resulting per-device slowdowns.
-Devices computing at the same time on separate cores also slow each other (shared cache and
-memory bandwidth: one thread's fp32 forward+backward of the demo GPT took 148 ms alone and 157-170 ms
-beside a second one, on a 2-core host that was also running a benchmark). A job measures this at its start (`contention`: how much slower every device
-computed in the sync probe through the bare module, all at once on `contention_at` cores, than its
-profile says), and a
-step's CPU segments run slower by the same measure scaled to how many compute at a time.
-
-An emulated step's last micro-batch also costs CPU its profile's flat-out passes do not: the
-throttle's sleep before its backward leaves that backward on cold caches (the profile's
-`paced_cost`, measured by the profiler), and DDP's hooks and bucket copies run on the thread that
-is the emulated GPU (`ddp_cost`, the CPU of the sync probe's DDP runs over its bare ones). Both
-are device time the throttle charges, once a step, so `last_micro_extra` adds (paced_cost ·
-ddp_cost − 1) of the last micro-batch to the device's compute (on a GPU both are 1: nothing
-added). Both are ratios measured at one size (`paced_cost` with one pass's sleep before its
-backward, where a step's sleep covers the whole step) and charged in proportion to the last
-micro-batch: a cache refilled after a sleep may cost more like a fixed amount than a share, which
-these figures cannot tell apart at the sizes measured.
 """
 
 from __future__ import annotations
@@ -67,7 +36,6 @@ from ..errors import UsageError
 from ..hardware.catalog import GpuSpec
 from ..hardware.links import NVLINK_EFFICIENCY, PCIE_GBS  # noqa: F401 — PCIE_GBS: simulate imports it from here
 from .collectives import Link, allreduce_seconds
-from .core_sharing import cpu_rate
 from .memory import state_bytes
 from .plan import split_evenly
 from .profile import DeviceProfile, ModelSpec
@@ -226,10 +194,10 @@ class Assignment:
 class StepCost:
     step_s: float
     samples_per_s: float
-    compute_s: tuple[float, ...]     # per device, contention included
+    compute_s: tuple[float, ...]     # per device, what they share included
     optimizer_s: float               # the optimizer phase (the slowest device's)
     comm: CommCost
-    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: no contention)
+    stretch_by_device: tuple[float, ...]   # compute_s ÷ the device's compute alone (1.0: nothing shared)
     bottleneck: int                  # index of the device whose compute sets the step
     agree_s: float = 0.0             # hetrain's per-step agreement all-reduce
     straggle_s: float = 0.0          # the step's wait for whichever device is last this time
@@ -244,25 +212,19 @@ class StepCost:
 
 
 def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_bytes: float, link: Link,
-              host_cores: float | None = None, host_load: float = 0.0,
-              sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
-              straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
-              ddp_cost: float = 1.0, clocked: bool = False) -> StepCost:
-    """Predicted step of these assignments (their shares should sum to `global_batch`). Devices
-    with a host-CPU share contend for `host_cores` (with `host_load` other runnable processes).
-    `sync_s`: the exposed gradient sync as measured (instead of the ring model's); `agree_s`:
-    the per-step agreement all-reduce (hetrain's; plain DDP has none); `straggle`, measured at
-    contention `straggle_stretch`, `ddp_cost` and `clocked` (emulated devices on the controlled
-    clock): see the module docstring."""
+              sync_s: float | None = None, agree_s: float = 0.0, host=None, synced: bool = True) -> StepCost:
+    """Predicted step of these assignments (their shares should sum to `global_batch`). `sync_s`:
+    the exposed gradient sync as measured (instead of the ring model's); `agree_s`: the per-step
+    agreement all-reduce (hetrain's; plain DDP has none). `host`: what the devices' processes
+    share (DeviceProfile.host; default the first assignment's): the step played out on it, its
+    stragglers and the CPU a synced micro-batch adds (`synced`: DDP syncs the gradients); None:
+    devices that compute independently, as GPUs do."""
+    if host is None and assignments:
+        host = assignments[0].profile.host
+    ddp_cost = host.ddp_cost if host is not None and synced else 1.0
     alone = [a.compute_s(ddp_cost=ddp_cost) for a in assignments]
-    opt_alone = [a.profile.optimizer_s for a in assignments]
-    if host_cores and any(a.profile.cpu_share > 0 for a in assignments):
-        shared = dict(cores=host_cores, load=host_load, contention=contention, contention_at=contention_at)
-        compute = tuple(shared_cpu_finish([_compute_segments(a, ddp_cost) for a in assignments], **shared))
-        opt = max(shared_cpu_finish([_cpu_then_sleep(a.profile, a.profile.optimizer_s) for a in assignments],
-                                    **shared))
-    else:
-        compute, opt = tuple(alone), max(opt_alone)
+    played = host.play(assignments, ddp_cost) if host is not None else None
+    compute, opt = played if played is not None else (tuple(alone), max(a.profile.optimizer_s for a in assignments))
     factors = tuple(c / t if t > 0 else 1.0 for c, t in zip(compute, alone))
     crit = max(range(len(assignments)), key=lambda i: compute[i])
     last = assignments[crit]
@@ -272,77 +234,12 @@ def step_cost(assignments: Sequence[Assignment], *, global_batch: int, grad_byte
         comm = CommCost(total_s=sync_s, overlapped_s=0.0, exposed_s=sync_s)
     else:
         comm = gradient_sync(len(assignments), grad_bytes, link, backward_window_s=window)
-    # the compute whose CPU time shows in the step: on the clock, the last backward's CPU
-    jitter = window * last.profile.cpu_share if clocked else compute[crit]
-    straggle_s = jitter * straggle_at(straggle, straggle_stretch, max(factors)) if len(compute) > 1 else 0.0
+    straggle_s = (host.straggle_s(window=window, cpu_share=last.profile.cpu_share, compute_s=compute[crit],
+                                  stretch=max(factors)) if host is not None and len(compute) > 1 else 0.0)
     step = compute[crit] + straggle_s + comm.exposed_s + agree_s + opt
     return StepCost(step_s=step, samples_per_s=global_batch / step, compute_s=compute, optimizer_s=opt,
                     comm=comm, stretch_by_device=factors, bottleneck=crit, agree_s=agree_s,
                     straggle_s=straggle_s)
-
-
-def straggle_at(straggle: float, measured_stretch: float, stretch: float) -> float:
-    """The straggle of a step with contention `stretch`, from one measured at `measured_stretch`
-    (as a fraction of the step's compute). Measured without contention: as measured."""
-    if measured_stretch <= 1.0:
-        return straggle
-    return straggle * min(1.0, max(0.0, (stretch - 1.0) / (measured_stretch - 1.0)))
-
-
-# -- emulated devices sharing the host's cores ------------------------------------------------
-
-
-def _cpu_then_sleep(p: DeviceProfile, device_s: float) -> list[tuple[bool, float]]:
-    """A piece of device time as the emulator runs it: CPU (a share s of it), then the sleep."""
-    cpu = device_s * p.cpu_share
-    return [(True, cpu), (False, device_s - cpu)]
-
-
-def _compute_segments(a: Assignment, ddp_cost: float = 1.0) -> list[tuple[bool, float]]:
-    """This device's step as the emulator runs it (runtime/devices/emulation.py: one sleep, for the whole
-    step's compute, before the last micro-batch's backward): the earlier micro-batches and the last
-    forward on the CPU, the sleep, the last backward on the CPU (with the last micro-batch's extra,
-    `last_micro_extra`: the throttle books it after that backward, and its sleep is paid in the
-    next step's). Segments are (on_cpu, seconds of CPU work or of sleep)."""
-    p, extra = a.profile, a.last_micro_extra(ddp_cost)
-    dev = sum(p.micro_seconds(m, **a.ckpt) for m in a.micro_sizes) + extra
-    last_cpu = p.micro_seconds(a.micro_sizes[-1], **a.ckpt) * p.cpu_share
-    cpu = dev * p.cpu_share
-    before = cpu - last_cpu * (1 - p.forward_fraction) - extra * p.cpu_share
-    return [(True, before), (False, dev - cpu), (True, cpu - before)]
-
-
-def shared_cpu_finish(jobs: Sequence[Sequence[tuple[bool, float]]], cores: float,
-                      load: float = 0.0, *, contention: float = 1.0, contention_at: int = 1) -> list[float]:
-    """When each job finishes, all starting at 0, if every job's CPU segments share `cores` with
-    `load` other always-runnable processes (processor sharing: each running process gets
-    min(1, cores / runnable) of a core) and its sleep segments take their own time. A fluid
-    simulation: between events the rates are constant.
-
-    `contention`: how much slower a job computes while `contention_at` jobs compute on separate
-    cores (measured); k jobs at once slow each other by 1 + (contention − 1)·(k − 1)/(contention_at − 1),
-    nothing when one computes alone (core_sharing.cpu_rate, which pipelines use too)."""
-    queue = [[(cpu, d) for cpu, d in job if d > 1e-12] for job in jobs]
-    pos = [0] * len(queue)
-    left = [q[0][1] if q else 0.0 for q in queue]
-    finish = [0.0 if not q else math.nan for q in queue]
-    t = 0.0
-    while True:
-        live = [j for j, q in enumerate(queue) if pos[j] < len(q)]
-        if not live:
-            return finish
-        running = [j for j in live if queue[j][pos[j]][0]]
-        rate = cpu_rate(len(running), cores=cores, load=load, contention=contention, contention_at=contention_at)
-        dt = min(left[j] / (rate if queue[j][pos[j]][0] else 1.0) for j in live)
-        t += dt
-        for j in live:
-            left[j] -= dt * (rate if queue[j][pos[j]][0] else 1.0)
-            if left[j] <= 1e-12:
-                pos[j] += 1
-                if pos[j] < len(queue[j]):
-                    left[j] = queue[j][pos[j]][1]
-                else:
-                    finish[j] = t
 
 
 def standalone(profile: DeviceProfile, *, global_batch: int, margin: float, checkpointing: bool = False,

@@ -29,14 +29,6 @@ class PlanOptions:
     allow_checkpointing: bool = True     # False while the runtime cannot checkpoint activations
     sync_s: float | None = None          # measured exposed gradient sync per step (replaces the ring model)
     agree_s: float = 0.0                 # hetrain's per-step agreement all-reduce, measured (not plain DDP's)
-    straggle: float = 0.0                # how far the last device trails the average, measured (cost.py)
-    straggle_stretch: float = 1.0        # the host-core contention `straggle` was measured under
-    contention: float = 1.0              # emulated devices computing at once slow each other by this (measured)
-    contention_at: int = 1               # ...with this many computing at once (the probe's)
-    ddp_cost: float = 1.0                # a DDP-synced micro-batch's CPU over the bare module's (measured; cost.py)
-    host_cores: float | None = None      # cores shared by devices with cpu_share > 0 (emulation)
-    host_load: float = 0.0               # other runnable processes on those cores (measured or 0)
-    clocked: bool = False                # emulated devices on the controlled clock (cost.py: what can trail)
     offload: str = "plan"                # optimizer state on host: plan (where needed to fit) | all | none
     host_memory_bytes: float | None = None   # host memory for offloaded state, all hosts (None: none known)
     offload_ranks: frozenset[int] = frozenset()   # devices (profile indices) whose optimizer state is on host
@@ -57,16 +49,6 @@ class PlanOptions:
             raise UsageError(f"sync seconds {self.sync_s!r}", "give the measured exposed sync, >= 0, or none")
         if not (self.agree_s >= 0 and math.isfinite(self.agree_s)):
             raise UsageError(f"agreement seconds {self.agree_s!r}", "give the measured per-step agreement, >= 0")
-        if not (0 <= self.straggle < 10) or not self.straggle_stretch >= 1:
-            raise UsageError(f"straggle {self.straggle!r} at contention {self.straggle_stretch!r}",
-                             "give a measured fraction >= 0 and a contention >= 1 (or leave both out)")
-        if not (1.0 <= self.contention <= 10.0) or self.contention_at < 1:
-            raise UsageError(f"contention {self.contention!r} at {self.contention_at!r} devices",
-                             "give a measured slowdown in [1, 10] and a device count >= 1 (or leave both out)")
-        if not 1.0 <= self.ddp_cost <= 2.0:
-            raise UsageError(f"DDP's cost {self.ddp_cost!r}", "give a measured ratio in [1, 2] (or leave it out)")
-        if self.host_cores is not None and not self.host_cores > 0:
-            raise UsageError(f"host cores {self.host_cores}", "give the host's core count, or none")
         if self.offload not in OFFLOADS:
             raise UsageError(f"offload {self.offload!r}", f"use one of {', '.join(OFFLOADS)}")
         if self.host_memory_bytes is not None and not self.host_memory_bytes >= 0:
@@ -74,8 +56,6 @@ class PlanOptions:
                              "--host-memory 256GiB")
         if any(c is not None and c < 1 for c in self.share_caps):
             raise UsageError(f"share caps {self.share_caps}", "give each device's largest share, >= 1, or none")
-        if not self.host_load >= 0:
-            raise UsageError(f"host load {self.host_load}", "give the other runnable processes, >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -363,15 +363,20 @@ def with_step_work(c, profiles, o):
     return replace(c, samples_per_s=o.global_batch / (o.global_batch / c.samples_per_s + extra))
 
 
+def on_host(c: Candidate, host, pipeline: PipelineProfile | None = None) -> Candidate:
+    """Candidate `c` as it runs on what its devices share (DeviceProfile.host, which plays a
+    pipeline's step out: its `pipeline` method); unchanged with none."""
+    return c if host is None else host.pipeline(c, pipeline)
+
+
 def stage_rows(profile: PipelineProfile, devices: Sequence[StageDevice], o, *, micro_batches, schedule: str,
-               state_factor: float) -> list:
+               state_factor: float, host=None) -> list:
     """Every DP×PP shape of these devices as ranking rows (planning/ranking.LayoutRow), for
     Pipeline(stages='auto') to choose from with the chooser: replicas of p stages (p divides the
     devices, at most half of them and at most the blocks), split as the runtime splits them
-    (split_hybrid at `micro_batches(p)` micro-batches), emulated devices' shared cores counted as
-    the ranking counts them (core_sharing.on_shared_cores under PlanOptions `o`)."""
+    (split_hybrid at `micro_batches(p)` micro-batches), what the devices share (`host`: as
+    DeviceProfile.host) counted as the ranking counts it (`on_host`)."""
     from ..layout_spec import Pipeline, to_spec
-    from .core_sharing import on_shared_cores
     from .rows import LayoutRow
 
     w, rows = len(devices), []
@@ -386,9 +391,9 @@ def stage_rows(profile: PipelineProfile, devices: Sequence[StageDevice], o, *, m
             rows.append(LayoutRow(name=name, family="DP×PP", fits=False, samples_per_s=0.0, memory=(None,) * w,
                                   comm_bytes=0.0, comm_s=0.0, detail=e.what, run="", stages=p, spec=spec))
             continue
-        c = on_shared_cores(Candidate(name=name, kind="dp×pp", fits=True, samples_per_s=h.samples_per_s,
-                                      detail=f"blocks per stage {'/'.join(map(str, h.sizes))}", replicas=w // p,
-                                      stages=p, split=h), o, profile)
+        c = on_host(Candidate(name=name, kind="dp×pp", fits=True, samples_per_s=h.samples_per_s,
+                              detail=f"blocks per stage {'/'.join(map(str, h.sizes))}", replicas=w // p,
+                              stages=p, split=h), host, profile)
         rows.append(LayoutRow(name=name, family="DP×PP", fits=True, samples_per_s=c.samples_per_s,
                               memory=tuple(st.memory_bytes for r in h.replicas for st in r.stages), comm_bytes=0.0,
                               comm_s=0.0, detail=c.detail, run="", stages=p, spec=spec))

@@ -36,7 +36,7 @@ class DevicePlan:
     """One rank's part of a step."""
 
     rank: int
-    device: str                          # e.g. 'rtx3090#1 (emulated)' or 'cuda:1 NVIDIA A100-SXM4-80GB'
+    device: str                          # e.g. 'cuda:1 NVIDIA A100-SXM4-80GB'
     speed: float                         # relative throughput weight the split used
     share: int                           # samples of the global batch this rank computes per step
     micro_batch: int                     # largest micro-batch this rank runs
@@ -45,7 +45,7 @@ class DevicePlan:
     checkpointing: bool = False          # activation checkpointing on this rank
     checkpoint_blocks: int | None = None  # with checkpointing: None every block, k the first k blocks
     offload_optimizer: bool = False      # this rank's optimizer state lives in host memory
-    memory_cap_bytes: int | None = None  # emulated cap or real device memory
+    memory_cap_bytes: int | None = None  # the device's memory, or the cap it was given
     per_sample_s: float | None = None    # measured: compute seconds per sample on this device...
     fixed_s: float | None = None         # ...plus these per micro-batch, whatever its size
     reasons: tuple[str, ...] = ()        # why each number was chosen, for people

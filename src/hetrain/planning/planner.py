@@ -73,11 +73,19 @@ def _assignments(profiles, fits, shares: dict[int, int]) -> list[Assignment]:
 def _cost(profiles, fits, shares, o: PlanOptions) -> StepCost:
     members = [profiles[i] for i in sorted(shares)]
     return step_cost(_assignments(profiles, fits, shares), global_batch=o.global_batch,
-                     grad_bytes=o.grad_bytes, link=ring_link(members, o), host_cores=o.host_cores,
-                     host_load=o.host_load, sync_s=o.sync_s if len(members) > 1 else None,
-                     agree_s=o.agree_s if len(members) > 1 else 0.0, straggle=o.straggle,
-                     straggle_stretch=o.straggle_stretch, contention=o.contention, contention_at=o.contention_at,
-                     ddp_cost=o.ddp_cost if len(members) > 1 else 1.0, clocked=o.clocked)
+                     grad_bytes=o.grad_bytes, link=ring_link(members, o),
+                     sync_s=o.sync_s if len(members) > 1 else None,
+                     agree_s=o.agree_s if len(members) > 1 else 0.0, synced=len(members) > 1)
+
+
+def _host(profiles):
+    """What the devices share (DeviceProfile.host; cost.py), or None."""
+    return next((p.host for p in profiles if p.host is not None), None)
+
+
+def _ddp_cost(profiles) -> float:
+    host = _host(profiles)
+    return host.ddp_cost if host is not None else 1.0
 
 
 def _factors(shares: dict[int, int], cost: StepCost) -> dict[int, float]:
@@ -146,8 +154,9 @@ def _choose(profiles, fits, indices, o: PlanOptions, forced: bool) -> tuple[dict
     keep the fastest seen."""
     factors: dict[int, float] = {}
     best = None
-    for _ in range(6 if o.host_cores else 1):
-        devs = _devs(profiles, fits, indices, factors, o.ddp_cost, o.global_batch, o.share_caps)
+    host = _host(profiles)
+    for _ in range(6 if host is not None and host.replan else 1):
+        devs = _devs(profiles, fits, indices, factors, _ddp_cost(profiles), o.global_batch, o.share_caps)
         scored = [(_cost(profiles, fits, s, o), s) for s in _candidates(devs, o.global_batch, forced)]
         if not scored:
             break
@@ -220,7 +229,7 @@ def make_plan(profiles: Sequence[DeviceProfile], options: PlanOptions) -> Plan:
 def _explain_slow(profiles, fits, shares, cost: StepCost, i: int, o: PlanOptions, *,
                   replan: bool) -> ExcludedDevice:
     p = profiles[i]
-    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), o.ddp_cost, o.global_batch,
+    devs = _devs(profiles, fits, sorted([*shares, i]), _factors(shares, cost), _ddp_cost(profiles), o.global_batch,
                  o.share_caps)
     with_it = _solve(devs, o.global_batch, forced=True) if replan else None
     t1 = p.micro_seconds(1, **fits[i].ckpt)
@@ -304,13 +313,9 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         predicted["sync_s"] = o.sync_s
     if cost.agree_s:
         predicted["agree_s"] = cost.agree_s
-    if o.straggle:
-        predicted.update(straggle=o.straggle, straggle_stretch=o.straggle_stretch, straggle_s=cost.straggle_s,
-                         clocked=float(o.clocked))    # numbers only: 1.0 on the controlled clock
-    if o.contention > 1.0:
-        predicted.update(contention=o.contention, contention_at=float(o.contention_at))
-    if o.ddp_cost > 1.0:
-        predicted["ddp_cost"] = o.ddp_cost
+    host = _host(profiles)
+    if host is not None:
+        predicted.update(host.predicted(cost))
     if math.isfinite(link.bandwidth_gbs):
         predicted["link_gbs"] = link.bandwidth_gbs
         predicted["link_latency_s"] = link.latency_s
@@ -327,19 +332,15 @@ def _build(profiles, fits, shares, cost: StepCost, excluded, o: PlanOptions, dra
         notes.append(f"gradient sync {cost.comm.total_s * 1e3:.1f} ms, {cost.comm.overlapped_s * 1e3:.1f} "
                      f"overlapped with backward (link {link.bandwidth_gbs:.3g} GB/s"
                      + (f": {link.source})" if link.source else ")"))
-    if cost.stretch >= 1.005:
-        notes.append(f"emulated devices share {o.host_cores:g} CPU cores"
-                     + (f" with ~{o.host_load:.1f} other busy processes" if o.host_load else "")
-                     + f": compute stretched up to ×{cost.stretch:.2f}"
-                     + (f" (×{o.contention:.2f} measured with {o.contention_at} computing at once: shared cache "
-                        "and memory bandwidth)" if o.contention >= 1.005 else ""))
-    paced = max((profiles[i].paced_cost for i in members), default=1.0)
-    if o.ddp_cost >= 1.005 or paced >= 1.005:
+    if host is not None:
+        notes += host.notes(cost)
+    paced, ddp_cost = max((profiles[i].paced_cost for i in members), default=1.0), _ddp_cost(profiles)
+    if ddp_cost >= 1.005 or paced >= 1.005:
         notes.append("a step's last micro-batch costs more CPU than its profile's flat-out passes: "
-                     + ", ".join(filter(None, (f"×{paced:.3f} paced (a backward after the emulator's sleep, measured)"
+                     + ", ".join(filter(None, (f"×{paced:.3f} paced (a backward after a paced sleep, measured)"
                                                if paced >= 1.005 else "",
-                                               f"×{o.ddp_cost:.3f} through DDP (its hooks and bucket copies, "
-                                               "measured beside the bare module)" if o.ddp_cost >= 1.005 else ""))))
+                                               f"×{ddp_cost:.3f} through DDP (its hooks and bucket copies, "
+                                               "measured beside the bare module)" if ddp_cost >= 1.005 else ""))))
     if len(profiles) > 1:
         notes.append(f"plain DDP equal split: {ddp.samples_per_s:.1f} samples/s ({ddp_why})" if ddp
                      else f"plain DDP equal split cannot run: {ddp_why}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..errors import UsageError
 from ..vocabulary import PRECISIONS
@@ -75,7 +75,7 @@ class ModelSpec:
 class DeviceProfile:
     """One device running one model at one precision."""
 
-    device: str                              # label, e.g. 'rtx3090#1 (emulated)' or 'cuda:0 NVIDIA A100…'
+    device: str                              # label, e.g. 'cuda:0 NVIDIA A100…'
     source: str                              # 'measured …', 'catalog: …' — how, for people
     overhead_s: float                        # a: seconds per micro-batch regardless of its size
     per_sample_s: float                      # b: seconds per sample
@@ -83,19 +83,24 @@ class DeviceProfile:
     activation_bytes_per_sample: float       # d: activation bytes per sample (no checkpointing)
     activation_fixed_bytes: float = 0.0      # c: per micro-batch, whatever its size (e.g. autocast weight copies)
     optimizer_s: float = 0.0                 # one optimizer step (clip, update) per global step
-    memory_bytes: int | None = None          # device memory or emulated cap; None: not limited
+    memory_bytes: int | None = None          # device memory or its cap; None: not limited
     precision: str = "fp32"
     checkpoint_fraction: float = 0.25        # activations kept under activation checkpointing
     recompute_factor: float = 4 / 3          # compute multiplier under checkpointing (one more forward)
     blocks: int | None = None                # repeated blocks checkpointing can wrap one by one (None: all or none)
     cpu_share: float = 0.0                   # fraction of its compute time that occupies a host core
     forward_fraction: float = 1 / 3          # of a micro-batch's compute, the forward (backward ≈ 2×)
-    paced_cost: float = 1.0                  # a micro-batch paced as an emulator paces it (a sleep before its
-                                             # backward) over one flat out, measured; 1.0: not paced
+    paced_cost: float = 1.0                  # a micro-batch paced (a sleep before its backward)
+                                             # over one flat out, measured; 1.0: not paced
     gpu: str | None = None                   # catalog key, when known
     link_gbs: float | None = None            # this device's link to its peers (GB/s), when known
     sizes: tuple[int, ...] = ()              # the micro-batch sizes measured…
     seconds: tuple[float, ...] = ()          # …and their seconds (what the fit came from)
+    # What this device shares with the others that the cost model must play out (cost.py): an
+    # object with the methods cost.step_cost and the ranking call (SharedHost, for CPU threads
+    # of one host playing GPUs). None: devices that compute independently. Set
+    # where the profiles are planned from, never saved with them.
+    host: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         fix = "re-measure (delete the profile cache) or check the numbers given"
@@ -206,7 +211,9 @@ class DeviceProfile:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"schema": PROFILE_SCHEMA, **asdict(self)}
+        out = asdict(replace(self, host=None))
+        del out["host"]
+        return {"schema": PROFILE_SCHEMA, **out}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

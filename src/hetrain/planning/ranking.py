@@ -39,7 +39,6 @@ from dataclasses import dataclass, replace
 from ..errors import UsageError
 from ..hardware.units import compact, device_kinds, format_bytes
 from .collectives import all_gather_seconds, send_seconds
-from .core_sharing import on_shared_cores
 from .memory import state_bytes
 from .options import PlanOptions, ring_link
 from .savers import dp_plan, fit_with_offload, saver_cells, uses
@@ -215,7 +214,7 @@ def measured_pipeline(data: dict | None):
 
 
 def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str, pipeline=None) -> list[LayoutRow]:
-    from .parallelism import compare_parallelism, with_fixed_cost, with_step_work
+    from .parallelism import compare_parallelism, on_host, with_fixed_cost, with_step_work
     from ..runtime.layouts.pipeline.split import PipelineProfile, StageDevice
 
     w = len(profiles)
@@ -234,6 +233,7 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
                                memory_bytes=p.memory_bytes) for p in profiles]
     factor = state.state("none", world_size=1).total / max(state.weight_bytes, 1.0)
     link = ring_link(profiles, o)
+    host = next((p.host for p in profiles if p.host is not None), None)
     # More micro-batches make each smaller (less activation memory in flight, a smaller bubble):
     # a layout that does not fit at 8 is tried again at 16, 32, ... up to one sample per micro-batch.
     found: dict[str, object] = {}
@@ -244,9 +244,9 @@ def _pipeline_rows(profiles, state: ModelState, o: PlanOptions, *, schedule: str
                                      micro_batches=m, require_fit=False,
                                      grad_fraction=state.grad_bytes / max(state.weight_bytes, 1.0))
         # A measured pipeline's stages already cost as stages run (PipelineProfile.stage_factor, block_s).
-        for c in (on_shared_cores(c if layer.stage_factor != 1.0 or layer.block_s else
-                                  with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m,
-                                                  schedule=schedule), o, layer)
+        for c in (on_host(c if layer.stage_factor != 1.0 or layer.block_s else
+                          with_fixed_cost(c, fastest, global_batch=o.global_batch, micro_batches=m,
+                                          schedule=schedule), host, layer)
                   for c in choice.candidates):
             # Kept: the fastest that fits, else the last try that gave each replica m micro-batches.
             was = found.get(c.name)

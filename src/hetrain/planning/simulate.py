@@ -84,8 +84,8 @@ def cluster_profiles(cluster: Sequence[ClusterDevice], model: ModelSpec, *, prec
                      optimizer: str = "adamw") -> list[DeviceProfile]:
     """Catalog estimates for each device of a cluster spec. ratios='spec': the fastest device runs
     at `efficiency` × its peak and the others at their speed in the spec relative to it (the
-    catalog's speed index, from training benchmarks, unless the spec gives one — the same ratios
-    `--emulate` uses); ratios='peak': every device at `efficiency` × its own peak."""
+    catalog's speed index, from training benchmarks, unless the spec gives one — the ratios a
+    cluster spec means everywhere); ratios='peak': every device at `efficiency` × its own peak."""
     if ratios not in RATIOS:
         from ..errors import UsageError
 

@@ -164,7 +164,7 @@ class Emulation:
     micro_s: float | None = None     # on that clock, a fixed part per micro-batch: (this + m·sample_s)/speed
     link_gbs: float | None = None    # emulated devices on several nodes: the inter-node link's GB/s;
                                      # gradient all-reduces and the link probe are slowed to it
-                                     # (runtime/devices/link.py; None: loopback, unthrottled)
+                                     # (emulation/link.py; None: loopback, unthrottled)
     faults: str | None = None        # fault injection for tests/demos (runtime/devices/faults.py)
 
     def __post_init__(self) -> None:

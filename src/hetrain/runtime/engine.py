@@ -24,12 +24,12 @@ from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
 from .ranks.nodes import join_nodes
-from .devices.emulation import EmulatedDevice, agree_host_facts, become_emulated_device
+from ..emulation.device import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
 from .devices.faults import FaultInjector, parse_faults
-from .devices.hooks import make_hooks
+from ..emulation.hooks import make_hooks
 from .job import Job
 from .ranks.log import RankLog
 from .devices.precision_policy import PrecisionPolicy

@@ -27,7 +27,7 @@ from .devices.precision_policy import PrecisionPolicy
 if TYPE_CHECKING:     # names for the fields' types only: importing them here would be circular
     from ..hardware.host import HostFacts
     from ..planning.profile import DeviceProfile
-    from .devices.emulation import EmulatedDevice
+    from ..emulation.device import EmulatedDevice
     from .layouts.data import DataLayout
     from .loop.flops import FlopFacts
     from .loop.metrics import Recorder

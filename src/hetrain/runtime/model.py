@@ -1,7 +1,7 @@
 """The model the user gets back from prepare(): their module, run through DDP.
 
 Forward goes through the DistributedDataParallel wrapper (which must see every forward to sync
-the right backward) and, on an emulated device, through the memory meter. state_dict and
+the right backward) and, where the device hooks meter memory, through their meter. state_dict and
 attribute access go to the user's own module, so checkpoints have the user's keys. close() swaps
 the DDP wrapper out, so it is freed before the process group is destroyed (gloo's exit abort).
 """
@@ -55,7 +55,7 @@ class _Unknown(Exception):
 
 
 def _signature(args, kwargs, training: bool) -> tuple | None:
-    """What decides the bytes a forward saves, for the emulated meter (emulate.MemoryMeter):
+    """What decides the bytes a forward saves, for a memory meter of the device hooks (MemoryMeter):
     every tensor input's shape and dtype (in nested sequences and mappings too), plain values,
     train/eval mode and the autocast modes. None (always counted) for an input of any other kind:
     a batch object whose sizes the signature cannot see must not share one entry."""

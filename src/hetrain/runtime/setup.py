@@ -20,7 +20,7 @@ from ..layout_spec import DataParallel, Pipeline, TensorParallel
 from ..planning.compression import check_request as check_compression_request
 from ..planning.plan import Plan
 from .config import Config
-from .devices.link import check_link_request
+from ..emulation.link import check_link_request
 from .job import Job
 from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup

@@ -54,7 +54,7 @@ def main(task_path: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if task["emulated"]:
-        from ..runtime.devices.emulation import become_emulated_device
+        from ..emulation.device import become_emulated_device
 
         become_emulated_device()
     import optuna

@@ -45,7 +45,7 @@ class Slot:
     label: str
     memory_bytes: int
     speed: float
-    spec: str = ""        # emulated: the device as a cluster spec names it, for a group's job
+    spec: str = ""        # on the CPU: the device as a cluster spec names it, for a group's job
 
     @property
     def room(self) -> float:

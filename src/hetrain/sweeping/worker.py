@@ -37,7 +37,7 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     logging.getLogger("optuna").setLevel(logging.WARNING)
     emulated = target == "emulated"
     if emulated:
-        from ..runtime.devices.emulation import become_emulated_device
+        from ..emulation.device import become_emulated_device
 
         become_emulated_device()        # one CPU thread, glibc keeping freed memory, as the job's ranks
     from .objective import TrialContext, load_objective

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import hetrain
-from hetrain import Checkpoints, Emulation, Rebalancing, Reporting
+from hetrain import Checkpoints, Rebalancing, Reporting
+from hetrain.emulation import Emulation
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, required=True)

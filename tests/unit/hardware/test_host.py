@@ -15,7 +15,7 @@ from hetrain.hardware import host as hostmod
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.hardware.host import HOST_FACTS_ENV, HostFacts, host_facts, recorded
 from hetrain.planning.precision import DeviceFacts, choose_precision
-from hetrain.runtime.devices.emulation import EmulatedDevice
+from hetrain.emulation.device import EmulatedDevice
 from hetrain.runtime.devices.precision_policy import PrecisionPolicy, device_facts
 
 HOSTS = Path(__file__).parents[2] / "fixtures" / "hosts"

@@ -12,7 +12,7 @@ from hetrain import DataParallel, Pipeline, TensorParallel
 from hetrain.layout_spec import to_spec
 from hetrain.planning.chooser import Request, choose, spec_of
 from hetrain.planning.collectives import allreduce_seconds
-from hetrain.planning.core_sharing import stretched_step
+from hetrain.emulation.sharing import SharedHost, stretched_step
 from hetrain.planning.memory import AUTO_SHARDINGS, DeviceMemory, choose_sharding, sharding_options
 from hetrain.planning.options import PlanOptions, ring_link
 from hetrain.planning.parallelism import split_hybrid, stage_rows
@@ -119,8 +119,8 @@ def test_pipeline_stages_auto_counts_the_shared_cores_as_the_ranking_does():
                                                  ("DP×PP 2×4", to_spec(Pipeline(stages=4)))]
     for r in alone:
         assert r.samples_per_s == pytest.approx(split(r.stages).samples_per_s)
-    shared = stage_rows(profile, devices, PlanOptions(global_batch=64, host_cores=2.0), micro_batches=lambda p: 8,
-                        schedule="1f1b", state_factor=4.0)
+    shared = stage_rows(profile, devices, PlanOptions(global_batch=64), micro_batches=lambda p: 8,
+                        schedule="1f1b", state_factor=4.0, host=SharedHost(cores=2.0))
     for r in shared:
         h = split(r.stages)
         step, _ = stretched_step(h.replicas, cores=2.0)

@@ -226,8 +226,7 @@ def test_plan_json_round_trip_keeps_predictions_and_exclusions():
 def test_bad_input_is_a_usage_error_with_a_fix():
     d = _profile("d", 0.01)
     for bad in (dict(global_batch=0), dict(global_batch=-3), dict(global_batch=8, memory_margin=1.0),
-                dict(global_batch=8, micro_batch_cap=0), dict(global_batch=8, grad_bytes=-1.0),
-                dict(global_batch=8, host_cores=0)):
+                dict(global_batch=8, micro_batch_cap=0), dict(global_batch=8, grad_bytes=-1.0)):
         with pytest.raises(UsageError) as e:
             make_plan([d], PlanOptions(**bad))
         assert e.value.fix
@@ -265,60 +264,3 @@ def test_predicted_step_matches_the_cost_model():
                                   checkpointing=d.checkpointing) for d in plan.devices],
                       global_batch=200, grad_bytes=1e8, link=Link(bandwidth_gbs=10))
     assert again.step_s == pytest.approx(plan.predicted["step_s"])
-
-
-def test_emulated_devices_on_too_few_cores_plan_with_the_stretched_times():
-    """Three emulated devices (speeds 1, 0.67, 0.5: each on the CPU that fraction of its time)
-    want 2.17 cores of 2: compute stretches, and the split accounts for it."""
-    cpu_s = 0.004                                        # CPU seconds per sample on the host
-    profiles = [replace(_profile(f"s{s}", cpu_s / s, overhead=0.001 / s), cpu_share=s) for s in (1.0, 0.67, 0.5)]
-    quiet = make_plan(profiles, options(96, link=FREE_LINK))
-    busy = make_plan(profiles, options(96, link=FREE_LINK, host_cores=2))
-    assert quiet.predicted["cpu_stretch"] == 1.0 and 1.0 < busy.predicted["cpu_stretch"] < 1.5
-    assert busy.predicted["step_s"] > quiet.predicted["step_s"]
-
-    def under_contention(plan):
-        return step_cost([Assignment(profile=p, share=d.share, micro_batch=d.micro_batch)
-                          for p, d in zip(profiles, plan.devices)], global_batch=96, grad_bytes=0,
-                         link=FREE_LINK, host_cores=2)
-
-    # What it predicts is the cost model's step for its own split, and that split beats the split
-    # made as if the devices had the host to themselves.
-    assert under_contention(busy).step_s == pytest.approx(busy.predicted["step_s"])
-    assert [d.predicted_compute_s for d in busy.devices] == pytest.approx(list(under_contention(busy).compute_s))
-    assert busy.predicted["step_s"] <= under_contention(quiet).step_s + 1e-12
-
-
-def test_the_last_micro_batchs_measured_pacing_and_ddp_costs_are_planned_for():
-    """Two devices alike but for what their last micro-batch costs paced (the profile's
-    paced_cost): the split leans away from the dearer one, and the predicted step is the cost
-    model's with DDP's measured cost on top."""
-    plain = replace(_profile("a", 0.01, overhead=0.002), cpu_share=0.5)
-    dear = replace(_profile("b", 0.01, overhead=0.002), cpu_share=0.5, paced_cost=1.3)
-    o = options(64, link=FREE_LINK, host_cores=2, ddp_cost=1.1)
-    plan = make_plan([plain, dear], o)
-    assert plan.shares[0] > plan.shares[1]
-    again = step_cost([Assignment(profile=p, share=d.share, micro_batch=d.micro_batch)
-                       for p, d in zip((plain, dear), plan.devices)], global_batch=64, grad_bytes=0,
-                      link=FREE_LINK, host_cores=2, ddp_cost=1.1)
-    assert again.step_s == pytest.approx(plan.predicted["step_s"])
-    assert plan.predicted["ddp_cost"] == 1.1
-    unpaced = make_plan([plain, replace(dear, paced_cost=1.0)], replace(o, ddp_cost=1.0))
-    assert unpaced.shares == (32, 32) and unpaced.predicted["step_s"] < plan.predicted["step_s"]
-    with pytest.raises(UsageError, match="DDP's cost"):
-        options(64, ddp_cost=0.5)
-
-
-def test_under_a_micro_batch_cap_the_split_with_pacing_costs_is_the_best_one():
-    """Capped at 8 samples a micro-batch, the pacing and DDP costs fall on one micro-batch of 8 at
-    most, not on the whole share: the planner's split is as fast as the best of every split,
-    costed by the cost model."""
-    a = replace(_profile("a", 0.01, overhead=0.002, memory=None), cpu_share=0.5)
-    b = replace(_profile("b", 0.012, overhead=0.002, memory=None), cpu_share=0.5, paced_cost=1.3)
-    o = options(64, link=FREE_LINK, host_cores=2, ddp_cost=1.1, micro_batch_cap=8)
-    plan = make_plan([a, b], o)
-    best = min(step_cost([Assignment(profile=a, share=s, micro_batch=8), Assignment(profile=b, share=64 - s, micro_batch=8)],
-                         global_batch=64, grad_bytes=0, link=FREE_LINK, host_cores=2, ddp_cost=1.1).step_s
-               for s in range(1, 64))
-    assert plan.predicted["step_s"] == pytest.approx(best, rel=1e-9)
-

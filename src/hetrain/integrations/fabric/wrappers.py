@@ -23,7 +23,7 @@ from torch import nn
 
 class FabricModel(nn.Module):
     """The user's module until hetrain prepared it, then hetrain's model (DDP with uneven shares,
-    the memory meter of an emulated device). Parameters, train()/eval() and state_dict are the
+    its device hooks' memory meter). Parameters, train()/eval() and state_dict are the
     user's module's either way (Fabric's wrapper reads state_dict from the user's module)."""
 
     def __init__(self, module: nn.Module, strategy):

@@ -13,7 +13,7 @@ measures the launch, not the compute; anything that reads device data inside (`.
 a boolean mask) adds all the work queued before it. A `DeviceClock` therefore marks CUDA work with
 events (recorded in the step, read after the step's sync: no synchronisation added), and a CPU
 device with this thread's CPU time (a wait for peers is not compute). An emulated device's clock
-adds the compute its throttle charged (runtime/devices/emulation.Throttle), whether or not the
+adds the compute its throttle charged (emulation/device.Throttle), whether or not the
 throttle has slept it yet: with HETRAIN_EMULATE_ASYNC=1 an emulated device, like a GPU, pays
 its sleeps only at the sync points, `synchronize()` and `sync_point()`, which every collective
 hetrain issues in a step calls first. A timing path that reads `host()` around an emulated

@@ -119,7 +119,7 @@ def _check_bounds(kind: str, item: str, fields: dict) -> None:
 
 
 class FaultInjector:
-    """This rank's faults; the emulated device hooks (devices/hooks.py) ask it wherever one can fire."""
+    """This rank's faults; the device hooks that inject them ask it wherever one can fire."""
 
     def __init__(self, faults: tuple[Fault, ...], *, rank: int, attempt: int):
         self.faults = [f for f in faults if f.rank in (rank, -1)]

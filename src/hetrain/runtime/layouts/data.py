@@ -124,7 +124,7 @@ class DataLayout:
             redo()
 
     def held(self, job):
-        """The module whose state this rank holds (what the emulated memory meter counts)."""
+        """The module whose state this rank holds (what a memory meter of the device hooks counts)."""
         return job.model.module
 
     # -- the step's end ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...errors import UsageError
 from ...layout_spec import DataParallel, TensorParallel, to_spec
 from ...planning.plan import Plan
-from ..devices.link import throttle_for
+from ...emulation.link import throttle_for
 from ..loop import flops
 from ..measure.joint import check_given_plan, measure_job
 from ..measure.measurements import plan_from_measurements

@@ -16,7 +16,7 @@ both on each rank's micro-batch of the data-parallel plan the row adds the exces
 caller's batch, runtime/layouts/ranking.py: with uneven rows every unit's collectives hold the
 ranks to the one with the most CPU a unit, while each device sleeps its own stretch, so the
 excess depends on the shares), forward + backward, each rank's compute throttled
-as in training (runtime/devices/emulation.Throttle, its sleep before the backward as
+as in training (emulation/device.Throttle, its sleep before the backward as
 devices/hooks.py places it: CPU time stretched by 1/speed; on the
 controlled clock, forward+backward lasting its clocked length, so FSDP2's own CPU work inside it
 costs nothing and its collectives' waits remain), from a barrier to a barrier (the slowest rank

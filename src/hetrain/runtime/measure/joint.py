@@ -33,7 +33,7 @@ from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
 from ..devices.cuda_memory import usable_bytes
-from ..devices.link import throttle_for
+from ...emulation.link import throttle_for
 from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync, time_inter_node_allreduce
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward, *, runs: int) 
     settle(error, stage="loading the probe batch", device=job.device)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     scale = grad_bytes / max(probe_bytes, 1)
-    throttle = throttle_for(job)                    # emulated nodes: the emulated link (devices/link.py)
+    throttle = throttle_for(job)                    # emulated nodes: the emulated link (emulation/link.py)
     allreduce_s = time_allreduce(probe_bytes, job.device, throttle=throttle) * scale
     inter = {}
     nodes = job.nodes

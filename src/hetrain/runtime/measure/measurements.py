@@ -20,6 +20,7 @@ from ...planning.collectives import FREE_LINK, Link, link_from_measurement
 from ...planning.plan import DevicePlan, Plan
 from ...planning.planner import PlanOptions, make_plan
 from ...planning.profile import DeviceProfile
+from ...emulation.sharing import SharedHost
 from ..config import Config
 
 MEASUREMENTS_SCHEMA = 1
@@ -96,9 +97,7 @@ class Measurements:
 
 
 def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_exclusion: bool = False,
-                 sync_s: float | None = None, agree_s: float = 0.0, straggle: float = 0.0,
-                 straggle_stretch: float = 1.0, contention: float = 1.0, contention_at: int = 1,
-                 ddp_cost: float = 1.0, host_cores: float | None = None,
+                 sync_s: float | None = None, agree_s: float = 0.0,
                  host_memory_bytes: float | None = None) -> PlanOptions:
     """The planner's options for a job with this Config: what the config decides (batch, memory
     margin, micro-batch cap, whether activation checkpointing may be planned) and what was
@@ -107,9 +106,7 @@ def plan_options(config: Config, *, grad_bytes: float, link: Link | None, allow_
         global_batch=config.global_batch, grad_bytes=grad_bytes, link=link, memory_margin=config.memory.margin,
         micro_batch_cap=config.memory.max_micro_batch, allow_exclusion=allow_exclusion,
         allow_checkpointing=config.memory.activation_checkpointing != "none",
-        sync_s=sync_s, agree_s=agree_s, straggle=straggle, straggle_stretch=straggle_stretch,
-        contention=contention, contention_at=contention_at, ddp_cost=ddp_cost, host_cores=host_cores,
-        clocked=bool(config.emulation.cluster) and config.emulation.sample_s is not None,
+        sync_s=sync_s, agree_s=agree_s,
         # what offloaded optimizer state may take; None (no offload) unless given: parallel='auto'
         # plans the sharding it picks without offload (runtime/layouts/choose.py), so it must not
         # pick a row that fits only with it
@@ -184,34 +181,45 @@ def planning_profiles(m: Measurements, config: Config) -> tuple[DeviceProfile, .
     """The profiles the planner is given: on an emulated cluster every rank measured the same CPU,
     so the measurements are pooled (less noise than any one rank's). On the controlled clock the
     profiles are what the ranks measured on it (the profiler times a device through its own
-    throttle, runtime/measure/profiler.py): the planner is not told the clock."""
+    throttle, runtime/measure/profiler.py): the planner is not told the clock. Each carries what
+    the devices share (DeviceProfile.host, `shared_host`), when they share anything."""
     from .profiler import pool_emulated      # here, not at the top: profiler imports torch
 
     profiles = list(m.profiles or ())
     if config.emulation.cluster and len(profiles) > 1:
         profiles = pool_emulated(profiles, list(parse_cluster(config.emulation.cluster)))
-    return tuple(profiles)
+    host = shared_host(m, config, tuple(profiles))
+    return tuple(profiles if host is None else (replace(p, host=host) for p in profiles))
+
+
+def shared_host(m: Measurements, config: Config, profiles: tuple[DeviceProfile, ...]) -> SharedHost | None:
+    """What W > 1 ranks' processes share, as the probes measured it: the stragglers (the probe's
+    last rank over the average); on an emulated cluster also the host's cores (its devices are
+    threads of this host: they contend for them, emulation/sharing.py), the contention and DDP's
+    CPU. Other work on the host is not modelled: it comes and goes faster than a plan lives. None
+    when there is nothing to share (one device, or devices that compute apart without trailing)."""
+    if m.world_size < 2 or m.profiles is None:
+        return None
+    lag = straggle(m.compute_s)
+    if not config.emulation.cluster:
+        return SharedHost(straggle=lag) if lag else None
+    n = m.world_size              # the probe ran every device at full speed at once
+    return SharedHost(cores=m.host_cores, straggle=lag, straggle_stretch=max(1.0, n / m.host_cores),
+                      contention=contention(m, profiles, config), contention_at=min(n, m.host_cores),
+                      ddp_cost=ddp_cost(m, profiles, config), clocked=config.emulation.sample_s is not None)
 
 
 def options_from_measurements(m: Measurements, config: Config, *, allow_exclusion: bool = False,
-                              link: Link | None = None, profiles=None) -> PlanOptions:
-    """The planner's options for these measurements (W > 1: the probes' figures; see below).
-    `profiles`: planning_profiles(m, config), when the caller has them already."""
+                              link: Link | None = None) -> PlanOptions:
+    """The planner's options for these measurements (W > 1: the probes' figures; see below)."""
     n = m.world_size
-    measured_link, sync_s, agree_s, lag, stretch = FREE_LINK, None, 0.0, 0.0, 1.0
-    slower, at_once, ddp = 1.0, 1, 1.0
+    measured_link, sync_s, agree_s = FREE_LINK, None, 0.0
     if n > 1 and m.profiles is not None:
         # The last rank to reach the sync waits only for the sync itself; earlier ones also wait
         # for it (on a shared host, whoever the scheduler left behind): in each run the least is
         # the sync; the median run is kept.
         sync_s = statistics.median(min(run) for run in zip(*m.sync_s))
         agree_s = min(m.agree_s)
-        lag = straggle(m.compute_s)
-        if config.emulation.cluster:         # the probe ran every device at full speed at once
-            stretch = max(1.0, n / m.host_cores)
-            profiles = profiles if profiles is not None else planning_profiles(m, config)
-            slower, at_once = contention(m, profiles, config), min(n, m.host_cores)
-            ddp = ddp_cost(m, profiles, config)
         slowest = max(m.allreduce_s)
         if m.grad_bytes:
             measured_link = link_from_measurement(
@@ -220,13 +228,8 @@ def options_from_measurements(m: Measurements, config: Config, *, allow_exclusio
             inter = inter_node_link(m)
             if inter is not None and inter.bandwidth_gbs <= measured_link.bandwidth_gbs:
                 measured_link = inter            # a ring over the nodes is as fast as its slowest link
-    return plan_options(
-        config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
-        sync_s=sync_s, agree_s=agree_s, straggle=lag, straggle_stretch=stretch,
-        contention=slower, contention_at=at_once, ddp_cost=ddp,
-        # Emulated devices are threads of this host: they contend for its cores (cost.py). Other
-        # work on the host is not modelled: it comes and goes faster than a plan lives.
-        host_cores=m.host_cores if config.emulation.cluster else None)
+    return plan_options(config, grad_bytes=m.grad_bytes, link=link or measured_link, allow_exclusion=allow_exclusion,
+                        sync_s=sync_s, agree_s=agree_s)
 
 
 def inter_node_link(m: Measurements) -> Link | None:
@@ -255,7 +258,7 @@ def plan_from_measurements(m: Measurements, config: Config, *, allow_exclusion: 
     if m.profiles is None:                   # a single device with unlimited memory
         return _single_device(m, config), ()
     profiles = planning_profiles(m, config)
-    options = options_from_measurements(m, config, allow_exclusion=allow_exclusion, link=link, profiles=profiles)
+    options = options_from_measurements(m, config, allow_exclusion=allow_exclusion, link=link)
     plan = make_plan(list(profiles), options)
     # The rebalancer's time model of each rank: fixed seconds per micro-batch + seconds per sample.
     # The plan's devices are the profiles kept, in order (all of them unless exclusion is allowed).
@@ -325,7 +328,7 @@ def rank_from_measurements(m: Measurements, config: Config, *, state, link: Link
     from ...planning.ranking import measured_pipeline, rank_layouts
 
     profiles = list(planning_profiles(m, config))
-    options = options_from_measurements(m, config, link=link, profiles=profiles)
+    options = options_from_measurements(m, config, link=link)
     pipeline = measured_pipeline(m.pipeline)
     if pipeline is not None and config.emulation.cluster and config.emulation.sample_s is not None:
         pipeline = (pipeline[0].on_clock(clocked_sample_s(profiles, pipeline[1])), pipeline[1])

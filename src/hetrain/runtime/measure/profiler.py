@@ -21,7 +21,7 @@ for devices contending for the host's cores).
 
 On the controlled clock (Emulation.sample_s) a device's compute lasts what its clock says,
 not c/s, and the profiler is not told the clock: it times the device as training runs it, each
-forward and backward through a fresh throttle of the device's own (devices/emulation.Throttle:
+forward and backward through a fresh throttle of the device's own (emulation/device.Throttle:
 the sleep before the backward, the guess of the backward settled after it), the time being the
 thread's CPU time plus the sleeps (the device's busy time, as its hooks count it), and fits
 a + b·m to that as to any device's times. `cpu_share` is then measured too: the CPU seconds over
@@ -33,7 +33,7 @@ sleep costs more CPU than a hot one (caches and the core went to other work: 1.4
 2-core EPYC, measured inside training runs), and the throttle charges that CPU as the device's
 compute. So the profiler also times a few passes paced as training paces them (through a
 fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
-and keeps the median ratio as `paced_cost` (pacing.py; cost.py charges it on a step's last
+and keeps the median ratio as `paced_cost` (emulation/pacing.py; cost.py charges it on a step's last
 micro-batch). Such a profile is cached per speed; a device at speed 1, which never sleeps, is
 not paced.
 """
@@ -55,10 +55,10 @@ from ...files import cache_dir as _files_cache_dir, write_text_atomic
 from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
-from ..devices.emulation import MemoryMeter, model_state_bytes
+from ...emulation.device import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
-from .pacing import PACED_PASS_S, paced_cost
+from ...emulation.pacing import PACED_PASS_S, paced_cost
 
 PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices on the

@@ -67,7 +67,7 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
     backward's compute is done) to the moment backward() returns with every gradient reduced.
 
-    `throttle` (runtime/devices/link.py): the emulated inter-node link every bucket's all-reduce
+    `throttle` (emulation/link.py): the emulated inter-node link every bucket's all-reduce
     crosses, as in training."""
     import torch.distributed as dist
 

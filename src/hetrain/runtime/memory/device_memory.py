@@ -22,7 +22,7 @@ from ..ranks import agree
 from ..ranks.torch_compat import fsdp_redoes_a_broken_step
 from ..sharding import wrap as sharding
 from ..devices.cuda_memory import usable_bytes
-from ..devices.emulation import MemoryMeter
+from ...emulation.device import MemoryMeter
 from ..user_objects import as_scalar, default_forward, optimizer_kind
 
 

@@ -14,7 +14,7 @@ asynchronously). Each optimizer step then
 
 The update is the device's own arithmetic on the same values, so training is exact (same dtype:
 no master copy is made; a low-precision model steps in its own dtype, as it would on the device).
-The device never holds the state: the emulated meter (devices/emulation.py) counts what
+The device never holds the state: a metered device (its hooks' MemoryMeter) counts what
 `held_tensors()` names, nothing here. The cost: per step, 2x the parameter bytes and the gradient
 bytes over the host link, and the optimizer's arithmetic on the CPU.
 

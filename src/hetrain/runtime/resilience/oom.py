@@ -48,13 +48,13 @@ OOM_RECORD = "oom-rank{rank}.json"
 
 class SyncGuard:
     """DDP's gradient all-reduce as a comm hook (runtime/sharding/comm_hooks.py GradientHook: plain,
-    compressed, through the emulated link), plus a record of the buckets each backward launched."""
+    compressed, through a slowed link), plus a record of the buckets each backward launched."""
 
     def __init__(self, ddp: DDP, gradient):
         self.ddp = ddp
         self.gradient = gradient          # a runtime/sharding/comm_hooks.py GradientHook
         self.launched: list[int] = []
-        self.allocating = contextlib.nullcontext   # an emulated device meters the completion (MemoryMeter.allocating)
+        self.allocating = contextlib.nullcontext   # a metered device meters the completion (MemoryMeter.allocating)
         ddp.register_comm_hook(self, SyncGuard.hook)
 
     @staticmethod

@@ -26,7 +26,7 @@ median, made shares swing back and forth (38/26 -> 41/23 -> 36/28 -> 39/25 on a 
 
 A move must pay off, measured. The per-sample model that proposes a move is fitted at the shares in
 force, and a device's time per sample can depend on the split itself: in the demo, whichever
-emulated device had the longer share measured slower per sample (the A100 5.0-5.6 ms/sample at
+CPU-played device had the longer share measured slower per sample (the A100 5.0-5.6 ms/sample at
 40-41 samples, 4.0-4.3 at 36-39; likely the last rank computing while both ranks' gradient
 all-reduces take CPU, not confirmed), so each split made the other look better and shares swung
 11 times in 300 steps on a noisy host. So every move is a trial: once `min_samples + 2`

@@ -92,7 +92,7 @@ class FSDPGuard:
         self.issued: list[Collective] = []
         self.template: list[Collective] | None = None
         self._stale: set[int] = set()    # units whose unsharded gradients a broken step may have left
-        self.allocating = contextlib.nullcontext   # an emulated device meters the completion (MemoryMeter.allocating)
+        self.allocating = contextlib.nullcontext   # a metered device meters the completion (MemoryMeter.allocating)
         for unit in self.units:
             unit.set_custom_all_gather(RecordingAllGather(self.issued))
             unit.set_custom_reduce_scatter(RecordingReduceScatter(self.issued))

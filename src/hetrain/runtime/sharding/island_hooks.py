@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import clock as clocks
-from ..devices.link import LinkThrottle
+from ...emulation.link import LinkThrottle
 from ..ranks.islands import IslandGroups, bridge_all_reduce, make_groups, native_run
 from ..ranks.torch_compat import all_gather_single, reduce_scatter_single
 

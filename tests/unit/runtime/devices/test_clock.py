@@ -17,9 +17,10 @@ import torch
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.runtime.devices import clock as clocks
-from hetrain.runtime.devices.emulation import EmulatedDevice, Throttle
+from hetrain.emulation.device import EmulatedDevice, Throttle
 from hetrain.runtime.devices.faults import FaultInjector
-from hetrain.runtime.devices.hooks import CudaHooks, EmulatedHooks
+from hetrain.emulation.hooks import EmulatedHooks
+from hetrain.runtime.devices.hooks import CudaHooks
 from hetrain.runtime.loop.steps import MicroBatch
 
 CPU = torch.device("cpu")

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hetrain.hardware.cluster import parse_cluster
-from hetrain.runtime.devices.emulation import EmulatedDevice
+from hetrain.emulation.device import EmulatedDevice
 from hetrain.runtime.devices.faults import FaultInjector, parse_faults
-from hetrain.runtime.devices.hooks import CudaHooks, DeviceHooks, EmulatedHooks, make_hooks
+from hetrain.emulation.hooks import EmulatedHooks, make_hooks
+from hetrain.runtime.devices.hooks import CudaHooks, DeviceHooks
 from hetrain.runtime.loop.steps import MicroBatch
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from hetrain.launch import build_launch
 from hetrain.planning.plan import DevicePlan, Plan
 from hetrain.planning.precision import DeviceFacts, choose_precision
 from hetrain.runtime.config import LAUNCH_ENV, Config
-from hetrain.runtime.devices.emulation import EmulatedDevice
+from hetrain.emulation.device import EmulatedDevice
 from hetrain.runtime.devices.precision_policy import PrecisionPolicy, device_facts, math_settings
 
 CPU = torch.device("cpu")

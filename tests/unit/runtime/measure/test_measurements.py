@@ -12,8 +12,9 @@ from hetrain.planning.profile import DeviceProfile
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.joint import SYNC_RUNS
 from hetrain.runtime.measure.measurements import (Measurements, options_from_measurements, plan_from_measurements,
-                                          plan_options, straggle)
-from hetrain import Compression, Emulation, Memory
+                                                  plan_options, planning_profiles, shared_host, straggle)
+from hetrain import Compression, Memory
+from hetrain.emulation import Emulation
 
 MIB = 1024**2
 SPEC = "a100-80g:1.0,rtx3090:0.5@2MiB"
@@ -63,12 +64,16 @@ def test_the_config_decides_batch_margin_cap_and_checkpointing():
     assert not plan_options(no_checkpointing, grad_bytes=8, link=None).allow_checkpointing
 
 
-def test_the_probes_become_the_options_the_planner_is_given():
-    o = options_from_measurements(measured(), Config(global_batch=24, emulation=Emulation(cluster=SPEC)))
+def test_the_probes_become_the_options_the_planner_is_given_and_the_host_its_profiles_carry():
+    emulated = Config(global_batch=24, emulation=Emulation(cluster=SPEC))
+    o = options_from_measurements(measured(), emulated)
     assert o.sync_s == 0.002 and o.agree_s == 0.0003          # the least rank's, median run
-    assert o.straggle == pytest.approx(0.012 / 0.011 - 1) and o.straggle_stretch == 1.0   # 2 ranks, 2 cores
-    assert o.host_cores == 2 and o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.005 / 1e9)
-    assert options_from_measurements(measured(), Config(global_batch=24)).host_cores is None   # real devices
+    assert o.link.bandwidth_gbs == pytest.approx(4 * MIB / 0.005 / 1e9)
+    host = planning_profiles(measured(), emulated)[0].host     # what the emulated devices share
+    assert host.straggle == pytest.approx(0.012 / 0.011 - 1) and host.straggle_stretch == 1.0   # 2 ranks, 2 cores
+    assert host.cores == 2 and not host.clocked
+    real = planning_profiles(measured(), Config(global_batch=24))[0].host    # real devices: stragglers only
+    assert real.cores is None and real.straggle == host.straggle
 
 
 def test_a_device_that_needs_checkpointing_gets_it_unless_the_config_says_none():
@@ -180,8 +185,8 @@ def test_ddp_cost_is_each_ranks_cpu_through_ddp_over_the_bare_runs_and_contentio
     config = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5"))
     assert ddp_cost(m, profiles, config) == pytest.approx(1.05)        # the median of 1.04 and 1.06
     assert contention(m, profiles, config) == pytest.approx(1.15)      # the bare runs: DDP's cost not in it
-    o = options_from_measurements(m, config, profiles=profiles)
-    assert o.ddp_cost == pytest.approx(1.05) and o.contention == pytest.approx(1.15)
+    host = shared_host(m, config, profiles)
+    assert host.ddp_cost == pytest.approx(1.05) and host.contention == pytest.approx(1.15)
     assert Measurements.from_json(m.to_json()) == m
     # not measured (older measurements, a GPU), on the controlled clock, or DDP timed cheaper: 1.0
     assert ddp_cost(replace(m, ddp_over_bare=()), profiles, config) == 1.0

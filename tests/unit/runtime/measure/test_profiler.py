@@ -225,7 +225,7 @@ def clocked_profile(speed: float, *, micro_s: float = CLOCK_A, max_size: int = 1
     other work moves one measurement, not the middle one."""
     from dataclasses import replace
 
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     def once() -> DeviceProfile:
         model = mlp()
@@ -256,7 +256,7 @@ def test_on_the_controlled_clock_the_fit_recovers_the_clocks_a_and_b():
 
 
 def test_a_clocked_profile_is_cached_per_clock(cache):
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     (dev,) = parse_cluster("rtx3090:0.5")
     model = mlp()
@@ -301,9 +301,9 @@ def test_on_the_clock_the_planner_gives_a_capped_device_less_when_each_micro_bat
     assert best_share(CLOCK_A) == 4 and best_share(0.0) == 8
 
 
-# -- the CPU's own clock: an emulated device is paced (runtime/measure/pacing.py) -----------
+# -- the CPU's own clock: an emulated device is paced (emulation/pacing.py) -----------
 def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cache, monkeypatch):
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     calls = []
 

@@ -12,7 +12,7 @@ from hetrain.errors import UsageError
 from hetrain.planning.memory import activation_bytes_per_sample, transformer_profile
 from hetrain.planning.plan import DevicePlan, Plan
 from hetrain.runtime.memory.activation_checkpointing import apply_from_plan, checkpoint_blocks, find_blocks, is_checkpointed
-from hetrain.runtime.devices.emulation import MemoryMeter
+from hetrain.emulation.device import MemoryMeter
 
 CFG = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=4, n_heads=4)
 

@@ -12,7 +12,7 @@ import torch
 from nets import BlockNet
 from hetrain import Memory
 from hetrain.errors import UsageError
-from hetrain.runtime.devices.emulation import MemoryMeter
+from hetrain.emulation.device import MemoryMeter
 from hetrain.runtime.memory import offload
 from hetrain.runtime.memory.offload import HostOptimizer
 

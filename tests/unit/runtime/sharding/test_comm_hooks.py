@@ -1,6 +1,6 @@
 """The gradient hook's pieces that need no process group: PowerSGD's state kept and put back
 around an agreed redo, and the emulated link's arithmetic (runtime/sharding/comm_hooks.py,
-runtime/devices/link.py). The hooks themselves run in tests/dist/test_compression.py."""
+emulation/link.py). The hooks themselves run in tests/dist/test_compression.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from hetrain.planning.collectives import Link, allreduce_seconds
 from hetrain.planning.compression import POWERSGD_START_ITER
-from hetrain.runtime.devices.link import LinkThrottle, throttle_for
+from hetrain.emulation.link import LinkThrottle, throttle_for
 from hetrain.runtime.ranks.nodes import JobNodes
 from hetrain.runtime.sharding.comm_hooks import GradientHook
 from hetrain.runtime.config import Config, Emulation

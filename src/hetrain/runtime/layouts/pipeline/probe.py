@@ -36,7 +36,7 @@ as a piece of its own, as the runtime's last stage meters the user's): what they
 rows at the blocks' factor is their stage's fixed cost a micro-batch (first_s, last_s).
 
 Emulated, four more figures say how the stages share this host's cores, for the step that
-planning/core_sharing.py plays out: the contention (a block's piece run by every rank at once
+emulation/sharing.py plays out: the contention (a block's piece run by every rank at once
 against alone, unthrottled, less the processor sharing of more ranks than cores); a message's
 one-way time between two ranks while the others wait, and while they keep every core busy (a
 process that has just computed is woken later on a full host: 0.6-2.7 ms against 0.1-1.2 in
@@ -111,7 +111,7 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
     out = {"factor": statistics.median(f for f, _ in ranks), "block_s": statistics.median(b for _, b in ranks),
            "ranks": ranks, "micro_batch": big, "micro_batches": micro_batches, "steps": steps,
            **{k: statistics.median(table.column(k)) for k in part_s}}
-    if speed is not None:           # emulated: what the played-out step (planning/core_sharing.py) adds
+    if speed is not None:           # emulated: what the played-out step (emulation/sharing.py) adds
         out["piece_overhead_s"] = statistics.median(table.column("between_s"))
     if shared:
         cores = shared["cores"]
@@ -140,7 +140,7 @@ def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, ste
     """How emulated stages share this host's cores (a collective of every rank): each rank's
     stage piece run alone (in turn) and with every rank running it at once, unthrottled (so all
     compute together: their ratio, less the processor sharing, is the contention the pipeline
-    model plays out, planning/core_sharing.py); and a message's one-way time between two ranks
+    model plays out, emulation/sharing.py); and a message's one-way time between two ranks
     (a round trip of one micro-batch's activations, halved) while the others wait, and while they
     keep every core busy: a stage blocked in a receive is woken at once on a free core, after the
     scheduler's delay on a full one (0.6-2.7 ms against 0.1-1.2 in the 4-rank probes run on a 2-core
@@ -253,7 +253,7 @@ def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, pre
     throttle stretches)."""
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from ...devices.emulation import Throttle
+    from ....emulation.device import Throttle
     from .blocks import PipelineParts, StageModule, param_storage_ptrs
     from .stage import Flight, MeteredStage
 

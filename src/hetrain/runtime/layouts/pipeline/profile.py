@@ -42,7 +42,7 @@ class PipelineProfile:
     block_s: float = 0.0
     first_s: float = 0.0               # ... and what the first / last part adds a micro-batch on its stage
     last_s: float = 0.0                # (the last's with the loss, a piece of its own)
-    # Emulated stages on one host's cores (runtime/layouts/pipeline/probe.py; planning/core_sharing.py
+    # Emulated stages on one host's cores (runtime/layouts/pipeline/probe.py; emulation/sharing.py
     # plays them out): how much slower a piece computes with `contention_at` computing at once, and a
     # message's one-way seconds to a waiting stage with a core free / with every core busy.
     contention: float = 1.0

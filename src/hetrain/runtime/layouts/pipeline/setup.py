@@ -16,7 +16,7 @@ from ....errors import UsageError
 from ....layout_spec import Pipeline as LayoutPipeline
 from ....layout_spec import to_spec
 from ....hardware.host import usable_cores
-from ....planning.core_sharing import sharing, stretched_step
+from ....emulation.sharing import SharedHost, sharing, stretched_step
 from ....planning.parallelism import split_hybrid, stage_rows
 from .split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
 from ....planning.plan import DevicePlan, Plan
@@ -147,7 +147,7 @@ def predict_step(job, splits, profile=None) -> dict:
     kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
 
     Emulated, the stages are processes of this one host and share its cores: the step is played
-    out on them (planning/core_sharing.py, as the layout ranking costs it) with the contention and
+    out on them (emulation/sharing.py, as the layout ranking costs it) with the contention and
     message times the pipeline probe measured (runtime/layouts/pipeline/probe.py). The replicas'
     gradient all-reduce and the optimizer are not in it (`hetrain plan`'s ranking has them). On
     the controlled clock a piece lasts its clocked length, its waits for a core inside its sleep:
@@ -174,9 +174,9 @@ def _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches)
     from ....planning.options import PlanOptions
 
     clocked = cfg.emulation.sample_s is not None
-    o = PlanOptions(global_batch=cfg.global_batch, memory_margin=cfg.memory.margin, clocked=clocked,
-                    host_cores=usable_cores() if job.emulated is not None and not clocked else None)
-    rows = stage_rows(profile, devices, o, schedule=schedule, state_factor=factor,
+    o = PlanOptions(global_batch=cfg.global_batch, memory_margin=cfg.memory.margin)
+    host = SharedHost(cores=usable_cores()) if job.emulated is not None and not clocked else None
+    rows = stage_rows(profile, devices, o, schedule=schedule, state_factor=factor, host=host,
                       micro_batches=lambda p: default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)))
     best = choose(rows, Request(families=("DP×PP",))).row
     if best is None:

@@ -16,7 +16,7 @@ allocator's peak over the forward on CUDA, the emulator's saved-tensor meter els
 profiler counts them), on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap:
 layouts/tensor/shard.shard by the devices' speeds), every rank the same rows (the caller passes the
 micro-batch the runtime will run: runtime/layouts/tensor/split.tp_micro_batch), each rank's compute throttled as in training
-(runtime/devices/emulation.Throttle: CPU time stretched by 1/speed; on the controlled clock its
+(emulation/device.Throttle: CPU time stretched by 1/speed; on the controlled clock its
 part of the model's clock, as the runtime sets it), from a barrier to a barrier (the slowest rank
 sets it). The job's own model is left as it was. The even split (DTensor) is not timed: the row
 split by speed is the one TP is asked for on mixed devices.
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...devices import clock as clocks
-from ...devices.emulation import MemoryMeter, model_state_bytes
+from ....emulation.device import MemoryMeter, model_state_bytes
 from ...devices.precision_policy import DTYPES
 from ...user_objects import rows as batch_rows
 from ...measure.fsdp_probe import paced_optimizer_step, stateless, throttled_forward_backward

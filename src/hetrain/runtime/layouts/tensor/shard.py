@@ -185,7 +185,7 @@ def compute_share(model: nn.Module) -> float:
     """This rank's share of the model's matrix multiplies: the elements of its Linears' weights it
     holds over the whole model's (a replicated Linear, like the head, counts whole on every rank).
     Per token, a Linear costs 6 FLOPs per weight element in forward and backward, so this is the
-    rank's share of those FLOPs; the emulated controlled clock times a TP rank by it."""
+    rank's share of those FLOPs; a device on a controlled clock times a TP rank by it."""
     held = whole = 0
     for m in model.modules():
         if not isinstance(m, nn.Linear):

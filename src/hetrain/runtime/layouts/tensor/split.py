@@ -13,7 +13,7 @@ The all-reduces are the even split's: every rank sends and receives the whole ac
 each layer (2 per layer forward, 2 backward), whatever its part. Memory: rank r holds f_r of the
 model state; of the activations it saves its part of the sharded layers' outputs and every
 replicated one (the residual stream, the norms, the head) whole: 69-77% of the whole model's on
-the demo GPT split 60/40 (measured with the emulator's saved-tensor meter). Before any run the
+the demo GPT split 60/40 (measured with a saved-tensor meter). Before any run the
 row takes the whole model's activations, a bound, and so does the micro-batch every rank runs
 (`tp_micro_batch`: the runtime's choice, runtime/layouts/data_setup.tensor_plan, is this one).
 
@@ -21,7 +21,7 @@ That is the model before any run. `hetrain plan` times a step of the split inste
 (runtime/layouts/tensor/probe.py), at the micro-batch the runtime will run, and counts what each rank
 holds; the row costs and sizes that (`measured`): on gloo the modelled step was 2.5x too fast on
 the demo GPT (every layer's all-reduces waited in the calling thread, the small sharded matmuls
-and the split's bookkeeping cost CPU an emulated device is throttled on).
+and the split's bookkeeping cost CPU, which a CPU-played device is timed by).
 
 `units`: when the head (key/value group) count is known, f_r are the runtime's whole units
 (planning.shares.proportional_shares, the same solver the runtime uses); else the exact fractions.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetrain.runtime.devices.emulation import MemoryMeter
+from hetrain.emulation.device import MemoryMeter
 from hetrain.runtime.resilience import oom
 
 CPU = torch.device("cpu")

@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import clock as clocks
-from ...planning.collectives import Link, allreduce_seconds
+from ..runtime.devices import clock as clocks
+from ..planning.collectives import Link, allreduce_seconds
 
 
 class LinkThrottle:
@@ -86,7 +86,7 @@ def throttle_for(job, *, ring: int | None = None) -> LinkThrottle | None:
 def check_link_request(job) -> None:
     """emulate_link_gbs where it cannot act: on real GPUs an error (every rank: all or none
     emulate, runtime/ranks/nodes.py), on one node a warning that it does nothing."""
-    from ...errors import UsageError
+    from ..errors import UsageError
 
     gbs = job.config.emulation.link_gbs
     if gbs is None:

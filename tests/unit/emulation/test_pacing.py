@@ -1,4 +1,4 @@
-"""runtime/measure/pacing.py: paced_cost reads what a backward after the throttle's sleep costs
+"""emulation/pacing.py: paced_cost reads what a backward after the throttle's sleep costs
 beyond a flat-out one, and nothing where the sleep costs nothing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetrain.runtime.measure.pacing import paced_cost
+from hetrain.emulation.pacing import paced_cost
 
 
 def spin(cpu_s: float) -> None:
@@ -65,7 +65,7 @@ def test_paced_cost_reads_what_a_backward_after_the_sleep_costs_beyond_a_flat_ou
 def test_paced_cost_stops_after_a_few_pairs_once_its_passes_spent_their_cpu_budget():
     """On a host where the pass is slow (bf16 on an AVX2-only CPU), the paced passes are bounded
     by their CPU, not by a count: MIN_PAIRS kept pairs (and the dropped first) once over budget."""
-    from hetrain.runtime.measure.pacing import MIN_PAIRS
+    from hetrain.emulation.pacing import MIN_PAIRS
 
     model = nn.Linear(4, 4)
 

@@ -1,11 +1,13 @@
-"""Emulated devices sharing the host's cores (planning/core_sharing.py): the rate, the pipeline's
+"""Emulated devices sharing the host's cores (emulation/sharing.py): the rate, the pipeline's
 step played out event by event against the same step ticked out, and the ranking's rows."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from hetrain.planning.core_sharing import cpu_rate, play_step, stretched_step
+from hetrain.emulation.sharing import SharedHost, cpu_rate, play_step, stretched_step
 from hetrain.planning.ranking import ModelState, rank_layouts
 from hetrain.planning.options import PlanOptions
 from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice, evaluate_split, split_pipeline
@@ -127,15 +129,15 @@ def _row(ranking, family):
 def test_the_ranking_stretches_emulated_pipelines_on_shared_cores_and_leaves_dp_to_its_own_model():
     profiles = _profiles([0.5, 0.5, 0.335, 0.335])
     state = ModelState(params=P, trainable=P, blocks=4)
-    rank = lambda **o: rank_layouts(profiles, state=state,                         # noqa: E731
-                                    options=PlanOptions(global_batch=32, grad_bytes=4 * P, **o))
+    rank = lambda host=None: rank_layouts([replace(p, host=host) for p in profiles], state=state,  # noqa: E731
+                                          options=PlanOptions(global_batch=32, grad_bytes=4 * P))
     gpus = rank()                                             # real GPUs: no host cores to share
-    shared = rank(host_cores=2, contention=1.15, contention_at=2)
-    roomy = rank(host_cores=4)                                # a core each, no contention measured
+    shared = rank(SharedHost(cores=2, contention=1.15, contention_at=2))
+    roomy = rank(SharedHost(cores=4))                         # a core each, no contention measured
     said = "emulated stages share"
     for family in ("PP", "DP×PP"):
         assert _row(shared, family).samples_per_s < 0.98 * _row(gpus, family).samples_per_s
         assert said in _row(shared, family).detail and said not in _row(gpus, family).detail
         assert _row(roomy, family).samples_per_s == pytest.approx(_row(gpus, family).samples_per_s, rel=1e-12)
-    # data parallelism keeps its own cost model (cost.shared_cpu_finish), nothing added on top
+    # data parallelism keeps its own play-out (SharedHost.play), nothing added on top
     assert said not in _row(shared, "DP").detail

@@ -41,9 +41,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ...hardware.cluster import ClusterDevice
-from ...hardware.units import format_bytes
-from . import clock
+from ..hardware.cluster import ClusterDevice
+from ..hardware.units import format_bytes
+from ..runtime.devices import clock
 from .held_memory import Ledger, Saved
 
 # glibc's mallopt(3) parameters (malloc.h), and what an emulated device sets them to
@@ -370,7 +370,7 @@ def agree_host_facts(*, rank: int, world_size: int):
     $HETRAIN_HOST_FACTS file) is raised on every rank, not on rank 0 alone."""
     import torch.distributed as dist
 
-    from ...hardware.host import host_facts
+    from ..hardware.host import host_facts
 
     result: list = [None]
     if rank == 0:

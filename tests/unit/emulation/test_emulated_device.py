@@ -12,7 +12,7 @@ import torch
 
 
 def test_throttle_stretches_compute_to_the_emulated_speed():
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     throttle = Throttle(0.5)
     t0 = time.perf_counter()
@@ -34,7 +34,7 @@ def test_throttle_stretches_compute_to_the_emulated_speed():
 # device must override it.
 FREED_AND_MADE_AGAIN = """
 import resource, sys, torch
-from hetrain.runtime.devices.emulation import become_emulated_device
+from hetrain.emulation.device import become_emulated_device
 if sys.argv[1] == "device":
     assert become_emulated_device() and torch.get_num_threads() == 1
 def once():
@@ -62,7 +62,7 @@ def test_an_emulated_device_does_not_fault_in_again_what_it_freed():
 
 
 def test_noise_differs_between_devices_and_stays_within_its_band():
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     a, b = Throttle(1.0, seed=1000), Throttle(1.0, seed=1001)
     a.noise = b.noise = 0.1
@@ -73,7 +73,7 @@ def test_noise_differs_between_devices_and_stays_within_its_band():
 
 
 def test_meter_counts_saved_activations_and_raises_the_cuda_oom_type():
-    from hetrain.runtime.devices.emulation import MemoryMeter
+    from hetrain.emulation.device import MemoryMeter
 
     lin = torch.nn.Linear(64, 64)
     meter = MemoryMeter(label="t", cap=None)
@@ -89,8 +89,8 @@ def test_meter_counts_saved_activations_and_raises_the_cuda_oom_type():
 
 
 def test_meter_looks_up_a_forward_it_has_counted_and_still_raises_inside_the_forward():
-    from hetrain.runtime.devices import emulation as emulate
-    from hetrain.runtime.devices.emulation import MemoryMeter
+    from hetrain.emulation import device as emulate
+    from hetrain.emulation.device import MemoryMeter
     from hetrain.runtime.model import PreparedModel
 
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
@@ -123,7 +123,7 @@ def test_meter_looks_up_a_forward_it_has_counted_and_still_raises_inside_the_for
 
 
 def test_throttle_sleeps_once_per_step_before_the_backward_that_syncs():
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     throttle = Throttle(0.5)
     throttle.backward_ratio = 2.0
@@ -149,8 +149,8 @@ def test_a_forward_whose_inputs_the_signature_cannot_describe_is_always_counted(
 
 
 def test_a_recount_keeps_the_most_a_data_dependent_graph_saved():
-    from hetrain.runtime.devices import emulation as emulate
-    from hetrain.runtime.devices.emulation import MemoryMeter
+    from hetrain.emulation import device as emulate
+    from hetrain.emulation.device import MemoryMeter
     from hetrain.runtime.model import PreparedModel
 
     class Positive(torch.nn.Module):     # saves as much as its input has positive entries
@@ -176,7 +176,7 @@ def test_a_recount_keeps_the_most_a_data_dependent_graph_saved():
 
 
 def test_a_clocked_pipeline_piece_lasts_its_length_over_the_speed_with_its_waits_inside():
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     # 10 ms at speed 1 lasts 25 ms at 0.4: a piece that took 14 ms of wall (6 of CPU, the rest
     # waiting for a core) sleeps the 11 ms left, whatever its CPU took
@@ -189,7 +189,7 @@ def test_a_clocked_pipeline_piece_lasts_its_length_over_the_speed_with_its_waits
 
 
 def test_the_clocks_fixed_part_is_paid_once_per_micro_batch():
-    from hetrain.runtime.devices.emulation import Throttle
+    from hetrain.emulation.device import Throttle
 
     # (4 ms + 3 x 1 ms) / 0.5 = 14 ms for a micro-batch of 3, of which 2 ms forward and a 4 ms
     # guessed backward are CPU: 8 ms of sleep; without the fixed part 6 ms less would be owed

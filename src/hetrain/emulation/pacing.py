@@ -3,7 +3,7 @@ training does, over a flat-out one's (the profile's `paced_cost`; runtime/measur
 measures it, planning/cost.py charges it on a step's last micro-batch).
 
 On the CPU's own clock an emulated device's time is its thread's CPU time over its speed, and its
-throttle sleeps before the backward of a step's last micro-batch (devices/emulation.Throttle). A
+throttle sleeps before the backward of a step's last micro-batch (emulation/device.Throttle). A
 backward after that sleep runs on caches and a core that went to other work, and costs more CPU
 than the profiler's back-to-back passes: 1.4-4% more on a 2-core AMD EPYC
 (measured inside training runs). Each paced pass is timed beside a flat-out one, under a second
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices import clock as clocks
-from ..user_objects import as_scalar
+from ..runtime.devices import clock as clocks
+from ..runtime.user_objects import as_scalar
 
 PACED_PAIRS = 9                # paced passes timed, each beside a flat-out one (the first pair dropped)
 PACED_PASS_S = 0.05            # ... at the largest timed size whose flat-out pass takes at most this
@@ -29,7 +29,7 @@ MIN_PAIRS = 3                  # AVX2-only host an explicit bf16 computes ~40x s
 
 def timed_pass(model: torch.nn.Module, batch, fwd: Callable, throttle=None, *, samples: int = 1) -> tuple[float, float]:
     """One forward and backward of `batch`, flat out, or paced through `throttle` as training paces
-    a step's last micro-batch (its forward, the sleep: devices/emulation.Throttle.before_backward,
+    a step's last micro-batch (its forward, the sleep: emulation/device.Throttle.before_backward,
     its backward, the guess's error settled). Returns this thread's CPU seconds of the forward and
     of the backward; gradients are dropped."""
     c0 = clocks.thread_cpu()

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...hardware.units import format_bytes
+from ..hardware.units import format_bytes
 
 
 class Saved:

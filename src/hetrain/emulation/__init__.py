@@ -1,0 +1,24 @@
+"""The CPU emulator: CPU threads playing GPUs of given speeds and memories, so that a mixed cluster
+can be tried, tested and benchmarked on one host. Everything here exists only for emulation; the
+rest of hetrain reaches it at two points:
+
+  hooks.make_hooks   a job's device hooks: an emulated device's throttle, memory meter and faults
+  sharing.SharedHost what the planner must know of devices that are threads of one host (core
+                     sharing, contention, DDP's CPU, the stragglers), carried by the profiles the
+                     emulator measures (DeviceProfile.host), never by the planner's options
+
+  device.py       the throttle (CPU time stretched to the device's speed, or the controlled clock),
+                  the memory meter, the process a device runs in
+  held_memory.py  what the autograd graphs hold, and an OOM's failed graph
+  link.py         an emulated inter-node link
+  pacing.py       what pacing costs a device's CPU (the profile's paced_cost)
+  sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
+
+The launcher and the tests turn it on with the `Emulation` config group (`hetrain run --emulate`
+writes it into the launch file; a test imports it from here): it is not part of hetrain's public
+API, since a training script never sets it. Importing this package loads no torch.
+"""
+
+from ..runtime.config_groups import Emulation
+
+__all__ = ["Emulation"]
