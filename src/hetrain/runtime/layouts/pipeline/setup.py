@@ -226,8 +226,8 @@ def _groups(job, grid):
 
     import torch.distributed as dist
 
-    from ..ranks.islands import for_job as island_layout
-    from ..ranks.islands import pipeline_groups as island_pipeline_groups
+    from ...ranks.islands import for_job as island_layout
+    from ...ranks.islands import pipeline_groups as island_pipeline_groups
 
     timeout = timedelta(seconds=job.config.timeout_s)
     islands = island_layout(job)            # ranks on 2+ device islands: DP inside each, PP across
