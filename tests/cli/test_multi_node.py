@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 from hetrain.runtime.resilience.resume import read_sample_log
 from node_launch import Node, finish, free_port, job_flags, wait_for
 
@@ -148,5 +148,6 @@ def test_slurm_variables_become_the_rendezvous(tmp_path):
      ["h9000"]),
 ])
 def test_bad_multi_node_options_are_one_line(tmp_path, flags, words):
-    result = hetrain("run", *flags, *train_args(tmp_path), timeout=60)
+    """Refused before anything starts, so `hetrain run` is called in this process."""
+    result = hetrain_here("run", *flags, *train_args(tmp_path))
     one_line(result.returncode, result.stderr, *words)
