@@ -108,6 +108,30 @@ def interleaved(names, rounds: int, *, own_cache: bool = False):
             yield from ((r, name) for name in (names if r % 2 == 0 else names[::-1]))
 
 
+def launched(names, rounds: int, launch, *, smoke: bool, own_cache: bool = False):
+    """(round, name, launch(round, name)) for each of interleaved(names, rounds, own_cache=own_cache), in
+    that order. Under --smoke two launches run at a time: a smoke's figures are not judged, and its
+    jobs spend much of their time waiting (rendezvous, an emulated device's sleep), which a second
+    job fills; each still runs its own code path. Two, not all: each job is several processes that
+    import torch, and a CI host has two cores and little memory to spare."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not smoke:
+        for r, name in interleaved(names, rounds, own_cache=own_cache):    # lazily: its cache lives till the end
+            yield r, name, launch(r, name)
+        return
+    with contextlib.ExitStack() as stack:
+        if own_cache:      # the cache interleaved() would make, held for the concurrent launches
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="hetrain-bench-cache-",
+                                                                    ignore_cleanup_errors=True))
+            os.environ["HETRAIN_CACHE"] = cache
+        order = list(interleaved(names, rounds))
+        pool = stack.enter_context(ThreadPoolExecutor(2))
+        futures = [pool.submit(launch, r, name) for r, name in order]
+        for (r, name), f in zip(order, futures):
+            yield r, name, f.result()
+
+
 def train_steps(ht, batches) -> tuple[list[float], object]:
     """Every step of `batches` through hetrain's loop: (the clock before the first step and at
     each step's end, the last step's loss)."""

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, interleaved, torchrun
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, launched, torchrun
 
 SPEC = "a100-80g:1.0,rtx3090:0.67"
 MODES = ("auto", "dp")
@@ -73,8 +73,7 @@ def main(argv=None) -> None:
         p.error("--rounds must be at least 1")
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     chosen: list[str] = []
-    for r, mode in interleaved(MODES, args.rounds):
-        got = launch(mode, args)
+    for r, mode, got in launched(MODES, args.rounds, lambda _, mode: launch(mode, args), smoke=args.smoke):
         seconds[mode].append(got["prepare_s"])
         if mode == "auto":
             chosen.append(got["layout"])

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from _common import (FAST, Parser, add_clock_arguments, add_sizes, add_smoke, add_worker_args, apply_smoke, card_autocast,
-                     card_policy, clock_s, describe_clock, flags, interleaved, loss_of, model_and_data, resolve_clock, torchrun)
+                     card_policy, clock_s, describe_clock, flags, launched, loss_of, model_and_data, resolve_clock, torchrun)
 
 SLOW = "rtx3090:0.67"
 CONFIGS = {   # name: (mode, cluster spec)
@@ -162,8 +162,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {name: [] for name in CONFIGS}       # whole timed window
     steady: dict[str, list[float]] = {name: [] for name in CONFIGS}     # at the run's median step
     slow_steps: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for r, name in interleaved(list(CONFIGS), args.rounds, own_cache=True):
-        got = launch(name, args)
+    for r, name, got in launched(list(CONFIGS), args.rounds, lambda _, name: launch(name, args), smoke=args.smoke,
+                                 own_cache=True):
         runs[name].append(got["samples_per_s"])
         typical = statistics.median(got["step_s"])
         steady[name].append(args.global_batch / typical)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _common import Parser, add_smoke, apply_smoke, interleaved  # noqa: E402
+from _common import Parser, add_smoke, apply_smoke, launched  # noqa: E402
 
 CLUSTER = "a100-80g,rtx3090"
 SCRIPT = textwrap.dedent('''
@@ -113,8 +113,9 @@ def main() -> None:
         script = work / "train.py"
         script.write_text(SCRIPT)
         runs = []
-        for i, kind in interleaved(("stock", "hetrain"), a.rounds):
-            runs.append(run(kind, script, work, a))
+        for i, kind, got in launched(("stock", "hetrain"), a.rounds, lambda _, kind: run(kind, script, work, a),
+                                     smoke=a.smoke):
+            runs.append(got)
             print(f"round {i + 1} {kind:8s} wall {runs[-1]['wall_s']:6.1f} s, train_runtime "
                   f"{runs[-1]['train_runtime']:6.1f} s, eval loss {runs[-1]['eval_loss']:.3f}", flush=True)
     med = {k: {f: statistics.median(r[f] for r in runs if r["kind"] == k) for f in ("wall_s", "train_runtime")}

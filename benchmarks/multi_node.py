@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, interleaved  # noqa: E402
+from _common import Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, flags, launched  # noqa: E402
 from hetero_dp import timed_hetrain, worker_plain as plain_ddp  # noqa: E402 — the same model, data, loop
 from harness import free_port  # noqa: E402 — the tests' loopback port, as checkpoint_io.py uses
 
@@ -117,8 +117,7 @@ def main() -> None:
     names = list(CONFIGS)
     rounds: list[dict] = [{} for _ in range(args.rounds)]
     chosen = set()
-    for r, name in interleaved(names, args.rounds):
-        result = launch(name, args)
+    for r, name, result in launched(names, args.rounds, lambda _, name: launch(name, args), smoke=args.smoke):
         rounds[r][name] = result["samples_per_s"]
         if name == "hetrain-auto":
             chosen.add(result["compression"])

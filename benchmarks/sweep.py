@@ -108,7 +108,7 @@ ENV = dict(os.environ)
 
 
 def main() -> None:
-    from _common import interleaved      # here: the workers load this file as the objective, without _common
+    from _common import launched      # here: the workers load this file as the objective, without _common
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
@@ -126,8 +126,8 @@ def main() -> None:
     walls: dict[str, list[float]] = {"pair": [], "alone": []}
     per_device: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for k, side in interleaved(("pair", "alone"), args.rounds):
-            got = run(many if side == "pair" else "a100-80g", args.trials, tmp, f"{side}{k}", args.clock)
+        for k, side, got in launched(("pair", "alone"), args.rounds, lambda k, side: run(
+                many if side == "pair" else "a100-80g", args.trials, tmp, f"{side}{k}", args.clock), smoke=args.smoke):
             walls[side].append(got["wall_s"])
             per_device[f"{side}{k}"] = got["devices"]
             print(f"round {k + 1}: {side:5s} {got['wall_s']:.1f} s  " + ", ".join(

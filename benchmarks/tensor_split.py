@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from _common import (Parser, add_sizes, add_smoke, add_worker_args, apply_smoke, clock_s, flags, hf_gpt2,
-                     interleaved, resolve_clock, torchrun)
+                     launched, resolve_clock, torchrun)
 
 FAST, SLOW = "a100-80g:1.0", "rtx3090:0.6"
 CONFIGS = {   # name: (TensorParallel's split, cluster spec)
@@ -134,8 +134,8 @@ def main(argv=None) -> None:
     steady: dict[str, list[float]] = {n: [] for n in names}
     seen: dict[str, dict] = {}
     started = time.perf_counter()
-    for r, name in interleaved(names, args.rounds, own_cache=True):
-        got = launch(name, args)
+    for r, name, got in launched(names, args.rounds, lambda _, name: launch(name, args), smoke=args.smoke,
+                                 own_cache=True):
         steady[name].append(args.global_batch / statistics.median(got["step_s"]))
         seen[name] = {"speeds": got["speeds"], "micro_batch": got["micro_batch"],
                       "clock_s_per_sample": got["clock_s_per_sample"]}

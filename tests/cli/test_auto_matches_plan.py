@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 from hetrain import DataParallel, Pipeline, TensorParallel
 from hetrain.layout_spec import from_spec
 from hetrain.planning.profile import DeviceProfile
@@ -180,7 +180,7 @@ def test_hetrain_plan_follows_the_jobs_oom_recovery_as_auto_does():
     Memory(oom_recovery=False), lets it recommend TP."""
     args = ("plan", "--params", "1e9", "--flops-per-sample", "6e9", "--activation-bytes", "1MiB", "--emulate",
             "a100-80g,rtx3090", "--global-batch", "32", "--link-gbs", "1")
-    on, off = hetrain(*args), hetrain(*args, "--no-oom-recovery")
+    on, off = hetrain_here(*args), hetrain_here(*args, "--no-oom-recovery")     # from figures: no process starts
     assert on.returncode == off.returncode == 0, on.stderr + off.stderr
     assert "best layout: DP: " in on.stdout and "TP 2 by speed predicts" in on.stdout
     assert "  TP 2 by speed, TP 2, capacity-full left out: it turns in-loop OOM recovery off" in on.stdout

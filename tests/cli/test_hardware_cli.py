@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fake_nvml
+from clirun import hetrain_here
 from hetrain.cli import main
 from hetrain.hardware.findings import LEVELS
 
@@ -30,10 +31,10 @@ def nvml_works() -> bool:
         return False
 
 
-def hetrain(*args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run([sys.executable, "-m", "hetrain", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO)
+def hetrain(*args):
+    """The command in this process (clirun.hetrain_here: the exit code and output a user gets, no
+    Python start or torch import): doctor and env read this machine, and start nothing."""
+    return hetrain_here(*args)
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:

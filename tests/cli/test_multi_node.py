@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 from hetrain.runtime.resilience.resume import read_sample_log
 from node_launch import Node, finish, free_port, job_flags, wait_for
 
@@ -123,19 +123,22 @@ def test_nodes_with_different_torch_builds_are_one_error_naming_the_odd_node(tmp
     assert codes[1] == 2 and "node 1 'old-box'" in nodes[1].text()
 
 
+# The launcher polls the endpoint before it starts anything (launching/nodes.py check_reachable),
+# so these two run `hetrain run` in this process.
 def test_an_endpoint_nobody_answers_is_an_error_within_the_timeout(tmp_path):
     port = free_port()
-    result = hetrain("run", *job_flags("2", port), "--node-rank", "1", "--rdzv-timeout", "2",
-                     "--emulate", "rtx3090", *train_args(tmp_path), timeout=60)
+    result = hetrain_here("run", *job_flags("2", port), "--node-rank", "1", "--rdzv-timeout", "2",
+                          "--emulate", "rtx3090", *train_args(tmp_path))
     one_line(result.returncode, result.stderr, f"127.0.0.1:{port}", "within 2 s", "start node rank 0")
 
 
-def test_slurm_variables_become_the_rendezvous(tmp_path):
+def test_slurm_variables_become_the_rendezvous(tmp_path, monkeypatch):
     port = free_port()
     env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "localhost,ghost-node",
            "SLURM_NTASKS_PER_NODE": "1", "HETRAIN_RDZV_PORT": str(port)}
-    result = hetrain("run", "--slurm", "--rdzv-timeout", "1", "--emulate", "rtx3090", *train_args(tmp_path),
-                     env=env, timeout=60)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = hetrain_here("run", "--slurm", "--rdzv-timeout", "1", "--emulate", "rtx3090", *train_args(tmp_path))
     one_line(result.returncode, result.stderr, f"localhost:{port}", "could not be reached")
     assert "SLURM_NODEID" in result.stderr          # where each value came from is said
 
@@ -148,5 +151,6 @@ def test_slurm_variables_become_the_rendezvous(tmp_path):
      ["h9000"]),
 ])
 def test_bad_multi_node_options_are_one_line(tmp_path, flags, words):
-    result = hetrain("run", *flags, *train_args(tmp_path), timeout=60)
+    """Refused before anything starts, so `hetrain run` is called in this process."""
+    result = hetrain_here("run", *flags, *train_args(tmp_path))
     one_line(result.returncode, result.stderr, *words)

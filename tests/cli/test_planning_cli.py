@@ -28,7 +28,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_simulate_answers_what_a_3090_buys_and_which_card_is_the_bottleneck():
-    r = hetrain("simulate", "--cluster", "a100-80g,rtx3090", "--model", "gpt2-124m", "--global-batch", "128")
+    r = hetrain_here("simulate", "--cluster", "a100-80g,rtx3090", "--model", "gpt2-124m", "--global-batch", "128")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for words in ("fastest single device", "plain DDP equal split", "hetrain", "samples/s", "efficiency",
@@ -270,7 +270,8 @@ def test_plan_writes_the_runtimes_plan_and_the_runtime_runs_it(tmp_path):
 ])
 def test_a_bad_factory_or_path_is_one_line(tmp_path, factory, extra, words, launched):
     (tmp_path / "factory.py").write_text(FACTORY)
-    r = hetrain("plan", "--model-factory", f"{tmp_path / 'factory.py'}:{factory}", "--emulate", "a100-80g",
+    command = hetrain if launched else hetrain_here        # refused before any process starts: in this one
+    r = command("plan", "--model-factory", f"{tmp_path / 'factory.py'}:{factory}", "--emulate", "a100-80g",
                 "--global-batch", "8", *(e.format(tmp=tmp_path) for e in extra))
     one_line_error(r, *words)
     assert ("launching" in r.stderr) == launched              # paths and the factory are checked first

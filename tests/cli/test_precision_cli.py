@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 
 SCRIPT = textwrap.dedent("""
     import torch, hetrain
@@ -49,7 +49,7 @@ def test_an_unknown_precision_is_one_line_listing_the_values_for_demo_run_and_pl
                            (("run", "--precision", "fp8", "--emulate", "a100-80g", str(script)), "auto, fp32, bf16, fp16"),
                            (("plan", "--precision", "fp8", "--global-batch", "8", "--model", "gpt2-124m",
                              "--emulate", "a100-80g"), "fp32, bf16, fp16")):
-        r = hetrain(*args)
+        r = hetrain_here(*args)          # refused on the command line, before anything starts
         assert r.returncode == 2, (args, r.stderr[-2000:])
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stderr)

@@ -81,8 +81,8 @@ def test_an_objective_without_train_says_what_to_define(tmp_path):
 
 def test_a_trial_that_fits_no_device_stops_the_sweep_as_one_line(tmp_path):
     # the wide trials (6.3 MiB) fit no 4 MiB card: trial 0 is one of them
-    one_line_error(hetrain("sweep", str(OBJECTIVE), "--emulate", "rtx3090@4MiB", "--trials", "2",
-                           "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
+    one_line_error(hetrain_here("sweep", str(OBJECTIVE), "--emulate", "rtx3090@4MiB", "--trials", "2",
+                                "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
                    "trial 0", "fits no device and no group", "the largest group, 1 device(s) (rtx3090#0",
                    "narrow the search space", "bigger or more devices")
     study = optuna.load_study(study_name="sweep_objective", storage=f"sqlite:///{tmp_path / 's.db'}")
@@ -368,8 +368,8 @@ def test_a_trial_too_big_for_one_card_runs_as_a_data_parallel_job_over_a_group(t
 
 
 def test_a_group_trial_no_group_holds_is_one_line_with_its_need_and_the_largest_groups_room(tmp_path):
-    one_line_error(hetrain("sweep", str(GROUP_OBJECTIVE), "--emulate", "rtx3090@32MiB,rtx3090@32MiB", "--trials", "2",
-                           "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
+    one_line_error(hetrain_here("sweep", str(GROUP_OBJECTIVE), "--emulate", "rtx3090@32MiB,rtx3090@32MiB", "--trials", "2",
+                                "--storage", str(tmp_path / "s.db"), "--emulate-sample-s", "0.002"),
                    "trial 0", "fits no device and no group", "needs 91.6 MiB",
                    "the largest group, 2 device(s)", "has room for 57.6 MiB together", "under its best sharding, fsdp")
 
@@ -406,8 +406,8 @@ def test_a_stock_optuna_script_keeps_its_direction_sampler_and_pruner_and_finds_
 
 
 def test_a_stock_scripts_direction_against_the_command_lines_is_one_line(tmp_path):
-    one_line_error(hetrain("sweep", str(STOCK), "--emulate", SPEC, "--storage", str(tmp_path / "s.db"),
-                           "--direction", "minimize"),
+    one_line_error(hetrain_here("sweep", str(STOCK), "--emulate", SPEC, "--storage", str(tmp_path / "s.db"),
+                                "--direction", "minimize"),
                    "--direction minimize, but sweep_optuna_stock.py's create_study says direction='maximize'",
                    "drop --direction")
 

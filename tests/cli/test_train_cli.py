@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from clirun import hetrain
+from clirun import hetrain, hetrain_here
 
 
 def one_line_error(result, *words):
@@ -25,18 +25,18 @@ def one_line_error(result, *words):
 def test_malformed_emulate_spec(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('never runs')\n")
-    one_line_error(hetrain("run", "--emulate", "a100-80g:fast,3090", str(script)),
+    one_line_error(hetrain_here("run", "--emulate", "a100-80g:fast,3090", str(script)),   # refused before a launch
                    "'a100-80g:fast'", "not a number", "NAME:SPEED@MEMORY")
 
 
 def test_unknown_device_suggests_close_names(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")
-    one_line_error(hetrain("run", "--emulate", "a100-80g,rtx-309", str(script)), "did you mean", "rtx3090")
+    one_line_error(hetrain_here("run", "--emulate", "a100-80g,rtx-309", str(script)), "did you mean", "rtx3090")
 
 
 def test_missing_script():
-    one_line_error(hetrain("run", "no_such_train.py"), "does not exist", "fix:")
+    one_line_error(hetrain_here("run", "no_such_train.py"), "does not exist", "fix:")
 
 
 WORKER_SCRIPT = textwrap.dedent("""
