@@ -23,15 +23,18 @@ def by_speed(global_batch: int, speeds) -> tuple[int, ...]:
 
 @lru_cache(maxsize=None)
 def data_plan(shares: tuple[int, ...], micros: tuple[int, ...] | None = None, *,
-              speeds: tuple[float, ...] | None = None, names: tuple[str, ...] | None = None) -> Plan:
+              speeds: tuple[float, ...] | None = None, names: tuple[str, ...] | None = None,
+              caps: tuple[int, ...] | None = None) -> Plan:
     """A data-parallel Plan: rank r computes shares[r] samples in micro-batches of micros[r]
-    (default: one micro-batch), on a device named names[r] (default cpu<r>)."""
+    (default: one micro-batch), on a device named names[r] (default cpu<r>) of caps[r] bytes
+    (default: not known)."""
     w = len(shares)
     micros = micros or shares
     speeds = speeds or (1.0,) * w
     names = names or tuple(f"cpu{r}" for r in range(w))
-    devices = tuple(DevicePlan(rank=r, device=names[r], speed=speeds[r], share=shares[r], micro_batch=micros[r])
-                    for r in range(w))
+    caps = caps or (None,) * w
+    devices = tuple(DevicePlan(rank=r, device=names[r], speed=speeds[r], share=shares[r], micro_batch=micros[r],
+                               memory_cap_bytes=caps[r]) for r in range(w))
     return Plan(global_batch=sum(shares), devices=devices)
 
 
