@@ -170,10 +170,15 @@ def rebalance_job(faults, steps):
     return out
 
 
+def rebalance_worker(rank, world, faults, steps):
+    """One rebalancing job in its own process group (test_async_emulation.py's, with its env)."""
+    return rebalance_job(faults, steps)
+
+
 SLOW_AT = 8
 
 
-def rebalance_worker(rank, world):
+def rebalance_cases_worker(rank, world):
     """Both rebalancing cases, one job after the other in one process group."""
     from pipeline_runs import join_group
 
@@ -184,7 +189,7 @@ def rebalance_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def rebalance_runs():
-    return run_ranks(rebalance_worker, 2, timeout=300)
+    return run_ranks(rebalance_cases_worker, 2, timeout=300)
 
 
 def test_rebalancing_follows_a_slowdown_within_ten_steps(rebalance_runs):
