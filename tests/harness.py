@@ -56,7 +56,14 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, caller_env: dict, 
 # so the variables each rank sets in _entry still reach it. torch._dynamo because torch's optimizers
 # import it on their first step (optim/optimizer.py, _use_grad_for_differentiable): ~1 s of CPU a
 # rank, and tests/dist took 118-122 s without it in the preload against 66 s with it (one host, quiet).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine"]
+# The integrations' libraries too: a rank of a Hugging Face or Lightning test imported them again,
+# ~3-6 s of CPU a rank (GPT-2's and Llama's modeling 2.7 s, the Trainer 1.3 s, Fabric 2 s, measured
+# here), paid once by the server instead. Only the libraries' own modules: hetrain's integrations
+# swap classes at import, which each test must see happen. One that is not installed is skipped
+# (the fork server ignores a preload's ImportError).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+           "transformers.trainer", "lightning.fabric"]
 
 
 def _context():

@@ -77,9 +77,12 @@ def reference(kind: str, steps: int, batch: int, *, tokens: bool) -> dict:
 
 
 def as_layout(spec):
-    """The spec's layout: its micro_batches make a hetrain.Pipeline of parallel='pp'."""
+    """The spec's layout: its given Plan (nothing measured), or its micro_batches make a
+    hetrain.Pipeline of parallel='pp'."""
     import hetrain
 
+    if spec.get("plan") is not None:
+        return spec["plan"]
     if spec.get("micro_batches") is not None and spec["parallel"] == "pp":
         return hetrain.Pipeline(micro_batches=spec["micro_batches"])
     return spec["parallel"]
@@ -143,10 +146,12 @@ def assert_equal_to(ref: dict, got: dict, tol: float = 1e-10) -> None:
 
 def test_out_of_memory_on_either_stage_is_redone_with_the_same_result_and_every_sample_once(tmp_path):
     from hetrain.runtime.resilience.resume import read_sample_log
+    from pipeline_runs import pipeline_plan
 
     faults = "oom:rank=1,step=1,micro=0,phase=forward;oom:rank=0,step=2,micro=1,phase=backward"
-    spec = {"model": "stack", "batch": 24, "steps": 4, "parallel": "pp", "micro_batches": 3, "faults": faults,
-            "samples": str(tmp_path / "samples")}
+    spec = {"model": "stack", "batch": 24, "steps": 4, "parallel": "pp", "faults": faults,
+            "samples": str(tmp_path / "samples"),     # 3 micro-batches of 8
+            "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)}
     results = run_ranks(worker, 2, spec)
     assert_equal_to(reference("stack", 4, 24, tokens=False), gathered(results))
     ooms = [row["ooms"] for row in results[0]["summary"]["ranks"]]
@@ -163,25 +168,35 @@ def test_a_checkpoint_moves_between_layouts_and_device_counts(tmp_path):
     previous one's checkpoint (DCP reshards by whole-model name); the result is 4 uninterrupted steps.
     The model is the demo GPT (its tied embedding and head on the two ends of each pipeline) with a
     token-weighted loss (~30% of the targets ignored, unevenly per sample) in micro-batches of 3-4
-    rows: each leg equals one device's token-mean big batch."""
+    rows: each leg equals one device's token-mean big batch. Each leg runs a given Plan: what is
+    carried is the checkpoint, not a measurement."""
+    from pipeline_runs import pipeline_plan
+    from plans import data_plan, tp_plan
+
     ckpt = str(tmp_path / "ckpt")
     common = {"model": "gpt", "batch": 12, "ckpt": ckpt, "tokens": True}
-    pp = run_ranks(worker, 2, {**common, "steps": 1, "parallel": "pp", "micro_batches": 4})
+    pp = run_ranks(worker, 2, {**common, "steps": 1, "parallel": "pp", "plan": pipeline_plan(
+        "pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(3,), world=2)})
     assert [r["layout"] for r in pp] == ["pp", "pp"] and pp[0]["losses"] == pp[1]["losses"]
     assert_equal_to(reference("gpt", 1, 12, tokens=True), gathered(pp))
-    hybrid = run_ranks(worker, 4, {**common, "steps": 2, "parallel": "dp-pp", "emulate": f"{PAIR},{PAIR}"})
+    hybrid = run_ranks(worker, 4, {**common, "steps": 2, "parallel": "dp-pp", "emulate": f"{PAIR},{PAIR}",
+                                   "plan": pipeline_plan("dp-pp", blocks=(2, 2), schedule="1f1b", shares=(7, 5),
+                                                         micro=(4, 3), world=4)})
     assert [(r["layout"], r["group"]) for r in hybrid] == [("dp-pp", 2)] * 4
-    tp = run_ranks(worker, 2, {**common, "steps": 3, "parallel": "tp"})
+    tp = run_ranks(worker, 2, {**common, "steps": 3, "parallel": "tp", "plan": tp_plan(12, (1.0, 1.0), micro=4)})
     assert [r["layout"] for r in tp] == ["tp", "tp"]
-    dp = run_ranks(worker, 2, {**common, "steps": 4, "parallel": "dp"})
+    dp = run_ranks(worker, 2, {**common, "steps": 4, "parallel": "dp", "plan": data_plan((7, 5), (4, 3))})
     assert_equal_to(reference("gpt", 2, 12, tokens=True), gathered(hybrid))
     assert_equal_to(reference("gpt", 3, 12, tokens=True), gathered(tp))
     assert_equal_to(reference("gpt", 4, 12, tokens=True), gathered(dp))
 
 
 def test_one_loss_scale_over_a_bf16_and_an_fp16_stage_and_an_overflow_on_one_skips_both():
+    from pipeline_runs import pipeline_plan
+
     spec = {"model": "stack", "batch": 12, "steps": 3, "parallel": "pp", "emulate": "a100-80g,v100-32g",
-            "precision": "auto", "overflow_at": 1}
+            "precision": "auto", "overflow_at": 1,
+            "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(6,), world=2)}
     r0, r1 = run_ranks(worker, 2, spec)
     precision = r0["summary"]["precision"]
     assert precision["per_rank"] == ["bf16", "fp16"]

@@ -19,15 +19,19 @@ pytestmark = pytest.mark.dist
 
 GLOBAL_BATCH, SAMPLE_S = 24, 0.002
 OOM = "oom:rank=1,step=1,micro=0,phase=forward"
+# the given plan's devices, as a measured plan names them and the catalog sizes them
+NAMES, CAPS = ("a100-80g#0 (emulated)", "rtx3090#1 (emulated)"), (80 * 1024**3, 24 * 1024**3)
 
 
-def worker(rank, world, checkpoint_dir, steps, faults):
-    """A small GPT on the controlled clock (emulate_sample_s: timings hold under load); metrics go
-    to checkpoint_dir/metrics, the default when checkpointing."""
+def job(checkpoint_dir, steps, faults):
+    """A small GPT on the controlled clock (emulate_sample_s: timings hold under load), on a given
+    plan (16/8 by the pair's catalog speeds, micro-batches of 8); metrics go to
+    checkpoint_dir/metrics, the default when checkpointing."""
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
+    from plans import data_plan
 
-    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=steps,
+    ht = hetrain.init(global_batch=GLOBAL_BATCH, max_steps=steps, plan=data_plan((16, 8), (8, 8), names=NAMES, caps=CAPS),
                       emulation=Emulation(cluster="a100-80g,rtx3090", sample_s=SAMPLE_S, faults=faults),
                       reporting=Reporting(verbose=False), memory=Memory(max_micro_batch=8),
                       checkpoints=Checkpoints(dir=checkpoint_dir, every=100), rebalancing=Rebalancing(enabled=False))
@@ -47,16 +51,26 @@ def worker(rank, world, checkpoint_dir, steps, faults):
     return summary
 
 
+def worker(rank, world, checkpoint_dir, path):
+    """Both attempts in one process group: the second as torchrun's restart (its count 1)."""
+    from pipeline_runs import join_group
+
+    join_group()
+    first = job(checkpoint_dir, 5, OOM)
+    with open(path) as f:
+        after_first = f.read()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    second = job(checkpoint_dir, 7, None)
+    return first, second, after_first
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """5 steps (an OOM on rank 1 at step 1), then a restarted attempt (torchrun's count 1) resuming
     from the last checkpoint for 2 steps more, into the same directory."""
     ckpt = str(tmp_path_factory.mktemp("metrics") / "ckpt")
     path = os.path.join(ckpt, "metrics", "metrics.jsonl")
-    first, _ = run_ranks(worker, 2, ckpt, 5, OOM)
-    with open(path) as f:
-        after_first = f.read()
-    second, _ = run_ranks(worker, 2, ckpt, 7, None, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    (first, second, after_first), _ = run_ranks(worker, 2, ckpt, path)
     with open(path) as f:
         after_second = f.read()
     return {"dir": os.path.dirname(path), "first": first, "second": second,
@@ -68,7 +82,7 @@ def test_one_line_per_step_with_every_ranks_figures(runs):
     lines, summary = runs["lines1"], runs["first"]
     start = lines[0]
     assert start["event"] == "start" and start["attempt"] == 0 and start["world_size"] == 2
-    assert [d["name"] for d in start["devices"]] == ["a100-80g#0 (emulated)", "rtx3090#1 (emulated)"]
+    assert [d["name"] for d in start["devices"]] == list(NAMES)
     steps = [ln for ln in lines if "event" not in ln]
     assert [s["step"] for s in steps] == list(range(5))
     for s in steps:

@@ -55,24 +55,59 @@ def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None,
     return out
 
 
-def oom_worker(rank, world, faults, log_dir):
+CASES = [(0, 0, "forward"), (1, 0, "forward"),      # first micro-batch's forward: local redo
+         (0, -1, "backward"), (1, -1, "backward")]  # last micro-batch's backward: inside the gradient sync
+OOM_PLAN = ((29, 19), 8)     # shares by the pair's catalog speeds 1 : 0.67, micro-batches of at most 8
+
+
+def oom_job(faults, log_dir):
+    from plans import data_plan
+
+    shares, micro = OOM_PLAN
     return train("a100-80g,rtx3090", 6, memory=Memory(max_micro_batch=8), rebalancing=Rebalancing(enabled=False),
-                 faults=faults, sample_log=log_dir)
+                 faults=faults, sample_log=log_dir, plan=data_plan(shares, (micro, micro)))
+
+
+def fatal_job():
+    from hetrain.errors import HetrainError
+    from plans import data_plan
+
+    try:
+        train("a100-80g,rtx3090", 3, memory=Memory(max_micro_batch=1), global_batch=4,
+              faults="oom:rank=1,step=1,micro=0,phase=forward", plan=data_plan((2, 2), (1, 1)))
+    except HetrainError as e:
+        return e.what
+    return "finished"
+
+
+def oom_worker(rank, world, root):
+    """The clean run, each injected OOM, the redo with buffers and the OOM that cannot shrink, one
+    job after another in one process group (each case's result under its own key; the fatal one
+    last)."""
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {"clean": oom_job(None, f"{root}/clean")}
+    for rank_, micro, phase in CASES:
+        out[rank_, micro, phase] = oom_job(f"oom:rank={rank_},step=2,micro={micro},phase={phase}",
+                                           f"{root}/{rank_}{micro}{phase}")
+    for micro_batch in (8, None):
+        out["buffers", micro_batch] = buffered_job(rank, micro_batch)
+    out["fatal"] = fatal_job()
+    return out
 
 
 @pytest.fixture(scope="module")
-def clean_params(tmp_path_factory):
-    (r0, _) = run_ranks(oom_worker, 2, None, str(tmp_path_factory.mktemp("clean")))
-    return r0["params"]
+def oom_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("oom")
+    return root, run_ranks(oom_worker, 2, str(root), timeout=300)
 
 
-@pytest.mark.parametrize("rank, micro, phase", [
-    (0, 0, "forward"), (1, 0, "forward"),      # first micro-batch's forward: local redo
-    (0, -1, "backward"), (1, -1, "backward"),  # last micro-batch's backward: inside the gradient sync
-])
-def test_oom_recovers_with_the_same_result_and_every_sample_once(clean_params, tmp_path, rank, micro, phase):
-    faults = f"oom:rank={rank},step=2,micro={micro},phase={phase}"
-    r0, r1 = run_ranks(oom_worker, 2, faults, str(tmp_path))
+@pytest.mark.parametrize("rank, micro, phase", CASES)
+def test_oom_recovers_with_the_same_result_and_every_sample_once(oom_runs, rank, micro, phase):
+    root, runs = oom_runs
+    clean_params = runs[0]["clean"]["params"]
+    r0, r1 = (r[rank, micro, phase] for r in runs)
     for r in (r0, r1):
         assert max((a - b).abs().max().item() for a, b in zip(r["params"], clean_params)) <= 1e-5
     plan = r0["plan"]
@@ -82,26 +117,15 @@ def test_oom_recovers_with_the_same_result_and_every_sample_once(clean_params, t
     assert "out of memory at step 2" in plan.note
     assert [r["ooms"] for r in r0["summary"]["ranks"]] == [1 if i == rank else 0 for i in range(2)]
     assert r0["summary"]["redone_steps"] == (1 if phase == "backward" else 0)
-    steps = read_sample_log(str(tmp_path))
+    steps = read_sample_log(str(root / f"{rank}{micro}{phase}"))
     used = [pair for s in sorted(steps) for pair in steps[s]]          # (epoch, index)
     assert len(steps) == 6 and len(used) == 6 * 48 and len(set(used)) == len(used)   # 288: epoch 0 + half of 1
     epoch0 = [i for s in sorted(steps) for e, i in steps[s] if e == 0]
     assert sorted(epoch0) == list(range(N))
 
 
-def fatal_worker(rank, world):
-    from hetrain.errors import HetrainError
-
-    try:
-        train("a100-80g,rtx3090", 3, memory=Memory(max_micro_batch=1), global_batch=4,
-              faults="oom:rank=1,step=1,micro=0,phase=forward")
-    except HetrainError as e:
-        return e.what
-    return "finished"
-
-
-def test_an_oom_that_cannot_shrink_stops_every_rank_together():
-    a, b = run_ranks(fatal_worker, 2, timeout=120)
+def test_an_oom_that_cannot_shrink_stops_every_rank_together(oom_runs):
+    a, b = (r["fatal"] for r in oom_runs[1])
     assert a == b and "micro-batch of 1 sample on rank 1" in a
 
 
@@ -116,16 +140,18 @@ def efficiency(shares, speeds) -> float:
 SAMPLE_S = 0.003     # the controlled clock: 3 ms per sample at speed 1 (the CPU needs well under 1)
 
 
-def rebalance_worker(rank, world, faults, steps):
+def rebalance_job(faults, steps):
     """A small GPT on the controlled clock (emulate_sample_s): a micro-batch of m samples lasts
     m·3 ms/speed whatever the host's CPU took or how busy the host is, so the ideal split is the
     one proportional to the devices' speeds on any host. (The CPU still computes every step; the
-    real-clock path is what the demo and the benchmarks run.)"""
+    real-clock path is what the demo and the benchmarks run.) It starts from a given plan split by
+    the catalog's speeds: what moves it is the rebalancer, on the step times it measures."""
     import hetrain
     from hetrain.demo.gpt import GPT, GPTConfig
     from hetrain.demo.text import ByteWindows, pydoc_bytes
+    from plans import speed_plan
 
-    ht = hetrain.init(global_batch=64, max_steps=steps,
+    ht = hetrain.init(global_batch=64, max_steps=steps, plan=speed_plan(64, (1.0, 0.67)),
                       emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.67", faults=faults, sample_s=SAMPLE_S),
                       reporting=Reporting(verbose=False))
     torch.manual_seed(0)
@@ -145,9 +171,31 @@ def rebalance_worker(rank, world, faults, steps):
     return out
 
 
-def test_rebalancing_follows_a_slowdown_within_ten_steps():
-    slow_at = 8
-    r0, r1 = run_ranks(rebalance_worker, 2, f"slow:rank=0,step={slow_at},factor=2", 26)
+def rebalance_worker(rank, world, faults, steps):
+    """One rebalancing job in its own process group (test_async_emulation.py's, with its env)."""
+    return rebalance_job(faults, steps)
+
+
+SLOW_AT = 8
+
+
+def rebalance_cases_worker(rank, world):
+    """Both rebalancing cases, one job after the other in one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"slowdown": rebalance_job(f"slow:rank=0,step={SLOW_AT},factor=2", 26),
+            "noise": rebalance_job("noise:rank=-1,step=0,factor=0.1", 24)}
+
+
+@pytest.fixture(scope="module")
+def rebalance_runs():
+    return run_ranks(rebalance_cases_worker, 2, timeout=300)
+
+
+def test_rebalancing_follows_a_slowdown_within_ten_steps(rebalance_runs):
+    slow_at = SLOW_AT
+    r0, r1 = (r["slowdown"] for r in rebalance_runs)
     assert r0["shares"] == r1["shares"]                               # every rank the same plan
     after = [1.0 / 2, 0.67]                         # the emulated speeds after the slowdown
     reached = [efficiency(s, after) for s in r0["shares"][slow_at + 10:]]
@@ -155,12 +203,12 @@ def test_rebalancing_follows_a_slowdown_within_ten_steps():
     assert r0["plan"].version >= 1 and "rebalanced" in r0["plan"].note
 
 
-def test_timing_noise_does_not_move_shares():
-    r0, _ = run_ranks(rebalance_worker, 2, "noise:rank=-1,step=0,factor=0.1", 24)
+def test_timing_noise_does_not_move_shares(rebalance_runs):
+    r0 = rebalance_runs[0]["noise"]
     assert len(set(r0["shares"])) == 1 and r0["plan"].version == 0, r0["shares"]
 
 
-def buffered_worker(rank, world, micro_batch):
+def buffered_job(rank, micro_batch):
     """A model with buffers (BatchNorm): DDP broadcasts them in a step's first forward. The split is
     given (28 : 20), so the redo's halved micro-batch is never a single sample, which BatchNorm
     cannot train on (a measured split of this tiny model can give the 3090 only a few samples)."""
@@ -180,7 +228,7 @@ def buffered_worker(rank, world, micro_batch):
 
 
 @pytest.mark.parametrize("micro_batch", [8, None])   # several micro-batches; one (the synced forward)
-def test_oom_redo_with_buffers_does_not_repeat_the_buffer_broadcast(micro_batch):
-    r0, r1 = run_ranks(buffered_worker, 2, micro_batch, timeout=120)   # a repeated broadcast hangs
+def test_oom_redo_with_buffers_does_not_repeat_the_buffer_broadcast(oom_runs, micro_batch):
+    r0, r1 = (r["buffers", micro_batch] for r in oom_runs[1])   # a repeated broadcast hangs (past the deadline)
     assert r0["steps"] == r1["steps"] == 4 and r1["ooms"] == 1
     assert r1["micro"] == (4 if micro_batch else 10)       # halved once, on the rank that ran out

@@ -239,16 +239,19 @@ def reference(kind: str, steps: int = STEPS) -> dict:
     return in_tp_layout(model, params_of(model))
 
 
-def loop_worker(rank, world, kind, split, steps=STEPS, ckpt=None, parallel="tp"):
+def loop_job(kind, split, steps=STEPS, ckpt=None, parallel="tp"):
+    """One job through hetrain's loop on a given Plan (nothing measured: the split is the plan's
+    speeds, 1 : 0.6), its parameters against the single-process reference."""
     import hetrain
+    from plans import speed_plan, tp_plan
 
+    plan = tp_plan(BATCH, tuple(SPEEDS), split) if parallel == "tp" else speed_plan(BATCH, tuple(SPEEDS))
     ht = hetrain.init(global_batch=BATCH, max_steps=steps,
                       emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.6", sample_s=0.002),
                       reporting=Reporting(verbose=False), checkpoints=Checkpoints(dir=ckpt, every=1))
     net = make(kind)
     model, _, batches = ht.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01), data(),
-                                     parallel=hetrain.TensorParallel(split=split) if parallel == "tp" else parallel,
-                                     loss_fn=loss_fn)
+                                     parallel=plan, loss_fn=loss_fn)
     resumed_at = ht.steps_done
     for step in batches:
         for mb in step:
@@ -262,9 +265,45 @@ def loop_worker(rank, world, kind, split, steps=STEPS, ckpt=None, parallel="tp")
     return out
 
 
+def loop_worker(rank, world, root):
+    """Every loop case in one process group, one job after another (a case's key names it)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from hetrain.errors import UsageError
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {("loop", "gpt2", "even"): loop_job("gpt2", "even"), ("loop", "llama", "speed"): loop_job("llama", "speed")}
+    # a checkpoint of the split by speed: resumed by it, and by data parallelism from a copy
+    a, b, c = (f"{root}/{x}" for x in "abc")
+    out["speed first"] = loop_job("llama", "speed", 2, a)
+    if rank == 0:
+        shutil.copytree(a, b)
+    dist.barrier()
+    out["speed again"] = loop_job("llama", "speed", 3, a)
+    out["speed dp"] = loop_job("llama", "even", 3, b, "dp")
+    # GPT-2's even split: resumed split by speed; refused by data parallelism (every rank raises)
+    out["gpt2 first"] = loop_job("gpt2", "even", 2, c)
+    out["gpt2 again"] = loop_job("gpt2", "speed", 3, c)
+    try:
+        loop_job("gpt2", "even", 4, c, "dp")
+    except UsageError as e:
+        out["gpt2 dp"] = str(e)
+    else:
+        out["gpt2 dp"] = "accepted"
+    return out
+
+
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory):
+    return run_ranks(loop_worker, 2, str(tmp_path_factory.mktemp("tp_loops")), timeout=400)
+
+
 @pytest.mark.parametrize("kind, split", [("gpt2", "even"), ("llama", "speed")])
-def test_adamw_steps_through_the_loop_match_the_single_process_model(kind, split):
-    ranks = run_ranks(loop_worker, 2, kind, split)
+def test_adamw_steps_through_the_loop_match_the_single_process_model(loops, kind, split):
+    ranks = [r["loop", kind, split] for r in loops]
     for r in ranks:
         assert r["layout"] == "tp" and r["error"] < 1e-10, r
     fast, slow = (r["sample_s"] for r in ranks)
@@ -274,30 +313,26 @@ def test_adamw_steps_through_the_loop_match_the_single_process_model(kind, split
         assert fast == pytest.approx(slow)
 
 
-def test_a_checkpoint_of_the_split_by_speed_resumes_it_and_loads_into_data_parallelism(tmp_path):
-    import shutil
-
-    first = run_ranks(loop_worker, 2, "llama", "speed", 2, str(tmp_path / "a"))
+def test_a_checkpoint_of_the_split_by_speed_resumes_it_and_loads_into_data_parallelism(loops):
+    first = [r["speed first"] for r in loops]
     assert all(r["error"] < 1e-10 for r in first), first
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
     # the same split resumes from step 2 (each rank takes its rows back from the whole entries) ...
-    again = run_ranks(loop_worker, 2, "llama", "speed", 3, str(tmp_path / "a"))
+    again = [r["speed again"] for r in loops]
     # ... and plain data parallelism loads it too: the entries are the whole model's, by its names
-    dp = run_ranks(loop_worker, 2, "llama", "even", 3, str(tmp_path / "b"), "dp")
+    dp = [r["speed dp"] for r in loops]
     for r in again + dp:
         assert r["resumed_at"] == 2 and r["error"] < 1e-10, r
     assert [r["layout"] for r in dp] == ["dp", "dp"]
 
 
-def test_a_gpt2_checkpoint_of_the_even_split_resumes_split_by_speed_and_data_parallelism_refuses_it(tmp_path):
+def test_a_gpt2_checkpoint_of_the_even_split_resumes_split_by_speed_and_data_parallelism_refuses_it(loops):
     """Its entries are the Linears' (parallel/tensor_hf.py), on every split: TP resumes them; DP
     and pipelines, which hold the Conv1Ds, get a UsageError naming the missing entry."""
-    first = run_ranks(loop_worker, 2, "gpt2", "even", 2, str(tmp_path))
+    first = [r["gpt2 first"] for r in loops]
     assert all(r["error"] < 1e-10 for r in first), first
-    again = run_ranks(loop_worker, 2, "gpt2", "speed", 3, str(tmp_path))
+    again = [r["gpt2 again"] for r in loops]
     for r in again:
         assert r["resumed_at"] == 2 and r["error"] < 1e-10, r
-    with pytest.raises(AssertionError) as refused:
-        run_ranks(loop_worker, 2, "gpt2", "even", 4, str(tmp_path), "dp")
-    text = str(refused.value)
-    assert "cannot be loaded into this job's layout" in text and "attn.c_attn.weight" in text, text[-2000:]
+    for r in loops:             # on every rank
+        text = r["gpt2 dp"]
+        assert "cannot be loaded into this job's layout" in text and "attn.c_attn.weight" in text, text[-2000:]

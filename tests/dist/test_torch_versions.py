@@ -90,6 +90,7 @@ def stack():
 def pipeline_worker(rank, world):
     import hetrain
     from hetrain.runtime.layouts.pipeline.stage import MeteredStage
+    from pipeline_runs import pipeline_plan
 
     seen = []       # (failed, shape, dtype, stride) of every output a stage's forward returned
     forward = MeteredStage.forward_maybe_with_nosync
@@ -106,8 +107,9 @@ def pipeline_worker(rank, world):
                       emulation=Emulation(cluster="a100-80g,rtx3090", faults="oom:rank=1,step=1,micro=0,phase=forward"),
                       reporting=Reporting(verbose=False))
     net = stack()
+    plan = pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)   # 3 micro-batches
     model, opt, batches = ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), data,
-                                     parallel=hetrain.Pipeline(micro_batches=3), loss_fn=F.mse_loss)
+                                     parallel=plan, loss_fn=F.mse_loss)
     for step in batches:
         for mb in step:
             with mb:

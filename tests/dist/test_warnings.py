@@ -18,9 +18,10 @@ pytestmark = pytest.mark.dist
 
 def warning_worker(rank, world):
     import hetrain
+    from plans import speed_plan
     from rich.console import Console
 
-    ht = hetrain.init(global_batch=12, max_steps=3, emulation=Emulation(cluster=",".join(["a100-80g"] * world)),
+    ht = hetrain.init(global_batch=12, max_steps=3, plan=speed_plan(12, (1.0,) * world), emulation=Emulation(cluster=",".join(["a100-80g"] * world)),
                       reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False))
     if rank == 0:
         ht.log.console = Console(file=io.StringIO(), width=400)

@@ -66,12 +66,13 @@ class DataSetup:
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward)
 
-    def split(self, job, model, optimizer, forward, given_plan: Plan | None, measured, *, blocked_by) -> None:
+    def split(self, job, model, optimizer, forward, given_plan: Plan | None, measured, *, blocked_by,
+              spec=None) -> None:
         """The model set up for measuring, and job.plan / job.profiles: the given plan or the
         data-parallel split of the measurements (what TensorParallel shares)."""
         if measured is None:          # parallel='auto' measured already (and set the model up for it)
             measure_setup(job, model, optimizer)
-        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, self.spec,   # (collective)
+        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, spec or self.spec,  # (collective)
                                             measured=measured.measurements if measured is not None else None,
                                             blocked_by=blocked_by)
 
@@ -129,7 +130,8 @@ class TensorSetup:
         return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        self.data.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
+        self.data.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression,
+                        spec=self.spec)   # a given plan is checked against this layout, not the DP part's
         if given_plan is None:        # the data-parallel split as tensor parallelism runs it
             job.plan = tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
                                    limit=job.config.memory.max_micro_batch)
