@@ -165,6 +165,16 @@ class EmulatedHooks(DeviceHooks):
     def step_peak_bytes(self) -> float:
         return float(self.meter.step_peak)
 
+    def catalog_speed(self) -> float:
+        """The speed its spec gives it, relative to the catalog's 1.0."""
+        return self.emulated.spec.speed
+
+    def run_facts(self) -> dict:
+        return {"emulated": True}
+
+    def summary_note(self) -> str:
+        return " (emulated devices)"
+
 
 
 def make_hooks(device: torch.device, emulated, faults: FaultInjector) -> DeviceHooks:

@@ -25,6 +25,8 @@ from . import clock as clocks
 class DeviceHooks:
     """No emulation, no faults: a clock and nothing else."""
 
+    meter = None      # what counts the device's bytes where no allocator does (emulated devices)
+
     def __init__(self, device: torch.device, throttle=None):
         # CPU: this thread's CPU time, so waits in collectives are not counted as compute; an
         # emulated device's clock adds what its throttle charged (devices/clock.py DeviceClock)
@@ -134,6 +136,19 @@ class DeviceHooks:
     def step_peak_bytes(self) -> float:
         """The most this device held since the step started (0: not measured, a plain CPU)."""
         return 0.0
+
+    # -- what the run's records say of the device -----------------------------------------------
+    def catalog_speed(self) -> float | None:
+        """The device's speed as its catalog entry gives it (None: rate it by its peak FLOP/s)."""
+        return None
+
+    def run_facts(self) -> dict:
+        """The device's facts in the metrics file's start record."""
+        return {"emulated": False}
+
+    def summary_note(self) -> str:
+        """What the end-of-run summary's title adds about the devices."""
+        return ""
 
 
 def runqueue_s() -> float:
