@@ -130,6 +130,10 @@ class DeviceHooks:
     def state_restored(self, module, optimizer) -> None:
         """A checkpoint's optimizer state was loaded (the emulated meter counts it from now on)."""
 
+    def model_sharded(self, module, optimizer, share: float) -> None:
+        """Tensor parallelism sharded the model: this rank computes `share` of its Linear weights
+        (layouts/tensor/shard.compute_share) and holds its shards' state."""
+
     def peak_bytes(self) -> float:
         return 0.0
 
