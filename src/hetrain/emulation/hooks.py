@@ -176,9 +176,12 @@ class EmulatedHooks(DeviceHooks):
     def step_peak_bytes(self) -> float:
         return float(self.meter.step_peak)
 
-    def catalog_speed(self) -> float:
-        """The speed its spec gives it, relative to the catalog's 1.0."""
-        return self.emulated.spec.speed
+    def given_device(self) -> tuple[float, float]:
+        """The cluster spec's speed and memory. A pipeline sized on emulated devices keeps the
+        spec's speeds as they are: its block costs are this CPU's, the speed-1.0 time (a cluster
+        run slower than the CPU, as `--dilate` does, then predicts its own speed)."""
+        spec = self.emulated.spec
+        return spec.speed, float(spec.memory_bytes)
 
     def run_facts(self) -> dict:
         return {"emulated": True}

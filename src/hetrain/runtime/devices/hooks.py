@@ -142,8 +142,9 @@ class DeviceHooks:
         return 0.0
 
     # -- what the run's records say of the device -----------------------------------------------
-    def catalog_speed(self) -> float | None:
-        """The device's speed as its catalog entry gives it (None: rate it by its peak FLOP/s)."""
+    def given_device(self) -> tuple[float, float] | None:
+        """(speed relative to the catalog's 1.0, memory bytes) where the device's spec gives them
+        rather than its hardware (None: a real device, measured or rated by its peak FLOP/s)."""
         return None
 
     def run_facts(self) -> dict:

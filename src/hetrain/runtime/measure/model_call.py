@@ -58,9 +58,9 @@ def probe(job, model, forward) -> str | None:
 
 
 def catalog_rate(job) -> float | None:
-    """This rank's speed by the catalog: the one its device hooks know, or its peak FLOP/s."""
-    speed = job.hooks.catalog_speed()
-    return speed if speed is not None else local_peak(job)
+    """This rank's speed by the catalog: the one its device's spec gives, or its peak FLOP/s."""
+    given = job.hooks.given_device()
+    return given[0] if given is not None else local_peak(job)
 
 
 def unmeasured_plan(job) -> Plan:
