@@ -1,7 +1,7 @@
 """`hetrain bench`'s worker: one configuration of the benchmark, trained in the job's processes.
 
 `hetrain bench` launches this module as `hetrain run` launches a script (launch.py: torchrun, one
-process per GPU or emulated device), once per configuration. Every rank trains the factory's
+process per device), once per configuration. Every rank trains the factory's
 model as a user's loop does (hetrain.init, prepare, micro-batches, backward, step); the loss is
 the model output's mean, as hetrain's own measurements take it (runtime/user_objects.py), which
 costs what a real loss costs next to the model. The first `warmup` steps are not timed; the

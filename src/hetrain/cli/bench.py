@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..emulation import cli as emulation_cli
 from ..errors import UsageError
 from ..files import check_writable, write_json_atomic
 from ..vocabulary import PRECISION_REQUESTS, check_choice
@@ -20,8 +21,8 @@ DEFAULT_ROUNDS = 3      # benching.runs.DEFAULT_ROUNDS, without importing the ru
 def bench(
     model_factory: str = typer.Option(..., "--model-factory", help="MODULE:FUNCTION or SCRIPT.py:FUNCTION "
                                       "returning (model, optimizer, dataset[, collate_fn]), as `hetrain plan` takes"),
-    emulate: Optional[str] = typer.Option(None, "--emulate", help="emulated devices, e.g. a100-80g,rtx3090 "
-                                          "(default: this machine's GPUs, one process each)"),
+    emulate: Optional[str] = emulation_cli.option("emulated devices, e.g. a100-80g,rtx3090 "
+                                                  "(default: this machine's GPUs, one process each)"),
     steps: int = typer.Option(DEFAULT_STEPS, "--steps", help="timed optimizer steps per configuration"),
     warmup: int = typer.Option(DEFAULT_WARMUP, "--warmup", help="untimed steps before them"),
     global_batch: int = typer.Option(64, "--global-batch", help="samples per step, all devices together"),
@@ -70,16 +71,13 @@ def _devices(emulate: str | None) -> tuple[str, ...]:
     if emulate is not None:
         from ..hardware.cluster import parse_cluster
 
-        if "=" in emulate or ";" in emulate:
-            raise UsageError(f"--emulate {emulate!r} names nodes: `hetrain bench` runs on one machine",
-                             "give the devices only, e.g. --emulate a100-80g,rtx3090")
+        emulation_cli.one_machine(emulate, "bench")
         return tuple(_one_device_spec(d) for d in parse_cluster(emulate))
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not count:
-        raise UsageError("no GPU here and no --emulate",
-                         "bench emulated devices on this CPU: --emulate a100-80g,rtx3090")
+        raise emulation_cli.no_gpu("bench")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
     return tuple(ids[:count])

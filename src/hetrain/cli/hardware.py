@@ -15,7 +15,7 @@ from ..hardware.findings import DoctorOptions, parse_psu_watts
 
 _STYLE = {"ok": "green", "warn": "yellow", "error": "bold red", "skipped": "dim"}
 MACHINE_HELP = "check a recorded machine description (from `hetrain env --json`) instead of this machine"
-CLUSTER_HELP = "check a planned or emulated cluster from the catalog, e.g. a100-80g,rtx3090 (no drivers asked)"
+CLUSTER_HELP = "check a planned cluster from the catalog, e.g. a100-80g,rtx3090 (no drivers asked)"
 
 
 def _machine(machine_file: str | None, cluster: str | None, measure: bool) -> machine.Machine:

@@ -1,7 +1,7 @@
 """`hetrain plan --model-factory`'s worker: the runtime's own measurements, in the job's processes.
 
 `hetrain plan` launches this module as `hetrain run` launches a script (launch.py: torchrun, one
-process per GPU or emulated device), so every rank joins the job as hetrain.init() does and
+process per device), so every rank joins the job as hetrain.init() does and
 measures what prepare(parallel='auto') measures before it chooses: the same job record, the same
 runtime/layouts/ranking.measure_for_ranking (profiles, sync and agreement probes, pipeline blocks, FSDP2). Rank 0 then writes the
 measurements and the job's config; the CLI turns them into the Plan with the same pure

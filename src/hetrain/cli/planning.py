@@ -21,6 +21,7 @@ from typing import Optional
 
 import typer
 
+from ..emulation import cli as emulation_cli
 from ..errors import UsageError
 from ..files import check_writable, write_json_atomic, write_text_atomic
 from ..hardware import catalog
@@ -48,8 +49,8 @@ def plan(
                                                    "parameters that train (gradients, optimizer state), e.g. 13.6e6"),
     lora: Optional[int] = typer.Option(None, "--lora", help="fine-tuning a preset with LoRA of this rank "
                                        "on q,k,v,o of every layer, e.g. 16"),
-    emulate: Optional[str] = typer.Option(None, "--emulate", help="plan for an emulated cluster, e.g. "
-                                          "a100-80g,rtx3090 (default: the GPUs present, else this CPU)"),
+    emulate: Optional[str] = emulation_cli.option("plan for an emulated cluster, e.g. "
+                                                  "a100-80g,rtx3090 (default: the GPUs present, else this CPU)"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch",
                                                help="samples per optimizer step, all devices (required)"),
     precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16, or auto with "
@@ -77,8 +78,8 @@ def plan(
                                          "to compare DP, PP and DP×PP (default: from the model or preset)"),
     # the emulated devices' controlled clock (Emulation.sample_s), as a job given it runs:
     # for the accuracy benchmarks (benchmarks/_common.py), not a user's plan
-    emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True),
-    emulate_micro_s: Optional[float] = typer.Option(None, "--emulate-micro-s", hidden=True),
+    emulate_sample_s: Optional[float] = emulation_cli.sample_s_option(),
+    emulate_micro_s: Optional[float] = emulation_cli.micro_s_option(),
 ) -> None:
     """Plan a job: each device's share, micro-batches and predicted throughput, with the reasons.
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..emulation import cli as emulation_cli
 from ..errors import UsageError
 from ..files import check_writable, write_json_atomic
 
@@ -18,8 +19,8 @@ def sweep(
                                     "and n_trials are used), Optuna's objective(trial) -> float alone (its device "
                                     "from hetrain.sweep.device()), or space(trial) -> dict and train(params, ctx) -> "
                                     "float; optionally memory(params) -> dict for placement"),
-    emulate: Optional[str] = typer.Option(None, "--emulate", help="emulated devices, e.g. a100-80g,rtx3090 "
-                                          "(default: this machine's GPUs, a trial per GPU at a time)"),
+    emulate: Optional[str] = emulation_cli.option("emulated devices, e.g. a100-80g,rtx3090 "
+                                                  "(default: this machine's GPUs, a trial per GPU at a time)"),
     trials: Optional[int] = typer.Option(None, "--trials", help="trials the study should have finished: complete, "
                                          "pruned and failed ones all count (a resumed sweep counts the ones it "
                                          "already has); a stock script's n_trials unless given"),
@@ -31,8 +32,8 @@ def sweep(
     direction: Optional[str] = typer.Option(None, "--direction", help="minimize (the default) or maximize the "
                                             "objective's value; a stock script's create_study gives its own"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the figures and every trial here"),
-    emulate_sample_s: Optional[float] = typer.Option(None, "--emulate-sample-s", hidden=True,
-                                                     help="emulated devices on a controlled clock (benchmarks)"),
+    emulate_sample_s: Optional[float] = emulation_cli.sample_s_option(
+        "emulated devices on a controlled clock (benchmarks)"),
 ) -> None:
     """Run an Optuna study's trials at once, one per device, the bigger trials on the bigger cards
     (the planner's memory model decides what fits where); the study is kept in SQLite, so the same
@@ -114,7 +115,7 @@ def _devices(emulate: str | None):
     import torch
 
     if not torch.cuda.is_available():
-        raise UsageError("no GPU here and no --emulate", "sweep on emulated devices: --emulate a100-80g,rtx3090")
+        raise emulation_cli.no_gpu("sweep")
     slots = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)

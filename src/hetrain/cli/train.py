@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from ..emulation import cli as emulation_cli
 from ..errors import UsageError
 from ..launch import build_launch, run_launch
 from ..launching.nodes import rendezvous
@@ -26,8 +27,8 @@ VERBOSE_STATUS_EVERY = 10      # --verbose: steps between the per-device status 
 def run(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="the training script (or module, with -m)"),
-    emulate: Optional[str] = typer.Option(
-        None, "--emulate", help="emulated cluster, e.g. a100-80g,rtx3090 or a100-80g:1.0,rtx3090:0.67@1GiB"),
+    emulate: Optional[str] = emulation_cli.option(
+        "emulated cluster, e.g. a100-80g,rtx3090 or a100-80g:1.0,rtx3090:0.67@1GiB"),
     module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module name (python -m)"),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="process count (default: one per device)"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="restart the job this many times after a crash"),
@@ -64,8 +65,7 @@ def run(
     compression: Optional[str] = typer.Option(
         None, "--compression", help="gradient compression: auto (planned: fp16/bf16 when a slow inter-node link "
                                     "makes it pay), none, fp16, bf16 (NCCL), powersgd (an approximation)"),
-    emulate_link_gbs: Optional[float] = typer.Option(
-        None, "--emulate-link-gbs", help="emulated devices on several nodes: the inter-node link's GB/s"),
+    emulate_link_gbs: Optional[float] = emulation_cli.link_gbs_option(),
     no_swap: bool = typer.Option(
         False, "--no-swap", help="run the script's own transformers/TRL Trainer and accelerate.Accelerator classes "
                                  "(by default hetrain's replace them in the workers: a stock script needs no edit)"),
@@ -77,10 +77,9 @@ def run(
         check_choice(precision, PRECISION_REQUESTS, "--precision")
     if compression is not None:
         check_choice(compression, COMPRESSION_REQUESTS, "--compression")
-    if emulate_link_gbs is not None and not 0 < emulate_link_gbs <= 10_000:
-        raise UsageError(f"--emulate-link-gbs {emulate_link_gbs:g} must be in (0, 10000]", "e.g. --emulate-link-gbs 1.0")
+    emulation_cli.check_link_gbs(emulate_link_gbs)
     if faults is not None:
-        _check_faults(faults, emulate, multi_node=nnodes is not None)
+        emulation_cli.check_faults(faults, emulate, multi_node=nnodes is not None)
     if status_every is not None and status_every < 0:
         raise UsageError(f"--status-every {status_every} is negative", "give a number of steps, e.g. --status-every 10")
     if verbose and status_every is None:
@@ -113,17 +112,12 @@ def run(
     raise typer.Exit(run_launch(launch))
 
 
-# The launcher's reasons that only explain the emulation's own set-up (`--verbose` prints them):
-# the plan's precision column says what an emulated device computes in.
-_EMULATION_INTERNALS = ("OMP_NUM_THREADS=", "host CPU: ", "zero-change mode: ")
-
-
 def describe(launch, verbose: bool) -> str:
     """What `hetrain run`/`demo` say before the workers start: everything under --verbose; else the
     process count and each reason a user may act on, without torchrun's command line."""
     if verbose:
         return launch.describe()
-    kept = [r for r in launch.reasons if not r.startswith(_EMULATION_INTERNALS)]
+    kept = [r for r in launch.reasons if not r.startswith(emulation_cli.INTERNAL_REASONS)]
     return "\n".join([f"launching {launch.nproc} process(es) with torchrun (--verbose: its command and every "
                       "reason)", *(f"  {r}" for r in kept)])
 
@@ -136,31 +130,9 @@ def _check_metrics_dir(path: str) -> None:
                          "give a directory you can write (it is made if missing)")
 
 
-def _check_faults(spec: str, emulate: str | None, *, multi_node: bool = False) -> None:
-    """A bad fault spec, or faults without emulated devices, is one line before anything starts
-    (the workers would each refuse it after the launch)."""
-    from ..hardware.cluster import parse_cluster
-    from ..runtime.devices.faults import parse_faults
-
-    parsed = parse_faults(spec)
-    if not parsed:
-        raise UsageError(f"--faults {spec!r} names no fault", "e.g. --faults 'die:rank=1,step=5'")
-    if emulate is None:
-        raise UsageError("--faults needs emulated devices (fault injection acts on their processes)",
-                         "add --emulate, e.g. --emulate a100-80g,rtx3090")
-    count = len(parse_cluster(emulate))
-    if multi_node:            # ranks are the job's, over every node: this node cannot bound them
-        return
-    for f in parsed:
-        if not -1 <= f.rank < count:      # it would never fire, silently
-            raise UsageError(f"--faults: rank={f.rank} in {spec!r}, but --emulate names {count} "
-                             f"device{'s' if count != 1 else ''}",
-                             f"use a rank from 0 to {count - 1}, or -1 for every rank")
-
-
 def demo(
-    emulate: str = typer.Option(DEMO_CLUSTER, "--emulate", "--cluster",
-                                help="emulated cluster (default: A100-80G + RTX 3090 at the measured 1 : 0.67)"),
+    emulate: str = emulation_cli.option("emulated cluster (default: A100-80G + RTX 3090 at the measured 1 : 0.67)",
+                                        DEMO_CLUSTER, "--cluster"),
     steps: int = typer.Option(300, "--steps", help="optimizer steps"),
     global_batch: int = typer.Option(64, "--global-batch", help="samples per step, all devices together"),
     precision: str = typer.Option("auto", "--precision",

@@ -13,6 +13,7 @@ rest of hetrain reaches it at two points:
   link.py         an emulated inter-node link
   pacing.py       what pacing costs a device's CPU (the profile's paced_cost)
   sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
+  cli.py          the --emulate option the CLI commands declare, and their checks of it
 
 The launcher and the tests turn it on with the `Emulation` config group (`hetrain run --emulate`
 writes it into the launch file; a test imports it from here): it is not part of hetrain's public

@@ -24,6 +24,7 @@ class EmulatedHooks(DeviceHooks):
         self.throttle = emulated.throttle
         self.meter = emulated.meter
         self.faults = faults
+        self._sample_s = emulated.throttle.sample_s    # the controlled clock's, for the whole model
         self._state_counted = False
         self._guess = 0.0              # the throttle's prediction of the micro-batch's backward
         self._forward_oom = None       # a fault to raise in the next forward
@@ -159,11 +160,34 @@ class EmulatedHooks(DeviceHooks):
             self.meter.set_fixed(module, optimizer)
             self._state_counted = True
 
+    def model_sharded(self, module, optimizer, share: float) -> None:
+        """On the controlled clock (`Emulation.sample_s`) a micro-batch of m samples then lasts
+        m·T·share/speed on a TP rank, `share` being the rank's part of the model's Linear weights
+        (the matmul FLOPs it computes, the replicated head counted whole): a split by speed evens
+        the ranks' times, an even split leaves the slow rank behind, as on GPUs. The meter counts
+        this rank's shards, not the whole model."""
+        if self._sample_s is not None:
+            self.throttle.sample_s = self._sample_s * share
+        self.meter.set_fixed(module, optimizer)
+
     def peak_bytes(self) -> float:
         return float(self.meter.peak)
 
     def step_peak_bytes(self) -> float:
         return float(self.meter.step_peak)
+
+    def given_device(self) -> tuple[float, float]:
+        """The cluster spec's speed and memory. A pipeline sized on emulated devices keeps the
+        spec's speeds as they are: its block costs are this CPU's, the speed-1.0 time (a cluster
+        run slower than the CPU, as `--dilate` does, then predicts its own speed)."""
+        spec = self.emulated.spec
+        return spec.speed, float(spec.memory_bytes)
+
+    def run_facts(self) -> dict:
+        return {"emulated": True}
+
+    def summary_note(self) -> str:
+        return " (emulated devices)"
 
 
 

@@ -52,8 +52,8 @@ class GpuSpec:
 
     @property
     def real_bf16(self) -> bool:
-        """bf16 in hardware: NVIDIA's compute capability >= 8.0 (below that torch emulates it
-        slowly); other vendors' catalog flag."""
+        """bf16 in hardware: NVIDIA's compute capability >= 8.0 (below that torch computes it
+        slowly through fp32); other vendors' catalog flag."""
         return self.bf16 if self.bf16 is not None else self.compute_capability >= (8, 0)
 
     @property

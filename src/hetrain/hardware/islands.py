@@ -16,8 +16,8 @@ A flat spec with `cpu` items (`2xa100-80g,cpu`) is two islands: the CPU and the 
 vendor: 'nvidia', 'amd', 'gaudi', 'xpu', 'ascend', 'cpu'), bridged by host memory over the cards'
 PCIe. A flat spec mixing two GPU vendors is an error: name the islands and the bridge.
 
-Islands are the devices of one machine (emulation: one throttled CPU process per device); the
-nodes form (`node0=...; net=...`) stays the multi-node one, and the two do not mix.
+Islands are the devices of one machine; the nodes form (`node0=...; net=...`) stays the
+multi-node one, and the two do not mix.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def present_accelerators(root: str = "/") -> dict[str, str]:
 
 
 def check_real_devices(root: str = "/") -> None:
-    """Before a real run (no --emulate) that torch would put on the CPU: accelerators that this
+    """Before a run on this machine's own devices that torch would put on the CPU: accelerators that this
     torch cannot drive are one UsageError line with the install that fixes it."""
     for device_type, where in present_accelerators(root).items():
         why = torch_cannot_use(device_type)
@@ -274,7 +274,7 @@ def _vendor_island(d) -> str:
 
 
 def join_node_items(items: list[str], *, bridge: str = "host") -> str:
-    """A multi-node emulated job's spec from every rank's device item ('a100-80g:1.0@40MiB'), in
+    """A multi-node job's cluster spec from every rank's device item ('a100-80g:1.0@40MiB'), in
     rank order: flat when the nodes share a vendor (or add only the CPU), else the island form
     with one island per vendor (each a run of consecutive ranks) and `bridge`."""
     flat = ",".join(items)

@@ -1,7 +1,7 @@
 """A `Machine`: the machine description plus the Device and Link records built from it.
 
 Three ways to get one: this machine (`live`), a recorded description (`recorded`, what tests and
-`--machine FILE` use), or a planned/emulated cluster from a spec (`planned`: catalog facts only,
+`--machine FILE` use), or a planned cluster from a spec (`planned`: catalog facts only,
 no driver asked, so the checks that need drivers report themselves skipped).
 """
 
@@ -24,7 +24,7 @@ class Machine:
 
     @property
     def gpus(self) -> tuple[Device, ...]:
-        """The GPUs a job can use (visible to torch, or emulated)."""
+        """The GPUs a job can use (visible to torch, or named by the cluster spec)."""
         return tuple(d for d in self.devices if d.is_gpu and d.visible)
 
     @property

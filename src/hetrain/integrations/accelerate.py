@@ -16,7 +16,7 @@
             preds = accelerator.gather_for_metrics(model(**batch).logits)   # each sample once, in order
     accelerator.save_state("ckpt")                   # hetrain's exact checkpoint; load_state("ckpt") resumes
 
-Launch with `hetrain run [--emulate a100-80g,rtx3090] train.py` (which swaps the class in for an
+Launch with `hetrain run train.py` (which swaps the class in for an
 unedited script too: integrations/swap.py). It is a subclass of accelerate.Accelerator: every
 attribute of the stock class is there, and only what decides the split and the gradient sync is
 hetrain's (accel/accelerator.py). The global batch is stock's on this many equal GPUs,

@@ -13,7 +13,7 @@
             fabric.clip_gradients(model, optimizer, clip_val=0.25)   # applied to the step's gradient
             optimizer.step()                             # the agreed global step, after the last one
 
-Launch with `hetrain run [--emulate a100-80g,rtx3090] train.py`. hetrain's settings go in
+Launch with `hetrain run train.py`. hetrain's settings go in
 `Fabric(strategy=HetrainStrategy(global_batch=..., grad_clip=..., ...))`; Lightning's own Fabric
 with that strategy works too, with fabric.launch(). Every other name of this module is Lightning's
 (`L.seed_everything`, `L.LightningModule`, ...). The design, and what Fabric gives up under it, is

@@ -4,7 +4,7 @@
 
     trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", per_device_train_batch_size=16,
                       gradient_accumulation_steps=2, max_steps=200), train_dataset=dataset)
-    trainer.train()                                  # hetrain run --emulate a100-80g,rtx3090 train.py
+    trainer.train()                                  # hetrain run train.py
 
 The global batch is the stock Trainer's on this many equal GPUs, per_device_train_batch_size x
 gradient_accumulation_steps x devices, split unevenly: per_device_train_batch_size becomes the

@@ -6,7 +6,7 @@
     trainer = SFTTrainer(model=model, args=SFTConfig(output_dir="out", packing=True, max_length=512,
                          per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=100),
                          train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()                                  # hetrain run --emulate a100-80g,rtx3090 sft.py
+    trainer.train()                                  # hetrain run sft.py
 
 Each is TRL's own class (its data preparation, packing, reference model, compute_loss and metrics)
 on hetrain's Trainer (hetrain.integrations.transformers: the global batch rule, uneven shares,

@@ -25,6 +25,8 @@ from . import clock as clocks
 class DeviceHooks:
     """No emulation, no faults: a clock and nothing else."""
 
+    meter = None      # what counts the device's bytes where no allocator does (emulated devices)
+
     def __init__(self, device: torch.device, throttle=None):
         # CPU: this thread's CPU time, so waits in collectives are not counted as compute; an
         # emulated device's clock adds what its throttle charged (devices/clock.py DeviceClock)
@@ -128,12 +130,30 @@ class DeviceHooks:
     def state_restored(self, module, optimizer) -> None:
         """A checkpoint's optimizer state was loaded (the emulated meter counts it from now on)."""
 
+    def model_sharded(self, module, optimizer, share: float) -> None:
+        """Tensor parallelism sharded the model: this rank computes `share` of its Linear weights
+        (layouts/tensor/shard.compute_share) and holds its shards' state."""
+
     def peak_bytes(self) -> float:
         return 0.0
 
     def step_peak_bytes(self) -> float:
         """The most this device held since the step started (0: not measured, a plain CPU)."""
         return 0.0
+
+    # -- what the run's records say of the device -----------------------------------------------
+    def given_device(self) -> tuple[float, float] | None:
+        """(speed relative to the catalog's 1.0, memory bytes) where the device's spec gives them
+        rather than its hardware (None: a real device, measured or rated by its peak FLOP/s)."""
+        return None
+
+    def run_facts(self) -> dict:
+        """The device's facts in the metrics file's start record."""
+        return {"emulated": False}
+
+    def summary_note(self) -> str:
+        """What the end-of-run summary's title adds about the devices."""
+        return ""
 
 
 def runqueue_s() -> float:

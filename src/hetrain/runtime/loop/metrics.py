@@ -16,7 +16,7 @@ Per device (a list indexed by rank): device, share, micro_batch (largest size) a
 sync_s (the wall time its last backward was blocked in the gradient sync, peers' lateness
 included; on a CPU, time the thread was ready but not scheduled is not counted), wait_s (the
 rest of the step: step_s − compute_s − sync_s, waiting for peers at the step's agreement, the
-optimizer step, loading data, a checkpoint saved before the step, a busy host's CPU contention), peak_bytes (the most it held this step; null
+optimizer step, loading data, a checkpoint saved before the step, a busy host), peak_bytes (the most it held this step; null
 on a plain CPU), memory_cap_bytes (its cap, when capped) and mfu (loop/flops.py).
 
 Every figure comes from the step's agreement table (runtime/ranks/agree.py), which every rank
@@ -95,7 +95,7 @@ class Recorder:
         self.write({
             "event": "start", "time": now, "attempt": job.ctx.restart, "step": job.steps_done,
             "world_size": job.world_size, "global_batch": job.config.global_batch, "total_steps": job.total_steps,
-            "layout": plan.layout, "emulated": job.emulated is not None, "plan_version": plan.version,
+            "layout": plan.layout, **job.hooks.run_facts(), "plan_version": plan.version,
             "flops_per_sample": facts.flops_per_sample if facts else None, "flops_how": facts.how if facts else "",
             "mfu_meaning": facts.meaning if facts else "",
             "devices": [{"rank": d.rank, "name": d.device, "precision": d.precision,

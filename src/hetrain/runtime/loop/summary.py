@@ -95,7 +95,7 @@ def summarize(job: Job, stats: RunStats) -> dict:
         sps = f"{out['samples_per_s']:.1f}" if out["samples_per_s"] else "-"
         log.table(
             f"summary: {stats.steps} steps, {sps} samples/s, loss {out['first_loss']:.4f} -> "
-            f"{out['last_loss']:.4f}, plan v{plan.version}" + (" (emulated devices)" if job.emulated else ""),
+            f"{out['last_loss']:.4f}, plan v{plan.version}" + job.hooks.summary_note(),
             ("rank", "device", "share", "micro", "busy/step", "efficiency", "MFU", "peak memory", "OOMs"), rows)
         if job.flops and any(m is not None for m in out["mfu"]):
             log.info(f"  efficiency: busy / step time; MFU: {job.flops.meaning}, at "
@@ -104,7 +104,7 @@ def summarize(job: Job, stats: RunStats) -> dict:
     job.precision.show_summary(log, steps=stats.steps)
     out["host"] = job.host.to_dict() if job.host is not None else None
     out["memory"] = memory.report(plan=plan, memory_plan=job.memory_plan, rank=job.rank, world_size=job.world_size,
-                                  device=job.device, emulated=job.emulated, log=log, peak=job.hooks.peak_bytes())
+                                  device=job.device, meter=job.hooks.meter, log=log, peak=job.hooks.peak_bytes())
     log.flush()
     return out
 

@@ -6,8 +6,8 @@ several arguments, `model(input, target)`; a batch the call does not know how to
 the user's loop knows how. Then hetrain plans from that loop instead of failing: `probe` finds out
 on every rank, with one forward and backward of two samples that leave nothing behind (the call
 the profiler would make first); where any rank's call fails, every rank starts from
-`unmeasured_plan`: shares by the catalog's speeds (an emulated device's speed, a GPU's peak FLOP/s
-in the precision it computes in; an even split where a rank has none), each share in one
+`unmeasured_plan`: shares by the catalog's speeds (the device's speed as its catalog entry or spec
+gives it, else a GPU's peak FLOP/s in the precision it computes in; an even split where a rank has none), each share in one
 micro-batch unless Memory(max_micro_batch=) caps it (an OOM halves it, as in any step). The
 rebalancer then re-plans from the device times the user's first steps measure
 (resilience/rebalance.py's FirstSteps), as the profile would have planned them.
@@ -58,10 +58,9 @@ def probe(job, model, forward) -> str | None:
 
 
 def catalog_rate(job) -> float | None:
-    """This rank's speed by the catalog: an emulated device's, or its peak FLOP/s."""
-    if job.emulated is not None:
-        return job.emulated.spec.speed
-    return local_peak(job)
+    """This rank's speed by the catalog: the one its device's spec gives, or its peak FLOP/s."""
+    given = job.hooks.given_device()
+    return given[0] if given is not None else local_peak(job)
 
 
 def unmeasured_plan(job) -> Plan:

@@ -127,27 +127,29 @@ def plan_memory(*, n_params: int, param_bytes: int, optimizer: torch.optim.Optim
                       checkpointing=checkpointing, note=note)
 
 
-def measured_peak(device: torch.device, emulated) -> float | None:
-    if emulated is not None:
-        return float(emulated.meter.peak)
+def measured_peak(device: torch.device, meter) -> float | None:
+    """`meter`: the device hooks' byte counter, where the device has one (None: read the allocator)."""
+    if meter is not None:
+        return float(meter.peak)
     if device.type == "cuda":        # reserved: an OOM from fragmentation shows there, not in allocated
         return float(torch.cuda.max_memory_reserved(device))
     return None
 
 
 def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, device: torch.device,
-           emulated, log, peak: float | None = None) -> list[dict]:
+           meter, log, peak: float | None = None) -> list[dict]:
     """Every rank's planned and measured peak, side by side (a collective; rank 0 prints). `peak`:
-    the run's peak as the device hooks kept it (CUDA's allocator peak is reset every step)."""
-    peak = peak or measured_peak(device, emulated)
-    cap = emulated.meter.cap if emulated is not None else (
+    the run's peak as the device hooks kept it (CUDA's allocator peak is reset every step);
+    `meter`: the hooks' byte counter, where the device has one."""
+    peak = peak or measured_peak(device, meter)
+    cap = meter.cap if meter is not None else (
         usable_bytes(device) if device.type == "cuda" else None)
     mp = memory_plan
     mine = {"planned": mp.total if mp else -1.0,
             "planned_state": mp.state.total if mp else -1.0,
             "planned_activations": (mp.activations if mp and mp.activations is not None else -1.0),
             "measured": peak if peak is not None else -1.0,
-            "held_state": float(emulated.meter.fixed) if emulated is not None else -1.0,
+            "held_state": float(meter.fixed) if meter is not None else -1.0,
             "cap": float(cap) if cap else -1.0, "host": mp.host if mp else 0.0}
     table = agree.exchange(mine, rank=rank, world_size=world_size, device=device)
     rows, out = [], []
@@ -164,7 +166,7 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
                      fmt(v["held_state"]), fmt(v["cap"]), _checkpointed(d))
                     + ((fmt(v["host"] or None),) if offloads else ()))
     strategy = mp.strategy if mp else "none"
-    how = ("counted bytes, emulated" if emulated is not None else
+    how = ("counted bytes, emulated" if meter is not None else
            "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: use --emulate")
     log.table(f"memory per device, sharding={strategy} (planned: state + micro-batch activations; "
               f"measured: {how})",

@@ -2,12 +2,12 @@
 device changes speed, the same decision on every rank.
 
 Where rebalance.py moves samples between data-parallel ranks, this moves blocks between pipeline
-stages: a stage whose device slows down (a thermal throttle, a shared GPU, an injected `slow`
+stages: a stage whose device slows down (thermal limits, a shared GPU, an injected `slow`
 fault) sets the whole pipeline's pace, and the split sized at the start, by speeds that no longer
 hold, is then the wrong one.
 
 The evidence is the step's agreement table, which every rank already sends (runtime/ranks/agree.py):
-each stage's busy time in its forward and backward pieces (`busy_s`, throttle included: the time
+each stage's busy time in its forward and backward pieces (`busy_s`, any slowdown included: the time
 the device is busy, never waiting for its neighbours). Every rank knows the split in force and the
 agreed block costs at speed 1 (the profile the split was sized from), so every rank computes, for
 every stage, the seconds its pieces would have taken at speed 1 (m micro-batches of µ rows through

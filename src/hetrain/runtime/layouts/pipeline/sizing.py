@@ -21,11 +21,12 @@ from ...ranks import agree
 from .blocks import PipelineParts, profile_blocks
 
 def device_table(ht) -> list[StageDevice]:
-    """Every rank's device (speed, memory), agreed: emulated specs, or CUDA memory and catalog
-    speed (replaced by measured speeds when the blocks are profiled)."""
+    """Every rank's device (speed, memory), agreed: as the device's spec gives them, or CUDA
+    memory and catalog speed (replaced by measured speeds when the blocks are profiled)."""
     speed, memory = 1.0, 0.0
-    if ht.emulated is not None:
-        speed, memory = ht.emulated.spec.speed, float(ht.emulated.spec.memory_bytes)
+    given = ht.hooks.given_device()
+    if given is not None:
+        speed, memory = given
     elif ht.device.type == "cuda":
         from ....hardware import catalog
 
@@ -34,10 +35,9 @@ def device_table(ht) -> list[StageDevice]:
         memory = float(usable_bytes(ht.device))
     table = agree.exchange({"speed": speed, "memory": memory}, rank=ht.rank, world_size=ht.world_size,
                            device=ht.device)
-    # Emulated: the block costs are this CPU's, the speed-1.0 time, so the spec's speeds are kept as
-    # they are (a cluster run slower than the CPU, as `--dilate` does, then predicts its own speed);
-    # real GPUs: rank 0's device is measured, so speeds are relative to the fastest.
-    fastest = max(table.column("speed")) if ht.emulated is None else 1.0
+    # Given speeds are kept as they are (DeviceHooks.given_device); real GPUs: rank 0's device is
+    # measured, so speeds are relative to the fastest.
+    fastest = max(table.column("speed")) if given is None else 1.0
     labels = [None] * ht.world_size
     dist.all_gather_object(labels, ht.device_label)
     return [StageDevice(name=labels[r], speed=table.row(r)["speed"] / fastest,
@@ -48,14 +48,14 @@ def agreed_profile(ht, parts: PipelineParts, example: torch.Tensor | None,
                    devices: list[StageDevice]) -> tuple[PipelineProfile, list[StageDevice]]:
     """The block costs every rank sizes the split from (rank 0's, at speed 1.0), and the devices.
 
-    Emulated: rank 0's CPU time is the speed-1.0 time and the speeds are the cluster spec's, under
-    rank 0's autocast (a mixed bf16/fp16 cluster is costed at rank 0's precision). Real GPUs: every
+    On CPUs (devices given by a spec among them): rank 0's CPU time is the speed-1.0 time and the
+    speeds are the device table's, under rank 0's autocast (a mixed bf16/fp16 cluster is costed at rank 0's precision). Real GPUs: every
     rank measures the blocks on its own device, under its own autocast, and a device's speed is the
     fastest total time over its own (measured, not the catalog's guess)."""
     if example is None:
         raise UsageError("sizing a pipeline needs a micro-batch of inputs to time the blocks",
                          "give the dataset (inputs, targets) samples")
-    measure_all = ht.emulated is None and ht.device.type == "cuda"
+    measure_all = ht.device.type == "cuda"      # (a device given by a spec runs on the CPU)
     mine = (profile_blocks(parts, example, device=ht.device, precision=ht.precision)
             if (measure_all or ht.rank == 0) else None)
     if measure_all:

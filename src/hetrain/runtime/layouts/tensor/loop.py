@@ -11,11 +11,6 @@ data-parallel shares), as whole key/value groups of heads and whole MLP columns
 so gradient clipping sums their squares over the ranks itself, and checkpoints hold every
 sharded entry whole under the whole model's names (layouts/tensor/state.py).
 
-On the emulated controlled clock (`Emulation.sample_s`) a micro-batch of m samples lasts
-m·T·share/speed on a TP rank, `share` being the rank's part of the model's Linear weights
-(layouts/tensor/shard.compute_share: the matmul FLOPs it computes, the replicated head counted whole):
-a split by speed then evens the ranks' times, an even split leaves the slow rank behind, as on GPUs.
-
 Out of memory: the collectives run inside every layer's forward and backward, so one rank
 that fails mid-layer leaves its peers in a collective that no stand-in can complete without
 knowing the rest of the layer's communication. Under TP an OOM therefore ends the attempt on every
@@ -76,10 +71,7 @@ def wrap(job, model, optimizer, *, split: str = "even"):
     new = dict(model.named_parameters())
     opt = rebuild(optimizer, {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
     share = compute_share(model)
-    if job.emulated is not None:
-        if job.config.emulation.sample_s is not None:  # the clock times this rank's part of the model
-            job.emulated.throttle.sample_s = job.config.emulation.sample_s * share
-        job.emulated.meter.set_fixed(model, opt)      # this rank's shards, not the whole model
+    job.hooks.model_sharded(model, opt, share)
     how = (f"in proportion to speed ({'/'.join(f'{s:.2f}' for s in speeds)}): " if by_speed
            else "evenly (DTensor): ")
     lines = [f"parallel=tp: every layer split over {job.world_size} devices {how}{done.describe()}; this rank "
