@@ -32,21 +32,23 @@ from _common import Parser, add_sizes, add_smoke, apply_smoke, interleaved  # no
 _GROUPS: dict = {}
 
 
-def hierarchical(tensor, islands: list[list[int]], bridge_gbs: float) -> None:
+def hierarchical(tensor, islands: list[list[int]], bridge_gbs: float, island_gbs: float | None = None) -> None:
     """The runtime's hierarchical all-reduce (runtime/sharding/island_hooks.py) over `islands`, its
-    bridge throttled to `bridge_gbs` as an emulated job's is; the groups are made once per process."""
+    bridge throttled to `bridge_gbs` and each island's own link to `island_gbs` as an emulated job's are;
+    the groups are made once per process."""
     import torch.distributed as dist
 
     from hetrain.runtime.ranks.islands import Islands, make_groups
     from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
-    key = (tuple(map(tuple, islands)), bridge_gbs)
+    key = (tuple(map(tuple, islands)), bridge_gbs, island_gbs)
     if key not in _GROUPS:
         island_of = [""] * sum(map(len, islands))
         for k, ranks in enumerate(islands):
             for r in ranks:
                 island_of[r] = f"i{k}"
-        groups = attach_links(make_groups(Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs),
+        links = {f"i{k}": island_gbs for k in range(len(islands))} if island_gbs else {}
+        groups = attach_links(make_groups(Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links),
                                           rank=dist.get_rank(), emulated=True))
         _GROUPS[key] = IslandSync(groups, world_size=1, device=tensor.device)   # world 1: a sum, not a mean
     _GROUPS[key].reduce(tensor).wait()
@@ -59,7 +61,7 @@ MIXED, MATCHED = "a100-80g:1.0,a100-80g:0.67", "a100-80g:0.835,a100-80g:0.835"
 
 
 # -- (a) the all-reduce ----------------------------------------------------------------------------
-def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchical):
+def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchical, island_gbs):
     import torch
     import torch.distributed as dist
 
@@ -71,7 +73,7 @@ def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchica
         throttle = LinkThrottle(gbs=bridge_gbs, ring=world)
         ways = {"flat": lambda: throttle.run(lambda: dist.all_reduce(tensor), nbytes)}
         if hierarchical is not None:
-            ways["hierarchical"] = lambda: hierarchical(tensor, islands, bridge_gbs)
+            ways["hierarchical"] = lambda: hierarchical(tensor, islands, bridge_gbs, island_gbs)
         out = {}
         for name, run in ways.items():
             spans = []
@@ -86,30 +88,33 @@ def allreduce_worker(rank, world, nbytes, bridge_gbs, islands, reps, hierarchica
         dist.destroy_process_group()
 
 
-def predicted_allreduce(islands: list[list[int]], nbytes: float, bridge_gbs: float) -> dict:
+def island_link(ranks: list[int], island_gbs: float | None):
+    """An island's own link: the emulated one's figure, else the catalog's for A100s."""
     from hetrain.hardware import catalog
-    from hetrain.planning.bridge_cost import ON_HOST, Island, flat_allreduce, hierarchical_allreduce
     from hetrain.planning.collectives import Link
     from hetrain.planning.cost import catalog_link
 
-    card = catalog.resolve("a100-80g")
-    isl = [Island(name=f"i{k}", devices=tuple(ranks), link=catalog_link([card] * len(ranks)),
+    if island_gbs:
+        return Link(bandwidth_gbs=island_gbs, latency_s=0.0, source="emulated island link")
+    return catalog_link([catalog.resolve("a100-80g")] * len(ranks))
+
+
+def predicted_allreduce(islands: list[list[int]], nbytes: float, bridge_gbs: float, island_gbs: float | None) -> dict:
+    from hetrain.planning.bridge_cost import ON_HOST, Island, flat_allreduce, hierarchical_allreduce
+    from hetrain.planning.collectives import Link
+    isl = [Island(name=f"i{k}", devices=tuple(ranks), link=island_link(ranks, island_gbs),
                   host_gbs=(ON_HOST,) * len(ranks)) for k, ranks in enumerate(islands)]
     bridge = Link(bandwidth_gbs=bridge_gbs, latency_s=0.0, source="emulated bridge")
     return {"flat": flat_allreduce(isl, nbytes, bridge).total_s,
             "hierarchical": hierarchical_allreduce(isl, nbytes, bridge).total_s}
 
 
-def per_rank_links(islands: list[list[int]], nbytes: float, bridge_gbs: float) -> float:
+def per_rank_links(islands: list[list[int]], nbytes: float, bridge_gbs: float, island_gbs: float | None) -> float:
     """The hierarchical prediction with a bridge link per rank (each shard on its own), the other
     reading of an emulated bridge whose every shard ring is throttled on its own."""
     from hetrain.planning.bridge_cost import ON_HOST, Island, hierarchical_allreduce
     from hetrain.planning.collectives import Link
-    from hetrain.planning.cost import catalog_link
-    from hetrain.hardware import catalog
-
-    card = catalog.resolve("a100-80g")
-    isl = [Island(name=f"i{k}", devices=tuple(ranks), link=catalog_link([card] * len(ranks)),
+    isl = [Island(name=f"i{k}", devices=tuple(ranks), link=island_link(ranks, island_gbs),
                   host_gbs=(ON_HOST,) * len(ranks)) for k, ranks in enumerate(islands)]
     return hierarchical_allreduce(isl, nbytes, Link(bandwidth_gbs=bridge_gbs, latency_s=0.0),
                                   bridge_links=max(len(r) for r in islands)).total_s
@@ -122,14 +127,14 @@ def allreduce_figures(args) -> dict:
     world = 2 * args.island
     nbytes = args.mbytes * 1e6
     per_rank = run_ranks(allreduce_worker, world, nbytes, args.bridge_gbs, islands, args.reps, HIERARCHICAL,
-                         timeout=240)
+                         args.island_gbs, timeout=240)
     # A collective lasts from the last rank in to the last rank out: ranks leave the barrier before
     # it at different moments on a busy host, and no rank can start the collective's work earlier.
     measured = {name: statistics.median(max(r[name][i][1] for r in per_rank) - max(r[name][i][0] for r in per_rank)
                                         for i in range(args.reps)) for name in per_rank[0]}
-    predicted = predicted_allreduce(islands, nbytes, args.bridge_gbs)
-    out = {"islands": islands, "bytes": nbytes, "bridge_gbs": args.bridge_gbs,
-           "hierarchical_per_rank_links_s": per_rank_links(islands, nbytes, args.bridge_gbs)}
+    predicted = predicted_allreduce(islands, nbytes, args.bridge_gbs, args.island_gbs)
+    out = {"islands": islands, "bytes": nbytes, "bridge_gbs": args.bridge_gbs, "island_gbs": args.island_gbs,
+           "hierarchical_per_rank_links_s": per_rank_links(islands, nbytes, args.bridge_gbs, args.island_gbs)}
     for name, pred in predicted.items():
         got = measured.get(name)
         out[name] = {"predicted_s": pred, "measured_s": got,
@@ -245,6 +250,9 @@ def main() -> None:
     # Slow enough that the link's time, not gloo's own copies and sums, sets a collective's length,
     # and a sample long enough that the devices' CPU stays under the clock on a busy host.
     p.add_argument("--bridge-gbs", type=float, default=0.05, help="the emulated bridge, GB/s")
+    # The islands' own links slowed too: gloo's copies and sums on loopback (a busy host's CPU, not a
+    # device link) then hide inside the link's time, as the bridge's do, and the prediction prices them.
+    p.add_argument("--island-gbs", type=float, default=0.2, help="each emulated island's own link, GB/s (0: not slowed)")
     p.add_argument("--clock-ms", type=float, default=20.0, help="the controlled clock: ms a sample at speed 1")
     args = p.parse_args()
     apply_smoke(p, args, reps=3, steps=2, rounds=1, island=1, global_batch=64)
