@@ -89,8 +89,8 @@ LAYERS = (
     {"__main__", "hetrain"},            # the package's face: `import hetrain`
 )
 # runtime/, bottom first. A subpackage (or top-level module) imports only from those below it.
-RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "sharding", "memory", "resilience",
-           "job", "loop", "parallel", "measure", "layouts", "setup", "engine", "__init__")
+RUNTIME = ("config_groups", "config", "user_objects", "model", "replan", "ranks", "devices", "sharding", "memory", "resilience",
+           "job", "loop", "parallel", "measure", "layouts", "setup", "facts", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "

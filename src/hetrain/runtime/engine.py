@@ -30,7 +30,8 @@ from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
 from .devices.faults import FaultInjector, parse_faults
 from .devices.hooks import make_hooks
-from .job import Job
+from .facts import EngineFacts
+from .job import Context, Job
 from .ranks.log import RankLog
 from .devices.precision_policy import PrecisionPolicy
 from .user_objects import default_forward
@@ -43,7 +44,7 @@ from .loop.steps import Step, Steps
 from .loop.summary import RunStats, summarize
 
 
-class Engine:
+class Engine(EngineFacts):
     """What `hetrain.init()` returns. All ranks call the same methods in the same order."""
 
     def __init__(self, config: Config, *, plan: Plan | None = None):
@@ -71,9 +72,9 @@ class Engine:
         # This rank's precision; prepare() agrees it across ranks (bad input raises there, on all).
         precision = PrecisionPolicy.local(config.precision, device=ctx.device, emulated=emulated, host=host,
                                           allow_fallback=config.allow_fallback)
-        self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
-                       precision=precision, faults=faults, emulated=emulated, host=host,
-                       preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes)
+        self.job = Job(Context(config=config, dist=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
+                               precision=precision, faults=faults, emulated=emulated, host=host,
+                               preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
