@@ -91,19 +91,15 @@ class Engine(EngineFacts):
         skip_final_collection()             # first: it then runs after _at_exit (atexit is LIFO)
         atexit.register(self._at_exit)
 
-    # -- facts --------------------------------------------------------------------------------
+    # -- facts (what scripts, integrations and tests read; the job record holds the rest) ------
     config = property(lambda self: self.job.config)
     ctx = property(lambda self: self.job.ctx)
     log = property(lambda self: self.job.log)
     plan = property(lambda self: self.job.plan)
-    profiles = property(lambda self: self.job.profiles)
     emulated = property(lambda self: self.job.emulated)
-    host = property(lambda self: self.job.host)
-    faults = property(lambda self: self.job.faults)
     rank = property(lambda self: self.job.rank)
     world_size = property(lambda self: self.job.world_size)
     device = property(lambda self: self.job.device)
-    device_label = property(lambda self: self.job.device_label)
     is_main = property(lambda self: self.job.ctx.is_main)
     steps_done = property(lambda self: self.job.steps_done)
     total_steps = property(lambda self: self.job.total_steps)
