@@ -179,7 +179,7 @@ def teardown_worker(rank, world):
     dist.destroy_process_group = lambda *a, **k: (destroyed.append(True), destroy(*a, **k))[1]
     out = {}
     if rank == 0:       # a NCCL job (the group is gloo here: its abort runs the same path)
-        ht.job.ctx = dataclasses.replace(ht.job.ctx, backend="nccl")
+        ht.job.context = dataclasses.replace(ht.job.context, dist=dataclasses.replace(ht.job.ctx, backend="nccl"))
     ht._at_exit()       # as the interpreter's exit runs it after an error, close() never called
     out = {"destroyed": bool(destroyed), "initialized": dist.is_initialized()}
     dist.destroy_process_group = destroy

@@ -91,8 +91,8 @@ LAYERS = (
 # runtime/, bottom first. A subpackage (or top-level module) imports only from those below it. The
 # CPU emulator (hetrain/emulation/) is a package of its own that plays a device: it stands on the
 # device clock and hooks and under everything that runs a device (planning never imports it).
-RUNTIME = ("config_groups", "config", "user_objects", "model", "ranks", "devices", "emulation", "sharding", "memory",
-           "resilience", "job", "loop", "measure", "layouts", "setup", "engine", "__init__")
+RUNTIME = ("config_groups", "config", "user_objects", "model", "replan", "ranks", "devices", "emulation", "sharding",
+           "memory", "resilience", "job", "loop", "measure", "layouts", "setup", "facts", "engine", "__init__")
 # Private names torch makes us import, each with its reason (as ALLOWED above, for attributes).
 PRIVATE_IMPORTS = {"torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
                    "lightning.fabric.utilities.data": "Fabric's rebuild of a DataLoader around another sampler, "

@@ -23,6 +23,34 @@ LAYOUT_KINDS = {"dp": "DataParallel", "tp": "TensorParallel", "pp": "Pipeline", 
 
 
 
+FROZEN = "plans are frozen: make a new one with dataclasses.replace(plan, ...)"
+
+
+class FrozenDict(dict):
+    """A Plan's mapping (`predicted`, `layout_spec`): read like a dict, written to JSON like one,
+    refused when changed in place (the ranks agreed on the plan as it was)."""
+
+    def _refuse(self, *args, **kwargs):
+        from ..errors import UsageError
+
+        raise UsageError("a Plan's mapping was changed in place", FROZEN)
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse   # type: ignore[assignment]
+
+    def __hash__(self) -> int:      # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=lambda kv: kv[0])))
+
+    def __reduce__(self):           # copy, deepcopy and pickle rebuild it whole
+        return FrozenDict, (dict(self),)
+
+
+def _freeze(record, **fields) -> None:
+    """Set a frozen dataclass's fields to their immutable form (lists to tuples, dicts frozen)."""
+    for name, value in fields.items():
+        if value is not None and not isinstance(value, (tuple, FrozenDict)):
+            object.__setattr__(record, name, FrozenDict(value) if isinstance(value, dict) else tuple(value))
+
+
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:
     """`total` into `parts` sizes that differ by at most one, larger first: 19, 3 -> 7, 6, 6."""
     if parts < 1 or total < parts:
@@ -53,6 +81,7 @@ class DevicePlan:
     predicted_memory_bytes: int | None = None   # planner: this rank's peak memory
 
     def __post_init__(self) -> None:
+        _freeze(self, reasons=self.reasons)
         if self.share < 1 or self.micro_batch < 1:
             raise ValueError(f"rank {self.rank}: share and micro-batch must be >= 1, "
                              f"got share={self.share}, micro_batch={self.micro_batch}")
@@ -82,7 +111,7 @@ class Plan:
     devices: tuple[DevicePlan, ...]
     version: int = 0
     note: str = ""                                   # why this plan (e.g. 'rebalanced: ...')
-    predicted: dict[str, float] = field(default_factory=dict)  # planner estimates, if any
+    predicted: dict[str, float] = field(default_factory=FrozenDict)  # planner estimates, if any
     excluded: tuple[ExcludedDevice, ...] = ()        # devices left out, with the reason
     # How the model is spread. Ranks r·group … r·group + group − 1 form replica r: one pipeline
     # (pp, dp-pp: group = its stages) or one tensor-parallel group (tp). The ranks of a replica
@@ -99,6 +128,8 @@ class Plan:
     layout_spec: dict | None = None
 
     def __post_init__(self) -> None:
+        _freeze(self, devices=self.devices, predicted=self.predicted, excluded=self.excluded,
+                stage_blocks=self.stage_blocks, layout_spec=self.layout_spec)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if self.layout_spec is not None:

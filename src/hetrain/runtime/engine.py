@@ -30,7 +30,8 @@ from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
 from .devices.faults import FaultInjector, parse_faults
 from ..emulation.hooks import make_hooks
-from .job import Job
+from .facts import EngineFacts
+from .job import Context, Job
 from .ranks.log import RankLog
 from .devices.precision_policy import PrecisionPolicy
 from .user_objects import default_forward
@@ -42,7 +43,7 @@ from .loop.steps import Step, Steps
 from .loop.summary import RunStats, summarize
 
 
-class Engine:
+class Engine(EngineFacts):
     """What `hetrain.init()` returns. All ranks call the same methods in the same order."""
 
     def __init__(self, config: Config, *, plan: Plan | None = None):
@@ -70,9 +71,9 @@ class Engine:
         # This rank's precision; prepare() agrees it across ranks (bad input raises there, on all).
         precision = PrecisionPolicy.local(config.precision, device=ctx.device, emulated=emulated, host=host,
                                           allow_fallback=config.allow_fallback)
-        self.job = Job(config=config, ctx=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
-                       precision=precision, faults=faults, emulated=emulated, host=host,
-                       preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes)
+        self.job = Job(Context(config=config, dist=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
+                               precision=precision, faults=faults, emulated=emulated, host=host,
+                               preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
             log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
@@ -89,19 +90,15 @@ class Engine:
         skip_final_collection()             # first: it then runs after _at_exit (atexit is LIFO)
         atexit.register(self._at_exit)
 
-    # -- facts --------------------------------------------------------------------------------
+    # -- facts (what scripts, integrations and tests read; the job record holds the rest) ------
     config = property(lambda self: self.job.config)
     ctx = property(lambda self: self.job.ctx)
     log = property(lambda self: self.job.log)
     plan = property(lambda self: self.job.plan)
-    profiles = property(lambda self: self.job.profiles)
     emulated = property(lambda self: self.job.emulated)
-    host = property(lambda self: self.job.host)
-    faults = property(lambda self: self.job.faults)
     rank = property(lambda self: self.job.rank)
     world_size = property(lambda self: self.job.world_size)
     device = property(lambda self: self.job.device)
-    device_label = property(lambda self: self.job.device_label)
     is_main = property(lambda self: self.job.ctx.is_main)
     steps_done = property(lambda self: self.job.steps_done)
     total_steps = property(lambda self: self.job.total_steps)

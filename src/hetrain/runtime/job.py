@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -56,10 +56,12 @@ class Rebalancing(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-@dataclass(eq=False)
-class Job:
+@dataclass(frozen=True, eq=False)
+class Context:
+    """What init() makes, fixed for the job: the config, the process group, this rank's device
+    hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one."""
     config: Config
-    ctx: DistContext
+    dist: DistContext
     log: RankLog
     hooks: DeviceHooks
     precision: PrecisionPolicy
@@ -68,16 +70,38 @@ class Job:
     host: HostFacts | None = None            # on an emulated device
     preemption: Preemption | None = None     # the stop signal, if any (made by init(), always there)
     nodes: JobNodes | None = None            # which rank runs on which node
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
+@dataclass(eq=False)
+class RunState:
+    """The run's state, one object the loop holds (StepLoop.run): the plan in force (written by
+    replan.adopt alone), the sample order, and the counters the steps keep."""
+    plan: Plan | None = None
+    plan_seal: tuple | None = None           # replan.seal of it: a plan changed in place is refused
+    sampler: GlobalCursorSampler | None = None
+    total_steps: int = 0
+    steps_done: int = 0
+    ooms: int = 0                  # out-of-memory errors recovered on this rank
+    redone_steps: int = 0          # steps redone by all ranks after an OOM in a gradient sync
+    rebalances: int = 0            # share changes made by the rebalancer
+    met_at: float = 0.0            # devices/clock.host() when the ranks last met: a step's agreement, or prepare()'s end
+
+
+@dataclass(eq=False)
+class Job:
+    context: Context
+    run: RunState = field(default_factory=RunState)
     # -- made by prepare() (setup.py), in this order ---------------------------------------------
     dataset: Any = None                      # the user's map-style dataset
     collate: Callable | None = None
     reader: Any = None                       # worker processes reading micro-batches (loop/workers.py), if any
-    sampler: GlobalCursorSampler | None = None
-    total_steps: int = 0
     checkpointer: Checkpointer | None = None  # with checkpoint_dir
     unmeasured: str | None = None            # why hetrain could not call the model (measure/model_call.py)
     unmeasured_facts: list | None = None     # every rank's (error, catalog speed, label, precision) from that probe
-    plan: Plan | None = None
     layout: DataLayout | None = None         # layouts/: how this rank runs a step (data, tensor, pipelined)
     profiles: tuple[DeviceProfile, ...] | None = None   # every rank's, when this job measured them
     model: PreparedModel | None = None
@@ -91,12 +115,87 @@ class Job:
     extra_state: dict = field(default_factory=dict)   # register_state(): name -> obj with state_dict
     model_signature: str | None = None       # the user's model's, before any wrapping (resilience/resume.py)
     resumed: Resumed | None = None           # a resumed checkpoint's state, for register_state() after prepare()
-    # -- counters the run keeps -------------------------------------------------------------------
-    steps_done: int = 0
-    ooms: int = 0                  # out-of-memory errors recovered on this rank
-    redone_steps: int = 0          # steps redone by all ranks after an OOM in a gradient sync
-    rebalances: int = 0            # share changes made by the rebalancer
-    met_at: float = 0.0            # devices/clock.host() when the ranks last met: a step's agreement, or prepare()'s end
+
+    # -- read-only here: the context's (a new one: reconfigure) and the run state's (job.run.<name> = ...)
+    @property
+    def config(self) -> Config:
+        return self.context.config
+
+    @property
+    def ctx(self) -> DistContext:
+        return self.context.dist
+
+    @property
+    def log(self) -> RankLog:
+        return self.context.log
+
+    @property
+    def hooks(self) -> DeviceHooks:
+        return self.context.hooks
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.context.precision
+
+    @property
+    def faults(self) -> FaultInjector:
+        return self.context.faults
+
+    @property
+    def emulated(self) -> EmulatedDevice | None:
+        return self.context.emulated
+
+    @property
+    def host(self) -> HostFacts | None:
+        return self.context.host
+
+    @property
+    def preemption(self) -> Preemption | None:
+        return self.context.preemption
+
+    @property
+    def nodes(self) -> JobNodes | None:
+        return self.context.nodes
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.run.plan
+
+    @property
+    def plan_seal(self) -> tuple | None:
+        return self.run.plan_seal
+
+    @property
+    def sampler(self) -> GlobalCursorSampler | None:
+        return self.run.sampler
+
+    @property
+    def total_steps(self) -> int:
+        return self.run.total_steps
+
+    @property
+    def steps_done(self) -> int:
+        return self.run.steps_done
+
+    @property
+    def ooms(self) -> int:
+        return self.run.ooms
+
+    @property
+    def redone_steps(self) -> int:
+        return self.run.redone_steps
+
+    @property
+    def rebalances(self) -> int:
+        return self.run.rebalances
+
+    @property
+    def met_at(self) -> float:
+        return self.run.met_at
+
+    def reconfigure(self, **changes) -> None:
+        """A new context with these Config fields changed (checked as Config(...) checks them)."""
+        self.context = replace(self.context, config=replace(self.context.config, **changes))
 
     @property
     def rank(self) -> int:

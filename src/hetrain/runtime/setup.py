@@ -32,6 +32,7 @@ from .loop.sampler import GlobalCursorSampler
 from .loop.stream import is_stream, open_stream
 from .measure.joint import show_plan
 from .measure.model_call import probe as probe_model_call
+from .replan import adopt
 from .resilience import resume as persist
 from .resilience.store import Checkpointer
 
@@ -60,7 +61,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     # the model is built for it: checkpointing, sharding and stages follow the plan that will run.
     resume_from = persist.find_checkpoint(job, model) if job.checkpointer is not None else None    # (collective)
     if job.checkpointer is not None:
-        job.plan = persist.adopt_plan(job, resume_from)                                             # (collective)
+        adopt(job, persist.adopt_plan(job, resume_from), "resumed")                                           # (collective)
     layout.build(job, model, optimizer, forward)      # wrapped or staged, and the loop's layout     (collective)
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
@@ -70,7 +71,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     job.log.info(f"layout: {layout.describe(job)}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines
     job.log.flush()                                   # every rank's setup warnings, once     (collective)
-    job.met_at = clocks.host()                  # the first step's period starts here, on every rank
+    job.run.met_at = clocks.host()                  # the first step's period starts here, on every rank
     freeze_heap()
 
 
@@ -94,12 +95,12 @@ def open_data(job: Job, dataset, collate_fn: Callable | None) -> None:
     cfg = job.config
     job.dataset, job.collate = dataset, collate_fn or default_collate
     if is_stream(dataset):   # an IterableDataset: read in order, samples by position (collective)
-        job.sampler, job.dataset, job.total_steps = open_stream(cfg, dataset, job.log)
+        job.run.sampler, job.dataset, job.run.total_steps = open_stream(cfg, dataset, job.log)
         if cfg.num_workers:
             job.log.info(f"num_workers={cfg.num_workers}: a stream is read in this process (its samples arrive "
                          "step by step, a worker would not see them)")
     else:
-        job.sampler, job.total_steps = make_sampler(cfg, len(dataset))
+        job.run.sampler, job.run.total_steps = make_sampler(cfg, len(dataset))
         if cfg.num_workers:      # micro-batches read by worker processes, kept across steps
             job.reader = MicroBatchReader(dataset, job.collate, num_workers=cfg.num_workers, device=job.device)
     job.checkpointer = open_checkpoints(cfg, job.rank, job.log)

@@ -100,6 +100,6 @@ def test_the_trainers_token_count_reads_a_batch_encodings_labels():
 
     trainer = Trainer.__new__(Trainer)            # only what token_counter reads
     trainer.model = gpt2()
-    trainer.engine = types.SimpleNamespace(job=types.SimpleNamespace(config=types.SimpleNamespace(loss_weighting="tokens")))
+    trainer.engine = types.SimpleNamespace(config=types.SimpleNamespace(loss_weighting="tokens"))
     labels = torch.tensor([[5, 6, -100, 7], [-100, 1, 2, 3]])
     assert trainer.token_counter()(BatchEncoding({"input_ids": labels.clamp(min=0), "labels": labels})) == 5     # each row from its second label

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import replace
 
 import accelerate
 import torch
@@ -77,7 +76,7 @@ class Accelerator(accelerate.Accelerator):
     @property
     def mixed_precision(self) -> str:
         """What this process computes in: 'no', 'bf16' or 'fp16' (under precision='auto', its device's)."""
-        return NAMES.get(self.engine.job.precision.dtype, "no")
+        return NAMES.get(self.engine.compute_dtype, "no")
 
     @property
     def sync_gradients(self) -> bool:
@@ -102,7 +101,7 @@ class Accelerator(accelerate.Accelerator):
         return self.engine
 
     def shares(self) -> tuple[int, ...]:
-        return tuple(self.engine.job.plan.shares)
+        return tuple(self.engine.plan.shares)
 
     def to_device(self, batch):
         return to_device(batch, self.device)
@@ -133,13 +132,12 @@ class Accelerator(accelerate.Accelerator):
         shuffle, drop_last = check_training_loader(train, self.hetrain)
         per_step = train.batch_size * self.gradient_accumulation_steps
         world = self.num_processes
-        job = self.engine.job
         settings = {"global_batch": per_step if self.split_batches else per_step * world, "shuffle": shuffle,
                     "drop_last": drop_last, "num_workers": train.num_workers}
-        job.config = replace(job.config, **{k: v for k, v in settings.items() if k not in self.hetrain})
+        self.engine.configure(**{k: v for k, v in settings.items() if k not in self.hetrain})
         model, optimizer, steps = self.engine.prepare(trained[0], optimizer, train.dataset, parallel=self.layout,
                                                       collate_fn=train.collate_fn, forward=batch_forward)  # (collective)
-        check_dispatch(self.dataloader_config, job.plan.shares)       # (the same plan on every rank)
+        check_dispatch(self.dataloader_config, self.engine.plan.shares)       # (the same plan on every rank)
         self.run = run = Run(self.engine, steps, accumulation=self.gradient_accumulation_steps,
                              run_length_given="max_steps" in self.hetrain or "epochs" in self.hetrain,
                              scheduler_steps=1 if self.split_batches else world)
@@ -147,7 +145,7 @@ class Accelerator(accelerate.Accelerator):
         # The plain loop settles a rank that leaves mid-step only after a forward of that step (the
         # first may run DDP's own collectives first); Fabric's wrapper counts them, here a hook does.
         model.register_forward_pre_hook(lambda module, args: run.plain.count_forward())
-        if job.precision.dtype is not None:
+        if self.engine.compute_dtype is not None:
             autocast_forward(model, self.engine)
         self.prepared = {id(trained[0]): model, id(optimizers[0]): StepOptimizer(run, optimizer),
                          id(train): TrainLoader(run, train)}
@@ -181,7 +179,7 @@ class Accelerator(accelerate.Accelerator):
                              "model with its optimizer on the training data", "pass the model, its optimizer and the "
                              "training DataLoader to one accelerator.prepare(...) (or evaluation_mode=True)")
         model = model.to(self.device)
-        if self.engine.job.precision.dtype is not None:
+        if self.engine.compute_dtype is not None:
             autocast_forward(model, self.engine)
         return model
 
@@ -196,7 +194,7 @@ class Accelerator(accelerate.Accelerator):
     def prepare_scheduler(self, scheduler):
         self.joined()
         run = self.run
-        if getattr(scheduler, "optimizer", None) is not run.engine.job.optimizer:
+        if getattr(scheduler, "optimizer", None) is not run.engine.optimizer:
             raise UsageError("the LR scheduler's optimizer is not the one hetrain trains (its sharding may replace "
                              "the optimizer)", "build the scheduler on the optimizer accelerator.prepare returns, "
                              "or use Accelerator(hetrain={'sharding': 'none'})")
@@ -241,9 +239,7 @@ class Accelerator(accelerate.Accelerator):
         global norm to `max_norm`. Returns None: the norm is measured inside the step."""
         if norm_type != 2:
             raise UsageError(f"clip_grad_norm_(norm_type={norm_type}) under hetrain", "use the 2-norm (the default)")
-        job = self.engine.job
-        if job.config.grad_clip != max_norm:
-            job.config = replace(job.config, grad_clip=float(max_norm))
+        self.engine.set_grad_clip(max_norm)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         if model is self.model and hasattr(model, "module"):

@@ -137,13 +137,13 @@ class Run:
         if not with_optimizer:
             for _ in range(self.accumulation):
                 scheduler.step()
-        elif done.index not in self.engine.job.precision.skipped_steps:
+        elif not self.engine.step_skipped(done.index):
             for _ in range(self.scheduler_steps):
                 if getattr(scheduler, "total_steps", None) is None or scheduler.last_epoch < scheduler.total_steps:
                     scheduler.step()      # (OneCycleLR past its end raises: stock stops there too)
 
     def steps_per_epoch(self) -> int:
-        sampler = self.engine.job.sampler
+        sampler = self.engine.sampler
         if sampler.dataset_len is None:       # as stock's len() of a DataLoader over a stream without one
             raise TypeError("the training data is a stream without a length: one pass over the loader is the "
                             "whole run, Accelerator(hetrain={'max_steps': N})")
@@ -202,7 +202,7 @@ class StepOptimizer:
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last step was skipped for an fp16 overflow (every rank agreed it)."""
-        return self.run.engine.job.steps_done - 1 in self.run.engine.job.precision.skipped_steps
+        return self.run.engine.step_skipped(self.run.engine.steps_done - 1)
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)

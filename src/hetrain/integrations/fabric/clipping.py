@@ -41,16 +41,16 @@ class Clipping:
 
     def ask(self, request: Request) -> torch.Tensor | None:
         strategy = self.strategy
-        job = strategy.joined().job
+        engine = strategy.joined()
         call = "clip_val" if request.clip_val is not None else "max_norm"
-        if job.config.grad_clip is not None:
-            raise UsageError(f"fabric.clip_gradients({call}=...) under HetrainStrategy(grad_clip={job.config.grad_clip}): "
+        if engine.config.grad_clip is not None:
+            raise UsageError(f"fabric.clip_gradients({call}=...) under HetrainStrategy(grad_clip={engine.config.grad_clip}): "
                              "two clips of one gradient", "drop one: the fabric.clip_gradients call, or grad_clip=")
         if not strategy.in_step():
             raise UsageError(f"fabric.clip_gradients({call}=...) outside a step: under HetrainStrategy the gradient "
                              "of a step is final inside the step, where the call is applied",
                              "call it between fabric.backward(loss) and optimizer.step(), as stock loops do")
-        if hasattr(job.sync, "clip_grad_norm") and (request.clip_val is not None or request.norm_type != 2):
+        if engine.clips_in_slices and (request.clip_val is not None or request.norm_type != 2):
             raise UsageError(f"fabric.clip_gradients({call}=...{', norm_type=' + str(request.norm_type) if call == 'max_norm' else ''}) "
                              "under sharding='capacity-full': its slices clip only by the 2-norm",
                              "clip with max_norm= and norm_type=2, or HetrainStrategy(sharding='zero1' or 'fsdp')")
@@ -59,27 +59,23 @@ class Clipping:
             request = Request(max_norm=request.max_norm, norm_type=request.norm_type,
                               error_if_nonfinite=request.error_if_nonfinite,
                               norm=torch.zeros((), device=strategy.engine.device,
-                                               dtype=next(job.model.parameters()).dtype))
+                                               dtype=next(engine.model.parameters()).dtype))
         self.request = request
         return request.norm
 
-    def apply(self, job, step) -> None:
+    def apply(self, _job, step) -> None:
         """In the step: after the gradient is final, before the optimizer step."""
+        engine = self.strategy.engine
         request = self.request if self.request is not None or len(step.indices) else self.last
         self.request = None
         if request is None:
             return
         self.last = request
         if request.clip_val is not None:
-            grads = [p for g in job.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p for g in engine.optimizer.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_value_(grads, request.clip_val)
             return
-        if hasattr(job.sync, "clip_grad_norm"):     # capacity-full: the slices' norms summed over the ranks
-            total = job.sync.clip_grad_norm(request.max_norm)
-        else:        # an overflowed fp16 step is skipped by the job's scaler: its inf norm is no error
-            total = torch.nn.utils.clip_grad_norm_(
-                [p for p in job.model.parameters() if p.grad is not None], request.max_norm,
-                norm_type=request.norm_type,
-                error_if_nonfinite=request.error_if_nonfinite and job.precision.scaler is None)
+        total = engine.clip_grad_norm(request.max_norm, norm_type=request.norm_type,
+                                      error_if_nonfinite=request.error_if_nonfinite)
         total = total.full_tensor() if hasattr(total, "full_tensor") else total     # FSDP2: a DTensor
         request.norm.copy_(total.detach().to(request.norm))

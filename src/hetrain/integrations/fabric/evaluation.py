@@ -67,7 +67,7 @@ class RankPart(Sampler):
         if type(base) is RandomSampler and not base.replacement and base.num_samples == len(base.data_source):
             # torch's RandomSampler draws from each process's own RNG: the ranks would cut
             # different permutations. One seeded by the job, the same on every rank.
-            g = torch.Generator().manual_seed(self.strategy.joined().job.config.seed * 1000 + self.passes)
+            g = torch.Generator().manual_seed(self.strategy.joined().config.seed * 1000 + self.passes)
             self.passes += 1
             return iter(torch.randperm(len(base), generator=g).tolist())
         return iter(base)

@@ -83,11 +83,11 @@ class PlainLoop:
         self.forwards += 1
 
     # -- one pass: one epoch ------------------------------------------------------------------------
-    def steps_in_pass(self, job) -> int:
+    def steps_in_pass(self, engine) -> int:
         """The steps until the sampler's stream reaches the next epoch."""
-        sampler = job.sampler
+        sampler = engine.sampler
         if sampler.dataset_len is None:   # a stream without a length: its passes cannot be counted ahead,
-            return job.total_steps - job.steps_done    # so one pass is the run (max_steps, required)
+            return engine.total_steps - engine.steps_done    # so one pass is the run (max_steps, required)
         left, batch = sampler.dataset_len - sampler.cursor, sampler.global_batch
         if sampler.drop_last:
             return (sampler.dataset_len if left < batch else left) // batch
@@ -109,12 +109,12 @@ class PlainLoop:
             atexit.register(settle_at_exit, weakref.ref(self))
             self.exit_handler = True
         self.micro_batches = self.mb = None
-        job, loop = self.strategy.engine.job, steps.loop
-        n = self.steps_in_pass(job)
+        engine, loop = self.strategy.engine, steps.loop
+        n = self.steps_in_pass(engine)
         if not self.strategy.run_length_given:    # the user's loop decides the run's length, an epoch a pass
-            job.total_steps = max(job.total_steps, job.steps_done + n)
-        end = min(job.total_steps, job.steps_done + n)
-        while job.steps_done < end:
+            engine.extend_run(n)
+        end = min(engine.total_steps, engine.steps_done + n)
+        while engine.steps_done < end:
             step = loop.begin_step()
             self.micro_batches, self.finished, self.forwards = iter(step), None, 0
             mb = self.pull()
@@ -179,7 +179,7 @@ class PlainLoop:
     def settles(self) -> bool:
         """Would `settle` complete anything with the peers now?"""
         mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
-        if self.broken or not self.active or mb is None or self.strategy.engine.job.guard is None:
+        if self.broken or not self.active or mb is None or self.strategy.engine.oom_guard is None:
             return False     # nothing in flight, no peers to settle with (or OOM recovery off)
         # DDP's first forward of a step may run collectives before the model does (module buffers
         # broadcast; once, its buckets' order), which this rank has not met: its peers wait there,
@@ -192,14 +192,14 @@ class PlainLoop:
         step, and at that redo all raise the same error (agree_escapes)."""
         if not self.settles():
             return
-        job = self.strategy.engine.job
-        guard = job.guard
+        engine = self.strategy.engine
+        guard = engine.oom_guard
         mb = self.pulled if self.pulled not in (NOT_PULLED, None) else self.mb    # the one hetrain runs now
-        micro = job.micro_batch
+        micro = engine.current_micro_batch
         if not guard.every_oom_desyncs and not mb.desynced:      # DDP (FSDP2's guard settles in the agreement)
             if not (mb.last and mb.backward_done and mb.failed is None):   # its gradient sync not done yet
-                job.optimizer.zero_grad(set_to_none=True)    # the step is redone: its gradients go first
-                free_cached(job.device)
+                engine.optimizer.zero_grad(set_to_none=True)    # the step is redone: its gradients go first
+                free_cached(engine.device)
                 guard.begin()
                 guard.complete_missing()
             mb.desynced = True
@@ -221,20 +221,19 @@ class PlainLoop:
         if not why:
             return
         self.broken = True
-        job = engine.job
-        if self.escaped is not None and self.escaped[0] == FORWARD_OOM and job.checkpointer is not None:
-            record_escaped_oom(str(job.checkpointer.dir), rank=engine.rank, micro=self.escaped[1] or 1,
-                               step=job.steps_done)    # a restart halves this rank's micro-batch
-        who = "; ".join(f"rank {r} ({job.plan.devices[r].device}) {WHY[w]}" for r, w in why.items())
+        if self.escaped is not None and self.escaped[0] == FORWARD_OOM and engine.checkpoint_dir is not None:
+            record_escaped_oom(engine.checkpoint_dir, rank=engine.rank, micro=self.escaped[1] or 1,
+                               step=engine.steps_done)    # a restart halves this rank's micro-batch
+        who = "; ".join(f"rank {r} ({engine.plan.devices[r].device}) {WHY[w]}" for r, w in why.items())
         if FORWARD_OOM in why.values():
             raise ForwardOutOfMemory(
-                f"at step {job.steps_done}, {who}: Fabric's own loop (`for batch in loader`) cannot redo a forward, "
+                f"at step {engine.steps_done}, {who}: Fabric's own loop (`for batch in loader`) cannot redo a forward, "
                 "so every rank stopped here",
                 "use the step form, which redoes it with a halved micro-batch (`for step in fabric.strategy.steps(): "
                 "for mb in step: with mb: ...`), or cap the micro-batch with HetrainStrategy(memory=Memory("
                 "max_micro_batch=N)); under `hetrain run --max-restarts N` with a checkpoint_dir the job restarts "
                 "from its last checkpoint with the halved micro-batch")
-        raise LoopStopped(f"at step {job.steps_done}, {who}: every rank stopped here",
+        raise LoopStopped(f"at step {engine.steps_done}, {who}: every rank stopped here",
                           "see that rank's own error; leave `for batch in loader` only after optimizer.step() "
                           "returned the step")
 

@@ -14,7 +14,6 @@ batch_size of 1 (nothing said).
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from ...errors import UsageError
 from ...runtime.loop.stream import stream_length
@@ -75,7 +74,7 @@ class Pieces:
             raise UsageError("a second optimizer set up under HetrainStrategy", "set up exactly one optimizer")
 
     def take_data(self, data: TrainingData) -> None:
-        if stream_length(data.dataset) is None and self.strategy.joined().job.config.max_steps is None:
+        if stream_length(data.dataset) is None and self.strategy.joined().config.max_steps is None:
             raise UsageError(f"HetrainStrategy's training DataLoader reads an IterableDataset without a length "
                              f"({type(data.dataset).__name__}): its passes' steps cannot be counted",
                              "pass HetrainStrategy(max_steps=N) (or give the dataset a __len__)")
@@ -104,9 +103,8 @@ class Pieces:
         strategy, module, optimizer = self.strategy, self.module, self.optimizer
         engine = strategy.joined()
         # The DataLoader's word for these (as for Fabric's own sampler), and the global batch rule above.
-        engine.job.config = replace(engine.job.config, shuffle=self.data.shuffle, drop_last=self.data.drop_last,
-                                    global_batch=global_batch(strategy.given_global_batch, self.data,
-                                                              engine.world_size))
+        engine.configure(shuffle=self.data.shuffle, drop_last=self.data.drop_last,
+                         global_batch=global_batch(strategy.given_global_batch, self.data, engine.world_size))
         model, prepared, self.steps = engine.prepare(module, optimizer, self.data.dataset,
                                                      collate_fn=self.data.collate_fn, forward=strategy.forward,
                                                      parallel=strategy.layout)                  # (collective)

@@ -119,13 +119,13 @@ class HetrainStrategy(ParallelStrategy):
 
     def job_global_batch(self) -> int:
         engine = self.joined()
-        return engine.job.config.global_batch if self.pieces.steps is not None else \
+        return engine.config.global_batch if self.pieces.steps is not None else \
             global_batch(self.given_global_batch, self.pieces.data, engine.world_size)
 
     @property
     def run_length_given(self) -> bool:
         """max_steps= or epochs= given: the run's length is hetrain's, not the loop's."""
-        config = self.joined().job.config
+        config = self.joined().config
         return config.max_steps is not None or config.epochs is not None
 
     def in_step(self) -> bool:
@@ -202,8 +202,8 @@ class HetrainStrategy(ParallelStrategy):
 
     @property
     def node_rank(self) -> int:
-        if self.engine is not None and self.engine.job.nodes is not None:
-            return self.engine.job.nodes.node_of[self.engine.rank]
+        if self.engine is not None and self.engine.node_rank is not None:
+            return self.engine.node_rank
         return int(os.environ.get("GROUP_RANK", "0"))
 
     @property
@@ -302,7 +302,7 @@ class HetrainStrategy(ParallelStrategy):
     def evaluation_shares(self) -> list[int]:
         """How an evaluation loader is split: the plan's shares, evenly before there is a plan."""
         engine = self.engine
-        plan = engine.job.plan if engine is not None and self.pieces.steps is not None else None
+        plan = engine.plan if engine is not None and self.pieces.steps is not None else None
         if plan is not None:
             refuse_sharded(self.pieces.module)
         return list(plan.shares) if plan is not None else [1] * self.world_size

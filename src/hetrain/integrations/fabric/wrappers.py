@@ -33,7 +33,7 @@ class FabricModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         strategy = self.hetrain_strategy
-        prepared = strategy.engine.job.model if strategy.engine is not None else None
+        prepared = strategy.engine.model if strategy.engine is not None else None
         if prepared is None:
             return self.module(*args, **kwargs)
         if not strategy.in_step():
@@ -58,7 +58,7 @@ def _target(opt) -> torch.optim.Optimizer:
     may replace the user's), the user's before. `opt` is this wrapper, or Fabric's around it (whose
     unknown attributes Fabric forwards here)."""
     engine = opt.hetrain_strategy.engine
-    prepared = engine.job.optimizer if engine is not None else None
+    prepared = engine.optimizer if engine is not None else None
     return prepared if prepared is not None else opt.hetrain_optimizer
 
 

@@ -177,12 +177,8 @@ class Trainer(transformers.Trainer):
         """The optimizer's pre-step hook: stock's clip and grad_norm (the norm before clipping, inf
         when max_grad_norm is 0: measured, not clipped), then on_pre_optimizer_step. After the
         token correction, as hetrain's own clip; not reached on a step skipped for fp16 overflow."""
-        job = engine.job
         limit = self.max_grad_norm or float("inf")
-        if hasattr(job.sync, "clip_grad_norm"):     # capacity-full: the slices' norms summed over the ranks
-            norm = job.sync.clip_grad_norm(limit)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in job.model.parameters() if p.grad is not None], limit)
+        norm = engine.clip_grad_norm(limit)    # capacity-full: the slices' norms summed over the ranks
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm     # FSDP2: a DTensor
         self.step_norm = float(norm)
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
@@ -216,7 +212,7 @@ class Trainer(transformers.Trainer):
             self.current_flos += sum(flops.values())
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             learning_rate = self._get_learning_rate()      # the rate this step used: stock logs it
-            if step.index not in engine.job.precision.skipped_steps:
+            if not engine.step_skipped(step.index):
                 self.lr_scheduler.step()
             self.tr_loss += torch.tensor(step.loss)
             self.state.global_step, self.state.epoch = step.index + 1, self.epoch_of(step, stream_length(dataset))
@@ -229,10 +225,10 @@ class Trainer(transformers.Trainer):
                 epoch = int(self.state.epoch)
                 if not last:
                     self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            every = engine.job.config.checkpoints.every if engine.job.config.checkpoints.dir else None
+            every = engine.config.checkpoints.every if engine.config.checkpoints.dir else None
             if every and (self.state.global_step % every == 0 or last):    # hetrain saved this step
                 self.store_flos()
-                checkpoints.write(self, self.model, self.state.global_step, engine.job.config.checkpoints.dir)
+                checkpoints.write(self, self.model, self.state.global_step, engine.config.checkpoints.dir)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             if self.agreed_stop(engine, last):
                 break
@@ -254,16 +250,16 @@ class Trainer(transformers.Trainer):
 
     def finish(self, engine, started: float, first: int) -> TrainOutput:
         """Stock's _finalize_training: the run's metrics, the best model loaded at the end."""
-        self.hetrain_summary, self.hetrain_plan = engine.summary(), engine.job.plan              # (collective)
+        self.hetrain_summary, self.hetrain_plan = engine.summary(), engine.plan              # (collective)
         self.total_loss += self.tr_loss.item()
         done = self.state.global_step - first
-        metrics = speed_metrics("train", started, num_samples=done * engine.job.config.global_batch, num_steps=done)
+        metrics = speed_metrics("train", started, num_samples=done * engine.config.global_batch, num_steps=done)
         self.store_flos()
         metrics["total_flos"], metrics["train_loss"] = self.state.total_flos, self.total_loss / max(done, 0.001)
         self.log(dict(metrics))
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()          # every rank, from the checkpoint rank 0 wrote
-        if engine.job.config.checkpoints.dir:
+        if engine.config.checkpoints.dir:
             checkpoints.keep_best_only(self)                                                  # (collective)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -284,7 +280,7 @@ class Trainer(transformers.Trainer):
                         metric_key_prefix="eval"):
         """On several ranks: each a part of the batches, in proportion to its share of the run's
         plan (evaluation.py), during train() and after it; on one, stock's."""
-        plan = self.engine.job.plan if self.engine is not None else self.hetrain_plan
+        plan = self.engine.plan if self.engine is not None else self.hetrain_plan
         if not dist.is_initialized() or dist.get_world_size() == 1 or description != "Evaluation":
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                            metric_key_prefix)
@@ -299,7 +295,7 @@ class Trainer(transformers.Trainer):
         """Under hetrain={'loss_weighting': 'tokens'}: batch -> the tokens its loss averaged over
         (labels that are not -100; a causal LM predicts each from the one before it, so one fewer);
         None under the default sample weighting. Decided once per run, not per micro-batch."""
-        if self.engine.job.config.loss_weighting != "tokens":
+        if self.engine.config.loss_weighting != "tokens":
             return None
         base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model   # PEFT's wrapper
         shift = 1 if type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else 0   # as compute_loss tells
@@ -318,7 +314,7 @@ class Trainer(transformers.Trainer):
         (a stream without one: the run, max_steps, is one epoch)."""
         if samples is None:
             return (step.index + 1) / self.engine.total_steps
-        return (step.index + 1) * self.engine.job.config.global_batch / max(1, samples)
+        return (step.index + 1) * self.engine.config.global_batch / max(1, samples)
 
     def agreed_stop(self, engine, last: bool) -> bool:
         """A callback's should_training_stop, agreed by every rank (one may be alone in asking)."""

@@ -82,7 +82,7 @@ class DataLayout:
 
     def _after_oom(self, job, state, failed: MicroBatch) -> str | None:
         """This rank ran out of memory: 'fatal', 'desync' (agreed next), or None (redo locally)."""
-        job.ooms += 1
+        job.run.ooms += 1
         job.hooks.attempt_failed()
         smaller = recovery.smaller_micro_batch(state.micro)
         owes = job.guard is not None and not failed.desynced and (job.guard.every_oom_desyncs or smaller is None)

@@ -27,6 +27,7 @@ from ..memory import activation_checkpointing as checkpointing
 from ..memory import device_memory as memory
 from ..memory import offload
 from ..model import PreparedModel
+from ..replan import adopt
 from ..resilience import oom as recovery
 from ..resilience import resume as persist
 from ..resilience.rebalance import FirstSteps, Rebalancer
@@ -60,25 +61,27 @@ class DataSetup:
         return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        self.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
+        plan = self.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
         if given_plan is None:        # planned here: its record of the layout object
-            job.plan = replace(job.plan, layout_spec=to_spec(self.spec))
+            plan = replace(plan, layout_spec=to_spec(self.spec))
+        adopt(job, plan, "given" if given_plan is not None else "planned")
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward)
 
     def split(self, job, model, optimizer, forward, given_plan: Plan | None, measured, *, blocked_by,
-              spec=None) -> None:
-        """The model set up for measuring, and job.plan / job.profiles: the given plan or the
-        data-parallel split of the measurements (what TensorParallel shares)."""
+              spec=None) -> Plan:
+        """The model set up for measuring, job.profiles, and the plan to adopt: the given plan or
+        the data-parallel split of the measurements (what TensorParallel shares)."""
         if measured is None:          # parallel='auto' measured already (and set the model up for it)
             measure_setup(job, model, optimizer)
-        job.plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, spec or self.spec,  # (collective)
-                                            measured=measured.measurements if measured is not None else None,
-                                            blocked_by=blocked_by)
+        plan, job.profiles = plan_split(job, model, optimizer, forward, given_plan, spec or self.spec,  # (collective)
+                                        measured=measured.measurements if measured is not None else None,
+                                        blocked_by=blocked_by)
+        return plan
 
     def build(self, job, model, optimizer, forward) -> None:
         # A checkpoint's Plan (adopted by now) decides activation checkpointing and sharding.
-        job.plan = checkpoint_per_plan(job, model)
+        adopt(job, checkpoint_per_plan(job, model), "checkpointing")
         wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward,       # (collective)
                                                                       strategy=self.spec.sharding)
         self.install(job, model, optimizer, wrapped, self.loop_class(self.loss_fn), oom_recovery=oom_recovery,
@@ -90,13 +93,13 @@ class DataSetup:
         object (what TensorParallel shares). `settle`: the compression this wrapper can run
         (comm_hooks.settle), recorded in the plan before the guard installs its hook."""
         if oom_recovery != job.config.memory.oom_recovery:   # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
-            job.config = replace(job.config, memory=replace(job.config.memory, oom_recovery=oom_recovery))
+            job.reconfigure(memory=replace(job.config.memory, oom_recovery=oom_recovery))
         cfg = job.config
         job.layout = loop
         job.sync = wrapped.sync                       # DDP, FSDP2's adapter, or None (TP: nothing to sync)
         if settle:
-            job.plan = comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
-                                         backend=job.ctx.backend, world_size=job.world_size)
+            adopt(job, comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
+                                         backend=job.ctx.backend, world_size=job.world_size), "compression")
         job.guard = make_sync_guard(job, wrapped)
         job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
         job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
@@ -130,17 +133,18 @@ class TensorSetup:
         return f"{job.plan.describe_layout()}, parallel={self.spec!r}"
 
     def plan(self, job, model, optimizer, forward, given_plan: Plan | None, measured):
-        self.data.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression,
-                        spec=self.spec)   # a given plan is checked against this layout, not the DP part's
+        plan = self.data.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression,
+                               spec=self.spec)   # a given plan is checked against this layout, not the DP part's
         if given_plan is None:        # the data-parallel split as tensor parallelism runs it
-            job.plan = tensor_plan(job.plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
-                                   limit=job.config.memory.max_micro_batch)
+            plan = tensor_plan(plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
+                               limit=job.config.memory.max_micro_batch)
+        adopt(job, plan, "given" if given_plan is not None else "planned")
         return None                   # MFU's FLOPs are counted on the whole model: plain DP only
 
     def build(self, job, model, optimizer, forward) -> None:
         from .tensor.loop import wrap
 
-        job.plan = checkpoint_per_plan(job, model)
+        adopt(job, checkpoint_per_plan(job, model), "checkpointing")
         wrapped = wrap(job, model, optimizer, split=self.spec.split)                                # (collective)
         job.memory_plan = None
         # in-loop OOM recovery off: an OOM ends the attempt (tensor.py says why)

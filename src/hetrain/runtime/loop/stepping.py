@@ -29,6 +29,7 @@ from ..resilience import oom as recovery
 from ..resilience import preempt
 from . import reduce
 from ..job import Job
+from ..replan import adopt, check_unchanged
 from .steps import MicroBatch, Step
 
 FATAL_FIX = ("hetrain.init(memory=Memory(activation_checkpointing='all')), parallel=hetrain.DataParallel(sharding='fsdp'), a smaller "
@@ -53,6 +54,7 @@ class StepLoop:
 
     def __init__(self, job: Job):
         self.job = job
+        self.run = job.run             # the run state (plan in force, sampler, counters): the loop's
         self.state: StepState | None = None
         self.step_started = 0.0        # wall clock at the end of the previous step
         self.checkpoint_due = False
@@ -66,6 +68,7 @@ class StepLoop:
         if self.state is not None:
             raise UsageError(f"step {self.state.step.index} has no ht.step() call",
                              "call ht.step() once after each step's micro-batches")
+        check_unchanged(job)           # a plan changed in place since it was adopted: refused here
         self.at_boundary()
         job.hooks.step_start(job.steps_done)
         samples = job.sampler.next_step()
@@ -94,13 +97,13 @@ class StepLoop:
             if not table.any("desync"):
                 break
             # Agreed by all: an OOM broke a gradient sync; discard the step and redo it.
-            job.redone_steps += 1
+            job.run.redone_steps += 1
             job.layout.redo(job)
         state.table = table
         # Agreement to agreement: every rank's micro-batches of the step lie inside this period
         # (finish()'s `elapsed`, finish to finish, also holds this rank's optimizer step jitter).
         now = clocks.host()
-        state.period_s, job.met_at = now - job.met_at, now
+        state.period_s, job.run.met_at = now - job.met_at, now
 
     def _exchange(self, state: StepState, outcome: str) -> agree.Table:
         job = self.job
@@ -130,8 +133,8 @@ class StepLoop:
                 changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
         if changes:
             before = job.plan
-            job.plan = job.plan.evolve(
-                note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices))
+            adopt(job, job.plan.evolve(
+                note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices)), "OOM")
             job.log.info(f"plan v{job.plan.version}: {job.plan.note}")
             _record(job, "oom", step=step.index, before=before, redone=table.any("desync"))
 
@@ -214,7 +217,7 @@ class StepLoop:
         if self.on_step is not None:
             self.on_step(step, table, elapsed, job.plan.shares)
         _record(job, "step", step=step, table=table, period=state.period_s, stepped=stepped)
-        job.steps_done += 1
+        job.run.steps_done += 1
         self.state = None
         if cfg.reporting.sample_log:
             persist.log_samples(job, step)
@@ -224,8 +227,8 @@ class StepLoop:
             if decision is not None:
                 _record(job, "rebalance", step=step.index, before=job.plan, after=decision.plan,
                         message=decision.message)
-                job.plan = decision.plan
-                job.rebalances += 1
+                adopt(job, decision.plan, "rebalanced")
+                job.run.rebalances += 1
                 job.log.info(decision.message)
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.
         stop = table.any("stop")       # a rank got SIGTERM/SIGINT: all stop after this step (preempt.py)

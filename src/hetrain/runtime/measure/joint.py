@@ -29,6 +29,7 @@ from ...layout_spec import reconcile
 from ...planning.plan import Plan
 from ...planning.planner import KEPT_TOO_SLOW
 from ..resilience.resume import REPLANNED
+from ..replan import check_fits
 from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
@@ -193,12 +194,7 @@ def check_given_plan(job, plan: Plan, *, layout=None) -> Plan:
     (the layout object that runs it), its layout (layout_spec.reconcile: one line naming both)."""
     if layout is not None:
         reconcile(plan.layout_record(), layout, world_size=job.world_size)
-    if plan.world_size != job.world_size or plan.global_batch != job.config.global_batch:
-        raise UsageError(
-            f"the given plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "
-            f"this job has {job.world_size} and {job.config.global_batch}",
-            "make a plan for this job (`hetrain plan`), or drop the plan to let hetrain split",
-        )
+    check_fits(job, plan)
     return plan
 
 

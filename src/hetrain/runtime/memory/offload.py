@@ -36,6 +36,7 @@ from ...errors import UsageError
 from ...hardware.units import format_bytes
 from ...planning.memory import state_values
 from ..devices.cuda_memory import usable_bytes
+from ..replan import adopt
 from ..user_objects import optimizer_kind
 
 OFFLOAD_SHARDINGS = ("none", "fsdp", "capacity-full")
@@ -231,7 +232,8 @@ def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.O
     """prepare()'s offload step, after wrapping (a collective when any rank offloads): this rank's
     optimizer as it will step (offloaded where the plan or the config says), the plan recording
     it, the host's room checked, and every offloading rank's line in the log."""
-    job.plan, why = decide(job)
+    plan, why = decide(job)
+    adopt(job, plan, "offload")
     if not any(d.offload_optimizer for d in job.plan.devices):
         return optimizer
     if strategy not in OFFLOAD_SHARDINGS:   # the layout's own: 'tp' and 'pipeline' name theirs

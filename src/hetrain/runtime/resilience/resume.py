@@ -16,6 +16,7 @@ Resume rules:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import weakref
@@ -56,6 +57,42 @@ def save(job) -> Path:
                    midway=lambda: job.faults.maybe_die(job.steps_done, "checkpoint"), states=job.layout.states(job))
     job.log.info(f"checkpoint {path.name} saved (step {job.steps_done}, plan v{job.plan.version})")
     return path
+
+
+def save_in(job, directory) -> Path:
+    """Collective: a whole checkpoint of the job in `directory` (not the job's checkpoint_dir)."""
+    with _store(job, directory) as saver:
+        save(job)
+        return saver.path(job.steps_done)
+
+
+def load_from(job, directory, *, batch_hint: str) -> bool:
+    """Collective: continue from `directory`'s newest checkpoint; False when it holds none."""
+    with _store(job, directory) as loader:
+        path = loader.latest()
+        if path is None:
+            return False
+        meta = loader.read_meta(path)                                                      # (collective)
+        if meta["model_signature"] != (job.model_signature or model_signature(job.model.module)):
+            raise UsageError(f"checkpoint {path} was saved from a different model",
+                             "load the state of a run of the same model")
+        if meta["global_batch"] != job.config.global_batch:
+            raise UsageError(f"checkpoint {path} was saved with global batch {meta['global_batch']}, this run "
+                             f"has {job.config.global_batch}", batch_hint)
+        restore(job, Found(path, meta))                                                    # (collective)
+    return True
+
+
+@contextlib.contextmanager
+def _store(job, directory):
+    """A checkpoint store on `directory`, as the job's for the duration."""
+    saver = Checkpointer(str(directory), keep=1 << 30, rank=job.rank, log=job.log)
+    kept, job.checkpointer = job.checkpointer, saver
+    try:
+        yield saver
+    finally:
+        job.checkpointer = kept
+        saver.close()
 
 
 @dataclass(frozen=True)
@@ -129,7 +166,7 @@ def restore(job, found: Found) -> None:
     meta, ck = found.meta, job.checkpointer
     ck.load_model(found.path, model=job.model.module, optimizer=job.optimizer, states=job.layout.states(job))
     job.sampler.load_state_dict(meta["sampler"])
-    job.steps_done = meta["step"]
+    job.run.steps_done = meta["step"]
     if job.scaler is not None and meta["scaler"] is not None:
         job.scaler.load_state_dict(meta["scaler"])
     for name, obj in job.extra_state.items():

@@ -157,9 +157,11 @@ def attach_links(groups: IslandGroups) -> IslandGroups:
 def make(job, islands) -> IslandSync:
     """The job's groups (a collective) and the hook over them, the layout shown once."""
     if job.plan is not None and job.plan.compression != "none":     # not combined (yet): said in the plan
-        job.plan = replace(job.plan, compression="none", note="; ".join(filter(None, [
+        from ..replan import adopt
+
+        adopt(job, replace(job.plan, compression="none", note="; ".join(filter(None, [
             job.plan.note, f"gradient compression none: {job.plan.compression} is not run by the hierarchical "
-                           "all-reduce across islands"])))
+                           "all-reduce across islands"]))), "compression")
     from datetime import timedelta
 
     groups = make_groups(islands, rank=job.rank, emulated=job.emulated is not None,

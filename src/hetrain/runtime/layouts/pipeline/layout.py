@@ -10,6 +10,7 @@ from ....errors import UsageError
 from ....planning.plan import Plan
 from ...measure.joint import check_given_plan
 from ...model import PreparedModel
+from ...replan import adopt
 from .sizing import NOT_MEASURED, show
 from ...resilience import resume as persist
 from ..checks import check_pipeline
@@ -79,13 +80,13 @@ class PipelineSetup:
             profile, devices = measure_blocks(job, parts)                                            # (collective)
         profile = on_clock(job, profile)
         if given_plan is not None:    # run as given: a plan for another layout is refused, never re-planned
-            job.plan = check_given_plan(job, given_plan, layout=self.spec)
+            adopt(job, check_given_plan(job, given_plan, layout=self.spec), "given")
         else:
             stages = None if self.spec.stages in (None, "auto") else self.spec.stages
-            job.plan = plan_pipeline(job, self.one_pipeline, parts, profile, devices,
+            adopt(job, plan_pipeline(job, self.one_pipeline, parts, profile, devices,
                                      optimizer_kind=optimizer_kind(optimizer) or "adamw",
                                      schedule=self.spec.schedule, stages=stages,
-                                     micro_batches=self.spec.micro_batches)
+                                     micro_batches=self.spec.micro_batches), "planned")
         self.parts, self.profile, self.devices = parts, profile, devices
         return None
 
@@ -93,7 +94,7 @@ class PipelineSetup:
         from ...memory import offload
         from ...memory.device_memory import optimizer_kind
 
-        job.plan = job.precision.record_in(job.plan)
+        adopt(job, job.precision.record_in(job.plan), "precision")
         job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
                                                 self.devices, self.loss_fn)                          # (collective)
         job.optimizer = offload.apply(job, job.optimizer, "pipeline")   # a plan's offload: refused here (dp only)

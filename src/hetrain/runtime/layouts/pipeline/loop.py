@@ -99,7 +99,7 @@ class PipelineLayout(DataLayout):
         state.loss_sum = torch.tensor(loss_sum if mine else 0.0, dtype=torch.float64)
         if failed is None:
             return "ok"
-        job.ooms += 1
+        job.run.ooms += 1
         smaller = recovery.smaller_micro_batch(state.micro)
         job.log.warn(f"{job.device_label}: out of memory at step {step.index} on stage {self.pipe.stage_index}, "
                      + (f"redoing with micro-batch {state.micro} -> {smaller} on its pipeline" if smaller

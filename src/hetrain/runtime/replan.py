@@ -1,0 +1,50 @@
+"""The one writer of the Plan in force (job.plan).
+
+prepare() adopts the layout's plan, then the records its build adds (the agreed precision and
+checkpointing, the compression the wrapper can run, the optimizer offload) and a resumed
+checkpoint's; the loop adopts a rebalanced plan or one with shrunk micro-batches. Each goes
+through `adopt`, which checks that the plan is for this job and seals it: a Plan is frozen, and
+one changed in place afterwards (a user's object.__setattr__ on ht.plan) is refused at the next
+step (`check_unchanged`), as running a plan the ranks did not agree on would be.
+"""
+
+from __future__ import annotations
+
+from ..errors import HetrainError, UsageError
+from ..planning.plan import FROZEN, Plan
+
+FROZEN_FIX = FROZEN + " and pass it to hetrain.init(plan=...) or prepare(parallel=plan)"
+
+
+def adopt(job, plan: Plan, why: str) -> Plan:
+    """Make `plan` the one in force; `why`: what made it ('planned', 'resumed', 'rebalanced', ...)."""
+    if not isinstance(plan, Plan):
+        raise HetrainError(f"{why}: {type(plan).__name__} is not a Plan", "this is a bug in hetrain; please report it")
+    check_fits(job, plan, source="the given" if why == "given" else f"the {why}")
+    job.run.plan = plan
+    job.run.plan_seal = seal(plan)
+    return plan
+
+
+def check_fits(job, plan: Plan, *, source: str = "the given") -> None:
+    """The plan is for this job: its world size and global batch (the one consistency check)."""
+    if plan.world_size != job.world_size or plan.global_batch != job.config.global_batch:
+        raise UsageError(
+            f"{source} plan is for {plan.world_size} device(s) and global batch {plan.global_batch}, "
+            f"this job has {job.world_size} and {job.config.global_batch}",
+            "make a plan for this job (`hetrain plan`), or drop the plan to let hetrain split",
+        )
+
+
+def check_unchanged(job) -> None:
+    """At a step's start: the plan in force is the one adopted (UsageError when changed in place)."""
+    plan = job.plan
+    if plan is not None and seal(plan) != job.plan_seal:
+        raise UsageError(f"the plan in force (ht.plan, v{plan.version}) was changed in place after it was "
+                         f"adopted, before step {job.steps_done}", FROZEN_FIX)
+
+
+def seal(plan: Plan) -> tuple:
+    """The plan's fields, down to each device's, as values (microseconds: checked every step)."""
+    return tuple((k, tuple(tuple(vars(d).items()) for d in v) if k in ("devices", "excluded") else
+                  tuple(v.items()) if isinstance(v, dict) else v) for k, v in vars(plan).items())
