@@ -69,7 +69,7 @@ def test_doctor_device_rows_stay_on_one_line_in_a_log():
     r = hetrain_here("doctor", "--cluster", "a100-80g,rtx3090", columns=None)
     assert r.returncode in (0, 1), r.stderr
     devices = table_rows(r.stdout, ("device", "name", "memory", "catalog", "source"))
-    assert_one_line_per_row(devices, 6, ["a100-80g#0", "rtx3090#1"])
+    assert_one_line_per_row(devices, 8, ["a100-80g#0", "rtx3090#1"])     # vendor and island columns too
     assert devices[1][1] == "NVIDIA GeForce RTX 3090"
     findings = table_rows(r.stdout, ("level", "check", "fix"))
     assert findings and all(row[0] and row[1] for row in findings if row[0])   # level and check side by side
