@@ -88,11 +88,11 @@ def test_a_torchrun_without_shutdown_timeout_gets_a_command_it_accepts(monkeypat
     assert f"waits {launch.PREEMPT_SHUTDOWN_S} s" in built.describe()
 
 
+@pytest.mark.skipif(not launch.torchrun_takes_shutdown_timeout(),
+                    reason="this torch's torchrun (before 2.12) has no --shutdown-timeout; the test above covers such a torch")
 def test_a_torchrun_with_shutdown_timeout_is_given_the_preemption_wait(monkeypatch, tmp_path, script):
     import torch.distributed.run as torchrun
 
-    if not launch.torchrun_takes_shutdown_timeout():
-        pytest.skip("this torch's torchrun (before 2.12) has no --shutdown-timeout; the test above covers such a torch")
     monkeypatch.setattr(launch, "_cuda_count", lambda: 0)
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     built = launch.build_launch(target=script, nproc=2, run_dir=str(tmp_path / "run"))
