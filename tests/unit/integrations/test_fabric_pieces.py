@@ -46,8 +46,7 @@ def test_a_pass_is_one_epoch_of_steps_as_stock_fabric_counts_them(n):
 
 
 def test_the_global_batch_is_batch_size_times_devices_unless_named():
-    from hetrain.integrations.fabric.data import TrainingData
-    from hetrain.integrations.fabric.setup import global_batch
+    from hetrain.integrations.fabric.data import TrainingData, global_batch
 
     def data(b):
         return TrainingData(dataset=None, collate_fn=None, batch_size=b, shuffle=True, drop_last=False)
@@ -62,7 +61,7 @@ def test_the_global_batch_is_batch_size_times_devices_unless_named():
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")     # no optimizer step here
 def test_zero_grad_waits_inside_a_step_and_schedulers_take_the_optimizer():
-    from hetrain.integrations.fabric.wrappers import FabricOptimizer, FabricScheduler
+    from hetrain.integrations.fabric.data import FabricOptimizer, FabricScheduler
 
     p = torch.nn.Parameter(torch.ones(3))
     inner = torch.optim.SGD([p], lr=0.5)
