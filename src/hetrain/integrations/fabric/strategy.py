@@ -20,7 +20,7 @@ launcher started.
 
 Why a ParallelStrategy of its own and not a DDPStrategy subclass: everything DDPStrategy adds is
 what hetrain does differently. Its launcher spawns processes (hetrain's job is started by `hetrain
-run` / torchrun, one process per device, emulated or real); its `_setup_distributed` builds the
+run` / torchrun, one process per device); its `_setup_distributed` builds the
 process group (hetrain.init joins the job, gathers every node's devices and agrees the host's
 facts); its setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps
 DDP or a sharding with the OOM guard and the comm hook); its backward-sync control would call
@@ -57,7 +57,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from ...errors import UsageError
 from ...runtime.config import Config, integration_layout, make_config
-from ...runtime.engine import Engine, init
+from ...runtime.engine import Engine, init, rank_device_type
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
 from .data import LoaderStep, Pieces, StepLoader, evaluation_loader, global_batch, refuse_sharded, training_data
@@ -87,7 +87,7 @@ class HetrainStrategy(ParallelStrategy):
     agreed step, OOM recovery and rebalancing (hetrain's loop, driven through Fabric's verbs).
 
     Every keyword is hetrain.init's (hetrain.runtime.config.Config: max_steps, epochs, precision,
-    grad_clip, checkpoints, emulation, ...; `plan` fixes every rank's share; `sharding` is the
+    grad_clip, checkpoints, ...; `plan` fixes every rank's share; `sharding` is the
     DataParallel the strategy runs: DataParallel(sharding=...)), but
     `global_batch` may be left out: the training DataLoader's batch_size x devices then
     (fabric/data.py). `forward(model, batch)` is how hetrain calls the model when it measures
@@ -234,8 +234,9 @@ class HetrainStrategy(ParallelStrategy):
     def check_world(self) -> None:
         check_world(self)
 
-    def emulates(self) -> bool:
-        return emulates(self)
+    def ranks_device_type(self) -> str:
+        """The device type ('cuda' or 'cpu') the job's ranks run on, known before joining."""
+        return rank_device_type(Config(**self.job_config()).with_launch_file())
 
     # -- setup, in any order: hetrain's prepare() once the model, optimizer and data are in ----------
     def process_dataloader(self, dataloader):
@@ -390,22 +391,18 @@ def _check_config(global_batch, config: dict) -> None:
 
 # -- Fabric's accelerator, devices and num_nodes against the job `hetrain run` / torchrun started:
 # checked before joining (check_world: a refused setting leaves no job behind) and once joined
-# (check_device: this rank's device is hetrain's) ------------------------------------------------
-def emulates(strategy) -> bool:
-    """Whether this job emulates its devices (--emulate, or the strategy's Emulation(cluster=))."""
-    return bool(Config(**strategy.job_config()).with_launch_file().emulation.cluster)
-
-
+# (check_device: this rank's device is hetrain's). Fabric's accelerator must be the device type
+# the job's ranks run on: CPU ranks need accelerator='cpu', CUDA ranks 'cuda'. ----------------------
 def check_world(strategy) -> None:
     """Fabric's accelerator, devices and num_nodes against what the launcher started, before
-    joining: a refused setting leaves no job behind."""
-    emulated = emulates(strategy)
-    if emulated and not isinstance(strategy.accelerator, CPUAccelerator):
-        raise UsageError(f"Fabric chose {type(strategy.accelerator).__name__}, but this job emulates its devices on "
-                         "CPU processes (--emulate)", "pass Fabric(accelerator='cpu')")
+    joining: a refused setting leaves no job behind. (CUDA ranks' accelerator: check_device, where
+    CUDA itself has answered.)"""
+    if strategy.ranks_device_type() == "cpu" and not isinstance(strategy.accelerator, CPUAccelerator):
+        raise UsageError(f"Fabric chose {type(strategy.accelerator).__name__}, but this job's ranks run on the CPU, "
+                         "one process each", "pass Fabric(accelerator='cpu')")
     devices, nodes = len(strategy.parallel_devices or ()), strategy.num_nodes
     if isinstance(strategy.accelerator, CPUAccelerator) and devices == 1 and nodes == 1:
-        return        # Fabric's CPU default ('auto' is one device): emulated ranks, one per process
+        return        # Fabric's CPU default ('auto' is one device): CPU ranks, one per process
     world = env_rank()[1]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     job_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
@@ -422,11 +419,10 @@ def check_device(strategy, engine) -> None:
     device = engine.device
     wanted = CUDAAccelerator if device.type == "cuda" else CPUAccelerator
     if not isinstance(strategy.accelerator, wanted):
-        what = "an emulated device" if engine.emulated is not None else str(device)
         raise UsageError(
             f"Fabric's accelerator is {type(strategy.accelerator).__name__}, but hetrain runs rank {engine.rank} on "
-            f"{what} ({device})",
-            "pass Fabric(accelerator='cpu') for emulated devices" if device.type == "cpu"
+            f"{device}",
+            "pass Fabric(accelerator='cpu')" if device.type == "cpu"
             else "pass Fabric(accelerator='cuda'), or leave it at 'auto'")
     if device.type == "cuda":    # check_world saw one Fabric device per local process
         fabric_device = strategy.parallel_devices[engine.ctx.local_rank]
@@ -443,8 +439,8 @@ class Fabric(LightningFabric):
     construction, as `fabric run` joins Fabric's own processes: a script written for `fabric run`
     (no fabric.launch()) runs under `hetrain run` unchanged; fabric.launch() is then a no-op.
     `strategy=HetrainStrategy(...)` passes hetrain's settings (global_batch, precision, grad_clip,
-    memory, ...); 'auto' and 'ddp' are HetrainStrategy() (DDP with uneven shares). Under --emulate its
-    accelerator 'auto' is the CPU the emulated devices run on. Every other argument is Fabric's."""
+    memory, ...); 'auto' and 'ddp' are HetrainStrategy() (DDP with uneven shares). Its accelerator
+    'auto' is the device type the job's ranks run on. Every other argument is Fabric's."""
 
     def __init__(self, *, strategy="auto", accelerator="auto", **kwargs):
         if isinstance(strategy, str) and strategy in ("auto", "ddp"):
@@ -453,8 +449,8 @@ class Fabric(LightningFabric):
             raise UsageError(f"Fabric(strategy={strategy!r}) from hetrain.integrations.lightning: it runs hetrain's "
                              "strategy, DDP with uneven shares across the job's devices",
                              "drop strategy=, or pass strategy=HetrainStrategy(...) for hetrain's settings")
-        if accelerator == "auto" and strategy.emulates():
-            accelerator = "cpu"
+        if accelerator == "auto" and strategy.ranks_device_type() == "cpu":
+            accelerator = "cpu"     # Lightning's 'auto' would take a GPU of this host that the ranks do not run on
         super().__init__(strategy=strategy, accelerator=accelerator, **kwargs)
         if not self._launched:
             self._strategy.setup_environment()     # joins hetrain's job (collective), as Fabric's CLI does
