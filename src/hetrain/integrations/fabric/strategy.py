@@ -20,12 +20,12 @@ launcher started.
 
 Why a ParallelStrategy of its own and not a DDPStrategy subclass: everything DDPStrategy adds is
 what hetrain does differently. Its launcher spawns processes (hetrain's job is started by `hetrain
-run` / torchrun, one process per device); its `_setup_distributed` builds the
-process group (hetrain.init joins the job, gathers every node's devices and agrees the host's
-facts); its setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps
-DDP or a sharding with the OOM guard and the comm hook); its backward-sync control would call
-no_sync on a module hetrain already runs under no_sync for every micro-batch but the last. So the
-strategy implements Fabric's Strategy API on top of the Engine instead of overriding DDP's.
+run` / torchrun, one process per device); its `_setup_distributed` builds the process group
+(hetrain.init joins the job, gathers every node's devices and agrees the host's facts); its
+setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps DDP or a
+sharding with the OOM guard and the comm hook); its backward-sync control would call no_sync on a
+module hetrain already runs under no_sync for every micro-batch but the last. So the strategy
+implements Fabric's Strategy API on top of the Engine instead of overriding DDP's.
 
 What Fabric gives up under it (each refused with the fix, never silently changed): its launcher
 (`fabric run`, spawn), its precision plugins (hetrain picks each device's precision:
@@ -395,8 +395,8 @@ def _check_config(global_batch, config: dict) -> None:
 # the job's ranks run on: CPU ranks need accelerator='cpu', CUDA ranks 'cuda'. ----------------------
 def check_world(strategy) -> None:
     """Fabric's accelerator, devices and num_nodes against what the launcher started, before
-    joining: a refused setting leaves no job behind. (CUDA ranks' accelerator: check_device, where
-    CUDA itself has answered.)"""
+    joining: a refused setting leaves no job behind. CUDA ranks' accelerator is checked once joined
+    (check_device): a GPU asked for that this host lacks is hetrain.init's error to name."""
     if strategy.ranks_device_type() == "cpu" and not isinstance(strategy.accelerator, CPUAccelerator):
         raise UsageError(f"Fabric chose {type(strategy.accelerator).__name__}, but this job's ranks run on the CPU, "
                          "one process each", "pass Fabric(accelerator='cpu')")
