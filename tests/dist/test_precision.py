@@ -19,7 +19,7 @@ from hetrain.emulation import Emulation
 pytestmark = pytest.mark.dist
 
 N, D, H = 64, 8, 16
-CLUSTER = "a100-80g,v100-32g"          # compute capability 8.0 and 7.0
+CLUSTER = "a100-80g,v100-32g:1.0"      # compute capability 8.0 and 7.0; speed 1: no device sleeps
 
 
 def make_plan() -> Plan:
@@ -94,8 +94,22 @@ def reference_first_grads(indices):
     return [p.grad for p in model.parameters()]
 
 
-def test_mixed_bf16_fp16_one_loss_scale_and_overflow_on_one_rank_skips_everywhere():
-    r0, r1 = run_ranks(train_worker, 2, 1, True)
+def cases_worker(rank, world):
+    """Every case of this file in one process group, one job after the other."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"agreed": train_worker(rank, world, 1, True), "per_rank_scalers": train_worker(rank, world, 1, False),
+            "bf16 forced": bad_precision_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(cases_worker, 2)
+
+
+def test_mixed_bf16_fp16_one_loss_scale_and_overflow_on_one_rank_skips_everywhere(runs):
+    r0, r1 = (r["agreed"] for r in runs)
     # per-device precision from the catalog GPU: bf16 on the A100, fp16 on the V100
     assert r0["summary"]["per_rank"] == ["bf16", "fp16"] == r0["plan_precisions"]
     # one loss scale for the job, on every rank, at every step (scaled on the bf16 rank too)
@@ -117,10 +131,10 @@ def test_mixed_bf16_fp16_one_loss_scale_and_overflow_on_one_rank_skips_everywher
     assert all(torch.equal(a, b) for a, b in zip(r0["params"][2], r1["params"][2]))
 
 
-def test_guard_without_agreement_the_ranks_diverge():
+def test_guard_without_agreement_the_ranks_diverge(runs):
     """The test above can fail: with per-rank scalers that do not agree, rank 0 steps where
     rank 1 skips, and the replicas drift apart."""
-    r0, r1 = run_ranks(train_worker, 2, 1, False)
+    r0, r1 = (r["per_rank_scalers"] for r in runs)
     assert len(r0["applied"]) == 3 and len(r1["applied"]) == 2
     assert not all(torch.equal(a, b) for a, b in zip(r0["params"][2], r1["params"][2]))
 
@@ -164,8 +178,8 @@ def bad_precision_worker(rank, world):
     return refused, warnings, summary
 
 
-def test_bf16_forced_on_a_v100_is_one_agreed_error_or_a_named_fallback():
-    (refused0, warn0, summary0), (refused1, _, _) = run_ranks(bad_precision_worker, 2)
+def test_bf16_forced_on_a_v100_is_one_agreed_error_or_a_named_fallback(runs):
+    (refused0, warn0, summary0), (refused1, _, _) = (r["bf16 forced"] for r in runs)
     assert refused0 == refused1 is not None           # every rank stops with the same error
     what, fix = refused0
     assert "rank 1" in what and "v100" in what and "compute capability 7.0" in what and "rank 0" not in what
