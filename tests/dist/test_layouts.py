@@ -144,60 +144,104 @@ def assert_equal_to(ref: dict, got: dict, tol: float = 1e-10) -> None:
         assert torch.allclose(got[name], ref[name], atol=tol, rtol=0), (name, (got[name] - ref[name]).abs().max())
 
 
-def test_out_of_memory_on_either_stage_is_redone_with_the_same_result_and_every_sample_once(tmp_path):
-    from hetrain.runtime.resilience.resume import read_sample_log
+def cases_worker(rank, world, specs: dict):
+    """Each spec's job in one process group, one after the other: {name: worker's result}."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {name: worker(rank, world, spec) for name, spec in specs.items()}
+
+
+def run_cases(world: int, specs: dict) -> dict:
+    """{name: [rank 0's result, rank 1's, ...]} of cases_worker."""
+    results = run_ranks(cases_worker, world, specs, timeout=300)
+    return {name: [r[name] for r in results] for name in specs}
+
+
+def auto_spec() -> dict:
+    """~1.9 KiB of parameters, ~7.7 KiB of training state: it fits 80 KiB, not 24 KiB even
+    sharded (FSDP's even split needs more than 24/80 of it)... scaled 80:24 like the seed case."""
+    from hetrain.planning.memory import state_factor
+
+    model = stack()
+    state = state_factor("sgd") * sum(p.numel() * p.element_size() for p in model.parameters())
+    big, small = int(state * 1.6), int(state * 1.6 * 24 / 80)
+    return {"model": "stack", "batch": 12, "steps": 1, "parallel": "auto",
+            "emulate": f"a100-80g@{big}B,rtx3090@{small}B"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The two-device cases, in one process group: the out-of-memory redo, the loss scale over a
+    bf16 and an fp16 stage, parallel='auto', and the first leg (pp) of the checkpoint's journey."""
     from pipeline_runs import pipeline_plan
 
+    root = tmp_path_factory.mktemp("layouts")
     faults = "oom:rank=1,step=1,micro=0,phase=forward;oom:rank=0,step=2,micro=1,phase=backward"
-    spec = {"model": "stack", "batch": 24, "steps": 4, "parallel": "pp", "faults": faults,
-            "samples": str(tmp_path / "samples"),     # 3 micro-batches of 8
-            "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)}
-    results = run_ranks(worker, 2, spec)
+    specs = {
+        "oom": {"model": "stack", "batch": 24, "steps": 4, "parallel": "pp", "faults": faults,
+                "samples": str(root / "samples"),     # 3 micro-batches of 8
+                "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)},
+        "scale": {"model": "stack", "batch": 12, "steps": 3, "parallel": "pp", "emulate": "a100-80g,v100-32g",
+                  "precision": "auto", "overflow_at": 1,
+                  "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(6,), world=2)},
+        "auto": auto_spec(),
+        "pp": {**ckpt_common(root), "steps": 1, "parallel": "pp", "plan": pipeline_plan(
+            "pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(3,), world=2)},
+    }
+    return root, run_cases(2, specs)
+
+
+def ckpt_common(root) -> dict:
+    return {"model": "gpt", "batch": 12, "ckpt": str(root / "ckpt"), "tokens": True}
+
+
+def test_out_of_memory_on_either_stage_is_redone_with_the_same_result_and_every_sample_once(pair):
+    from hetrain.runtime.resilience.resume import read_sample_log
+
+    root, runs = pair
+    results = runs["oom"]
     assert_equal_to(reference("stack", 4, 24, tokens=False), gathered(results))
     ooms = [row["ooms"] for row in results[0]["summary"]["ranks"]]
     assert ooms == [1, 1], ooms
     assert results[0]["plan_version"] == 2           # micro-batch 8 -> 4 -> 2, for both stages each time
-    steps = read_sample_log(str(tmp_path / "samples"))
+    steps = read_sample_log(str(root / "samples"))
     assert sorted(steps) == [0, 1, 2, 3]
     used = sorted(pair for s in steps.values() for pair in s)      # (epoch, index): 4 × 24 = two epochs of 48
     assert used == [(e, i) for e in (0, 1) for i in range(N)]
 
 
-def test_a_checkpoint_moves_between_layouts_and_device_counts(tmp_path):
+def test_a_checkpoint_moves_between_layouts_and_device_counts(pair):
     """One run, four launches: pp on 2 devices, DP×PP on 4, tp on 2, dp on 2 — each resuming the
     previous one's checkpoint (DCP reshards by whole-model name); the result is 4 uninterrupted steps.
     The model is the demo GPT (its tied embedding and head on the two ends of each pipeline) with a
     token-weighted loss (~30% of the targets ignored, unevenly per sample) in micro-batches of 3-4
     rows: each leg equals one device's token-mean big batch. Each leg runs a given Plan: what is
-    carried is the checkpoint, not a measurement."""
+    carried is the checkpoint, not a measurement. The pp leg ran with the other two-device cases
+    (`pair`); tp and dp, one after the other, share a process group too."""
     from pipeline_runs import pipeline_plan
     from plans import data_plan, tp_plan
 
-    ckpt = str(tmp_path / "ckpt")
-    common = {"model": "gpt", "batch": 12, "ckpt": ckpt, "tokens": True}
-    pp = run_ranks(worker, 2, {**common, "steps": 1, "parallel": "pp", "plan": pipeline_plan(
-        "pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(3,), world=2)})
+    root, runs = pair
+    common = ckpt_common(root)
+    pp = runs["pp"]
     assert [r["layout"] for r in pp] == ["pp", "pp"] and pp[0]["losses"] == pp[1]["losses"]
     assert_equal_to(reference("gpt", 1, 12, tokens=True), gathered(pp))
     hybrid = run_ranks(worker, 4, {**common, "steps": 2, "parallel": "dp-pp", "emulate": f"{PAIR},{PAIR}",
                                    "plan": pipeline_plan("dp-pp", blocks=(2, 2), schedule="1f1b", shares=(7, 5),
                                                          micro=(4, 3), world=4)})
     assert [(r["layout"], r["group"]) for r in hybrid] == [("dp-pp", 2)] * 4
-    tp = run_ranks(worker, 2, {**common, "steps": 3, "parallel": "tp", "plan": tp_plan(12, (1.0, 1.0), micro=4)})
+    last = run_cases(2, {"tp": {**common, "steps": 3, "parallel": "tp", "plan": tp_plan(12, (1.0, 1.0), micro=4)},
+                         "dp": {**common, "steps": 4, "parallel": "dp", "plan": data_plan((7, 5), (4, 3))}})
+    tp, dp = last["tp"], last["dp"]
     assert [r["layout"] for r in tp] == ["tp", "tp"]
-    dp = run_ranks(worker, 2, {**common, "steps": 4, "parallel": "dp", "plan": data_plan((7, 5), (4, 3))})
     assert_equal_to(reference("gpt", 2, 12, tokens=True), gathered(hybrid))
     assert_equal_to(reference("gpt", 3, 12, tokens=True), gathered(tp))
     assert_equal_to(reference("gpt", 4, 12, tokens=True), gathered(dp))
 
 
-def test_one_loss_scale_over_a_bf16_and_an_fp16_stage_and_an_overflow_on_one_skips_both():
-    from pipeline_runs import pipeline_plan
-
-    spec = {"model": "stack", "batch": 12, "steps": 3, "parallel": "pp", "emulate": "a100-80g,v100-32g",
-            "precision": "auto", "overflow_at": 1,
-            "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(6,), world=2)}
-    r0, r1 = run_ranks(worker, 2, spec)
+def test_one_loss_scale_over_a_bf16_and_an_fp16_stage_and_an_overflow_on_one_skips_both(pair):
+    r0, r1 = pair[1]["scale"]
     precision = r0["summary"]["precision"]
     assert precision["per_rank"] == ["bf16", "fp16"]
     assert r0["scales"] == r1["scales"] == [65536.0, 32768.0, 32768.0]
@@ -207,15 +251,6 @@ def test_one_loss_scale_over_a_bf16_and_an_fp16_stage_and_an_overflow_on_one_ski
         assert r["sums"][1] == r["sums"][0] != r["sums"][2]
 
 
-def test_auto_chooses_a_pipeline_when_the_model_does_not_fit_the_small_device():
-    """~1.9 KiB of parameters, ~7.7 KiB of training state: it fits 80 KiB, not 24 KiB even
-    sharded (FSDP's even split needs more than 24/80 of it)... scaled 80:24 like the seed case."""
-    from hetrain.planning.memory import state_factor
-
-    model = stack()
-    state = state_factor("sgd") * sum(p.numel() * p.element_size() for p in model.parameters())
-    big, small = int(state * 1.6), int(state * 1.6 * 24 / 80)
-    spec = {"model": "stack", "batch": 12, "steps": 1, "parallel": "auto",
-            "emulate": f"a100-80g@{big}B,rtx3090@{small}B"}
-    r0, r1 = run_ranks(worker, 2, spec)
+def test_auto_chooses_a_pipeline_when_the_model_does_not_fit_the_small_device(pair):
+    r0, r1 = pair[1]["auto"]
     assert r0["layout"] == r1["layout"] == "pp"
