@@ -61,9 +61,12 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, caller_env: dict, 
 # here), paid once by the server instead. Only the libraries' own modules: hetrain's integrations
 # swap classes at import, which each test must see happen. One that is not installed is skipped
 # (the fork server ignores a preload's ImportError).
+# torch's pipelining (~0.5 s of CPU to import: it registers its fake ops) and distributed checkpoint
+# modules too, imported by every pipeline's and every checkpointing job's ranks. rank_heap last.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine",
+           "torch.distributed.pipelining", "torch.distributed.checkpoint",
            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
-           "transformers.trainer", "lightning.fabric"]
+           "transformers.trainer", "lightning.fabric", "rank_heap"]
 
 
 def _context():
