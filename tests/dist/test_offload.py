@@ -59,12 +59,25 @@ def full(t):
 
 def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_host=None, cluster=PAIR,
         schedule=False):
-    import hetrain
     from hetrain.runtime.memory import offload
+
+    if patch_host is None:
+        return _job(plan, steps, sharding=sharding, memory=memory, checkpoints=checkpoints, cluster=cluster,
+                    schedule=schedule)
+    measured = offload.host_available_bytes
+    offload.host_available_bytes = lambda: patch_host
+    try:
+        return _job(plan, steps, sharding=sharding, memory=memory, checkpoints=checkpoints, cluster=cluster,
+                    schedule=schedule)
+    finally:       # the next job in this process measures the host again
+        offload.host_available_bytes = measured
+
+
+def _job(plan, steps, *, sharding, memory, checkpoints, cluster, schedule):
+    import hetrain
+    from hetrain.errors import UsageError
     from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
 
-    if patch_host is not None:
-        offload.host_available_bytes = lambda: patch_host
     x, y = data()
     model = net()
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
@@ -73,8 +86,12 @@ def job(plan, steps, *, sharding="none", memory=None, checkpoints=None, patch_ho
                       checkpoints=checkpoints or Checkpoints())
     lines = []
     ht.log.info = lines.append
-    model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y),
-                                     parallel=hetrain.DataParallel(sharding=None if sharding == "auto" else sharding))
+    try:
+        model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y),
+                                         parallel=hetrain.DataParallel(sharding=None if sharding == "auto" else sharding))
+    except UsageError:
+        ht.close()          # a refusal leaves no job behind: the next one joins the same process group
+        raise
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=GAMMA) if schedule else None
     if scheduler is not None:
         ht.register_state("schedule", scheduler)
@@ -128,19 +145,91 @@ def steps_of(records):
     return out
 
 
-def train_worker(rank, world, plan, sharding, memory):
-    return job(plan, STEPS, sharding=sharding, memory=memory)
+SHARDINGS = ("none", "fsdp", "capacity-full")
+ALL, CUT = 4, 2      # the resumed jobs: saved every CUT steps of ALL, resumed after step CUT
+
+
+def refused(plan, sharding, memory, host):
+    from hetrain.errors import UsageError
+
+    try:
+        job(plan, 1, sharding=sharding, memory=memory, patch_host=host)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def save_job(rank, root, sharding):
+    import torch.distributed as dist
+
+    out = job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/{sharding}", every=CUT),
+              schedule=True)
+    if rank == 0:                    # as if the job had died after saving step CUT
+        shutil.rmtree(f"{root}/{sharding}/step-{ALL:08d}")
+    dist.barrier()
+    return out
+
+
+def resume_job(root, sharding):
+    return job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/{sharding}", every=CUT),
+               schedule=True)
+
+
+REFUSALS = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, "needs"),
+            (make_plan((False, True)), "none", Memory(offload_optimizer="never"), None, "'never'"),
+            (make_plan((True, False)), "zero1", None, None, "sharding 'zero1'")]
+
+
+def cases_worker(rank, world, root):
+    """Every job of this file but the resumes, one after the other in one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {}
+    for sharding in SHARDINGS:
+        out["rank 1", sharding] = job(make_plan((False, True)), STEPS, sharding=sharding)
+        out["both", sharding] = job(make_plan((False, True)), STEPS, sharding=sharding,
+                                    memory=Memory(offload_optimizer="always"))
+    out["blocks"] = job(Plan(global_batch=64, devices=tuple(replace(d, checkpointing=True, checkpoint_blocks=k)
+                                                            for d, k in zip(make_plan((False, True)).devices, (2, None)))),
+                        STEPS)
+    small = "a100-80g@64MiB,rtx3090@48KiB"
+    out["auto sharded"] = job(make_plan(), STEPS, sharding="auto", cluster=small)
+    out["auto offloaded"] = job(make_plan((False, True)), STEPS, sharding="auto", cluster=small)
+    out["kept"] = job(make_plan(), STEPS)
+    for sharding in SHARDINGS:
+        out["saved", sharding] = save_job(rank, root, sharding)
+    out["refused"] = [refused(plan, sharding, memory, host) for plan, sharding, memory, host, _ in REFUSALS]
+    out["layouts"] = {parallel: layout_job(parallel) for parallel in ("pp", "tp")}
+    return out
+
+
+def resumes_worker(rank, world, root):
+    """The saved jobs resumed, in processes of their own as after a restart."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {sharding: resume_job(root, sharding) for sharding in SHARDINGS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case: [rank 0's record, rank 1's]}, the resumes under ("resumed", sharding)."""
+    root = str(tmp_path_factory.mktemp("offload"))
+    results = run_ranks(cases_worker, 2, root, timeout=600)
+    out = {case: [r[case] for r in results] for case in results[0]}
+    resumed = run_ranks(resumes_worker, 2, root, timeout=300)
+    out.update({("resumed", sharding): [r[sharding] for r in resumed] for sharding in SHARDINGS})
+    return out
 
 
 # -- exact math ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sharding", ["none", "fsdp", "capacity-full"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 @pytest.mark.parametrize("where", ["rank 1", "both"])
-def test_offloaded_training_equals_one_process_big_batch_float64(sharding, where):
+def test_offloaded_training_equals_one_process_big_batch_float64(runs, sharding, where):
     """24/40 split (rank 0 three micro-batches, rank 1 one); rank 1 offloads by its plan, or every
     rank by Memory(offload_optimizer='always')."""
-    plan = make_plan((False, True))
-    memory = Memory(offload_optimizer="always") if where == "both" else None
-    records = run_ranks(train_worker, 2, plan, sharding, memory)
+    records = runs[where, sharding]
     ref = reference(steps_of(records))
     for r in records:
         assert max_diff(r["params"], ref) <= 1e-12
@@ -152,60 +241,31 @@ def test_offloaded_training_equals_one_process_big_batch_float64(sharding, where
                for line in said), said
 
 
-def blocks_worker(rank, world, plan):
-    return job(plan, STEPS)
-
-
-def test_the_plans_block_count_is_checkpointed_beside_offload_and_stays_exact():
+def test_the_plans_block_count_is_checkpointed_beside_offload_and_stays_exact(runs):
     """Rank 0 checkpoints the first 2 of its 3 blocks, rank 1 every block and offloads."""
-    devices = tuple(replace(d, checkpointing=True, checkpoint_blocks=k)
-                    for d, k in zip(make_plan((False, True)).devices, (2, None)))
-    plan = Plan(global_batch=64, devices=devices)
-    records = run_ranks(blocks_worker, 2, plan)
+    records = runs["blocks"]
     assert [r["checkpointed"] for r in records] == [[True, True, False], [True, True, True]]
     ref = reference(steps_of(records))
     for r in records:
         assert max_diff(r["params"], ref) <= 1e-12
 
 
-def auto_worker(rank, world, plan):
-    return job(plan, STEPS, sharding="auto", cluster="a100-80g@64MiB,rtx3090@48KiB")
-
-
-def test_auto_sharding_counts_the_offloaded_state_off_the_device():
+def test_auto_sharding_counts_the_offloaded_state_off_the_device(runs):
     """On a 48 KiB card the unsharded state and activations (54 KiB) do not fit, so sharding='auto'
     shards; with rank 1's state on the host they fit unsharded (39 KiB), and auto stays at 'none'
     rather than picking a sharding offload does not run under."""
-    sharded = run_ranks(auto_worker, 2, make_plan())
-    offloaded = run_ranks(auto_worker, 2, make_plan((False, True)))
+    sharded, offloaded = runs["auto sharded"], runs["auto offloaded"]
     assert sharded[0]["strategy"] not in ("none", "fsdp")
     assert [r["strategy"] for r in offloaded] == ["none", "none"]
     assert max_diff(offloaded[1]["params"], reference(steps_of(offloaded))) <= 1e-12
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
-ALL, CUT = 4, 2
-
-
-def save_worker(rank, world, root, sharding):
-    out = job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
-              schedule=True)
-    if rank == 0:                    # as if the job had died after saving step CUT
-        shutil.rmtree(f"{root}/ck/step-{ALL:08d}")
-    return out
-
-
-def resume_worker(rank, world, root, sharding):
-    return job(make_plan((False, True)), ALL, sharding=sharding, checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT),
-               schedule=True)
-
-
-@pytest.mark.parametrize("sharding", ["none", "fsdp", "capacity-full"])
-def test_resume_with_offload_equals_the_uninterrupted_run(tmp_path, sharding):
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_resume_with_offload_equals_the_uninterrupted_run(runs, sharding):
     """Rank 1 offloads; an LR schedule registered with the job: the host optimizer's state and
     hyperparameters both come back."""
-    saved = run_ranks(save_worker, 2, str(tmp_path), sharding)
-    resumed = run_ranks(resume_worker, 2, str(tmp_path), sharding)
+    saved, resumed = runs["saved", sharding], runs["resumed", sharding]
     for s, r in zip(saved, resumed):
         assert len(r["indices"]) == ALL - CUT
         assert max_diff(r["params"], s["params"]) <= 1e-12
@@ -213,12 +273,11 @@ def test_resume_with_offload_equals_the_uninterrupted_run(tmp_path, sharding):
 
 
 # -- the emulated meter ------------------------------------------------------------------------------
-def test_the_offloading_rank_peaks_lower_by_its_optimizer_state():
+def test_the_offloading_rank_peaks_lower_by_its_optimizer_state(runs):
     """AdamW holds exp_avg and exp_avg_sq, two float64 values a parameter: that many bytes leave
     the emulated device of rank 1 (within 1%: the meter counts storages, the figure elements),
     and rank 0, which keeps its state, peaks as before."""
-    without = run_ranks(train_worker, 2, make_plan(), "none", None)
-    offloaded = run_ranks(train_worker, 2, make_plan((False, True)), "none", None)
+    without, offloaded = runs["kept"], runs["rank 1", "none"]
     state = 2 * 8 * sum(p.numel() for p in net().parameters())
     before, after = without[0]["memory"], offloaded[0]["memory"]
     drop = before[1]["measured"] - after[1]["measured"]
@@ -230,29 +289,16 @@ def test_the_offloading_rank_peaks_lower_by_its_optimizer_state():
 
 
 # -- refusals ----------------------------------------------------------------------------------------
-def refuse_worker(rank, world, plan, sharding, memory, host):
-    from hetrain.errors import UsageError
-
-    try:
-        job(plan, 1, sharding=sharding, memory=memory, patch_host=host)
-    except UsageError as e:
-        return str(e)
-    return None
-
-
-def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line():
-    cases = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, "needs"),
-             (make_plan((False, True)), "none", Memory(offload_optimizer="never"), None, "'never'"),
-             (make_plan((True, False)), "zero1", None, None, "sharding 'zero1'")]
-    for plan, sharding, memory, host, word in cases:
-        errors = run_ranks(refuse_worker, 2, plan, sharding, memory, host)
+def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line(runs):
+    for k, (_, _, _, host, word) in enumerate(REFUSALS):
+        errors = [r[k] for r in runs["refused"]]
         assert errors[0] == errors[1] and errors[0] is not None, errors       # every rank alike
         assert "\n" not in errors[0] and word in errors[0], errors[0]
         if host is not None:
             assert "available" in errors[0] and "1.0 KiB" in errors[0], errors[0]
 
 
-def layout_worker(rank, world, parallel):
+def layout_job(parallel):
     import hetrain
     from hetrain.errors import UsageError
 
@@ -275,8 +321,8 @@ def layout_worker(rank, world, parallel):
 
 
 @pytest.mark.parametrize("parallel", ["pp", "tp"])
-def test_offload_under_a_pipeline_or_tensor_parallelism_is_refused_naming_where_it_runs(parallel):
-    errors = run_ranks(layout_worker, 2, parallel)
+def test_offload_under_a_pipeline_or_tensor_parallelism_is_refused_naming_where_it_runs(runs, parallel):
+    errors = [r[parallel] for r in runs["layouts"]]
     assert errors[0] == errors[1] and errors[0] is not None, errors
-    runs = {"pp": "Pipeline(", "tp": "TensorParallel("}[parallel]
-    assert f"this job runs {runs}" in errors[0] and "sharding='none' | 'fsdp'" in errors[0], errors[0]
+    named = {"pp": "Pipeline(", "tp": "TensorParallel("}[parallel]
+    assert f"this job runs {named}" in errors[0] and "sharding='none' | 'fsdp'" in errors[0], errors[0]
