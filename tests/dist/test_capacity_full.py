@@ -60,6 +60,16 @@ def job(plan, steps, *, emulate, dtype=torch.float64, sharding="capacity-full", 
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
                       precision="fp32", emulation=Emulation(cluster=emulate), reporting=Reporting(verbose=False),
                       rebalancing=Rebalancing(enabled=False), timeout_s=60, **extra)
+    try:
+        return train(ht, model, x, y, sharding, record)
+    except hetrain.HetrainError:
+        ht.close()          # a refused job leaves none behind: the next one joins the same process group
+        raise
+
+
+def train(ht, model, x, y, sharding, record) -> dict:
+    import hetrain
+
     model, opt, batches = ht.prepare(model, adamw(model.parameters()), torch.utils.data.TensorDataset(x, y),
                                      parallel=hetrain.DataParallel(sharding=sharding))
     out = {"indices": [], "grads": [], "micro_counts": [], "strategy": sharding}
@@ -117,15 +127,33 @@ def step_indices(records, steps):
     return out
 
 
-# -- exactness and the split -------------------------------------------------------------------------
-def equivalence_worker(rank, world, plan, steps):
-    return job(plan, steps, emulate=EMULATE3, grad_clip=0.5)
+# -- the jobs: a 2-rank process group, then a 3-rank one ------------------------------------------------
+THREE = ((7, 13, 12), (3, 13, 5))      # rank 0: 3 micro-batches, rank 2: 3, rank 1: one
+STEPS, CUT = 6, 3                      # the checkpointed job: saved every CUT steps of STEPS, resumed at CUT
+
+
+def three_worker(rank, world, root):
+    """The exact 3-rank job, then the 2-rank job's checkpoint resumed on 3 ranks."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"exact": job(make_plan(*THREE), 3, emulate=EMULATE3, grad_clip=0.5),
+            "resumed": job(ckpt_plan(3), STEPS, emulate=EMULATE3, record=False,
+                           checkpoints=Checkpoints(dir=f"{root}/ck3", every=CUT))}
 
 
 @pytest.fixture(scope="module")
-def three():
-    plan = make_plan((7, 13, 12), (3, 13, 5))      # rank 0: 3 micro-batches, rank 2: 3, rank 1: one
-    return plan, run_ranks(equivalence_worker, 3, plan, 3)
+def runs(tmp_path_factory):
+    """Every job of this file: {"pair": [each rank's], "three": [each rank's]}; the pair's first job
+    saves the checkpoint the three's second resumes."""
+    root = str(tmp_path_factory.mktemp("capacity"))
+    pair = run_ranks(pair_worker, 2, root, timeout=300)
+    return {"pair": pair, "three": run_ranks(three_worker, 3, root, timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def three(runs):
+    return make_plan(*THREE), [r["exact"] for r in runs["three"]]
 
 
 def test_capacity_full_equals_one_device_big_batch_float64_adamw(three):
@@ -162,15 +190,14 @@ def test_each_rank_owns_in_proportion_to_its_emulated_memory(three):
 
 
 # -- checkpoints at another world size --------------------------------------------------------------
-STEPS, CUT = 6, 3
-
-
 def ckpt_plan(world):
     shares = {1: (16,), 2: (10, 6), 3: (6, 5, 5)}[world]
     return make_plan(shares, [max(1, s // 2) if r == 0 else s for r, s in enumerate(shares)])
 
 
-def save_worker(rank, world, root):
+def pair_worker(rank, world, root):
+    """The 2-rank jobs in one process group: the checkpointed one, the big model under capacity-full,
+    the refusal and FSDP2's out-of-memory; then rank 0 alone resumes the checkpoint on one device."""
     import torch.distributed as dist
 
     from hetrain.runtime.ranks.dist import init_distributed
@@ -182,8 +209,12 @@ def save_worker(rank, world, root):
         shutil.rmtree(f"{root}/ck/step-{STEPS:08d}")
         shutil.copytree(f"{root}/ck", f"{root}/ck3")
     dist.barrier()
+    out = {"reference": ref, "full": fit_job("capacity-full"), "refused": refused()}
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "reset_iter_state"):   # FSDP2's OOM told in-loop (torch 2.13+); before, it ends the attempt
+        out["fsdp"] = fit_job("fsdp")
     dist.destroy_process_group()
-    out = {"reference": ref}
     if rank == 0:                    # rank 0 alone resumes it on one device (unsharded)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         out["alone"] = job(ckpt_plan(1), STEPS, emulate="a100-80g@64MiB", record=False,
@@ -192,19 +223,14 @@ def save_worker(rank, world, root):
     return out
 
 
-def resume_worker(rank, world, root):
-    return job(ckpt_plan(3), STEPS, emulate=EMULATE3, record=False,
-               checkpoints=Checkpoints(dir=f"{root}/ck3", every=CUT))
-
-
-def test_checkpoint_resumes_at_another_world_size(tmp_path):
-    saved = run_ranks(save_worker, 2, str(tmp_path), timeout=150)
+def test_checkpoint_resumes_at_another_world_size(runs):
+    saved = runs["pair"]
     ref = saved[0]["reference"]["params"]
     assert saved[1]["reference"]["params"].keys() == ref.keys()
     alone = saved[0]["alone"]
     assert alone["strategy"] == "capacity-full" and len(alone["indices"]) == STEPS - CUT
     assert max_diff(alone["params"], ref) <= 1e-10              # 2 ranks -> 1, float64
-    resumed = run_ranks(resume_worker, 3, str(tmp_path), timeout=150)
+    resumed = [r["resumed"] for r in runs["three"]]
     for r in resumed:
         assert len(r["indices"]) == STEPS - CUT
         assert max_diff(r["params"], ref) <= 1e-10              # 2 ranks -> 3
@@ -217,7 +243,7 @@ BIG = {"h": 128, "n": 8}                          # 134k parameters: 2.1 MB of f
 PAIR = "a100-80g@8MiB,rtx3090@1MiB"
 
 
-def fit_worker(rank, world, sharding):
+def fit_job(sharding):
     import hetrain
 
     plan = make_plan((6, 2), (6, 2))
@@ -228,23 +254,23 @@ def fit_worker(rank, world, sharding):
         return {"trained": False, "what": e.what}
 
 
-def test_a_model_fsdp2_cannot_fit_on_the_small_card_trains_fully_capacity_sharded():
+def test_a_model_fsdp2_cannot_fit_on_the_small_card_trains_fully_capacity_sharded(runs):
     """2.1 MB of state: half of it (FSDP2) is more than the 1 MiB card's usable 0.9 MiB; in
     proportion to free memory (8 : 1) it holds about an eighth."""
     from torch.distributed.fsdp import FSDPModule
 
     if hasattr(FSDPModule, "reset_iter_state"):   # FSDP2's OOM told in-loop (torch 2.13+); before, it ends the attempt
-        fsdp = run_ranks(fit_worker, 2, "fsdp")
+        fsdp = [r["fsdp"] for r in runs["pair"]]
         assert [r["trained"] for r in fsdp] == [False, False], fsdp
         assert "out of memory" in fsdp[0]["what"]
-    full = run_ranks(fit_worker, 2, "capacity-full")
+    full = [r["full"] for r in runs["pair"]]
     assert [r["trained"] for r in full] == [True, True], full
     small = full[0]["memory"][1]     # the 3090 holds its slices and the units in flight, within its cap
     assert small["held_state"] < small["planned"] <= 0.9 * small["cap"]
     assert small["held_state"] < 0.5 * 2.1e6                    # less than FSDP2's even half of the state
 
 
-def refuse_worker(rank, world):
+def refused():
     import hetrain
 
     try:
@@ -255,8 +281,8 @@ def refuse_worker(rank, world):
     return None
 
 
-def test_too_little_memory_even_fully_sharded_is_refused_on_every_rank_with_the_bytes_missing():
-    said = run_ranks(refuse_worker, 2)
+def test_too_little_memory_even_fully_sharded_is_refused_on_every_rank_with_the_bytes_missing(runs):
+    said = [r["refused"] for r in runs["pair"]]
     assert said[0] == said[1] and said[0] is not None
     assert "does not fit even fully sharded" in said[0]
     for r in (0, 1):
