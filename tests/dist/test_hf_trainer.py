@@ -113,10 +113,56 @@ def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
+def first_worker(rank, world, root, plan_path):
+    """The runs that start afresh, one after the other in one process group: the whole run (with an
+    OOM), one stopped at step 2, a rerun into a copy of the whole run's output_dir, the three
+    evaluation schedules and save_total_limit=2."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {"whole": worker(rank, world, f"{root}/whole/out", plan_path, None, None, FAULTS)}
+    if rank == 0:
+        shutil.copytree(f"{root}/whole/out", f"{root}/rerun/out")
+    dist.barrier()
+    out["stopped"] = worker(rank, world, f"{root}/stop/out", plan_path, 2, None, None)
+    out["again"] = worker(rank, world, f"{root}/rerun/out", plan_path, None, None, None)
+    for schedule in sorted(SCHEDULES):
+        out[schedule] = parity_worker(rank, world, f"{root}/{schedule}/het", plan_path, SCHEDULES[schedule][0])
+    out["limit 2"] = worker(rank, world, f"{root}/limit2/out", plan_path, None, None, None,
+                            {"save_steps": 1, "save_total_limit": 2})
+    return out
+
+
+def resume_worker(rank, world, root, plan_path):
+    """The resumes, in processes of their own as after a restart: the stopped run, and the rerun's
+    older kept checkpoint into another output_dir."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"stopped": worker(rank, world, f"{root}/stop/out", plan_path, None, True, None),
+            "kept": worker(rank, world, f"{root}/rerun/other", plan_path, None, f"{root}/rerun/out/checkpoint-2", None)}
+
+
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    d = tmp_path_factory.mktemp("whole")
-    return d, run_ranks(worker, 2, str(d / "out"), write_plan(d / "plan.json"), None, None, FAULTS, timeout=150)
+def runs(tmp_path_factory):
+    """Every Trainer run of this file: {"root", and each run's name: [rank 0's, rank 1's]}; the
+    resumes under ("resumed", name)."""
+    root = tmp_path_factory.mktemp("trainer")
+    plan = write_plan(root / "plan.json")
+    first = run_ranks(first_worker, 2, str(root), plan, timeout=600)
+    out = {name: [r[name] for r in first] for name in first[0]}
+    resumed = run_ranks(resume_worker, 2, str(root), plan, timeout=300)
+    out.update({("resumed", name): [r[name] for r in resumed] for name in resumed[0]})
+    return {"root": root, **out}
+
+
+@pytest.fixture(scope="module")
+def whole(runs):
+    return runs["root"] / "whole", runs["whole"]
 
 
 def test_a_stock_trainer_with_one_changed_import_equals_the_big_batch_on_uneven_shares(whole):
@@ -155,13 +201,10 @@ def test_the_checkpoints_keep_the_trainers_layout(whole):
     assert max_diff(list(loaded.parameters()), runs[0]["params"]) == 0.0
 
 
-def test_a_stop_asked_by_one_rank_stops_both_and_resumes_from_the_trainer_checkpoint_exactly(whole, tmp_path):
-    _, runs = whole
-    out, plan = str(tmp_path / "out"), write_plan(tmp_path / "plan.json")
-    stopped = run_ranks(worker, 2, out, plan, 2, None, None, timeout=150)
+def test_a_stop_asked_by_one_rank_stops_both_and_resumes_from_the_trainer_checkpoint_exactly(runs):
+    stopped, resumed = runs["stopped"], runs["resumed", "stopped"]
     assert [r["global_step"] for r in stopped] == [2, 2]
-    resumed = run_ranks(worker, 2, out, plan, None, True, None, timeout=150)
-    for r, w in zip(resumed, runs):
+    for r, w in zip(resumed, runs["whole"]):
         assert r["global_step"] == STEPS
         assert max_diff(r["params"], w["params"]) <= 1e-12       # as if it had never stopped
         assert r["losses"] == pytest.approx(w["losses"], abs=1e-12)   # the log history continues from checkpoint-2
@@ -242,14 +285,14 @@ SCHEDULES = {"steps": ({"eval_on_start": True}, ["checkpoint-3", "checkpoint-6"]
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(tmp_path, schedule):
+def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(runs, tmp_path, schedule):
     kw, kept = SCHEDULES[schedule]
     stock, stock_seen = stock_run(str(tmp_path / "stock"), **kw)
-    runs = run_ranks(parity_worker, 2, str(tmp_path / "het"), write_plan(tmp_path / "plan.json"), kw, timeout=200)
+    het_dir = runs["root"] / schedule / "het"
     want = comparable(stock.state.log_history)
     assert ["epoch", "grad_norm", "learning_rate", "loss", "step"] in [sorted(e) for e in want]
     assert ["epoch", "eval_accuracy", "eval_loss", "step"] in [sorted(e) for e in want]
-    for r in runs:
+    for r in runs[schedule]:
         got = comparable(r["log"])
         assert [sorted(e) for e in got] == [sorted(e) for e in want]
         for g, w in zip(got, want):       # loss (the mean of the steps since the last log), grad_norm, lr, flos
@@ -258,11 +301,11 @@ def test_the_trainer_logs_evaluates_and_keeps_the_best_model_as_stock_does(tmp_p
         assert max_diff(r["params"], list(stock.model.parameters())) <= 1e-9     # the best model, loaded at the end
         assert r["batch"] == 4 and r["callback"] == stock_seen
     # save_total_limit=None keeps every checkpoint, as stock
-    het = sorted(p.name for p in (tmp_path / "het").glob("checkpoint-*"))
+    het = sorted(p.name for p in het_dir.glob("checkpoint-*"))
     assert het == sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*"))
     assert het == (kept or [stock.state.best_model_checkpoint.rsplit("/", 1)[1]])
-    named = {json.loads((tmp_path / "het" / c / "hetrain.json").read_text())["hetrain_state"] for c in het}
-    assert {str(p.relative_to(tmp_path / "het")) for p in (tmp_path / "het").glob("hetrain*/step-*")} == named
+    named = {json.loads((het_dir / c / "hetrain.json").read_text())["hetrain_state"] for c in het}
+    assert {str(p.relative_to(het_dir)) for p in het_dir.glob("hetrain*/step-*")} == named
 
 
 # -- checkpoints as stock keeps them ------------------------------------------------------------------
@@ -270,22 +313,17 @@ def pointers(out):
     return {p.name: json.loads((p / "hetrain.json").read_text())["hetrain_state"] for p in sorted(out.glob("checkpoint-*"))}
 
 
-def test_a_rerun_into_the_same_output_dir_starts_afresh_and_any_kept_checkpoint_resumes_exactly(whole, tmp_path):
-    import shutil
-
-    d, runs = whole
-    out, plan = tmp_path / "out", write_plan(tmp_path / "plan.json")
-    shutil.copytree(d / "out", out)
+def test_a_rerun_into_the_same_output_dir_starts_afresh_and_any_kept_checkpoint_resumes_exactly(runs):
+    out = runs["root"] / "rerun" / "out"          # a copy of the whole run's, rerun into
     # A second run into an output_dir that holds checkpoints trains afresh, as stock does (no
     # refusal), replacing each checkpoint-N as it reaches N; the old run's hetrain state goes with it.
-    again = run_ranks(worker, 2, str(out), plan, None, None, None, timeout=150)
-    assert max_diff(again[0]["params"], runs[0]["params"]) <= 1e-12
+    again, whole = runs["again"], runs["whole"]
+    assert max_diff(again[0]["params"], whole[0]["params"]) <= 1e-12
     assert pointers(out) == {"checkpoint-2": "hetrain-1/step-00000002", "checkpoint-4": "hetrain-1/step-00000004"}
     assert not list((out / "hetrain").glob("step-*"))
     # An older kept checkpoint (checkpoint-4 is newer), resumed into another output_dir: exact.
-    other = tmp_path / "other"
-    resumed = run_ranks(worker, 2, str(other), plan, None, str(out / "checkpoint-2"), None, timeout=150)
-    for r, w in zip(resumed, runs):
+    other = runs["root"] / "rerun" / "other"
+    for r, w in zip(runs["resumed", "kept"], whole):
         assert r["global_step"] == STEPS and max_diff(r["params"], w["params"]) <= 1e-12
         assert r["losses"] == pytest.approx(w["losses"], abs=1e-12)    # the history of checkpoint-2, continued
     assert pointers(other) == {"checkpoint-4": "hetrain/step-00000004"}
@@ -293,10 +331,8 @@ def test_a_rerun_into_the_same_output_dir_starts_afresh_and_any_kept_checkpoint_
     assert pointers(out)["checkpoint-4"] == "hetrain-1/step-00000004"  # the source is left as it was
 
 
-def test_save_total_limit_keeps_the_newest_as_stock_and_removes_their_hetrain_state(tmp_path):
-    out = tmp_path / "out"
-    run_ranks(worker, 2, str(out), write_plan(tmp_path / "plan.json"), None, None, None,
-              {"save_steps": 1, "save_total_limit": 2}, timeout=150)
+def test_save_total_limit_keeps_the_newest_as_stock_and_removes_their_hetrain_state(runs):
+    out = runs["root"] / "limit2" / "out"
     assert pointers(out) == {"checkpoint-3": "hetrain/step-00000003", "checkpoint-4": "hetrain/step-00000004"}
     assert sorted(p.name for p in (out / "hetrain").glob("step-*")) == ["step-00000003", "step-00000004"]
 
