@@ -27,6 +27,7 @@ N, STEPS = 80, 4
 PER_DEVICE, ACCUM = 4, 2                # the Trainer's global batch: 4 x 2 x 2 devices = 16 samples a step
 SHARES, MICROS = (10, 6), (4, 6)        # hetrain's uneven split of it: rank 0 runs 4, 4, 2; rank 1 one of 6
 FAULTS = "oom:rank=1,step=1,micro=0,phase=forward"    # rank 1's micro-batch 6 -> 3, redone
+CLUSTER = "a100-80g,rtx3090:1.0"        # the plan is given: at speed 1 no emulated device sleeps
 
 
 def write_plan(path) -> str:
@@ -80,7 +81,7 @@ def worker(rank, world, out_dir, plan_path, stop_at=None, resume=None, faults=No
                       callbacks=[StopOnOneRank()] if stop_at else None,
                       hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
                                "reporting": {"verbose": False},
-                               "emulation": {"cluster": "a100-80g,rtx3090", "faults": faults}})
+                               "emulation": {"cluster": CLUSTER, "faults": faults}})
     result = trainer.train(resume_from_checkpoint=resume)
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "global_step": result.global_step,
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
@@ -261,7 +262,7 @@ def parity_worker(rank, world, out_dir, plan_path, kw):
                       eval_dataset=TokensOf(EVAL_N), compute_loss_func=float64_loss, compute_metrics=accuracy,
                       callbacks=[seen.callback],
                       hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
-                               "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+                               "reporting": {"verbose": False}, "emulation": {"cluster": CLUSTER}})
     trainer.train()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "log": trainer.state.log_history,
             "best": trainer.state.best_model_checkpoint, "batch": trainer.state.train_batch_size,
