@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.dist,
 
 N, BATCH, EPOCHS = 256, 32, 2             # batch_size 32 on 2 devices: a global batch of 64, 4 steps an epoch
 SHARES, MICROS = (40, 24), (16, 12)       # rank 0: 3 micro-batches (14, 13, 13); rank 1: two of 12
+CLUSTER = "a100-80g,rtx3090:1.0"          # the plan is given: at speed 1 no emulated device sleeps
 
 
 class Points(Dataset):
@@ -98,7 +99,7 @@ def worker(rank, world, plan, order):
     from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import HetrainStrategy
 
-    config = {"plan": plan, "emulation": Emulation(cluster="a100-80g,rtx3090"),
+    config = {"plan": plan, "emulation": Emulation(cluster=CLUSTER),
               "rebalancing": Rebalancing(enabled=False), "reporting": Reporting(verbose=False)}
     # order "model first" names the global batch; "data first" leaves it to the DataLoader's batch_size
     strategy = HetrainStrategy(global_batch=64, **config) if order == "model first" else HetrainStrategy(**config)
@@ -154,9 +155,37 @@ def reference(orders, epochs=EPOCHS, *, scheduled=False):
     return train(fabric, model, optimizer, loader, epochs, scheduler)
 
 
-@pytest.fixture(scope="module", params=["model first", "data first"])
-def runs(request):
-    return run_ranks(worker, 2, make_plan(), request.param, timeout=180)
+def pair_worker(rank, world, plan):
+    """The two-rank cases that return, one after the other in one process group: each setup order,
+    the OOMs in backward and forward, the refused collective, a rank leaving mid-step two ways."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"model first": worker(rank, world, plan, "model first"),
+            "data first": worker(rank, world, plan, "data first"),
+            "oom backward": oom_worker(rank, world, plan, BACKWARD_OOMS),
+            "collective": collective_worker(rank, world, plan),
+            "oom forward": oom_worker(rank, world, plan, FORWARD_OOM),
+            "leave error": leave_worker(rank, world, plan, "error"),
+            "leave no backward": leave_worker(rank, world, plan, "no backward")}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """{case: [rank 0's result, rank 1's]} of pair_worker."""
+    results = run_ranks(pair_worker, 2, make_plan(), timeout=600)
+    return {case: [r[case] for r in results] for case in results[0]}
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The one-rank cases, in turn in one process: {case: result}."""
+    return run_ranks(alone_worker, 1, timeout=300)[0]
+
+
+@pytest.fixture(params=["model first", "data first"])
+def runs(pair, request):
+    return pair[request.param]
 
 
 def stream_orders(r0, r1, *, redone=False):
@@ -212,7 +241,7 @@ def oom_worker(rank, world, plan, faults):
     from hetrain.errors import HetrainError
     from hetrain.integrations.lightning import HetrainStrategy
 
-    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090", faults=faults),
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster=CLUSTER, faults=faults),
                                rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -229,8 +258,8 @@ def oom_worker(rank, world, plan, faults):
     return out
 
 
-def test_an_oom_in_fabric_backward_is_recovered_in_the_plain_loop():
-    r0, r1 = run_ranks(oom_worker, 2, make_plan(), BACKWARD_OOMS, timeout=180)
+def test_an_oom_in_fabric_backward_is_recovered_in_the_plain_loop(pair):
+    r0, r1 = pair["oom backward"]
     assert r0["micros"] == r1["micros"] == [8, 6] and r0["redone"] == r1["redone"] == 1
     # the loader yielded every redone micro-batch: rank 1's step 1 is 1 failed + 4 of 6; step 2 is
     # redone by both (rank 0: 3 + 5 of 8, rank 1: 4 + 4); the other steps at the plan's counts
@@ -241,9 +270,12 @@ def test_an_oom_in_fabric_backward_is_recovered_in_the_plain_loop():
         assert max_diff(r["params"], ref["params"]) <= 1e-9
 
 
-def test_an_oom_in_a_forward_of_the_plain_loop_stops_every_rank_with_one_agreed_error():
-    # rank 1's first forward of step 1: its loop body cannot redo it, and rank 0 is not left waiting
-    r0, r1 = run_ranks(oom_worker, 2, make_plan(), "oom:rank=1,step=1,micro=0,phase=forward", timeout=180)
+# rank 1's first forward of step 1: its loop body cannot redo it, and rank 0 is not left waiting
+FORWARD_OOM = "oom:rank=1,step=1,micro=0,phase=forward"
+
+
+def test_an_oom_in_a_forward_of_the_plain_loop_stops_every_rank_with_one_agreed_error(pair):
+    r0, r1 = pair["oom forward"]
     assert r0["error"] == r1["error"] and r0["steps_done"] == r1["steps_done"] == 1
     kind, what, fix = r0["error"]
     assert kind == "ForwardOutOfMemory"
@@ -251,7 +283,7 @@ def test_an_oom_in_a_forward_of_the_plain_loop_stops_every_rank_with_one_agreed_
     assert "for step in fabric.strategy.steps()" in fix and "max_micro_batch" in fix
 
 
-def unpack_worker(rank, world):
+def unpack_case():
     from lightning.fabric import Fabric
 
     from hetrain.errors import UsageError
@@ -271,8 +303,8 @@ def unpack_worker(rank, world):
     return "nothing raised"
 
 
-def test_unpacking_a_step_says_a_step_is_not_a_batch():
-    global_batch, what, fix, steps_per_epoch = run_ranks(unpack_worker, 1, timeout=120)[0]
+def test_unpacking_a_step_says_a_step_is_not_a_batch(alone):
+    global_batch, what, fix, steps_per_epoch = alone["unpack"]
     assert global_batch == 16 and steps_per_epoch == N // 16
     assert "micro-batch 1 of 2 in step 0 went by without fabric.backward(loss)" in what
     assert "if the step was unpacked (`inputs, target = step`), a step is not a batch" in what
@@ -287,7 +319,7 @@ def collective_worker(rank, world, plan):
     from hetrain.errors import UsageError
     from hetrain.integrations.lightning import HetrainStrategy
 
-    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster=CLUSTER),
                                reporting=Reporting(verbose=False))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -312,14 +344,14 @@ def collective_worker(rank, world, plan):
     return "nothing raised"
 
 
-def test_a_collective_inside_a_global_step_is_refused_where_ranks_run_different_batches():
-    for losses, what, fix in run_ranks(collective_worker, 2, make_plan(), timeout=180):
+def test_a_collective_inside_a_global_step_is_refused_where_ranks_run_different_batches(pair):
+    for losses, what, fix in pair["collective"]:
         assert len(losses) == 2 and losses[0] > 0
         assert "fabric.all_reduce inside a global step of Fabric's own loop" in what
         assert "if step is not None: fabric.all_reduce(...)" in fix
 
 
-def capped_worker(rank, world):
+def capped_case():
     from lightning.fabric import Fabric
 
     from hetrain.integrations.lightning import HetrainStrategy
@@ -335,8 +367,12 @@ def capped_worker(rank, world):
     return out["batches"], strategy.engine.steps_done
 
 
-def test_max_steps_caps_the_loops_passes():
-    batches, steps = run_ranks(capped_worker, 1, timeout=120)[0]
+def alone_worker(rank, world):
+    return {"unpack": unpack_case(), "capped": capped_case()}
+
+
+def test_max_steps_caps_the_loops_passes(alone):
+    batches, steps = alone["capped"]
     assert steps == 5 and batches == [5 * 2, 0]      # 16 steps an epoch, 2 micro-batches each; then none
 
 
@@ -348,7 +384,7 @@ def leave_worker(rank, world, plan, how):
     from hetrain.errors import HetrainError
     from hetrain.integrations.lightning import HetrainStrategy
 
-    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster=CLUSTER),
                                reporting=Reporting(verbose=False))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -371,8 +407,8 @@ def leave_worker(rank, world, plan, how):
 
 
 @pytest.mark.parametrize("how", ["error", "no backward"])
-def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error(how):
-    (kind0, what0, done0), (kind1, what1, done1) = run_ranks(leave_worker, 2, make_plan(), how, timeout=180)
+def test_a_rank_leaving_the_loop_mid_step_stops_its_peers_with_one_error(pair, how):
+    (kind0, what0, done0), (kind1, what1, done1) = pair[f"leave {how}"]
     if how == "error":                   # its own error goes on
         assert (kind1, what1) == ("ValueError", "the loop body's own error")
     else:
@@ -391,7 +427,7 @@ def escape_worker(rank, world, plan, held):
     from hetrain.emulation import Emulation
     from hetrain.integrations.lightning import HetrainStrategy
 
-    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+    strategy = HetrainStrategy(plan=plan, emulation=Emulation(cluster=CLUSTER),
                                reporting=Reporting(verbose=False))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -432,7 +468,7 @@ from hetrain.emulation import Emulation
 from hetrain.integrations.lightning import HetrainStrategy
 
 rank = int(os.environ["RANK"])
-strategy = HetrainStrategy(plan=Plan.from_json(open(sys.argv[1]).read()), emulation=Emulation(cluster="a100-80g,rtx3090"),
+strategy = HetrainStrategy(plan=Plan.from_json(open(sys.argv[1]).read()), emulation=Emulation(cluster="a100-80g,rtx3090:1.0"),
                            reporting=Reporting(verbose=False))
 fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
 fabric.launch()
