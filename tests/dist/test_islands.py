@@ -16,13 +16,13 @@ from harness import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def sum_worker(rank, world, island_of, bridge_gbs, sizes, links=None):
+def sums(rank, world, island_of, bridge_gbs, sizes, links=None):
+    """Hierarchical sums of `sizes` float64 values over the ranks' process group, beside a flat one."""
     import torch.distributed as dist
 
     from hetrain.runtime.ranks.islands import Islands, make_groups
     from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
-    dist.init_process_group("gloo")
     islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links or {})
     groups = attach_links(make_groups(islands, rank=rank, emulated=True))
     sync = IslandSync(groups, world_size=world, device=torch.device("cpu"))
@@ -42,19 +42,47 @@ def sum_worker(rank, world, island_of, bridge_gbs, sizes, links=None):
               "native_ranks": groups.native_ranks,
               "throttled": groups.bridge_throttle is not None,
               "native_carried": groups.native_throttle.sent_bytes if groups.native_throttle else None}
-    dist.destroy_process_group()
     return result
 
 
-@pytest.mark.parametrize("island_of", [("nv", "nv", "amd", "amd"), ("nv", "nv", "amd")], ids=["2+2", "2+1"])
-def test_hierarchical_sum_equals_a_flat_all_reduce(island_of):
+SIZES = (1, 7, 64)                     # sizes that do and do not divide by an island's ranks
+BRIDGE_GBS = 8 * 72 / 0.05 / 1e9       # 50 ms a sum of 72 float64 (the 2+1 leaders' form: a 2-leader ring,
+                                       # 2(k-1)/k · S / B = S / B)
+
+
+def islands_worker(rank, world):
+    """Every case on this many ranks, one after the other in one process group: 4 ranks are
+    islands 2+2, 3 ranks 2+1 (and the 2+1 sums on an emulated bridge and links)."""
+    from pipeline_runs import join_group
+
+    join_group()
+    name = {4: "2+2", 3: "2+1"}[world]
+    island_of = ISLANDS[name]
+    out = {"sum": sums(rank, world, island_of, None, SIZES)}
+    if world == 3:
+        out["slowed"] = sums(rank, world, island_of, BRIDGE_GBS, (72, 72), {"nv": 100.0, "amd": 100.0})
+    island_of, shares, micros, faults = CASES[next(c for c in CASES if c.startswith(name))]
+    out["train"] = train_worker(rank, world, island_of, make_plan(shares, micros), STEPS, faults)
+    return out
+
+
+ISLANDS = {"2+2": ("nv", "nv", "amd", "amd"), "2+1": ("nv", "nv", "amd")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{"2+2": [each rank's], "2+1": [each rank's]}."""
+    return {name: run_ranks(islands_worker, len(island_of), timeout=300) for name, island_of in ISLANDS.items()}
+
+
+@pytest.mark.parametrize("name", ISLANDS)
+def test_hierarchical_sum_equals_a_flat_all_reduce(runs, name):
     """(2+2 runs again inside a training job below; here the sizes an island's ranks do not divide.)"""
-    sizes = (1, 7, 64)
-    results = run_ranks(sum_worker, len(island_of), island_of, None, sizes)
+    results = [r["sum"] for r in runs[name]]
     for r in results:
         assert max(r["diffs"]) <= 1e-12
-    nbytes = 8 * sum(sizes)
-    if len(island_of) == 4:      # sharded: rank j of each island carries its half, padded
+    nbytes = 8 * sum(SIZES)
+    if name == "2+2":      # sharded: rank j of each island carries its half, padded
         assert [r["bridge_ranks"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
         assert [r["bridged"] for r in results] == [8 * (1 + 4 + 32)] * 4
     else:                        # leaders: ranks 0 and 2 carry everything, rank 1 never crosses
@@ -62,10 +90,8 @@ def test_hierarchical_sum_equals_a_flat_all_reduce(island_of):
         assert [r["bridged"] for r in results] == [nbytes, 0.0, nbytes]
 
 
-def test_the_emulated_bridge_and_island_links_are_slowed_to_their_figures():
-    # 2+1 leaders' form: 8 * 72 bytes a sum, a 2-leader ring: 2(k-1)/k · S / B = S / B
-    gbs = 8 * 72 / 0.05 / 1e9          # 50 ms a sum
-    results = run_ranks(sum_worker, 3, ("nv", "nv", "amd"), gbs, (72, 72), {"nv": 100.0, "amd": 100.0})
+def test_the_emulated_bridge_and_island_links_are_slowed_to_their_figures(runs):
+    results = [r["slowed"] for r in runs["2+1"]]
     assert [r["throttled"] for r in results] == [True, False, True]     # a non-leader never crosses
     # island nv's link carries each sum's reduce and broadcast (half an all-reduce's bytes each);
     # amd, an island of one, has no link to cross
@@ -99,6 +125,7 @@ def net():
 
 
 def train_worker(rank, world, island_of, plan, steps, faults):
+    """A training job over the ranks' process group, `island_of[rank]` its device's island."""
     from dataclasses import replace
 
     import torch.nn.functional as F
@@ -144,6 +171,7 @@ def reference(step_indices):
     return [p.detach() for p in model.parameters()]
 
 
+STEPS = 3
 CASES = {"2+2": (("nv", "nv", "amd", "amd"), (6, 10, 7, 9), (3, 5, 7, 3), None),
          # an OOM in the bridge leader's last backward: its peers wait inside the island's reduce and
          # the bridge; it completes them with zero buckets, every rank redoes the step
@@ -151,10 +179,10 @@ CASES = {"2+2": (("nv", "nv", "amd", "amd"), (6, 10, 7, 9), (3, 5, 7, 3), None),
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_data_parallel_across_islands_equals_one_process(case):
+def test_data_parallel_across_islands_equals_one_process(runs, case):
     island_of, shares, micros, faults = CASES[case]
-    steps = 3
-    records = run_ranks(train_worker, len(island_of), island_of, make_plan(shares, micros), steps, faults)
+    steps = STEPS
+    records = [r["train"] for r in runs[case.split(",")[0]]]
     step_indices = [sum((r["indices"][s] for r in records), []) for s in range(steps)]
     assert all(sorted(i) == sorted(set(i)) and len(i) == sum(shares) for i in step_indices)
     ref = reference(step_indices)
