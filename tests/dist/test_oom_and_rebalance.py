@@ -58,13 +58,14 @@ def train(emulate, steps, *, width=32, hidden=0, global_batch=48, n=N, net=None,
 CASES = [(0, 0, "forward"), (1, 0, "forward"),      # first micro-batch's forward: local redo
          (0, -1, "backward"), (1, -1, "backward")]  # last micro-batch's backward: inside the gradient sync
 OOM_PLAN = ((29, 19), 8)     # shares by the pair's catalog speeds 1 : 0.67, micro-batches of at most 8
+OOM_CLUSTER = "a100-80g,rtx3090:1.0"     # the OOM jobs' plans are given: at speed 1 no device sleeps
 
 
 def oom_job(faults, log_dir):
     from plans import data_plan
 
     shares, micro = OOM_PLAN
-    return train("a100-80g,rtx3090", 6, memory=Memory(max_micro_batch=8), rebalancing=Rebalancing(enabled=False),
+    return train(OOM_CLUSTER, 6, memory=Memory(max_micro_batch=8), rebalancing=Rebalancing(enabled=False),
                  faults=faults, sample_log=log_dir, plan=data_plan(shares, (micro, micro)))
 
 
@@ -73,7 +74,7 @@ def fatal_job():
     from plans import data_plan
 
     try:
-        train("a100-80g,rtx3090", 3, memory=Memory(max_micro_batch=1), global_batch=4,
+        train(OOM_CLUSTER, 3, memory=Memory(max_micro_batch=1), global_batch=4,
               faults="oom:rank=1,step=1,micro=0,phase=forward", plan=data_plan((2, 2), (1, 1)))
     except HetrainError as e:
         return e.what
@@ -97,10 +98,21 @@ def oom_worker(rank, world, root):
     return out
 
 
+def all_worker(rank, world, root):
+    """The OOM cases, then the rebalancing ones, in one process group."""
+    return {"oom": oom_worker(rank, world, root), "rebalance": rebalance_cases(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def oom_runs(tmp_path_factory):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("oom")
-    return root, run_ranks(oom_worker, 2, str(root), timeout=300)
+    return root, run_ranks(all_worker, 2, str(root), timeout=450)
+
+
+@pytest.fixture(scope="module")
+def oom_runs(runs):
+    root, results = runs
+    return root, [r["oom"] for r in results]
 
 
 @pytest.mark.parametrize("rank, micro, phase", CASES)
@@ -179,18 +191,15 @@ def rebalance_worker(rank, world, faults, steps):
 SLOW_AT = 8
 
 
-def rebalance_cases_worker(rank, world):
-    """Both rebalancing cases, one job after the other in one process group."""
-    from pipeline_runs import join_group
-
-    join_group()
+def rebalance_cases(rank, world):
+    """Both rebalancing cases, one job after the other in the ranks' process group."""
     return {"slowdown": rebalance_job(f"slow:rank=0,step={SLOW_AT},factor=2", 26),
             "noise": rebalance_job("noise:rank=-1,step=0,factor=0.1", 24)}
 
 
 @pytest.fixture(scope="module")
-def rebalance_runs():
-    return run_ranks(rebalance_cases_worker, 2, timeout=300)
+def rebalance_runs(runs):
+    return [r["rebalance"] for r in runs[1]]
 
 
 def test_rebalancing_follows_a_slowdown_within_ten_steps(rebalance_runs):
@@ -220,7 +229,7 @@ def buffered_job(rank, micro_batch):
         DevicePlan(rank=1, device="rtx3090", speed=0.67, share=20, micro_batch=min(micro, 20))))
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    out = train("a100-80g,rtx3090", 4, net=net, momentum=0.0, rebalancing=Rebalancing(enabled=False), plan=plan,
+    out = train(OOM_CLUSTER, 4, net=net, momentum=0.0, rebalancing=Rebalancing(enabled=False), plan=plan,
                 faults="oom:rank=1,step=2,micro=0,phase=forward")
     summary = out["summary"]
     return {"steps": summary["steps"], "ooms": summary["ranks"][rank]["ooms"],
