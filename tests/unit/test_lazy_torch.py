@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 _SCRIPT = """
@@ -29,12 +31,21 @@ print("TORCH-LOADED" if "torch" in sys.modules else "NO-TORCH")
 """
 
 
-def test_import_and_catalog_planning_do_not_import_torch():
+@pytest.fixture(scope="module")
+def one_process():
+    """_SCRIPT, then _JOB, in one fresh interpreter (one start and import of hetrain for both)."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "120"}
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "hetrain" in r.stdout                       # the commands ran and printed their plans
-    assert r.stdout.strip().splitlines()[-1] == "NO-TORCH", r.stdout[-2000:]
+    r = subprocess.run([sys.executable, "-c", _SCRIPT + _JOB], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()       # the planning's output ends at _SCRIPT's verdict line
+    cut = next((k + 1 for k, line in enumerate(lines) if line in ("NO-TORCH", "TORCH-LOADED")), len(lines))
+    return "\n".join(lines[:cut]), "\n".join(lines[cut:])
+
+
+def test_import_and_catalog_planning_do_not_import_torch(one_process):
+    planning, _ = one_process
+    assert "hetrain" in planning                       # the commands ran and printed their plans
+    assert planning.strip().splitlines()[-1] == "NO-TORCH", planning[-2000:]
 
 
 def test_the_engine_names_still_load_from_the_package():
@@ -74,8 +85,6 @@ print("LOADED", [m for m in heavy if m in sys.modules])
 """
 
 
-def test_a_data_parallel_job_without_checkpoints_leaves_checkpoint_and_pipelining_unloaded():
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-c", _JOB], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "LOADED []", r.stdout[-2000:]
+def test_a_data_parallel_job_without_checkpoints_leaves_checkpoint_and_pipelining_unloaded(one_process):
+    _, job = one_process
+    assert job.strip().splitlines()[-1] == "LOADED []", job[-2000:]
