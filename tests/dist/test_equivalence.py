@@ -124,12 +124,33 @@ CASES = {
 }
 
 
+STEPS = {"samples": 3, "tokens": 2}
+
+
+def both_worker(rank, world, plan):
+    """The sample-weighted job, then the token-weighted one, in one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {kind: worker(rank, world, kind, plan, steps) for kind, steps in STEPS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{(case, kind): [each rank's record]}."""
+    out = {}
+    for case, (shares, micros) in CASES.items():
+        results = run_ranks(both_worker, len(shares), make_plan(shares, micros))
+        out.update({(case, kind): [r[kind] for r in results] for kind in STEPS})
+    return out
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_sample_weighted_gradients_and_updates_equal_single_process(case):
+def test_sample_weighted_gradients_and_updates_equal_single_process(runs, case):
     shares, micros = CASES[case]
     plan = make_plan(shares, micros)
-    steps = 3
-    records = run_ranks(worker, len(shares), "samples", plan, steps)
+    steps = STEPS["samples"]
+    records = runs[case, "samples"]
     assert [r["micro_counts"][0] for r in records] == [plan.devices[i].n_micro for i in range(len(shares))]
     step_indices = [sum((r["indices"][s] for r in records), []) for s in range(steps)]
     for idx in step_indices:
@@ -161,11 +182,9 @@ def test_unweighted_average_would_differ():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_token_weighted_gradients_equal_single_process(case):
-    shares, micros = CASES[case]
-    plan = make_plan(shares, micros)
-    steps = 2
-    records = run_ranks(worker, len(shares), "tokens", plan, steps)
+def test_token_weighted_gradients_equal_single_process(runs, case):
+    steps = STEPS["tokens"]
+    records = runs[case, "tokens"]
     step_indices = [sum((r["indices"][s] for r in records), []) for s in range(steps)]
     ref_grads, ref_losses, ref_params = reference("tokens", step_indices, steps)
     for r in records:
