@@ -76,7 +76,7 @@ def worker(rank, world, plan):
     model = lora_llama()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=STEPS, precision="fp32",
-                      emulation=Emulation(cluster="a100-80g,rtx3090"),
+                      emulation=Emulation(cluster="a100-80g,rtx3090:1.0"),    # at speed 1: no sleeps, nothing timed
                       rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(tokens()),
