@@ -30,13 +30,12 @@ class Stack(torch.nn.Module):
         return self.out(x)
 
 
-def worker(rank, world, clock=None):
-    import torch.distributed as dist
-
+def probe(rank, clock=None):
+    """The probe on this rank's model, in the ranks' process group; `clock`: the controlled clock's
+    seconds a sample (the ranks at speeds 1 and 0.5), else the CPU's own clock."""
     from hetrain.emulation.device import Throttle
     from hetrain.runtime.measure.fsdp_probe import time_fsdp_excess
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -54,24 +53,37 @@ def worker(rank, world, clock=None):
                              throttle=throttle)
     same = all(torch.equal(before[n], p) and not hasattr(p, "device_mesh") for n, p in model.named_parameters())
     grads = [p.grad for p in model.parameters()]
-    dist.destroy_process_group()
     return {**found, "unchanged": same, "no_grads": all(gr is None for gr in grads), "no_state": not opt.state,
             "throttled_s": throttle.cpu_seconds if throttle else 0.0}
 
 
-def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_was():
-    r0, r1 = run_ranks(worker, 2, timeout=120)
+def worker(rank, world):
+    """The probe on the CPU's clock, then on the controlled clock, in one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"cpu": probe(rank), "clock": probe(rank, 0.02)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = run_ranks(worker, 2, timeout=180)
+    return {clock: [r[clock] for r in results] for clock in results[0]}
+
+
+def test_the_fsdp_probe_times_both_steps_on_copies_and_leaves_the_model_as_it_was(runs):
+    r0, r1 = runs["cpu"]
     for r in (r0, r1):
         assert r["unchanged"] and r["no_grads"] and r["no_state"]
         assert r["fsdp_s"] > 0 and r["ddp_s"] > 0 and r["runs"] == 3 and r["micro_batch"] == 12
         assert len(r["pairs"]) == 3 and r["excess_s"] == paired_excess(r["pairs"])
 
 
-def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forward_and_backward():
+def test_on_the_controlled_clock_both_steps_last_the_slowest_ranks_clocked_forward_and_backward(runs):
     # 12 rows at 20 ms a sample: 0.24 s at speed 1, 0.48 s at 0.5; from barrier to barrier each
     # step lasts at least the slower rank's clocked length (Throttle.before_backward's clock, as
     # the engine runs it), whatever the host's CPU does
-    r0, r1 = run_ranks(worker, 2, 0.02, timeout=120)
+    r0, r1 = runs["clock"]
     for r in (r0, r1):
         assert r["unchanged"] and r["no_grads"] and r["no_state"] and r["runs"] == 2
         assert r["ddp_s"] >= 12 * 0.02 / 0.5 and r["fsdp_s"] >= 12 * 0.02 / 0.5, r
