@@ -30,10 +30,10 @@ STEPS = 3
 GAMMA = 0.7        # the resume's LR schedule: each step's rate differs, so a lost one shows
 
 
-def make_plan(offload=(False, False), shares=(24, 40), micros=(8, 40)) -> Plan:
+def make_plan(offload=(False, False), shares=(24, 40), micros=(8, 40), names=("cpu0", "cpu1")) -> Plan:
     return Plan(global_batch=sum(shares), devices=tuple(
-        DevicePlan(rank=r, device=f"cpu{r}", speed=1.0, share=s, micro_batch=m, offload_optimizer=o)
-        for r, (s, m, o) in enumerate(zip(shares, micros, offload))))
+        DevicePlan(rank=r, device=name, speed=1.0, share=s, micro_batch=m, offload_optimizer=o)
+        for r, (name, s, m, o) in enumerate(zip(names, shares, micros, offload))))
 
 
 def data():
@@ -155,6 +155,7 @@ def refused(plan, sharding, memory, host):
     try:
         job(plan, 1, sharding=sharding, memory=memory, patch_host=host)
     except UsageError as e:
+        assert e.exit_code == 2
         return str(e)
     return None
 
@@ -175,9 +176,12 @@ def resume_job(root, sharding):
                schedule=True)
 
 
-REFUSALS = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, "needs"),
-            (make_plan((False, True)), "none", Memory(offload_optimizer="never"), None, "'never'"),
-            (make_plan((True, False)), "zero1", None, None, "sharding 'zero1'")]
+# each: the plan, sharding, Memory, the host's free bytes (None: as measured) and words of the one line
+REFUSALS = [(make_plan(), "none", Memory(offload_optimizer="always"), 1024, ("needs",)),
+            # a plan that needs offload under 'never': the rank and its device named, and the fix
+            (make_plan((False, True), names=("a100-80g#0", "rtx3090#1")), "none", Memory(offload_optimizer="never"),
+             None, ("'never'", "rank 1 (rtx3090#1)", "offload_optimizer='never'", "offload_optimizer='auto'")),
+            (make_plan((True, False)), "zero1", None, None, ("sharding 'zero1'",))]
 
 
 def cases_worker(rank, world, root):
@@ -290,10 +294,12 @@ def test_the_offloading_rank_peaks_lower_by_its_optimizer_state(runs):
 
 # -- refusals ----------------------------------------------------------------------------------------
 def test_no_host_room_and_never_and_other_layouts_are_refused_in_one_line(runs):
-    for k, (_, _, _, host, word) in enumerate(REFUSALS):
+    """Each a UsageError every rank raises alike in prepare, before training: under `hetrain run`
+    the launcher's one line and exit 2 (tests/cli/test_malformed_inputs.py: prepare's errors)."""
+    for k, (_, _, _, host, words) in enumerate(REFUSALS):
         errors = [r[k] for r in runs["refused"]]
         assert errors[0] == errors[1] and errors[0] is not None, errors       # every rank alike
-        assert "\n" not in errors[0] and word in errors[0], errors[0]
+        assert "\n" not in errors[0] and all(w in errors[0] for w in words), errors[0]
         if host is not None:
             assert "available" in errors[0] and "1.0 KiB" in errors[0], errors[0]
 
