@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(importlib.util.find_spec("acc
 N, EVAL_N, EPOCHS = 64, 21, 2        # 4 steps of 16 an epoch; 21 evaluation samples: a short last batch
 ACCUM, STOCK_BATCH, RANK_BATCH = 2, 8, 4     # stock: 8 x 2 x 1 process = 16; hetrain: 4 x 2 x 2 ranks = 16
 SHARES, MICROS = (10, 6), (4, 6)     # rank 0 runs 4, 4, 2 a step; rank 1 one of 6
+CLUSTER = "a100-80g,rtx3090:1.0"     # the plans are given: at speed 1 no emulated device sleeps
 
 
 class Points(torch.utils.data.Dataset):
@@ -94,22 +95,42 @@ def worker(rank, world, out_dir, plan, save_after=None, resume=False):
 
     return script(Accelerator, RANK_BATCH, out_dir, save_after=save_after, resume=resume,
                   hetrain={"plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
-                           "emulation": {"cluster": "a100-80g,rtx3090"}})
+                           "emulation": {"cluster": CLUSTER}})
 
 
 def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
+def cases_worker(rank, world, out_dir, plans):
+    """The runs that return, one after the other in one process group: the script saving after
+    epoch 0, the script's own accumulation (one micro-batch a rank, then rank 0 in two), a loop
+    body failing on rank 1 and caught."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"saved": worker(rank, world, out_dir, plans["given"], 0),
+            "manual": manual_worker(rank, world, plans["one micro-batch"]),
+            "manual 5 + 5": manual_worker(rank, world, plans["5 + 5"]),
+            "caught": failing_worker(rank, world, plans["given"], True)}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def group(tmp_path_factory):
+    d = tmp_path_factory.mktemp("accelerate")
+    plans = {"given": write_plan(d / "plan.json"), "one micro-batch": write_plan(d / "one.json", micros=SHARES),
+             "5 + 5": write_plan(d / "five.json", micros=(5, 6))}
+    results = run_ranks(cases_worker, 2, str(d / "ckpt"), plans, timeout=400)
+    return d, plans["given"], {case: [r[case] for r in results] for case in results[0]}
+
+
+@pytest.fixture(scope="module")
+def runs(group):
     import accelerate
 
-    d = tmp_path_factory.mktemp("accelerate")
+    d, plan, cases = group
     stock = script(accelerate.Accelerator, STOCK_BATCH, str(d / "stock"))
-    plan = write_plan(d / "plan.json")
-    ranks = run_ranks(worker, 2, str(d / "ckpt"), plan, 0, timeout=180)      # saves after epoch 0
-    return d, plan, stock, ranks
+    return d, plan, stock, cases["saved"]      # saved after epoch 0
 
 
 def test_an_accelerate_loop_on_uneven_shares_equals_plain_accelerate_in_one_process(runs):
@@ -177,19 +198,19 @@ def manual_worker(rank, world, plan):
     try:
         return manual_script(Accelerator, STOCK_BATCH * ACCUM // world, hetrain={
             "plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
-            "emulation": {"cluster": "a100-80g,rtx3090"}})
+            "emulation": {"cluster": CLUSTER}})
     except UsageError as e:
         return str(e)
 
 
-def test_a_scripts_own_accumulation_on_uneven_shares_equals_one_process(tmp_path):
+def test_a_scripts_own_accumulation_on_uneven_shares_equals_one_process(group):
     """nlp_example.py's manual accumulation: 16 samples a batch (10 and 6 on the two ranks), the
     optimizer stepped after batches 0, 2 of each epoch of 4: what one stock process does."""
     import accelerate
 
     stock = manual_script(accelerate.Accelerator, STOCK_BATCH * ACCUM, cpu=True)
     assert stock["stepped"] == 4
-    for r in run_ranks(manual_worker, 2, write_plan(tmp_path / "plan.json", micros=SHARES), timeout=180):
+    for r in group[2]["manual"]:
         assert isinstance(r, dict), r
         assert r["stepped"] == 4
         assert max_diff(r["params"], stock["params"]) <= 1e-12
@@ -199,9 +220,9 @@ def test_a_scripts_own_accumulation_on_uneven_shares_equals_one_process(tmp_path
     assert max_diff(every["params"], stock["params"]) > 1e-3
 
 
-def test_a_scripts_own_accumulation_over_several_micro_batches_a_rank_is_one_line_naming_the_fix(tmp_path):
+def test_a_scripts_own_accumulation_over_several_micro_batches_a_rank_is_one_line_naming_the_fix(group):
     # rank 0 runs its 10 samples as 5 + 5: its batches 1, 3, ... end the steps, rank 1's 0, 1, 2, ...
-    said = run_ranks(manual_worker, 2, write_plan(tmp_path / "plan.json", micros=(5, 6)), timeout=180)
+    said = group[2]["manual 5 + 5"]
     assert said[0] == said[1]
     assert "called optimizer.step() after their last batch" in said[0] and "accumulate(model)" in said[0]
     assert "\n" not in said[0]
@@ -215,7 +236,7 @@ def failing_worker(rank, world, plan, caught):
 
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, hetrain={
         "plan": plan, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
-        "emulation": {"cluster": "a100-80g,rtx3090"}})
+        "emulation": {"cluster": CLUSTER}})
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
@@ -240,10 +261,10 @@ def failing_worker(rank, world, plan, caught):
 
 
 @pytest.mark.parametrize("caught", [True, False], ids=["caught", "out of the function"])
-def test_a_loop_body_failing_on_one_rank_stops_every_rank_with_one_error(tmp_path, caught):
-    plan = write_plan(tmp_path / "plan.json")
+def test_a_loop_body_failing_on_one_rank_stops_every_rank_with_one_error(group, caught):
+    _, plan, cases = group
     if caught:
-        (kind0, what0, done0), (kind1, what1, done1) = run_ranks(failing_worker, 2, plan, True, timeout=180)
+        (kind0, what0, done0), (kind1, what1, done1) = cases["caught"]
         assert (kind1, what1) == ("ValueError", "the loop body's own error")
         assert kind0 == "LoopStopped" and done0 == done1 == 1
         assert "at step 1, rank 1 (rtx3090) left the loop in the middle of the step" in what0
@@ -270,7 +291,7 @@ from hetrain.integrations.accelerate import Accelerator
 
 rank = int(os.environ["RANK"])
 accelerator = Accelerator(gradient_accumulation_steps=2, hetrain={"plan": sys.argv[1], "rebalancing": {"enabled": False},
-                          "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+                          "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090:1.0"}})
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
