@@ -26,6 +26,7 @@ pytestmark = pytest.mark.dist
 
 N, B, STEPS = 40, 16, 6        # a pass: 2 global batches and a tail of 8 (dropped); 6 steps = 3 passes
 SHARES, MICROS = (5, 11), (2, 11)   # rank 0: micro-batches 2, 2, 1; rank 1: one of 11
+CLUSTER = "a100-80g,rtx3090:1.0"    # the plan is given: at speed 1 no emulated device sleeps
 
 
 def needs(module: str):
@@ -69,6 +70,53 @@ def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def cases_worker(rank, world, root):
+    """Every run of this file but the resumed one, one after the other in one process group (a
+    tool's runs only where it is installed): {case: this rank's result}."""
+    from pipeline_runs import join_group
+
+    join_group()
+    plan = f"{root}/plan.json"
+    out = {}
+    if installed("lightning"):
+        out["fabric"] = fabric_worker(rank, world, STEPS)
+        out["fabric, no max_steps"] = fabric_worker(rank, world, None)
+    if installed("transformers"):
+        out["trainer"] = trainer_worker(rank, world, f"{root}/out", plan, {})
+        out["trainer, no max_steps"] = trainer_worker(rank, world, f"{root}/out", plan,
+                                                      {"max_steps": -1, "num_train_epochs": 2})
+    if installed("accelerate"):
+        out["accelerate"] = accelerate_worker(rank, world, plan, {"max_steps": STEPS})
+        out["accelerate, neither"] = accelerate_worker(rank, world, plan, {})
+        out["accelerate, epochs"] = accelerate_worker(rank, world, plan, {"epochs": 2})
+        out["accelerate, saved"] = accelerate_resume_worker(rank, world, plan, f"{root}/ckpt", False)
+    return out
+
+
+def resumed_worker(rank, world, root):
+    """The saved Accelerate run resumed, in processes of its own as after a restart."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return accelerate_resume_worker(rank, world, f"{root}/plan.json", f"{root}/ckpt", True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case: [rank 0's result, rank 1's]}, the resumed run under "accelerate, resumed"."""
+    root = tmp_path_factory.mktemp("streams")
+    (root / "plan.json").write_text(make_plan().to_json())
+    results = run_ranks(cases_worker, 2, str(root), timeout=600)
+    out = {case: [r[case] for r in results] for case in results[0]}
+    if installed("accelerate"):
+        out["accelerate, resumed"] = run_ranks(resumed_worker, 2, str(root), timeout=180)
+    return {"root": root, **out}
+
+
 # -- Lightning Fabric ------------------------------------------------------------------------------
 def fabric_loop(fabric, model, optimizer, loader, passes, *, hetrain=True):
     """Fabric's own loop; the stream's pass set by the script, as a stock script over a stream does
@@ -94,7 +142,7 @@ def fabric_worker(rank, world, max_steps):
     from hetrain.integrations.lightning import HetrainStrategy
 
     run = {} if max_steps is None else {"max_steps": max_steps}
-    strategy = HetrainStrategy(plan=make_plan(), emulation=Emulation(cluster="a100-80g,rtx3090"),
+    strategy = HetrainStrategy(plan=make_plan(), emulation=Emulation(cluster=CLUSTER),
                                rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False), **run)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
@@ -121,18 +169,18 @@ def fabric_stock(passes=STEPS * B // (N - N % B)):
 
 
 @needs("lightning")
-def test_fabric_over_a_stream_on_uneven_ranks_equals_stock_fabric_in_one_process():
+def test_fabric_over_a_stream_on_uneven_ranks_equals_stock_fabric_in_one_process(runs):
     steps, want = fabric_stock()
     assert steps == STEPS
-    for r in run_ranks(fabric_worker, 2, STEPS):
+    for r in runs["fabric"]:
         assert r["steps"] == STEPS
         assert max_diff(r["params"], want) < 1e-12
     assert max_diff(fabric_stock(passes=2)[1], want) > 1e-3       # the tolerance sees a missing pass
 
 
 @needs("lightning")
-def test_fabric_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps():
-    r0, r1 = run_ranks(fabric_worker, 2, None)
+def test_fabric_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(runs):
+    r0, r1 = runs["fabric, no max_steps"]
     assert r0 == r1 and "\n" not in r0
     assert "IterableDataset without a length" in r0 and "HetrainStrategy(max_steps=N)" in r0
 
@@ -185,7 +233,7 @@ def trainer_worker(rank, world, out_dir, plan_path, args_kw):
         trainer = Trainer(model=gpt2(), args=trainer_arguments(out_dir, B // world, **args_kw),
                           train_dataset=TokenStream(), compute_loss_func=float64_loss,
                           hetrain={"plan": plan_path, "loss_weighting": "tokens", "rebalancing": {"enabled": False},
-                                   "reporting": {"verbose": False}, "emulation": {"cluster": "a100-80g,rtx3090"}})
+                                   "reporting": {"verbose": False}, "emulation": {"cluster": CLUSTER}})
         result = trainer.train()
     except UsageError as e:
         return str(e)
@@ -205,22 +253,18 @@ def trainer_stock(out_dir):
 
 
 @needs("transformers")
-def test_the_trainer_over_a_stream_on_uneven_ranks_equals_the_stock_trainer_in_one_process(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text(make_plan().to_json())
+def test_the_trainer_over_a_stream_on_uneven_ranks_equals_the_stock_trainer_in_one_process(runs, tmp_path):
     stock = trainer_stock(str(tmp_path / "stock"))
     assert stock["global_step"] == STEPS
-    for r in run_ranks(trainer_worker, 2, str(tmp_path / "out"), str(plan), {}, timeout=180):
+    for r in runs["trainer"]:
         assert r["global_step"] == STEPS
         assert max_diff(r["params"], stock["params"]) < 1e-12
         assert r["losses"] == pytest.approx(stock["losses"], rel=1e-6)    # the Trainer's float32 loss log
 
 
 @needs("transformers")
-def test_the_trainer_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text(make_plan().to_json())
-    r0, r1 = run_ranks(trainer_worker, 2, str(tmp_path / "out"), str(plan), {"max_steps": -1, "num_train_epochs": 2})
+def test_the_trainer_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(runs):
+    r0, r1 = runs["trainer, no max_steps"]
     assert r0 == r1 and "\n" not in r0
     assert "IterableDataset without a length and max_steps is not set" in r0 and "max_steps=N" in r0
 
@@ -275,7 +319,7 @@ def accelerate_worker(rank, world, plan_path, run_length):
 
     accelerator = Accelerator(gradient_accumulation_steps=ACCEL_ACCUM, hetrain={
         "plan": plan_path, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
-        "emulation": {"cluster": "a100-80g,rtx3090"}, **run_length})
+        "emulation": {"cluster": CLUSTER}, **run_length})
     try:
         return accelerate_script(accelerator, B // ACCEL_ACCUM // world, passes=2)   # the first pass is the run
     except UsageError as e:
@@ -290,12 +334,10 @@ def accelerate_stock(passes):
 
 
 @needs("accelerate")
-def test_accelerate_over_a_stream_on_uneven_ranks_equals_plain_accelerate_in_one_process(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text(make_plan().to_json())
+def test_accelerate_over_a_stream_on_uneven_ranks_equals_plain_accelerate_in_one_process(runs):
     want = accelerate_stock(passes=2)
     assert want["steps"] == STEPS
-    for r in run_ranks(accelerate_worker, 2, str(plan), {"max_steps": STEPS}, timeout=180):
+    for r in runs["accelerate"]:
         assert r["steps"] == STEPS
         assert max_diff(r["params"], want["params"]) < 1e-12
     assert max_diff(accelerate_stock(passes=1)["params"], want["params"]) > 1e-3   # the tolerance sees a missing pass
@@ -303,10 +345,8 @@ def test_accelerate_over_a_stream_on_uneven_ranks_equals_plain_accelerate_in_one
 
 @needs("accelerate")
 @pytest.mark.parametrize("run_length", [{}, {"epochs": 2}], ids=["neither", "epochs"])
-def test_accelerate_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(tmp_path, run_length):
-    plan = tmp_path / "plan.json"
-    plan.write_text(make_plan().to_json())
-    r0, r1 = run_ranks(accelerate_worker, 2, str(plan), run_length)
+def test_accelerate_over_a_stream_without_a_length_or_max_steps_is_one_line_naming_max_steps(runs, run_length):
+    r0, r1 = runs["accelerate, epochs" if run_length else "accelerate, neither"]
     assert r0 == r1 and "\n" not in r0
     assert "IterableDataset without a length" in r0 and "hetrain={'max_steps': N}" in r0
 
@@ -318,7 +358,7 @@ def accelerate_resume_worker(rank, world, plan_path, out_dir, resume):
 
     accelerator = Accelerator(gradient_accumulation_steps=ACCEL_ACCUM, hetrain={
         "plan": plan_path, "rebalancing": {"enabled": False}, "reporting": {"verbose": False},
-        "emulation": {"cluster": "a100-80g,rtx3090"}, "max_steps": STEPS})
+        "emulation": {"cluster": CLUSTER}, "max_steps": STEPS})
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(WholeStream(), batch_size=B // ACCEL_ACCUM // world)
@@ -339,11 +379,8 @@ def accelerate_resume_worker(rank, world, plan_path, out_dir, resume):
 
 
 @needs("accelerate")
-def test_accelerate_over_a_stream_resumes_mid_stream_exactly(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text(make_plan().to_json())
-    whole = run_ranks(accelerate_resume_worker, 2, str(plan), str(tmp_path / "ckpt"), False, timeout=180)
-    resumed = run_ranks(accelerate_resume_worker, 2, str(plan), str(tmp_path / "ckpt"), True, timeout=180)
+def test_accelerate_over_a_stream_resumes_mid_stream_exactly(runs):
+    whole, resumed = runs["accelerate, saved"], runs["accelerate, resumed"]
     for w, r in zip(whole, resumed):
         assert (w["steps"], r["steps"]) == (STEPS, 2)
         assert max_diff(r["params"], w["params"]) == 0.0
