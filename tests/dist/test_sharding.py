@@ -120,12 +120,45 @@ def check_equal_to_reference(records, plan, steps, opt_name, dtype, tol):
         assert max_diff(r["params"], ref_params) <= tol, max_diff(r["params"], ref_params)
 
 
+PLAN = make_plan((24, 40), (8, 40))       # 24/40 split; rank 0 runs 3 micro-batches, rank 1 one
+IN_LOOP_FSDP_OOM = hasattr(FSDPModule, "reset_iter_state")     # FSDP2's in-loop OOM recovery (torch 2.13+)
+# an OOM in rank 1's only (last) backward, in the middle of the gradient sync
+OOM = {"faults": "oom:rank=1,step=1,micro=-1,phase=backward", "rebalancing": Rebalancing(enabled=False)}
+
+
+def pair_worker(rank, world):
+    """The two-rank jobs, one after the other in one process group: each sharding, sharding='auto'
+    on a small card, each sharding through an OOM in the gradient sync."""
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {("plain", s): worker(rank, world, s, PLAN, 3, "sgd", torch.float32, None) for s in ("zero1", "fsdp", "capacity")}
+    out["auto"] = worker(rank, world, None, PLAN, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
+    for s in ("zero1", "capacity") + (("fsdp",) if IN_LOOP_FSDP_OOM else ()):
+        out["oom", s] = worker(rank, world, s, PLAN, 3, "sgd", torch.float32, "a100-80g,rtx3090:1.0", OOM)
+    return out
+
+
+def world_worker(rank, world):
+    """One job on this many ranks: 3 (capacity sharding by free memory, AdamW float64) or 1."""
+    if world == 3:
+        return worker(rank, world, "capacity", make_plan((7, 13, 12), (3, 13, 5)), 3, "adamw", torch.float64,
+                      "a100-80g@64MiB,rtx3090@24MiB,rtx3090@8MiB")
+    return worker(rank, world, "zero1", make_plan((16,), (16,)), 1, "sgd", torch.float32, None)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    results = run_ranks(pair_worker, 2, timeout=400)
+    return {case: [r[case] for r in results] for case in results[0]}
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp", "capacity"])
-def test_sharded_training_equals_single_device_big_batch(strategy):
+def test_sharded_training_equals_single_device_big_batch(pair, strategy):
     """24/40 split; rank 0 runs 3 micro-batches, rank 1 one. SGD with momentum, fp32."""
-    plan = make_plan((24, 40), (8, 40))
+    plan = PLAN
     steps = 3
-    records = run_ranks(worker, 2, strategy, plan, steps, "sgd", torch.float32, None)
+    records = pair["plain", strategy]
     assert [r["micro_counts"][0] for r in records] == [3, 1]
     check_equal_to_reference(records, plan, steps, "sgd", torch.float32, tol=1e-5)
     n_params = sum(p.numel() for p in model_for(torch.float32).parameters())
@@ -142,8 +175,7 @@ def test_capacity_sharding_splits_state_by_free_memory_and_matches_adamw_float64
     mistake) updates exactly as one device over the whole batch."""
     plan = make_plan((7, 13, 12), (3, 13, 5))
     steps = 3
-    emulate = "a100-80g@64MiB,rtx3090@24MiB,rtx3090@8MiB"
-    records = run_ranks(worker, 3, "capacity", plan, steps, "adamw", torch.float64, emulate)
+    records = run_ranks(world_worker, 3)
     check_equal_to_reference(records, plan, steps, "adamw", torch.float64, tol=1e-12)
     fractions = records[0]["fraction"]
     assert fractions == records[1]["fraction"] == records[2]["fraction"]
@@ -160,34 +192,31 @@ def test_capacity_sharding_splits_state_by_free_memory_and_matches_adamw_float64
 
 
 def test_sharding_with_one_device_is_explained_not_silent():
-    plan = make_plan((16,), (16,))
-    (record,) = run_ranks(worker, 1, "zero1", plan, 1, "sgd", torch.float32, None)
+    (record,) = run_ranks(world_worker, 1)
     assert record["optimizer"] == "SGD"      # unsharded: the user's own optimizer
     assert any("one device" in w and "nothing to shard" in w for w in record["warnings"]), record["warnings"]
 
 
-def test_auto_shards_only_when_the_model_does_not_fit_and_stays_exact():
+def test_auto_shards_only_when_the_model_does_not_fit_and_stays_exact(pair):
     """The 40-sample micro-batch's activations put the emulated 3090 (18.5 KiB) over its usable
     memory unsharded (8460 B of state + 8960 B of activations > 90% of 18944 B); splitting the
     momentum evenly fits, so DataParallel() (the planner's choice) picks ZeRO-1 — and training stays exact."""
-    plan = make_plan((24, 40), (8, 40))
-    records = run_ranks(worker, 2, None, plan, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
+    plan = PLAN
+    records = pair["auto"]
     assert [r["optimizer"] for r in records] == ["ZeroRedundancyOptimizer"] * 2
     check_equal_to_reference(records, plan, 2, "sgd", torch.float32, tol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "capacity", pytest.param("fsdp", marks=pytest.mark.skipif(
-    not hasattr(FSDPModule, "reset_iter_state"), reason="FSDP2's in-loop OOM recovery needs reset_iter_state (torch 2.13+)"))])
-def test_sharded_state_survives_oom_recovery_in_the_gradient_sync(strategy):
+    not IN_LOOP_FSDP_OOM, reason="FSDP2's in-loop OOM recovery needs reset_iter_state (torch 2.13+)"))])
+def test_sharded_state_survives_oom_recovery_in_the_gradient_sync(pair, strategy):
     """An OOM in rank 1's only (last) backward, in the middle of the gradient sync (DDP's
     all-reduce, FSDP2's reduce-scatters): every rank discards the step and redoes it, rank 1 with
     half its micro-batch. The sharded state is untouched by the redo, so training still equals
     one device (more FSDP2 cases: tests/dist/test_oom_fsdp.py)."""
-    plan = make_plan((24, 40), (8, 40))
+    plan = PLAN
     steps = 3
-    records = run_ranks(worker, 2, strategy, plan, steps, "sgd", torch.float32, "a100-80g,rtx3090",
-                        {"faults": "oom:rank=1,step=1,micro=-1,phase=backward",
-                         "rebalancing": Rebalancing(enabled=False)})
+    records = pair["oom", strategy]
     assert records[0]["ooms"] == [0, 1] and records[0]["redone_steps"] == 1
     assert records[1]["micro_counts"] == [1, 1 + 2, 2]          # the failed pass, then 2 x 20 from then on
     check_equal_to_reference(records, plan, steps, "sgd", torch.float32, tol=1e-5)
