@@ -113,10 +113,36 @@ def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
+def cases_worker(rank, world, root):
+    """Every job of this file but the resumed one, one after the other in one process group: the
+    uninterrupted run, the first 3 steps checkpointed, the datasets stream (if installed), and
+    epochs= over a stream (refused, last)."""
+    import importlib.util
+
+    from pipeline_runs import join_group
+
+    join_group()
+    out = {"uninterrupted": plain_worker(rank, world, STEPS, None, f"{root}/samples"),
+           "first": plain_worker(rank, world, 3, f"{root}/ckpt", None)}       # stops at position 48: pass 1, sample 11
+    if importlib.util.find_spec("datasets") is not None:
+        out["datasets"] = datasets_worker(rank, world)
+    out["epochs"] = epochs_worker(rank, world)
+    return out
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    samples = tmp_path_factory.mktemp("samples")
-    return run_ranks(plain_worker, 2, STEPS, None, str(samples)), str(samples)
+def runs(tmp_path_factory):
+    """{case: [rank 0's, rank 1's]}; "resumed": the checkpointed run resumed by a new launch."""
+    root = tmp_path_factory.mktemp("stream")
+    results = run_ranks(cases_worker, 2, str(root), timeout=400)
+    out = {case: [r[case] for r in results] for case in results[0]}
+    out["resumed"] = run_ranks(plain_worker, 2, STEPS, str(root / "ckpt"), None)   # from the checkpoint at step 3
+    return {"root": root, **out}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    return runs["uninterrupted"], str(runs["root"] / "samples")
 
 
 def test_two_uneven_ranks_over_a_stream_equal_one_process_and_use_every_sample_once_a_pass(uninterrupted):
@@ -143,11 +169,11 @@ def test_two_uneven_ranks_over_a_stream_equal_one_process_and_use_every_sample_o
             assert ids == [[i for _, _, i in order[e]][p] for e, p in zip(epochs, positions)]
 
 
-def test_a_resume_mid_stream_equals_the_uninterrupted_run(uninterrupted, tmp_path):
-    (r0, _), _ = uninterrupted
-    first = run_ranks(plain_worker, 2, 3, str(tmp_path), None)        # stops at position 48: pass 1, sample 11
+def test_a_resume_mid_stream_equals_the_uninterrupted_run(runs):
+    r0 = runs["uninterrupted"][0]
+    first = runs["first"]             # stopped at position 48: pass 1, sample 11
     assert first[0]["steps"] == [0, 1, 2]
-    resumed = run_ranks(plain_worker, 2, STEPS, str(tmp_path), None)  # a new launch: from the checkpoint at step 3
+    resumed = runs["resumed"]         # a new launch: from the checkpoint at step 3
     assert resumed[0]["steps"] == [3, 4, 5]
     assert resumed[0]["ids"] == r0["ids"][3:]
     for r in resumed:
@@ -171,9 +197,9 @@ def datasets_worker(rank, world):
     return train(ds, STEPS, collate_fn=collate, emulation=Emulation(cluster="a100-80g,rtx3090"))
 
 
-def test_a_datasets_stream_from_a_generator_on_a_measured_uneven_plan_equals_one_process():
+def test_a_datasets_stream_from_a_generator_on_a_measured_uneven_plan_equals_one_process(runs):
     datasets = pytest.importorskip("datasets")
-    r0, r1 = run_ranks(datasets_worker, 2)
+    r0, r1 = runs["datasets"]
     assert r0["shares"][0][0] != r0["shares"][0][1]            # the planner's uneven split
     x, y = tensors()
 
@@ -197,7 +223,7 @@ def epochs_worker(rank, world):
     return "trained"
 
 
-def test_epochs_over_a_stream_without_a_length_is_one_line_naming_max_steps():
-    r0, r1 = run_ranks(epochs_worker, 2)
+def test_epochs_over_a_stream_without_a_length_is_one_line_naming_max_steps(runs):
+    r0, r1 = runs["epochs"]
     assert r0 == r1 and "\n" not in r0
     assert "epochs=2.0 with an IterableDataset that has no length" in r0 and "max_steps" in r0
