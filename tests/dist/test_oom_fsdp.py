@@ -63,7 +63,7 @@ def worker(rank, world, faults, log_dir, plan=PLAN, steps=STEPS):
     x, y = data()
     net = model()
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps,
-                      precision="fp32", emulation=Emulation(cluster="a100-80g,rtx3090", faults=faults),
+                      precision="fp32", emulation=Emulation(cluster="a100-80g,rtx3090:1.0", faults=faults),
                       reporting=Reporting(verbose=False, sample_log=log_dir), rebalancing=Rebalancing(enabled=False))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net, opt, batches = ht.prepare(net, opt, torch.utils.data.TensorDataset(x, y),
@@ -106,9 +106,26 @@ def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
+def cases_worker(rank, world, root):
+    """The clean run, runs A and B, and the OOM that cannot shrink (last), one after the other in
+    one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"clean": worker(rank, world, None, f"{root}/clean"), "A": worker(rank, world, FAULTS_A, f"{root}/A"),
+            "B": worker(rank, world, FAULTS_B, f"{root}/B"), "fatal": fatal_worker(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    return run_ranks(worker, 2, None, str(tmp_path_factory.mktemp("clean")), timeout=120)
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp-oom")
+    results = run_ranks(cases_worker, 2, str(root), timeout=300)
+    return {"root": root, **{case: [r[case] for r in results] for case in results[0]}}
+
+
+@pytest.fixture(scope="module")
+def clean(runs):
+    return runs["clean"]
 
 
 def test_every_step_issues_the_collectives_prepare_recorded(clean):
@@ -120,19 +137,19 @@ def test_every_step_issues_the_collectives_prepare_recorded(clean):
     assert clean[0]["template"] == clean[1]["template"]
 
 
-@pytest.mark.parametrize("faults, ooms, micros", [
-    (FAULTS_A, [2, 2], [2, 10]),
-    (FAULTS_B, [3, 2], [1, 10]),
+@pytest.mark.parametrize("run, ooms, micros", [
+    ("A", [2, 2], [2, 10]),
+    ("B", [3, 2], [1, 10]),
 ])
-def test_oom_anywhere_in_a_step_is_redone_with_the_oom_free_result(clean, tmp_path, faults, ooms, micros):
-    r0, r1 = run_ranks(worker, 2, faults, str(tmp_path), timeout=120)
+def test_oom_anywhere_in_a_step_is_redone_with_the_oom_free_result(runs, clean, run, ooms, micros):
+    r0, r1 = runs[run]
     assert r0["ooms"] == ooms and r0["redone_steps"] == 4          # steps 1..4 each agreed and redone once
     assert r0["micros"] == r1["micros"] == micros                  # every OOM halved that rank's micro-batch
     ref = reference([a + b for a, b in zip(r0["indices"], r1["indices"])])
     for r, c in zip((r0, r1), clean):
         assert max_diff(r["params"], c["params"]) <= 1e-12
         assert max_diff(r["params"], ref) <= 1e-10
-    steps = read_sample_log(str(tmp_path))
+    steps = read_sample_log(str(runs["root"] / run))
     used = [pair for s in sorted(steps) for pair in steps[s]]
     assert len(steps) == STEPS and len(used) == STEPS * 64 and len(set(used)) == len(used)
     assert sorted(i for _, i in used[:N]) == list(range(N))        # epoch 0 exactly once
@@ -150,7 +167,7 @@ def fatal_worker(rank, world):
     return "finished"
 
 
-def test_an_oom_that_cannot_shrink_stops_both_ranks_together():
+def test_an_oom_that_cannot_shrink_stops_both_ranks_together(runs):
     """Rank 1 at a micro-batch of 1, in its last backward (rank 0 waits in the reduce-scatters)."""
-    a, b = run_ranks(fatal_worker, 2, timeout=120)
+    a, b = runs["fatal"]
     assert a == b and "micro-batch of 1 sample on rank 1" in a
