@@ -23,6 +23,7 @@ from hetrain.emulation import Emulation
 pytestmark = pytest.mark.dist
 
 N = 48
+CLUSTER = "a100-80g,rtx3090:1.0"      # the plans are given: at speed 1 no emulated device sleeps
 
 
 def sharded_worker(rank, world, sharding, as_2_11):
@@ -47,7 +48,7 @@ def sharded_worker(rank, world, sharding, as_2_11):
     plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="cpu0", speed=1.0, share=8, micro_batch=4),
                                           DevicePlan(rank=1, device="cpu1", speed=1.0, share=8, micro_batch=8)))
     ht = hetrain.init(global_batch=16, plan=plan, max_steps=3, precision="fp32",
-                      emulation=Emulation(cluster="a100-80g,rtx3090",
+                      emulation=Emulation(cluster=CLUSTER,
                                           faults="oom:rank=1,step=1,micro=0,phase=backward" if recovers else None),
                       reporting=Reporting(verbose=False), rebalancing=Rebalancing(enabled=False))
     net, opt, batches = ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.utils.data.TensorDataset(x, y),
@@ -67,12 +68,30 @@ def sharded_worker(rank, world, sharding, as_2_11):
     return out
 
 
+def shardings_worker(rank, world, as_2_11):
+    """As torch 2.12 (fsdp, then capacity, in one process group), or as 2.11 (fsdp)."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {s: sharded_worker(rank, world, s, as_2_11) for s in (("fsdp",) if as_2_11 else ("fsdp", "capacity"))}
+
+
+@pytest.fixture(scope="module")
+def as_torch():
+    """{as_2_11: {sharding: [rank 0's, rank 1's]}}: one launch for each torch taken away."""
+    out = {}
+    for as_2_11 in (False, True):
+        results = run_ranks(shardings_worker, 2, as_2_11, timeout=240)
+        out[as_2_11] = {s: [r[s] for r in results] for s in results[0]}
+    return out
+
+
 @pytest.mark.parametrize("sharding, as_2_11", [("fsdp", False), ("capacity", False), ("fsdp", True)])
-def test_sharded_steps_and_their_oom_recovery_run_without_the_2_13_collectives(sharding, as_2_11):
+def test_sharded_steps_and_their_oom_recovery_run_without_the_2_13_collectives(as_torch, sharding, as_2_11):
     """On torch 2.11 and 2.12 every FSDP job failed at its first step: the OOM guard's recording
     collectives called dist.all_gather_single, which came in 2.13. Without FSDP2's
     reset_iter_state (2.11) in-loop OOM recovery under FSDP2 is off, and the job trains."""
-    r0, r1 = run_ranks(sharded_worker, 2, sharding, as_2_11, timeout=180)
+    r0, r1 = as_torch[as_2_11][sharding]
     if r0["recovers"] and sharding == "fsdp":      # the recording collectives ran: prepare() learnt the step's
         assert r0["guard"] == "FSDPGuard" and r0["template"] > 0, r0
     if not r0["recovers"]:
@@ -104,7 +123,7 @@ def pipeline_worker(rank, world):
     g = torch.Generator().manual_seed(2)
     data = torch.utils.data.TensorDataset(torch.randn(N, 6, generator=g).double(), torch.randn(N, 6, generator=g).double())
     ht = hetrain.init(global_batch=24, max_steps=3, precision="fp32",
-                      emulation=Emulation(cluster="a100-80g,rtx3090", faults="oom:rank=1,step=1,micro=0,phase=forward"),
+                      emulation=Emulation(cluster=CLUSTER, faults="oom:rank=1,step=1,micro=0,phase=forward"),
                       reporting=Reporting(verbose=False))
     net = stack()
     plan = pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)   # 3 micro-batches
