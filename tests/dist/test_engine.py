@@ -48,8 +48,34 @@ def capped_worker(rank, world):
     return tiny_gpt_job("a100-80g,rtx3090@3MiB", 96, 4, rebalancing=Rebalancing(enabled=False))
 
 
-def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs():
-    r0, r1 = run_ranks(capped_worker, 2)
+def pair_worker(rank, world):
+    """The two-rank cases in one process group: the capped job, then the cluster of the wrong size."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"capped": capped_worker(rank, world), "wrong world": wrong_world_worker(rank, world)}
+
+
+def alone_worker(rank, world):
+    """The one-rank cases in one process group: the emulated OOM, then the verbs misused."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"oom": oom_worker(rank, world), "misuse": misuse_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{case: [each rank's result]}, of both worlds."""
+    out = {}
+    for worker, world in ((pair_worker, 2), (alone_worker, 1)):
+        results = run_ranks(worker, world, timeout=300)
+        out.update({case: [r[case] for r in results] for case in results[0]})
+    return out
+
+
+def test_memory_cap_splits_the_share_into_micro_batches_and_training_runs(runs):
+    r0, r1 = runs["capped"]
     plan = r0["plan"]
     small = plan.devices[1]
     assert plan == r1["plan"]                                   # every rank runs the same plan
@@ -76,8 +102,8 @@ def oom_worker(rank, world):
     return message, recovered["plan"], recovered["counts"]
 
 
-def test_emulated_memory_cap_raises_the_cuda_oom_type():
-    ((message, plan, counts),) = run_ranks(oom_worker, 1)
+def test_emulated_memory_cap_raises_the_cuda_oom_type(runs):
+    ((message, plan, counts),) = runs["oom"]
     assert "out of memory (emulated)" in message and "cap 2.0 MiB" in message
     # with recovery, the micro-batch halves until it fits, and the new size is in the plan
     assert plan.version >= 1 and plan.devices[0].micro_batch < 16 and counts[0] == plan.devices[0].n_micro
@@ -120,8 +146,8 @@ def misuse_worker(rank, world):
     return errors
 
 
-def test_misuse_of_the_verbs_is_explained():
-    (errors,) = run_ranks(misuse_worker, 1)
+def test_misuse_of_the_verbs_is_explained(runs):
+    (errors,) = runs["misuse"]
     kinds = dict(errors)
     assert "outside a micro-batch" in kinds["backward outside"]
     assert "before the step's micro-batches" in kinds["step early"]
@@ -141,6 +167,6 @@ def wrong_world_worker(rank, world):
     return "accepted"
 
 
-def test_emulated_cluster_must_match_the_process_count():
-    a, b = run_ranks(wrong_world_worker, 2)
+def test_emulated_cluster_must_match_the_process_count(runs):
+    a, b = runs["wrong world"]
     assert "names 3 device(s), but this node runs 2 process(es)" in a and "hetrain run --emulate" in a
