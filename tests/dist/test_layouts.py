@@ -24,7 +24,7 @@ from hetrain.emulation import Emulation
 pytestmark = pytest.mark.dist
 
 VOCAB, SEQ, N = 16, 6, 48
-PAIR = "a100-80g,rtx3090"
+PAIR = "a100-80g,rtx3090:1.0"      # the plans are given: at speed 1 no emulated device sleeps
 
 
 def gpt():
@@ -182,7 +182,7 @@ def pair(tmp_path_factory):
         "oom": {"model": "stack", "batch": 24, "steps": 4, "parallel": "pp", "faults": faults,
                 "samples": str(root / "samples"),     # 3 micro-batches of 8
                 "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(24,), micro=(8,), world=2)},
-        "scale": {"model": "stack", "batch": 12, "steps": 3, "parallel": "pp", "emulate": "a100-80g,v100-32g",
+        "scale": {"model": "stack", "batch": 12, "steps": 3, "parallel": "pp", "emulate": "a100-80g,v100-32g:1.0",
                   "precision": "auto", "overflow_at": 1,
                   "plan": pipeline_plan("pp", blocks=(2, 2), schedule="1f1b", shares=(12,), micro=(6,), world=2)},
         "auto": auto_spec(),
