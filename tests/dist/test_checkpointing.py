@@ -46,7 +46,7 @@ def worker(rank, world, steps):
     from hetrain.runtime.memory.activation_checkpointing import is_checkpointed
 
     x, y = data()
-    ht = hetrain.init(global_batch=20, plan=make_plan(), emulation=Emulation(cluster="a100-80g,rtx3090"),
+    ht = hetrain.init(global_batch=20, plan=make_plan(), emulation=Emulation(cluster="a100-80g,rtx3090:1.0"),    # speed 1: no sleeps
                       reporting=Reporting(verbose=False), precision="fp32",
                       max_steps=steps)
     model = model_for()

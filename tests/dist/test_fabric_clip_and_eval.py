@@ -81,7 +81,7 @@ def worker(rank, world, plan):
     from hetrain.errors import UsageError
     from hetrain.integrations.lightning import Fabric, HetrainStrategy
 
-    fabric = Fabric(strategy=HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090"),
+    fabric = Fabric(strategy=HetrainStrategy(plan=plan, emulation=Emulation(cluster="a100-80g,rtx3090:1.0"),
                                              rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False)))
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)

@@ -56,7 +56,7 @@ def worker(rank, world, steps):
     plan = Plan(global_batch=16, devices=(DevicePlan(rank=0, device="a100-80g#0", speed=1.0, share=8, micro_batch=4),
                                           DevicePlan(rank=1, device="rtx3090#1", speed=1.0, share=8, micro_batch=8)))
     ht = hetrain.init(global_batch=16, plan=plan, max_steps=steps, precision="fp32",
-                      emulation=Emulation(cluster="a100-80g@64MiB,rtx3090@24MiB"), reporting=Reporting(verbose=False))
+                      emulation=Emulation(cluster="a100-80g@64MiB,rtx3090:1.0@24MiB"), reporting=Reporting(verbose=False))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(x, y),
                                      parallel=hetrain.DataParallel(sharding="none"))

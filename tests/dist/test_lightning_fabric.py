@@ -82,7 +82,7 @@ def worker(rank, world, plan, faults=FAULTS):
     from hetrain.integrations.lightning import HetrainStrategy
 
     config = {"global_batch": plan.global_batch, "plan": plan, "loss_weighting": "tokens", "max_steps": STEPS,
-              "emulation": Emulation(cluster="a100-80g,rtx3090", faults=faults),
+              "emulation": Emulation(cluster="a100-80g,rtx3090:1.0", faults=faults),    # speed 1: no sleeps
               "rebalancing": Rebalancing(enabled=False), "reporting": Reporting(verbose=False)}
     bad = {   # before a job exists: at Fabric(...) and at launch, before joining
         "precision": refused(lambda: Fabric(accelerator="cpu", precision="bf16-mixed",
