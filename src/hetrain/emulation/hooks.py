@@ -189,6 +189,13 @@ class EmulatedHooks(DeviceHooks):
     def summary_note(self) -> str:
         return " (emulated devices)"
 
+    def stage_hooks(self):
+        """Its throttle and meter as a pipeline stage uses them (pipeline.py), on the controlled
+        clock where the job runs on one."""
+        from .pipeline import EmulatedStage
+
+        return EmulatedStage(self.throttle, self.meter, sample_s=self._sample_s)
+
 
 
 def make_hooks(device: torch.device, emulated, faults: FaultInjector) -> DeviceHooks:

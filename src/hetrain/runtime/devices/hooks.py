@@ -155,6 +155,13 @@ class DeviceHooks:
         """What the end-of-run summary's title adds about the devices."""
         return ""
 
+    # -- what a pipeline stage asks of the device -----------------------------------------------
+    def stage_hooks(self):
+        """The device as a pipeline stage asks it (layouts/pipeline/stage_hooks.StageHooks), where
+        it answers other than a device that times its own work and has an allocator; None: it
+        does not."""
+        return None
+
 
 def runqueue_s() -> float:
     """Seconds this thread has waited, runnable, for a CPU (Linux schedstat; 0 where unknown)."""

@@ -73,7 +73,7 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
         return measured
     # Each rank its micro-batch of the data-parallel plan the FSDP2 row adds the excess to: with
     # uneven rows, every unit's collectives hold the ranks to the one with the most CPU a unit while
-    # each device's throttle sleeps its own stretch, so the excess depends on the shares (equal rows
+    # each device takes its own time beyond its CPU's, so the excess depends on the shares (equal rows
     # read +117 ms against +164 ms run at shares 20/12 on the dilated pair: FSDP2 wall +15%).
     try:
         rows = [d.micro_batch for d in plan_from_measurements(measured, job.config)[0].devices]
