@@ -12,6 +12,8 @@ rest of hetrain reaches it at two points:
   held_memory.py  what the autograd graphs hold, and an OOM's failed graph
   link.py         an emulated inter-node link
   pacing.py       what pacing costs a device's CPU (the profile's paced_cost)
+  pipeline.py     an emulated device as a pipeline stage asks it (DeviceHooks.stage_hooks): its
+                  pieces throttled, its bytes counted, the host its stages share measured
   sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
   cli.py          the --emulate option the CLI commands declare, and their checks of it
 
