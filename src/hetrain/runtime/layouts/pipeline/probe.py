@@ -9,14 +9,13 @@ stage_backward's autograd call), hetrain's metering around each piece (its autoc
 device counts its own bytes a hook per saved tensor) and whatever the device does after every
 piece (stage_hooks.StageHooks.piece_done), which may leave the next piece on cold caches. Most
 of that is per op, so it grows with the blocks a stage holds and not with the micro-batch's rows.
-Measured on the demo GPT (4 blocks of
-d=128, micro-batches of 4, an AMX Xeon, fp32, devices of speeds 0.5 and 0.335): the whole model as a
-one-stage pipeline took 6.62 ms a micro-batch beyond its blocks' ~14.9, its first block alone 1.76
-ms beyond its 3.46; the ranking, which had stretched the blocks by the whole model's fixed cost per
-micro-batch, predicted the 2-stage pipeline 44% too fast (bf16). So each rank times the first block
-as a one-stage pipeline (a copy: the job's model is left as it was; one block, as the model may not
-fit one device), fed what `first` makes of the example, at 1 row and at the example's µ rows, and
-fits
+Measured on the demo GPT (4 blocks of d=128, micro-batches of 4, an AMX Xeon, fp32, devices of
+speeds 0.5 and 0.335): the whole model as a one-stage pipeline took 6.62 ms a micro-batch beyond
+its blocks' ~14.9, its first block alone 1.76 ms beyond its 3.46; the ranking, which had stretched
+the blocks by the whole model's fixed cost per micro-batch, predicted the 2-stage pipeline 44% too
+fast (bf16). So each rank times the first block as a one-stage pipeline (a copy: the job's model
+is left as it was; one block, as the model may not fit one device), fed what `first` makes of the
+example, at 1 row and at the example's µ rows, and fits
 
     t(µ) = block_s + stage_factor · µ · s         (s: the block's profiled seconds a row)
 
@@ -27,7 +26,7 @@ A piece's time is its wall time as measured, as the runtime meters it
 (pipeline_stage.MeteredStage.timed); on CUDA, whose pieces return before their kernels finish, the
 step's synchronised wall time. The ranks measure one at a time, as the blocks are measured (a
 whole-model version of this probe, four ranks on 2 cores, fp32, read 10.7 ms a micro-batch all at
-once and 5.4-7.5 ms in turn: the ranks slowing each other, which the stage device measures apart,
+once and 5.4-7.5 ms in turn: the ranks slowing each other, which the stage hooks measure apart,
 below), and the ranks' medians are kept: the same figures on every rank. The sizes (and the first
 and last parts, below) are stepped in turn within a rank's turn, so a host whose speed drifts in
 phases of seconds slows them alike.
