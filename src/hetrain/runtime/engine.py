@@ -76,7 +76,7 @@ class Engine(EngineFacts):
                                preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
-            log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
+            log.detail(f"host CPU: {host.describe()}; {host.precision_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
         self._given_plan = plan
