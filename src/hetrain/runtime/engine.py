@@ -23,7 +23,7 @@ from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
-from .ranks.nodes import join_nodes
+from ..emulation.islands import join_nodes
 from ..emulation.device import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
