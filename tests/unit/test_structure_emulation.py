@@ -20,7 +20,8 @@ WORDS = re.compile(r"emulat|clocked|host_cores|throttle|contention", re.IGNORECA
 MOST_FILES_WITH_WORDS = 53
 # The modules that import the emulator, each for what it takes; a new one is a decision, made here.
 IMPORTERS = {
-    "runtime/engine.py": "the one factory of a job's device hooks; an emulated device's process and host facts",
+    "runtime/engine.py": "the one factory of a job's device hooks; an emulated device's process and host facts; "
+                         "the nodes joined with each node's --emulate spec (emulation/islands.py)",
     "runtime/job.py": "the EmulatedDevice type of the job's field (TYPE_CHECKING only)",
     "runtime/setup.py": "the emulated inter-node link refused on real GPUs",
     "runtime/layouts/data_setup.py": "the emulated inter-node link in DDP's gradient hook",

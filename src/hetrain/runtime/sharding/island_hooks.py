@@ -14,10 +14,11 @@ W·n/B (runtime/loop/reduce.py) gives the big-batch gradient through them as thr
 
 What overlaps. The hook hands the bucket to one worker thread of this rank and returns a future at
 once; the backward goes on computing the next buckets while the worker runs this one's three steps
-(a modelled link's time included: ranks/islands.py Islands.link). One thread, buckets in the order DDP launched them: every
-rank issues the native and bridge collectives in the same order (two threads could interleave
-two buckets' collectives differently on two ranks, and gloo would pair the wrong ones). So buckets
-overlap the backward, not each other; the optimizer waits for the last (DDP's finalize).
+(a modelled link's time included: ranks/islands.py Islands.link). One thread, buckets in the order
+DDP launched them: every rank issues the native and bridge collectives in the same order (two
+threads could interleave two buckets' collectives differently on two ranks, and gloo would pair
+the wrong ones). So buckets overlap the backward, not each other; the optimizer waits for the last
+(DDP's finalize).
 
 OOM recovery, rebalancing, resume. The hook has GradientHook's interface (comm_hooks.py): OOM recovery's SyncGuard calls it for every bucket and completes
 an interrupted backward by calling it on zero buckets, which run the same three steps, so the
