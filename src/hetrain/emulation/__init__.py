@@ -11,6 +11,8 @@ rest of hetrain reaches it at two points:
                   the memory meter, the process a device runs in
   held_memory.py  what the autograd graphs hold, and an OOM's failed graph
   link.py         an emulated inter-node link
+  islands.py      each node's --emulate spec joined into the job's at start (engine's join_nodes),
+                  and the island and bridge links an island spec names, paced
   pacing.py       what pacing costs a device's CPU (the profile's paced_cost)
   sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
   cli.py          the --emulate option the CLI commands declare, and their checks of it

@@ -23,7 +23,7 @@ from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
-from .ranks.nodes import join_nodes
+from ..emulation.islands import join_nodes
 from ..emulation.device import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
@@ -76,7 +76,7 @@ class Engine(EngineFacts):
                                preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
-            log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
+            log.detail(f"host CPU: {host.describe()}; {host.precision_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
         self._given_plan = plan

@@ -112,7 +112,7 @@ def test_the_nodes_form_is_unchanged():
 
 def test_job_islands_from_each_ranks_device():
     c = parse_cluster_spec(SPEC)
-    found = job_islands([rank_device(emulated=d) for d in c.devices], bridge=c.topology.bridge.name)
+    found = job_islands([rank_device(spec_device=d) for d in c.devices], bridge=c.topology.bridge.name)
     assert found.describe() == "islands: nv = ranks 0,1 (nccl), amd = ranks 2,3 (rccl); bridge host 25GbE"
     assert found.leaders == (0, 2) and found.island_of(3).name == "amd" and found.multi
     # real devices: grouped by what each rank trains on, named by vendor
