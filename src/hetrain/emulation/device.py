@@ -231,7 +231,7 @@ class Throttle:
     the host call returns, as a GPU's does. `settle()` then sleeps nothing; what is owed is slept
     at the next sync point (devices/clock.py: a synchronize, a collective hetrain issues), where
     a GPU's host would wait for it. Its time is still the device's: `charged_s` holds it from the
-    moment it is charged, and devices/clock.DeviceClock reads it; a host clock around the op does
+    moment it is charged, and its clock (clock.EmulatedClock) reads it; a host clock around the op does
     not see it, as it does not see a CUDA kernel.
     """
 
@@ -263,6 +263,14 @@ class Throttle:
     def charged_s(self) -> float:
         """The device time charged beyond the CPU's: slept, or owed to the next sync."""
         return self.slept_seconds + self.owed
+
+    def ahead_s(self, wall: bool) -> float:
+        """What the device's clock adds to its base (clock.EmulatedClock): the compute charged beyond
+        the CPU's; on the wall base less what was slept, which the wall time holds already."""
+        return self.charged_s - (self.slept_seconds if wall else 0.0)
+
+    def waited_s(self) -> float:
+        return self.slept_seconds
 
     @property
     def clocked(self) -> bool:

@@ -13,13 +13,17 @@ import torch
 
 from ..runtime.devices.faults import FaultInjector, injected_oom
 from ..runtime.devices.hooks import CudaHooks, DeviceHooks, has_state
+from .clock import EmulatedClock
 
 
 class EmulatedHooks(DeviceHooks):
-    """A CPU thread playing a GPU: its throttle and memory meter (device.py), and injected faults."""
+    """A CPU thread playing a GPU: its throttle and memory meter (device.py), and injected faults.
+    Its clock (clock.EmulatedClock) adds what the throttle charged to the thread's CPU time: the
+    busy time the rebalancer and the summary see includes the sleeps; `compute_s` is the CPU's
+    alone (unthrottled), and a backward's sync time leaves out what the throttle slept there."""
 
     def __init__(self, device: torch.device, emulated, faults: FaultInjector):
-        super().__init__(device, throttle=emulated.throttle)
+        super().__init__(device, EmulatedClock(device, emulated.throttle))
         self.emulated = emulated
         self.throttle = emulated.throttle
         self.meter = emulated.meter
@@ -184,7 +188,7 @@ class EmulatedHooks(DeviceHooks):
         return spec.speed, float(spec.memory_bytes)
 
     def run_facts(self) -> dict:
-        return {"emulated": True}
+        return {**super().run_facts(), "emulated": True}
 
     def summary_note(self) -> str:
         return " (emulated devices)"
