@@ -371,6 +371,16 @@ class EmulatedDevice:
     def label(self) -> str:
         return f"{self.spec.label} (emulated)"
 
+    def precision_facts(self, host=None):
+        """This device as the precision rule sees it (runtime/devices/precision_policy.device_facts):
+        the catalog card's compute capability, computed on this CPU (`host`: hardware.host.HostFacts,
+        how fast this CPU computes bf16 and fp16)."""
+        from ..planning.precision import DeviceFacts
+
+        slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
+        return DeviceFacts(label=self.label, kind="emulated", capability=tuple(self.spec.gpu.precision_capability),
+                           host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
+
 
 def agree_host_facts(*, rank: int, world_size: int):
     """This host's CPU facts (hardware/host.py), the same on every rank: rank 0 reads or measures
