@@ -180,6 +180,9 @@ class EmulatedHooks(DeviceHooks):
     def step_peak_bytes(self) -> float:
         return float(self.meter.step_peak)
 
+    def device_label(self) -> str:
+        return self.emulated.label
+
     def given_device(self) -> tuple[float, float]:
         """The cluster spec's speed and memory. A pipeline sized on emulated devices keeps the
         spec's speeds as they are: its block costs are this CPU's, the speed-1.0 time (a cluster

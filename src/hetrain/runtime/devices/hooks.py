@@ -140,6 +140,10 @@ class DeviceHooks:
         return 0.0
 
     # -- what the run's records say of the device -----------------------------------------------
+    def device_label(self) -> str | None:
+        """The device's name where its kind gives one (None: named by its hardware, the job's)."""
+        return None
+
     def given_device(self) -> tuple[float, float] | None:
         """(speed relative to the catalog's 1.0, memory bytes) where the device's spec gives them
         rather than its hardware (None: a real device, measured or rated by its peak FLOP/s)."""
