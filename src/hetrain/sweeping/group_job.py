@@ -1,10 +1,10 @@
 """A group trial as the scheduler sees it: a hetrain data-parallel job over the group's devices,
 started through torchrun (as `hetrain run` starts one), polled, and read back.
 
-The job's ranks run group_rank.py. What they need comes in one task file; on devices
-that are not CUDA GPUs their target writes the launch file (runtime.config.LAUNCH_ENV, as `hetrain
-run` writes it) that gives `hetrain.init` in the trial the group's devices and the sweep's clock. Rank 0 writes the trial's outcome to
-the result file; a job that ends without one failed (torchrun stops every rank when one fails).
+The job's ranks run group_rank.py. What they need comes in one task file; on devices that are
+not CUDA GPUs their target writes the launch file (runtime.config.LAUNCH_ENV, as `hetrain run`
+writes it) that gives `hetrain.init` in the trial the group's devices and the sweep's clock. Rank
+0 writes the trial's outcome to the result file; a job that ends without one failed (torchrun stops every rank when one fails).
 """
 
 from __future__ import annotations

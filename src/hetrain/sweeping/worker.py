@@ -27,9 +27,8 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     reports, peak bytes) on `results` for each."""
     import logging
 
-    from .study import parts_of, storage_of
-
     from .objective import on_gpu
+    from .study import parts_of, storage_of
 
     slot, target = setup.slots[index], setup.targets[index]
     gpu = on_gpu(target)

@@ -34,7 +34,7 @@ class DeviceHooks:
         self.device_clock = device_clock if device_clock is not None else clocks.DeviceClock(device)
         self.clock = self.device_clock.host_part     # what a piece's compute is booked by
         self._fixed0, self._fixed = None, None   # device-clock marks around the last step's optimizer part
-        self.compute_s = 0.0       # this attempt of the step: forward + backward, on the host's clock
+        self.compute_s = 0.0       # this attempt of the step: forward + backward, on `clock` (host_part)
         self.busy_s = 0.0          # ... as the device experiences it
         self.sync_s = 0.0          # ... and the wall time its last backward was blocked in the gradient sync
         # the micro-batch in flight (one at a time): when it started, its forward, what is booked
@@ -53,8 +53,9 @@ class DeviceHooks:
         return self.busy_s
 
     def attempt_compute_s(self) -> float:
-        """The step's forward + backward compute on the host's clock (`DeviceClock.host_part`), for
-        the step's agreement table."""
+        """The step's forward + backward compute as `clock` books it (`DeviceClock.host_part`: this
+        thread's CPU time off CUDA, without what the device's clock adds), for the step's agreement
+        table."""
         return self.compute_s
 
     def fixed_start(self) -> None:
