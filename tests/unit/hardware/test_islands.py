@@ -163,12 +163,13 @@ def test_a_gaudi_machine_whose_torch_lacks_the_plugin_is_refused(tmp_path):
 def test_an_emulated_gaudi_gets_bf16_from_its_catalog_flag():
     """The precision rule reads compute capability; a non-NVIDIA device has none, so its flag
     stands in: an emulated Gaudi 2 trains in bf16, not fp16 with a GradScaler."""
-    from types import SimpleNamespace
-
+    from hetrain.emulation.device import EmulatedDevice
+    from hetrain.hardware.cluster import parse_cluster
     from hetrain.runtime.devices.precision_policy import device_facts
 
     for name, bf16 in (("gaudi2", True), ("mi300x", True), ("v100", False)):
-        emulated = SimpleNamespace(label=f"{name}#0", spec=SimpleNamespace(gpu=catalog.resolve(name)))
+        emulated = EmulatedDevice(parse_cluster(name)[0])
+        assert emulated.spec.gpu == catalog.resolve(name)
         assert device_facts("cpu", emulated=emulated).real_bf16 is bf16, name
 
 
