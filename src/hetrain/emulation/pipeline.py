@@ -5,8 +5,8 @@ Speed. A stage's `forward_one_chunk` and `backward_one_chunk` (one micro-batch's
 communication inside) are timed on the host's wall clock and followed by a sleep of c·(1/s − 1)
 (`Throttle.pay`): a piece that waits for a core, or computes beside others, stretches the stage by
 the same factor, as sharing.py plays it out. Wall time, not CPU time: scaling wall time keeps the
-devices' speed ratio even when a shared CPU slows every process. A piece's clock (DeviceClock with
-the throttle) adds what the throttle charged, its sleeps taken out of the wall time.
+devices' speed ratio even when a shared CPU slows every process. A piece's clock (clock.EmulatedClock
+on the wall base) adds what the throttle charged and has not slept yet.
 
 The controlled clock (Emulation.sample_s). A piece lasts its share of the micro-batch's clocked
 forward+backward (forward 1/3, backward 2/3; the loss, outside the blocks' profile, its own time),
@@ -52,7 +52,9 @@ class EmulatedStage:
         self.throttle, self.meter, self.sample_s = throttle, meter, sample_s
 
     def clock(self, device):
-        return clocks.DeviceClock(device, throttle=self.throttle, wall=True)
+        from .clock import EmulatedClock
+
+        return EmulatedClock(device, self.throttle, wall=True)
 
     def for_probe(self) -> EmulatedStage:
         """A fresh throttle of the device's speed (synchronous, off any clock) and no meter: the

@@ -213,7 +213,7 @@ def _groups(job, grid):
     timeout = timedelta(seconds=job.config.timeout_s)
     islands = island_layout(job)            # ranks on 2+ device islands: DP inside each, PP across
     if islands is not None:
-        return island_pipeline_groups(islands, grid, rank=job.rank, emulated=job.emulated is not None, timeout=timeout)
+        return island_pipeline_groups(islands, grid, rank=job.rank, timeout=timeout)
     mine = {}
     for r, ranks in enumerate(grid):
         group = dist.new_group(ranks, timeout=timeout)
