@@ -189,6 +189,12 @@ class EmulatedHooks(DeviceHooks):
     def summary_note(self) -> str:
         return " (emulated devices)"
 
+    def measuring(self):
+        """The profiler and probes time this device through fresh throttles of its own (profiling.py)."""
+        from .profiling import EmulatedMeasuring
+
+        return EmulatedMeasuring(self.emulated.spec, self.throttle, self.device_clock.device)
+
 
 
 def make_hooks(device: torch.device, emulated, faults: FaultInjector) -> DeviceHooks:

@@ -155,6 +155,14 @@ class DeviceHooks:
         """What the end-of-run summary's title adds about the devices."""
         return ""
 
+    # -- how the device is measured -------------------------------------------------------------
+    def measuring(self):
+        """What the profiler and the probes ask of this device (runtime/measure/device_measuring.py):
+        a GPU or a plain CPU is measured as it is."""
+        from ..measure.device_measuring import DeviceMeasuring
+
+        return DeviceMeasuring(self.device_clock.device)
+
 
 def runqueue_s() -> float:
     """Seconds this thread has waited, runnable, for a CPU (Linux schedstat; 0 where unknown)."""
