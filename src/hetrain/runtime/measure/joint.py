@@ -69,7 +69,7 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
                 f"rank {rank} ({job.hooks.measuring().label_note}device) could not be profiled: "
                 f"{kind}: {what}", fix or "see the error above; pass hetrain.init(plan=...) to skip profiling")
     facts = {"labels": tuple(g["label"] for g in gathered), "precisions": tuple(g["precision"] for g in gathered),
-             "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"],
+             "grad_bytes": gathered[0]["grad_bytes"], "cpu_cores": gathered[0]["cpu_cores"],
              "grad_shapes": tuple(tuple(s) for s in gathered[0]["grad_shapes"]), "backend": job.ctx.backend,
              "n_params": gathered[0]["n_params"], "n_trainable": gathered[0]["n_trainable"],
              "nodes": job.nodes.count if job.nodes is not None else 1}
@@ -87,7 +87,7 @@ def _profile(job: Job, model, optimizer, forward) -> dict:
     """This rank's profile (runtime/measure/profiler.py, cached). Local: no collective."""
     cfg, measuring = job.config, job.hooks.measuring()
     mine: dict = {"profile": None, "cached": False, "error": None, "label": job.device_label, "precision": job.precision.name,
-                  "host_cores": usable_cores(),
+                  "cpu_cores": usable_cores(),
                   "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
                   # what planning/compression.py predicts PowerSGD's bytes from
                   "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad],
