@@ -228,6 +228,12 @@ class Throttle:
         return Throttle(self.speed, seed=self._seed, sample_s=self.sample_s,
                         micro_s=self.micro_s if self.sample_s is not None else None, asynchronous=self.asynchronous)
 
+    def pace(self):
+        """A fresh pace of this device for a probe (profiling.EmulatedPace over `fresh()`)."""
+        from .profiling import EmulatedPace
+
+        return EmulatedPace(self.fresh())
+
     def busy(self) -> float:
         """This thread's CPU time plus the device time charged (slept or owed): the device's busy
         time (devices/hooks.py)."""

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from ...devices import clock as clocks
 from ...devices.precision_policy import DTYPES
 from ...user_objects import rows as batch_rows
-from ...measure.device_measuring import DeviceMeasuring, Pace
-from ...measure.fsdp_probe import paced_forward_backward, paced_optimizer_step, stateless
+from ...measure.device_measuring import DeviceMeasuring
+from ...measure.fsdp_probe import paced_by, paced_forward_backward, paced_optimizer_step, stateless
 from ...measure.saved_bytes import SavedBytes, model_state_bytes
 
 # Timed steps, after one warm-up (the median kept). 8, as the pipeline probe; not what steadies
@@ -46,13 +46,13 @@ RUNS = 8
 
 def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, *, forward: Callable,
                  device: torch.device, precision: str, speeds: Sequence[float],
-                 measuring: DeviceMeasuring | None = None, runs: int = RUNS) -> dict:
+                 measuring: DeviceMeasuring | None = None, runs: int = RUNS, throttle=None) -> dict:
     """A step of the model split by `speeds` over the job's ranks (a collective: every rank calls
     it with the same model and its own batch of the same rows). Returns {"fb_s" (forward +
     backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch", "memory"
     (every rank's [state bytes, activation bytes] at those rows, in rank order)}, each rank's
     compute through a fresh pace of its device (`measuring`: DeviceHooks.measuring; None: as it
-    comes). Raises UsageError where the model has no layers to split (the caller skips TP then)."""
+    comes; `throttle`, the keyword callers passed before, anything with a `pace()`). Raises UsageError where the model has no layers to split (the caller skips TP then)."""
     from .shard import compute_share, rebuild, shard
 
     dtype = DTYPES.get(precision)
@@ -62,7 +62,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     done = shard(sharded, speeds=list(speeds))
     new = dict(sharded.named_parameters())
     opt = rebuild(stateless(optimizer), {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
-    own = measuring.pace() if measuring is not None else Pace()
+    own = paced_by(measuring, throttle)
     own.sharded(compute_share(sharded))       # this rank's part of the model, as tensor/loop.py tells the hooks
     rows = batch_rows(batch) or 1
 
