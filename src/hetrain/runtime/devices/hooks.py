@@ -116,6 +116,13 @@ class DeviceHooks:
     def attempt_failed(self) -> None:
         """A micro-batch ran out of memory; its attempt of the step is over."""
 
+    def measuring(self):
+        """How the profiler and the probes measure this device (runtime/measure/device_measuring.py):
+        a GPU or a plain CPU as it is."""
+        from ..measure.device_measuring import DeviceMeasuring
+
+        return DeviceMeasuring(self.device_clock.device)
+
     # -- the rest of the step -------------------------------------------------------------------
     def step_start(self, step_index: int) -> None:
         """Before the step's first micro-batch (faults set the slowdown in force, or strike; the
@@ -154,14 +161,6 @@ class DeviceHooks:
     def summary_note(self) -> str:
         """What the end-of-run summary's title adds about the devices."""
         return ""
-
-    # -- how the device is measured -------------------------------------------------------------
-    def measuring(self):
-        """What the profiler and the probes ask of this device (runtime/measure/device_measuring.py):
-        a GPU or a plain CPU is measured as it is."""
-        from ..measure.device_measuring import DeviceMeasuring
-
-        return DeviceMeasuring(self.device_clock.device)
 
 
 def runqueue_s() -> float:

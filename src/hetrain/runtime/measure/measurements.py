@@ -20,6 +20,7 @@ from ...planning.plan import DevicePlan, Plan
 from ...planning.planner import PlanOptions, make_plan
 from ...planning.profile import DeviceProfile
 from ...emulation import measuring as host_model   # what devices sharing this host make of the measurements
+from ...emulation.measuring import clocked_sample_s  # noqa: F401 -- its old home: callers import it from here
 from ..config import Config
 
 MEASUREMENTS_SCHEMA = 2          # 2: the CPU cores field renamed (cpu_cores)

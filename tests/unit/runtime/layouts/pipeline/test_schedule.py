@@ -7,7 +7,7 @@ import pytest
 
 from hetrain.runtime.layouts.pipeline.split import BlockCost, PipelineProfile, StageDevice
 from hetrain.planning.profile import DeviceProfile
-from hetrain.emulation.measuring import clocked_sample_s
+from hetrain.runtime.measure.measurements import clocked_sample_s
 from hetrain.runtime.layouts.pipeline.schedule import Pipeline
 
 
