@@ -29,7 +29,7 @@ def test_straggle_is_the_median_run_of_how_far_the_last_rank_trails_the_mean():
 
 
 def _profile(label: str, speed: float, memory: int | None) -> DeviceProfile:
-    """A CPU measurement at the emulated speed, as profiler.emulated() leaves it: 2 MiB of model
+    """A CPU measurement at the emulated speed, as emulation/profiling.emulated() leaves it: 2 MiB of model
     state, 1 MiB of activations a sample, so the slow device's 2 MiB fit one sample only when
     activations are checkpointed."""
     sizes = (1, 2, 4, 8)
