@@ -52,7 +52,8 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch", "memory"
     (every rank's [state bytes, activation bytes] at those rows, in rank order)}, each rank's
     compute through a fresh pace of its device (`measuring`: DeviceHooks.measuring; None: as it
-    comes; `throttle`, the keyword callers passed before, anything with a `pace()`). Raises UsageError where the model has no layers to split (the caller skips TP then)."""
+    comes; `throttle`, the keyword callers passed before, anything with a `pace()`). Raises
+    UsageError where the model has no layers to split (the caller skips TP then)."""
     from .shard import compute_share, rebuild, shard
 
     dtype = DTYPES.get(precision)
