@@ -25,7 +25,7 @@ IMPORTERS = {
     "runtime/setup.py": "the emulated inter-node link refused on real GPUs",
     "runtime/layouts/data_setup.py": "the emulated inter-node link in DDP's gradient hook",
     "runtime/layouts/pipeline/setup.py": "an emulated pipeline's step played out on the shared cores",
-    "runtime/measure/measurements.py": "what devices sharing the host make of the measurements (emulation/measuring.py)",
+    "runtime/measure/measurements.py": "what devices sharing the host make of the measurements (measuring.py)",
     "runtime/layouts/pipeline/probe.py": "a stage's pieces through a fresh throttle",
     "runtime/sharding/island_hooks.py": "the emulated island and bridge links in the hierarchical all-reduce",
     "runtime/memory/device_memory.py": "the meter's reading as the device's memory",

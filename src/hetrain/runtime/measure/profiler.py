@@ -221,7 +221,8 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
                 runs.append(spent)
                 cpu_runs.append(cpu)
                 # the forward's part of the work (on its own time, of its CPU work: cost.py's use)
-                forward_parts.append(forward_cpu / max(cpu, 1e-12) if own is not None else (t1 - t0) / max(spent, 1e-12))
+                forward_parts.append(forward_cpu / max(cpu, 1e-12) if own is not None
+                                     else (t1 - t0) / max(spent, 1e-12))
                 if sum(runs) >= MIN_TIMED_S:
                     break
             timed_sizes.append(m)
