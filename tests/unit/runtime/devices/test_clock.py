@@ -191,6 +191,7 @@ def test_without_gradient_hooks_a_cuda_ranks_last_backward_takes_the_ratio_of_ea
 def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkeypatch):
     """The profiler times an emulated device on its controlled clock through the device's throttle:
     under the async mode its sleeps are owed, not slept, and the device's busy clock still has them."""
+    from hetrain.emulation.profiling import EmulatedPace
     from hetrain.runtime.measure.profiler import measure
 
     monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path))
@@ -205,7 +206,8 @@ def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkey
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         return measure(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, device=CPU, label="cpu",
                        max_size=16, cpu_clock=True,
-                       throttle=Throttle(speed, sample_s=clock_b, micro_s=0.0, asynchronous=True)).per_sample_s
+                       timed_by=EmulatedPace(Throttle(speed, sample_s=clock_b, micro_s=0.0,
+                                                      asynchronous=True))).per_sample_s
 
     assert statistics.median(once() for _ in range(3)) == pytest.approx(clock_b / speed, rel=0.25)
 
