@@ -84,7 +84,7 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
     batch = job.load(range(min(rows[job.rank], len(job.dataset))))
     found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,
                              precision=job.precision.compute,
-                             throttle=job.emulated.throttle if job.emulated is not None else None)
+                             measuring=job.hooks.measuring())
     # Each rank timed its own steps: every rank ranks with rank 0's (what `hetrain plan` writes),
     # so all of them choose the same layout.
     box = [found]
@@ -159,7 +159,7 @@ def _with_tp(job, model, optimizer, measured, forward, say):
     try:
         found = time_tp_step(model, optimizer, batch, forward=forward, device=job.device,
                              precision=job.precision.compute, speeds=speeds,
-                             throttle=job.emulated.throttle if job.emulated is not None else None)
+                             measuring=job.hooks.measuring())
     except UsageError:
         return measured
     box = [found]
