@@ -42,7 +42,7 @@ import torch
 from ..hardware.cluster import ClusterDevice
 from ..hardware.units import format_bytes
 from ..runtime.devices import clock
-from ..runtime.measure.saved_bytes import (  # noqa: F401 -- tensor_bytes, optimizer_state_tensors: names kept here
+from ..runtime.devices.saved_bytes import (  # noqa: F401 -- tensor_bytes, optimizer_state_tensors: names kept here
     local_part as _local, model_state_bytes, optimizer_state_tensors, tensor_bytes)
 from .held_memory import Ledger, Saved
 

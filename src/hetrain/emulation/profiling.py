@@ -1,5 +1,5 @@
 """How an emulated device is measured: what it answers the profiler and the probes
-(runtime/measure/device_measuring.py), made by its hooks (EmulatedHooks.measuring).
+(runtime/devices/measuring.py), made by its hooks (EmulatedHooks.measuring).
 
 The profile. Each emulated device is a single CPU thread, so what the profiler measures is this
 thread's CPU time (as the throttle does), and the profile is converted by the emulated speed s:
@@ -40,7 +40,7 @@ from dataclasses import replace
 
 from ..hardware.cluster import ClusterDevice
 from ..planning.profile import DeviceProfile, fit_linear
-from ..runtime.measure.device_measuring import DeviceMeasuring, Pace
+from ..runtime.devices.measuring import DeviceMeasuring, Pace
 from .pacing import PACED_PASS_S, paced_cost
 
 MEANING_EMULATED = ("emulated: each CPU process against this CPU thread's measured matmul FLOP/s x the "

@@ -116,9 +116,9 @@ class DeviceHooks:
         """A micro-batch ran out of memory; its attempt of the step is over."""
 
     def measuring(self):
-        """How the profiler and the probes measure this device (runtime/measure/device_measuring.py):
+        """How the profiler and the probes measure this device (runtime/devices/measuring.py):
         a GPU or a plain CPU as it is."""
-        from ..measure.device_measuring import DeviceMeasuring
+        from .measuring import DeviceMeasuring
 
         return DeviceMeasuring(self.device_clock.device)
 

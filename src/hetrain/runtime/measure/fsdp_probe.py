@@ -16,7 +16,7 @@ both on each rank's micro-batch of the data-parallel plan the row adds the exces
 caller's batch, runtime/layouts/ranking.py: with uneven rows every unit's collectives hold the
 ranks to the one with the most CPU a unit, while each device paces its own, so the excess depends
 on the shares), forward + backward, each rank's compute run as in training (through a fresh pace
-of the device's own, device_measuring.Pace: what the device's time adds to its CPU's, or nothing
+of the device's own, devices/measuring.Pace: what the device's time adds to its CPU's, or nothing
 on a GPU), from a barrier to a barrier (the slowest rank sets both). The model is wrapped as the
 runtime wraps it
 (runtime/sharding/wrap.py: each block reshards after forward, the root does not), on a copy: the
@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..devices import clock as clocks
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, rows as batch_rows
-from .device_measuring import DeviceMeasuring, Pace
+from ..devices.measuring import DeviceMeasuring, Pace
 
 # Timed steps of each wrapper, alternating (after one warm-up of each). With 5 and a difference of
 # medians, four `hetrain plan` runs of the dilated pair (2-core EPYC, wall clock) put the FSDP2

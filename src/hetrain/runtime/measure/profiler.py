@@ -13,7 +13,7 @@ precision, torch version) and device (CUDA name, or CPU model and thread count) 
 $HETRAIN_CACHE/profiles (default ~/.cache/hetrain/profiles; HETRAIN_CACHE=off disables it), so a
 restart does not measure again.
 
-A device measures itself as it states (its hooks' DeviceHooks.measuring, device_measuring.py): the
+A device measures itself as it states (its hooks' DeviceHooks.measuring, runtime/devices/measuring.py): the
 memory its profile is given, its cache key, whether its compute is one thread's CPU time, a pace
 of its own that every pass runs through and is timed by (a device that keeps its own time: the
 fit is to that time, and `cpu_share` is the CPU seconds over it), further fields it measures
@@ -39,8 +39,8 @@ from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
-from .device_measuring import DeviceMeasuring, Pace
-from .saved_bytes import SavedBytes, model_state_bytes
+from ..devices.measuring import DeviceMeasuring, Pace
+from ..devices.saved_bytes import SavedBytes, model_state_bytes
 
 PROFILER_VERSION = 4             # 2: times forwards without the saved-bytes hooks (training looks them up);
                                 # 3: frozen parameters in the optimizer get no state; 4: devices that keep

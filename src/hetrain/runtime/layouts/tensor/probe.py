@@ -17,7 +17,7 @@ them), on a copy sharded as the runtime shards it (runtime/layouts/tensor.wrap:
 layouts/tensor/shard.shard by the devices' speeds), every rank the same rows (the caller passes the
 micro-batch the runtime will run: runtime/layouts/tensor/split.tp_micro_batch), each rank's
 compute run as in training (through a fresh pace of the device's own, told the rank's share of the
-model's compute: measure/device_measuring.Pace), from a barrier to a barrier (the slowest rank
+model's compute: devices/measuring.Pace), from a barrier to a barrier (the slowest rank
 sets it). The job's own model is left as it was. The even split (DTensor) is not timed: the row
 split by speed is the one TP is asked for on mixed devices.
 """
@@ -34,9 +34,9 @@ import torch.distributed as dist
 from ...devices import clock as clocks
 from ...devices.precision_policy import DTYPES
 from ...user_objects import rows as batch_rows
-from ...measure.device_measuring import DeviceMeasuring
+from ...devices.measuring import DeviceMeasuring
 from ...measure.fsdp_probe import paced_by, paced_forward_backward, paced_optimizer_step, stateless
-from ...measure.saved_bytes import SavedBytes, model_state_bytes
+from ...devices.saved_bytes import SavedBytes, model_state_bytes
 
 # Timed steps, after one warm-up (the median kept). 8, as the pipeline probe; not what steadies
 # TP's figure: two sets of four plans of the dilated pair (2-core EPYC, wall clock) read the TP

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..devices import clock as clocks
+from . import clock as clocks
 
 if TYPE_CHECKING:
     import torch
