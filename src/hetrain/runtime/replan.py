@@ -1,14 +1,17 @@
 """The one writer of the Plan in force (job.plan).
 
-prepare() adopts the layout's plan, then the records its build adds (the agreed precision and
-checkpointing, the compression the wrapper can run, the optimizer offload) and a resumed
-checkpoint's; the loop adopts a rebalanced plan or one with shrunk micro-batches. Each goes
-through `adopt`, which checks that the plan is for this job and seals it: a Plan is frozen, and
-one changed in place afterwards (a user's object.__setattr__ on ht.plan) is refused at the next
-step (`check_unchanged`), as running a plan the ranks did not agree on would be.
+prepare() adopts the layout's plan once, complete (its plan() ends with layouts/complete.py's
+`complete`: precision, checkpointing, offload, compression): the build applies it and adopts
+nothing. A re-plan (a resumed checkpoint's plan, a rebalanced one, one with shrunk micro-batches
+after an OOM) goes through `replan`, which completes the new plan the same way on this job and
+adopts it. `adopt` checks that the plan is for this job and seals it: a Plan is frozen, and one
+changed in place afterwards (a user's object.__setattr__ on ht.plan) is refused at the next step
+(`check_unchanged`), as running a plan the ranks did not agree on would be.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ..errors import HetrainError, UsageError
 from ..planning.plan import FROZEN, Plan
@@ -24,6 +27,22 @@ def adopt(job, plan: Plan, why: str) -> Plan:
     job.run.plan = plan
     job.run.plan_seal = seal(plan)
     return plan
+
+
+def replan(job, plan: Plan, why: str, *, complete: Callable[[Plan], Plan] | None = None) -> Plan:
+    """A new plan in force after the layout's: `why` 'resumed', 'rebalanced', 'OOM'. `complete`:
+    the layout's completion of it on this job (prepare() passes it for a resumed plan, before the
+    build); by default, during training, the records of the built job (layouts/complete.py with
+    the sharding the wrapper runs), so a changed record is this job's, not carried over."""
+    if complete is None:
+        from .layouts.complete import complete as complete_plan
+
+        wrapped = job.memory_plan.strategy if job.memory_plan is not None else None
+
+        def complete(p):
+            return complete_plan(job, None, p, checkpoints=p.layout in ("dp", "tp"),
+                                 sharding=None if wrapped is None else lambda _: wrapped)
+    return adopt(job, complete(plan), why)
 
 
 def check_fits(job, plan: Plan, *, source: str = "the given") -> None:
