@@ -68,7 +68,7 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
     job.flops = flops.agree_flop_facts(job, counted)  # MFU's parts, on every rank            (collective)
-    show_plan(job.log, job.plan, job.total_steps, computes={      # what an emulated device computes in
+    show_plan(job.log, job.plan, job.total_steps, computes={      # where a device computes in another precision
         e["device"]: e["compute"] for e in job.precision.all_choices if e["compute"] != e["precision"]})
     job.log.info(f"layout: {layout.describe(job)}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines

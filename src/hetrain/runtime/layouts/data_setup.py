@@ -125,7 +125,7 @@ class DataSetup:
             raise HetrainError(f"the plan in force says gradient compression {job.plan.compression}, which the "
                                f"wrapper (sharding {wrapped.strategy!r}) does not run", BUG)
         job.guard = make_sync_guard(job, wrapped)
-        job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
+        job.model = PreparedModel(model, wrapped.forward_module, job.hooks.meter)
         job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
         job.optimizer = offload.apply(job, job.optimizer, wrapped.strategy)   # its state on the host where planned (collective)
         persist.check_registered(job, optimizer)      # state registered before prepare() on the replaced one: refused
@@ -220,8 +220,8 @@ def measure_setup(job, model, optimizer) -> None:
     """The whole model on this rank's device, counted, checkpointed as configured: what the
     data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline/setup.py)."""
     model.to(job.device)
-    if job.emulated is not None:                      # the emulated meter holds the model from here
-        job.emulated.meter.set_fixed(model, optimizer)
+    if job.hooks.meter is not None:                   # a device that counts its bytes holds the model from here
+        job.hooks.meter.set_fixed(model, optimizer)
     if job.config.memory.activation_checkpointing == "all":             # before the probe: measure what will run
         checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
 
@@ -253,7 +253,7 @@ def apply_checkpointing(job, model) -> None:
 
 def make_sync_guard(job, wrapped):
     """The gradient sync's comm hook on DDP (runtime/sharding/comm_hooks.py: compressed as the plan
-    says, through the emulated inter-node link) and OOM recovery's guard: recovery.SyncGuard, which
+    says, through the job's inter-node link where it is modelled) and OOM recovery's guard: recovery.SyncGuard, which
     calls that hook and records the buckets a backward launched (FSDP2's adapter guards itself).
     Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
     cfg = job.config
@@ -269,8 +269,8 @@ def make_sync_guard(job, wrapped):
                                            throttle=throttle_for(job), backend=job.ctx.backend,
                                            device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
         made = recovery.install(wrapped.sync, gradient, guard=guard)
-    if made is not None and job.emulated is not None:   # what the completion allocates, on the emulated meter
-        made.allocating = job.emulated.meter.allocating
+    if made is not None and job.hooks.meter is not None:   # what the completion allocates, on the device's meter
+        made.allocating = job.hooks.meter.allocating
     return made
 
 

@@ -4,9 +4,9 @@ Planned = model state under this rank's sharding (planning/memory.py's model, fr
 parameter counts — gradients and optimizer state for the requires_grad ones only —, dtypes and
 optimizer) + activations of its planned micro-batch, measured on two
 real samples after checkpointing is applied and under this rank's autocast. Measured = the CUDA
-allocator's peak, or on an emulated device the bytes its MemoryMeter counted (parameters,
-gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain CPU process
-has no meter: nothing measured there (use --emulate).
+allocator's peak, or the bytes the device hooks' meter counted where the device has one
+(parameters, gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain
+CPU process has neither: nothing measured there.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
                      fmt(v["held_state"]), fmt(v["cap"]), _checkpointed(d))
                     + ((fmt(v["host"] or None),) if offloads else ()))
     strategy = mp.strategy if mp else "none"
-    how = ("counted bytes, emulated" if meter is not None else
-           "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: use --emulate")
+    how = ("counted bytes, the device's meter" if meter is not None else
+           "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: nothing counts its bytes")
     log.table(f"memory per device, sharding={strategy} (planned: state + micro-batch activations; "
               f"measured: {how})",
               ("rank", "device", "planned", "measured", "ratio", "state", "memory", "ckpt")

@@ -282,7 +282,8 @@ def check_room(job, need: int, why: str) -> None:
     import torch.distributed as dist
 
     me = job.plan.devices[job.rank]
-    cap = me.memory_cap_bytes or (job.emulated.meter.cap if job.emulated is not None else (
+    meter = job.hooks.meter
+    cap = me.memory_cap_bytes or (meter.cap if meter is not None else (
         usable_bytes(job.device) if job.device.type == "cuda" else None))
     mine = {"host": socket.gethostname(), "need": need, "free": host_available_bytes(), "rank": job.rank,
             "device": me.device, "cap": cap}

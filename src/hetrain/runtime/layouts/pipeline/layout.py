@@ -108,8 +108,8 @@ class PipelineSetup:
         job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay
         job.rebalancer = self.rebalancer(job, optimizer_kind(optimizer) or "adamw")
         persist.check_registered(job, optimizer)
-        if job.emulated is not None:
-            job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
+        if job.hooks.meter is not None:
+            job.hooks.meter.set_fixed(pipe.module, job.optimizer)         # this stage's state, not the model's
         show_split(job, pipe)
 
     def rebalancer(self, job, optimizer_kind: str):
