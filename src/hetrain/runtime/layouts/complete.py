@@ -9,9 +9,9 @@ decided before anything is built, so that the build only applies the plan and no
                    the sharding it will wrap with), and none where ranks on several device islands sum
                    hierarchically (that all-reduce sends the gradients whole)
 
-Every one is a record: the plan keeps its version. A layout's plan() ends with `complete`; the
-re-plans (resume, rebalance, an OOM's shrink: runtime/replan.replan) go through it too, so a
-checkpoint's plan gets this job's records rather than the run's that saved it.
+Every one is a record: the plan keeps its version. A layout's plan() ends with `complete`, and a
+resumed checkpoint's plan goes through it too (runtime/replan.replan, before the build), so it gets
+this job's records rather than the run's that saved it; a re-plan during training keeps them.
 """
 
 from __future__ import annotations

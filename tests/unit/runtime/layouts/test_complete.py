@@ -126,16 +126,28 @@ def test_offload_applies_only_a_plan_that_records_it():
         offload.apply(job, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), "none")
 
 
-def test_a_replan_completes_the_new_plan_on_this_job():
+def test_a_resumed_plan_is_completed_on_this_job_and_one_made_in_training_keeps_what_was_built():
     job = a_job(checkpointing="all")
-    job.memory_plan = SimpleNamespace(strategy="fsdp")      # built: the wrapper runs fsdp
-    new = replan.replan(job, a_plan(version=1, compression="fp16").evolve(note="rebalanced"), "rebalanced")
-    assert job.plan is new and new.version == 2
-    assert new.devices[1].precision == "bf16" and all(d.checkpointing for d in new.devices)
-    assert new.compression == "none"                     # the wrapper's sharding decides, as at prepare
-    # the layout's own completion when it is given (prepare's resume)
-    made = replan.replan(job, a_plan(), "resumed", complete=lambda p: replace(p, note="completed"))
-    assert made.note == "completed" and job.plan is made
+    layout_completion = []
+
+    def completed(p):
+        layout_completion.append(p)
+        return complete(job, Blocks(), p, sharding=lambda _: "fsdp")
+    saved = a_plan(version=4, compression="fp16")          # a checkpoint's, from another run
+    made = replan.replan(job, saved, "resumed", complete=completed)
+    assert layout_completion == [saved] and job.plan is made and made.version == 4
+    assert made.devices[1].precision == "bf16" and all(d.checkpointing for d in made.devices)
+    assert made.compression == "none"                     # this job's wrapper runs fsdp
+    # during training: shares and micro-batches move, the records stay (checked)
+    moved = made.evolve(note="rebalanced", devices=tuple(replace(d, share=s) for d, s in zip(made.devices, (10, 6))))
+    assert replan.replan(job, moved, "rebalanced") is moved and job.plan is moved
+    for change in (dict(precision="fp16"), dict(checkpointing=False), dict(offload_optimizer=True)):
+        bad = moved.evolve(note="OOM", devices=(replace(moved.devices[0], **change), moved.devices[1]))
+        with pytest.raises(HetrainError, match=f"the OOM plan v6 changes what was built .*rank 0 {next(iter(change))}"):
+            replan.replan(job, bad, "OOM")
+    with pytest.raises(HetrainError, match="compression 'none' -> 'fp16'"):
+        replan.replan(job, moved.evolve(note="x", compression="fp16"), "rebalanced")
+    assert job.plan is moved
 
 
 def test_checkpointing_put_on_for_a_measurement_is_taken_off_after_it():
