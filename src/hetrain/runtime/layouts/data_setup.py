@@ -37,7 +37,7 @@ from ..resilience.rebalance import FirstSteps, Rebalancer
 from ..ranks.islands import for_job as island_layout
 from ..sharding import comm_hooks, island_hooks
 from .checks import check_request
-from .complete import BUG, check_built, complete
+from .complete import BUG, across_islands, check_built, complete
 from .data import DataLayout
 from .tensor.loop import TensorLayout
 
@@ -114,14 +114,15 @@ class DataSetup:
     def install(self, job, model, optimizer, wrapped, loop, *, oom_recovery: bool, settle: bool) -> None:
         """The wrapped model, its optimizer, sync and guard into the job, and the layout's loop
         object (what TensorParallel shares). `settle`: check that the plan records the compression
-        this wrapper runs (comm_hooks.settle), before the guard installs its hook."""
+        this wrapper runs (comm_hooks.settle, and none across islands), before the guard installs its hook."""
         if oom_recovery != job.config.memory.oom_recovery:   # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
             job.reconfigure(memory=replace(job.config.memory, oom_recovery=oom_recovery))
         cfg = job.config
         job.layout = loop
         job.sync = wrapped.sync                       # DDP, FSDP2's adapter, or None (TP: nothing to sync)
-        if settle and comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
-                                        backend=job.ctx.backend, world_size=job.world_size) != job.plan:
+        if settle and across_islands(job, comm_hooks.settle(
+                job.plan, request=cfg.compression.method, strategy=wrapped.strategy, backend=job.ctx.backend,
+                world_size=job.world_size)) != job.plan:
             raise HetrainError(f"the plan in force says gradient compression {job.plan.compression}, which the "
                                f"wrapper (sharding {wrapped.strategy!r}) does not run", BUG)
         job.guard = make_sync_guard(job, wrapped)
