@@ -57,9 +57,9 @@ def across_islands(job, plan: Plan) -> Plan:
 
     if plan.compression == "none" or island_layout(job) is None:
         return plan
-    return replace(plan, compression="none", note="; ".join(filter(None, [
+    return replace(plan, compression="none", note=comm_hooks.with_note(
         plan.note, f"gradient compression none: {plan.compression} is not run by the hierarchical "
-                   "all-reduce across islands"])))
+                   "all-reduce across islands"))
 
 
 def check_built(plan: Plan, *, predicted: str, built: str) -> None:

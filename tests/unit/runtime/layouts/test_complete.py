@@ -19,6 +19,7 @@ from hetrain.runtime.layouts import complete as completing
 from hetrain.runtime.layouts.complete import check_built, complete
 from hetrain.runtime.memory import offload
 from hetrain.runtime.memory.activation_checkpointing import applied_for_now, is_checkpointed
+from hetrain.runtime.sharding import comm_hooks
 
 
 def a_plan(**changes) -> Plan:
@@ -95,6 +96,14 @@ def test_islands_record_no_compression_with_the_reason(monkeypatch):
     done = complete(a_job(), Blocks(), a_plan(compression="fp16", note="slow link"), sharding=lambda p: "none")
     assert done.compression == "none"
     assert done.note == "slow link; gradient compression none: fp16 is not run by the hierarchical all-reduce across islands"
+    # asked for explicitly: still none across islands, and the build's check (data_setup.install)
+    # finds the plan says what runs: the wrapper's compression, then the islands' none
+    job = a_job(compression="fp16")
+    asked = complete(job, Blocks(), a_plan(), sharding=lambda p: "none")
+    assert asked.compression == "none" and "fp16 is not run by the hierarchical all-reduce" in asked.note
+    assert completing.across_islands(job, comm_hooks.settle(asked, request="fp16", strategy="none", backend="gloo",
+                                                            world_size=2)) == asked
+    assert complete(job, Blocks(), asked, sharding=lambda p: "none") == asked     # completed again: said once
     monkeypatch.setattr(islands, "for_job", lambda job: None)
     assert complete(a_job(), Blocks(), a_plan(compression="fp16"), sharding=lambda p: "none").compression == "fp16"
 
