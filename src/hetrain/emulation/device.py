@@ -231,7 +231,7 @@ class Throttle:
     the host call returns, as a GPU's does. `settle()` then sleeps nothing; what is owed is slept
     at the next sync point (devices/clock.py: a synchronize, a collective hetrain issues), where
     a GPU's host would wait for it. Its time is still the device's: `charged_s` holds it from the
-    moment it is charged, and devices/clock.DeviceClock reads it; a host clock around the op does
+    moment it is charged, and its clock (clock.EmulatedClock) reads it; a host clock around the op does
     not see it, as it does not see a CUDA kernel.
     """
 
@@ -263,6 +263,14 @@ class Throttle:
     def charged_s(self) -> float:
         """The device time charged beyond the CPU's: slept, or owed to the next sync."""
         return self.slept_seconds + self.owed
+
+    def ahead_s(self, wall: bool) -> float:
+        """What the device's clock adds to its base (clock.EmulatedClock): the compute charged beyond
+        the CPU's; on the wall base less what was slept, which the wall time holds already."""
+        return self.charged_s - (self.slept_seconds if wall else 0.0)
+
+    def waited_s(self) -> float:
+        return self.slept_seconds
 
     @property
     def clocked(self) -> bool:
@@ -362,6 +370,16 @@ class EmulatedDevice:
     @property
     def label(self) -> str:
         return f"{self.spec.label} (emulated)"
+
+    def precision_facts(self, host=None):
+        """This device as the precision rule sees it (runtime/devices/precision_policy.device_facts):
+        the catalog card's compute capability, computed on this CPU (`host`: hardware.host.HostFacts,
+        how fast this CPU computes bf16 and fp16)."""
+        from ..planning.precision import DeviceFacts
+
+        slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
+        return DeviceFacts(label=self.label, kind="emulated", capability=tuple(self.spec.gpu.precision_capability),
+                           host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
 
 
 def agree_host_facts(*, rank: int, world_size: int):

@@ -1,7 +1,7 @@
 """Evaluation over uneven shares, shared by the integrations: every rank a contiguous run of the
 evaluation batches, sized by its share of the training batch, so a faster device evaluates more
 and every batch is evaluated once, exactly as one process batches it (the Trainer's evaluation
-loop, hf/evaluation.py; Fabric's evaluation DataLoaders, fabric/evaluation.py; Accelerate's
+loop, hf/evaluation.py; Fabric's evaluation DataLoaders, fabric/data.py; Accelerate's
 evaluation batches, accel/evaluation.py). Torch-free."""
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ Launch with `hetrain run train.py`. hetrain's settings go in
 `Fabric(strategy=HetrainStrategy(global_batch=..., grad_clip=..., ...))`; Lightning's own Fabric
 with that strategy works too, with fabric.launch(). Every other name of this module is Lightning's
 (`L.seed_everything`, `L.LightningModule`, ...). The design, and what Fabric gives up under it, is
-in fabric/strategy.py's docstring; the loop, and the step form that also redoes a forward's OOM
-(`for step in fabric.strategy.steps()`), in fabric/loop.py's; the setup order and the global batch
-in fabric/setup.py's; the DataLoader rules in fabric/data.py's; evaluation loaders in
-fabric/evaluation.py's; clipping in fabric/clipping.py's.
+in fabric/strategy.py's docstring (with the drop-in Fabric and the checks of Fabric's accelerator
+and devices); the loop, the step form that also redoes a forward's OOM (`for step in
+fabric.strategy.steps()`), and clipping in fabric/loop.py's; the DataLoader rules, evaluation
+loaders, the setup order and the global batch in fabric/data.py's.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ require("lightning.fabric", extra="lightning", feature="hetrain.integrations.lig
 
 # After the check: these import Lightning, whose absence would otherwise be a bare ImportError.
 from .fabric.data import LoaderStep, StepLoader
-from .fabric.drop_in import Fabric
 from .fabric.loop import ForwardOutOfMemory, LoopStopped
-from .fabric.strategy import HetrainPrecision, HetrainStrategy
+from .fabric.strategy import Fabric, HetrainPrecision, HetrainStrategy
 
 __all__ = ["Fabric", "ForwardOutOfMemory", "HetrainPrecision", "HetrainStrategy", "LoaderStep", "LoopStopped",
            "StepLoader"]

@@ -23,7 +23,7 @@ from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
-from .ranks.nodes import join_nodes
+from ..emulation.islands import join_nodes
 from ..emulation.device import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
@@ -53,7 +53,7 @@ class Engine(EngineFacts):
         cluster = parse_cluster(config.emulation.cluster) if config.emulation.cluster else None
         if cluster is not None:
             become_emulated_device()   # one CPU thread, throttled from there; glibc keeps freed memory
-        use_cuda = cluster is None and (torch.cuda.is_available() or cuda_asked_for())
+        use_cuda = rank_device_type(config) == "cuda"
         ctx: DistContext = init_distributed(timeout_s=config.timeout_s, use_cuda=use_cuda)
         install_excepthook(ctx.rank, ctx.world_size, lambda: getattr(self, "job", None))
         log = RankLog(rank=ctx.rank, world_size=ctx.world_size, verbose=config.reporting.verbose,
@@ -76,7 +76,7 @@ class Engine(EngineFacts):
                                preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
-            log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
+            log.detail(f"host CPU: {host.describe()}; {host.precision_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
         self._given_plan = plan
@@ -217,6 +217,15 @@ class Engine(EngineFacts):
             self.close()
         else:   # peers may be gone: no barrier, just release what we hold
             self._at_exit()
+
+
+def rank_device_type(config: Config) -> str:
+    """The device type ('cuda' or 'cpu') the job's ranks run on, known before they join (`config`
+    with the launch file applied): the CPU for emulated devices (CPU processes playing them), else
+    CUDA where a GPU is visible or asked for (CUDA_VISIBLE_DEVICES), else the CPU."""
+    if config.emulation.cluster:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() or cuda_asked_for() else "cpu"
 
 
 def init(*, plan: Plan | str | None = None, **config) -> Engine:

@@ -7,7 +7,7 @@ instead of reaching into the Engine's private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,7 +27,6 @@ from .devices.precision_policy import PrecisionPolicy
 if TYPE_CHECKING:     # names for the fields' types only: importing them here would be circular
     from ..hardware.host import HostFacts
     from ..planning.profile import DeviceProfile
-    from ..emulation.device import EmulatedDevice
     from .layouts.data import DataLayout
     from .loop.flops import FlopFacts
     from .loop.metrics import Recorder
@@ -56,20 +55,32 @@ class Rebalancing(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Context:
     """What init() makes, fixed for the job: the config, the process group, this rank's device
-    hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one."""
+    hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one.
+
+    `extras`: what the maker of a kind of device adds to the context by name, given as further
+    keywords (engine.py: the device object its hooks drive); the job reads each as an attribute."""
     config: Config
     dist: DistContext
     log: RankLog
     hooks: DeviceHooks
     precision: PrecisionPolicy
     faults: FaultInjector
-    emulated: EmulatedDevice | None = None   # on an emulated device
-    host: HostFacts | None = None            # on an emulated device
+    host: HostFacts | None = None            # the host CPU's facts, where the device computes on it
     preemption: Preemption | None = None     # the stop signal, if any (made by init(), always there)
     nodes: JobNodes | None = None            # which rank runs on which node
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(self, config: Config, dist: DistContext, log: RankLog, hooks: DeviceHooks,
+                 precision: PrecisionPolicy, faults: FaultInjector, host: HostFacts | None = None,
+                 preemption: Preemption | None = None, nodes: JobNodes | None = None,
+                 extras: Mapping[str, Any] | None = None, **more: Any):
+        given = dict(config=config, dist=dist, log=log, hooks=hooks, precision=precision, faults=faults, host=host,
+                     preemption=preemption, nodes=nodes, extras={**(extras or {}), **more})
+        for name, value in given.items():
+            object.__setattr__(self, name, value)
 
     @property
     def device(self) -> torch.device:
@@ -142,10 +153,6 @@ class Job:
         return self.context.faults
 
     @property
-    def emulated(self) -> EmulatedDevice | None:
-        return self.context.emulated
-
-    @property
     def host(self) -> HostFacts | None:
         return self.context.host
 
@@ -209,10 +216,17 @@ class Job:
     def device(self) -> torch.device:
         return self.ctx.device
 
+    def __getattr__(self, name: str):
+        """The context's extras, as the job's own attributes (Context.extras)."""
+        context = self.__dict__.get("context")
+        if context is None or name not in context.extras:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return context.extras[name]
+
     @property
     def device_label(self) -> str:
-        if self.emulated is not None:
-            return self.emulated.label
+        if (label := self.hooks.device_label()) is not None:
+            return label
         if self.device.type == "cuda":
             return f"cuda:{self.device.index} {torch.cuda.get_device_name(self.device)}"
         return f"cpu (rank {self.rank})"

@@ -36,9 +36,9 @@ def test_recorded_hosts_say_what_they_have_in_hardware_and_how_slow_the_rest_is(
     assert not NOBF16.native("bf16") and not NOBF16.keeps_speed("bf16")
     text = AVX2.describe()
     assert "AMD EPYC" in text and "no avx512_bf16/amx_bf16" in text and "39x slower than fp32" in text
-    assert "compute in fp32" in AVX2.emulation_meaning()
+    assert "compute in fp32" in AVX2.precision_meaning()
     assert "about as fast" not in BF16.describe() and "faster than fp32" in BF16.describe()
-    assert "compute in their card's precision" in replace(BF16, block_ms={"fp32": 1, "bf16": 1, "fp16": 1}).emulation_meaning()
+    assert "compute in their card's precision" in replace(BF16, block_ms={"fp32": 1, "bf16": 1, "fp16": 1}).precision_meaning()
 
 
 @pytest.mark.parametrize("gpu,card", [("a100-80g", "bf16"), ("rtx3090", "bf16"), ("v100", "fp16"), ("t4", "fp16")])

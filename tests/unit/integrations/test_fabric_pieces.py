@@ -46,8 +46,7 @@ def test_a_pass_is_one_epoch_of_steps_as_stock_fabric_counts_them(n):
 
 
 def test_the_global_batch_is_batch_size_times_devices_unless_named():
-    from hetrain.integrations.fabric.data import TrainingData
-    from hetrain.integrations.fabric.setup import global_batch
+    from hetrain.integrations.fabric.data import TrainingData, global_batch
 
     def data(b):
         return TrainingData(dataset=None, collate_fn=None, batch_size=b, shuffle=True, drop_last=False)
@@ -62,7 +61,7 @@ def test_the_global_batch_is_batch_size_times_devices_unless_named():
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")     # no optimizer step here
 def test_zero_grad_waits_inside_a_step_and_schedulers_take_the_optimizer():
-    from hetrain.integrations.fabric.wrappers import FabricOptimizer, FabricScheduler
+    from hetrain.integrations.fabric.data import FabricOptimizer, FabricScheduler
 
     p = torch.nn.Parameter(torch.ones(3))
     inner = torch.optim.SGD([p], lr=0.5)
@@ -82,3 +81,25 @@ def test_zero_grad_waits_inside_a_step_and_schedulers_take_the_optimizer():
     strategy.inside = False
     scheduler.step()
     assert inner.param_groups[0]["lr"] == 0.25 and scheduler.get_last_lr() == [0.25]
+
+
+def test_fabrics_accelerator_must_be_the_device_type_the_ranks_run_on(monkeypatch):
+    from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
+
+    from hetrain.emulation import Emulation
+    from hetrain.integrations.fabric.strategy import HetrainStrategy, check_world
+    from hetrain.runtime.config import LAUNCH_ENV, Config
+    from hetrain.runtime.engine import rank_device_type
+
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # a host with a GPU
+    assert rank_device_type(Config(global_batch=4)) == "cuda"
+    strategy = HetrainStrategy(global_batch=4, emulation=Emulation(cluster="a100-80g,rtx3090"))
+    assert strategy.ranks_device_type() == "cpu"         # its ranks are CPU processes, GPU or not
+    strategy.accelerator = CUDAAccelerator()
+    with pytest.raises(UsageError) as e:                  # refused before joining: no job left behind
+        check_world(strategy)
+    assert "CUDAAccelerator" in e.value.what and "run on the CPU" in e.value.what
+    assert e.value.fix == "pass Fabric(accelerator='cpu')"
+    strategy.accelerator, strategy.parallel_devices = CPUAccelerator(), [torch.device("cpu")]
+    check_world(strategy)                                 # Fabric's CPU default: one device, one node

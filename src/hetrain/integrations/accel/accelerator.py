@@ -42,8 +42,8 @@ NAMES = {None: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 class Accelerator(accelerate.Accelerator):
     """`from hetrain.integrations.accelerate import Accelerator`: an Accelerate script across mixed
-    devices. `hetrain={...}` passes hetrain.init's keywords (precision='auto', sharding, emulate,
-    max_steps or epochs to cap the run, seed, ...). Launch with `hetrain run [--emulate ...]`."""
+    devices. `hetrain={...}` passes hetrain.init's keywords (precision='auto', sharding, max_steps
+    or epochs to cap the run, seed, ...). Launch with `hetrain run` (docs/integrations.md, Accelerate)."""
 
     def __init__(self, *args, hetrain: dict | None = None, **kwargs):
         install_excepthook(*env_rank(), lambda: None)          # from here on, bad input is one line

@@ -14,23 +14,25 @@
 Fabric's own loop is fabric/loop.py's; the step form, `for step in fabric.strategy.steps(): for mb
 in step: with mb:`, also redoes a forward that ran out of memory (the loop's docstring says what
 each form gives). The setup order and the global batch rule (batch_size is the mean share) are
-fabric/setup.py's.
+fabric/data.py's. Here too: the drop-in `Fabric` (Lightning's, with this strategy, joined at
+construction) and the checks of Fabric's accelerator, devices and num_nodes against the job the
+launcher started.
 
 Why a ParallelStrategy of its own and not a DDPStrategy subclass: everything DDPStrategy adds is
 what hetrain does differently. Its launcher spawns processes (hetrain's job is started by `hetrain
-run` / torchrun, one process per device, emulated or real); its `_setup_distributed` builds the
-process group (hetrain.init joins the job, gathers every node's devices and agrees the host's
-facts); its setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps
-DDP or a sharding with the OOM guard and the comm hook); its backward-sync control would call
-no_sync on a module hetrain already runs under no_sync for every micro-batch but the last. So the
-strategy implements Fabric's Strategy API on top of the Engine instead of overriding DDP's.
+run` / torchrun, one process per device); its `_setup_distributed` builds the process group
+(hetrain.init joins the job, gathers every node's devices and agrees the host's facts); its
+setup_module wraps DDP with equal batches (hetrain.prepare plans uneven shares, wraps DDP or a
+sharding with the OOM guard and the comm hook); its backward-sync control would call no_sync on a
+module hetrain already runs under no_sync for every micro-batch but the last. So the strategy
+implements Fabric's Strategy API on top of the Engine instead of overriding DDP's.
 
 What Fabric gives up under it (each refused with the fix, never silently changed): its launcher
 (`fabric run`, spawn), its precision plugins (hetrain picks each device's precision:
 HetrainStrategy(precision=...)), its DistributedSampler on the training data (hetrain splits the
-global batch; evaluation loaders are split by the plan: fabric/evaluation.py), several models or
+global batch; evaluation loaders are split by the plan: fabric/data.py), several models or
 optimizers, and pipelines. fabric.clip_gradients clips the step's final gradient, in the step
-(fabric/clipping.py). Fabric's no_backward_sync warns and does nothing, as for any strategy
+(fabric/loop.py). Fabric's no_backward_sync warns and does nothing, as for any strategy
 without sync control: hetrain already syncs once per step.
 """
 
@@ -42,6 +44,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric as LightningFabric
+from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins import Precision
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
@@ -52,16 +56,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from ...errors import UsageError
-from ...runtime.config import integration_layout, make_config
-from ...runtime.engine import Engine, init
+from ...runtime.config import Config, integration_layout, make_config
+from ...runtime.engine import Engine, init, rank_device_type
 from ...runtime.user_objects import default_forward
 from ...runtime.ranks.dist import env_rank
-from .clipping import Clipping, Request
-from .data import LoaderStep, StepLoader, training_data
-from .evaluation import evaluation_loader, refuse_sharded
-from .loop import PlainLoop
-from .setup import Pieces, global_batch
-from .world import check_device, check_world, emulates
+from .data import LoaderStep, Pieces, StepLoader, evaluation_loader, global_batch, refuse_sharded, training_data
+from .loop import Clipping, PlainLoop, Request
 
 # Set on the DataLoader, which Fabric users already do; two places to say it would be two answers.
 FROM_THE_LOADER = ("shuffle", "drop_last")
@@ -87,10 +87,10 @@ class HetrainStrategy(ParallelStrategy):
     agreed step, OOM recovery and rebalancing (hetrain's loop, driven through Fabric's verbs).
 
     Every keyword is hetrain.init's (hetrain.runtime.config.Config: max_steps, epochs, precision,
-    grad_clip, checkpoints, emulation, ...; `plan` fixes every rank's share; `sharding` is the
+    grad_clip, checkpoints, ...; `plan` fixes every rank's share; `sharding` is the
     DataParallel the strategy runs: DataParallel(sharding=...)), but
     `global_batch` may be left out: the training DataLoader's batch_size x devices then
-    (fabric/setup.py). `forward(model, batch)` is how hetrain calls the model when it measures
+    (fabric/data.py). `forward(model, batch)` is how hetrain calls the model when it measures
     it before training (default: model(**batch) for dicts, model(x) for (x, y)); a model it
     cannot call so is planned from the loop's first steps instead (runtime/measure/model_call.py).
     """
@@ -100,7 +100,7 @@ class HetrainStrategy(ParallelStrategy):
         _check_config(global_batch, config)
         super().__init__()
         self.config = config
-        self.given_global_batch = global_batch   # None: the DataLoader's batch_size x devices (fabric/setup.py)
+        self.given_global_batch = global_batch   # None: the DataLoader's batch_size x devices (fabric/data.py)
         self.given_plan = plan
         self.forward = forward
         self.engine: Engine | None = None        # hetrain's job, joined by fabric.launch()
@@ -234,13 +234,14 @@ class HetrainStrategy(ParallelStrategy):
     def check_world(self) -> None:
         check_world(self)
 
-    def emulates(self) -> bool:
-        return emulates(self)
+    def ranks_device_type(self) -> str:
+        """The device type ('cuda' or 'cpu') the job's ranks run on, known before joining."""
+        return rank_device_type(Config(**self.job_config()).with_launch_file())
 
     # -- setup, in any order: hetrain's prepare() once the model, optimizer and data are in ----------
     def process_dataloader(self, dataloader):
         """The first DataLoader set up is the training data (hetrain's steps); later ones are
-        evaluation loaders, split by the plan's shares (fabric/evaluation.py) unless set up with
+        evaluation loaders, split by the plan's shares (fabric/data.py) unless set up with
         use_distributed_sampler=False."""
         split, self.split_next = self.split_next, False
         if self.pieces.data is not None:
@@ -290,7 +291,7 @@ class HetrainStrategy(ParallelStrategy):
         return self.joined().step()
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        """Clips the step's final gradient, in the step (fabric/clipping.py); the tensor returned
+        """Clips the step's final gradient, in the step (fabric/loop.py); the tensor returned
         holds its total norm once optimizer.step() has taken the step."""
         return self.clipping.ask(Request(max_norm=float(max_norm), norm_type=float(norm_type),
                                          error_if_nonfinite=error_if_nonfinite))
@@ -298,7 +299,7 @@ class HetrainStrategy(ParallelStrategy):
     def clip_gradients_value(self, module, optimizer, clip_val):
         self.clipping.ask(Request(clip_val=float(clip_val)))
 
-    # -- evaluation: each rank its part of the batches (fabric/evaluation.py) -----------------------
+    # -- evaluation: each rank its part of the batches (fabric/data.py) --------------------------
     def evaluation_shares(self) -> list[int]:
         """How an evaluation loader is split: the plan's shares, evenly before there is a plan."""
         engine = self.engine
@@ -386,3 +387,71 @@ def _check_config(global_batch, config: dict) -> None:
     # an old or unknown keyword, then every value: one UsageError naming the fix (a stand-in for
     # a global batch the DataLoader will decide)
     make_config({"global_batch": 1 if global_batch is None else global_batch, **config}, where="HetrainStrategy")
+
+
+# -- Fabric's accelerator, devices and num_nodes against the job `hetrain run` / torchrun started:
+# checked before joining (check_world: a refused setting leaves no job behind) and once joined
+# (check_device: this rank's device is hetrain's). Fabric's accelerator must be the device type
+# the job's ranks run on: CPU ranks need accelerator='cpu', CUDA ranks 'cuda'. ----------------------
+def check_world(strategy) -> None:
+    """Fabric's accelerator, devices and num_nodes against what the launcher started, before
+    joining: a refused setting leaves no job behind. CUDA ranks' accelerator is checked once joined
+    (check_device): a GPU asked for that this host lacks is hetrain.init's error to name."""
+    if strategy.ranks_device_type() == "cpu" and not isinstance(strategy.accelerator, CPUAccelerator):
+        raise UsageError(f"Fabric chose {type(strategy.accelerator).__name__}, but this job's ranks run on the CPU, "
+                         "one process each", "pass Fabric(accelerator='cpu')")
+    devices, nodes = len(strategy.parallel_devices or ()), strategy.num_nodes
+    if isinstance(strategy.accelerator, CPUAccelerator) and devices == 1 and nodes == 1:
+        return        # Fabric's CPU default ('auto' is one device): CPU ranks, one per process
+    world = env_rank()[1]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    job_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if devices != local or nodes != job_nodes:
+        raise UsageError(
+            f"Fabric(devices={devices}, num_nodes={nodes}) but the job has {local} process(es) on this node and "
+            f"{job_nodes} node(s) ({world} in all), as `hetrain run` / torchrun started them",
+            f"pass Fabric(devices={local}, num_nodes={job_nodes}), or leave both at their defaults and launch one "
+            "process per device with `hetrain run`")
+
+
+def check_device(strategy, engine) -> None:
+    """Fabric's accelerator and this rank's device against the one hetrain runs it on."""
+    device = engine.device
+    wanted = CUDAAccelerator if device.type == "cuda" else CPUAccelerator
+    if not isinstance(strategy.accelerator, wanted):
+        raise UsageError(
+            f"Fabric's accelerator is {type(strategy.accelerator).__name__}, but hetrain runs rank {engine.rank} on "
+            f"{device}",
+            "pass Fabric(accelerator='cpu')" if device.type == "cpu"
+            else "pass Fabric(accelerator='cuda'), or leave it at 'auto'")
+    if device.type == "cuda":    # check_world saw one Fabric device per local process
+        fabric_device = strategy.parallel_devices[engine.ctx.local_rank]
+        if fabric_device != device:
+            raise UsageError(f"Fabric's devices put local rank {engine.ctx.local_rank} on {fabric_device}, "
+                             f"hetrain on {device} (one process per visible GPU, in order)",
+                             "choose the GPUs with CUDA_VISIBLE_DEVICES and leave Fabric's devices at 'auto'")
+
+
+# -- the drop-in -----------------------------------------------------------------------------------
+class Fabric(LightningFabric):
+    """`from hetrain.integrations.lightning import Fabric`: the one line a stock Fabric script
+    changes. Fabric(...) as Lightning's, with HetrainStrategy as its strategy, joined to the job at
+    construction, as `fabric run` joins Fabric's own processes: a script written for `fabric run`
+    (no fabric.launch()) runs under `hetrain run` unchanged; fabric.launch() is then a no-op.
+    `strategy=HetrainStrategy(...)` passes hetrain's settings (global_batch, precision, grad_clip,
+    memory, ...); 'auto' and 'ddp' are HetrainStrategy() (DDP with uneven shares). Its accelerator
+    'auto' is the device type the job's ranks run on. Every other argument is Fabric's."""
+
+    def __init__(self, *, strategy="auto", accelerator="auto", **kwargs):
+        if isinstance(strategy, str) and strategy in ("auto", "ddp"):
+            strategy = HetrainStrategy()
+        elif not isinstance(strategy, HetrainStrategy):
+            raise UsageError(f"Fabric(strategy={strategy!r}) from hetrain.integrations.lightning: it runs hetrain's "
+                             "strategy, DDP with uneven shares across the job's devices",
+                             "drop strategy=, or pass strategy=HetrainStrategy(...) for hetrain's settings")
+        if accelerator == "auto" and strategy.ranks_device_type() == "cpu":
+            accelerator = "cpu"     # Lightning's 'auto' would take a GPU of this host that the ranks do not run on
+        super().__init__(strategy=strategy, accelerator=accelerator, **kwargs)
+        if not self._launched:
+            self._strategy.setup_environment()     # joins hetrain's job (collective), as Fabric's CLI does
+            self._launched = True

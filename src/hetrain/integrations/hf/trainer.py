@@ -60,7 +60,7 @@ logging.getLogger("transformers.training_args").addFilter(_NotDistributedWarning
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` across mixed devices: the one changed line of a stock script is the
     import. `hetrain={...}` passes hetrain.init's other keywords (precision='auto', sharding,
-    micro_batch, emulate, ...). Launch with `hetrain run [--emulate a100-80g,rtx3090] train.py`."""
+    micro_batch, ...). Launch with `hetrain run train.py` (docs/integrations.md, Hugging Face Trainer)."""
 
     def __init__(self, *args, hetrain: dict | None = None, **kwargs):
         install_excepthook(*env_rank(), lambda: None)       # from here on, bad input is one line

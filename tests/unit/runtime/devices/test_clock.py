@@ -17,6 +17,7 @@ import torch
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.runtime.devices import clock as clocks
+from hetrain.emulation.clock import EmulatedClock
 from hetrain.emulation.device import EmulatedDevice, Throttle
 from hetrain.runtime.devices.faults import FaultInjector
 from hetrain.emulation.hooks import EmulatedHooks
@@ -68,7 +69,7 @@ def test_a_pipeline_piece_reads_its_device_time_where_a_host_clock_misses_it_asy
     device's clock (wall base, as pipeline_stage.MeteredStage times its pieces) reads c/speed."""
     speed = 0.25
     throttle = Throttle(speed, asynchronous=asynchronous)
-    device = clocks.DeviceClock(CPU, throttle=throttle, wall=True)
+    device = EmulatedClock(CPU, throttle, wall=True)
     readings, old = [], []
     for _ in range(3):
         start, t0 = device.mark(), time.perf_counter()
@@ -207,3 +208,20 @@ def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkey
                        throttle=Throttle(speed, sample_s=clock_b, micro_s=0.0, asynchronous=True)).per_sample_s
 
     assert statistics.median(once() for _ in range(3)) == pytest.approx(clock_b / speed, rel=0.25)
+
+
+def test_the_older_keyword_form_reads_the_same_device_time_as_the_emulated_clock():
+    """DeviceClock(device, throttle=t, wall=w), as callers wrote it before the emulated clock had a
+    class of its own, reads what EmulatedClock(device, t, wall=w) reads, on both bases; a plain
+    DeviceClock adds nothing to its base."""
+    throttle = Throttle(0.5)
+    throttle.charge(0.2)            # owed, not slept
+    throttle.owed, throttle.slept_seconds = 0.1, 0.3
+    for wall in (False, True):
+        older, new = clocks.DeviceClock(CPU, throttle=throttle, wall=wall), EmulatedClock(CPU, throttle, wall=wall)
+        assert older.ahead_s() == new.ahead_s() == pytest.approx(0.1 if wall else 0.4)
+        assert older.waited_s() == new.waited_s() == 0.3
+    plain = clocks.DeviceClock(CPU)
+    assert plain.ahead_s() == 0.0 and plain.waited_s() == 0.0
+    c0 = time.thread_time()
+    assert c0 <= plain.mark() <= time.thread_time()
