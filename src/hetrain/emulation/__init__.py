@@ -18,6 +18,8 @@ rest of hetrain reaches it at two points:
   sharing.py      devices sharing the host's cores: the rate, a step played out (data and pipeline)
   trials.py       a sweep's trial on an emulated device: its process, its compute at speed, a group's launch
   cli.py          the --emulate option the CLI commands declare, and their checks of it
+  profiling.py    how an emulated device is measured: its answers to the profiler and the probes
+  measuring.py    what a job's measurements say of devices sharing the host (pooled, SharedHost)
 
 The launcher and the tests turn it on with the `Emulation` config group (`hetrain run --emulate`
 writes it into the launch file; a test imports it from here): it is not part of hetrain's public

@@ -124,6 +124,12 @@ class EmulatedHooks(DeviceHooks):
     def attempt_failed(self) -> None:
         self.throttle.settle()      # the failed attempt's sleep belongs to it, not to the redo
 
+    def measuring(self):
+        """The profiler and probes time this device through fresh throttles of its own (profiling.py)."""
+        from .profiling import EmulatedMeasuring
+
+        return EmulatedMeasuring(self.emulated.spec, self.throttle, self.device_clock.device)
+
     @contextlib.contextmanager
     def backward_scope(self, mb, step_index: int, module):
         """Injected faults strike from a parameter's gradient hook halfway through the model, so

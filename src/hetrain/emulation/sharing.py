@@ -47,7 +47,7 @@ The rate. With k processes computing on `cores` cores beside `load` other always
 processes, each gets min(1, cores / (k + load)) of a core (processor sharing), and the
 min(k, cores) that run at once slow each other on shared cache and memory bandwidth by
 1 + (contention − 1)·(min(k, cores) − 1)/(contention_at − 1), `contention` being what the job
-measured with `contention_at` computing at once (runtime/measure/measurements.contention). The
+measured with `contention_at` computing at once (measuring.contention). The
 data-parallel step is played out with this rate (`shared_cpu_finish`).
 
 Pipelines (`stretched_step`) are played out too, piece by piece. An emulated stage is throttled

@@ -115,6 +115,13 @@ class DeviceHooks:
     def attempt_failed(self) -> None:
         """A micro-batch ran out of memory; its attempt of the step is over."""
 
+    def measuring(self):
+        """How the profiler and the probes measure this device (runtime/measure/device_measuring.py):
+        a GPU or a plain CPU as it is."""
+        from ..measure.device_measuring import DeviceMeasuring
+
+        return DeviceMeasuring(self.device_clock.device)
+
     # -- the rest of the step -------------------------------------------------------------------
     def step_start(self, step_index: int) -> None:
         """Before the step's first micro-batch (faults set the slowdown in force, or strike; the

@@ -105,14 +105,26 @@ def test_the_optimizer_part_is_read_on_the_device_clock_under_the_async_mode():
     assert hooks.last_fixed_s() == pytest.approx(cpu / speed, rel=0.15)   # read later: the same
 
 
+class GpuTime:
+    """The GPU's own timeline in these tests: the work below advances it by exactly its seconds, so
+    the events read what a GPU's would, however busy the host running the test is (sleeps on a
+    loaded host overshoot by tens of milliseconds, enough to move a 30 ms forward's ratio)."""
+
+    now = 0.0
+
+    @classmethod
+    def run(cls, seconds: float) -> None:
+        cls.now += seconds
+
+
 class StampedEvent:
-    """torch.cuda.Event on a CPU: stamped with the host clock when recorded."""
+    """torch.cuda.Event on a CPU: stamped with the GPU's timeline (GpuTime) when recorded."""
 
     def __init__(self, enable_timing: bool = False):
         self.at = None
 
     def record(self, stream=None) -> None:
-        self.at = time.perf_counter()
+        self.at = GpuTime.now
 
     def synchronize(self) -> None:
         pass
@@ -122,17 +134,17 @@ class StampedEvent:
 
 
 class Paced(torch.autograd.Function):
-    """A layer whose forward takes `fwd` s and backward `bwd` s of wall time."""
+    """A layer whose forward takes `fwd` s and backward `bwd` s of the GPU's time."""
 
     @staticmethod
     def forward(ctx, x, fwd, bwd):
         ctx.bwd = bwd
-        time.sleep(fwd)
+        GpuTime.run(fwd)
         return x * 1.0
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.bwd)
+        GpuTime.run(ctx.bwd)
         return grad, None, None
 
 
@@ -160,7 +172,7 @@ def test_a_cuda_ranks_one_micro_batch_is_timed_to_its_last_gradient_not_by_a_fix
     model = torch.nn.Linear(4, 4, bias=False)
     hooks = CudaHooks(torch.device("cuda", 0))
     hooks.attach(model)
-    model.weight.register_post_accumulate_grad_hook(lambda p: time.sleep(wait))   # the sync, after the gradient
+    model.weight.register_post_accumulate_grad_hook(lambda p: GpuTime.run(wait))   # the sync, after the gradient
     hooks.attempt_start()
     cuda_micro_batch(hooks, model, MicroBatch(batch=None, size=4, index=0, count=1, indices=(0, 1, 2, 3)),
                      fwd=fwd, bwd=bwd)
@@ -191,6 +203,7 @@ def test_without_gradient_hooks_a_cuda_ranks_last_backward_takes_the_ratio_of_ea
 def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkeypatch):
     """The profiler times an emulated device on its controlled clock through the device's throttle:
     under the async mode its sleeps are owed, not slept, and the device's busy clock still has them."""
+    from hetrain.emulation.profiling import EmulatedPace
     from hetrain.runtime.measure.profiler import measure
 
     monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path))
@@ -205,7 +218,8 @@ def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkey
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         return measure(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, device=CPU, label="cpu",
                        max_size=16, cpu_clock=True,
-                       throttle=Throttle(speed, sample_s=clock_b, micro_s=0.0, asynchronous=True)).per_sample_s
+                       timed_by=EmulatedPace(Throttle(speed, sample_s=clock_b, micro_s=0.0,
+                                                      asynchronous=True))).per_sample_s
 
     assert statistics.median(once() for _ in range(3)) == pytest.approx(clock_b / speed, rel=0.25)
 
