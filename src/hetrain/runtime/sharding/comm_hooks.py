@@ -142,12 +142,18 @@ def settle(plan, *, request: str, strategy: str, backend: str, world_size: int):
     if name != "none" and strategy != "none":
         if request != "auto":
             check_request(request, backend=backend, blocked_by=f"sharding {strategy!r} (DataParallel(sharding=None) chose it)")
-        return replace(plan, compression="none", note="; ".join(filter(None, [
+        return replace(plan, compression="none", note=with_note(
             plan.note, f"gradient compression none: the planner chose sharding {strategy} (compression is for "
-                       "plain data parallelism, DataParallel(sharding='none'))"])))
+                       "plain data parallelism, DataParallel(sharding='none'))"))
     if name != "none":
         check_request(name, backend=backend)      # a given plan's bf16 on gloo, say
     if name == plan.compression:
         return plan
     note = f"gradient compression {name} (asked for)" if name != "none" else ""
-    return replace(plan, compression=name, note="; ".join(filter(None, [plan.note, note])))
+    return replace(plan, compression=name, note=with_note(plan.note, note))
+
+
+def with_note(note: str, reason: str) -> str:
+    """The plan's note with `reason` added, once: a plan completed again (a resumed one) says it once."""
+    said = note.split("; ") if note else []
+    return "; ".join(said + [reason]) if reason and reason not in said else note

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -157,12 +156,12 @@ def attach_links(groups: IslandGroups) -> IslandGroups:
 
 def make(job, islands) -> IslandSync:
     """The job's groups (a collective) and the hook over them, the layout shown once."""
-    if job.plan is not None and job.plan.compression != "none":     # not combined (yet): said in the plan
-        from ..replan import adopt
+    if job.plan is not None and job.plan.compression != "none":     # not combined (yet): the plan says none
+        from ...errors import HetrainError
 
-        adopt(job, replace(job.plan, compression="none", note="; ".join(filter(None, [
-            job.plan.note, f"gradient compression none: {job.plan.compression} is not run by the hierarchical "
-                           "all-reduce across islands"]))), "compression")
+        raise HetrainError(f"the plan in force says gradient compression {job.plan.compression}, which the "
+                           "hierarchical all-reduce across islands does not run (layouts/complete.py records none)",
+                           "this is a bug in hetrain; please report it with the log")
     from datetime import timedelta
 
     groups = attach_links(make_groups(islands, rank=job.rank, timeout=timedelta(seconds=job.config.timeout_s)))
