@@ -27,6 +27,7 @@ class EmulatedHooks(DeviceHooks):
         self.emulated = emulated
         self.throttle = emulated.throttle
         self.meter = emulated.meter
+        self.syncs_at_collectives = emulated.throttle.asynchronous   # it owes its sleeps till a sync point
         self.faults = faults
         self._sample_s = emulated.throttle.sample_s    # the controlled clock's, for the whole model
         self._state_counted = False

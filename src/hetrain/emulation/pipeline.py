@@ -147,6 +147,13 @@ class EmulatedStage:
         return dict(samples_per_s=global_batch / shared, step_s=shared, alone_step_s=step_s,
                     host_cores=cores, stage_stretch=max(stretch))   # the plan keeps numbers only
 
+    def predicted_said(self, predicted: dict, *, stages: int, global_batch: int) -> str | None:
+        if "stage_stretch" not in predicted:
+            return None
+        return (f"predicted {predicted['samples_per_s']:.1f} samples/s: the {stages} emulated stages share "
+                f"{predicted['host_cores']:g} CPU cores, so their pieces last up to x{predicted['stage_stretch']:.2f} "
+                f"longer than alone ({global_batch / predicted['alone_step_s']:.1f} samples/s without that)")
+
 
 def _time_sharing(time_piece, x, *, device) -> dict:
     """How emulated stages share this host's cores (a collective of every rank): each rank's

@@ -7,7 +7,7 @@ instead of reaching into the Engine's private attributes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,9 +59,7 @@ class Rebalancing(Protocol):
 class Context:
     """What init() makes, fixed for the job: the config, the process group, this rank's device
     hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one.
-
-    `extras`: what the maker of a kind of device adds to the context by name, given as further
-    keywords (engine.py: the device object its hooks drive); the job reads each as an attribute."""
+    What a kind of device adds (its clock, its meter) hangs off its hooks, not here."""
     config: Config
     dist: DistContext
     log: RankLog
@@ -71,14 +69,12 @@ class Context:
     host: HostFacts | None = None            # the host CPU's facts, where the device computes on it
     preemption: Preemption | None = None     # the stop signal, if any (made by init(), always there)
     nodes: JobNodes | None = None            # which rank runs on which node
-    extras: Mapping[str, Any] = field(default_factory=dict)
 
     def __init__(self, config: Config, dist: DistContext, log: RankLog, hooks: DeviceHooks,
                  precision: PrecisionPolicy, faults: FaultInjector, host: HostFacts | None = None,
-                 preemption: Preemption | None = None, nodes: JobNodes | None = None,
-                 extras: Mapping[str, Any] | None = None, **more: Any):
+                 preemption: Preemption | None = None, nodes: JobNodes | None = None):
         given = dict(config=config, dist=dist, log=log, hooks=hooks, precision=precision, faults=faults, host=host,
-                     preemption=preemption, nodes=nodes, extras={**(extras or {}), **more})
+                     preemption=preemption, nodes=nodes)
         for name, value in given.items():
             object.__setattr__(self, name, value)
 
@@ -215,13 +211,6 @@ class Job:
     @property
     def device(self) -> torch.device:
         return self.ctx.device
-
-    def __getattr__(self, name: str):
-        """The context's extras, as the job's own attributes (Context.extras)."""
-        context = self.__dict__.get("context")
-        if context is None or name not in context.extras:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return context.extras[name]
 
     @property
     def device_label(self) -> str:

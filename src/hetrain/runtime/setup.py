@@ -20,7 +20,6 @@ from ..layout_spec import DataParallel, Pipeline, TensorParallel
 from ..planning.compression import check_request as check_compression_request
 from ..planning.plan import Plan
 from .config import Config
-from ..emulation.link import check_link_request
 from .job import Job
 from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
@@ -54,7 +53,6 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     spec, measured = choose.decide(job, spec, model, optimizer, forward, loss_fn)
     layout = setup_for(spec, loss_fn, world_size=job.world_size)   # the layout's own check, plan and build
     layout.check(job)                                 # what the layout needs of this job: before anything is built
-    check_link_request(job)                           # Emulation.link_gbs on real GPUs: refused here
     check_compression_request(job.config.compression.method, backend=job.ctx.backend, blocked_by=layout.blocks_compression)
     counted = layout.plan(job, model, optimizer, forward, given_plan, measured)                    # (collective)
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches, a moved split) is adopted before

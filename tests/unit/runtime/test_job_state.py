@@ -32,19 +32,6 @@ def test_the_context_is_frozen_and_a_config_change_is_a_new_context():
         job.reconfigure(grad_clip=-1.0)
 
 
-def test_what_a_device_kinds_maker_adds_to_the_context_is_read_as_the_jobs_attribute_and_survives_a_change():
-    dist = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
-    device = object()
-    job = Job(Context(config=Config(global_batch=8), dist=dist, log=None, hooks=None, precision=None, faults=None,
-                      stand_in=device))
-    assert job.stand_in is device and job.context.extras == {"stand_in": device}
-    job.reconfigure(grad_clip=1.0)                      # a new context keeps them
-    assert job.stand_in is device
-    with pytest.raises(AttributeError, match="no_such_thing"):
-        _ = job.no_such_thing
-    assert getattr(a_job(), "stand_in", None) is None   # a context without it: not there
-
-
 def test_the_run_state_is_one_object_read_through_the_job():
     job = a_job()
     assert isinstance(job.run, RunState) and job.steps_done == 0 and job.plan is None

@@ -91,25 +91,21 @@ class DeviceClock:
     with no communication inside, whose wall time is their compute: pipeline stages), plus
     `ahead_s()`: the device's time that the base does not hold. That is 0 here, where the device's
     work is this thread's; a device whose work runs beyond the thread answers it (its subclass),
-    and with the wall base leaves out what the host already waited for it, so nothing counts twice.
+    and with the wall base leaves out what the host already waited for it, so nothing counts twice."""
 
-    `older`: callers written before such devices had a clock class of their own hand it the
-    object that keeps the device's time by keyword; it answers `ahead_s(wall)` and `waited_s()`."""
-
-    def __init__(self, device: torch.device, *, wall: bool = False, **older):
+    def __init__(self, device: torch.device, *, wall: bool = False):
         self.device = device
         self.cuda = device.type == "cuda"
         self.wall = wall
-        self._older = next(iter(older.values()), None)
 
     def ahead_s(self) -> float:
         """Device seconds beyond this clock's base (0: the device's work is the base's)."""
-        return 0.0 if self._older is None else self._older.ahead_s(self.wall)
+        return 0.0
 
     def waited_s(self) -> float:
         """Seconds the host has spent so far waiting for this device's queued work outside the
         device's own calls (0: the host never waits for it apart from its collectives)."""
-        return 0.0 if self._older is None else self._older.waited_s()
+        return 0.0
 
     def mark(self):
         if self.cuda:

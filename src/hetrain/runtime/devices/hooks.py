@@ -27,6 +27,9 @@ class DeviceHooks:
     """A clock and nothing else (no meter, no faults)."""
 
     meter = None      # what counts the device's bytes where no allocator does (None: the allocator, or nothing)
+    # The device's work runs when the host reaches a sync point (clocks.sync_point): a collective
+    # launched from a hook calls one first. False on CUDA, whose collectives order on the stream.
+    syncs_at_collectives = False
 
     def __init__(self, device: torch.device, device_clock: clocks.DeviceClock | None = None):
         # `device_clock`: the device's own (devices/clock.py), by default its DeviceClock: on a CPU

@@ -29,12 +29,11 @@ from ...planning.precision import DeviceFacts, PrecisionChoice, choose_precision
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def device_facts(device: torch.device, given=None, host=None, **older) -> DeviceFacts:
+def device_facts(device: torch.device, given=None, host=None) -> DeviceFacts:
     """This rank's device, as the precision rule sees it. `given`: the device where a spec gives
     it rather than its hardware (DeviceHooks.given_device); it answers `precision_facts(host)`,
     `host` being the facts of the CPU it computes on (hardware.host.HostFacts: how fast that CPU
-    computes bf16 and fp16). `older`: the same device, as callers named it by keyword before."""
-    given = given if given is not None else next(iter(older.values()), None)
+    computes bf16 and fp16)."""
     if given is not None:
         return given.precision_facts(host)
     if device.type == "cuda":
@@ -91,12 +90,12 @@ class PrecisionPolicy:
 
     @classmethod
     def local(cls, requested: str, *, device: torch.device, given=None, host=None,
-              allow_fallback: bool = False, **older) -> PrecisionPolicy:
-        """This rank's choice (`given`, `host`, `older`: as device_facts takes them). Errors are
+              allow_fallback: bool = False) -> PrecisionPolicy:
+        """This rank's choice (`given`, `host`: as device_facts takes them). Errors are
         kept, not raised: `agree` raises them on every rank. 'auto' is decided by the device rule,
         also with a given plan (whose `precision` fields then record what ran): a planner applies
         the same rule (planning/precision.py)."""
-        facts = device_facts(device, given, host, **older)
+        facts = device_facts(device, given, host)
         try:
             choice = choose_precision(requested, facts, allow_fallback=allow_fallback)
         except UsageError as e:

@@ -21,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...errors import HetrainError, UsageError
 from ...layout_spec import DataParallel, TensorParallel, to_spec
 from ...planning.plan import Plan
-from ...emulation.link import throttle_for
 from ..loop import flops
 from ..measure.joint import check_given_plan, measure_job
 from ..measure.measurements import plan_from_measurements
@@ -267,8 +266,8 @@ def make_sync_guard(job, wrapped):
         made = recovery.install(wrapped.sync, island_hooks.make(job, islands), guard=guard)
     else:
         gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
-                                           throttle=throttle_for(job), backend=job.ctx.backend,
-                                           device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
+                                           link=job.hooks.measuring().link(job), backend=job.ctx.backend,
+                                           device_waits=job.hooks.syncs_at_collectives)
         made = recovery.install(wrapped.sync, gradient, guard=guard)
     if made is not None and job.hooks.meter is not None:   # what the completion allocates, on the device's meter
         made.allocating = job.hooks.meter.allocating

@@ -49,14 +49,13 @@ RUNS = 9
 
 def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: list[str], batch, *,
                      forward: Callable, device: torch.device, precision: str,
-                     measuring: DeviceMeasuring | None = None, runs: int = RUNS, throttle=None) -> dict:
+                     measuring: DeviceMeasuring | None = None, runs: int = RUNS) -> dict:
     """Seconds an FSDP2 step takes beyond a DDP step, on this job (a collective: every rank calls
     it with the same model, `blocks`: the dotted names of the blocks FSDP2 shards one by one).
     Each runs on its own copy of the model with its own copy of the optimizer (the same class and
     settings, fresh: its first step, untimed, makes its state), forward, backward and optimizer
     step, through a fresh pace of the device (`measuring`: the device's, DeviceHooks.measuring;
-    None: run as it comes; `throttle`, the keyword callers passed before, any object with a
-    `pace()`). Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
+    None: run as it comes). Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
     from ..sharding.wrap import rebuild_optimizer, shard_blocks
 
     dtype = DTYPES.get(precision)
@@ -77,7 +76,7 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 
     rows = batch_rows(batch) or 1
     # each wrapper its own books of the device (the backward's learned length, the debt)
-    paces = [paced_by(measuring, throttle) for _ in range(2)]
+    paces = [paced_by(measuring) for _ in range(2)]
 
     def step(module, opt, own) -> float:
         dist.barrier()
@@ -134,11 +133,9 @@ def paced_optimizer_step(optimizer: torch.optim.Optimizer, pace: Pace, device: t
     clocks.synchronize(device)
 
 
-def paced_by(measuring, old=None) -> Pace:
-    """A fresh pace of the device `measuring` states (or of `old`, what callers passed before it:
-    anything with a `pace()`); as it comes where neither is given."""
-    source = measuring if measuring is not None else old
-    return source.pace() if source is not None else Pace()
+def paced_by(measuring) -> Pace:
+    """A fresh pace of the device `measuring` states; as it comes where none is given."""
+    return measuring.pace() if measuring is not None else Pace()
 
 
 def stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -23,7 +23,7 @@ from ..ranks import agree
 from ..ranks.torch_compat import fsdp_redoes_a_broken_step
 from ..sharding import wrap as sharding
 from ..devices.cuda_memory import usable_bytes
-from ...emulation.device import MemoryMeter
+from ..devices.saved_bytes import SavedBytes
 from ..user_objects import as_scalar, default_forward, optimizer_kind
 
 
@@ -57,8 +57,7 @@ def saved_activation_bytes(model, batch, *, forward=default_forward, device, aut
     gradients cleared."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
-        meter = MemoryMeter(label="activations", cap=None)
-        meter.set_fixed(model, None)
+        meter = SavedBytes(model)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)

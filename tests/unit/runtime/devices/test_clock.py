@@ -224,17 +224,17 @@ def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkey
     assert statistics.median(once() for _ in range(3)) == pytest.approx(clock_b / speed, rel=0.25)
 
 
-def test_the_older_keyword_form_reads_the_same_device_time_as_the_emulated_clock():
-    """DeviceClock(device, throttle=t, wall=w), as callers wrote it before the emulated clock had a
-    class of its own, reads what EmulatedClock(device, t, wall=w) reads, on both bases; a plain
+def test_the_emulated_clock_adds_what_its_throttle_owes_and_a_plain_clock_adds_nothing():
+    """EmulatedClock(device, t, wall=w) reads the time its throttle charged beyond the base (the
+    owed sleep on the wall base; owed and slept on the CPU base) and what the host waited; a plain
     DeviceClock adds nothing to its base."""
     throttle = Throttle(0.5)
     throttle.charge(0.2)            # owed, not slept
     throttle.owed, throttle.slept_seconds = 0.1, 0.3
     for wall in (False, True):
-        older, new = clocks.DeviceClock(CPU, throttle=throttle, wall=wall), EmulatedClock(CPU, throttle, wall=wall)
-        assert older.ahead_s() == new.ahead_s() == pytest.approx(0.1 if wall else 0.4)
-        assert older.waited_s() == new.waited_s() == 0.3
+        new = EmulatedClock(CPU, throttle, wall=wall)
+        assert new.ahead_s() == pytest.approx(0.1 if wall else 0.4)
+        assert new.waited_s() == 0.3
     plain = clocks.DeviceClock(CPU)
     assert plain.ahead_s() == 0.0 and plain.waited_s() == 0.0
     c0 = time.thread_time()

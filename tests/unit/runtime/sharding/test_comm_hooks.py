@@ -39,7 +39,7 @@ def test_an_agreed_redo_puts_powersgds_state_back_as_the_failed_attempt_found_it
 
 def test_hooks_that_add_nothing_are_not_registered():
     assert not GradientHook("none").needed
-    assert GradientHook("fp16").needed and GradientHook("none", throttle=object()).needed
+    assert GradientHook("fp16").needed and GradientHook("none", link=object()).needed
     with pytest.raises(ValueError):
         GradientHook("zip")
 
@@ -56,7 +56,8 @@ def test_the_emulated_link_charges_the_ring_all_reduce_and_carries_one_transfer_
 
 
 def job(*, gbs=1.0, emulated=True, node_of=(0, 1)):
-    return SimpleNamespace(config=Config(global_batch=8, emulation=Emulation(link_gbs=gbs)), emulated=object() if emulated else None,
+    return SimpleNamespace(config=Config(global_batch=8, emulation=Emulation(link_gbs=gbs)),
+                           hooks=SimpleNamespace(emulated=object() if emulated else None),
                            nodes=JobNodes(names=tuple(f"n{i}" for i in sorted(set(node_of))), node_of=node_of),
                            world_size=len(node_of))
 

@@ -12,6 +12,7 @@ from ...measure.joint import check_given_plan
 from ...model import PreparedModel
 from ...replan import adopt
 from ..complete import complete
+from . import stage_hooks
 from .sizing import NOT_MEASURED, show
 from ...resilience import resume as persist
 from ..checks import check_pipeline
@@ -40,11 +41,10 @@ def show_split(job, pipe: Pipeline) -> None:
              f"of {plan.devices[0].micro_batch}")
     # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
     show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)
-    got = plan.predicted
-    if "stage_stretch" in got:
-        job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
-                     f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
-                     f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
+    said = stage_hooks.of_job(job).predicted_said(plan.predicted, stages=len(plan.devices),
+                                                  global_batch=plan.global_batch)
+    if said:                     # what the stages' shared host adds to the prediction, where it does
+        job.log.info(said)
 
 
 

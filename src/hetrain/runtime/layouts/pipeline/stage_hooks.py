@@ -71,6 +71,10 @@ class StageHooks:
         step of `step_s` (the slowest replica's, of `splits`); {}: it does not."""
         return {}
 
+    def predicted_said(self, predicted: dict, *, stages: int, global_batch: int) -> str | None:
+        """Those figures (from predicted_step) in one line for the log; None: nothing to say."""
+        return None
+
 
 def of_job(job) -> StageHooks:
     """The job's device, as its pipeline stages ask it."""

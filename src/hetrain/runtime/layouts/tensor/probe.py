@@ -46,13 +46,13 @@ RUNS = 8
 
 def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, *, forward: Callable,
                  device: torch.device, precision: str, speeds: Sequence[float],
-                 measuring: DeviceMeasuring | None = None, runs: int = RUNS, throttle=None) -> dict:
+                 measuring: DeviceMeasuring | None = None, runs: int = RUNS) -> dict:
     """A step of the model split by `speeds` over the job's ranks (a collective: every rank calls
     it with the same model and its own batch of the same rows). Returns {"fb_s" (forward +
     backward, the slowest rank), "opt_s" (the optimizer step), "runs", "micro_batch", "memory"
     (every rank's [state bytes, activation bytes] at those rows, in rank order)}, each rank's
     compute through a fresh pace of its device (`measuring`: DeviceHooks.measuring; None: as it
-    comes; `throttle`, the keyword callers passed before, anything with a `pace()`). Raises
+    comes). Raises
     UsageError where the model has no layers to split (the caller skips TP then)."""
     from .shard import compute_share, rebuild, shard
 
@@ -63,7 +63,7 @@ def time_tp_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     done = shard(sharded, speeds=list(speeds))
     new = dict(sharded.named_parameters())
     opt = rebuild(stateless(optimizer), {p: [new[m] for m in done.renamed.get(n, (n,))] for p, n in names.items()})
-    own = paced_by(measuring, throttle)
+    own = paced_by(measuring)
     own.sharded(compute_share(sharded))       # this rank's part of the model, as tensor/loop.py tells the hooks
     rows = batch_rows(batch) or 1
 
