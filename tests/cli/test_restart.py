@@ -76,58 +76,68 @@ def clean_ckpt(clean_run, tmp: Path) -> Path:
     return Path(shutil.copytree(clean_run[1], tmp / "ckpt"))
 
 
-def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(tmp_path, clean):
-    faults = ("die:rank=1,step=3;"                              # at the start of a step
-              "die:rank=0,step=5,phase=backward,attempt=1;"     # inside the gradient sync
-              "die:rank=1,step=8,phase=checkpoint,attempt=2")   # while a checkpoint is written
-    result, out, ckpt = run(tmp_path, "killed", 10, faults=faults, restarts=3)
+# One job through every fault a restart gets past, one per attempt (each fault fires in its own
+# restart attempt): a launch and its ranks' imports for each fault, not a clean first attempt too.
+FAULTS = ("die:rank=1,step=3;"                              # at the start of a step
+          "die:rank=0,step=5,phase=backward,attempt=1;"     # inside the gradient sync
+          "die:rank=1,step=8,phase=checkpoint,attempt=2;"   # while a checkpoint is written
+          "oom:rank=1,step=7,escape=1,attempt=3;"           # an OOM outside hetrain's recovery
+          "stall:rank=0,step=9,attempt=4")                  # a hang: --timeout makes it an error
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faulty")
+    result, out, ckpt = run(tmp, "faulty", 10, faults=FAULTS, restarts=5, extra=("--timeout", "8"))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("resumed from step-") == 3          # one resume per kill
+    return result, out, ckpt
+
+
+def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(faulty, clean):
+    result, out, ckpt = faulty
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert len(resumed) == 5, resumed                                 # one resume per fault
+    # die at step 3 -> step 2; in step 5's sync -> step 4; writing step 8's -> step 6
+    for step in ("step-00000002", "step-00000004", "step-00000006"):
+        assert any(f"resumed from {step}" in line for line in resumed[:3]), resumed
     assert_close(params(out), clean)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])   # the LR schedule resumed too
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
-def test_resume_on_fewer_devices_keeps_the_cursor(tmp_path, clean):
+def test_resume_on_fewer_devices_keeps_the_cursor_and_a_truncated_checkpoint_is_passed_over(tmp_path, clean):
+    # Three devices for 4 steps (checkpoints at 2 and 4); the newest is cut; two devices go on to 10:
+    # they report it, resume from the one before and end where the uninterrupted job did.
     ckpt = tmp_path / "shared-ckpt"
     first, _, _ = run(tmp_path, "three", 4, emulate="a100-80g,rtx3090,t4", ckpt=ckpt)
     assert first.returncode == 0, first.stderr[-3000:]
+    newest = ckpt / "step-00000004"
+    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     second, out, _ = run(tmp_path, "two", 10, ckpt=ckpt)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from step-00000004" in second.stdout and "re-planned for 2 devices" in second.stdout
+    assert "step-00000004 is unusable" in second.stdout and "truncated" in second.stdout
+    assert "resumed from step-00000002" in second.stdout and "re-planned for 2 devices" in second.stdout
     assert_close(params(out), clean)          # big-batch math: the world size does not change it
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
-def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, clean_run, clean):
-    # The finished job's checkpoints (one launch fewer than making them here): the newest is cut,
-    # the job is run again and resumes from the one before, ending where the uninterrupted one did.
-    ckpt = clean_ckpt(clean_run, tmp_path)
-    newest = ckpt / "step-00000010"
-    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    second, out, _ = run(tmp_path, "second", 10, ckpt=ckpt)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "step-00000010 is unusable" in second.stdout and "truncated" in second.stdout
-    assert "resumed from step-00000008" in second.stdout
+def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(faulty, clean):
+    result, out, _ = faulty
     assert_close(params(out), clean)
-
-
-def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(tmp_path, clean):
-    result, out, _ = run(tmp_path, "escaped", 10, faults="oom:rank=1,step=5,escape=1", restarts=1)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "after an out-of-memory error ended the previous attempt: rank 1 micro-batch" in result.stdout
-    assert_close(params(out), clean)
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert "resumed from step-00000006" in resumed[3], resumed      # the OOM in step 7
 
 
 @pytest.mark.slow
-def test_a_hung_rank_becomes_an_error_and_a_restart(tmp_path, clean):
-    result, out, ckpt = run(tmp_path, "hung", 10, faults="stall:rank=0,step=4", restarts=1,
-                            extra=("--timeout", "8"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from step-00000004" in result.stdout
+def test_a_hung_rank_becomes_an_error_and_a_restart(faulty, clean):
+    result, out, ckpt = faulty
     assert_close(params(out), clean)
     assert_each_sample_once_per_epoch(ckpt, 10)
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert "resumed from step-00000008" in resumed[4], resumed      # the hang in step 9
+    assert result.stdout.count("resumed from step-") == 5           # no attempt beyond the five faults
 
 
 def one_line(result, *words):
@@ -147,9 +157,14 @@ def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, clea
 
 
 def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
-    blocker = tmp_path / "file"
+    """Bad input stops the job at once: --max-restarts is for failures a restart can get past."""
+    blocker, attempts = tmp_path / "file", tmp_path / "attempts.txt"
     blocker.write_text("not a directory")
-    one_line(run(tmp_path, "x", 2, ckpt=blocker / "ckpt")[0], "not writable")
+    result = run(tmp_path, "x", 2, ckpt=blocker / "ckpt", restarts=3, extra=("--attempts", str(attempts)))[0]
+    one_line(result, "not writable")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert "is not writable" in errors[0], result.stderr[-2000:]
+    assert attempts.read_text().split() == ["0", "0"]       # both ranks, first attempt only
     one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
              "no whole checkpoint", "resume='auto'")
 

@@ -47,9 +47,10 @@ def test_a_sweep_places_by_memory_prunes_and_prints_the_table(tmp_path):
     assert "pruner: median (pruning starts after 2 finished trial(s)" in r.stderr      # the pruner as set
     pruned = sum(t["state"] == "pruned" for t in ran.values())                         # and how trials count
     assert f"{pruned} pruned" in r.stdout and "all count toward --trials" in r.stdout
-    # run again on the same storage: the study is complete, nothing more runs
-    again = hetrain("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
-                    "--emulate-sample-s", "0.002")
+    # run again on the same storage: the study is complete, nothing more runs (no worker starts, so
+    # in this process)
+    again = hetrain_here("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
+                         "--emulate-sample-s", "0.002")
     assert again.returncode == 0 and "8 trial(s) already finished; 0 to go" in again.stderr, again.stderr
 
 
@@ -187,8 +188,8 @@ def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
     assert len(set(lrs)) == len(lrs)                          # no hyperparameters run twice
     ran = json.loads((tmp_path / "again.json").read_text())["trials_run"]
     assert len(ran) == 6 - len(done_before)                   # this run ran only what was missing
-    # complete: the same command once more runs nothing
-    third = hetrain("sweep", *args)
+    # complete: the same command once more runs nothing (no worker starts, so in this process)
+    third = hetrain_here("sweep", *args)
     assert third.returncode == 0 and "6 trial(s) already finished; 0 to go" in third.stderr, third.stderr
 
 
