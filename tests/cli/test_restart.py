@@ -1,5 +1,6 @@
 """Crashes, hangs and resumes through `hetrain run`: the job finishes with the parameters of an
-uninterrupted run, and the sample log holds every sample exactly once per epoch."""
+uninterrupted run (one process's training, computed here), its sample log holds one process's
+samples step by step, every sample exactly once per epoch; bad input stops it at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from clirun import hetrain
 from hetrain.runtime.resilience.resume import read_sample_log
+from resilient_reference import assert_samples_of_one_process, one_process
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 PAIR = "a100-80g,rtx3090"
@@ -54,26 +56,17 @@ def assert_each_sample_once_per_epoch(ckpt: Path, steps: int):
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-    """The uninterrupted 10-step job: its parameters, and its checkpoint directory (steps 6, 8 and
-    10 kept) for tests that need a finished job's checkpoints. They copy it (`clean_ckpt`)."""
-    tmp = tmp_path_factory.mktemp("clean")
-    result, out, ckpt = run(tmp, "clean", 10)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
-    return params(out), ckpt
+def clean():
+    """What the uninterrupted 10-step job ends with: one process's training, computed here
+    (resilient_reference.py); every job below must end there, on one process's samples."""
+    return one_process(10)
 
 
-@pytest.fixture(scope="module")
-def clean(clean_run):
-    return clean_run[0]
-
-
-def clean_ckpt(clean_run, tmp: Path) -> Path:
-    """A copy of the uninterrupted job's checkpoint directory, this test's to change."""
+def finished_ckpt(faulty, tmp: Path) -> Path:
+    """A copy of a finished job's checkpoint directory (the faulty job's), this test's to change."""
     import shutil
 
-    return Path(shutil.copytree(clean_run[1], tmp / "ckpt"))
+    return Path(shutil.copytree(faulty[2], tmp / "ckpt"))
 
 
 # One job through every fault a restart gets past, one per attempt (each fault fires in its own
@@ -90,6 +83,9 @@ def faulty(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faulty")
     result, out, ckpt = run(tmp, "faulty", 10, faults=FAULTS, restarts=5, extra=("--timeout", "8"))
     assert result.returncode == 0, result.stderr[-4000:]
+    # the last step's checkpoint written, none left half-written by the kills
+    names = sorted(p.name for p in ckpt.glob("step-*"))
+    assert names[-1] == "step-00000010" and all(n[len("step-"):].isdigit() for n in names), names
     return result, out, ckpt
 
 
@@ -101,6 +97,7 @@ def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(faulty, cle
     for step in ("step-00000002", "step-00000004", "step-00000006"):
         assert any(f"resumed from {step}" in line for line in resumed[:3]), resumed
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])   # the LR schedule resumed too
     assert_each_sample_once_per_epoch(ckpt, 10)
 
@@ -119,12 +116,16 @@ def test_resume_on_fewer_devices_keeps_the_cursor_and_a_truncated_checkpoint_is_
     assert "step-00000004 is unusable" in second.stdout and "truncated" in second.stdout
     assert "resumed from step-00000002" in second.stdout and "re-planned for 2 devices" in second.stdout
     assert_close(params(out), clean)          # big-batch math: the world size does not change it
+    assert_samples_of_one_process(ckpt, 10)
+    # the newest three checkpoints kept (Checkpoints' default keep=3), all written by this job
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
 def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(faulty, clean):
-    result, out, _ = faulty
+    result, out, ckpt = faulty
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert "after an out-of-memory error ended the previous attempt: rank 1 micro-batch" in result.stdout
     resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
     assert "resumed from step-00000006" in resumed[3], resumed      # the OOM in step 7
@@ -134,6 +135,7 @@ def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(faulty
 def test_a_hung_rank_becomes_an_error_and_a_restart(faulty, clean):
     result, out, ckpt = faulty
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert_each_sample_once_per_epoch(ckpt, 10)
     resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
     assert "resumed from step-00000008" in resumed[4], resumed      # the hang in step 9
@@ -148,8 +150,8 @@ def one_line(result, *words):
         assert w in result.stderr, result.stderr
 
 
-def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, clean_run):
-    ckpt = clean_ckpt(clean_run, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
+def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, faulty):
+    ckpt = finished_ckpt(faulty, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
     before = sorted(p.name for p in ckpt.iterdir())
     result, _, _ = run(tmp_path, "b", 12, ckpt=ckpt, extra=("--width", "64"))   # a job that goes on from it
     one_line(result, "different model", "new Checkpoints(dir=...)")
@@ -223,6 +225,7 @@ def test_sigterm_and_sigint_stop_at_a_saved_step_and_the_resumed_job_equals_an_u
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"resumed from step-{logged2:08d}" in third.stdout
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])
     assert_each_sample_once_per_epoch(ckpt, 10)
 
