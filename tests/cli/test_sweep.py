@@ -195,9 +195,10 @@ def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
 
 def test_a_worker_killed_mid_trial_fails_that_trial_and_a_new_worker_takes_over(tmp_path):
     db, out = tmp_path / "s.db", tmp_path / "s.json"
-    # one device, so the trials after the kill can only run on its new worker; ~8 s a trial
+    # one device, so the trials after the kill can only run on its new worker; ~4 s a trial, so
+    # trial 0 has ~3 s of steps left after its first report, when the poll sees it and kills
     args = [str(OBJECTIVE), "--emulate", "a100-80g@64MiB", "--trials", "3", "--storage", str(db),
-            "--emulate-sample-s", "0.04", "--pruner", "none", "--json", str(out)]
+            "--emulate-sample-s", "0.02", "--pruner", "none", "--json", str(out)]
     proc = start_sweep(tmp_path, "sweep", *args)
     try:
         at = wait_for(proc, db, lambda ts: 0 in ts and ts[0]["state"] == "RUNNING" and ts[0]["reports"] >= 1
