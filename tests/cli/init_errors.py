@@ -6,11 +6,15 @@ from __future__ import annotations
 import os
 
 
-def raise_case(rank: int, world: int, code: str, cwd: str):
-    """Run `code` as a script's __main__ in `cwd`: (type name, what, fix) of what it raised, or None."""
+def raise_case(rank: int, world: int, code: str, cwd: str, argv: tuple[str, ...] = ()):
+    """Run `code` as a script's __main__ in `cwd`, with `argv` after the script's name: (type name,
+    what, fix) of what it raised, or None."""
+    import sys
+
     from hetrain.errors import HetrainError
 
     os.chdir(cwd)
+    sys.argv = [os.path.join(cwd, "s.py"), *argv]
     try:
         exec(compile(code, os.path.join(cwd, "s.py"), "exec"), {"__name__": "__main__"})
     except HetrainError as e:
