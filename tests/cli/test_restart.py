@@ -167,8 +167,18 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
     assert "is not writable" in errors[0], result.stderr[-2000:]
     assert attempts.read_text().split() == ["0", "0"]       # both ranks, first attempt only
-    one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
-             "no whole checkpoint", "resume='auto'")
+    # nothing to resume under resume='must': the script in the pair's forked ranks (tests/harness.py),
+    # not a launch; what `hetrain run` makes of a UsageError raised there is the run above
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    code = Path(SCRIPT).read_text().replace("Emulation(sample_s=", f"Emulation(cluster={PAIR!r}, sample_s=")
+    got = run_ranks(raise_case, 2, code, str(tmp_path), ("--steps", "2", "--out", str(tmp_path / "y.pt"),
+                                                         "--ckpt", str(tmp_path / "empty"), "--resume", "must"))
+    assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got      # agreed
+    _, what, fix = got[0]
+    assert "no whole checkpoint" in f"{what} {fix}" and "resume='auto'" in f"{what} {fix}", got
+    assert "\n" not in what + fix and not (tmp_path / "y.pt").exists()
 
 
 def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
