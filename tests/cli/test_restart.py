@@ -150,11 +150,28 @@ def one_line(result, *words):
         assert w in result.stderr, result.stderr
 
 
+def refused_in_ranks(tmp: Path, name: str, steps: int, ckpt: Path, *extra: str, words=()) -> None:
+    """The script on the pair, in tests/harness.py's forked ranks (no launch each): every rank
+    raises the same UsageError (agreed: printed once), one line and its fix, with `words`. What
+    `hetrain run` makes of a UsageError raised there, one line and exit 2, the launched refusal
+    (test_unwritable_checkpoint_dir_...) checks."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    code = Path(SCRIPT).read_text().replace("Emulation(sample_s=", f"Emulation(cluster={PAIR!r}, sample_s=")
+    got = run_ranks(raise_case, 2, code, str(tmp), ("--steps", str(steps), "--out", str(tmp / f"{name}.pt"),
+                                                    "--ckpt", str(ckpt), *extra))
+    assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got      # agreed
+    _, what, fix = got[0]
+    assert "\n" not in what + fix and all(w in f"{what} {fix}" for w in words), got
+    assert not (tmp / f"{name}.pt").exists()
+
+
 def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, faulty):
     ckpt = finished_ckpt(faulty, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
     before = sorted(p.name for p in ckpt.iterdir())
-    result, _, _ = run(tmp_path, "b", 12, ckpt=ckpt, extra=("--width", "64"))   # a job that goes on from it
-    one_line(result, "different model", "new Checkpoints(dir=...)")
+    refused_in_ranks(tmp_path, "b", 12, ckpt, "--width", "64",                  # a job that goes on from it
+                     words=("different model", "new Checkpoints(dir=...)"))
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
@@ -167,18 +184,9 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
     assert "is not writable" in errors[0], result.stderr[-2000:]
     assert attempts.read_text().split() == ["0", "0"]       # both ranks, first attempt only
-    # nothing to resume under resume='must': the script in the pair's forked ranks (tests/harness.py),
-    # not a launch; what `hetrain run` makes of a UsageError raised there is the run above
-    from harness import run_ranks
-    from init_errors import raise_case
-
-    code = Path(SCRIPT).read_text().replace("Emulation(sample_s=", f"Emulation(cluster={PAIR!r}, sample_s=")
-    got = run_ranks(raise_case, 2, code, str(tmp_path), ("--steps", "2", "--out", str(tmp_path / "y.pt"),
-                                                         "--ckpt", str(tmp_path / "empty"), "--resume", "must"))
-    assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got      # agreed
-    _, what, fix = got[0]
-    assert "no whole checkpoint" in f"{what} {fix}" and "resume='auto'" in f"{what} {fix}", got
-    assert "\n" not in what + fix and not (tmp_path / "y.pt").exists()
+    # nothing to resume under resume='must'
+    refused_in_ranks(tmp_path, "y", 2, tmp_path / "empty", "--resume", "must",
+                     words=("no whole checkpoint", "resume='auto'"))
 
 
 def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
@@ -252,8 +260,9 @@ def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp
     holder = hold(ckpt, CHECKPOINT_LOCK)
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
     try:
-        result, _, _ = run(tmp_path, "second", 2, ckpt=ckpt)
-        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another Checkpoints(dir=...)")
+        refused_in_ranks(tmp_path, "second", 2, ckpt,
+                         words=("is in use by another hetrain job", f"pid {holder.pid} on host",
+                                "another Checkpoints(dir=...)"))
     finally:
         holder.kill()
         holder.wait()
