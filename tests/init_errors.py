@@ -1,4 +1,4 @@
-"""A training script's first lines run in a rank of tests/harness.py's process group (a forked
+"""A training script's first lines run in a rank of harness.py's process group (a forked
 process, no torch import of its own): the error they raise, for the malformed-input tests."""
 
 from __future__ import annotations
