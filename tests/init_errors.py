@@ -1,5 +1,6 @@
 """A training script's first lines run in a rank of harness.py's process group (a forked
-process, no torch import of its own): the error they raise, for the malformed-input tests."""
+process, no torch import of its own): the error they raise. The CLI tests check a refusal
+raised in the ranks this way, and launch `hetrain run` once per kind of refusal."""
 
 from __future__ import annotations
 
