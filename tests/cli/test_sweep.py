@@ -148,8 +148,9 @@ def group_gone(pgid: int, deadline_s: float = 60) -> bool:
 
 def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
     db = tmp_path / "s.db"
-    # 6 steps of 32 samples at 30 ms: a trial lasts ~6 s on the A100, ~9 s on the 3090
-    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db), "--emulate-sample-s", "0.03"]
+    # 6 steps of 32 samples at 15 ms: a trial lasts ~3 s on the A100, ~4.5 s on the 3090; a trial
+    # seen running with a report has a step (0.5-0.7 s) or more left when the kill follows the poll
+    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db), "--emulate-sample-s", "0.015"]
     proc = start_sweep(tmp_path, "first", *args)
     try:
         wait_for(proc, db, lambda ts: any(t["state"] == "COMPLETE" for t in ts.values()) and any(
