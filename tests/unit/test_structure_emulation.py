@@ -21,11 +21,9 @@ MOST_FILES_WITH_WORDS = 11
 # The modules that import the emulator, each for what it takes; a new one is a decision, made here.
 IMPORTERS = {
     "runtime/engine.py": "the one factory of a job's device hooks; an emulated device's process and host facts; "
-                         "the nodes joined with each node's --emulate spec (emulation/islands.py)",
-    "runtime/setup.py": "the emulated inter-node link refused on real GPUs",
-    "runtime/layouts/data_setup.py": "the emulated inter-node link in DDP's gradient hook",
+                         "the nodes joined with each node's --emulate spec (emulation/islands.py); "
+                         "the emulated inter-node link refused on real GPUs",
     "runtime/measure/measurements.py": "what devices sharing the host make of the measurements (measuring.py)",
-    "runtime/memory/device_memory.py": "the meter's reading as the device's memory",
     "cli/train.py": "the --emulate option, its link and fault checks (emulation/cli.py)",
     "cli/planning.py": "the --emulate option and the controlled clock's hidden options",
     "cli/bench.py": "the --emulate option, one machine's devices, the no-GPU error",
@@ -62,6 +60,7 @@ def test_only_the_named_modules_import_the_emulator():
     found = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
              if PACKAGE not in p.parents and _imports_emulation(p)}
     assert found <= set(IMPORTERS), f"new importers of hetrain.emulation (name each in IMPORTERS): {found - set(IMPORTERS)}"
+    assert found >= set(IMPORTERS), f"IMPORTERS names modules that no longer import it (drop them): {set(IMPORTERS) - found}"
 
 
 def test_plan_options_hold_no_emulator_figures():
