@@ -253,6 +253,7 @@ class Throttle:
         self._rng = random.Random(seed)
         self.cpu_seconds = 0.0      # compute measured (unthrottled)
         self.slept_seconds = 0.0
+        self.overslept_s = 0.0      # the host's lateness waking from those sleeps: its time, not the device's
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
         self.asynchronous = asynchronous
@@ -298,7 +299,9 @@ class Throttle:
         """The host waits for the device: sleep what is owed."""
         if self.owed > 0:
             self.slept_seconds += self.owed
+            t0 = time.perf_counter()
             time.sleep(self.owed)
+            self.overslept_s += max(0.0, time.perf_counter() - t0 - self.owed)
             self.owed = 0.0
 
     def pay(self, cpu_seconds: float) -> None:

@@ -89,7 +89,9 @@ class DeviceClock:
     Off CUDA the base is this thread's CPU time, or with `wall=True` the host's clock (for pieces
     with no communication inside, whose wall time is their compute: pipeline stages). A `throttle`
     (an emulated device) adds the compute it charged, slept or still owed; with the wall base its
-    sleeps are taken out of the wall time so nothing counts twice."""
+    sleeps are taken out of the wall time so nothing counts twice, and so is the host's lateness
+    waking from them (on a busy host, milliseconds a sleep): the device's time is what it charged,
+    not when this process next got a core."""
 
     def __init__(self, device: torch.device, *, throttle=None, wall: bool = False):
         self.device = device
@@ -108,7 +110,7 @@ class DeviceClock:
         base = host() if self.wall else thread_cpu()
         if t is None:
             return base
-        return base + t.charged_s - (t.slept_seconds if self.wall else 0.0)
+        return base + t.charged_s - (t.slept_seconds + t.overslept_s if self.wall else 0.0)
 
     def seconds(self, start, end) -> float:
         if self.cuda:
