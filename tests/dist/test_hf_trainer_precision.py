@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from harness import run_ranks
+from harness import free_port, run_ranks
 from hf_tiny import Tokens, gpt2
 
 pytestmark = [pytest.mark.dist,
@@ -51,9 +51,17 @@ def write_plan(path) -> str:
     return str(path)
 
 
-def worker(rank, world, out_dir, plan_path, runs):
-    """Each of `runs` ({name: TrainingArguments' extra keywords}) in turn, in this one process group."""
-    return {name: train(f"{out_dir}/{name}", plan_path, kw) for name, kw in runs.items()}
+def worker(rank, world, out_dir, plan_path, runs, ports):
+    """Each of `runs` ({name: TrainingArguments' extra keywords}) in turn, in this one set of
+    processes, each on a port of its own (a run's data workers, forked from rank 0, hold its
+    store's listening socket until they exit)."""
+    import os
+
+    out = {}
+    for (name, kw), port in zip(runs.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        out[name] = train(f"{out_dir}/{name}", plan_path, kw)
+    return out
 
 
 def train(out_dir, plan_path, kw):
@@ -84,7 +92,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_precision")
     results = run_ranks(worker, 2, str(tmp), write_plan(tmp / "plan.json"),
                         {"fused": {"fp16": True, "optim": "adamw_torch_fused", "dataloader_num_workers": 2},
-                         "plain": {"fp16": True, "optim": "adamw_torch"}, "bf16": {"bf16": True}}, timeout=400)
+                         "plain": {"fp16": True, "optim": "adamw_torch"}, "bf16": {"bf16": True}},
+                        [free_port() for _ in range(3)], timeout=400)
     return {name: [r[name] for r in results] for name in results[0]}
 
 
