@@ -207,6 +207,7 @@ class Throttle:
         self._rng = random.Random(seed)
         self.cpu_seconds = 0.0      # compute measured (unthrottled)
         self.slept_seconds = 0.0
+        self.overslept_s = 0.0      # the host's lateness waking from those sleeps: its time, not the device's
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
         self.asynchronous = asynchronous
@@ -220,8 +221,10 @@ class Throttle:
 
     def ahead_s(self, wall: bool) -> float:
         """What the device's clock adds to its base (clock.EmulatedClock): the compute charged beyond
-        the CPU's; on the wall base less what was slept, which the wall time holds already."""
-        return self.charged_s - (self.slept_seconds if wall else 0.0)
+        the CPU's; on the wall base less what was slept, which the wall time holds already, and less
+        the host's lateness waking from those sleeps (on a busy host, milliseconds a sleep): the
+        device's time is what it charged, not when this process next got a core."""
+        return self.charged_s - (self.slept_seconds + self.overslept_s if wall else 0.0)
 
     def waited_s(self) -> float:
         return self.slept_seconds
@@ -266,7 +269,9 @@ class Throttle:
         """The host waits for the device: sleep what is owed."""
         if self.owed > 0:
             self.slept_seconds += self.owed
+            t0 = time.perf_counter()
             time.sleep(self.owed)
+            self.overslept_s += max(0.0, time.perf_counter() - t0 - self.owed)
             self.owed = 0.0
 
     def pay(self, cpu_seconds: float) -> None:

@@ -87,6 +87,25 @@ def test_a_pipeline_piece_reads_its_device_time_where_a_host_clock_misses_it_asy
         assert statistics.median(old) == pytest.approx(1 / speed, rel=0.2)
 
 
+def test_a_piece_on_the_controlled_clock_lasts_its_length_however_late_the_host_wakes(monkeypatch):
+    """A busy host wakes a sleeping process late (milliseconds a sleep, under load): that lateness
+    is the host's, not the device's. A pipeline piece on the controlled clock reads its length on
+    the device's clock (wall base) whatever the host added to the sleep that made it up."""
+    import hetrain.emulation.device as emulated
+
+    real_sleep, late = time.sleep, 0.03
+    monkeypatch.setattr(emulated.time, "sleep", lambda s: real_sleep(s + late))
+    throttle = Throttle(0.5, sample_s=0.01)
+    device = EmulatedClock(CPU, throttle, wall=True)
+    length = 0.02                                          # the piece's share of the clock at speed 1
+    start, t0 = device.mark(), time.perf_counter()
+    c0 = time.thread_time()
+    spin(0.002)
+    throttle.pay_clocked(length, time.thread_time() - c0, time.perf_counter() - t0)
+    assert time.perf_counter() - t0 >= length / 0.5 + late                 # the host woke late ...
+    assert device.seconds(start, device.mark()) == pytest.approx(length / 0.5, abs=0.005)   # ... the device did not
+
+
 def test_the_optimizer_part_is_read_on_the_device_clock_under_the_async_mode():
     """fixed_s (the step's optimizer part): read as a busy-clock difference around the optimizer,
     and by fixed_start/fixed_end. The old busy clock (CPU + slept) read only the CPU under async."""
