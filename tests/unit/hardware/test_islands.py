@@ -170,7 +170,7 @@ def test_an_emulated_gaudi_gets_bf16_from_its_catalog_flag():
     for name, bf16 in (("gaudi2", True), ("mi300x", True), ("v100", False)):
         emulated = EmulatedDevice(parse_cluster(name)[0])
         assert emulated.spec.gpu == catalog.resolve(name)
-        assert device_facts("cpu", emulated=emulated).real_bf16 is bf16, name
+        assert device_facts("cpu", given=emulated).real_bf16 is bf16, name
 
 
 def test_emulated_nodes_of_different_vendors_join_as_islands():

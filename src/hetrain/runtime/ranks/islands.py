@@ -122,13 +122,12 @@ class IslandGroups:
         return self.native_ranks[0]
 
 
-def make_groups(islands: Islands, *, rank: int, timeout=None, **_older) -> IslandGroups:
+def make_groups(islands: Islands, *, rank: int, timeout=None) -> IslandGroups:
     """Every group of the job (a collective: every rank makes every group, in the same order, as
     new_group requires), each island's on its backend (`Islands.backends`: gloo where the ranks
     hold host tensors); the modelled links are attached above this layer (runtime/sharding/
     island_hooks.py attach_links). `timeout`: the job's collective timeout (a timedelta; None:
-    torch's default, 30 minutes for a hung peer). An older signature's flag about the devices is
-    accepted and ignored: the islands' backends decide."""
+    torch's default, 30 minutes for a hung peer)."""
     extra = {} if timeout is None else {"timeout": timeout}
     native = bridge = None
     native_ranks: tuple[int, ...] = ()
@@ -206,15 +205,14 @@ def spec_links(cluster) -> tuple[float | None, dict]:
     return bridge, links
 
 
-def pipeline_groups(islands: Islands, grid, *, rank: int, timeout, **_older) -> tuple:
+def pipeline_groups(islands: Islands, grid, *, rank: int, timeout) -> tuple:
     """(this rank's pipeline group, its data-parallel group) of a DP×PP mesh (`grid`: a row per
     replica, its stages' ranks) over islands, as the research practice runs it: the replicas of a
     stage (a column) on one island, summing their gradients on its native backend; a replica's
     pipeline (a row) across islands over gloo, the bridge. A collective: every rank makes every
     group, in the same order. A column that spans islands is refused: its gradient sum would have
     to cross the bridge every step (data parallel across islands: parallel='dp'). Each stage's
-    group runs on its island's backend (`Islands.backends`); an older signature's flag about the
-    devices is accepted and ignored."""
+    group runs on its island's backend (`Islands.backends`)."""
     from ...errors import UsageError
 
     for s in range(len(grid[0])):

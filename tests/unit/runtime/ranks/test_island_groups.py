@@ -90,7 +90,7 @@ def test_the_bridge_groups_are_gloo_whatever_the_islands_backends(monkeypatch):
     assert groups.native_ranks == (0, 1) and groups.bridge_ranks == (1, 3) and groups.index == 1
     made.clear()
     on_host = isl.Islands(island_of=layout.island_of, backends={"nv": "gloo", "amd": "gloo"})
-    isl.make_groups(on_host, rank=1, emulated=True)      # host tensors: every group gloo (an older flag ignored)
+    isl.make_groups(on_host, rank=1)                     # host tensors: every group gloo
     assert {b for _, b in made} == {"gloo"}
     uneven = isl.Islands(island_of=("nv", "nv", "amd"), backends={"nv": "nccl", "amd": "nccl"})
     made.clear()
