@@ -196,7 +196,7 @@ def card_policy(precision: str, spec: str, rank: int = 0):
     from hetrain.runtime.devices.precision_policy import PrecisionPolicy
 
     return PrecisionPolicy.local(precision, device=torch.device("cpu"), host=host_facts(),
-                                 emulated=EmulatedDevice(parse_cluster(spec)[rank]))
+                                 given=EmulatedDevice(parse_cluster(spec)[rank]))
 
 
 def card_autocast(precision: str, spec: str, rank: int = 0):

@@ -38,6 +38,7 @@ def hierarchical(tensor, islands: list[list[int]], bridge_gbs: float, island_gbs
     the groups are made once per process."""
     import torch.distributed as dist
 
+    from hetrain.emulation.islands import paced_link
     from hetrain.runtime.ranks.islands import Islands, make_groups
     from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
@@ -48,8 +49,8 @@ def hierarchical(tensor, islands: list[list[int]], bridge_gbs: float, island_gbs
             for r in ranks:
                 island_of[r] = f"i{k}"
         links = {f"i{k}": island_gbs for k in range(len(islands))} if island_gbs else {}
-        groups = attach_links(make_groups(Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links),
-                                          rank=dist.get_rank(), emulated=True))
+        groups = attach_links(make_groups(Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links,
+                                                  link=paced_link), rank=dist.get_rank()))
         _GROUPS[key] = IslandSync(groups, world_size=1, device=tensor.device)   # world 1: a sum, not a mean
     _GROUPS[key].reduce(tensor).wait()
 

@@ -51,7 +51,7 @@ def worker_plain(args) -> tuple[float, str]:
     from hetrain.runtime.sharding.comm_hooks import GradientHook
 
     def link(ddp, world):
-        install(ddp, GradientHook(args.compression, throttle=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
+        install(ddp, GradientHook(args.compression, link=LinkThrottle(gbs=args.link_gbs, ring=world)), guard=False)
 
     return plain_ddp(args, hook=link)[0], args.compression
 

@@ -83,7 +83,7 @@ def worker(args) -> dict:
     seconds = timed_steps(ht, model, batches, warmup=args.warmup, loss=lambda m, batch: loss_of(m, *batch),
                           on_step=lambda step: ends.append(time.perf_counter()))
     steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
-    throttle = ht.job.emulated.throttle        # this rank's clock: T x its share of the model's Linears
+    throttle = ht.emulated.throttle        # this rank's clock: T x its share of the model's Linears
     got = {"samples_per_s": args.steps * args.global_batch / seconds, "step_s": steps,
            "speeds": [round(d.speed, 3) for d in ht.plan.devices],
            "micro_batch": [d.micro_batch for d in ht.plan.devices],

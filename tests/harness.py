@@ -38,6 +38,10 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, caller_env: dict, 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                        "OMP_NUM_THREADS": "1", **env})
+    # A rank of the fork server inherits its start method ('forkserver'): a DataLoader's workers
+    # would then start through a fork server of the rank's own, importing torch anew (8 s a rank,
+    # measured on a busy 2-core host). torchrun's ranks fork their workers (Linux's default): so do these.
+    mp.set_start_method("fork", force=True)
     import torch
 
     torch.set_num_threads(1)

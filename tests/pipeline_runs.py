@@ -127,7 +127,7 @@ def train(case: str, *, n: int, global_batch: int, steps: int, parallel, grad_cl
             speed=ht.emulated.spec.speed if emulate else 1.0,
             # on the controlled clock: the split's stages at speed 1, and a micro-batch's clocked seconds here
             stage_s_at_speed_1=[st.seconds_per_micro * st.speed for st in pipe.split.stages],
-            clocked_micro_s=pipe._clocked_micro_s(pipe.split.micro_batch_size),
+            clocked_micro_s=pipe.given_micro_s(pipe.split.micro_batch_size),
             # the throttle's books: the compute it timed (the stage's pieces, the optimizer step)
             # and the sleeps, slept or still owed
             throttled_s=ht.emulated.throttle.cpu_seconds if emulate else 0.0,

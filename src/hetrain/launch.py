@@ -111,7 +111,7 @@ def build_launch(*, target: str, target_args: tuple[str, ...] = (), module: bool
         from .hardware.host import host_facts
 
         host = host_facts()
-        reasons.append(f"host CPU: {host.describe()}: {host.emulation_meaning()}")
+        reasons.append(f"host CPU: {host.describe()}: {host.precision_meaning()}")
         if host.note:
             reasons.append(host.note)
     else:

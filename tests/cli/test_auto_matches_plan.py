@@ -124,7 +124,7 @@ def given(speeds, memory, *, link_s=1e-4, act=0.1 * MB, tp=None) -> Measurements
                                    memory_bytes=None if m is None else int(m))
                      for i, (v, m) in enumerate(zip(speeds, memory)))
     return Measurements(labels=tuple(p.device for p in profiles), precisions=("fp32",) * n, profiles=profiles,
-                        grad_bytes=4 * P, host_cores=16, allreduce_s=(link_s,) * n, sync_s=((link_s,) * 3,) * n,
+                        grad_bytes=4 * P, cpu_cores=16, allreduce_s=(link_s,) * n, sync_s=((link_s,) * 3,) * n,
                         compute_s=((0.0,) * 3,) * n, agree_s=(1e-4,) * n, probe_size=4, tp=tp)
 
 

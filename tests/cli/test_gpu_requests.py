@@ -41,7 +41,14 @@ def test_a_gpu_named_in_cuda_visible_devices_where_torch_sees_none(script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a one-GPU process on a machine without GPUs")
-def test_a_local_rank_beyond_the_visible_gpus(script):
-    err = _one_line(hetrain("run", script, "fake-one-gpu", env={"CUDA_VISIBLE_DEVICES": "5"}, timeout=120))
-    assert "LOCAL_RANK=1 but this process sees 1 GPU(s) (CUDA_VISIBLE_DEVICES='5')" in err, err
-    assert "hetrain run --nproc 1" in err, err
+def test_a_local_rank_beyond_the_visible_gpus(tmp_path):
+    """The script in a forked rank (tests/harness.py), not a launch: what `hetrain run` makes of the
+    UsageError it raises there, one line with its fix and exit 2, the test above checks."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    (got,) = run_ranks(raise_case, 1, SCRIPT, str(tmp_path), ("fake-one-gpu",), env={"CUDA_VISIBLE_DEVICES": "5"})
+    assert got is not None and got[0] == "UsageError", got            # raised before "trained on the CPU"
+    _, what, fix = got
+    assert "LOCAL_RANK=1 but this process sees 1 GPU(s) (CUDA_VISIBLE_DEVICES='5')" in what, got
+    assert "hetrain run --nproc 1" in fix and "\n" not in what + fix, got

@@ -120,7 +120,7 @@ def test_table_output_on_a_recorded_machine(capsys):
 def test_planned_cluster_and_an_unknown_alias(capsys):
     code, out, _ = run_main(capsys, "doctor", "--json", "--cluster", "a100-80g,v100", "--psu-watts", "1000")
     data = json.loads(out)
-    assert code == 0 and [d["kind"] for d in data["devices"]] == ["emulated", "emulated"]
+    assert code == 0 and [d["kind"] for d in data["devices"]] == ["planned", "planned"]
     assert next(f for f in data["findings"] if f["check"] == "precision")["level"] == "warn"
     code, out, err = run_main(capsys, "doctor", "--cluster", "a100-80g,rtx9999")
     assert code == 2 and "unknown GPU 'rtx9999'" in err and out == ""

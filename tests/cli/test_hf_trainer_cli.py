@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from clirun import hetrain, one_line_error
+from clirun import hetrain
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason='needs pip install "hetrain[hf]"')
@@ -53,8 +53,14 @@ def test_a_trainer_script_trains_under_hetrain_run_with_one_main_process(tmp_pat
 
 
 def test_a_conflicting_training_argument_is_one_line_naming_the_fix(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    one_line_error(hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), str(tmp_path / "out"), "auto",
-                           timeout=300),
-                   "auto_find_batch_size=True", "remove auto_find_batch_size=True")
+    """The script in the pair's forked ranks (tests/harness.py, transformers imported once by its
+    server), not a launch: every rank raises the same UsageError, one line and its fix. What `hetrain
+    run` makes of a UsageError raised there, one line and exit 2, test_train_cli's launches check."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    got = run_ranks(raise_case, 2, SCRIPT, str(tmp_path), (str(tmp_path / "out"), "auto"))
+    assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got      # agreed
+    _, what, fix = got[0]
+    assert "auto_find_batch_size=True" in what and "remove auto_find_batch_size=True" in fix, got
+    assert "\n" not in what + fix, got

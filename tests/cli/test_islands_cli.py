@@ -97,7 +97,7 @@ def test_job_start_finds_islands_and_compares_versions_inside_each(monkeypatch, 
     rocm_b = {"torch": "2.5.1", "torch_cuda": None, "nccl": nccl, "driver": None, "cudnn": None}
     table = _records(rocm_b)
     job = nodes_mod.JobNodes(names=("dgx", "mi-a", "mi-b"), node_of=(0, 0, 1, 2))
-    monkeypatch.setattr(nodes_mod, "gather", lambda **k: (job, None, table))
+    monkeypatch.setattr(nodes_mod, "gather", lambda **k: (job, table))
     monkeypatch.setattr("hetrain.hardware.node_versions.versions_here", lambda: {})
     log = _Log()
     if nccl == "2.20.5":

@@ -379,23 +379,58 @@ SCRIPT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ["negative global batch", "unknown keyword", "checkpoint_dir in init", "checkpoint_every",
-                                  "plan file", "impossible stages", "stages beyond the job",
-                                  "stages beyond the blocks", "bogus sharding",
-                                  "sharding in Config", "plan for another layout"])
-def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
-    call, words = SCRIPT_CASES[case]
-    (tmp_path / "hello.json").write_text('"hello"')
-    (tmp_path / "dp.json").write_text(Plan(global_batch=8, devices=tuple(     # a data-parallel plan, 2 devices
+# Cases whose job has the two emulated devices (the rest: one process on this host's CPU)
+TWO_DEVICES = ("negative global batch", "impossible stages", "stages beyond the job", "stages beyond the blocks",
+               "plan for another layout")
+LAUNCHED = ("checkpoint_dir in init", "stages beyond the job")      # one job of each size, raised in init / prepare
+
+
+def case_files(tmp: Path, case: str) -> None:
+    call, _ = SCRIPT_CASES[case]
+    (tmp / "hello.json").write_text('"hello"')
+    (tmp / "dp.json").write_text(Plan(global_batch=8, devices=tuple(     # a data-parallel plan, 2 devices
         DevicePlan(rank=r, device=f"d{r}", speed=1.0, share=4, micro_batch=4) for r in range(2))).to_json())
-    (tmp_path / "s.py").write_text(f"import hetrain\n{call}\n")
-    emulate = ["--emulate", "a100-80g,rtx3090"] if case in ("negative global batch", "impossible stages",
-                                                            "stages beyond the job", "stages beyond the blocks",
-                                                            "plan for another layout") else []
+    (tmp / "s.py").write_text(f"import hetrain\n{call}\n")
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, case):
+    case_files(tmp_path, case)
+    emulate = ["--emulate", "a100-80g,rtx3090"] if case in TWO_DEVICES else []
     r = hetrain("run", *emulate, "s.py", cwd=str(tmp_path), env={"HETRAIN_CACHE": str(tmp_path / "cache")})
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hetrain: error")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(errors) == 1 and words in " ".join(r.stderr.splitlines()), r.stderr
+    assert len(errors) == 1 and SCRIPT_CASES[case][1] in " ".join(r.stderr.splitlines()), r.stderr
+
+
+def test_every_init_error_is_one_agreed_usage_error_in_the_jobs_ranks(tmp_path):
+    """Each case's script in the ranks of a job of its size (tests/harness.py's forked ranks, not a
+    launch each): every rank raises a UsageError, the same on each (agreed: printed once), one line
+    and its fix, saying the case's words. What `hetrain run` and plain python make of a UsageError
+    raised there, one line and exit 2, the launched tests here check."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    for case in SCRIPT_CASES:
+        if case == "junk rank":      # the rank's own environment: the plain-python test below
+            continue
+        tmp = tmp_path / case.replace(" ", "-")
+        tmp.mkdir()
+        case_files(tmp, case)
+        code = (tmp / "s.py").read_text()
+        if case in TWO_DEVICES and "Emulation(" not in code:      # as `hetrain run --emulate` gives it
+            code = code.replace("hetrain.init(global_batch=8",
+                                "hetrain.init(global_batch=8, emulation=hetrain.emulation.Emulation("
+                                "cluster='a100-80g,rtx3090')")
+            code = "import hetrain.emulation\n" + code
+        got = run_ranks(raise_case, 2 if case in TWO_DEVICES else 1, code, str(tmp),
+                        env={"HETRAIN_CACHE": str(tmp / "cache")})
+        assert len(set(got)) == 1, (case, got)                               # agreed
+        kind, what, fix = got[0] if got[0] else (None, "", None)
+        assert kind == "UsageError" and fix, (case, got[0])
+        assert "\n" not in what and "\n" not in fix, (case, got[0])
+        words = SCRIPT_CASES[case][1]
+        assert words in what or words in fix, (case, words, got[0])
 
 
 @pytest.mark.parametrize("case, env", [("checkpoint_every", {}), ("junk rank", {"RANK": "junk"})])

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from clirun import hetrain, hetrain_here
+from clirun import hetrain_here
 from hetrain.runtime.resilience.resume import read_sample_log
 from node_launch import Node, finish, free_port, job_flags, wait_for
+from resilient_reference import assert_samples_of_one_process, one_process
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "machines"
@@ -36,16 +37,7 @@ def assert_close(a, b, tol=1e-4):
     assert max((u - v).abs().max().item() for u, v in zip(a, b)) <= tol
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The reference: the same job in one process (one emulated device, no rendezvous)."""
-    tmp = tmp_path_factory.mktemp("one")
-    result = hetrain("run", "--emulate", "a100-80g", *train_args(tmp))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return params(tmp / "out.pt")
-
-
-def test_two_nodes_of_mixed_devices_train_as_one_process(tmp_path, one_process):
+def test_two_nodes_of_mixed_devices_train_as_one_process(tmp_path):
     port = free_port()
     flags = job_flags("2", port)
     nodes = [Node("a", [*flags, "--node-rank", "0", "--node-name", "box-a", "--emulate", "a100-80g",
@@ -59,10 +51,11 @@ def test_two_nodes_of_mixed_devices_train_as_one_process(tmp_path, one_process):
     assert "node 0 (box-a): rank 0 a100-80g#0" in a and "node 1 (box-b): rank 1 rtx3090#1" in a and "t4#2" in a
     assert "plan v0: global batch 16 over 3 device(s)" in a
     assert "hosts the rendezvous" in a and "joins it as node rank 1" in nodes[1].text()
-    assert_close(params(tmp_path / "out.pt"), one_process)
+    assert_close(params(tmp_path / "out.pt"), one_process(STEPS))
+    assert_samples_of_one_process(tmp_path / "ckpt", STEPS)
 
 
-def test_a_lost_node_is_survived_and_a_returning_node_taken_in(tmp_path, one_process):
+def test_a_lost_node_is_survived_and_a_returning_node_taken_in(tmp_path):
     """3 nodes, elastic 2:3. Node c is lost (launcher and worker killed) after step 4: a and b
     restart, re-plan for 2 devices and resume from the last checkpoint. Then c starts again: every
     node restarts its workers at a saved step boundary, and the job re-plans for 3. The result
@@ -95,7 +88,8 @@ def test_a_lost_node_is_survived_and_a_returning_node_taken_in(tmp_path, one_pro
     assert "a peer left during a collective" in text and "GLHF" not in text     # one line, not gloo's traceback
     assert "a node is waiting to join" in text and "re-planned for 3 devices" in text
     assert "Traceback" not in nodes[0].text().split("re-planned for 2 devices")[-1], text[-4000:]
-    assert_close(params(tmp_path / "out.pt"), one_process)
+    assert_close(params(tmp_path / "out.pt"), one_process(STEPS))
+    assert_samples_of_one_process(tmp_path / "ckpt", STEPS)
     samples = read_sample_log(str(tmp_path / "ckpt" / "samples"))
     assert sorted(samples) == list(range(STEPS))
     pairs = [pair for s in sorted(samples) for pair in samples[s]]

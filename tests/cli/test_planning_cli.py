@@ -285,7 +285,8 @@ def test_plan_from_a_preset_without_measuring(tmp_path):
     plan = Plan.from_json((tmp_path / "p.json").read_text())
     assert [d.device for d in plan.devices] == ["a100-80g#0", "rtx3090#1"]
     assert plan.excluded[0].device == "t4#2" and "left out t4#2" in r.stdout
-    assert "launch it on the devices kept" in r.stdout
+    assert "launch it on the devices kept: hetrain run --emulate a100-80g:1@" in r.stdout
+    assert ",rtx3090:" in r.stdout and "t4:" not in r.stdout
 
 
 def test_plan_checkpoints_where_one_sample_needs_it_as_the_runtime_may(tmp_path):

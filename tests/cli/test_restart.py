@@ -1,5 +1,6 @@
 """Crashes, hangs and resumes through `hetrain run`: the job finishes with the parameters of an
-uninterrupted run, and the sample log holds every sample exactly once per epoch."""
+uninterrupted run (one process's training, computed here), its sample log holds one process's
+samples step by step, every sample exactly once per epoch; bad input stops it at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from clirun import hetrain
 from hetrain.runtime.resilience.resume import read_sample_log
+from resilient_reference import assert_samples_of_one_process, one_process
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 PAIR = "a100-80g,rtx3090"
@@ -54,80 +56,90 @@ def assert_each_sample_once_per_epoch(ckpt: Path, steps: int):
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-    """The uninterrupted 10-step job: its parameters, and its checkpoint directory (steps 6, 8 and
-    10 kept) for tests that need a finished job's checkpoints. They copy it (`clean_ckpt`)."""
-    tmp = tmp_path_factory.mktemp("clean")
-    result, out, ckpt = run(tmp, "clean", 10)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
-    return params(out), ckpt
+def clean():
+    """What the uninterrupted 10-step job ends with: one process's training, computed here
+    (resilient_reference.py); every job below must end there, on one process's samples."""
+    return one_process(10)
+
+
+def finished_ckpt(faulty, tmp: Path) -> Path:
+    """A copy of a finished job's checkpoint directory (the faulty job's), this test's to change."""
+    import shutil
+
+    return Path(shutil.copytree(faulty[2], tmp / "ckpt"))
+
+
+# One job through every fault a restart gets past, one per attempt (each fault fires in its own
+# restart attempt): a launch and its ranks' imports for each fault, not a clean first attempt too.
+FAULTS = ("die:rank=1,step=3;"                              # at the start of a step
+          "die:rank=0,step=5,phase=backward,attempt=1;"     # inside the gradient sync
+          "die:rank=1,step=8,phase=checkpoint,attempt=2;"   # while a checkpoint is written
+          "oom:rank=1,step=7,escape=1,attempt=3;"           # an OOM outside hetrain's recovery
+          "stall:rank=0,step=9,attempt=4")                  # a hang: --timeout makes it an error
 
 
 @pytest.fixture(scope="module")
-def clean(clean_run):
-    return clean_run[0]
-
-
-def clean_ckpt(clean_run, tmp: Path) -> Path:
-    """A copy of the uninterrupted job's checkpoint directory, this test's to change."""
-    import shutil
-
-    return Path(shutil.copytree(clean_run[1], tmp / "ckpt"))
-
-
-def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(tmp_path, clean):
-    faults = ("die:rank=1,step=3;"                              # at the start of a step
-              "die:rank=0,step=5,phase=backward,attempt=1;"     # inside the gradient sync
-              "die:rank=1,step=8,phase=checkpoint,attempt=2")   # while a checkpoint is written
-    result, out, ckpt = run(tmp_path, "killed", 10, faults=faults, restarts=3)
+def faulty(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faulty")
+    result, out, ckpt = run(tmp, "faulty", 10, faults=FAULTS, restarts=5, extra=("--timeout", "8"))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("resumed from step-") == 3          # one resume per kill
+    # the last step's checkpoint written, none left half-written by the kills
+    names = sorted(p.name for p in ckpt.glob("step-*"))
+    assert names[-1] == "step-00000010" and all(n[len("step-"):].isdigit() for n in names), names
+    return result, out, ckpt
+
+
+def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(faulty, clean):
+    result, out, ckpt = faulty
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert len(resumed) == 5, resumed                                 # one resume per fault
+    # die at step 3 -> step 2; in step 5's sync -> step 4; writing step 8's -> step 6
+    for step in ("step-00000002", "step-00000004", "step-00000006"):
+        assert any(f"resumed from {step}" in line for line in resumed[:3]), resumed
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])   # the LR schedule resumed too
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
-def test_resume_on_fewer_devices_keeps_the_cursor(tmp_path, clean):
+def test_resume_on_fewer_devices_keeps_the_cursor_and_a_truncated_checkpoint_is_passed_over(tmp_path, clean):
+    # Three devices for 4 steps (checkpoints at 2 and 4); the newest is cut; two devices go on to 10:
+    # they report it, resume from the one before and end where the uninterrupted job did.
     ckpt = tmp_path / "shared-ckpt"
     first, _, _ = run(tmp_path, "three", 4, emulate="a100-80g,rtx3090,t4", ckpt=ckpt)
     assert first.returncode == 0, first.stderr[-3000:]
+    newest = ckpt / "step-00000004"
+    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     second, out, _ = run(tmp_path, "two", 10, ckpt=ckpt)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from step-00000004" in second.stdout and "re-planned for 2 devices" in second.stdout
+    assert "step-00000004 is unusable" in second.stdout and "truncated" in second.stdout
+    assert "resumed from step-00000002" in second.stdout and "re-planned for 2 devices" in second.stdout
     assert_close(params(out), clean)          # big-batch math: the world size does not change it
+    assert_samples_of_one_process(ckpt, 10)
+    # the newest three checkpoints kept (Checkpoints' default keep=3), all written by this job
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
-def test_a_truncated_checkpoint_is_reported_and_the_previous_one_used(tmp_path, clean_run, clean):
-    # The finished job's checkpoints (one launch fewer than making them here): the newest is cut,
-    # the job is run again and resumes from the one before, ending where the uninterrupted one did.
-    ckpt = clean_ckpt(clean_run, tmp_path)
-    newest = ckpt / "step-00000010"
-    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    second, out, _ = run(tmp_path, "second", 10, ckpt=ckpt)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "step-00000010 is unusable" in second.stdout and "truncated" in second.stdout
-    assert "resumed from step-00000008" in second.stdout
+def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(faulty, clean):
+    result, out, ckpt = faulty
     assert_close(params(out), clean)
-
-
-def test_an_oom_that_escapes_the_loop_restarts_with_a_smaller_micro_batch(tmp_path, clean):
-    result, out, _ = run(tmp_path, "escaped", 10, faults="oom:rank=1,step=5,escape=1", restarts=1)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_samples_of_one_process(ckpt, 10)
     assert "after an out-of-memory error ended the previous attempt: rank 1 micro-batch" in result.stdout
-    assert_close(params(out), clean)
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert "resumed from step-00000006" in resumed[3], resumed      # the OOM in step 7
 
 
 @pytest.mark.slow
-def test_a_hung_rank_becomes_an_error_and_a_restart(tmp_path, clean):
-    result, out, ckpt = run(tmp_path, "hung", 10, faults="stall:rank=0,step=4", restarts=1,
-                            extra=("--timeout", "8"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from step-00000004" in result.stdout
+def test_a_hung_rank_becomes_an_error_and_a_restart(faulty, clean):
+    result, out, ckpt = faulty
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert_each_sample_once_per_epoch(ckpt, 10)
+    resumed = [line for line in result.stdout.splitlines() if "resumed from step-" in line]
+    assert "resumed from step-00000008" in resumed[4], resumed      # the hang in step 9
+    assert result.stdout.count("resumed from step-") == 5           # no attempt beyond the five faults
 
 
 def one_line(result, *words):
@@ -138,20 +150,43 @@ def one_line(result, *words):
         assert w in result.stderr, result.stderr
 
 
-def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, clean_run):
-    ckpt = clean_ckpt(clean_run, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
+def refused_in_ranks(tmp: Path, name: str, steps: int, ckpt: Path, *extra: str, words=()) -> None:
+    """The script on the pair, in tests/harness.py's forked ranks (no launch each): every rank
+    raises the same UsageError (agreed: printed once), one line and its fix, with `words`. What
+    `hetrain run` makes of a UsageError raised there, one line and exit 2, the launched refusal
+    (test_unwritable_checkpoint_dir_...) checks."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    code = Path(SCRIPT).read_text().replace("Emulation(sample_s=", f"Emulation(cluster={PAIR!r}, sample_s=")
+    got = run_ranks(raise_case, 2, code, str(tmp), ("--steps", str(steps), "--out", str(tmp / f"{name}.pt"),
+                                                    "--ckpt", str(ckpt), *extra))
+    assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got      # agreed
+    _, what, fix = got[0]
+    assert "\n" not in what + fix and all(w in f"{what} {fix}" for w in words), got
+    assert not (tmp / f"{name}.pt").exists()
+
+
+def test_resume_from_another_model_is_refused_without_touching_it(tmp_path, faulty):
+    ckpt = finished_ckpt(faulty, tmp_path)      # a job's checkpoints (the fixture asserts it finished)
     before = sorted(p.name for p in ckpt.iterdir())
-    result, _, _ = run(tmp_path, "b", 12, ckpt=ckpt, extra=("--width", "64"))   # a job that goes on from it
-    one_line(result, "different model", "new Checkpoints(dir=...)")
+    refused_in_ranks(tmp_path, "b", 12, ckpt, "--width", "64",                  # a job that goes on from it
+                     words=("different model", "new Checkpoints(dir=...)"))
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
 def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
-    blocker = tmp_path / "file"
+    """Bad input stops the job at once: --max-restarts is for failures a restart can get past."""
+    blocker, attempts = tmp_path / "file", tmp_path / "attempts.txt"
     blocker.write_text("not a directory")
-    one_line(run(tmp_path, "x", 2, ckpt=blocker / "ckpt")[0], "not writable")
-    one_line(run(tmp_path, "y", 2, ckpt=tmp_path / "empty", extra=("--resume", "must"))[0],
-             "no whole checkpoint", "resume='auto'")
+    result = run(tmp_path, "x", 2, ckpt=blocker / "ckpt", restarts=3, extra=("--attempts", str(attempts)))[0]
+    one_line(result, "not writable")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert "is not writable" in errors[0], result.stderr[-2000:]
+    assert attempts.read_text().split() == ["0", "0"]       # both ranks, first attempt only
+    # nothing to resume under resume='must'
+    refused_in_ranks(tmp_path, "y", 2, tmp_path / "empty", "--resume", "must",
+                     words=("no whole checkpoint", "resume='auto'"))
 
 
 def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
@@ -208,6 +243,7 @@ def test_sigterm_and_sigint_stop_at_a_saved_step_and_the_resumed_job_equals_an_u
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"resumed from step-{logged2:08d}" in third.stdout
     assert_close(params(out), clean)
+    assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])
     assert_each_sample_once_per_epoch(ckpt, 10)
 
@@ -224,8 +260,9 @@ def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp
     holder = hold(ckpt, CHECKPOINT_LOCK)
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
     try:
-        result, _, _ = run(tmp_path, "second", 2, ckpt=ckpt)
-        one_line(result, "is in use by another hetrain job", f"pid {holder.pid} on host", "another Checkpoints(dir=...)")
+        refused_in_ranks(tmp_path, "second", 2, ckpt,
+                         words=("is in use by another hetrain job", f"pid {holder.pid} on host",
+                                "another Checkpoints(dir=...)"))
     finally:
         holder.kill()
         holder.wait()

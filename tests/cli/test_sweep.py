@@ -47,9 +47,10 @@ def test_a_sweep_places_by_memory_prunes_and_prints_the_table(tmp_path):
     assert "pruner: median (pruning starts after 2 finished trial(s)" in r.stderr      # the pruner as set
     pruned = sum(t["state"] == "pruned" for t in ran.values())                         # and how trials count
     assert f"{pruned} pruned" in r.stdout and "all count toward --trials" in r.stdout
-    # run again on the same storage: the study is complete, nothing more runs
-    again = hetrain("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
-                    "--emulate-sample-s", "0.002")
+    # run again on the same storage: the study is complete, nothing more runs (no worker starts, so
+    # in this process)
+    again = hetrain_here("sweep", str(OBJECTIVE), "--emulate", SPEC, "--trials", "8", "--storage", str(db),
+                         "--emulate-sample-s", "0.002")
     assert again.returncode == 0 and "8 trial(s) already finished; 0 to go" in again.stderr, again.stderr
 
 
@@ -147,8 +148,9 @@ def group_gone(pgid: int, deadline_s: float = 60) -> bool:
 
 def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
     db = tmp_path / "s.db"
-    # 6 steps of 32 samples at 30 ms: a trial lasts ~6 s on the A100, ~9 s on the 3090
-    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db), "--emulate-sample-s", "0.03"]
+    # 6 steps of 32 samples at 15 ms: a trial lasts ~3 s on the A100, ~4.5 s on the 3090; a trial
+    # seen running with a report has a step (0.5-0.7 s) or more left when the kill follows the poll
+    args = [str(OBJECTIVE), "--emulate", SPEC, "--trials", "6", "--storage", str(db), "--emulate-sample-s", "0.015"]
     proc = start_sweep(tmp_path, "first", *args)
     try:
         wait_for(proc, db, lambda ts: any(t["state"] == "COMPLETE" for t in ts.values()) and any(
@@ -187,16 +189,17 @@ def test_a_sweep_killed_outright_is_resumed_by_the_same_command(tmp_path):
     assert len(set(lrs)) == len(lrs)                          # no hyperparameters run twice
     ran = json.loads((tmp_path / "again.json").read_text())["trials_run"]
     assert len(ran) == 6 - len(done_before)                   # this run ran only what was missing
-    # complete: the same command once more runs nothing
-    third = hetrain("sweep", *args)
+    # complete: the same command once more runs nothing (no worker starts, so in this process)
+    third = hetrain_here("sweep", *args)
     assert third.returncode == 0 and "6 trial(s) already finished; 0 to go" in third.stderr, third.stderr
 
 
 def test_a_worker_killed_mid_trial_fails_that_trial_and_a_new_worker_takes_over(tmp_path):
     db, out = tmp_path / "s.db", tmp_path / "s.json"
-    # one device, so the trials after the kill can only run on its new worker; ~8 s a trial
+    # one device, so the trials after the kill can only run on its new worker; ~4 s a trial, so
+    # trial 0 has ~3 s of steps left after its first report, when the poll sees it and kills
     args = [str(OBJECTIVE), "--emulate", "a100-80g@64MiB", "--trials", "3", "--storage", str(db),
-            "--emulate-sample-s", "0.04", "--pruner", "none", "--json", str(out)]
+            "--emulate-sample-s", "0.02", "--pruner", "none", "--json", str(out)]
     proc = start_sweep(tmp_path, "sweep", *args)
     try:
         at = wait_for(proc, db, lambda ts: 0 in ts and ts[0]["state"] == "RUNNING" and ts[0]["reports"] >= 1

@@ -51,14 +51,32 @@ WORKER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("batch, n, words", [
-    (1, 100, ("global batch 1 is smaller than the 2 devices", "at least 2")),
-    (32, 20, ("20 samples, fewer than one global batch of 32", "at most 20")),
-])
-def test_bad_job_settings_stop_every_rank_with_one_line(tmp_path, batch, n, words):
+BAD_SETTINGS = [(1, 100, ("global batch 1 is smaller than the 2 devices", "at least 2")),
+                (32, 20, ("20 samples, fewer than one global batch of 32", "at most 20"))]
+
+
+def test_bad_job_settings_stop_every_rank_with_one_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(WORKER_SCRIPT)
+    batch, n, words = BAD_SETTINGS[0]
     one_line_error(hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), str(batch), str(n)), *words)
+
+
+def test_every_bad_job_setting_is_one_agreed_usage_error_on_every_rank(tmp_path):
+    """Each setting in the two ranks of the emulated pair (tests/harness.py's forked ranks, not a
+    launch each): every rank raises the same UsageError, one line and its fix, with the words.
+    What `hetrain run` makes of it, one line and exit 2, the launched test above checks."""
+    from harness import run_ranks
+    from init_errors import raise_case
+
+    code = WORKER_SCRIPT.replace("hetrain.init(global_batch=batch)", "hetrain.init(global_batch=batch, "
+                                 "emulation=Emulation(cluster='a100-80g,rtx3090'))")     # as --emulate gives it
+    code = "from hetrain.emulation import Emulation\n" + code
+    for batch, n, words in BAD_SETTINGS:
+        got = run_ranks(raise_case, 2, code, str(tmp_path), (str(batch), str(n)))
+        assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got     # agreed
+        _, what, fix = got[0]
+        assert "\n" not in what + fix and all(w in f"{what} {fix}" for w in words), got
 
 
 @pytest.fixture

@@ -89,9 +89,30 @@ def max_diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
-def test_workers_read_each_ranks_micro_batches_to_the_weights_of_one_process():
-    with_workers = run_ranks(worker, 2, 2)
-    in_process = run_ranks(worker, 2, 0)
+OOM = "oom:rank=0,step=2,micro=1,phase=backward"
+
+
+def every_case(rank, world, ports):
+    """The three jobs in turn, in one set of processes: read by 2 workers, in the process, and by 2
+    workers through an OOM that cuts rank 0's micro-batches. Each job on a port of its own: a job's
+    persistent workers, forked from rank 0, hold its store's listening socket until they exit."""
+    out = {}
+    for name, args, port in zip(("workers", "in_process", "oom"), ((2,), (0,), (2, OOM)), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        out[name] = worker(rank, world, *args)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from harness import free_port
+
+    results = run_ranks(every_case, 2, [free_port() for _ in range(3)])
+    return {k: [r[k] for r in results] for k in results[0]}
+
+
+def test_workers_read_each_ranks_micro_batches_to_the_weights_of_one_process(runs):
+    with_workers, in_process = runs["workers"], runs["in_process"]
     want = reference([r["indices"] for r in with_workers])
     for w, p in zip(with_workers, in_process):
         assert w["indices"] == p["indices"]
@@ -100,11 +121,9 @@ def test_workers_read_each_ranks_micro_batches_to_the_weights_of_one_process():
         assert p["readers"] == {p["me"]}                                  # num_workers=0: this process
 
 
-def test_an_oom_that_cuts_the_micro_batches_reads_the_redo_through_the_workers():
-    faults = "oom:rank=0,step=2,micro=1,phase=backward"
-    runs = run_ranks(worker, 2, 2, faults)
-    want = reference([r["indices"] for r in runs])
-    for r in runs:
+def test_an_oom_that_cuts_the_micro_batches_reads_the_redo_through_the_workers(runs):
+    want = reference([r["indices"] for r in runs["oom"]])
+    for r in runs["oom"]:
         assert max_diff(r["params"], want) < 1e-12
         assert r["me"] not in r["readers"] and r["micro"] == 1      # rank 0's micro-batches cut from 2 to 1
 

@@ -47,3 +47,32 @@ def test_a_plan_changed_in_place_after_prepare_is_refused_at_the_next_step():
         assert done == 1                         # the first step ran; the second is refused before it starts
         assert refused is not None and "\n" not in refused
         assert "was changed in place" in refused and "plans are frozen: make a new one with" in refused
+
+
+def mismatched_wrapper_worker(rank: int, world: int):
+    """The wrapper runs another sharding than the plan was completed for (forced here: 'zero1'
+    where the plan's DataParallel() runs 'none'): the build refuses it as hetrain's bug."""
+    import hetrain
+    from hetrain import Rebalancing, Reporting
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.sharding import wrap as wrapping
+
+    plain = wrapping.wrap
+    wrapping.wrap = lambda *a, strategy, **k: plain(*a, strategy="zero1" if strategy == "none" else strategy, **k)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    ht = hetrain.init(global_batch=8, max_steps=2, precision="fp32", reporting=Reporting(verbose=False),
+                      rebalancing=Rebalancing(enabled=False))
+    net = torch.nn.Linear(4, 1)
+    try:
+        ht.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), data, parallel=hetrain.DataParallel(sharding="none"))
+    except HetrainError as e:
+        return str(e), ht.plan.version
+    return None, None
+
+
+def test_a_wrapper_other_than_the_plan_says_is_refused_as_a_bug():
+    for refused, version in run_ranks(mismatched_wrapper_worker, 2, timeout=120):
+        assert refused is not None and "\n" not in refused
+        assert "wrapped under sharding 'zero1', but the plan in force (v0) was completed for sharding 'none'" in refused
+        assert "this is a bug in hetrain" in refused and version == 0

@@ -34,6 +34,8 @@ def probe(rank, clock=None):
     """The probe on this rank's model, in the ranks' process group; `clock`: the controlled clock's
     seconds a sample (the ranks at speeds 1 and 0.5), else the CPU's own clock."""
     from hetrain.emulation.device import Throttle
+    from hetrain.emulation.profiling import EmulatedMeasuring
+    from hetrain.hardware.cluster import parse_cluster
     from hetrain.runtime.measure.fsdp_probe import time_fsdp_excess
 
     torch.manual_seed(0)
@@ -48,9 +50,11 @@ def probe(rank, clock=None):
         return F.mse_loss(m(b[0]), b[1])
 
     throttle = Throttle(1.0 / (1 + rank), sample_s=clock) if clock else None     # speeds 1 and 0.5
+    spec = parse_cluster("a100-80g:1.0,rtx3090:0.5")[rank]
+    measuring = EmulatedMeasuring(spec, throttle, torch.device("cpu")) if clock else None
     found = time_fsdp_excess(model, opt, ["blocks.0", "blocks.1", "blocks.2"], batch, forward=forward,
                              device=torch.device("cpu"), precision="fp32", runs=3 if clock is None else 2,
-                             throttle=throttle)
+                             measuring=measuring)
     same = all(torch.equal(before[n], p) and not hasattr(p, "device_mesh") for n, p in model.named_parameters())
     grads = [p.grad for p in model.parameters()]
     return {**found, "unchanged": same, "no_grads": all(gr is None for gr in grads), "no_state": not opt.state,

@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from harness import run_ranks
+from harness import free_port, run_ranks
 from hf_tiny import Tokens, gpt2
 
 pytestmark = [pytest.mark.dist,
@@ -51,7 +51,20 @@ def write_plan(path) -> str:
     return str(path)
 
 
-def worker(rank, world, out_dir, plan_path, kw):
+def worker(rank, world, out_dir, plan_path, runs, ports):
+    """Each of `runs` ({name: TrainingArguments' extra keywords}) in turn, in this one set of
+    processes, each on a port of its own (a run's data workers, forked from rank 0, hold its
+    store's listening socket until they exit)."""
+    import os
+
+    out = {}
+    for (name, kw), port in zip(runs.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        out[name] = train(f"{out_dir}/{name}", plan_path, kw)
+    return out
+
+
+def train(out_dir, plan_path, kw):
     from hetrain.integrations.transformers import Trainer
 
     trainer = Trainer(model=gpt2().float(), args=arguments(out_dir, 4, 2, **kw), train_dataset=Tokens(N),
@@ -72,10 +85,20 @@ def stock(out_dir, **kw):
     return [e for e in trainer.state.log_history if "loss" in e]
 
 
-def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(tmp_path):
-    fused = run_ranks(worker, 2, str(tmp_path / "f"), write_plan(tmp_path / "plan.json"), {"fp16": True, "optim": "adamw_torch_fused",
-                                                        "dataloader_num_workers": 2}, timeout=200)
-    plain = run_ranks(worker, 2, str(tmp_path / "p"), str(tmp_path / "plan.json"), {"fp16": True, "optim": "adamw_torch"}, timeout=200)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """fp16 with the fused AdamW (and data workers), fp16 with the unfused one, and bf16: one
+    process group, one run after another, on one written plan."""
+    tmp = tmp_path_factory.mktemp("hf_precision")
+    results = run_ranks(worker, 2, str(tmp), write_plan(tmp / "plan.json"),
+                        {"fused": {"fp16": True, "optim": "adamw_torch_fused", "dataloader_num_workers": 2},
+                         "plain": {"fp16": True, "optim": "adamw_torch"}, "bf16": {"bf16": True}},
+                        [free_port() for _ in range(3)], timeout=400)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
+def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(runs, tmp_path):
+    fused, plain = runs["fused"], runs["plain"]
     reference = stock(str(tmp_path / "s"), fp16=True)
     for f, p in zip(fused, plain):
         assert f["summary"]["precision"]["precision"] == "fp16"
@@ -94,10 +117,9 @@ def test_fp16_with_the_default_fused_adamw_trains_as_the_unfused_one(tmp_path):
     assert fused[0]["log"][0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-3)   # fp16's forward
 
 
-def test_bf16_logs_what_the_stock_trainer_logs(tmp_path):
-    runs = run_ranks(worker, 2, str(tmp_path / "h"), write_plan(tmp_path / "plan.json"), {"bf16": True}, timeout=200)
+def test_bf16_logs_what_the_stock_trainer_logs(runs, tmp_path):
     reference = stock(str(tmp_path / "s"), bf16=True)
-    for r in runs:
+    for r in runs["bf16"]:
         assert r["summary"]["precision"]["precision"] == "bf16"
         assert [e["step"] for e in r["log"]] == [e["step"] for e in reference]
         assert [e["learning_rate"] for e in r["log"]] == pytest.approx([e["learning_rate"] for e in reference])

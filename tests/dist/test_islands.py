@@ -20,11 +20,12 @@ def sums(rank, world, island_of, bridge_gbs, sizes, links=None):
     """Hierarchical sums of `sizes` float64 values over the ranks' process group, beside a flat one."""
     import torch.distributed as dist
 
+    from hetrain.emulation.islands import paced_link
     from hetrain.runtime.ranks.islands import Islands, make_groups
     from hetrain.runtime.sharding.island_hooks import IslandSync, attach_links
 
-    islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links or {})
-    groups = attach_links(make_groups(islands, rank=rank, emulated=True))
+    islands = Islands(island_of=tuple(island_of), bridge_gbs=bridge_gbs, links_gbs=links or {}, link=paced_link)
+    groups = attach_links(make_groups(islands, rank=rank))
     sync = IslandSync(groups, world_size=world, device=torch.device("cpu"))
     out = []
     started = time.monotonic()
@@ -37,11 +38,11 @@ def sums(rank, world, island_of, bridge_gbs, sizes, links=None):
         out.append((got - flat / world).abs().max().item())
     elapsed = time.monotonic() - started
     sync.close()
-    result = {"elapsed": elapsed, "carried": groups.bridge_throttle.sent_bytes if groups.bridge_throttle else None,
+    result = {"elapsed": elapsed, "carried": groups.bridge_link.sent_bytes if groups.bridge_link else None,
               "diffs": out, "bridged": groups.bridged_bytes, "bridge_ranks": groups.bridge_ranks,
               "native_ranks": groups.native_ranks,
-              "throttled": groups.bridge_throttle is not None,
-              "native_carried": groups.native_throttle.sent_bytes if groups.native_throttle else None}
+              "throttled": groups.bridge_link is not None,
+              "native_carried": groups.native_link.sent_bytes if groups.native_link else None}
     return result
 
 
@@ -124,10 +125,13 @@ def net():
     return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
 
 
-def train_worker(rank, world, island_of, plan, steps, faults):
-    """A training job over the ranks' process group, `island_of[rank]` its device's island."""
-    from dataclasses import replace
+def island_spec(island_of) -> str:
+    """An island spec of A100s with these islands (the bridge: the cards' own PCIe to host memory)."""
+    return "; ".join(f"{name}={island_of.count(name)}xa100-80g" for name in dict.fromkeys(island_of)) + "; bridge=host"
 
+
+def train_worker(rank, world, island_of, plan, steps, faults):
+    """A training job over the ranks' process group, each rank's device in island_of[rank]."""
     import torch.nn.functional as F
 
     import hetrain
@@ -135,10 +139,8 @@ def train_worker(rank, world, island_of, plan, steps, faults):
     from hetrain.emulation import Emulation
 
     ht = hetrain.init(global_batch=plan.global_batch, plan=plan, max_steps=steps, precision="fp32",
-                      emulation=Emulation(cluster=f"{world}xa100-80g", faults=faults),
+                      emulation=Emulation(cluster=island_spec(island_of), faults=faults),
                       rebalancing=Rebalancing(enabled=False), reporting=Reporting(verbose=False))
-    if island_of is not None:      # what the island spec gives each emulated device
-        ht.job.emulated.spec = replace(ht.job.emulated.spec, island=island_of[rank])
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt, batches = ht.prepare(model, opt, torch.utils.data.TensorDataset(*data()))

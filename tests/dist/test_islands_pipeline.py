@@ -23,15 +23,18 @@ def worker(rank, world):
 
     import torch.distributed as dist
 
-    from hetrain.runtime import engine
-    from hetrain.runtime.ranks import islands
+    from hetrain.runtime.ranks import island_facts, islands, nodes
     from pipeline_runs import join_group, pipeline_plan, train
 
-    class OnIsland(engine.EmulatedDevice):     # what the island spec gives each emulated device
-        def __init__(self, spec, **kw):
-            super().__init__(replace(spec, island=ISLANDS[spec.index]), **kw)
+    plain_join = nodes.join_nodes
 
-    engine.EmulatedDevice = OnIsland
+    def on_islands(*args, **kw):   # the islands found at start, as a spec alternating nv and amd gives them
+        ctx, config, found, cluster = plain_join(*args, **kw)
+        records = [{"vendor": "nvidia", "device_type": "cuda", "backend": "nccl", "island": name} for name in ISLANDS]
+        held = [island_facts.rank_device(ctx.device)["backend"]] * len(ISLANDS)     # CPU tensors: gloo
+        return ctx, config, replace(found, islands=island_facts.job_islands(records, bridge="host", held=held)), cluster
+
+    nodes.join_nodes = on_islands
     made = {}
     plain = islands.pipeline_groups
 

@@ -43,13 +43,13 @@ def worker(rank, world, cache: str):
     first, devices = measure_blocks(ht.job, parts)
     again, _ = measure_blocks(ht.job, parts)
     probe = time_stage_cost(parts, first, data[0:4][0], device=ht.job.device, precision=ht.job.precision,
-                                speed=ht.job.emulated.spec.speed)
+                                stage_hooks=ht.job.hooks.stage_hooks())
     for f in (Path(cache) / "pipelines").glob("*.json"):
         f.write_text("{ not json")
     after_corrupt, _ = measure_blocks(ht.job, parts)
     out = {"factor": first.stage_factor, "block_s": first.block_s, "source": first.source,
-           "sharing": (first.contention, first.contention_at, first.message_s, first.busy_message_s,
-                       first.piece_overhead_s),
+           "sharing": tuple(first.host[k] for k in ("contention", "contention_at", "message_s", "busy_message_s",
+                                                     "piece_overhead_s")),
            "again_source": again.source,
            "again_same": (again.blocks, again.stage_factor, again.block_s) == (first.blocks, first.stage_factor,
                                                                                 first.block_s),

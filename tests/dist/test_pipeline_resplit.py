@@ -21,12 +21,18 @@ schedule (gpipe, 1f1b):
 Bad input: a device whose memory cannot hold the faster split keeps the old split and says why;
 ranks that propose different splits all keep the old one (no rank waits on another). DP×PP keeps
 its planned split and says why.
+
+The two schedules' jobs run in two process groups side by side (a step mostly sleeps on the
+controlled clock: neither group's pieces come near their clocked lengths in CPU), each measuring
+its blocks once; the memory-capped job (1f1b) runs in the gpipe group after its runs, the shorter
+ones, sized as a 1-step 1f1b job there is.
 """
 
 from __future__ import annotations
 
 import re
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,7 +135,7 @@ def equal_blocks(rank) -> None:
     dist.barrier()
 
 
-def worker(rank, world, checkpoint_dir, schedule):
+def worker(rank, world, checkpoint_dir, schedule, capped):
     from pipeline_runs import join_group
 
     join_group()
@@ -140,7 +146,24 @@ def worker(rank, world, checkpoint_dir, schedule):
     every = {sizes: job(steps=5, schedule=schedule, rebalance=False, blocks=sizes, faults=SLOWED) for sizes in SPLITS}
     stopped = job(steps=STOP, schedule=schedule, checkpoint_dir=checkpoint_dir)
     resumed = job(steps=STEPS, schedule=schedule, checkpoint_dir=checkpoint_dir)
-    return {"fixed": fixed, "moving": moving, "every": every, "stopped": stopped, "resumed": resumed}
+    out = {"fixed": fixed, "moving": moving, "every": every, "stopped": stopped, "resumed": resumed}
+    if capped:      # the blocks' cache is keyed by the devices' speeds and rows, not the schedule
+        out["capped"] = capped_job(job(steps=1, faults="")["sizing"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def schedules(tmp_path_factory):
+    """Each schedule's runs, in its own process group with its own cache, the two side by side;
+    the gpipe group's also the memory-capped job's."""
+    def group(schedule):
+        tmp = tmp_path_factory.mktemp(schedule)
+        return run_ranks(worker, 2, str(tmp / "ckpt"), schedule, schedule == "gpipe", timeout=500,
+                         env={"HETRAIN_CACHE": str(tmp / "cache")})
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = {schedule: pool.submit(group, schedule) for schedule in ("1f1b", "gpipe")}
+        return {schedule: run.result() for schedule, run in runs.items()}
 
 
 def rate(run) -> float:
@@ -173,12 +196,11 @@ def assert_same_training(a, b):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_slowed_stage_gives_blocks_away_with_their_adamw_state_and_the_math_of_a_fixed_split(tmp_path, schedule):
+def test_a_slowed_stage_gives_blocks_away_with_their_adamw_state_and_the_math_of_a_fixed_split(schedules, schedule):
     from hetrain.runtime.layouts.pipeline.split import StageDevice, split_pipeline
 
-    results = run_ranks(worker, 2, str(tmp_path / "ckpt"), schedule, timeout=400,
-                        env={"HETRAIN_CACHE": str(tmp_path / "cache")})
-    runs = {k: [r[k] for r in results] for k in results[0] if k != "every"}
+    results = schedules[schedule]
+    runs = {k: [r[k] for r in results] for k in ("fixed", "moving", "stopped", "resumed")}
     every = {sizes: [r["every"][sizes] for r in results] for sizes in SPLITS}
     fixed, moving, stopped, resumed = (runs[k] for k in ("fixed", "moving", "stopped", "resumed"))
     profile = moving[0]["profile"]
@@ -231,15 +253,10 @@ def test_a_slowed_stage_gives_blocks_away_with_their_adamw_state_and_the_math_of
     assert_same_training(resumed, fixed)
 
 
-def capped_worker(rank, world):
+def capped_job(sz):
+    """The job whose faster split does not fit memory, sized as a job of EMULATE is (`sz`)."""
     from hetrain.runtime.layouts.pipeline.split import evaluate_split
-    from pipeline_runs import join_group
 
-    join_group()
-    job(steps=1, faults="")
-    equal_blocks(rank)
-    probe = job(steps=1, faults="")
-    sz = probe["sizing"]
     common = dict(micro_batches=MICRO, micro_batch_size=GB // MICRO, schedule=sz.schedule,
                   state_factor=sz.state_factor, memory_margin=sz.memory_margin)
     need = [evaluate_split(sz.profile, sz.devices, sizes, **common).stages[0].memory_bytes for sizes in ((3, 3), (4, 2))]
@@ -252,8 +269,9 @@ def capped_worker(rank, world):
     return {"need": need, "cap": cap, "capped": capped}
 
 
-def test_a_faster_split_that_does_not_fit_memory_keeps_the_old_one_and_says_why(tmp_path):
-    results = run_ranks(capped_worker, 2, env={"HETRAIN_CACHE": str(tmp_path / "cache")})
+def test_a_faster_split_that_does_not_fit_memory_keeps_the_old_one_and_says_why(schedules):
+    results = [r["capped"] for r in schedules["gpipe"]]
+    assert [r["cap"] for r in results] == [results[0]["cap"]] * 2           # every rank sized it alike
     capped = [r["capped"] for r in results]
     assert [r["sizes"] for r in capped] == [(3, 3)] * 2 and all(r["ooms"] == 0 for r in capped)
     said = capped[0]["said"]

@@ -260,7 +260,7 @@ def loop_job(kind, split, steps=STEPS, ckpt=None, parallel="tp"):
         ht.step()
     out = {"error": local_errors(model.module, reference(kind, steps), params_of(model.module)),
            "speeds": [d.speed for d in ht.plan.devices], "layout": ht.plan.layout,
-           "sample_s": ht.job.emulated.throttle.sample_s, "resumed_at": resumed_at}
+           "sample_s": ht.emulated.throttle.sample_s, "resumed_at": resumed_at}
     ht.close()
     return out
 

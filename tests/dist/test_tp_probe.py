@@ -34,7 +34,7 @@ def worker(rank, world):
     tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     found = time_tp_step(model, opt, batch, forward=lambda m, b: m(b[0]), device=ht.job.device, precision="fp32",
-                         speeds=[1.0, 0.5], throttle=ht.job.emulated.throttle)
+                         speeds=[1.0, 0.5], measuring=ht.job.hooks.measuring())
     try:
         time_tp_step(nn.Sequential(nn.Tanh()), opt, batch, forward=lambda m, b: m(b[0].float()),
                      device=ht.job.device, precision="fp32", speeds=[1.0, 0.5])

@@ -76,29 +76,46 @@ def sft(trainer_cls, out_dir, per_device, accum, **kwargs):
     return outcome(trainer, trainer.train())
 
 
-def sft_worker(rank, world, out_dir, plan, weighting=None):
+def sft_worker(out_dir, plan, weighting=None):
     from hetrain.integrations.trl import SFTTrainer
 
     extra = {"loss_weighting": weighting} if weighting else {}
     return sft(SFTTrainer, out_dir, 4, 2, hetrain=hetrain_options(plan, **extra))   # 4 x 2 x 2 ranks = 16
 
 
+def worker(rank, world, d, sft_plan, dpo_plan):
+    """Every hetrain run of this file in turn, in one process group: SFT, SFT weighted by samples,
+    DPO, and DPO weighted by tokens (last: it raises, on each rank, before its first step)."""
+    import traceback
+
+    out = {"sft": sft_worker(f"{d}/sft", sft_plan), "sft_samples": sft_worker(f"{d}/samples", sft_plan, "samples"),
+           "dpo": dpo_worker(f"{d}/dpo", dpo_plan)}
+    try:
+        dpo_worker(f"{d}/tokens", dpo_plan, "tokens")
+        out["dpo_tokens"] = None
+    except Exception:
+        out["dpo_tokens"] = traceback.format_exc()
+    return out
+
+
 @pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
+def trl_runs(tmp_path_factory):
     import trl
 
-    d = tmp_path_factory.mktemp("sft")
+    d = tmp_path_factory.mktemp("trl")
     with pytest.MonkeyPatch.context() as mp:
         for k, v in QUIET.items():
             mp.setenv(k, v)
-        stock = sft(trl.SFTTrainer, str(d / "stock"), 8, 2)             # one process: 8 x 2 = 16
-        plan = write_plan(d / "plan.json", SFT_SHARES, SFT_MICROS)
-        ranks = run_ranks(sft_worker, 2, str(d / "hetrain"), plan, env=QUIET, timeout=240)
-    return d, plan, stock, ranks
+        stock = {"sft": sft(trl.SFTTrainer, str(d / "stock_sft"), 8, 2),        # one process: 8 x 2 = 16
+                 "dpo": dpo(trl.DPOTrainer, str(d / "stock_dpo"), 4, 2)}         # one process: 4 x 2 = 8 pairs
+        sft_plan = write_plan(d / "sft_plan.json", SFT_SHARES, SFT_MICROS)
+        dpo_plan = write_plan(d / "dpo_plan.json", DPO_SHARES, DPO_MICROS)
+        results = run_ranks(worker, 2, str(d), sft_plan, dpo_plan, env=QUIET, timeout=400)
+    return stock, {k: [r[k] for r in results] for k in results[0]}
 
 
-def test_sft_with_packing_on_uneven_shares_equals_trl_in_one_process(sft_runs):
-    _, _, stock, ranks = sft_runs
+def test_sft_with_packing_on_uneven_shares_equals_trl_in_one_process(trl_runs):
+    stock, ranks = trl_runs[0]["sft"], trl_runs[1]["sft"]
     assert len(stock["losses"]) == STEPS
     for r in ranks:
         assert r["losses"] == pytest.approx(stock["losses"], abs=LOSS_TOL)
@@ -111,11 +128,10 @@ def test_sft_with_packing_on_uneven_shares_equals_trl_in_one_process(sft_runs):
             assert mine["learning_rate"] == pytest.approx(theirs["learning_rate"])
 
 
-def test_sft_weighted_by_samples_is_caught_by_the_tolerance(sft_runs):
+def test_sft_weighted_by_samples_is_caught_by_the_tolerance(trl_runs):
     # Stock SFT divides the summed token losses by the global batch's tokens; weighting each
     # micro-batch's token mean by its sequences instead is a different gradient, well outside.
-    d, plan, stock, _ = sft_runs
-    wrong = run_ranks(sft_worker, 2, str(d / "samples"), plan, "samples", env=QUIET, timeout=240)
+    stock, wrong = trl_runs[0]["sft"], trl_runs[1]["sft_samples"]
     assert max_diff(wrong[0]["params"], stock["params"]) > 100 * WEIGHTS_TOL
 
 
@@ -134,21 +150,15 @@ def dpo(trainer_cls, out_dir, per_device, accum, **kwargs):
     return outcome(trainer, trainer.train())
 
 
-def dpo_worker(rank, world, out_dir, plan, weighting=None):
+def dpo_worker(out_dir, plan, weighting=None):
     from hetrain.integrations.trl import DPOTrainer
 
     extra = {"loss_weighting": weighting} if weighting else {}
     return dpo(DPOTrainer, out_dir, 2, 2, hetrain=hetrain_options(plan, **extra))    # 2 x 2 x 2 ranks = 8
 
 
-def test_dpo_on_uneven_shares_weights_by_pairs_and_equals_trl_in_one_process(tmp_path, monkeypatch):
-    import trl
-
-    for k, v in QUIET.items():
-        monkeypatch.setenv(k, v)
-    stock = dpo(trl.DPOTrainer, str(tmp_path / "stock"), 4, 2)           # one process: 4 x 2 = 8 pairs
-    plan = write_plan(tmp_path / "plan.json", DPO_SHARES, DPO_MICROS)
-    ranks = run_ranks(dpo_worker, 2, str(tmp_path / "hetrain"), plan, env=QUIET, timeout=240)
+def test_dpo_on_uneven_shares_weights_by_pairs_and_equals_trl_in_one_process(trl_runs):
+    stock, ranks = trl_runs[0]["dpo"], trl_runs[1]["dpo"]
     assert stock["losses"][0] == pytest.approx(0.6931471805599453, abs=1e-6)   # log 2: the policy is its reference
     for r in ranks:
         assert r["losses"] == pytest.approx(stock["losses"], abs=LOSS_TOL)
@@ -157,6 +167,7 @@ def test_dpo_on_uneven_shares_weights_by_pairs_and_equals_trl_in_one_process(tmp
         # equal micro-batches); the tokens seen, a total, are the same exactly
         assert [e["num_tokens"] for e in r["logs"]] == [e["num_tokens"] for e in stock["logs"]]
     # DPO's loss is a mean over pairs: weighting each micro-batch by its tokens instead is caught
-    # (the tokens are counted from labels, which DPO's batches do not have: one line naming the fix).
-    with pytest.raises(AssertionError, match="loss_weighting='tokens' but the batch has no 'labels'"):
-        run_ranks(dpo_worker, 2, str(tmp_path / "tokens"), plan, "tokens", env=QUIET, timeout=240)
+    # (the tokens are counted from labels, which DPO's batches do not have: one line naming the fix),
+    # on every rank.
+    for error in trl_runs[1]["dpo_tokens"]:
+        assert error is not None and "loss_weighting='tokens' but the batch has no 'labels'" in error, error

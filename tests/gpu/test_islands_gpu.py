@@ -26,7 +26,7 @@ def worker(rank, world):
     device = torch.device("cuda", 0)
     dist.init_process_group("gloo")
     islands = Islands(island_of=("nv", "amd"), backends={"nv": "nccl", "amd": "nccl"})
-    groups = make_groups(islands, rank=rank, emulated=False)
+    groups = make_groups(islands, rank=rank)
     sync = IslandSync(groups, world_size=world, device=device)
     errors = []
     for size in (1, 1000, 1 << 20):

@@ -287,9 +287,10 @@ def test_the_layout_comparison_rule_finds_what_it_is_for():
 # choose imports the layout classes for 'auto', so they check through checks.py, not choose). A
 # layout's package (its plan, split, stage or shard, loop, probe and moves: pipeline, tensor) sits
 # as one entry, its own modules in their order below.
-LAYOUT_MODULES = ("protocol", "checks", "data", "tensor", "data_setup", "pipeline", "ranking", "choose", "__init__")
-PIPELINE_MODULES = ("profile", "stage_plan", "split", "blocks", "stage", "move", "schedule", "sizing", "stage_state",
-                    "loop", "probe", "block_cache", "resplit", "setup", "layout", "__init__")
+LAYOUT_MODULES = ("protocol", "checks", "complete", "data", "tensor", "data_setup", "pipeline", "ranking", "choose",
+                  "__init__")
+PIPELINE_MODULES = ("profile", "stage_plan", "split", "blocks", "stage_hooks", "stage", "move", "schedule", "sizing",
+                    "stage_state", "loop", "probe", "block_cache", "resplit", "setup", "layout", "__init__")
 TENSOR_MODULES = ("split", "styles", "hf", "uneven", "state", "shard", "probe", "loop", "__init__")
 
 

@@ -25,7 +25,7 @@ JOB_ROOTS = {"self", "job", "engine", "ctx", "sharding"}
 # torch_compat's stand-ins for collectives that torch < 2.13 lacks, called by their bare names
 COMPAT = {"all_gather_single", "reduce_scatter_single"}
 ALLOWED = {
-    ("runtime/layouts/pipeline/probe.py", "_time_messages"):
+    ("emulation/pipeline.py", "_time_messages"):
         "runs for emulated devices only (speed given), which are CPU ranks over gloo: host tensors by design",
     ("runtime/sharding/fsdp_guard.py", "complete_missing"):
         "re-issues recorded collectives with zeros on the device each recorded one ran on",

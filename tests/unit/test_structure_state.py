@@ -63,3 +63,41 @@ def test_the_plan_write_rule_finds_what_it_is_for(tmp_path):
     code = tmp_path / "m.py"
     code.write_text("job.plan = p\njob.plan, job.profiles = a, b\nsetattr(job, 'plan', p)\nself.plan = p\nx = job.plan\n")
     assert _plan_writes(code) == [1, 2, 3]
+
+
+def _adopt_calls(path) -> list[str]:
+    """The functions (Class.method) that call `adopt(...)` in `path`, one entry per call."""
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, f"{where}.{child.name}" if where else child.name)
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                if (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None) == "adopt":
+                    found.append(where)
+            visit(child, where)
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+# A layout's plan() adopts its plan, complete, once (prepare's one adoption: runtime/layouts/complete.py
+# made it whole); a re-plan (resume, rebalance, OOM) goes through replan.replan. HybridSetup runs
+# PipelineSetup's plan.
+ADOPTERS = {"runtime/layouts/data_setup.py": ["DataSetup.plan", "TensorSetup.plan"],
+            "runtime/layouts/pipeline/layout.py": ["PipelineSetup.plan"],
+            "runtime/replan.py": ["replan"]}
+
+
+def test_the_plan_is_adopted_once_by_each_layout_and_by_the_one_replan():
+    found = {str(p.relative_to(SRC)): calls for p in sorted(SRC.rglob("*.py")) if (calls := _adopt_calls(p))}
+    assert found == ADOPTERS, f"adopt( is called outside a layout's plan() and replan.replan: {found}"
+
+
+def test_the_adopt_rule_finds_what_it_is_for(tmp_path):
+    code = tmp_path / "m.py"
+    code.write_text("class A:\n    def plan(self):\n        adopt(j, p, 'x')\n        replan.adopt(j, p, 'y')\n"
+                    "def f():\n    persist.adopt_plan(j)\n    def g():\n        adopt(j, p, 'z')\n")
+    assert _adopt_calls(code) == ["A.plan", "A.plan", "f.g"]

@@ -78,6 +78,19 @@ class BenchSetup:
     def emulated(self) -> bool:
         return self.emulate is not None
 
+    # what the devices are, said for people (benching/show.py: the table's title, the host line, the picture)
+    @property
+    def where(self) -> str:
+        return f"emulated: {self.emulate}, on this CPU" if self.emulated else "this machine's GPUs"
+
+    @property
+    def host_note(self) -> str:
+        return " (devices emulated: CPU processes throttled to each card's speed)" if self.emulated else ""
+
+    @property
+    def picture_note(self) -> str:
+        return "\nemulated devices (CPU processes throttled to each card's speed), not real GPUs" if self.emulated else ""
+
     @property
     def configurations(self) -> int:
         return len(self.devices) + 2

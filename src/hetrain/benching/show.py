@@ -26,8 +26,7 @@ def print_table(result: BenchResult) -> None:
     con = console()
     fastest = result.alone[result.fastest_alone].samples_per_s
     equal = result.equal_split.samples_per_s
-    where = f"emulated: {s.emulate}, on this CPU" if s.emulated else "this machine's GPUs"
-    t = Table(title=f"hetrain bench: {s.factory} on {len(s.devices)} devices ({where}), global batch "
+    t = Table(title=f"hetrain bench: {s.factory} on {len(s.devices)} devices ({s.where}), global batch "
               f"{s.global_batch}, {s.steps} timed steps after {s.warmup} warm-up, precision {s.precision}",
               title_justify="left", show_edge=False, pad_edge=False)
     for c in ("config", "samples/s", "× fastest alone", "× equal split", "peak memory per device"):
@@ -56,8 +55,7 @@ def print_table(result: BenchResult) -> None:
     con.print(f"timing: {s.steps} steps after {s.warmup} untimed warm-up step(s), between barriers on every rank; "
               "loss = the model output's mean (what hetrain's measurements use)", markup=False)
     con.print(f"host: {result.host.get('describe', result.host.get('cpu', '?'))}, {result.host.get('cores')} cores, "
-              f"torch {result.host.get('torch')}" + (" (devices emulated: CPU processes throttled to each card's "
-                                                     "speed)" if s.emulated else ""), markup=False)
+              f"torch {result.host.get('torch')}{s.host_note}", markup=False)
     if (busy := busy_host(result.host)) is not None:
         con.print(f"warning: {busy}", style="yellow", markup=False)
 
@@ -85,8 +83,7 @@ def draw_png(result: BenchResult, path: str) -> None:
     ax.legend(loc="upper left", fontsize=9, frameon=False)
     devices = ", ".join(result.labels)
     title = f"hetrain bench: {s.factory.rsplit('/', 1)[-1]}, global batch {s.global_batch}\n{devices}"
-    if s.emulated:
-        title += "\nemulated devices (CPU processes throttled to each card's speed), not real GPUs"
+    title += s.picture_note
     ax.set_title(title, fontsize=10)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()

@@ -3,6 +3,7 @@ the topology lines of `hetrain simulate` (every layout ranked: layouts_show.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 from rich.table import Table
@@ -13,7 +14,11 @@ from ..hardware.units import by_kind, format_bytes
 from ..planning.plan import Plan
 
 
-def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster) -> None:
+def show_plan(result: Plan, out: Optional[str], launch: Optional[str], cluster,
+              launch_on: Optional[Callable[[str], str]] = None) -> None:
+    """`launch`: the `hetrain run` options that give the plan's devices (None: none needed, this
+    machine's GPUs); `launch_on(spec)`: those options for the devices a cluster spec names, for the
+    devices a plan kept when it left some out of `cluster`."""
     con = console()
     t = Table(title=f"plan: global batch {result.global_batch} over {result.world_size} device(s)",
               title_justify="left", show_edge=False, pad_edge=False)
@@ -40,13 +45,13 @@ def show_plan(result: Plan, out: Optional[str], emulate: Optional[str], cluster)
         con.print(f"  {line}", markup=False)
     for e in result.excluded:
         con.print(f"  left out {e.device}: {e.reason}; {e.fix}", markup=False)
-    if result.excluded and cluster is not None:
+    if result.excluded and cluster is not None and launch_on is not None:
         kept = [d for d in cluster if any(p.device.split(" ")[0] == d.label for p in result.devices)]
         spec = ",".join(f"{d.gpu.key}:{d.speed:g}@{d.memory_bytes}B" for d in kept)
-        con.print(f"  launch it on the devices kept: hetrain run --emulate {spec} …", markup=False)
+        con.print(f"  launch it on the devices kept: hetrain run {launch_on(spec)} …", markup=False)
     if out:
         con.print(f"wrote {out}: run it with hetrain.init(global_batch={result.global_batch}, plan={out!r})"
-                  + (f" under `hetrain run --emulate {emulate} …`" if emulate and not result.excluded else ""),
+                  + (f" under `hetrain run {launch} …`" if launch and not result.excluded else ""),
                   markup=False)
 
 

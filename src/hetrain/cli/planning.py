@@ -173,7 +173,7 @@ def plan(
     if json_out:
         typer.echo(result.to_json())
         return
-    show_plan(result, out, emulate, cluster)
+    show_plan(result, out, emulate and emulation_cli.run_options(emulate), cluster, emulation_cli.run_options)
     if ranking is not None:
         show_ranking(ranking, title=f"every layout: global batch {global_batch} over {len(profiles)} devices"
                      + (" (blocks unknown: pipelines not compared; pass --blocks N)" if not blocks else ""))

@@ -52,7 +52,7 @@ def simulate(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="devices, e.g. a100-80g,rtx3090 or "
                                           "a100-80g:1.0,rtx3090:0.67@12GiB, or nodes and links: "
                                           "'node0=2xa100-80g/nvlink; node1=4xrtx3090/pcie4; net=25GbE' "
-                                          "(same grammar as --emulate)"),
+                                          "(the cluster spec grammar `hetrain run` takes)"),
     model: Optional[str] = typer.Option(None, "--model", help=f"a preset: {', '.join(PRESETS)}"),
     params: Optional[str] = typer.Option(None, "--params", help="the model's parameters, e.g. 124e6"),
     flops_per_sample: Optional[str] = typer.Option(None, "--flops-per-sample",

@@ -106,12 +106,13 @@ def _devices(emulate: str | None):
     from ..sweeping.placement import Slot
 
     if emulate is not None:
+        from ..emulation.trials import TARGET
         from ..hardware.cluster import parse_cluster
 
         devices = parse_cluster(emulate)
         return (tuple(Slot(index=d.index, label=f"{d.label} (emulated)", memory_bytes=d.memory_bytes, speed=d.speed,
                            spec=f"{d.gpu.key}:{d.speed}@{d.memory_bytes / 2**20:g}MiB") for d in devices),
-                ("emulated",) * len(devices))
+                (TARGET,) * len(devices))
     import torch
 
     if not torch.cuda.is_available():

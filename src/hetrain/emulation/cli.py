@@ -26,6 +26,11 @@ def option(help: str, default: Optional[str] = None, *aliases: str):
     return typer.Option(default, "--emulate", *aliases, help=help)
 
 
+def run_options(spec: str) -> str:
+    """The `hetrain run` options that launch on the emulated devices a cluster spec names."""
+    return f"--emulate {spec}"
+
+
 def sample_s_option(help: Optional[str] = None):
     """`--emulate-sample-s`: the emulated devices' controlled clock (Emulation.sample_s), for the
     benchmarks and tests, not a user's run (hidden)."""

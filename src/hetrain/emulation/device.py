@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
-from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
@@ -44,6 +42,8 @@ import torch
 from ..hardware.cluster import ClusterDevice
 from ..hardware.units import format_bytes
 from ..runtime.devices import clock
+from ..runtime.devices.saved_bytes import (  # noqa: F401 -- tensor_bytes, optimizer_state_tensors: names kept here
+    local_part as _local, model_state_bytes, optimizer_state_tensors, tensor_bytes)
 from .held_memory import Ledger, Saved
 
 # glibc's mallopt(3) parameters (malloc.h), and what an emulated device sets them to
@@ -68,52 +68,6 @@ def become_emulated_device() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES) and mallopt(M_MMAP_THRESHOLD, MMAP_FROM_BYTES))
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        storage = _local(t).untyped_storage()    # a DTensor (TP, FSDP2) saves its local shard
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, else the tensor.
-    No DTensor exists before torch.distributed.tensor is imported, so it is looked up, not
-    imported only to ask."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer state this rank holds. Sharded optimizers hold only their part:
-    ZeroRedundancyOptimizer keeps it in its local `.optim`; hetrain's capacity sharding lists
-    what it holds in `held_tensors()`."""
-    held = getattr(optimizer, "held_tensors", None)
-    if callable(held):
-        return [_local(t) for t in held()]
-    local = getattr(optimizer, "optim", optimizer)
-    state = []
-    for s in local.state.values():
-        state += [_local(v) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return state
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters + gradients (one per trainable parameter) + optimizer state, as held now
-    (this rank's shards only, under ZeRO/FSDP2)."""
-    params = list(model.parameters())
-    local = [_local(p) for p in params]
-    grads = sum(t.numel() * t.element_size() for p, t in zip(params, local) if p.requires_grad)
-    state = optimizer_state_tensors(optimizer) if optimizer is not None else []
-    return tensor_bytes(local) + tensor_bytes(model.buffers()) + grads + tensor_bytes(state)
 
 
 class MemoryMeter:
@@ -231,7 +185,7 @@ class Throttle:
     the host call returns, as a GPU's does. `settle()` then sleeps nothing; what is owed is slept
     at the next sync point (devices/clock.py: a synchronize, a collective hetrain issues), where
     a GPU's host would wait for it. Its time is still the device's: `charged_s` holds it from the
-    moment it is charged, and devices/clock.DeviceClock reads it; a host clock around the op does
+    moment it is charged, and its clock (clock.EmulatedClock) reads it; a host clock around the op does
     not see it, as it does not see a CUDA kernel.
     """
 
@@ -253,6 +207,7 @@ class Throttle:
         self._rng = random.Random(seed)
         self.cpu_seconds = 0.0      # compute measured (unthrottled)
         self.slept_seconds = 0.0
+        self.overslept_s = 0.0      # the host's lateness waking from those sleeps: its time, not the device's
         self.owed = 0.0             # sleep charged but not yet slept (negative: slept ahead)
         self.backward_ratio = 2.0   # backward CPU time / forward CPU time, learned
         self.asynchronous = asynchronous
@@ -264,6 +219,16 @@ class Throttle:
         """The device time charged beyond the CPU's: slept, or owed to the next sync."""
         return self.slept_seconds + self.owed
 
+    def ahead_s(self, wall: bool) -> float:
+        """What the device's clock adds to its base (clock.EmulatedClock): the compute charged beyond
+        the CPU's; on the wall base less what was slept, which the wall time holds already, and less
+        the host's lateness waking from those sleeps (on a busy host, milliseconds a sleep): the
+        device's time is what it charged, not when this process next got a core."""
+        return self.charged_s - (self.slept_seconds + self.overslept_s if wall else 0.0)
+
+    def waited_s(self) -> float:
+        return self.slept_seconds
+
     @property
     def clocked(self) -> bool:
         return self.sample_s is not None
@@ -273,6 +238,12 @@ class Throttle:
         device's throttle keeps the training's)."""
         return Throttle(self.speed, seed=self._seed, sample_s=self.sample_s,
                         micro_s=self.micro_s if self.sample_s is not None else None, asynchronous=self.asynchronous)
+
+    def pace(self):
+        """A fresh pace of this device for a probe (profiling.EmulatedPace over `fresh()`)."""
+        from .profiling import EmulatedPace
+
+        return EmulatedPace(self.fresh())
 
     def busy(self) -> float:
         """This thread's CPU time plus the device time charged (slept or owed): the device's busy
@@ -298,7 +269,9 @@ class Throttle:
         """The host waits for the device: sleep what is owed."""
         if self.owed > 0:
             self.slept_seconds += self.owed
+            t0 = time.perf_counter()
             time.sleep(self.owed)
+            self.overslept_s += max(0.0, time.perf_counter() - t0 - self.owed)
             self.owed = 0.0
 
     def pay(self, cpu_seconds: float) -> None:
@@ -362,6 +335,16 @@ class EmulatedDevice:
     @property
     def label(self) -> str:
         return f"{self.spec.label} (emulated)"
+
+    def precision_facts(self, host=None):
+        """This device as the precision rule sees it (runtime/devices/precision_policy.device_facts):
+        the catalog card's compute capability, computed on this CPU (`host`: hardware.host.HostFacts,
+        how fast this CPU computes bf16 and fp16)."""
+        from ..planning.precision import DeviceFacts
+
+        slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
+        return DeviceFacts(label=self.label, kind="emulated", capability=tuple(self.spec.gpu.precision_capability),
+                           host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
 
 
 def agree_host_facts(*, rank: int, world_size: int):

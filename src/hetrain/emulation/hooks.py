@@ -13,16 +13,21 @@ import torch
 
 from ..runtime.devices.faults import FaultInjector, injected_oom
 from ..runtime.devices.hooks import CudaHooks, DeviceHooks, has_state
+from .clock import EmulatedClock
 
 
 class EmulatedHooks(DeviceHooks):
-    """A CPU thread playing a GPU: its throttle and memory meter (device.py), and injected faults."""
+    """A CPU thread playing a GPU: its throttle and memory meter (device.py), and injected faults.
+    Its clock (clock.EmulatedClock) adds what the throttle charged to the thread's CPU time: the
+    busy time the rebalancer and the summary see includes the sleeps; `compute_s` is the CPU's
+    alone (unthrottled), and a backward's sync time leaves out what the throttle slept there."""
 
     def __init__(self, device: torch.device, emulated, faults: FaultInjector):
-        super().__init__(device, throttle=emulated.throttle)
+        super().__init__(device, EmulatedClock(device, emulated.throttle))
         self.emulated = emulated
         self.throttle = emulated.throttle
         self.meter = emulated.meter
+        self.syncs_at_collectives = emulated.throttle.asynchronous   # it owes its sleeps till a sync point
         self.faults = faults
         self._sample_s = emulated.throttle.sample_s    # the controlled clock's, for the whole model
         self._state_counted = False
@@ -120,6 +125,12 @@ class EmulatedHooks(DeviceHooks):
     def attempt_failed(self) -> None:
         self.throttle.settle()      # the failed attempt's sleep belongs to it, not to the redo
 
+    def measuring(self):
+        """The profiler and probes time this device through fresh throttles of its own (profiling.py)."""
+        from .profiling import EmulatedMeasuring
+
+        return EmulatedMeasuring(self.emulated.spec, self.throttle, self.device_clock.device)
+
     @contextlib.contextmanager
     def backward_scope(self, mb, step_index: int, module):
         """Injected faults strike from a parameter's gradient hook halfway through the model, so
@@ -176,6 +187,9 @@ class EmulatedHooks(DeviceHooks):
     def step_peak_bytes(self) -> float:
         return float(self.meter.step_peak)
 
+    def device_label(self) -> str:
+        return self.emulated.label
+
     def given_device(self) -> tuple[float, float]:
         """The cluster spec's speed and memory. A pipeline sized on emulated devices keeps the
         spec's speeds as they are: its block costs are this CPU's, the speed-1.0 time (a cluster
@@ -184,10 +198,17 @@ class EmulatedHooks(DeviceHooks):
         return spec.speed, float(spec.memory_bytes)
 
     def run_facts(self) -> dict:
-        return {"emulated": True}
+        return {**super().run_facts(), "emulated": True}
 
     def summary_note(self) -> str:
         return " (emulated devices)"
+
+    def stage_hooks(self):
+        """Its throttle and meter as a pipeline stage uses them (pipeline.py), on the controlled
+        clock where the job runs on one."""
+        from .pipeline import EmulatedStage
+
+        return EmulatedStage(self.throttle, self.meter, sample_s=self._sample_s)
 
 
 

@@ -78,7 +78,7 @@ def throttle_for(job, *, ring: int | None = None) -> LinkThrottle | None:
     None: no emulate_link_gbs, real GPUs, or one node (its devices' link is not emulated)."""
     gbs = job.config.emulation.link_gbs
     nodes = job.nodes
-    if gbs is None or job.emulated is None or nodes is None or not nodes.spans_nodes:
+    if gbs is None or getattr(job.hooks, "emulated", None) is None or nodes is None or not nodes.spans_nodes:
         return None
     return LinkThrottle(gbs=gbs, ring=ring or job.world_size)
 
@@ -91,7 +91,7 @@ def check_link_request(job) -> None:
     gbs = job.config.emulation.link_gbs
     if gbs is None:
         return
-    if job.emulated is None:
+    if getattr(job.hooks, "emulated", None) is None:
         raise UsageError(f"Emulation(link_gbs={gbs:g}) emulates the inter-node link of emulated devices, but this "
                          "job runs on real devices (their link is real)",
                          "drop link_gbs (--emulate-link-gbs), or emulate the devices (--emulate SPEC)")

@@ -1,5 +1,5 @@
 """What pacing costs an emulated device: the CPU a pass takes when the emulator paces it as
-training does, over a flat-out one's (the profile's `paced_cost`; runtime/measure/profiler.py
+training does, over a flat-out one's (the profile's `paced_cost`; profiling.py
 measures it, planning/cost.py charges it on a step's last micro-batch).
 
 On the CPU's own clock an emulated device's time is its thread's CPU time over its speed, and its

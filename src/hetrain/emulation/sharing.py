@@ -47,7 +47,7 @@ The rate. With k processes computing on `cores` cores beside `load` other always
 processes, each gets min(1, cores / (k + load)) of a core (processor sharing), and the
 min(k, cores) that run at once slow each other on shared cache and memory bandwidth by
 1 + (contention − 1)·(min(k, cores) − 1)/(contention_at − 1), `contention` being what the job
-measured with `contention_at` computing at once (runtime/measure/measurements.contention). The
+measured with `contention_at` computing at once (measuring.contention). The
 data-parallel step is played out with this rate (`shared_cpu_finish`).
 
 Pipelines (`stretched_step`) are played out too, piece by piece. An emulated stage is throttled
@@ -211,13 +211,31 @@ def stretched_step(replicas: Sequence, sync_s: float = 0.0, *, cores: float, loa
 
 
 def sharing(pipeline, contention: float = 1.0, contention_at: int = 1) -> dict:
-    """stretched_step's host facts: those the pipeline probe measured (PipelineProfile), else the
-    given contention and no message time."""
-    if pipeline is not None and (pipeline.contention_at > 1 or pipeline.message_s > 0):
-        return dict(contention=pipeline.contention, contention_at=pipeline.contention_at,
-                    message_s=pipeline.message_s, busy_message_s=pipeline.busy_message_s,
-                    overhead_s=pipeline.piece_overhead_s)
+    """stretched_step's host facts: those the pipeline probe measured (PipelineProfile.host,
+    emulation/pipeline.py), else the given contention and no message time."""
+    if pipeline is not None:
+        host = host_figures(pipeline.host)
+        if host["contention_at"] > 1 or host["message_s"] > 0:
+            return dict(contention=host["contention"], contention_at=host["contention_at"],
+                        message_s=host["message_s"], busy_message_s=host["busy_message_s"],
+                        overhead_s=host["piece_overhead_s"])
     return dict(contention=contention, contention_at=contention_at)
+
+
+HOST_DEFAULTS = {"contention": 1.0, "contention_at": 1, "message_s": 0.0, "busy_message_s": 0.0,
+                 "piece_overhead_s": 0.0}
+
+
+def host_figures(host: dict | None) -> dict:
+    """The pipeline probe's host figures (PipelineProfile.host, measured by pipeline.py), checked,
+    with what was not measured at its default (no contention, messages free)."""
+    from ..errors import UsageError
+
+    got = {**HOST_DEFAULTS, **(host or {})}
+    if not (1.0 <= got["contention"] <= 2.0) or got["contention_at"] < 1:
+        raise UsageError(f"contention={got['contention']!r} at {got['contention_at']!r} computing at once",
+                         "measure the pipeline again, or give a contention in [1, 2] at 1 or more at once")
+    return got
 
 
 def straggle_at(straggle: float, measured_stretch: float, stretch: float) -> float:

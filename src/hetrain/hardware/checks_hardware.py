@@ -25,8 +25,10 @@ def check_gpus(m: Machine, o: DoctorOptions) -> list[Finding]:
     gpus, hidden = m.gpus, [d for d in m.all_gpus if not d.visible]
     if not m.all_gpus:
         return [Finding(level="warn", check="gpus", message=f"{NO_GPU}: only the CPU ({m.devices[0].name})",
-                        why="training runs on the CPU; hetrain's emulation shows what a mixed cluster would do",
-                        fix="`hetrain demo`, or `hetrain run --emulate a100-80g,rtx3090 script.py`")]
+                        why="training runs on the CPU; hetrain can still run a mixed cluster of catalog GPUs "
+                            "on it, each device a CPU process at its card's speed and memory",
+                        fix="`hetrain demo`; `hetrain run --help` shows how to run your script on a cluster spec "
+                            "such as a100-80g,rtx3090")]
     out = [Finding(level="ok", check="gpus", message=f"{len(gpus)} GPU(s): {_names(gpus)}")] if gpus else []
     if hidden and not m.facts.get("torch", {}).get("available"):
         out.append(Finding(level="warn", check="gpus",
@@ -49,7 +51,8 @@ def check_gpus(m: Machine, o: DoctorOptions) -> list[Finding]:
 
 
 def _cpu_precision_finding(recorded: dict | None) -> Finding:
-    """No GPU: what this CPU does with bf16/fp16 (hardware/host.py), and what that means for emulation."""
+    """No GPU: what this CPU does with bf16/fp16 (hardware/host.py), and what that means for devices
+    computing on it."""
     from .host import HostFacts
 
     try:
@@ -63,9 +66,9 @@ def _cpu_precision_finding(recorded: dict | None) -> Finding:
     slow = [p for p in ("bf16", "fp16") if not host.keeps_speed(p)]
     return Finding(level="ok", check="precision",
                    message=f"{NO_GPU}: the CPU computes; {host.describe()}",
-                   why=host.emulation_meaning(),
-                   fix="" if not slow else "nothing to do: keep precision='auto' for emulation "
-                                           "(precision='fp32' on the CPU itself)")
+                   why=host.precision_meaning(),
+                   fix="" if not slow else "nothing to do: keep precision='auto' for a cluster spec's "
+                                           "devices (precision='fp32' on the CPU itself)")
 
 
 def check_precision(m: Machine, o: DoctorOptions) -> list[Finding]:
@@ -79,8 +82,8 @@ def check_precision(m: Machine, o: DoctorOptions) -> list[Finding]:
         return [Finding(level="error", check="precision",
                         message=f"bf16 asked for, but {', '.join(f'{d.label} {d.name} ({cc(d)})' for d in lacking)} "
                                 "has no bf16 in hardware",
-                        why="torch.cuda.is_bf16_supported() says True there because it counts emulation, "
-                            "which is many times slower (and cuDNN has no bf16 convolutions below cc 8.0)",
+                        why="torch.cuda.is_bf16_supported() says True there because it counts bf16 done in "
+                            "software, which is many times slower (and cuDNN has no bf16 convolutions below cc 8.0)",
                         fix="use precision fp16 (one job-wide GradScaler) or fp32")]
     if o.precision != "auto":
         return [Finding(level="ok", check="precision", message=f"the job uses {o.precision}: every GPU supports it")]
@@ -90,12 +93,12 @@ def check_precision(m: Machine, o: DoctorOptions) -> list[Finding]:
     if len(lacking) == len(gpus):
         return [Finding(level="ok", check="precision",
                         message="no GPU has bf16 in hardware (all cc < 8.0): use fp16 with a GradScaler",
-                        fix="precision='fp16' (bf16 would be emulated and slow)")]
+                        fix="precision='fp16' (bf16 would be done in software, slowly)")]
     return [Finding(level="warn", check="precision",
                     message=f"no bf16 in hardware on {', '.join(f'{d.label} {d.name} ({cc(d)})' for d in lacking)}, "
                             f"while the others have it: the job must use fp16",
-                    why="every rank must use the same gradient dtype, and bf16 on cc < 8.0 is emulated "
-                        "(torch.cuda.is_bf16_supported() still says True)",
+                    why="every rank must use the same gradient dtype, and bf16 on cc < 8.0 is done in "
+                        "software (torch.cuda.is_bf16_supported() still says True)",
                     fix="train with precision='fp16' (one job-wide GradScaler), or leave the older cards out for bf16")]
 
 
@@ -246,7 +249,7 @@ def check_power(m: Machine, o: DoctorOptions) -> list[Finding]:
         w = d.power_limit_w or (d.spec.tdp_w if d.spec else None)
         if w is None:
             return [skipped("power", f"power limit of {d.label} {d.name} unknown (NVML unavailable, not in catalog)")]
-        if not d.power_limit_w or d.kind == "emulated":
+        if not d.power_limit_w or d.kind == "planned":
             guessed.append(d.label)
         limits.append((d, w))
     total = sum(w for _, w in limits)

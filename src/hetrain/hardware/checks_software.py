@@ -65,10 +65,11 @@ def check_torch_cuda(m: Machine, o: DoctorOptions) -> list[Finding]:
         return [Finding(level="warn", check="torch-cuda",
                         message=f"torch {torch_v} is built without CUDA, and no NVIDIA driver answers "
                                 "(no GPU is present)",
-                        why="hetrain can only run CPU processes here: one process, or emulated "
-                            "devices with --emulate",
+                        why="hetrain can only run CPU processes here: one process, or a cluster spec's "
+                            "devices, each a CPU process at its card's speed and memory",
                         fix="to train on GPUs use a machine with NVIDIA GPUs and a CUDA build of torch; "
-                            "here, try `hetrain demo` or `hetrain run --emulate a100-80g,rtx3090 script.py`")]
+                            "here, try `hetrain demo`, or see `hetrain run --help` to run a script on a cluster "
+                            "spec such as a100-80g,rtx3090")]
     if not t.get("available"):
         why = t.get("error") or "torch.cuda.is_available() is False"
         torch_cuda, drv_cuda = _ver(v.get("torch_cuda")), _ver(v.get("driver_cuda"))

@@ -31,9 +31,10 @@ A flat spec is one island, except that `cpu` items (`2xa100-80g,cpu`) are an isl
 ('cpu', beside one named after the cards' vendor, bridged by host memory); a flat spec or island
 mixing two GPU vendors is an error that shows the island form.
 
-Used by `--emulate` (one throttled CPU process per device) and by `hetrain simulate --cluster`. On a
-multi-node job each node's `hetrain run --emulate` names that node's devices: a flat spec, or that
-node's one `NODE=DEVICES[/LINK]` item (NODE becomes the node's name unless --node-name is given).
+Used by the planning commands (`hetrain simulate --cluster`, `hetrain doctor --cluster`) and by
+`hetrain run` given a spec, which runs one CPU process per device at that device's speed and
+memory. On a multi-node job each node's `hetrain run` names that node's devices: a flat spec, or
+that node's one `NODE=DEVICES[/LINK]` item (NODE becomes the node's name unless --node-name is given).
 
 Speeds are on the catalog's scale (A100-80GB SXM = 1.0), and one CPU thread plays an A100: an
 RTX 3090 (0.67) computes at 0.67 of the thread's pace, alone or beside others. Only a cluster with
@@ -68,7 +69,7 @@ class ClusterDevice:
     index: int
     gpu: catalog.GpuSpec
     speed: float
-    speed_source: str          # 'catalog speed index 0.67' or 'given in --emulate'
+    speed_source: str          # 'catalog speed index 0.67' or 'given' (in the spec)
     memory_bytes: int
     memory_source: str         # 'catalog: 24 GiB card' or 'given cap'
     island: str = ""           # the device island it belongs to ('' : the job is one island)
@@ -78,7 +79,7 @@ class ClusterDevice:
         return f"{self.gpu.key}#{self.index}"
 
     def to_device(self) -> Device:
-        """This emulated device as a `devices.Device` record (kind 'emulated')."""
+        """This device as a `devices.Device` record (kind 'planned')."""
         return from_cluster_device(self)
 
 
@@ -95,7 +96,7 @@ class Node:
 
     name: str
     devices: tuple[int, ...]
-    part: str                    # its devices in the flat grammar, as its own --emulate
+    part: str                    # its devices in the flat grammar, as its own node's spec
     link: LinkSpec | None        # None: from the catalog (planning/cost.py catalog_link)
 
 

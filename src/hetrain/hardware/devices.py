@@ -1,5 +1,5 @@
-"""One `Device` record per device, whatever it is: a CUDA GPU (torch.cuda + NVML), the CPU, or an
-emulated device from a cluster spec (`ClusterDevice.to_device()`).
+"""One `Device` record per device, whatever it is: a CUDA GPU (torch.cuda + NVML), the CPU, or a
+device of a planned cluster, named by a cluster spec (`ClusterDevice.to_device()`: catalog facts only).
 
 Built from the machine description of `driver.py` (live or recorded); the catalog adds datasheet
 facts. An unknown GPU keeps what the driver said (memory, compute capability) and carries a
@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass, field
 from . import catalog
 from .units import format_bytes
 
-KINDS = ("cuda", "cpu", "emulated")
+KINDS = ("cuda", "cpu", "planned")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Device:
-    kind: str                                   # 'cuda' | 'cpu' | 'emulated'
-    index: int                                  # cuda:N, the rank of an emulated device, 0 for the CPU
+    kind: str                                   # 'cuda' | 'cpu' | 'planned'
+    index: int                                  # cuda:N, a planned device's place in its spec, 0 for the CPU
     name: str                                   # as the driver reports it (or the catalog name)
     spec: catalog.GpuSpec | None = None         # datasheet facts; None: not in the catalog / not a GPU
     memory_bytes: int | None = None
@@ -38,8 +38,8 @@ class Device:
     numa_node: int | None = None
     utilization_pct: int | None = None
     h2d_gbs: float | None = None                # measured host-to-device copy bandwidth
-    speed: float | None = None                  # emulated: relative speed
-    island: str = ""                            # emulated: the cluster spec's island ('' : none named)
+    speed: float | None = None                  # planned: the spec's relative speed
+    island: str = ""                            # planned: the cluster spec's island ('' : none named)
     source: str = ""                            # where the facts came from
     notes: tuple[str, ...] = field(default=())
 
@@ -51,16 +51,16 @@ class Device:
     def label(self) -> str:
         if self.kind == "cuda":
             return f"cuda:{self.index}" if self.visible else f"gpu{self.nvml_index} (hidden)"
-        return f"{self.spec.key}#{self.index}" if self.kind == "emulated" else "cpu"
+        return f"{self.spec.key}#{self.index}" if self.kind == "planned" else "cpu"
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind in ("cuda", "emulated")
+        return self.kind != "cpu"
 
     @property
     def real_bf16(self) -> bool | None:
-        """bf16 in hardware: compute capability >= 8.0 (torch's default check also counts
-        emulation, which passes on V100/T4 and is slow)."""
+        """bf16 in hardware: compute capability >= 8.0 (torch's default check also counts bf16
+        done in software, which passes on V100/T4 and is slow)."""
         if self.kind == "cpu":
             return None
         if self.spec is not None and self.spec.vendor != "nvidia":
@@ -151,10 +151,10 @@ def devices_from_facts(facts: dict) -> tuple[Device, ...]:
 
 
 def from_cluster_device(d) -> Device:
-    """An emulated device (a `cluster.ClusterDevice`): catalog facts, the spec's speed and cap."""
+    """A planned device (a `cluster.ClusterDevice`): catalog facts, the spec's speed and cap."""
     spec = d.gpu
-    return Device(kind="emulated", index=d.index, name=spec.name, spec=spec, memory_bytes=d.memory_bytes,
+    return Device(kind="planned", index=d.index, name=spec.name, spec=spec, memory_bytes=d.memory_bytes,
                   compute_capability=spec.compute_capability if spec.vendor == "nvidia" else None,
                   power_limit_w=spec.tdp_w, pcie_gen_gpu_max=spec.pcie_gen, speed=d.speed, island=d.island,
-                  source=f"catalog, emulated ({d.speed_source}; {d.memory_source})",
-                  notes=("emulated: a throttled CPU process, catalog facts only",))
+                  source=f"catalog, planned ({d.speed_source}; {d.memory_source})",
+                  notes=("planned: a cluster spec's device, catalog facts only",))

@@ -26,8 +26,8 @@ def _gpu_lines(d, island: str = "-") -> list[str]:
              f"bf16 in hardware: {'yes' if d.real_bf16 else 'no' if d.real_bf16 is False else 'unknown'}",
              f"    memory: {format_bytes(d.memory_bytes) if d.memory_bytes else 'unknown'}; "
              f"power limit: {f'{d.power_limit_w:.0f} W' if d.power_limit_w else 'unknown'}"]
-    if d.kind == "emulated":
-        lines.append(f"    emulated: speed {d.speed:.2f}; {d.source}")
+    if d.kind == "planned":
+        lines.append(f"    planned: speed {d.speed:.2f}; {d.source}")
         return lines
     lines.append(f"    uuid: {_val(d.uuid)}; PCI bus id: {_val(d.pci_bus_id)}; nvidia-smi index: "
                  f"{_val(d.nvml_index)}; NUMA node: {_val(d.numa_node)}")
@@ -56,7 +56,7 @@ def _cpu_precision_lines(recorded: dict | None) -> list[str]:
             + "/".join(f"{host.block_ms.get(p, 0):.1f}" for p in ("fp32", "bf16", "fp16"))
             + ", matmul " + "/".join(f"{host.matmul_ms.get(p, 0):.2f}" for p in ("fp32", "bf16", "fp16"))
             + f" [{host.source}]",
-            f"  emulation: {host.emulation_meaning()}"]
+            f"  precision rule: {host.precision_meaning()}"]
 
 
 def render_text(m: Machine, rank_versions: tuple[dict, ...] | None = None) -> str:

@@ -1,11 +1,12 @@
 """This host's CPU as a compute device: which low-precision dtypes it has in hardware, and how
 much slower than fp32 it actually computes each (measured once per host, then cached).
 
-Why it matters: an emulated GPU is a CPU thread throttled to the card's relative speed, so its
-speed is only true when the CPU computes the card's precision about as fast as fp32. CPUs differ:
-with avx512_bf16 or AMX, bf16 autocast is as fast as fp32 or faster; with only AVX2 (or AVX512
-without its bf16 extension) torch converts every bf16 value in software, and bf16 and fp16 run
-4-70x slower than fp32. The emulation rule (planning/precision.py) reads these facts.
+Why it matters: a device that stands for a GPU but computes on this CPU (a cluster spec's device
+run by `hetrain run`) keeps the card's relative speed only when the CPU computes the card's
+precision about as fast as fp32. CPUs differ: with avx512_bf16 or AMX, bf16 autocast is as fast as
+fp32 or faster; with only AVX2 (or AVX512 without its bf16 extension) torch converts every bf16
+value in software, and bf16 and fp16 run 4-70x slower than fp32. The precision rule
+(planning/precision.py) reads these facts.
 
 The measurement: one thread, a matmul and one transformer block forward+backward, in fp32, bf16
 and fp16 (autocast for the block, as training runs it); the least of a few runs of each, the
@@ -32,8 +33,8 @@ from ..files import cache_dir, write_json_atomic
 
 HOST_FACTS_ENV = "HETRAIN_HOST_FACTS"
 SCHEMA = 1
-MATMUL = (512, 256, 512)   # the measured matmul: (M×K) @ (K×N), 2·M·K·N FLOPs (the emulated devices' peak)
-SLOW = 1.5          # a dtype this many times slower than fp32 does not keep an emulated speed true
+MATMUL = (512, 256, 512)   # the measured matmul: (M×K) @ (K×N), 2·M·K·N FLOPs (the peak of devices on this CPU)
+SLOW = 1.5          # a dtype this many times slower than fp32 breaks a catalog speed computed on this CPU
 # The flags that decide low-precision speed: x86 (AVX512-BF16, AMX, AVX512-FP16) and ARM (bf16, fp16 SIMD).
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "avx512_fp16", "amx_fp16",
          "asimd", "asimdhp", "fphp", "bf16", "sve", "i8mm")
@@ -69,7 +70,7 @@ class HostFacts:
         return 2 * m * k * n / (ms / 1e3) if ms else None
 
     def keeps_speed(self, precision: str) -> bool:
-        """Whether an emulated device computing `precision` here still runs at its catalog speed."""
+        """Whether a device computing `precision` on this CPU still runs at its catalog speed."""
         return self.slowdown(precision) <= SLOW
 
     # -- for people ---------------------------------------------------------------------------
@@ -82,13 +83,15 @@ class HostFacts:
         kernels = f"{self.capability} kernels; " if self.capability else ""
         return f"{self.cpu} ({kernels}{'; '.join(parts)})"
 
-    def emulation_meaning(self) -> str:
+    def precision_meaning(self) -> str:
+        """What the precision rule does with devices that compute on this CPU (keeps_speed)."""
         slow = [p for p in ("bf16", "fp16") if not self.keeps_speed(p)]
         if not slow:
-            return ("emulated devices compute in their card's precision (bf16/fp16 run about as fast as "
-                    "fp32 here), so their speeds stay true")
-        return (f"under precision='auto', emulated devices whose card runs {' or '.join(slow)} compute in fp32 "
-                f"here, so their speeds stay true (--precision {slow[0]} forces it, at the measured slowdown)")
+            return ("devices computing on this CPU compute in their card's precision (bf16/fp16 run about "
+                    "as fast as fp32 here), so their speeds stay true")
+        return (f"under precision='auto', devices computing on this CPU whose card runs {' or '.join(slow)} "
+                f"compute in fp32 here, so their speeds stay true (--precision {slow[0]} forces it, at the "
+                "measured slowdown)")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -122,7 +125,7 @@ def _times(ratio: float) -> str:
 # -- what this CPU is (no torch needed) -------------------------------------------------------
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity; the machine's count where the OS
-    has no affinity call): what emulated devices, threads of this host, share."""
+    has no affinity call): what devices that are threads of this host share."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

@@ -24,7 +24,7 @@ n_i devices on their own links L_i and a bridge B:
         = m / P_send + m / B + α_B + m / P_recv
 
 RS, AG, AR and the send are collectives.py's ring formulas. A device whose tensors already live in
-host memory (the CPU, an emulated device) stages nothing (`host_gbs` inf). The same host link
+host memory (the CPU, a card computing on the host CPU) stages nothing (`host_gbs` inf). The same host link
 prices the CPU's other role, holding offloaded optimizer state (`offload_step_seconds`).
 """
 
@@ -45,10 +45,11 @@ def on_host(gpu: GpuSpec) -> bool:
     return gpu.device_type == "cpu" or gpu.vendor == "cpu"
 
 
-def host_gbs(gpu: GpuSpec, *, emulated: bool = False) -> float:
+def host_gbs(gpu: GpuSpec, *, host_tensors: bool = False) -> float:
     """GB/s between this device and host memory: its catalog PCIe generation's effective x16
-    figure (hardware/links.py), ON_HOST for the CPU and for emulated devices (CPU tensors)."""
-    if emulated or on_host(gpu):
+    figure (hardware/links.py), ON_HOST for the CPU and for a device whose tensors are host tensors
+    whatever card it stands for (`host_tensors`: it computes on the host CPU)."""
+    if host_tensors or on_host(gpu):
         return ON_HOST
     return PCIE_GBS.get(gpu.pcie_gen, PCIE_GBS[4])
 
@@ -158,11 +159,12 @@ def offload_step_seconds(*, trainable: int, element_bytes: float, state_bytes_pe
     return offload_seconds(trainable * element_bytes, gbs, trainable * (4 + state_bytes_per_param), trainable * 4)
 
 
-def islands_of(devices: Sequence, links: dict[str, Link] | None = None, *, emulated: bool = False,
+def islands_of(devices: Sequence, links: dict[str, Link] | None = None, *, host_tensors: bool = False,
                link_of=None) -> tuple[Island, ...]:
     """The islands of a job's devices (hardware/cluster.py ClusterDevice records, `island` set),
     in order of first appearance. Each island's link: `links[name]` when given, else `link_of`
-    (the island's cards -> Link; default the catalog's, cost.py catalog_link)."""
+    (the island's cards -> Link; default the catalog's, cost.py catalog_link). `host_tensors`: the
+    devices compute on the host CPU, so nothing is staged to host memory (host_gbs)."""
     from .cost import catalog_link
 
     link_of = link_of or catalog_link
@@ -175,5 +177,5 @@ def islands_of(devices: Sequence, links: dict[str, Link] | None = None, *, emula
         link = (links or {}).get(name) or link_of(gpus)
         vendor = "cpu" if all(on_host(g) for g in gpus) else gpus[0].vendor
         out.append(Island(name=name or "island0", devices=tuple(members), link=link, vendor=vendor,
-                          host_gbs=tuple(host_gbs(g, emulated=emulated) for g in gpus)))
+                          host_gbs=tuple(host_gbs(g, host_tensors=host_tensors) for g in gpus)))
     return tuple(out)

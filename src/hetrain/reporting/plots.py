@@ -50,7 +50,7 @@ def _figure(height: float = 4.8, rows: int = 1):
 def _subtitle(log: RunLog) -> str:
     header = log.header()
     devices = log.devices()
-    where = " (emulated devices)" if header.get("emulated") else ""
+    where = header.get("devices_note", "")      # what the devices' kind adds to titles (DeviceHooks.run_facts)
     return f"{len(log.steps)} steps, {len(devices)} device{'s' if len(devices) != 1 else ''}{where}"
 
 
@@ -174,7 +174,7 @@ def memory(log: RunLog):
     caps = {d: log.series(d, "memory_cap_bytes") for d in log.devices()}
     known = [v for _, ys in peaks.values() for v in ys]
     if not known:
-        _note(ax, "memory not measured (a plain CPU): run with --emulate or on GPUs")
+        _note(ax, "memory not measured (a plain CPU): run on GPUs, or on the cards a cluster spec names (hetrain run --help)")
         ax.set_title(f"Peak memory per step, by device — {_subtitle(log)}")
         return fig
     from matplotlib.ticker import FixedLocator, FuncFormatter

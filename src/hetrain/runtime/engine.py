@@ -23,13 +23,14 @@ from ..planning.plan import Plan
 from ..process_exit import skip_final_collection
 from .config import LAUNCH_ENV, Config, check_keywords
 from .ranks.dist import DistContext, cuda_asked_for, env_rank, init_distributed, leave_after_error, shutdown
-from .ranks.nodes import join_nodes
+from ..emulation.islands import join_nodes
 from ..emulation.device import EmulatedDevice, agree_host_facts, become_emulated_device
 from .resilience.preempt import Preemption
 from .resilience.worker_errors import install_excepthook
 from .devices.faults import ENV as FAULTS_ENV
 from .devices.faults import FaultInjector, parse_faults
 from ..emulation.hooks import make_hooks
+from ..emulation.link import check_link_request
 from .facts import EngineFacts
 from .job import Context, Job
 from .ranks.log import RankLog
@@ -69,14 +70,15 @@ class Engine(EngineFacts):
         # How fast this CPU computes bf16/fp16 decides what an emulated device computes in (collective).
         host = agree_host_facts(rank=ctx.rank, world_size=ctx.world_size) if cluster is not None else None
         # This rank's precision; prepare() agrees it across ranks (bad input raises there, on all).
-        precision = PrecisionPolicy.local(config.precision, device=ctx.device, emulated=emulated, host=host,
+        precision = PrecisionPolicy.local(config.precision, device=ctx.device, given=emulated, host=host,
                                           allow_fallback=config.allow_fallback)
         self.job = Job(Context(config=config, dist=ctx, log=log, hooks=make_hooks(ctx.device, emulated, faults),
-                               precision=precision, faults=faults, emulated=emulated, host=host,
+                               precision=precision, faults=faults, host=host,
                                preemption=Preemption(grace_s=config.checkpoints.preempt_grace_s), nodes=nodes))
+        check_link_request(self.job)      # Emulation.link_gbs on real GPUs: refused, on every rank alike
         self.job.preemption.install()     # SIGTERM/SIGINT: stop at the next step boundary, saved
         if host is not None and LAUNCH_ENV not in os.environ:   # `hetrain run` printed it already
-            log.detail(f"host CPU: {host.describe()}; {host.emulation_meaning()} [{host.source}]")
+            log.detail(f"host CPU: {host.describe()}; {host.precision_meaning()} [{host.source}]")
             if host.note:
                 log.warn_job(host.note)
         self._given_plan = plan
@@ -95,7 +97,7 @@ class Engine(EngineFacts):
     ctx = property(lambda self: self.job.ctx)
     log = property(lambda self: self.job.log)
     plan = property(lambda self: self.job.plan)
-    emulated = property(lambda self: self.job.emulated)
+    emulated = property(lambda self: getattr(self.job.hooks, "emulated", None))   # the emulated device, if any
     rank = property(lambda self: self.job.rank)
     world_size = property(lambda self: self.job.world_size)
     device = property(lambda self: self.job.device)

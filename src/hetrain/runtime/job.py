@@ -27,7 +27,6 @@ from .devices.precision_policy import PrecisionPolicy
 if TYPE_CHECKING:     # names for the fields' types only: importing them here would be circular
     from ..hardware.host import HostFacts
     from ..planning.profile import DeviceProfile
-    from ..emulation.device import EmulatedDevice
     from .layouts.data import DataLayout
     from .loop.flops import FlopFacts
     from .loop.metrics import Recorder
@@ -56,20 +55,28 @@ class Rebalancing(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Context:
     """What init() makes, fixed for the job: the config, the process group, this rank's device
-    hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one."""
+    hooks, precision, log and faults. A change (an integration's Engine.configure) is a new one.
+    What a kind of device adds (its clock, its meter) hangs off its hooks, not here."""
     config: Config
     dist: DistContext
     log: RankLog
     hooks: DeviceHooks
     precision: PrecisionPolicy
     faults: FaultInjector
-    emulated: EmulatedDevice | None = None   # on an emulated device
-    host: HostFacts | None = None            # on an emulated device
+    host: HostFacts | None = None            # the host CPU's facts, where the device computes on it
     preemption: Preemption | None = None     # the stop signal, if any (made by init(), always there)
     nodes: JobNodes | None = None            # which rank runs on which node
+
+    def __init__(self, config: Config, dist: DistContext, log: RankLog, hooks: DeviceHooks,
+                 precision: PrecisionPolicy, faults: FaultInjector, host: HostFacts | None = None,
+                 preemption: Preemption | None = None, nodes: JobNodes | None = None):
+        given = dict(config=config, dist=dist, log=log, hooks=hooks, precision=precision, faults=faults, host=host,
+                     preemption=preemption, nodes=nodes)
+        for name, value in given.items():
+            object.__setattr__(self, name, value)
 
     @property
     def device(self) -> torch.device:
@@ -142,10 +149,6 @@ class Job:
         return self.context.faults
 
     @property
-    def emulated(self) -> EmulatedDevice | None:
-        return self.context.emulated
-
-    @property
     def host(self) -> HostFacts | None:
         return self.context.host
 
@@ -211,8 +214,8 @@ class Job:
 
     @property
     def device_label(self) -> str:
-        if self.emulated is not None:
-            return self.emulated.label
+        if (label := self.hooks.device_label()) is not None:
+            return label
         if self.device.type == "cuda":
             return f"cuda:{self.device.index} {torch.cuda.get_device_name(self.device)}"
         return f"cpu (rank {self.rank})"

@@ -20,7 +20,6 @@ from ..layout_spec import DataParallel, Pipeline, TensorParallel
 from ..planning.compression import check_request as check_compression_request
 from ..planning.plan import Plan
 from .config import Config
-from ..emulation.link import check_link_request
 from .job import Job
 from .layouts import choose
 from .layouts.data_setup import DataSetup, TensorSetup, measure_setup
@@ -32,7 +31,7 @@ from .loop.sampler import GlobalCursorSampler
 from .loop.stream import is_stream, open_stream
 from .measure.joint import show_plan
 from .measure.model_call import probe as probe_model_call
-from .replan import adopt
+from .replan import replan
 from .resilience import resume as persist
 from .resilience.store import Checkpointer
 
@@ -54,19 +53,20 @@ def prepare_job(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     spec, measured = choose.decide(job, spec, model, optimizer, forward, loss_fn)
     layout = setup_for(spec, loss_fn, world_size=job.world_size)   # the layout's own check, plan and build
     layout.check(job)                                 # what the layout needs of this job: before anything is built
-    check_link_request(job)                           # Emulation.link_gbs on real GPUs: refused here
     check_compression_request(job.config.compression.method, backend=job.ctx.backend, blocked_by=layout.blocks_compression)
     counted = layout.plan(job, model, optimizer, forward, given_plan, measured)                    # (collective)
     # A checkpoint's Plan (rebalanced shares, shrunk micro-batches, a moved split) is adopted before
-    # the model is built for it: checkpointing, sharding and stages follow the plan that will run.
+    # the model is built for it: checkpointing, sharding and stages follow the plan that will run,
+    # with this job's records (the layout completes it as it completed its own).
     resume_from = persist.find_checkpoint(job, model) if job.checkpointer is not None else None    # (collective)
     if job.checkpointer is not None:
-        adopt(job, persist.adopt_plan(job, resume_from), "resumed")                                           # (collective)
+        replan(job, persist.adopt_plan(job, resume_from), "resumed",                                # (collective)
+               complete=lambda plan: layout.complete(job, model, optimizer, forward, plan))
     layout.build(job, model, optimizer, forward)      # wrapped or staged, and the loop's layout     (collective)
     if resume_from is not None:
         persist.restore(job, resume_from)                                                           # (collective)
     job.flops = flops.agree_flop_facts(job, counted)  # MFU's parts, on every rank            (collective)
-    show_plan(job.log, job.plan, job.total_steps, computes={      # what an emulated device computes in
+    show_plan(job.log, job.plan, job.total_steps, computes={      # where a device computes in another precision
         e["device"]: e["compute"] for e in job.precision.all_choices if e["compute"] != e["precision"]})
     job.log.info(f"layout: {layout.describe(job)}")
     job.recorder = metrics.open_recorder(job)         # rank 0: metrics.jsonl (a restart appends), status lines

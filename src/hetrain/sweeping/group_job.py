@@ -1,10 +1,10 @@
 """A group trial as the scheduler sees it: a hetrain data-parallel job over the group's devices,
 started through torchrun (as `hetrain run` starts one), polled, and read back.
 
-The job's ranks run group_rank.py. What they need comes in one task file; the launch file
-(runtime.config.LAUNCH_ENV, as `hetrain run` writes it) gives `hetrain.init` in the trial the
-group's emulated devices and the sweep's controlled clock. Rank 0 writes the trial's outcome to
-the result file; a job that ends without one failed (torchrun stops every rank when one fails).
+The job's ranks run group_rank.py. What they need comes in one task file; on devices that are
+not CUDA GPUs their target writes the launch file (runtime.config.LAUNCH_ENV, as `hetrain run`
+writes it) that gives `hetrain.init` in the trial the group's devices and the sweep's clock. Rank
+0 writes the trial's outcome to the result file; a job that ends without one failed (torchrun stops every rank when one fails).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 from ..runtime.config import LAUNCH_ENV
 from .groups import GroupFit
+from .objective import on_gpu
 
 STOP_S = 15.0     # torchrun's grace to stop its ranks before it is killed
 
@@ -31,9 +32,11 @@ class GroupJob:
         self.result_path = os.path.join(self.dir, "result.json")
         members = [s.index for s in fit.members]
         targets = [setup.targets[i] for i in members]
-        emulated = all(t == "emulated" for t in targets)
+        other = None if any(on_gpu(t) for t in targets) else targets[0]     # a group is of one kind
         task = {"objective": setup.objective, "url": setup.url, "study": setup.study, "pruner": setup.pruner,
-                "trial_id": trial_id, "number": number, "params": params, "emulated": emulated,
+                "trial_id": trial_id, "number": number, "params": params,
+                "device": other.torch_device if other is not None else "cuda",
+                "enter": other.enter_ref if other is not None else None,
                 "labels": [s.label for s in fit.members], "speeds": [s.speed for s in fit.members],
                 "sharding": fit.sharding, "sample_s": setup.sample_s, "parent": os.getpid(),
                 "result": self.result_path, "entry": setup.entry,
@@ -42,10 +45,8 @@ class GroupJob:
         with open(task_path, "w") as f:
             json.dump(task, f)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if emulated:
-            launch = {"config": {"emulation": {"cluster": ",".join(s.spec for s in fit.members),
-                                               "sample_s": setup.sample_s}},
-                      "defaults": {}, "run_dir": self.dir, "node": {"name": "sweep"}}
+        if other is not None:
+            launch = other.group_launch([s.spec for s in fit.members], sample_s=setup.sample_s, run_dir=self.dir)
             launch_path = os.path.join(self.dir, "launch.json")
             with open(launch_path, "w") as f:
                 json.dump(launch, f)

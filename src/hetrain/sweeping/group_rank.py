@@ -1,6 +1,6 @@
 """One rank of a group trial (`python -m hetrain.sweeping.group_rank TASK.json`, under torchrun).
 
-Every rank joins the group's process group (gloo on emulated devices, NCCL beside gloo on GPUs),
+Every rank joins the group's process group (gloo on CPU devices, NCCL beside gloo on GPUs),
 loads the objective and runs the trial; `hetrain.init(global_batch=...)` inside it uses that
 group as it is, so the trial trains as one hetrain data-parallel job. Rank 0 alone talks to
 Optuna: its `report` goes to the study and its pruning decision is broadcast, so every rank
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -53,17 +54,16 @@ def main(task_path: str) -> None:
         task = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if task["emulated"]:
-        from ..emulation.device import become_emulated_device
-
-        become_emulated_device()
+    if task["enter"]:                 # what makes this process its device, named by the device's target
+        module, name = task["enter"].split(":")
+        getattr(importlib.import_module(module), name)()
     import optuna
     import torch
     import torch.distributed as dist
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    if task["emulated"]:
+    if task["device"] == "cpu":
         dist.init_process_group("gloo", timeout=timeout)
         device = "cpu"
     else:
@@ -85,7 +85,7 @@ def main(task_path: str) -> None:
     else:
         base = optuna.trial.FixedTrial(params, number)
     ctx = TrialContext(number=number, params=params, device=device, label=task["labels"][rank],
-                       speed=task["speeds"][rank], sample_s=task["sample_s"], emulated=task["emulated"],
+                       speed=task["speeds"][rank], sample_s=task["sample_s"],
                        trial=base if rank == 0 else None, parent=task["parent"], rank=rank, world_size=world,
                        members=tuple(task["labels"]), sharding=task["sharding"], agree=_agree)
     state, value, note, peak = run_trial(module, ctx, GroupTrial(base, ctx), params, task["entry"])

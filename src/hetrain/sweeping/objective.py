@@ -7,13 +7,13 @@
         return {"params": 12 * params["width"] ** 2, "batch": 32, "activation_bytes_per_sample": 4e4}
     def train(params, ctx):           # runs on ctx.device; returns the value to optimize
         for step in range(100):
-            with ctx.compute(samples=32):   # an emulated device's speed (a no-op on a GPU)
+            with ctx.compute(samples=32):   # at the device's speed (a no-op on a GPU)
                 loss = ...
             ctx.report(loss, step)          # intermediate value: the pruner may stop the trial here
         return loss
 
 `space` runs in the scheduler (it asks Optuna for every trial), `train` in the worker process of
-the device the trial was placed on, with `torch` limited to one thread there when emulated.
+the device the trial was placed on (a CPU device's process may be set up for it: one thread).
 
 Or Optuna's own form, as written for `study.optimize`:
 
@@ -50,7 +50,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -126,17 +126,25 @@ class Pruned(Exception):
     worker is turned into this, so the runner needs no Optuna type to recognise it)."""
 
 
+def on_gpu(target) -> bool:
+    """Whether a sweep slot's target (runner.SweepSetup.targets) is a GPU, its CUDA index, rather
+    than another kind of device, which answers for itself."""
+    return isinstance(target, str)
+
+
 @dataclass
 class TrialContext:
     """What `train(params, ctx)` is handed."""
 
     number: int                      # the Optuna trial number
     params: dict
-    device: str                      # torch device string: "cpu" (emulated) or "cuda:0"
-    label: str                       # e.g. "rtx3090#1 (emulated)"
-    speed: float = 1.0               # emulated: the device's speed (1 = the A100 one CPU thread plays)
-    sample_s: float | None = None    # the controlled clock: a compute of m samples lasts m·sample_s/speed
-    emulated: bool = True
+    device: str                      # torch device string: "cpu" or "cuda:0"
+    label: str                       # the device's, e.g. "NVIDIA A100-SXM4-80GB#0"
+    speed: float = 1.0               # the device's speed, relative to the catalog's 1.0
+    sample_s: float | None = None    # a fixed clock: a compute of m samples lasts m·sample_s/speed
+    # how a piece of compute is brought to the device's speed, at_speed(ctx, samples) (a context
+    # manager, the device target's); None: the device computes at its own speed (a GPU)
+    at_speed: Callable | None = None
     trial: object = None             # the worker's optuna.trial.Trial (report / should_prune)
     reports: int = 0
     compute_s: float = field(default=0.0)
@@ -183,21 +191,13 @@ class TrialContext:
 
     @contextmanager
     def compute(self, samples: int | None = None):
-        """Run a piece of training at the device's speed. Emulated: its CPU time c lasts c/speed
-        (a sleep of c·(1/speed − 1)), or on the controlled clock `samples`·sample_s/speed whatever
-        the CPU took (the sleep makes up the rest). On a GPU, and in a group trial (hetrain's
-        engine runs each rank at its device's speed), nothing added."""
-        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        """Run a piece of training at the device's speed: through `at_speed` (on a fixed clock,
+        `samples`·sample_s/speed). On a GPU, and in a group trial (hetrain's engine runs each rank
+        at its device's speed), nothing added."""
+        t_wall = time.perf_counter()
         try:
-            yield
+            with self.at_speed(self, samples) if self.at_speed is not None and not self.group else nullcontext():
+                yield
         finally:
-            if self.emulated and not self.group:
-                wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
-                if self.sample_s is not None and samples is not None:
-                    owed = samples * self.sample_s / self.speed - wall
-                else:
-                    owed = cpu * (1 / self.speed - 1)
-                if owed > 0:
-                    time.sleep(owed)
             self.compute_s += time.perf_counter() - t_wall
             self._check_parent()

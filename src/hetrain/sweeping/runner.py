@@ -36,10 +36,11 @@ class SweepSetup:
     study: str
     trials: int | None
     slots: tuple[Slot, ...]
-    targets: tuple[str, ...]       # per slot: "emulated" or the GPU's CUDA index
+    targets: tuple                 # per slot: the GPU's CUDA index, or the target of a device that is not a
+                                   # CUDA GPU (enter(), torch_device, at_speed(), group_launch(): its maker's)
     pruner: str = "median"         # a pruner spec (study.parse_pruner)
     direction: str = "minimize"
-    sample_s: float | None = None  # the emulated devices' controlled clock (benchmarks, tests)
+    sample_s: float | None = None  # seconds per sample at speed 1 where the devices keep a fixed clock (benchmarks, tests)
     # a stock Optuna script (main_form.py): the function its __main__ handed to study.optimize,
     # its (sampler, pruner) pickled for every process, and optimize's timeout; trials None: no
     # n_trials, the timeout ends the sweep

@@ -2,13 +2,13 @@
 
     import hetrain
     def objective(trial):
-        device = hetrain.sweep.device()              # "cuda:0", or "cpu" on an emulated device
-        with hetrain.sweep.compute(samples=32):      # an emulated device's speed (a no-op on a GPU)
+        device = hetrain.sweep.device()              # "cuda:0", or "cpu" on a CPU device
+        with hetrain.sweep.compute(samples=32):      # at the device's speed (a no-op on a GPU)
             ...
 
 The worker sets the trial's context before it calls `objective`, and its environment says the
 same to code that does not import hetrain: HETRAIN_SWEEP_DEVICE (the torch device),
-HETRAIN_SWEEP_LABEL (e.g. "rtx3090#1 (emulated)"), and CUDA_VISIBLE_DEVICES (its GPU alone).
+HETRAIN_SWEEP_LABEL (the device's label), and CUDA_VISIBLE_DEVICES (its GPU alone).
 In a group trial (several devices, one data-parallel job) `rank()` and `world_size()` say which
 rank this is; `hetrain.init(global_batch=...)` joins the group's job there.
 """
@@ -42,7 +42,7 @@ def context() -> TrialContext:
 
 
 def device() -> str:
-    """The trial's torch device: "cuda:0" (its GPU, the only one it sees) or "cpu" (emulated). Outside
+    """The trial's torch device: "cuda:0" (its GPU, the only one it sees) or "cpu". Outside
     a trial: the environment's HETRAIN_SWEEP_DEVICE, else "cuda" when torch sees a GPU, else "cpu"."""
     if _current is not None:
         return _current.device
@@ -54,7 +54,7 @@ def device() -> str:
 
 
 def compute(samples: int | None = None):
-    """`with hetrain.sweep.compute(samples=n):` around a step: the emulated device's speed (see
+    """`with hetrain.sweep.compute(samples=n):` around a step: the device's speed (see
     TrialContext.compute); outside a trial, nothing."""
     return _current.compute(samples) if _current is not None else nullcontext()
 

@@ -20,20 +20,20 @@ def _rss_bytes() -> int:
 
 
 class PeakMemory:
-    """A trial's peak: on a GPU the CUDA allocator's peak reserved bytes; emulated, how far the
+    """A trial's peak: on a GPU the CUDA allocator's peak reserved bytes; on a CPU, how far the
     process's peak resident memory rose over what it held when the trial started (the peak is
     the process's, so after a bigger trial this reads high: an upper bound, never low)."""
 
-    def __init__(self, emulated: bool):
-        self.emulated = emulated
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
         self.start = _rss_bytes()
-        if not emulated:
+        if cuda:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
 
     def peak(self) -> float:
-        if not self.emulated:
+        if self.cuda:
             import torch
 
             return float(torch.cuda.max_memory_reserved())
@@ -59,7 +59,7 @@ def run_trial(module, ctx: TrialContext, trial, params: dict,
     function a stock script's __main__ handed to study.optimize (`entry`)."""
     import optuna
 
-    meter = PeakMemory(ctx.emulated)
+    meter = PeakMemory(ctx.device.startswith("cuda"))
     set_current(ctx)
     try:
         if form_of(module, entry) == "space/train":

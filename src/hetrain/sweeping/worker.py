@@ -1,7 +1,8 @@
 """One device's worker process: trials in, outcomes out.
 
 Spawned, not forked: it imports torch itself, sees only its own GPU (CUDA_VISIBLE_DEVICES set
-before torch is imported) or, emulated, runs one thread. It leaves when told (a None task) or when
+before torch is imported) or, on a device that is not a CUDA GPU, what its target makes of the
+process (`target.enter()`, runner.SweepSetup.targets). It leaves when told (a None task) or when
 its parent, the scheduler, is gone: between trials, and inside one at the trial's next
 `ctx.compute` or `ctx.report` (TrialContext.parent), so a scheduler killed alone leaves no worker
 training on behind it.
@@ -26,25 +27,25 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
     reports, peak bytes) on `results` for each."""
     import logging
 
+    from .objective import on_gpu
     from .study import parts_of, storage_of
 
     slot, target = setup.slots[index], setup.targets[index]
-    if target != "emulated":
+    gpu = on_gpu(target)
+    if gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = target       # before torch: this GPU alone
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.WARNING)
-    emulated = target == "emulated"
-    if emulated:
-        from ..emulation.device import become_emulated_device
-
-        become_emulated_device()        # one CPU thread, glibc keeping freed memory, as the job's ranks
+    if not gpu:
+        target.enter()                  # the process becomes the device (as the job's ranks do)
     from .objective import TrialContext, load_objective
     from .session import DEVICE_ENV
     from .trial_run import run_trial, trial_of
 
-    os.environ[DEVICE_ENV] = "cpu" if emulated else "cuda:0"     # the environment says it too (session.py)
+    device = "cuda:0" if gpu else target.torch_device
+    os.environ[DEVICE_ENV] = device     # the environment says it too (session.py)
     module = load_objective(setup.objective)
     sampler, pruner = parts_of(setup)
     if sampler is not None:
@@ -58,8 +59,9 @@ def worker_main(index: int, setup, tasks, results, parent: int) -> None:
             return
         trial_id, number, params = task
         trial, stops = trial_of(setup.study, storage_of(setup.url), trial_id, sampler, pruner)
-        ctx = TrialContext(number=number, params=params, device="cpu" if emulated else "cuda:0", label=slot.label,
-                           speed=slot.speed, sample_s=setup.sample_s, emulated=emulated, trial=trial, parent=parent)
+        ctx = TrialContext(number=number, params=params, device=device, label=slot.label, speed=slot.speed,
+                           sample_s=setup.sample_s, at_speed=None if gpu else target.at_speed, trial=trial,
+                           parent=parent)
         t0 = time.perf_counter()
         state, value, note, peak = run_trial(module, ctx, ctx.trial, params, setup.entry)
         results.put((index, number, state, value, note, time.perf_counter() - t0, ctx.reports, peak, bool(stops)))

@@ -20,7 +20,13 @@ p.add_argument("--timeout", type=float, default=60)
 p.add_argument("--pause", type=float, default=0.0, help="seconds of the user's own work after each step")
 p.add_argument("--hold", help="after each step, wait while this file exists (a test holds the job at a step)")
 p.add_argument("--pids", help="each rank writes its pid here (pid-rank{r}), for tests that signal one")
+p.add_argument("--attempts", help="each rank appends its restart attempt here before anything else")
 args = p.parse_args()
+if args.attempts:
+    import os
+
+    with open(args.attempts, "a") as f:
+        f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "?") + "\n")
 
 # The controlled clock (2 ms a sample at speed 1): this model's real compute is ~0.2 ms a step, all
 # fixed costs, so a measured split is decided by timing noise (it can give the slow device one

@@ -35,9 +35,9 @@ def test_cpu_only_machine_is_one_cpu_device():
     assert (d.kind, d.label, d.name, d.is_gpu, d.real_bf16) == ("cpu", "cpu", "AMD EPYC", False, None)
 
 
-def test_cluster_devices_become_emulated_devices():
+def test_cluster_devices_become_planned_devices():
     a100, rtx = (c.to_device() for c in parse_cluster("a100-80g,rtx3090:0.5@1GiB"))
-    assert (a100.kind, a100.label, a100.speed, a100.memory_bytes) == ("emulated", "a100-80g#0", 1.0, 80 * 2**30)
+    assert (a100.kind, a100.label, a100.speed, a100.memory_bytes) == ("planned", "a100-80g#0", 1.0, 80 * 2**30)
     assert (rtx.label, rtx.speed, rtx.memory_bytes, rtx.power_limit_w) == ("rtx3090#1", 0.5, 2**30, 350)
     assert "given cap" in rtx.source
 

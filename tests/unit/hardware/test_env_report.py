@@ -49,7 +49,7 @@ def test_json_report_is_a_recordable_machine(tmp_path):
 
 def test_planned_cluster_report():
     text = envreport.render_text(machine.planned("a100-80g,rtx3090"))
-    assert "planned cluster" in text and "- a100-80g#0: NVIDIA A100 80GB SXM" in text and "emulated: speed 0.67" in text
+    assert "planned cluster" in text and "- a100-80g#0: NVIDIA A100 80GB SXM" in text and "planned: speed 0.67" in text
 
 
 def test_report_lists_every_rank_under_torchrun():
@@ -73,4 +73,4 @@ def test_report_on_a_cpu_host_gives_its_bf16_fp16_speeds_and_what_emulation_does
     text = envreport.render_text(machine.recorded(str(path)))
     line = next(ln for ln in text.splitlines() if ln.startswith("- CPU precision:"))
     assert "no avx512_bf16/amx_bf16" in line and "39x slower than fp32" in line and "flags: avx2" in line
-    assert "block 9.5/372.0/365.0" in text and "emulation: under precision='auto'" in text
+    assert "block 9.5/372.0/365.0" in text and "precision rule: under precision='auto'" in text

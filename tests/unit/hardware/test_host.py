@@ -36,14 +36,14 @@ def test_recorded_hosts_say_what_they_have_in_hardware_and_how_slow_the_rest_is(
     assert not NOBF16.native("bf16") and not NOBF16.keeps_speed("bf16")
     text = AVX2.describe()
     assert "AMD EPYC" in text and "no avx512_bf16/amx_bf16" in text and "39x slower than fp32" in text
-    assert "compute in fp32" in AVX2.emulation_meaning()
+    assert "compute in fp32" in AVX2.precision_meaning()
     assert "about as fast" not in BF16.describe() and "faster than fp32" in BF16.describe()
-    assert "compute in their card's precision" in replace(BF16, block_ms={"fp32": 1, "bf16": 1, "fp16": 1}).emulation_meaning()
+    assert "compute in their card's precision" in replace(BF16, block_ms={"fp32": 1, "bf16": 1, "fp16": 1}).precision_meaning()
 
 
 @pytest.mark.parametrize("gpu,card", [("a100-80g", "bf16"), ("rtx3090", "bf16"), ("v100", "fp16"), ("t4", "fp16")])
 def test_auto_keeps_the_cards_precision_in_the_plan_and_computes_fp32_where_the_host_is_slow(gpu, card):
-    policy = PrecisionPolicy.local("auto", device=CPU, emulated=emulated(gpu), host=AVX2)
+    policy = PrecisionPolicy.local("auto", device=CPU, given=emulated(gpu), host=AVX2)
     assert policy.name == card                         # what the plan records: the real card's rule
     assert policy.compute == "fp32" and policy.dtype is None
     reason = policy.choice.reason
@@ -53,10 +53,10 @@ def test_auto_keeps_the_cards_precision_in_the_plan_and_computes_fp32_where_the_
 
 
 def test_auto_computes_the_cards_precision_where_the_host_runs_it_fast():
-    a100 = PrecisionPolicy.local("auto", device=CPU, emulated=emulated("a100-80g"), host=BF16)
+    a100 = PrecisionPolicy.local("auto", device=CPU, given=emulated("a100-80g"), host=BF16)
     assert a100.name == a100.compute == "bf16" and a100.dtype == torch.bfloat16
     # AVX512-FP16 in the flags, but torch's CPU fp16 ran 33x slower there: a V100 still computes fp32
-    v100 = PrecisionPolicy.local("auto", device=CPU, emulated=emulated("v100"), host=BF16)
+    v100 = PrecisionPolicy.local("auto", device=CPU, given=emulated("v100"), host=BF16)
     assert v100.name == "fp16" and v100.compute == "fp32"
 
 

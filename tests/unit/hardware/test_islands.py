@@ -112,7 +112,7 @@ def test_the_nodes_form_is_unchanged():
 
 def test_job_islands_from_each_ranks_device():
     c = parse_cluster_spec(SPEC)
-    found = job_islands([rank_device(emulated=d) for d in c.devices], bridge=c.topology.bridge.name)
+    found = job_islands([rank_device(spec_device=d) for d in c.devices], bridge=c.topology.bridge.name)
     assert found.describe() == "islands: nv = ranks 0,1 (nccl), amd = ranks 2,3 (rccl); bridge host 25GbE"
     assert found.leaders == (0, 2) and found.island_of(3).name == "amd" and found.multi
     # real devices: grouped by what each rank trains on, named by vendor
@@ -163,13 +163,14 @@ def test_a_gaudi_machine_whose_torch_lacks_the_plugin_is_refused(tmp_path):
 def test_an_emulated_gaudi_gets_bf16_from_its_catalog_flag():
     """The precision rule reads compute capability; a non-NVIDIA device has none, so its flag
     stands in: an emulated Gaudi 2 trains in bf16, not fp16 with a GradScaler."""
-    from types import SimpleNamespace
-
+    from hetrain.emulation.device import EmulatedDevice
+    from hetrain.hardware.cluster import parse_cluster
     from hetrain.runtime.devices.precision_policy import device_facts
 
     for name, bf16 in (("gaudi2", True), ("mi300x", True), ("v100", False)):
-        emulated = SimpleNamespace(label=f"{name}#0", spec=SimpleNamespace(gpu=catalog.resolve(name)))
-        assert device_facts("cpu", emulated=emulated).real_bf16 is bf16, name
+        emulated = EmulatedDevice(parse_cluster(name)[0])
+        assert emulated.spec.gpu == catalog.resolve(name)
+        assert device_facts("cpu", given=emulated).real_bf16 is bf16, name
 
 
 def test_emulated_nodes_of_different_vendors_join_as_islands():

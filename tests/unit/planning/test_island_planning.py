@@ -86,7 +86,7 @@ def test_islands_come_from_the_devices_with_each_cards_host_link():
     assert [(i.name, i.devices, i.vendor) for i in islands] == [("nv", (0, 1), "nvidia"), ("amd", (2,), "amd"),
                                                                  ("cpu", (3,), "cpu")]
     assert islands[0].host_gbs == (PCIE_GBS[A100.pcie_gen],) * 2 and islands[2].host_gbs == (ON_HOST,)
-    assert islands_of(devices, emulated=True)[0].host_gbs == (ON_HOST, ON_HOST)
+    assert islands_of(devices, host_tensors=True)[0].host_gbs == (ON_HOST, ON_HOST)
 
 
 def test_a_fast_bridge_trains_every_island_and_a_slow_one_only_the_island_that_pays():

@@ -1,7 +1,7 @@
 """Fault injection, for tests, demos and the chaos benchmark: make a device slow down, run out of
 memory at a chosen micro-batch, die, or hang, at a chosen step.
 
-Spec (Emulation(faults=...), `hetrain run --faults`, or the HETRAIN_FAULTS environment variable),
+Spec (the config's `faults` field, `hetrain run --faults`, or the HETRAIN_FAULTS environment variable),
 faults separated by ';':
     slow:rank=1,step=5,factor=2          rank 1 computes 2x slower from step 5 on
     noise:rank=-1,step=0,factor=0.1      every rank's compute times vary ±10% around their mean

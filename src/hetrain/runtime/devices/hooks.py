@@ -1,14 +1,15 @@
-"""What a device adds to the training loop: its clock, and on emulated devices the throttle, the
-memory meter and injected faults. The loop (runtime/loop/stepping.py, engine.py) calls the same hooks on every
-device; `DeviceHooks` itself does nothing but keep time, so on a real GPU without faults the hot
-path is: forward, weighted backward, gradient sync, agreement, optimizer step.
+"""What a device adds to the training loop: its clock, and whatever else the device needs at each
+point of a step (a memory meter where no allocator counts, injected faults). The loop
+(runtime/loop/stepping.py, engine.py) calls the same hooks on every device; `DeviceHooks` itself
+does nothing but keep time, so on a real GPU without faults the hot path is: forward, weighted
+backward, gradient sync, agreement, optimizer step.
 
   DeviceHooks     a plain CPU (thread CPU time) or the base of the others
   CudaHooks       a GPU: compute time from CUDA events, read once per step after the sync
-  (emulated)      a CPU thread playing a GPU: hetrain/emulation/hooks.py, made by its make_hooks
 
-Busy time is what the rebalancer and the summary see: compute as the device experiences it, never
-time spent waiting for peers (CPU time, plus the emulation's charged sleeps; GPU event time). Every
+Other kinds of device subclass DeviceHooks where they are made (the job's hooks come from one
+factory, `make_hooks`). Busy time is what the rebalancer and the summary see: compute as the device
+experiences it, never time spent waiting for peers (its clock's: CPU time, GPU event time). Every
 figure is read on the device's clock (runtime/devices/clock.py), the optimizer's part of a step too
 (`fixed_start`/`fixed_end`, read by `last_fixed_s` at the next step's agreement).
 """
@@ -23,17 +24,20 @@ from . import clock as clocks
 
 
 class DeviceHooks:
-    """No emulation, no faults: a clock and nothing else."""
+    """A clock and nothing else (no meter, no faults)."""
 
-    meter = None      # what counts the device's bytes where no allocator does (emulated devices)
+    meter = None      # what counts the device's bytes where no allocator does (None: the allocator, or nothing)
+    # The device's work runs when the host reaches a sync point (clocks.sync_point): a collective
+    # launched from a hook calls one first. False on CUDA, whose collectives order on the stream.
+    syncs_at_collectives = False
 
-    def __init__(self, device: torch.device, throttle=None):
-        # CPU: this thread's CPU time, so waits in collectives are not counted as compute; an
-        # emulated device's clock adds what its throttle charged (devices/clock.py DeviceClock)
-        self.device_clock = clocks.DeviceClock(device, throttle=throttle)
+    def __init__(self, device: torch.device, device_clock: clocks.DeviceClock | None = None):
+        # `device_clock`: the device's own (devices/clock.py), by default its DeviceClock: on a CPU
+        # this thread's CPU time, so waits in collectives are not counted as compute
+        self.device_clock = device_clock if device_clock is not None else clocks.DeviceClock(device)
         self.clock = self.device_clock.host_part     # what a piece's compute is booked by
         self._fixed0, self._fixed = None, None   # device-clock marks around the last step's optimizer part
-        self.compute_s = 0.0       # this attempt of the step: forward + backward, unthrottled
+        self.compute_s = 0.0       # this attempt of the step: forward + backward, on `clock` (host_part)
         self.busy_s = 0.0          # ... as the device experiences it
         self.sync_s = 0.0          # ... and the wall time its last backward was blocked in the gradient sync
         # the micro-batch in flight (one at a time): when it started, its forward, what is booked
@@ -52,7 +56,9 @@ class DeviceHooks:
         return self.busy_s
 
     def attempt_compute_s(self) -> float:
-        """The step's forward + backward compute (unthrottled), for the step's agreement table."""
+        """The step's forward + backward compute as `clock` books it (`DeviceClock.host_part`: this
+        thread's CPU time off CUDA, without what the device's clock adds), for the step's agreement
+        table."""
         return self.compute_s
 
     def fixed_start(self) -> None:
@@ -71,21 +77,17 @@ class DeviceHooks:
 
     def wall_mark(self, mb):
         """Before a backward: where the wall clock (and the run queue) stand, for the last one."""
-        return (clocks.host(), runqueue_s(), self._slept()) if mb.last else None
-
-    def _slept(self) -> float:
-        throttle = self.device_clock.throttle
-        return throttle.slept_seconds if throttle is not None else 0.0
+        return (clocks.host(), runqueue_s(), self.device_clock.waited_s()) if mb.last else None
 
     def backward_wall(self, mark, backward_s: float) -> None:
         """The last micro-batch's backward runs the gradient sync: the wall time it took beyond
         its own compute (this clock: the thread's CPU time on a CPU) is time blocked there (the
         all-reduce, and any wait in it for slower peers), less the time the thread was ready but
-        not running (a busy host; it stays in the step's remainder, not in the sync), and less an
-        asynchronous emulated device's sleep paid there (its own compute, at the sync point)."""
+        not running (a busy host; it stays in the step's remainder, not in the sync), and less the
+        time the host waited there for this device's own queued work (its clock's `waited_s`)."""
         if mark is not None:
             wall0, queued0, slept0 = mark
-            queued, slept = runqueue_s() - queued0, self._slept() - slept0
+            queued, slept = runqueue_s() - queued0, self.device_clock.waited_s() - slept0
             self.sync_s = max(0.0, clocks.host() - wall0 - backward_s - queued - slept)
 
     def attempt_sync_s(self) -> float:
@@ -108,13 +110,20 @@ class DeviceHooks:
         return contextlib.nullcontext()
 
     def attach_faults(self, model, *, block_type: str | None, sharded: bool) -> None:
-        """Where injected faults strike in the model (emulated devices only)."""
+        """Where injected faults strike in the model (devices that inject none: nowhere)."""
 
     def after_backward(self, mb, backward_s: float) -> None:
         self._booked = self._forward_s + backward_s
 
     def attempt_failed(self) -> None:
         """A micro-batch ran out of memory; its attempt of the step is over."""
+
+    def measuring(self):
+        """How the profiler and the probes measure this device (runtime/devices/measuring.py):
+        a GPU or a plain CPU as it is."""
+        from .measuring import DeviceMeasuring
+
+        return DeviceMeasuring(self.device_clock.device)
 
     # -- the rest of the step -------------------------------------------------------------------
     def step_start(self, step_index: int) -> None:
@@ -125,10 +134,10 @@ class DeviceHooks:
         return contextlib.nullcontext()
 
     def after_optimizer(self, module, optimizer) -> None:
-        """After the optimizer step (the emulated meter counts optimizer state once it exists)."""
+        """After the optimizer step (a meter counts optimizer state once it exists)."""
 
     def state_restored(self, module, optimizer) -> None:
-        """A checkpoint's optimizer state was loaded (the emulated meter counts it from now on)."""
+        """A checkpoint's optimizer state was loaded (a meter counts it from now on)."""
 
     def model_sharded(self, module, optimizer, share: float) -> None:
         """Tensor parallelism sharded the model: this rank computes `share` of its Linear weights
@@ -142,18 +151,31 @@ class DeviceHooks:
         return 0.0
 
     # -- what the run's records say of the device -----------------------------------------------
+    def device_label(self) -> str | None:
+        """The device's name where its kind gives one (None: named by its hardware, the job's)."""
+        return None
+
     def given_device(self) -> tuple[float, float] | None:
         """(speed relative to the catalog's 1.0, memory bytes) where the device's spec gives them
         rather than its hardware (None: a real device, measured or rated by its peak FLOP/s)."""
         return None
 
     def run_facts(self) -> dict:
-        """The device's facts in the metrics file's start record."""
-        return {"emulated": False}
+        """The device's facts in the metrics file's start record (a kind of device that has any
+        adds them; readers take a missing fact as false), and the note its summary's title adds."""
+        note = self.summary_note()
+        return {"devices_note": note} if note else {}
 
     def summary_note(self) -> str:
         """What the end-of-run summary's title adds about the devices."""
         return ""
+
+    # -- what a pipeline stage asks of the device -----------------------------------------------
+    def stage_hooks(self):
+        """The device as a pipeline stage asks it (layouts/pipeline/stage_hooks.StageHooks), where
+        it answers other than a device that times its own work and has an allocator; None: it
+        does not."""
+        return None
 
 
 def runqueue_s() -> float:

@@ -29,14 +29,13 @@ from ...planning.precision import DeviceFacts, PrecisionChoice, choose_precision
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def device_facts(device: torch.device, emulated=None, host=None) -> DeviceFacts:
-    """This rank's device, as the precision rule sees it (`host`: hardware.host.HostFacts, for an
-    emulated device: how fast this CPU computes bf16 and fp16)."""
-    if emulated is not None:
-        slowdown = tuple((p, host.slowdown(p)) for p in ("bf16", "fp16")) if host is not None else ()
-        return DeviceFacts(label=emulated.label, kind="emulated",
-                           capability=tuple(emulated.spec.gpu.precision_capability),
-                           host_slowdown=slowdown, host="this CPU" if host is None else f"this CPU ({host.cpu})")
+def device_facts(device: torch.device, given=None, host=None) -> DeviceFacts:
+    """This rank's device, as the precision rule sees it. `given`: the device where a spec gives
+    it rather than its hardware (DeviceHooks.given_device); it answers `precision_facts(host)`,
+    `host` being the facts of the CPU it computes on (hardware.host.HostFacts: how fast that CPU
+    computes bf16 and fp16)."""
+    if given is not None:
+        return given.precision_facts(host)
     if device.type == "cuda":
         return DeviceFacts(label=f"cuda:{device.index} {torch.cuda.get_device_name(device)}", kind="cuda",
                            capability=tuple(torch.cuda.get_device_capability(device)))
@@ -54,7 +53,7 @@ class MathSettings:
 
 def math_settings(facts: DeviceFacts, choice: PrecisionChoice) -> MathSettings:
     if facts.kind != "cuda":
-        where = "emulated on CPU" if facts.kind == "emulated" else "CPU"
+        where = "CPU" if facts.kind == "cpu" else f"{facts.kind} on CPU"    # a device kind that computes on it
         return MathSettings(reason=f"TF32/cudnn.benchmark: not applicable ({where})")
     if facts.capability < (8, 0):
         tf32, why = False, f"TF32 off: compute capability {facts.cc} has no TF32 units"
@@ -90,12 +89,13 @@ class PrecisionPolicy:
     skipped_steps: list[int] = field(default_factory=list)
 
     @classmethod
-    def local(cls, requested: str, *, device: torch.device, emulated=None, host=None,
+    def local(cls, requested: str, *, device: torch.device, given=None, host=None,
               allow_fallback: bool = False) -> PrecisionPolicy:
-        """This rank's choice. Errors are kept, not raised: `agree` raises them on every rank.
-        'auto' is decided by the device rule, also with a given plan (whose `precision` fields
-        then record what ran): a planner applies the same rule (planning/precision.py)."""
-        facts = device_facts(device, emulated, host)
+        """This rank's choice (`given`, `host`: as device_facts takes them). Errors are
+        kept, not raised: `agree` raises them on every rank. 'auto' is decided by the device rule,
+        also with a given plan (whose `precision` fields then record what ran): a planner applies
+        the same rule (planning/precision.py)."""
+        facts = device_facts(device, given, host)
         try:
             choice = choose_precision(requested, facts, allow_fallback=allow_fallback)
         except UsageError as e:
@@ -170,13 +170,13 @@ class PrecisionPolicy:
     # -- facts ---------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """The device's precision, as the plan records it (the real card's, when emulated)."""
+        """The device's precision, as the plan records it (the card's, where a spec gives the device)."""
         return self.choice.precision if self.choice else "fp32"
 
     @property
     def compute(self) -> str:
-        """The dtype this process computes in: `name`, or fp32 for an emulated device whose host
-        runs `name` slowly (planning/precision.py). What autocast and the profiler use."""
+        """The dtype this process computes in: `name`, or fp32 for a device whose host CPU runs
+        `name` slowly (planning/precision.py). What autocast and the profiler use."""
         return self.choice.compute if self.choice else "fp32"
 
     @property

@@ -14,7 +14,8 @@ def check_request(spec, *, world_size: int) -> None:
     """What DataParallel and TensorParallel need of the job (a Pipeline's needs: check_pipeline)."""
     if isinstance(spec, TensorParallel) and world_size < 2:
         raise UsageError(f"parallel={spec!r} on one device: there is nothing to split the model over",
-                         "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use parallel='dp'")
+                         "launch on 2+ devices (`hetrain run` starts one process per GPU, or per device of the cluster it "
+                         "is given), or use parallel='dp'")
 
 
 def state_factor(modules, optimizer_kind: str) -> float:
@@ -41,8 +42,8 @@ def check_pipeline(spec: Pipeline, *, loss_fn, world_size: int) -> None:
                          "stage", "pass loss_fn=(output, targets) -> mean loss to ht.prepare()")
     if world_size < 2:
         raise UsageError(f"{shown} on one device: there is nothing to split the model over",
-                         "launch on 2+ devices (hetrain run --emulate ... or one process per GPU), or use "
-                         "parallel=hetrain.DataParallel()")
+                         "launch on 2+ devices (`hetrain run` starts one process per GPU, or per device of the cluster it "
+                         "is given), or use parallel=hetrain.DataParallel()")
     stages = spec.stages
     if stages == "auto" and (world_size < 4 or world_size % 2):
         raise UsageError(f"{shown} needs replicas of 2+ stages: {world_size} devices do not make 2+ of them",

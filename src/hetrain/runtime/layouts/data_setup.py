@@ -3,10 +3,13 @@ DataParallel (data.py's loop) and TensorParallel (tensor.py's). Each class owns 
 build steps; setup.prepare_job calls them in order without asking which layout it is.
 
     check  the job-dependent checks (runtime/layouts/choose.check)
-    plan   measure every rank (or take the given Plan / auto's measurements), make job.plan;
-           returns rank 0's count of the model's FLOPs per sample (data parallel only)
-    build  activation checkpointing per plan, wrap the model and optimizer, the layout's loop
-           object, the sync guard, the rebalancer, what was built shown
+    plan   measure every rank (or take the given Plan / auto's measurements), split, complete it
+           (complete.py: precision, checkpointing, offload, the compression the wrapper will run)
+           and adopt it: job.plan; returns rank 0's count of the model's FLOPs per sample (data
+           parallel only)
+    build  apply the plan: activation checkpointing per plan, wrap the model and optimizer, the
+           optimizer offload, the layout's loop object, the sync guard, the rebalancer, what was
+           built shown. It adopts nothing: a wrapper that is not what the plan says is a bug.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from dataclasses import replace
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ...errors import UsageError
+from ...errors import HetrainError, UsageError
 from ...layout_spec import DataParallel, TensorParallel, to_spec
 from ...planning.plan import Plan
-from ...emulation.link import throttle_for
 from ..loop import flops
 from ..measure.joint import check_given_plan, measure_job
 from ..measure.measurements import plan_from_measurements
@@ -34,18 +36,23 @@ from ..resilience.rebalance import FirstSteps, Rebalancer
 from ..ranks.islands import for_job as island_layout
 from ..sharding import comm_hooks, island_hooks
 from .checks import check_request
+from .complete import BUG, across_islands, check_built, complete
 from .data import DataLayout
 from .tensor.loop import TensorLayout
 
 
 class DataSetup:
     """DataParallel: DDP, or the sharding the object names (None: the planner's choice, made
-    when the model is wrapped: device_memory.wrap_for_plan)."""
+    when the plan is completed, from this rank's activations as it runs them:
+    device_memory.sharding_for)."""
 
     loop_class = DataLayout
 
     def __init__(self, spec, loss_fn):
         self.spec, self.loss_fn = spec, loss_fn
+        self.strategy = None          # the sharding the plan in force was completed for
+        self.activations = None       # this rank's, as measured for it (the build reuses them)
+        self._decided_for = None      # the plan's figures the sharding was decided from
 
     def check(self, job) -> None:
         check_request(self.spec, world_size=job.world_size)
@@ -53,7 +60,7 @@ class DataSetup:
     @property
     def blocks_compression(self) -> str | None:
         """Why gradient compression cannot run here (None: it can): a sharding asked for (the
-        planner's own choice of one is settled after wrapping: comm_hooks.settle)."""
+        planner's own choice of one is settled when the plan is completed: comm_hooks.settle)."""
         sharding = self.spec.sharding
         return None if sharding in (None, "none") else f"parallel={self.spec!r}"
 
@@ -64,9 +71,23 @@ class DataSetup:
         plan = self.split(job, model, optimizer, forward, given_plan, measured, blocked_by=self.blocks_compression)
         if given_plan is None:        # planned here: its record of the layout object
             plan = replace(plan, layout_spec=to_spec(self.spec))
-        adopt(job, plan, "given" if given_plan is not None else "planned")
+        adopt(job, self.complete(job, model, optimizer, forward, plan), "given" if given_plan is not None else "planned")
         # Before wrapping: a forward of the plain model runs no collective, so rank 0 counts alone.
         return flops.count_for(job, model, forward)
+
+    def complete(self, job, model, optimizer, forward, plan: Plan) -> Plan:
+        """`plan` with this job's records, the compression for the sharding the wrapper will run
+        (a collective when the planner chooses it: DataParallel(sharding=None))."""
+        def sharding(p):
+            # decided again only for a plan that changes what it reads (alike on every rank: the plan is)
+            key = tuple((d.device, d.micro_batch, d.n_micro, d.checkpointing, d.checkpoint_blocks, d.offload_optimizer)
+                        for d in p.devices)
+            if key != self._decided_for:
+                self.strategy, self.activations = memory.sharding_for(job, model, optimizer, forward, p,
+                                                                      requested=self.spec.sharding, known=self.activations)
+                self._decided_for = key
+            return self.strategy
+        return complete(job, model, plan, sharding=sharding)
 
     def split(self, job, model, optimizer, forward, given_plan: Plan | None, measured, *, blocked_by,
               spec=None) -> Plan:
@@ -80,28 +101,31 @@ class DataSetup:
         return plan
 
     def build(self, job, model, optimizer, forward) -> None:
-        # A checkpoint's Plan (adopted by now) decides activation checkpointing and sharding.
-        adopt(job, checkpoint_per_plan(job, model), "checkpointing")
-        wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(job, model, optimizer, forward,       # (collective)
-                                                                      strategy=self.spec.sharding)
+        # The plan in force (a checkpoint's, by now) decides activation checkpointing and sharding.
+        apply_checkpointing(job, model)
+        wrapped, job.memory_plan, oom_recovery = memory.wrap_for_plan(                              # (collective)
+            job, model, optimizer, forward, strategy=self.spec.sharding or self.strategy, activations=self.activations)
+        check_built(job.plan, predicted=self.strategy, built=wrapped.strategy)
         self.install(job, model, optimizer, wrapped, self.loop_class(self.loss_fn), oom_recovery=oom_recovery,
                      settle=True)
         job.rebalancer = make_rebalancer(job.config, job.world_size, unmeasured=job.unmeasured is not None)
 
     def install(self, job, model, optimizer, wrapped, loop, *, oom_recovery: bool, settle: bool) -> None:
         """The wrapped model, its optimizer, sync and guard into the job, and the layout's loop
-        object (what TensorParallel shares). `settle`: the compression this wrapper can run
-        (comm_hooks.settle), recorded in the plan before the guard installs its hook."""
+        object (what TensorParallel shares). `settle`: check that the plan records the compression
+        this wrapper runs (comm_hooks.settle, and none across islands), before the guard installs its hook."""
         if oom_recovery != job.config.memory.oom_recovery:   # TP: an OOM ends the attempt (runtime/layouts/tensor.py)
             job.reconfigure(memory=replace(job.config.memory, oom_recovery=oom_recovery))
         cfg = job.config
         job.layout = loop
         job.sync = wrapped.sync                       # DDP, FSDP2's adapter, or None (TP: nothing to sync)
-        if settle:
-            adopt(job, comm_hooks.settle(job.plan, request=cfg.compression.method, strategy=wrapped.strategy,
-                                         backend=job.ctx.backend, world_size=job.world_size), "compression")
+        if settle and across_islands(job, comm_hooks.settle(
+                job.plan, request=cfg.compression.method, strategy=wrapped.strategy, backend=job.ctx.backend,
+                world_size=job.world_size)) != job.plan:
+            raise HetrainError(f"the plan in force says gradient compression {job.plan.compression}, which the "
+                               f"wrapper (sharding {wrapped.strategy!r}) does not run", BUG)
         job.guard = make_sync_guard(job, wrapped)
-        job.model = PreparedModel(model, wrapped.forward_module, job.emulated.meter if job.emulated else None)
+        job.model = PreparedModel(model, wrapped.forward_module, job.hooks.meter)
         job.optimizer = wrapped.optimizer             # FSDP2/ZeRO/TP may have made a new one
         job.optimizer = offload.apply(job, job.optimizer, wrapped.strategy)   # its state on the host where planned (collective)
         persist.check_registered(job, optimizer)      # state registered before prepare() on the replaced one: refused
@@ -138,13 +162,17 @@ class TensorSetup:
         if given_plan is None:        # the data-parallel split as tensor parallelism runs it
             plan = tensor_plan(plan, job.profiles, split=self.spec.split, margin=job.config.memory.margin,
                                limit=job.config.memory.max_micro_batch)
-        adopt(job, plan, "given" if given_plan is not None else "planned")
+        adopt(job, self.complete(job, model, optimizer, forward, plan), "given" if given_plan is not None else "planned")
         return None                   # MFU's FLOPs are counted on the whole model: plain DP only
+
+    def complete(self, job, model, optimizer, forward, plan: Plan) -> Plan:
+        """`plan` with this job's records (no DDP all-reduce: its compression stays none)."""
+        return complete(job, model, plan)
 
     def build(self, job, model, optimizer, forward) -> None:
         from .tensor.loop import wrap
 
-        adopt(job, checkpoint_per_plan(job, model), "checkpointing")
+        apply_checkpointing(job, model)
         wrapped = wrap(job, model, optimizer, split=self.spec.split)                                # (collective)
         job.memory_plan = None
         # in-loop OOM recovery off: an OOM ends the attempt (tensor.py says why)
@@ -192,8 +220,8 @@ def measure_setup(job, model, optimizer) -> None:
     """The whole model on this rank's device, counted, checkpointed as configured: what the
     data-parallel probe measures (a pipeline moves only its stage: runtime/layouts/pipeline/setup.py)."""
     model.to(job.device)
-    if job.emulated is not None:                      # the emulated meter holds the model from here
-        job.emulated.meter.set_fixed(model, optimizer)
+    if job.hooks.meter is not None:                   # a device that counts its bytes holds the model from here
+        job.hooks.meter.set_fixed(model, optimizer)
     if job.config.memory.activation_checkpointing == "all":             # before the probe: measure what will run
         checkpointing.checkpoint_blocks(model, job.config.memory.blocks)
 
@@ -213,17 +241,19 @@ def plan_split(job, model, optimizer, forward, given: Plan | None, spec, *, meas
     return plan_from_measurements(measured, job.config, blocked_by=blocked_by)
 
 
-def checkpoint_per_plan(job, model) -> Plan:
-    """Activation checkpointing on the devices whose plan needs it; the plan records every rank's
-    agreed precision and checkpointing (a record: same version)."""
-    plan, _ = checkpointing.apply_from_plan(model, job.precision.record_in(job.plan), job.rank,
-                                            mode=job.config.memory.activation_checkpointing, block_type=job.config.memory.blocks)
-    return plan
+def apply_checkpointing(job, model) -> None:
+    """Activation checkpointing on this rank's blocks where the plan in force says (complete.py
+    recorded every rank's: a plan that does not is hetrain's bug)."""
+    plan, _ = checkpointing.apply_from_plan(model, job.plan, job.rank, mode=job.config.memory.activation_checkpointing,
+                                            block_type=job.config.memory.blocks)
+    if plan != job.plan:
+        raise HetrainError(f"the plan in force (v{job.plan.version}) does not record the activation checkpointing "
+                           f"Memory(activation_checkpointing={job.config.memory.activation_checkpointing!r}) runs", BUG)
 
 
 def make_sync_guard(job, wrapped):
     """The gradient sync's comm hook on DDP (runtime/sharding/comm_hooks.py: compressed as the plan
-    says, through the emulated inter-node link) and OOM recovery's guard: recovery.SyncGuard, which
+    says, through the job's inter-node link where it is modelled) and OOM recovery's guard: recovery.SyncGuard, which
     calls that hook and records the buckets a backward launched (FSDP2's adapter guards itself).
     Without OOM recovery the hook alone, or DDP's own C++ all-reduce when the hook would add nothing."""
     cfg = job.config
@@ -236,11 +266,11 @@ def make_sync_guard(job, wrapped):
         made = recovery.install(wrapped.sync, island_hooks.make(job, islands), guard=guard)
     else:
         gradient = comm_hooks.GradientHook(job.plan.compression, powersgd_rank=cfg.compression.powersgd_rank,
-                                           throttle=throttle_for(job), backend=job.ctx.backend,
-                                           device_waits=job.emulated is not None and job.emulated.throttle.asynchronous)
+                                           link=job.hooks.measuring().link(job), backend=job.ctx.backend,
+                                           device_waits=job.hooks.syncs_at_collectives)
         made = recovery.install(wrapped.sync, gradient, guard=guard)
-    if made is not None and job.emulated is not None:   # what the completion allocates, on the emulated meter
-        made.allocating = job.emulated.meter.allocating
+    if made is not None and job.hooks.meter is not None:   # what the completion allocates, on the device's meter
+        made.allocating = job.hooks.meter.allocating
     return made
 
 

@@ -44,5 +44,6 @@ class Layout(Protocol):
     def blocks_compression(self) -> str | None: ...          # why gradient compression cannot run (None: it can)
     def check(self, job) -> None: ...                        # what it needs of the job, before anything is built
     def plan(self, job, model, optimizer, forward, given_plan, measured) -> float | None: ...   # job.plan; FLOPs
+    def complete(self, job, model, optimizer, forward, plan) -> Any: ...   # a plan with this job's records (complete.py)
     def build(self, job, model, optimizer, forward) -> None: ...    # wrapped or staged, job.layout set
     def describe(self, job) -> str: ...                      # one line for the log and for errors

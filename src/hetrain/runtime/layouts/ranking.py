@@ -73,7 +73,7 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
         return measured
     # Each rank its micro-batch of the data-parallel plan the FSDP2 row adds the excess to: with
     # uneven rows, every unit's collectives hold the ranks to the one with the most CPU a unit while
-    # each device's throttle sleeps its own stretch, so the excess depends on the shares (equal rows
+    # each device takes its own time beyond its CPU's, so the excess depends on the shares (equal rows
     # read +117 ms against +164 ms run at shares 20/12 on the dilated pair: FSDP2 wall +15%).
     try:
         rows = [d.micro_batch for d in plan_from_measurements(measured, job.config)[0].devices]
@@ -84,7 +84,7 @@ def _with_fsdp(job, model, optimizer, measured, forward, say):
     batch = job.load(range(min(rows[job.rank], len(job.dataset))))
     found = time_fsdp_excess(model, optimizer, blocks, batch, forward=forward, device=job.device,
                              precision=job.precision.compute,
-                             throttle=job.emulated.throttle if job.emulated is not None else None)
+                             measuring=job.hooks.measuring())
     # Each rank timed its own steps: every rank ranks with rank 0's (what `hetrain plan` writes),
     # so all of them choose the same layout.
     box = [found]
@@ -159,7 +159,7 @@ def _with_tp(job, model, optimizer, measured, forward, say):
     try:
         found = time_tp_step(model, optimizer, batch, forward=forward, device=job.device,
                              precision=job.precision.compute, speeds=speeds,
-                             throttle=job.emulated.throttle if job.emulated is not None else None)
+                             measuring=job.hooks.measuring())
     except UsageError:
         return measured
     box = [found]

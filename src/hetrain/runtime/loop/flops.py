@@ -8,13 +8,12 @@ device experiences them), over its peak FLOP/s:
                     forward + backward of a micro-batch of (at most) 2 samples, divided by its size
                     (matmuls, convolutions and attention: what MFU counts). Data parallel only: under
                     pipelines and tensor parallelism a device computes part of the model (no MFU).
-  peak, real GPU    the catalog's dense peak in the precision the device computes in
-                    (planning/cost.py: peak_flops); a GPU not in the catalog has none.
-  peak, emulated    this host's measured one-thread matmul FLOP/s in the precision the device
-                    computes in (hardware/host.py) × the device's emulated speed: the most its
-                    throttle lets it reach. The MFU is the CPU process's against its own peak, as
-                    a GPU's is against its own: how well the model keeps it busy, not a GPU figure.
-  plain CPU         no peak (no MFU).
+  peak              what the device states (its hooks' measuring: DeviceMeasuring.peak_flops) in
+                    the precision it computes in: a GPU's catalog dense peak (planning/cost.py:
+                    peak_flops; a GPU not in the catalog has none), none on a plain CPU (no MFU).
+                    A device may state another (measured from this host's facts): its MFU is
+                    then against that peak, as a GPU's is against its own, with what that means
+                    said in the facts (`meaning`).
 """
 
 from __future__ import annotations
@@ -23,14 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...hardware import catalog
-from ...planning.cost import peak_flops
 from ..user_objects import as_scalar
 from ..ranks import agree
-
-MEANING_EMULATED = ("emulated: each CPU process against this CPU thread's measured matmul FLOP/s x the "
-                    "device's emulated speed (not a GPU figure)")
-MEANING_REAL = "against each GPU's catalog dense peak in its precision"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +48,7 @@ def mfu(*, samples: float, flops_per_sample: float | None, compute_s: float, pea
 
 
 def format_mfu(x: float | None) -> str:
-    """MFU as people read it: 31%, 0.42% (an emulated device on the controlled clock is often below 1%)."""
+    """MFU as people read it: 31%, 0.42% (a device far from its peak is often below 1%)."""
     if x is None:
         return "-"
     return f"{x:.0%}" if x >= 0.095 else f"{x:.2%}"
@@ -93,15 +86,8 @@ def count_flops_per_sample(model: torch.nn.Module, batch, size: int, forward) ->
 
 
 def local_peak(job) -> float | None:
-    """This rank's peak FLOP/s in the precision it computes in (the module's docstring)."""
-    compute = job.precision.compute
-    if job.emulated is not None:
-        cpu = job.host.matmul_flops(compute) if job.host is not None else None
-        return cpu * job.emulated.spec.speed if cpu else None
-    if job.device.type == "cuda":
-        gpu = catalog.lookup(torch.cuda.get_device_name(job.device))
-        return peak_flops(gpu, compute)[0] if gpu is not None else None
-    return None
+    """This rank's peak FLOP/s in the precision it computes in, as its device states it."""
+    return job.hooks.measuring().peak_flops(job.precision.compute, job.host)
 
 
 def agree_flop_facts(job, counted: tuple[float | None, str] | None) -> FlopFacts:
@@ -113,7 +99,7 @@ def agree_flop_facts(job, counted: tuple[float | None, str] | None) -> FlopFacts
     flops = table.column("flops")[0]
     return FlopFacts(flops_per_sample=flops if flops > 0 else None, how=how if job.rank == 0 else "",
                      peaks=tuple(p if p > 0 else None for p in table.column("peak")),
-                     meaning=MEANING_EMULATED if job.emulated is not None else MEANING_REAL)
+                     meaning=job.hooks.measuring().mfu_meaning)
 
 
 def count_for(job, model, forward) -> tuple[float | None, str] | None:

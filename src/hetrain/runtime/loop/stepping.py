@@ -29,7 +29,7 @@ from ..resilience import oom as recovery
 from ..resilience import preempt
 from . import reduce
 from ..job import Job
-from ..replan import adopt, check_unchanged
+from ..replan import check_unchanged, replan
 from .steps import MicroBatch, Step
 
 FATAL_FIX = ("hetrain.init(memory=Memory(activation_checkpointing='all')), parallel=hetrain.DataParallel(sharding='fsdp'), a smaller "
@@ -133,7 +133,7 @@ class StepLoop:
                 changes.append(f"rank {d.rank} micro-batch {d.micro_batch} -> {m}")
         if changes:
             before = job.plan
-            adopt(job, job.plan.evolve(
+            replan(job, job.plan.evolve(
                 note=f"out of memory at step {step.index}: " + ", ".join(changes), devices=tuple(devices)), "OOM")
             job.log.info(f"plan v{job.plan.version}: {job.plan.note}")
             _record(job, "oom", step=step.index, before=before, redone=table.any("desync"))
@@ -227,7 +227,7 @@ class StepLoop:
             if decision is not None:
                 _record(job, "rebalance", step=step.index, before=job.plan, after=decision.plan,
                         message=decision.message)
-                adopt(job, decision.plan, "rebalanced")
+                replan(job, decision.plan, "rebalanced")
                 job.run.rebalances += 1
                 job.log.info(decision.message)
         # Saved at the boundary, once the user's end-of-step code (an LR scheduler step, say) ran.

@@ -3,10 +3,10 @@
 The ranking's FSDP2 row (planning/ranking.py) is plain DP's step plus FSDP2's collectives: an
 all-gather of every unit before its forward and again before its backward, and a reduce-scatter
 of its gradients. On NCCL the gathers are prefetched under compute on their own stream, and the
-bytes model holds. On gloo (the CPU: emulation, and CPU-only jobs) nothing overlaps: every
-collective is waited for in the calling thread, costs gloo's ~1-2 ms latency, and FSDP2's own
-work around it (copy-in, copy-out, DTensor bookkeeping, hooks) is CPU time, which an emulated
-device is throttled on like any compute. Measured on the demo GPT (4 blocks, 2 ranks, 16 samples
+bytes model holds. On gloo (CPU devices) nothing overlaps: every collective is waited for in the
+calling thread, costs gloo's ~1-2 ms latency, and FSDP2's own work around it (copy-in, copy-out,
+DTensor bookkeeping, hooks) is CPU time, which a device that paces its CPU time pays like any
+compute. Measured on the demo GPT (4 blocks, 2 ranks, 16 samples
 each, a 2-core EPYC): a step 1.48x DDP's (+30 ms CPU, +35 ms waiting), where the bytes model
 gave +1%. No formula here would hold across hosts, so `hetrain plan` times it:
 
@@ -14,13 +14,11 @@ gave +1%. No formula here would hold across hosts, so `hetrain plan` times it:
 
 both on each rank's micro-batch of the data-parallel plan the row adds the excess to (the
 caller's batch, runtime/layouts/ranking.py: with uneven rows every unit's collectives hold the
-ranks to the one with the most CPU a unit, while each device sleeps its own stretch, so the
-excess depends on the shares), forward + backward, each rank's compute throttled
-as in training (emulation/device.Throttle, its sleep before the backward as
-devices/hooks.py places it: CPU time stretched by 1/speed; on the
-controlled clock, forward+backward lasting its clocked length, so FSDP2's own CPU work inside it
-costs nothing and its collectives' waits remain), from a barrier to a barrier (the slowest rank
-sets both). The model is wrapped as the runtime wraps it
+ranks to the one with the most CPU a unit, while each device paces its own, so the excess depends
+on the shares), forward + backward, each rank's compute run as in training (through a fresh pace
+of the device's own, devices/measuring.Pace: what the device's time adds to its CPU's, or nothing
+on a GPU), from a barrier to a barrier (the slowest rank sets both). The model is wrapped as the
+runtime wraps it
 (runtime/sharding/wrap.py: each block reshards after forward, the root does not), on a copy: the
 job's own model is left as it was. The excess is per step: FSDP2's collectives run once a step
 whatever the micro-batch (a rank that accumulates gathers once and keeps the units, wrap.py).
@@ -41,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..devices import clock as clocks
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, rows as batch_rows
+from ..devices.measuring import DeviceMeasuring, Pace
 
 # Timed steps of each wrapper, alternating (after one warm-up of each). With 5 and a difference of
 # medians, four `hetrain plan` runs of the dilated pair (2-core EPYC, wall clock) put the FSDP2
@@ -49,13 +48,14 @@ RUNS = 9
 
 
 def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: list[str], batch, *,
-                     forward: Callable, device: torch.device, precision: str, throttle=None,
-                     runs: int = RUNS) -> dict:
+                     forward: Callable, device: torch.device, precision: str,
+                     measuring: DeviceMeasuring | None = None, runs: int = RUNS) -> dict:
     """Seconds an FSDP2 step takes beyond a DDP step, on this job (a collective: every rank calls
     it with the same model, `blocks`: the dotted names of the blocks FSDP2 shards one by one).
     Each runs on its own copy of the model with its own copy of the optimizer (the same class and
     settings, fresh: its first step, untimed, makes its state), forward, backward and optimizer
-    step. Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
+    step, through a fresh pace of the device (`measuring`: the device's, DeviceHooks.measuring;
+    None: run as it comes). Returns {"excess_s", "fsdp_s", "ddp_s", "runs", "micro_batch"}."""
     from ..sharding.wrap import rebuild_optimizer, shard_blocks
 
     dtype = DTYPES.get(precision)
@@ -76,15 +76,14 @@ def time_fsdp_excess(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 
     rows = batch_rows(batch) or 1
     # each wrapper its own books of the device (the backward's learned length, the debt)
-    paces = [throttle.fresh() if throttle is not None else None for _ in range(2)]
+    paces = [paced_by(measuring) for _ in range(2)]
 
     def step(module, opt, own) -> float:
         dist.barrier()
         t0 = clocks.host()
-        # throttled as training throttles (devices/hooks.py): the sleep before the backward, the
-        # backward's and the rest's CPU paid with the optimizer's; the collectives' waits on top
-        throttled_forward_backward(module, batch, forward=forward, device=device, dtype=dtype,
-                                   throttle=own, rows=rows)
+        # paced as training paces it (devices/hooks.py): before the backward, the backward's and
+        # the rest's CPU paid with the optimizer's; the collectives' waits on top
+        paced_forward_backward(module, batch, forward=forward, device=device, dtype=dtype, pace=own, rows=rows)
         paced_optimizer_step(opt, own, device)
         dist.barrier()
         return clocks.host() - t0
@@ -109,32 +108,34 @@ def paired_excess(pairs) -> float:
     return max(0.0, statistics.median(f - d for d, f in pairs))
 
 
-def throttled_forward_backward(module, batch, *, forward: Callable, device: torch.device, dtype, throttle,
-                               rows: int) -> None:
-    """One forward and backward as the engine runs them: under the autocast of `dtype`; with a
-    `throttle` (None: none), the device's sleep before the backward, as devices/hooks.py places it
-    (Throttle.before_backward / after_backward: on a controlled clock the pair lasting its clocked
-    length for `rows` samples; else the forward's CPU and the predicted backward's stretched), the
-    backward's error owed to the next settle; whatever waits inside come on top."""
+def paced_forward_backward(module, batch, *, forward: Callable, device: torch.device, dtype, pace: Pace,
+                           rows: int) -> None:
+    """One forward and backward as the engine runs them: under the autocast of `dtype`, through
+    the device's `pace` as devices/hooks.py places it (Pace.before_backward with the forward's CPU
+    for `rows` samples, Pace.after_backward with the backward's), the backward's error owed to the
+    next settle; whatever waits inside come on top."""
     c0 = clocks.thread_cpu()
     with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
         loss = as_scalar(forward(module, batch))
-    if throttle is not None:
-        forward_cpu = clocks.thread_cpu() - c0
-        guess = throttle.before_backward(forward_cpu, samples=rows)
-        c0 = clocks.thread_cpu()
+    forward_cpu = clocks.thread_cpu() - c0
+    guess = pace.before_backward(forward_cpu, samples=rows)
+    c0 = clocks.thread_cpu()
     loss.backward()
-    if throttle is not None:
-        throttle.after_backward(forward_cpu, guess, clocks.thread_cpu() - c0)
+    pace.after_backward(forward_cpu, guess, clocks.thread_cpu() - c0)
 
 
-def paced_optimizer_step(optimizer: torch.optim.Optimizer, throttle, device: torch.device) -> None:
-    """The optimizer step as training paces it (devices/hooks.py: under Throttle.compute(), which
-    also pays what the backward still owes), gradients cleared, the device synchronized."""
-    with throttle.compute() if throttle is not None else contextlib.nullcontext():
+def paced_optimizer_step(optimizer: torch.optim.Optimizer, pace: Pace, device: torch.device) -> None:
+    """The optimizer step as training paces it (devices/hooks.py: under the pace's compute(),
+    which also pays what the backward still owes), gradients cleared, the device synchronized."""
+    with pace.compute():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     clocks.synchronize(device)
+
+
+def paced_by(measuring) -> Pace:
+    """A fresh pace of the device `measuring` states; as it comes where none is given."""
+    return measuring.pace() if measuring is not None else Pace()
 
 
 def stateless(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

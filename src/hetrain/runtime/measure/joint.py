@@ -34,18 +34,18 @@ from ..ranks import agree
 from .measurements import Measurements, profiles_come_from
 from .profiler import MAX_SIZE, profile_device
 from ..devices.cuda_memory import usable_bytes
-from ...emulation.link import throttle_for
 from .sync_probes import settle, time_agreement, time_allreduce, time_gradient_sync, time_inter_node_allreduce
 
 if TYPE_CHECKING:
     from ..job import Job
 
 SYNC_RUNS = 5          # synchronised backwards the sync probe times on GPUs (NCCL: little noise)
-# On a shared CPU (gloo, emulated devices) the same probe also gives the stragglers and the
-# contention the plan predicts with, and its runs scatter: in 4 60-step demos each, on a 2-core
-# AMD EPYC VM, 5 runs predicted samples/s 3.5-13.4% off (contention read 1.08-1.37), 15 runs
-# 0.1-9.6% off (1.19-1.31), for about 2 s more at start-up. What is left is mostly the host's own
-# drift (a fixed matmul loop there varied 17% between 2 s windows).
+# On a shared CPU (gloo, devices that are threads of one host) the same probe also gives the
+# stragglers and the slowdown of computing at once that the plan predicts with, and its runs
+# scatter: in 4 60-step demos each, on a 2-core AMD EPYC VM, 5 runs predicted samples/s 3.5-13.4%
+# off (that slowdown read 1.08-1.37), 15 runs 0.1-9.6% off (1.19-1.31), for about 2 s more at
+# start-up. What is left is mostly the host's own drift (a fixed matmul loop there varied 17%
+# between 2 s windows).
 CPU_SYNC_RUNS = 15
 
 
@@ -66,10 +66,10 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
         if g["error"] is not None:
             kind, what, fix, usage = g["error"]
             raise (UsageError if usage else HetrainError)(
-                f"rank {rank} ({'emulated ' if job.emulated else ''}device) could not be profiled: "
+                f"rank {rank} ({job.hooks.measuring().label_note}device) could not be profiled: "
                 f"{kind}: {what}", fix or "see the error above; pass hetrain.init(plan=...) to skip profiling")
     facts = {"labels": tuple(g["label"] for g in gathered), "precisions": tuple(g["precision"] for g in gathered),
-             "grad_bytes": gathered[0]["grad_bytes"], "host_cores": gathered[0]["host_cores"],
+             "grad_bytes": gathered[0]["grad_bytes"], "cpu_cores": gathered[0]["cpu_cores"],
              "grad_shapes": tuple(tuple(s) for s in gathered[0]["grad_shapes"]), "backend": job.ctx.backend,
              "n_params": gathered[0]["n_params"], "n_trainable": gathered[0]["n_trainable"],
              "nodes": job.nodes.count if job.nodes is not None else 1}
@@ -85,26 +85,23 @@ def measure_job(job: Job, model, optimizer, forward) -> Measurements:
 
 def _profile(job: Job, model, optimizer, forward) -> dict:
     """This rank's profile (runtime/measure/profiler.py, cached). Local: no collective."""
-    cfg, emu = job.config, job.emulated.spec if job.emulated is not None else None
+    cfg, measuring = job.config, job.hooks.measuring()
     mine: dict = {"profile": None, "cached": False, "error": None, "label": job.device_label, "precision": job.precision.name,
-                  "host_cores": usable_cores(),
+                  "cpu_cores": usable_cores(),
                   "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
                   # what planning/compression.py predicts PowerSGD's bytes from
                   "grad_shapes": [list(p.shape) for p in model.parameters() if p.requires_grad],
                   "n_params": sum(p.numel() for p in model.parameters()),
                   "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    cap = None
-    if emu is None and job.device.type == "cuda":
-        cap = usable_bytes(job.device)
-    if job.world_size == 1 and emu is None and cap is None:
+    cap = measuring.memory_bytes(usable_bytes(job.device) if job.device.type == "cuda" else None)
+    if job.world_size == 1 and cap is None:
         return mine          # one device, memory not limited: nothing to decide or measure
     n = len(job.dataset)
     try:
         mine["profile"], mine["cached"] = profile_device(
             model, optimizer, lambda m: job.load(range(min(m, n))), device=job.device, label=job.device_label,
             forward=forward, precision=job.precision.compute, memory_bytes=cap,
-            max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), emulate=emu,
-            throttle=job.emulated.throttle if job.emulated is not None else None)   # on a controlled clock: timed on it
+            max_size=max(1, min(MAX_SIZE, cfg.global_batch, n)), measuring=measuring)
     except Exception as e:     # noqa: BLE001 — reported on every rank after the gather
         mine["error"] = (type(e).__name__, getattr(e, "what", str(e)), getattr(e, "fix", None),
                          isinstance(e, UsageError))
@@ -149,18 +146,19 @@ def _measure_sync(job: Job, model, grad_bytes, profiles, forward, *, runs: int) 
     settle(error, stage="loading the probe batch", device=job.device)
     probe_bytes = min(grad_bytes, 64 * 1024**2)     # a larger gradient is costed at this bandwidth
     scale = grad_bytes / max(probe_bytes, 1)
-    throttle = throttle_for(job)                    # emulated nodes: the emulated link (emulation/link.py)
-    allreduce_s = time_allreduce(probe_bytes, job.device, throttle=throttle) * scale
+    measuring = job.hooks.measuring()
+    link = measuring.link(job)                      # what the collectives cross beyond the transport, if anything
+    allreduce_s = time_allreduce(probe_bytes, job.device, link=link) * scale
     inter = {}
     nodes = job.nodes
     if nodes is not None and nodes.spans_nodes:     # the link between the nodes, alone (one node: not run)
         inter["inter_node_s"] = time_inter_node_allreduce(
             probe_bytes, job.device, leaders=nodes.leaders, rank=job.rank, timeout_s=cfg.timeout_s,
-            throttle=throttle_for(job, ring=nodes.count)) * scale
+            link=measuring.link(job, ring=nodes.count)) * scale
     ddp = DDP(model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     try:
         syncs, computes, plain, ratios = time_gradient_sync(ddp, batch, forward=forward, device=job.device,
-                                                            precision=job.precision.compute, runs=runs, throttle=throttle)
+                                                            precision=job.precision.compute, runs=runs, link=link)
     finally:
         del ddp
         gc.collect()
@@ -202,7 +200,7 @@ def show_plan(log, plan: Plan, total_steps: int, *, computes: dict[str, str] | N
     """The plan as a person reads it before training: one table and one summary line, plus the
     reason a user can act on (a device kept that slows the job); every other reason and note under
     Reporting.details (`--verbose`), as `hetrain plan` prints them all. `computes`: device label ->
-    what it computes in, where that differs from its card's precision (emulated on a slow CPU)."""
+    what it computes in, where that differs from its card's precision (a card computing on a slow CPU)."""
     computes = computes or {}
     rows = []
     for d in plan.devices:

@@ -2,7 +2,7 @@
 
 For a few micro-batch sizes (1, 2, 4, … up to the largest that memory and the global batch allow)
 it times forward + backward and fits t(m) = a + b·m; it counts the activation bytes at two sizes
-(saved-tensor bytes on CPU and emulated devices, `max_memory_allocated` over the forward on CUDA) and
+(saved-tensor bytes off CUDA, `max_memory_allocated` over the forward on CUDA) and
 fits c + d·m; it times one optimizer step on a copy of the optimizer (the model is never stepped)
 and reads the fixed memory — parameters, gradients, optimizer state — off that copy. No
 torch.distributed here: every rank measures its own device alone (the collective probes that
@@ -13,29 +13,12 @@ precision, torch version) and device (CUDA name, or CPU model and thread count) 
 $HETRAIN_CACHE/profiles (default ~/.cache/hetrain/profiles; HETRAIN_CACHE=off disables it), so a
 restart does not measure again.
 
-Emulated devices. Each one is a single CPU thread, so what is measured is this thread's CPU time
-(as the emulator's throttle does), and the profile is converted by the emulated speed s: the
-emulator sleeps c·(1/s − 1) after each compute piece of c CPU-seconds, so the device's seconds are
-c/s, of which a fraction s occupies a host core (`cpu_share`, which the cost model uses to account
-for devices contending for the host's cores).
-
-On the controlled clock (Emulation.sample_s) a device's compute lasts what its clock says,
-not c/s, and the profiler is not told the clock: it times the device as training runs it, each
-forward and backward through a fresh throttle of the device's own (emulation/device.Throttle:
-the sleep before the backward, the guess of the backward settled after it), the time being the
-thread's CPU time plus the sleeps (the device's busy time, as its hooks count it), and fits
-a + b·m to that as to any device's times. `cpu_share` is then measured too: the CPU seconds over
-the device's seconds, over all the sizes timed. Such a profile is cached per clock and speed.
-
-On the CPU's own clock the sizes are timed flat out, one pass after another, but training paces a
-pass: the throttle sleeps before the backward of a step's last micro-batch. A backward after that
-sleep costs more CPU than a hot one (caches and the core went to other work: 1.4-4% more on a
-2-core EPYC, measured inside training runs), and the throttle charges that CPU as the device's
-compute. So the profiler also times a few passes paced as training paces them (through a
-fresh throttle of the device's own: the sleep before the backward), each beside a flat-out pass,
-and keeps the median ratio as `paced_cost` (emulation/pacing.py; cost.py charges it on a step's last
-micro-batch). Such a profile is cached per speed; a device at speed 1, which never sleeps, is
-not paced.
+A device measures itself as it states (its hooks' DeviceHooks.measuring, runtime/devices/measuring.py): the
+memory its profile is given, its cache key, whether its compute is one thread's CPU time, a pace
+of its own that every pass runs through and is timed by (a device that keeps its own time: the
+fit is to that time, and `cpu_share` is the CPU seconds over it), further fields it measures
+after the passes, and the profile made of the measurement. A GPU and a plain CPU are measured as
+they are.
 """
 
 from __future__ import annotations
@@ -52,17 +35,16 @@ import torch
 
 from ..devices import clock as clocks
 from ...files import cache_dir as _files_cache_dir, write_text_atomic
-from ...hardware.cluster import ClusterDevice
 from ...hardware.host import cpu_identity
 from ...planning.profile import DeviceProfile, fit_linear
-from ...emulation.device import MemoryMeter, model_state_bytes
 from ..devices.precision_policy import DTYPES
 from ..user_objects import as_scalar, default_forward
-from ...emulation.pacing import PACED_PASS_S, paced_cost
+from ..devices.measuring import DeviceMeasuring, Pace
+from ..devices.saved_bytes import SavedBytes, model_state_bytes
 
-PROFILER_VERSION = 4             # 2: times forwards without the emulated meter's hooks (training looks them up);
-                                # 3: frozen parameters in the optimizer get no state; 4: devices on the
-                                # controlled clock timed through their throttle (paced profiles: their own key)
+PROFILER_VERSION = 4             # 2: times forwards without the saved-bytes hooks (training looks them up);
+                                # 3: frozen parameters in the optimizer get no state; 4: devices that keep
+                                # their own time timed through their pace (paced profiles: their own key)
 MAX_SIZE = 64                  # largest micro-batch timed; beyond it the fit extrapolates
 MIN_TIMED_S = 0.1              # time each size for at least this long…
 MAX_RUNS = 5                   # …in at most this many runs (the median is kept)
@@ -152,14 +134,15 @@ def _sizes(limit: int) -> list[int]:
 def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
             label: str, forward: Callable = default_forward, precision: str = "fp32",
             memory_bytes: int | None = None, max_size: int = MAX_SIZE, cpu_clock: bool = False,
-            budget_s: float = 5.0, throttle=None, pace=None) -> DeviceProfile:
+            budget_s: float = 5.0, timed_by: Pace | None = None, extras: Callable[..., dict] | None = None
+            ) -> DeviceProfile:
     """Measure this device; the model's parameters, gradients, buffers and RNG are left as found.
 
     `load(m)` returns a batch of m samples on `device`. `cpu_clock`: time with this thread's CPU
-    time (emulated devices) instead of the wall clock. `throttle`: an emulated device's throttle
-    on the controlled clock (a fresh one: its books change), through which every forward and
-    backward runs, timed by its busy time (CPU + sleeps). `pace`: an emulated device's throttle on
-    the CPU's own clock (a fresh one), through which `paced_cost` is measured (module docstring)."""
+    time instead of the wall clock. `timed_by`: a device that keeps its own time, its pace (a fresh
+    one: its books change), through which every forward, backward and optimizer step runs, timed
+    by its busy time. `extras(model, load, fwd, sizes=, cpu_seconds=)`: further profile fields the
+    device measures after the passes (DeviceMeasuring.extra_measures)."""
     cuda = device.type == "cuda"
     dtype = DTYPES.get(precision)
 
@@ -170,20 +153,19 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
         with autocast():
             return forward(m, b)
 
-    clocked = throttle is not None and throttle.clocked and not cuda
-    clock = throttle.busy if clocked else clocks.thread_cpu if cpu_clock and not cuda else clocks.host
+    own = timed_by if timed_by is not None and not cuda else None
+    clock = own.busy if own is not None else clocks.thread_cpu if cpu_clock and not cuda else clocks.host
     now = _synced(clock, device)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     started = clocks.host()
     with torch.random.fork_rng(devices=[device] if cuda else []):
-        # The emulator's meter, as training uses it: parameters are model state, not activations.
-        meter = MemoryMeter(label="profile", cap=None)
-        meter.set_fixed(model, None)
+        # Saved tensors, as a device without an allocator counts them: parameters are model state.
+        saved = SavedBytes(model)
 
         def activations(m: int) -> float:
             """Bytes the forward of m samples keeps for backward: on CUDA the allocator's peak over
             the forward (what the forward left allocated, plus its temporaries); elsewhere the
-            saved tensors the emulator's meter counts."""
+            saved tensors counted."""
             batch = load(m)
             if cuda:
                 torch.cuda.synchronize(device)
@@ -193,9 +175,9 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
                 torch.cuda.synchronize(device)
                 used = torch.cuda.max_memory_allocated(device) - base
             else:
-                with meter.forward():
+                with saved.forward():
                     loss = as_scalar(fwd(model, batch))
-                used = meter.activations
+                used = saved.activations
             loss.backward()
             return float(used)
 
@@ -222,24 +204,25 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             runs, cpu_runs = [], []
             for k in range(MAX_RUNS + 1):
                 t0, c0 = now(), clocks.thread_cpu()
-                # Without the emulated meter's hooks: training counts a forward's activations once
-                # and then looks them up (emulate.MemoryMeter), so the hooks are not its cost.
+                # Without the saved-bytes hooks: training counts a forward's activations once and
+                # then looks them up, so the hooks are not its cost.
                 loss = as_scalar(fwd(model, batch))
                 t1, forward_cpu = now(), clocks.thread_cpu() - c0
-                if clocked:                  # the device's clock, as training runs it (Throttle)
-                    guess = throttle.before_backward(forward_cpu, samples=m)
+                if own is not None:          # the device's own time, as training runs it
+                    guess = own.before_backward(forward_cpu, samples=m)
                 c1 = clocks.thread_cpu()
                 loss.backward()
-                if clocked:
-                    throttle.after_backward(forward_cpu, guess, clocks.thread_cpu() - c1)
-                    throttle.settle()
+                if own is not None:
+                    own.after_backward(forward_cpu, guess, clocks.thread_cpu() - c1)
+                    own.settle()
                 spent, cpu = now() - t0, clocks.thread_cpu() - c0
                 if k == 0:
                     continue                 # warm-up: a new size allocates (and faults in) new memory
                 runs.append(spent)
                 cpu_runs.append(cpu)
-                # the forward's part of the work (on the clock, of its CPU work: cost.py's use)
-                forward_parts.append(forward_cpu / max(cpu, 1e-12) if clocked else (t1 - t0) / max(spent, 1e-12))
+                # the forward's part of the work (on its own time, of its CPU work: cost.py's use)
+                forward_parts.append(forward_cpu / max(cpu, 1e-12) if own is not None
+                                     else (t1 - t0) / max(spent, 1e-12))
                 if sum(runs) >= MIN_TIMED_S:
                     break
             timed_sizes.append(m)
@@ -248,25 +231,22 @@ def measure(model: torch.nn.Module, optimizer, load: Callable[[int], object], *,
             if clocks.host() - started > budget_s and len(timed_sizes) >= 2:
                 break                        # bounded: fit what was measured
         optimizer_s, fixed = _time_optimizer(model, optimizer, device, clock, cuda,
-                                             pace=throttle.compute if clocked else contextlib.nullcontext)
-        paced = {}
-        if pace is not None and not clocked and not cuda:
-            quick = [m for m, t in zip(timed_sizes, cpu_seconds) if t <= PACED_PASS_S] or timed_sizes[:1]
-            paced["paced_cost"] = paced_cost(model, load(quick[-1]), fwd, pace)
+                                             pace=own.compute if own is not None else contextlib.nullcontext)
+        more = extras(model, load, fwd, sizes=timed_sizes, cpu_seconds=cpu_seconds) if extras and not cuda else {}
         model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
     a, b = fit_linear(timed_sizes, seconds)
-    what = ("busy time on its controlled clock (CPU + sleeps)" if clocked else
+    what = (own.timing if own is not None else
             "CPU time of one thread" if clock is clocks.thread_cpu else "wall time")
-    share = {"cpu_share": min(1.0, sum(cpu_seconds) / sum(seconds))} if clocked and sum(seconds) > 0 else {}
+    share = {"cpu_share": min(1.0, sum(cpu_seconds) / sum(seconds))} if own is not None and sum(seconds) > 0 else {}
     return DeviceProfile(
         device=label, source=f"measured on {label} ({what}, {len(timed_sizes)} sizes up to {timed_sizes[-1]})",
         overhead_s=a, per_sample_s=b, optimizer_s=optimizer_s, fixed_bytes=fixed, **share,
         activation_bytes_per_sample=act_per, activation_fixed_bytes=act_fixed,
         memory_bytes=memory_bytes, precision=precision, forward_fraction=statistics.median(forward_parts),
-        sizes=tuple(timed_sizes), seconds=tuple(seconds), **paced)
+        sizes=tuple(timed_sizes), seconds=tuple(seconds), **more)
 
 
 def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:
@@ -283,7 +263,7 @@ def _synced(clock: Callable[[], float], device: torch.device) -> Callable[[], fl
 def _time_optimizer(model, optimizer, device, clock, cuda, pace=contextlib.nullcontext) -> tuple[float, int]:
     """Seconds of one optimizer step, timed on a copy of the optimizer over copies of the
     parameters, and the fixed bytes (parameters, gradients, optimizer state) after a step.
-    `pace`: how the device runs the step (an emulated device on its clock: its throttle)."""
+    `pace`: how the device runs the step (a device that keeps its own time: its pace's compute)."""
     if optimizer is None:
         return 0.0, model_state_bytes(model, None)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -310,87 +290,27 @@ def _time_optimizer(model, optimizer, device, clock, cuda, pace=contextlib.nullc
     return min(runs[1:]), fixed       # the first step allocates the state
 
 
-def emulated(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
-    """A CPU measurement as the emulated device `spec` runs it: c/s seconds, a fraction s on a core."""
-    s = spec.speed
-    return raw.scaled(1.0 / s, device=f"{spec.label} (emulated)", cpu_share=s, gpu=spec.gpu.key,
-                      memory_bytes=spec.memory_bytes,
-                      source=f"measured on this CPU, ×1/{s:.3g} for the emulated speed ({spec.speed_source})")
-
-
-def clocked(raw: DeviceProfile, spec: ClusterDevice) -> DeviceProfile:
-    """A measurement on the emulated device `spec`'s controlled clock: its times are the device's
-    already (measured through its throttle), so only what it is called changes."""
-    return replace(raw, device=f"{spec.label} (emulated)", gpu=spec.gpu.key, memory_bytes=spec.memory_bytes,
-                   source=raw.source.replace(f"measured on {raw.device}", f"measured on {spec.label} (emulated)"))
-
-
-def pool_emulated(profiles: list[DeviceProfile], specs: list[ClusterDevice]) -> list[DeviceProfile]:
-    """Emulated devices are all this host's CPU, measured once per rank: pool the measurements
-    (less noise than any one rank's) and convert back to each device's speed. Only ranks of the
-    same precision pool (fp16 on a CPU is many times slower than bf16), and each device refits
-    t(m) = a + b·m on the pooled points within its own measured sizes: a memory-capped device
-    measured 1…4 samples, and a line through 1…64 would misstate its small micro-batches (and
-    its few points would bend the large device's line)."""
-    raw = [p.scaled(spec.speed) for p, spec in zip(profiles, specs)]
-    out = []
-    for p, spec in zip(profiles, specs):
-        alike = [r for r in raw if r.precision == p.precision]
-        if len(alike) < 2:
-            out.append(p)
-            continue
-        mean = {f: sum(getattr(r, f) for r in alike) / len(alike) for f in ("optimizer_s", "forward_fraction")}
-        top = max(p.sizes, default=0)
-        points = [(m, t) for r in alike for m, t in zip(r.sizes, r.seconds) if m <= top]
-        if len({m for m, _ in points}) >= 2:
-            a, b = fit_linear([m for m, _ in points], [t for _, t in points])
-        else:       # no points recorded (an older cached profile): average the fitted lines
-            a = sum(r.overhead_s for r in alike) / len(alike)
-            b = sum(r.per_sample_s for r in alike) / len(alike)
-        out.append(replace(p, overhead_s=a / spec.speed, per_sample_s=b / spec.speed,
-                           optimizer_s=mean["optimizer_s"] / spec.speed, forward_fraction=mean["forward_fraction"],
-                           source=p.source + f", pooled with the {len(alike)} {p.precision} ranks' "
-                                             f"measurements of this CPU up to {top} samples"))
-    return out
-
-
 def profile_device(model: torch.nn.Module, optimizer, load: Callable[[int], object], *, device: torch.device,
                    label: str, forward: Callable = default_forward, precision: str = "fp32",
                    memory_bytes: int | None = None, max_size: int = MAX_SIZE,
-                   emulate: ClusterDevice | None = None, throttle=None) -> tuple[DeviceProfile, bool]:
+                   measuring: DeviceMeasuring | None = None) -> tuple[DeviceProfile, bool]:
     """This device's profile, from the cache when this model was measured on this device before.
-    Returns (profile, came_from_cache). `throttle`: the emulated device's own, when it runs on the
-    controlled clock (a fresh copy of it times the device; see the module's docstring)."""
+    Returns (profile, came_from_cache). `measuring`: what the device says of how it is measured
+    (its hooks' DeviceHooks.measuring; None: measured as it is)."""
+    measuring = measuring or DeviceMeasuring(device)
     sample = load(1)
-    if emulate is not None:
-        memory_bytes = emulate.memory_bytes
-    on_clock = emulate is not None and throttle is not None and throttle.clocked
+    memory_bytes = measuring.memory_bytes(memory_bytes)
     signature = model_signature(model, optimizer, sample, precision=precision, max_size=max_size)
-    key = device_key(device) + (f" cap{memory_bytes}" if memory_bytes else "")
-    # a device at speed 1 never sleeps: nothing to pace (its ratio would be noise clamped upward)
-    paced = (emulate is not None and throttle is not None and not on_clock and device.type != "cuda"
-             and throttle.speed < 1)
-    if on_clock:      # its times are this clock's at this speed: kept apart from any other's
-        clock = hashlib.sha256(repr((throttle.sample_s, throttle.micro_s, throttle.speed)).encode()).hexdigest()[:10]
-        key += f" clock {clock}"
-    elif paced:       # its paced_cost is this speed's (the sleep's length)
-        key += f" speed {throttle.speed:g}"
+    key = measuring.profile_key(device_key(device) + (f" cap{memory_bytes}" if memory_bytes else ""))
     path = _cache_path(signature, key)
     raw, note = read_cache(path, key)
     cached = raw is not None
     if raw is None:
         raw = measure(model, optimizer, load, device=device, label=key, forward=forward, precision=precision,
-                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=emulate is not None,
-                      throttle=throttle.fresh() if on_clock else None,
-                      pace=throttle.fresh() if paced else None)
+                      memory_bytes=memory_bytes, max_size=max_size, cpu_clock=measuring.cpu_clock,
+                      timed_by=measuring.timed_by(), extras=measuring.extra_measures)
         _write_cache(path, raw)
-    if on_clock:
-        profile = clocked(raw, emulate)
-    elif emulate is not None:
-        profile = emulated(raw, emulate)
-    else:
-        profile = replace(raw, device=label, memory_bytes=memory_bytes,
-                          source=raw.source.replace(f"measured on {key}", f"measured on {label}"))
+    profile = measuring.as_profile(raw, label=label, key=key, memory_bytes=memory_bytes)
     if note:            # said where the profile's origin is said: the plan's reasons
         profile = replace(profile, source=f"{profile.source} ({note})")
     return profile, cached

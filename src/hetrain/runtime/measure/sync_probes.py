@@ -45,16 +45,16 @@ def settle(error: BaseException | None, *, stage: str, device: torch.device) -> 
 
 def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
                        device: torch.device, precision: str = "fp32",
-                       runs: int = 5, throttle=None) -> tuple[list[float], list[float] | None, list[float] | None,
-                                                              list[float] | None]:
+                       runs: int = 5, link=None) -> tuple[list[float], list[float] | None, list[float] | None,
+                                                          list[float] | None]:
     """Seconds of gradient sync DDP leaves exposed after the backward, once per run, for the
-    micro-batch `batch`, as this job's devices, link and (on an emulated host) shared cores
+    micro-batch `batch`, as this job's devices, link and (on a shared host) shared cores
     give it; on the CPU also each run's seconds of forward+backward before the sync (all ranks
     start together, so the ranks' spread measures straggling) and, each run beside it, the seconds
     of the same forward+backward through the bare module (no DDP), every rank at once too, and
     the ratio of the two runs' CPU time on this thread (the DDP run's to its last bucket's launch):
-    DDP's own CPU on the thread an emulated device is charged by (its hooks, bucket copies and
-    launches), which the host's contention, paid alike by both, does not move. Returns (exposed
+    DDP's own CPU on the thread that runs the device's compute (its hooks, bucket copies and
+    launches), which the host's other load, paid alike by both, does not move. Returns (exposed
     sync, compute, bare compute, DDP's CPU over the bare run's), one per run; on CUDA the last
     two are None. A collective: every rank calls it
     (`ddp` fresh: a comm hook is registered on it). Gradients, buffers and RNG are left as found.
@@ -67,8 +67,8 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     job), so the tail itself is timed: from the moment the last bucket's all-reduce is launched (the
     backward's compute is done) to the moment backward() returns with every gradient reduced.
 
-    `throttle` (emulation/link.py): the emulated inter-node link every bucket's all-reduce
-    crosses, as in training."""
+    `link`: what every bucket's all-reduce crosses beyond the transport, as in training
+    (DeviceMeasuring.link; None: the transport alone)."""
     import torch.distributed as dist
 
     from ..sharding.comm_hooks import GradientHook
@@ -79,12 +79,15 @@ def time_gradient_sync(ddp, batch, *, forward: Callable = default_forward,
     cuda = device.type == "cuda"
     last_launch: list[tuple[float, float]] = []
     if not cuda:
-        gradient = GradientHook("none", throttle=throttle)     # training's all-reduce, through the link
+        gradient = GradientHook("none")     # training's all-reduce
 
         def hook(state, bucket):
             if bucket.is_last():      # on the CPU DDP runs its hooks on the backward's own thread
                 last_launch.append((clocks.host(), clocks.thread_cpu()))
-            return gradient(bucket)
+            if link is None:
+                return gradient(bucket)
+            started, buffer = clocks.host(), bucket.buffer()      # through the link, as training's hook sends it
+            return link.then(gradient(bucket), started, float(buffer.numel() * buffer.element_size()))
         ddp.register_comm_hook(None, hook)
 
     def once(sync: bool) -> tuple[float, float, float]:
@@ -158,21 +161,21 @@ def time_agreement(device: torch.device, *, runs: int = 5) -> float:
                                             device=device), device, runs=runs, barrier=True)
 
 
-def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3, group=None, throttle=None) -> float:
+def time_allreduce(nbytes: int, device: torch.device, *, runs: int = 3, group=None, link=None) -> float:
     """Seconds of one all-reduce of `nbytes` (median of `runs`, after a warm-up) among `group`
-    (None: every rank), through the emulated link `throttle` when given. A collective: every rank
+    (None: every rank), through `link` when given (DeviceMeasuring.link). A collective: every rank
     of the group calls it. This measures the link, not the device, so it is kept out of `measure`."""
     import torch.distributed as dist
 
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    if throttle is None:
+    if link is None:
         return _median_seconds(lambda: dist.all_reduce(buf, group=group), device, runs=runs)
     sent = buf.numel() * buf.element_size()
-    return _median_seconds(lambda: throttle.run(lambda: dist.all_reduce(buf, group=group), sent), device, runs=runs)
+    return _median_seconds(lambda: link.run(lambda: dist.all_reduce(buf, group=group), sent), device, runs=runs)
 
 
 def time_inter_node_allreduce(nbytes: int, device: torch.device, *, leaders, rank: int, timeout_s: float,
-                              throttle=None, runs: int = 3) -> float:
+                              link=None, runs: int = 3) -> float:
     """Seconds of one all-reduce of `nbytes` among the nodes' leaders only (their lowest ranks,
     runtime/ranks/nodes.py): the link between the nodes, without the links inside them. A
     collective: every rank makes the group (torch's new_group), the leaders time it; the others
@@ -185,7 +188,7 @@ def time_inter_node_allreduce(nbytes: int, device: torch.device, *, leaders, ran
     if rank not in leaders:
         return 0.0
     try:
-        return time_allreduce(nbytes, device, runs=runs, group=group, throttle=throttle)
+        return time_allreduce(nbytes, device, runs=runs, group=group, link=link)
     finally:
         dist.destroy_process_group(group)
 

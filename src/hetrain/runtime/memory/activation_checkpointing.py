@@ -13,6 +13,7 @@ on the block instance, not by wrapping the module, so parameter names, state_dic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -57,26 +58,56 @@ def is_checkpointed(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
 
 
+def decide(model: nn.Module | None, plan: Plan, *, mode: str = "plan", block_type: str | None = None) -> Plan:
+    """The plan with every rank's checkpointing as it will run, nothing applied: under mode 'all'
+    every block of every rank (recorded: same version, a record, not a new split), under 'plan'
+    the plan's own, under 'none' the plan as it is (nothing is applied). Every rank checks the
+    model (when given: a re-plan after prepare passes none) has blocks when ANY rank needs them,
+    so all ranks raise the same error."""
+    if mode == "none":
+        return plan
+    if mode == "all" and not all(d.checkpointing and d.checkpoint_blocks is None for d in plan.devices):
+        from dataclasses import replace
+        plan = replace(plan, devices=tuple(replace(d, checkpointing=True, checkpoint_blocks=None)
+                                           for d in plan.devices))
+    if model is not None and any(d.checkpointing for d in plan.devices) and not find_blocks(model, block_type):
+        checkpoint_blocks(model, block_type)   # raises the UsageError, on every rank alike
+    return plan
+
+
 def apply_from_plan(model: nn.Module, plan: Plan, rank: int, *, mode: str = "plan",
                     block_type: str | None = None) -> tuple[Plan, list[str]]:
     """Checkpoint this rank's blocks where the plan (mode 'plan') or the config (mode 'all') asks:
     under 'plan', the first DevicePlan.checkpoint_blocks of them (None: every block).
 
-    Returns the plan, with `checkpointing` recorded for every rank under mode 'all' (same version:
-    it is a record, not a new split), and the names of the blocks this rank checkpointed. Every
-    rank checks the model has blocks when ANY rank needs them, so all ranks raise the same error.
-    """
-    if mode == "none":
-        return plan, []
-    if mode == "all" and not all(d.checkpointing and d.checkpoint_blocks is None for d in plan.devices):
-        from dataclasses import replace
-        plan = replace(plan, devices=tuple(replace(d, checkpointing=True, checkpoint_blocks=None)
-                                           for d in plan.devices))
-    if not any(d.checkpointing for d in plan.devices):
-        return plan, []
-    if not find_blocks(model, block_type):
-        checkpoint_blocks(model, block_type)   # raises the UsageError, on every rank alike
+    Returns the plan as `decide` records it and the names of the blocks this rank checkpointed."""
+    plan = decide(model, plan, mode=mode, block_type=block_type)
     me = plan.devices[rank]
-    if not me.checkpointing:
+    if mode == "none" or not me.checkpointing:
         return plan, []
     return plan, checkpoint_blocks(model, block_type, me.checkpoint_blocks)
+
+
+@contextlib.contextmanager
+def applied_for_now(model: nn.Module, plan: Plan, rank: int, *, mode: str = "plan", block_type: str | None = None):
+    """This rank's checkpointing as `plan` has it, for the `with` block only: what is measured in
+    it (activation bytes) is what the plan will run, before the plan is final. The blocks it
+    checkpointed are put back as they were (those checkpointed before stay checkpointed)."""
+    if mode == "none" or not plan.devices[rank].checkpointing:
+        yield
+        return
+    blocks = dict(find_blocks(model, block_type))
+    before = {n: (is_checkpointed(b), b.__dict__.get("forward")) for n, b in blocks.items()}
+    names = checkpoint_blocks(model, block_type, plan.devices[rank].checkpoint_blocks)
+    try:
+        yield
+    finally:
+        for name in names:
+            block, (marked, forward) = blocks[name], before[name]
+            if marked:
+                continue
+            block.__dict__.pop(_MARK, None)
+            if forward is None:
+                block.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(block, "forward", forward)

@@ -4,13 +4,14 @@ Planned = model state under this rank's sharding (planning/memory.py's model, fr
 parameter counts — gradients and optimizer state for the requires_grad ones only —, dtypes and
 optimizer) + activations of its planned micro-batch, measured on two
 real samples after checkpointing is applied and under this rank's autocast. Measured = the CUDA
-allocator's peak, or on an emulated device the bytes its MemoryMeter counted (parameters,
-gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain CPU process
-has no meter: nothing measured there (use --emulate).
+allocator's peak, or the bytes the device hooks' meter counted where the device has one
+(parameters, gradients, optimizer state, FSDP2's unsharded units and saved activations). A plain
+CPU process has neither: nothing measured there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from ..ranks import agree
 from ..ranks.torch_compat import fsdp_redoes_a_broken_step
 from ..sharding import wrap as sharding
 from ..devices.cuda_memory import usable_bytes
-from ...emulation.device import MemoryMeter
+from ..devices.saved_bytes import SavedBytes
 from ..user_objects import as_scalar, default_forward, optimizer_kind
 
 
@@ -56,8 +57,7 @@ def saved_activation_bytes(model, batch, *, forward=default_forward, device, aut
     gradients cleared."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
-        meter = MemoryMeter(label="activations", cap=None)
-        meter.set_fixed(model, None)
+        meter = SavedBytes(model)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -166,8 +166,8 @@ def report(*, plan, memory_plan: MemoryPlan | None, rank: int, world_size: int, 
                      fmt(v["held_state"]), fmt(v["cap"]), _checkpointed(d))
                     + ((fmt(v["host"] or None),) if offloads else ()))
     strategy = mp.strategy if mp else "none"
-    how = ("counted bytes, emulated" if meter is not None else
-           "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: use --emulate")
+    how = ("counted bytes, the device's meter" if meter is not None else
+           "CUDA allocator" if device.type == "cuda" else "not measured on a plain CPU: nothing counts its bytes")
     log.table(f"memory per device, sharding={strategy} (planned: state + micro-batch activations; "
               f"measured: {how})",
               ("rank", "device", "planned", "measured", "ratio", "state", "memory", "ckpt")
@@ -187,9 +187,9 @@ def _checkpointed(d) -> str:
 def _free_for_state(job, params, act_bytes: float | None) -> float | None:
     """Bytes this rank has left for sharded optimizer state: its memory (less the margin) minus
     parameters, gradients and its micro-batch's activations. None when nothing caps memory."""
-    cfg, emu, device = job.config, job.emulated, job.device
-    if emu is not None and emu.meter.cap is not None:
-        return emu.meter.cap * (1 - cfg.memory.margin) - emu.meter.fixed - (act_bytes or 0.0)
+    cfg, meter, device = job.config, job.hooks.meter, job.device
+    if meter is not None and meter.cap is not None:
+        return meter.cap * (1 - cfg.memory.margin) - meter.fixed - (act_bytes or 0.0)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -197,27 +197,75 @@ def _free_for_state(job, params, act_bytes: float | None) -> float | None:
     return None
 
 
-def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None):
-    """prepare()'s memory step, after the plan and checkpointing: measure this rank's activations
-    as it will run, wrap the model under the layout's sharding (DataParallel(sharding=); None:
-    the planner's choice, `_auto_sharding`) (a collective), count what the
-    emulated device now holds, and plan this rank's peak. Returns (Wrapped, MemoryPlan, whether
+@dataclass(frozen=True)
+class Activations:
+    """This rank's saved-activation bytes as a plan runs the model (None: not measured), and what
+    they were measured for: its checkpointing and the most samples measured."""
+
+    key: tuple
+    fixed: float | None = None
+    per_sample: float | None = None
+
+    def bytes_for(self, micro_batch: int) -> float | None:
+        return None if self.per_sample is None else self.fixed + self.per_sample * micro_batch
+
+
+def _activations_key(job, plan) -> tuple:
+    me = plan.devices[job.rank]
+    return me.checkpointing, me.checkpoint_blocks, min(me.micro_batch, len(job.dataset))
+
+
+def activations_for(job, model, forward, plan, *, known: Activations | None = None,
+                    applied: bool = False) -> Activations:
+    """This rank's activations as `plan` will run the model (its checkpointing, autocast): `known`
+    when measured for the same, else measured on two micro-batch sizes, on a device whose bytes
+    are counted (CUDA's allocator, or its hooks' meter) when hetrain can call the model.
+    `applied`: the plan's checkpointing is on the model already (else put on for the measurement)."""
+    key = _activations_key(job, plan)
+    if known is not None and known.key == key:
+        return known
+    if not ((job.hooks.meter is not None or job.device.type == "cuda") and job.unmeasured is None):
+        return Activations(key)
+    from .activation_checkpointing import applied_for_now
+
+    cfg = job.config
+    with contextlib.nullcontext() if applied else applied_for_now(
+            model, plan, job.rank, mode=cfg.memory.activation_checkpointing, block_type=cfg.memory.blocks):
+        fixed, per = measure_activations(job.load, model=model, forward=forward, device=job.device,
+                                         autocast=lambda: job.precision.autocast(job.device.type), n_max=key[2])
+    return Activations(key, fixed, per)
+
+
+def sharding_for(job, model, optimizer, forward, plan, *, requested: str | None,
+                 known: Activations | None = None) -> tuple[str, Activations | None]:
+    """The sharding the wrapper runs for `plan` (a collective when the planner chooses), decided
+    before wrapping: the layout object's (sharding/wrap.wrap runs one device unsharded), or for
+    DataParallel(sharding=None) the planner's choice (`_auto_sharding`) from this rank's
+    activations as the plan runs them (`known` when measured for the same), returned too for the
+    build to reuse."""
+    if requested is not None:
+        return ("none" if job.world_size == 1 else requested), known
+    act = activations_for(job, model, forward, plan, known=known)
+    counts = parameter_counts(model.parameters())
+    return _auto_sharding(job, model, optimizer, plan, act_bytes=act.bytes_for(plan.devices[job.rank].micro_batch),
+                          counts=counts), act
+
+
+def wrap_for_plan(job, model, optimizer, forward, *, strategy: str, activations: Activations | None = None):
+    """prepare()'s memory step, after the plan's checkpointing is applied: this rank's activations
+    as it will run (`activations` when measured for the same plan: `sharding_for`), the model
+    wrapped under `strategy` (decided before: `sharding_for`) (a collective), what the device's
+    meter now holds counted, and this rank's peak planned. Returns (Wrapped, MemoryPlan, whether
     in-loop OOM recovery can stay on under this wrapper)."""
     cfg, plan, rank = job.config, job.plan, job.rank
     me = plan.devices[rank]
     params = list(model.parameters())
     counts = parameter_counts(params)
     n_params, param_bytes = counts["n_params"], counts["param_bytes"]
-    act = act_fixed = None
-    if (job.emulated is not None or job.device.type == "cuda") and job.unmeasured is None:
-        act_fixed, act = measure_activations(
-            job.load, model=model, forward=forward, device=job.device,
-            autocast=lambda: job.precision.autocast(job.device.type),
-            n_max=min(me.micro_batch, len(job.dataset)))
-    act_bytes = None if act is None else act_fixed + act * me.micro_batch
-    meter = job.emulated.meter if job.emulated is not None else None
-    if strategy is None:
-        strategy = _auto_sharding(job, model, optimizer, act_bytes=act_bytes, counts=counts)
+    measured = activations_for(job, model, forward, plan, known=activations, applied=True)
+    act, act_fixed = measured.per_sample, measured.fixed
+    act_bytes = measured.bytes_for(me.micro_batch)
+    meter = job.hooks.meter
     wrapped = sharding.wrap(model, optimizer, strategy=strategy, device=job.device, rank=rank,
                          world_size=job.world_size, free_bytes=_free_for_state(job, params, act_bytes),
                          block_type=cfg.memory.blocks, accumulates=me.n_micro > 1, meter=meter)
@@ -252,15 +300,15 @@ def wrap_for_plan(job, model, optimizer, forward, *, strategy: str | None = None
     return wrapped, mp, oom_recovery
 
 
-def _auto_sharding(job, model, optimizer, *, act_bytes: float | None, counts: dict) -> str:
+def _auto_sharding(job, model, optimizer, plan, *, act_bytes: float | None, counts: dict) -> str:
     """DataParallel(sharding=None): 'none' unless the unsharded model state and activations do not fit some
     device; then the first strategy that fits (planning/memory.py's order), with every option's
     memory per device shown. Decided from values every rank exchanged, so all ranks agree."""
     from . import offload
     from .activation_checkpointing import find_blocks
 
-    cfg, emu, device, plan = job.config, job.emulated, job.device, job.plan
-    cap = emu.meter.cap if emu is not None else (
+    cfg, meter, device = job.config, job.hooks.meter, job.device
+    cap = meter.cap if meter is not None else (
         usable_bytes(device) if device.type == "cuda" else None)
     me = plan.devices[job.rank]
     table = agree.exchange({"usable": cap * (1 - cfg.memory.margin) if cap else -1.0, "act": act_bytes or 0.0,

@@ -32,11 +32,10 @@ from dataclasses import replace
 
 import torch
 
-from ...errors import UsageError
+from ...errors import HetrainError, UsageError
 from ...hardware.units import format_bytes
 from ...planning.memory import state_values
 from ..devices.cuda_memory import usable_bytes
-from ..replan import adopt
 from ..user_objects import optimizer_kind
 
 OFFLOAD_SHARDINGS = ("none", "fsdp", "capacity-full")
@@ -210,11 +209,10 @@ def options_with_offload(options, offloads: tuple[bool, ...]):
     return out
 
 
-def decide(job) -> tuple[object, str]:
+def decide(plan, mode: str) -> tuple[object, str]:
     """The plan with every rank's offload as it will run (recorded: same version), and why.
-    Memory(offload_optimizer=...): 'auto' follows the plan, 'always' offloads every rank, 'never'
+    Memory(offload_optimizer=mode): 'auto' follows the plan, 'always' offloads every rank, 'never'
     none, and refuses a plan that needs it (the same on every rank: the plan is)."""
-    mode, plan = job.config.memory.offload_optimizer, job.plan
     if mode == "always":
         if not all(d.offload_optimizer for d in plan.devices):
             plan = replace(plan, devices=tuple(replace(d, offload_optimizer=True) for d in plan.devices))
@@ -230,10 +228,13 @@ def decide(job) -> tuple[object, str]:
 
 def apply(job, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.Optimizer:
     """prepare()'s offload step, after wrapping (a collective when any rank offloads): this rank's
-    optimizer as it will step (offloaded where the plan or the config says), the plan recording
-    it, the host's room checked, and every offloading rank's line in the log."""
-    plan, why = decide(job)
-    adopt(job, plan, "offload")
+    optimizer as it will step, offloaded where the plan in force says (it records the decision:
+    complete.py), the host's room checked, and every offloading rank's line in the log."""
+    plan, why = decide(job.plan, job.config.memory.offload_optimizer)
+    if plan != job.plan:
+        raise HetrainError("the plan in force does not record the optimizer offload "
+                           f"Memory(offload_optimizer={job.config.memory.offload_optimizer!r}) runs",
+                           "this is a bug in hetrain (the plan was not completed); please report it")
     if not any(d.offload_optimizer for d in job.plan.devices):
         return optimizer
     if strategy not in OFFLOAD_SHARDINGS:   # the layout's own: 'tp' and 'pipeline' name theirs
@@ -281,7 +282,8 @@ def check_room(job, need: int, why: str) -> None:
     import torch.distributed as dist
 
     me = job.plan.devices[job.rank]
-    cap = me.memory_cap_bytes or (job.emulated.meter.cap if job.emulated is not None else (
+    meter = job.hooks.meter
+    cap = me.memory_cap_bytes or (meter.cap if meter is not None else (
         usable_bytes(job.device) if job.device.type == "cuda" else None))
     mine = {"host": socket.gethostname(), "need": need, "free": host_available_bytes(), "rank": job.rank,
             "device": me.device, "cap": cap}

@@ -82,7 +82,7 @@ def check_cuda_device(local_rank: int) -> None:
         raise UsageError(f"a GPU (cuda:{local_rank}) is asked for, but torch sees none here: torch "
                          f"{torch.__version__} with {build}, {shown}",
                          "run where `nvidia-smi` lists GPUs, with a CUDA build of torch; or, to train on the CPU, "
-                         "unset CUDA_VISIBLE_DEVICES (--emulate SPEC emulates GPUs on it)")
+                         "unset CUDA_VISIBLE_DEVICES (`hetrain run --help`: a cluster spec's GPUs run on it)")
     if local_rank >= count:
         raise UsageError(f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) ({shown}): it "
                          f"would use cuda:{local_rank}",

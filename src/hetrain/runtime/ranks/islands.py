@@ -3,9 +3,11 @@ bridge over gloo on host memory.
 
 Vendor collective libraries do not talk to each other (an NCCL and an RCCL rank in one ring fail),
 so a job whose ranks span islands runs each island's collectives on that island's own library and
-joins the islands over gloo, on host copies of the tensors. Under emulation every group is gloo,
-and the links are slowed to what the spec names (runtime/devices/link.py LinkThrottle, attached by
-runtime/sharding/island_hooks.py): each island's group to its island's link, the bridge to the bridge's.
+joins the islands over gloo, on host copies of the tensors. Ranks whose tensors are host tensors
+(a cluster spec's cards computing on the host CPU) run every group on gloo (`Islands.backends`,
+from the islands found at start), and where the spec's links are modelled (`Islands.link`) each
+island's group runs through its island's link and the bridge through the bridge's (attached by
+runtime/sharding/island_hooks.py attach_links).
 
 The bridge groups. Not one group of all ranks: across islands only matching pieces travel, and a
 ring over all W ranks would price and carry what the hierarchical all-reduce never sends. The
@@ -23,9 +25,9 @@ copies the result back. tests/unit/runtime/ranks/test_island_groups.py checks th
 code hands a bridge group to a collective. A pipeline across islands (`pipeline_groups`) sends its
 activations and gradients over a gloo group through `staged_p2p`, the same staging for P2P.
 
-Which island a rank is on: under emulation its device's `island` (hardware/cluster.py
-ClusterDevice, from the island spec); the job-wide layout comes from one all_gather_object at
-prepare(), only in a job whose devices name islands.
+Which island a rank is on: a cluster spec's device's `island` (hardware/cluster.py ClusterDevice,
+from the island spec), or what its device is (vendor and device type); the job-wide layout is the
+one every rank gathered at start (runtime/ranks/nodes.py join_nodes), so no collective here.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class Islands:
     """Which island every rank is on, each island's native backend and link, and the bridge."""
 
     island_of: tuple[str, ...]                      # per rank
-    backends: dict = field(default_factory=dict)    # island -> native backend (nccl|hccl|xccl|gloo)
-    links_gbs: dict = field(default_factory=dict)   # island -> its own link's GB/s (emulation's throttle)
-    bridge_gbs: float | None = None                 # the bridge's GB/s (emulation's throttle); None: unthrottled
+    backends: dict = field(default_factory=dict)    # island -> its groups' backend (nccl|hccl|xccl|gloo)
+    links_gbs: dict = field(default_factory=dict)   # island -> its own link's GB/s, where a spec names one
+    bridge_gbs: float | None = None                 # the bridge's GB/s, where a spec names it
+    # link(gbs, ring) -> what runs a collective over a link of those figures (JobIslands.link); None: the wire
+    link: object = None
 
     def __post_init__(self):
         if not self.island_of or any(not name for name in self.island_of):
@@ -96,7 +100,7 @@ class Islands:
 @dataclass
 class IslandGroups:
     """This rank's groups: its island's, and the bridge group it is on (None: a non-leader in the
-    leaders' form), each with the emulated link's throttle where there is one."""
+    leaders' form), each with the modelled link its collectives run through, where there is one."""
 
     islands: Islands
     rank: int
@@ -104,8 +108,8 @@ class IslandGroups:
     native_ranks: tuple[int, ...]
     bridge: object | None             # a gloo ProcessGroup, or None: this rank does not cross
     bridge_ranks: tuple[int, ...]
-    native_throttle: object | None = None   # runtime/devices/link.py LinkThrottles, under emulation
-    bridge_throttle: object | None = None
+    native_link: object | None = None   # Islands.link's, for the island's group; None: the wire
+    bridge_link: object | None = None   # ... for the bridge group
     bridged_bytes: float = 0.0        # what this rank sent over the bridge, in all
 
     @property
@@ -118,19 +122,19 @@ class IslandGroups:
         return self.native_ranks[0]
 
 
-def make_groups(islands: Islands, *, rank: int, emulated: bool, timeout=None) -> IslandGroups:
+def make_groups(islands: Islands, *, rank: int, timeout=None) -> IslandGroups:
     """Every group of the job (a collective: every rank makes every group, in the same order, as
-    new_group requires). Under emulation the native groups are gloo too (the links' throttles are
-    attached above this layer: runtime/sharding/island_hooks.py attach_links). `timeout`: the job's
-    collective timeout (a timedelta; None: torch's default, 30 minutes for a hung peer)."""
+    new_group requires), each island's on its backend (`Islands.backends`: gloo where the ranks
+    hold host tensors); the modelled links are attached above this layer (runtime/sharding/
+    island_hooks.py attach_links). `timeout`: the job's collective timeout (a timedelta; None:
+    torch's default, 30 minutes for a hung peer)."""
     extra = {} if timeout is None else {"timeout": timeout}
     native = bridge = None
     native_ranks: tuple[int, ...] = ()
     bridge_ranks: tuple[int, ...] = ()
     for name in islands.names:
         ranks = islands.members(name)
-        backend = "gloo" if emulated else islands.backends.get(name, "gloo")
-        group = dist.new_group(list(ranks), backend=backend, **extra)
+        group = dist.new_group(list(ranks), backend=islands.backends.get(name, "gloo"), **extra)
         if rank in ranks:
             native, native_ranks = group, ranks
     for ranks in islands.bridge_ranks():
@@ -158,10 +162,10 @@ def bridge_all_reduce(tensor: torch.Tensor, groups: IslandGroups) -> torch.Tenso
             torch.cuda.current_stream(tensor.device).synchronize()
     assert host.device.type == "cpu", "the bridge takes host tensors only"
     nbytes = float(host.numel() * host.element_size())
-    if groups.bridge_throttle is None:
+    if groups.bridge_link is None:
         dist.all_reduce(host, group=groups.bridge)
     else:
-        groups.bridge_throttle.run(lambda: dist.all_reduce(host, group=groups.bridge), nbytes)
+        groups.bridge_link.run(lambda: dist.all_reduce(host, group=groups.bridge), nbytes)
     groups.bridged_bytes += nbytes
     if staged:
         tensor.copy_(host)
@@ -169,42 +173,23 @@ def bridge_all_reduce(tensor: torch.Tensor, groups: IslandGroups) -> torch.Tenso
 
 
 def native_run(groups: IslandGroups, collective, nbytes: float) -> None:
-    """A blocking collective on the island's group, through the island's emulated link if any."""
-    if groups.native_throttle is None:
+    """A blocking collective on the island's group, through the island's modelled link if any."""
+    if groups.native_link is None:
         collective()
     else:
-        groups.native_throttle.run(collective, nbytes)
+        groups.native_link.run(collective, nbytes)
 
 
 def for_job(job) -> Islands | None:
-    """The job's islands, or None when it is one island (every rank calls it alike: the decision
-    is the cluster spec's, which every rank holds). Emulated devices name their island; the links'
-    figures come from the island spec (the bridge, and an island's own link where it names one).
-    Real devices: the islands every rank's device put in the job's nodes at start (nodes.join_nodes),
-    gathered there already, so no collective here."""
-    found = getattr(job.nodes, "islands", None) if job.emulated is None else None
-    if found is not None:
-        if not found.multi or job.world_size < 2:
-            return None
-        return Islands(island_of=tuple(found.island_of(r).name for r in range(job.world_size)),
-                       backends={i.name: i.backend for i in found.islands}, bridge_gbs=found.bridge_gbs)
-    spec = job.emulated.spec if job.emulated is not None else None
-    if spec is None or not spec.island or job.world_size < 2:
+    """The job's islands, or None when it is one island: those every rank's device put in the job's
+    nodes at start (nodes.join_nodes, gathered there already, so no collective here), each island's
+    groups on the backend its ranks' tensors need, with the links' figures a cluster spec gives."""
+    found = getattr(job.nodes, "islands", None)
+    if found is None or not found.multi or job.world_size < 2:
         return None
-    mine = {"island": spec.island, "backend": getattr(spec.gpu, "backend", "gloo")}
-    table: list = [None] * job.world_size
-    dist.all_gather_object(table, mine)
-    bridge_gbs, links = _spec_links(job.config.emulation.cluster)
-    islands = Islands(island_of=tuple(t["island"] for t in table),
-                      backends={t["island"]: t["backend"] for t in table}, links_gbs=links, bridge_gbs=bridge_gbs)
-    return islands if islands.spans else None
-
-
-def _spec_links(spec: str | None) -> tuple[float | None, dict]:
-    """(the bridge's GB/s, {island: its link's GB/s}) from an island spec."""
-    from ...hardware.cluster import parse_cluster_spec
-
-    return spec_links(parse_cluster_spec(spec)) if spec else (None, {})
+    return Islands(island_of=tuple(found.island_of(r).name for r in range(job.world_size)),
+                   backends={i.name: i.group_backend or i.backend for i in found.islands},
+                   links_gbs=dict(found.links_gbs), bridge_gbs=found.bridge_gbs, link=found.link)
 
 
 def spec_links(cluster) -> tuple[float | None, dict]:
@@ -220,13 +205,14 @@ def spec_links(cluster) -> tuple[float | None, dict]:
     return bridge, links
 
 
-def pipeline_groups(islands: Islands, grid, *, rank: int, emulated: bool, timeout) -> tuple:
+def pipeline_groups(islands: Islands, grid, *, rank: int, timeout) -> tuple:
     """(this rank's pipeline group, its data-parallel group) of a DP×PP mesh (`grid`: a row per
     replica, its stages' ranks) over islands, as the research practice runs it: the replicas of a
     stage (a column) on one island, summing their gradients on its native backend; a replica's
     pipeline (a row) across islands over gloo, the bridge. A collective: every rank makes every
     group, in the same order. A column that spans islands is refused: its gradient sum would have
-    to cross the bridge every step (data parallel across islands: parallel='dp')."""
+    to cross the bridge every step (data parallel across islands: parallel='dp'). Each stage's
+    group runs on its island's backend (`Islands.backends`)."""
     from ...errors import UsageError
 
     for s in range(len(grid[0])):
@@ -241,13 +227,13 @@ def pipeline_groups(islands: Islands, grid, *, rank: int, emulated: bool, timeou
     mine = {}
     for ranks in grid:
         crosses = len({islands.island_of[r] for r in ranks}) > 1
-        backend = "gloo" if emulated or crosses else islands.backends.get(islands.island_of[ranks[0]], "gloo")
+        backend = "gloo" if crosses else islands.backends.get(islands.island_of[ranks[0]], "gloo")
         group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
         if rank in ranks:
             mine["pp"] = group
     for s in range(len(grid[0])):
         ranks = [row[s] for row in grid]
-        backend = "gloo" if emulated else islands.backends.get(islands.island_of[ranks[0]], "gloo")
+        backend = islands.backends.get(islands.island_of[ranks[0]], "gloo")
         group = dist.new_group(ranks, timeout=timeout, backend=backend)
         if rank in ranks:
             mine["dp"] = group

@@ -1,15 +1,16 @@
-"""The job's nodes: which rank runs on which machine, and the job's whole cluster, gathered at start.
+"""The job's nodes: which rank runs on which machine, and the job's islands, gathered at start.
 
 Under a multi-node launch (`hetrain run --nnodes N ...` on torchrun's c10d rendezvous) every node's
-launcher knows only its own devices: its `--emulate` spec, or its visible GPUs. torchrun numbers
-the nodes (GROUP_RANK, the node's rank in this rendezvous round) and gives each node's processes
-consecutive ranks; nodes may run different process counts (an A100 node beside a two-3090 node).
-`gather` is one all_gather_object, entered by every rank in Engine.__init__, that gives every rank
-every rank's node, node name, emulated device and versions. From that table all ranks build the
-same JobNodes and the same job-wide cluster spec (the nodes' specs joined in rank order, so
-speeds are scaled once for the whole job, hardware/cluster.py) and take the same decision on a
-node that does not fit the job (an emulated node beside real GPUs; torch or NCCL versions that
-differ: hardware/node_versions.py), so all raise the same error together.
+launcher knows only its own devices. torchrun numbers the nodes (GROUP_RANK, the node's rank in
+this rendezvous round) and gives each node's processes consecutive ranks; nodes may run different
+process counts (an A100 node beside a two-3090 node). `gather` is one all_gather_object, entered by
+every rank in Engine.__init__, that gives every rank every rank's node, node name, device and
+versions (and what the caller adds to a rank's record). From that table all ranks build the same
+JobNodes and take the same decision on a node that does not fit the job (torch or NCCL versions
+that differ: hardware/node_versions.py), so all raise the same error together. Where the ranks'
+devices are a cluster spec's, the job's spec is made from the gathered records by the caller
+(`join_nodes`' `cluster_of`: the nodes' specs joined in rank order, so speeds are scaled once for
+the whole job, hardware/cluster.py), and the islands are that spec's.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ...errors import UsageError
-from ...hardware.cluster import device_items, parse_cluster_spec
-from ...hardware.islands import is_island_spec, join_node_items
 from ..config import LAUNCH_ENV
 
 
@@ -66,28 +64,15 @@ def node_name() -> str:
     return socket.gethostname()
 
 
-def local_device(spec: str | None, *, local_rank: int, local_world: int) -> str | None:
-    """This rank's item of its node's cluster spec ('a100-80g:1.0@40MiB'), or None (no emulation)."""
-    if spec is None:
-        return None
-    items = device_items(spec)
-    if len(items) != local_world:
-        raise UsageError(
-            f"--emulate {spec!r} names {len(items)} device(s), but this node runs {local_world} process(es)",
-            f"on each node, --emulate names that node's own devices: launch with `hetrain run --emulate {spec} "
-            "...` (one process per emulated device)")
-    return items[local_rank]
-
-
-def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spec: str | None,
-           versions: dict | None = None, device: dict | None = None) -> tuple[JobNodes, str | None, list[dict]]:
-    """(the job's nodes, the job's cluster spec or None, every rank's record). A collective when
-    world_size > 1: every rank calls it, with its own node's spec. `agreed_restart(records)`
-    is the job's attempt number: a node that joined later counts its own restarts from 0."""
+def gather(*, rank: int, world_size: int, versions: dict | None = None, device: dict | None = None,
+           own: dict | None = None) -> tuple[JobNodes, list[dict]]:
+    """(the job's nodes, every rank's record). A collective when world_size > 1: every rank calls
+    it. `device`: this rank's island_facts.rank_device record; `own`: what the caller adds to this
+    rank's record. `agreed_restart(records)` is the job's attempt number: a node that joined later
+    counts its own restarts from 0."""
     mine = {"group": int(os.environ.get("GROUP_RANK", "0") or 0), "name": node_name(),
-            "device": local_device(spec, local_rank=local_rank, local_world=local_world),
             "versions": versions or {}, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            "island": device or {}}
+            "island": device or {}, **(own or {})}
     if world_size > 1:
         import torch.distributed as dist
 
@@ -98,23 +83,7 @@ def gather(*, rank: int, world_size: int, local_rank: int, local_world: int, spe
     groups = sorted({t["group"] for t in table})
     node_of = tuple(groups.index(t["group"]) for t in table)
     names = tuple(next(t["name"] for t in table if t["group"] == g) for g in groups)
-    nodes = JobNodes(names=names, node_of=node_of)
-    emulated = [t["device"] is not None for t in table]
-    if any(emulated) and not all(emulated):
-        side = "; ".join(f"{nodes.label(n)}: " + ("emulated devices" if emulated[nodes.ranks_on(n)[0]]
-                                                   else "real GPUs (no --emulate)") for n in range(nodes.count))
-        raise UsageError(f"some nodes emulate their devices and some do not ({side})",
-                         "give every node's `hetrain run` an --emulate spec of its own devices, or none")
-    # nodes of different vendors: one island each, the network between them the bridge
-    job_spec = join_node_items([t["device"] for t in table]) if all(emulated) else None
-    if job_spec is not None and is_island_spec(spec):
-        if nodes.spans_nodes:
-            raise UsageError(f"--emulate {spec!r} names device islands, which are on one machine, but the job "
-                             f"spans {nodes.count} nodes",
-                             "on several nodes give each node its own devices (node form or flat); islands "
-                             "and their bridge= are one machine's")
-        job_spec = spec            # one machine: its islands and bridge as given
-    return nodes, job_spec, table
+    return JobNodes(names=names, node_of=node_of), table
 
 
 def agreed_restart(records: list[dict]) -> int:
@@ -132,31 +101,40 @@ def describe(nodes: JobNodes, cluster) -> str:
     return "\n".join(lines)
 
 
-def join_nodes(ctx, config, log):
+def join_nodes(ctx, config, log, *, own: dict | None = None, cluster_of=None, link=None):
     """Engine.__init__'s step after joining the group: every rank's node, device and versions
-    gathered (a collective); the job's cluster spec in place of this node's; the attempt number
-    agreed; versions compared across nodes (one error on every rank, or warnings); the nodes
-    printed once. Returns (ctx, config, JobNodes, the job's cluster or None: no emulation)."""
+    gathered (a collective); the attempt number agreed; versions compared across nodes (one error
+    on every rank, or warnings); the nodes and islands printed once. Returns (ctx, config, JobNodes,
+    the job's cluster devices or None).
+
+    Where the ranks' devices are a cluster spec's: `own` is what each rank adds to its record,
+    `cluster_of(records, nodes, config)` gives (config, the job's parsed ClusterSpec or None) from
+    the gathered records, and the islands, their bridge and links are the spec's, with `link(gbs,
+    ring)` what carries a collective over a link of the spec's figures (island_facts.JobIslands).
+    Otherwise the islands are what each rank found it trains on."""
     from dataclasses import replace
 
     from ...hardware.node_versions import check_node_versions, versions_here
     from .island_facts import job_islands, rank_device
+    from .islands import spec_links
 
-    spec = config.emulation.cluster
-    nodes, job_spec, records = gather(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                                      local_world=ctx.local_world_size, spec=spec,
-                                      versions=versions_here() if ctx.world_size > 1 else None,
-                                      device=rank_device(ctx.device) if spec is None else None)
-    parsed = parse_cluster_spec(job_spec) if job_spec is not None else None
-    cluster = parsed.devices if parsed is not None else None
-    bridge = parsed.topology.bridge if parsed is not None else None
-    # emulation: the job-wide spec's islands; real devices: what each rank found it trains on
-    facts = [rank_device(emulated=d) for d in parsed.devices] if parsed is not None else [r["island"] for r in records]
-    islands = job_islands(facts, bridge=bridge.name if bridge else "",
-                          bridge_gbs=bridge.bandwidth_gbs if bridge else None)
+    nodes, records = gather(rank=ctx.rank, world_size=ctx.world_size,
+                            versions=versions_here() if ctx.world_size > 1 else None,
+                            device=rank_device(ctx.device), own=own)
+    parsed = None
+    if cluster_of is not None:
+        config, parsed = cluster_of(records, nodes, config)
+    held = [r["island"].get("backend", "") for r in records]     # what each rank's tensors are on
+    if parsed is not None:
+        bridge = parsed.topology.bridge
+        islands = job_islands([rank_device(spec_device=d) for d in parsed.devices], bridge=bridge.name if bridge else "",
+                              bridge_gbs=bridge.bandwidth_gbs if bridge else None, links_gbs=spec_links(parsed)[1],
+                              held=held)
+        islands = replace(islands, link=link)
+    else:
+        islands = job_islands([r["island"] for r in records], held=held)
     nodes = replace(nodes, islands=islands)
-    if job_spec is not None:
-        config = replace(config, emulation=replace(config.emulation, cluster=job_spec))
+    cluster = parsed.devices if parsed is not None else None
     ctx = replace(ctx, restart=agreed_restart(records))   # what depends on the attempt is alike on every rank
     if nodes.spans_nodes:      # torch, CUDA, NCCL alike on every node of an island
         island_of = [islands.island_of(r).name for r in range(len(records))] if islands.multi else None

@@ -178,7 +178,7 @@ def restore(job, found: Found) -> None:
         set_rng_state(meta["rng"][job.rank])
     if job.rebalancer is not None and meta["rebalancer"] is not None:
         job.rebalancer.load_state_dict(meta["rebalancer"])
-    job.hooks.state_restored(job.layout.held(job), job.optimizer)     # an emulated device holds it too
+    job.hooks.state_restored(job.layout.held(job), job.optimizer)     # a device's meter counts it from here
     saved_layout = meta.get("layout", "data parallel")
     moved = "" if saved_layout == job.plan.describe_layout() else f" (saved as {saved_layout}, resharded by name)"
     job.log.info(f"resumed from {found.path.name}{moved}: step {job.steps_done}, epoch {job.sampler.epoch}, "

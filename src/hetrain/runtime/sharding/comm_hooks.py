@@ -1,5 +1,6 @@
-"""DDP's gradient all-reduce as one communication hook: torch's own compression hooks, the
-emulated inter-node link, and what OOM recovery needs from them.
+"""DDP's gradient all-reduce as one communication hook: torch's own compression hooks, the link
+the collectives cross beyond the process group's transport where the job has one
+(DeviceMeasuring.link), and what OOM recovery needs from them.
 
     none       default_hooks.allreduce_hook            (what DDP does without a hook)
     fp16       default_hooks.fp16_compress_hook
@@ -49,9 +50,12 @@ HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compre
 
 
 class GradientHook:
-    """One bucket's all-reduce as `compression` sends it, through the emulated link when given."""
+    """One bucket's all-reduce as `compression` sends it, through `link` when given (what the
+    collectives cross beyond the transport: `then(future, started, nbytes)`, DeviceMeasuring.link).
+    `device_waits`: the device's work runs at the host's sync points (DeviceHooks.syncs_at_collectives),
+    so a bucket leaves once its gradients are computed."""
 
-    def __init__(self, compression: str = "none", *, powersgd_rank: int = 4, throttle=None, backend: str = "gloo",
+    def __init__(self, compression: str = "none", *, powersgd_rank: int = 4, link=None, backend: str = "gloo",
                  device_waits: bool = False):
         if compression not in HOOKS:
             raise ValueError(f"compression {compression!r} is not one of {', '.join(HOOKS)}")
@@ -62,8 +66,7 @@ class GradientHook:
             self.state = powersgd.PowerSGDState(
                 process_group=None, matrix_approximation_rank=powersgd_rank,
                 start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True)
-        self.throttle = throttle
-        # an asynchronous emulated device (devices/clock.py): a bucket leaves once computed
+        self.link = link
         self.device_waits = device_waits
         self.serial = compression == "powersgd" and backend == "gloo"
         self._previous = None
@@ -72,23 +75,23 @@ class GradientHook:
     @property
     def needed(self) -> bool:
         """Does it do anything DDP's own all-reduce would not?"""
-        return self.compression != "none" or self.throttle is not None or self.device_waits
+        return self.compression != "none" or self.link is not None or self.device_waits
 
     def __call__(self, bucket) -> torch.futures.Future:
         if self.device_waits:
             clocks.sync_point()
         if self.serial and self._previous is not None:
             self._previous.wait()
-        if self.throttle is None:            # compression alone: nothing to time or count
+        if self.link is None:                # compression alone: nothing to time or count
             future = self.inner(self.state, bucket)
         else:
-            future = self._throttled(bucket)
+            future = self._over_link(bucket)
         if self.serial:
             self._previous = future
         return future
 
-    def _throttled(self, bucket) -> torch.futures.Future:
-        """The bucket's collective, held back by the emulated link for the bytes it sends."""
+    def _over_link(self, bucket) -> torch.futures.Future:
+        """The bucket's collective, handed to the link with the bytes it sends."""
         started = clocks.host()
         buffer = bucket.buffer()
         sent = float(buffer.numel() * buffer.element_size())
@@ -100,7 +103,7 @@ class GradientHook:
             sent = buffer.numel() * 2.0
         elif not vanilla:                    # what this bucket's PowerSGD all-reduces (its factors, the rest whole)
             sent = (state.total_numel_after_compression - before) * float(buffer.element_size())
-        return self.throttle.then(future, started, sent)
+        return self.link.then(future, started, sent)
 
     @staticmethod
     def ddp_hook(self, bucket):   # unannotated: DDP rejects string annotations (postponed evaluation)
@@ -142,12 +145,18 @@ def settle(plan, *, request: str, strategy: str, backend: str, world_size: int):
     if name != "none" and strategy != "none":
         if request != "auto":
             check_request(request, backend=backend, blocked_by=f"sharding {strategy!r} (DataParallel(sharding=None) chose it)")
-        return replace(plan, compression="none", note="; ".join(filter(None, [
+        return replace(plan, compression="none", note=with_note(
             plan.note, f"gradient compression none: the planner chose sharding {strategy} (compression is for "
-                       "plain data parallelism, DataParallel(sharding='none'))"])))
+                       "plain data parallelism, DataParallel(sharding='none'))"))
     if name != "none":
         check_request(name, backend=backend)      # a given plan's bf16 on gloo, say
     if name == plan.compression:
         return plan
     note = f"gradient compression {name} (asked for)" if name != "none" else ""
-    return replace(plan, compression=name, note="; ".join(filter(None, [plan.note, note])))
+    return replace(plan, compression=name, note=with_note(plan.note, note))
+
+
+def with_note(note: str, reason: str) -> str:
+    """The plan's note with `reason` added, once: a plan completed again (a resumed one) says it once."""
+    said = note.split("; ") if note else []
+    return "; ".join(said + [reason]) if reason and reason not in said else note

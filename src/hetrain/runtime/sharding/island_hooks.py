@@ -14,10 +14,11 @@ W·n/B (runtime/loop/reduce.py) gives the big-batch gradient through them as thr
 
 What overlaps. The hook hands the bucket to one worker thread of this rank and returns a future at
 once; the backward goes on computing the next buckets while the worker runs this one's three steps
-(the emulated links' sleeps included). One thread, buckets in the order DDP launched them: every
-rank issues the native and bridge collectives in the same order (two threads could interleave
-two buckets' collectives differently on two ranks, and gloo would pair the wrong ones). So buckets
-overlap the backward, not each other; the optimizer waits for the last (DDP's finalize).
+(a modelled link's time included: ranks/islands.py Islands.link). One thread, buckets in the order
+DDP launched them: every rank issues the native and bridge collectives in the same order (two
+threads could interleave two buckets' collectives differently on two ranks, and gloo would pair
+the wrong ones). So buckets overlap the backward, not each other; the optimizer waits for the last
+(DDP's finalize).
 
 OOM recovery, rebalancing, resume. The hook has GradientHook's interface (comm_hooks.py): OOM recovery's SyncGuard calls it for every bucket and completes
 an interrupted backward by calling it on zero buckets, which run the same three steps, so the
@@ -30,13 +31,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..devices import clock as clocks
-from ...emulation.link import LinkThrottle
 from ..ranks.islands import IslandGroups, bridge_all_reduce, make_groups, native_run
 from ..ranks.torch_compat import all_gather_single, reduce_scatter_single
 
@@ -47,18 +46,16 @@ class IslandSync:
     compression = "none"
     needed = True
 
-    def __init__(self, groups: IslandGroups, *, world_size: int, device: torch.device, device_waits: bool = False):
+    def __init__(self, groups: IslandGroups, *, world_size: int, device: torch.device):
         self.groups = groups
         self.world_size = world_size
         self.device = torch.device(device)
-        self.device_waits = device_waits      # an asynchronous emulated device (devices/clock.py)
         self._queue: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
         self.buckets = 0                      # buckets summed, in all
 
     def __call__(self, bucket) -> torch.futures.Future:
-        if self.device_waits:
-            clocks.sync_point()
+        clocks.sync_point()       # the device's queued work first (nothing on a device that queues none)
         return self.reduce(bucket.buffer())
 
     @staticmethod
@@ -140,34 +137,33 @@ class IslandSync:
 
 
 def attach_links(groups: IslandGroups) -> IslandGroups:
-    """Emulated devices: this rank's island group slowed to the island's link, its bridge group to
-    the bridge's (the island spec's figures; none named, none slowed)."""
+    """Where the islands' links are modelled (`Islands.link`): this rank's island group runs through
+    the island's link, its bridge group through the bridge's (the island spec's figures; none
+    named, none modelled)."""
     islands = groups.islands
+    if islands.link is None:
+        return groups
     gbs = islands.links_gbs.get(islands.island_of[groups.rank])
     if gbs and len(groups.native_ranks) > 1:
-        groups.native_throttle = LinkThrottle(gbs=gbs, ring=len(groups.native_ranks))
+        groups.native_link = islands.link(gbs, len(groups.native_ranks))
     if islands.bridge_gbs and groups.bridge is not None:
         # The bridge is one host link per island (the spec names one: a NIC), which every shard's ring
         # crosses at once: n rings share it, each at 1/n (planning/bridge_cost.py prices the same).
         rings = len(islands.bridge_ranks())
-        groups.bridge_throttle = LinkThrottle(gbs=islands.bridge_gbs / rings, ring=len(groups.bridge_ranks))
+        groups.bridge_link = islands.link(islands.bridge_gbs / rings, len(groups.bridge_ranks))
     return groups
 
 
 def make(job, islands) -> IslandSync:
     """The job's groups (a collective) and the hook over them, the layout shown once."""
-    if job.plan is not None and job.plan.compression != "none":     # not combined (yet): said in the plan
-        from ..replan import adopt
+    if job.plan is not None and job.plan.compression != "none":     # not combined (yet): the plan says none
+        from ...errors import HetrainError
 
-        adopt(job, replace(job.plan, compression="none", note="; ".join(filter(None, [
-            job.plan.note, f"gradient compression none: {job.plan.compression} is not run by the hierarchical "
-                           "all-reduce across islands"]))), "compression")
+        raise HetrainError(f"the plan in force says gradient compression {job.plan.compression}, which the "
+                           "hierarchical all-reduce across islands does not run (layouts/complete.py records none)",
+                           "this is a bug in hetrain; please report it with the log")
     from datetime import timedelta
 
-    groups = make_groups(islands, rank=job.rank, emulated=job.emulated is not None,
-                         timeout=timedelta(seconds=job.config.timeout_s))
-    if job.emulated is not None:
-        attach_links(groups)
-    asynchronous = job.emulated is not None and job.emulated.throttle.asynchronous
+    groups = attach_links(make_groups(islands, rank=job.rank, timeout=timedelta(seconds=job.config.timeout_s)))
     job.log.info(f"data parallel across islands: {islands.describe()}")
-    return IslandSync(groups, world_size=job.world_size, device=job.device, device_waits=asynchronous)
+    return IslandSync(groups, world_size=job.world_size, device=job.device)

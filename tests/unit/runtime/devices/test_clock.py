@@ -17,6 +17,7 @@ import torch
 
 from hetrain.hardware.cluster import parse_cluster
 from hetrain.runtime.devices import clock as clocks
+from hetrain.emulation.clock import EmulatedClock
 from hetrain.emulation.device import EmulatedDevice, Throttle
 from hetrain.runtime.devices.faults import FaultInjector
 from hetrain.emulation.hooks import EmulatedHooks
@@ -68,7 +69,7 @@ def test_a_pipeline_piece_reads_its_device_time_where_a_host_clock_misses_it_asy
     device's clock (wall base, as pipeline_stage.MeteredStage times its pieces) reads c/speed."""
     speed = 0.25
     throttle = Throttle(speed, asynchronous=asynchronous)
-    device = clocks.DeviceClock(CPU, throttle=throttle, wall=True)
+    device = EmulatedClock(CPU, throttle, wall=True)
     readings, old = [], []
     for _ in range(3):
         start, t0 = device.mark(), time.perf_counter()
@@ -84,6 +85,25 @@ def test_a_pipeline_piece_reads_its_device_time_where_a_host_clock_misses_it_asy
         assert statistics.median(old) < 0.5 / speed         # what the old `timed` read: the launch
     else:
         assert statistics.median(old) == pytest.approx(1 / speed, rel=0.2)
+
+
+def test_a_piece_on_the_controlled_clock_lasts_its_length_however_late_the_host_wakes(monkeypatch):
+    """A busy host wakes a sleeping process late (milliseconds a sleep, under load): that lateness
+    is the host's, not the device's. A pipeline piece on the controlled clock reads its length on
+    the device's clock (wall base) whatever the host added to the sleep that made it up."""
+    import hetrain.emulation.device as emulated
+
+    real_sleep, late = time.sleep, 0.03
+    monkeypatch.setattr(emulated.time, "sleep", lambda s: real_sleep(s + late))
+    throttle = Throttle(0.5, sample_s=0.01)
+    device = EmulatedClock(CPU, throttle, wall=True)
+    length = 0.02                                          # the piece's share of the clock at speed 1
+    start, t0 = device.mark(), time.perf_counter()
+    c0 = time.thread_time()
+    spin(0.002)
+    throttle.pay_clocked(length, time.thread_time() - c0, time.perf_counter() - t0)
+    assert time.perf_counter() - t0 >= length / 0.5 + late                 # the host woke late ...
+    assert device.seconds(start, device.mark()) == pytest.approx(length / 0.5, abs=0.005)   # ... the device did not
 
 
 def test_the_optimizer_part_is_read_on_the_device_clock_under_the_async_mode():
@@ -104,14 +124,26 @@ def test_the_optimizer_part_is_read_on_the_device_clock_under_the_async_mode():
     assert hooks.last_fixed_s() == pytest.approx(cpu / speed, rel=0.15)   # read later: the same
 
 
+class GpuTime:
+    """The GPU's own timeline in these tests: the work below advances it by exactly its seconds, so
+    the events read what a GPU's would, however busy the host running the test is (sleeps on a
+    loaded host overshoot by tens of milliseconds, enough to move a 30 ms forward's ratio)."""
+
+    now = 0.0
+
+    @classmethod
+    def run(cls, seconds: float) -> None:
+        cls.now += seconds
+
+
 class StampedEvent:
-    """torch.cuda.Event on a CPU: stamped with the host clock when recorded."""
+    """torch.cuda.Event on a CPU: stamped with the GPU's timeline (GpuTime) when recorded."""
 
     def __init__(self, enable_timing: bool = False):
         self.at = None
 
     def record(self, stream=None) -> None:
-        self.at = time.perf_counter()
+        self.at = GpuTime.now
 
     def synchronize(self) -> None:
         pass
@@ -121,17 +153,17 @@ class StampedEvent:
 
 
 class Paced(torch.autograd.Function):
-    """A layer whose forward takes `fwd` s and backward `bwd` s of wall time."""
+    """A layer whose forward takes `fwd` s and backward `bwd` s of the GPU's time."""
 
     @staticmethod
     def forward(ctx, x, fwd, bwd):
         ctx.bwd = bwd
-        time.sleep(fwd)
+        GpuTime.run(fwd)
         return x * 1.0
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.bwd)
+        GpuTime.run(ctx.bwd)
         return grad, None, None
 
 
@@ -159,7 +191,7 @@ def test_a_cuda_ranks_one_micro_batch_is_timed_to_its_last_gradient_not_by_a_fix
     model = torch.nn.Linear(4, 4, bias=False)
     hooks = CudaHooks(torch.device("cuda", 0))
     hooks.attach(model)
-    model.weight.register_post_accumulate_grad_hook(lambda p: time.sleep(wait))   # the sync, after the gradient
+    model.weight.register_post_accumulate_grad_hook(lambda p: GpuTime.run(wait))   # the sync, after the gradient
     hooks.attempt_start()
     cuda_micro_batch(hooks, model, MicroBatch(batch=None, size=4, index=0, count=1, indices=(0, 1, 2, 3)),
                      fwd=fwd, bwd=bwd)
@@ -190,6 +222,7 @@ def test_without_gradient_hooks_a_cuda_ranks_last_backward_takes_the_ratio_of_ea
 def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkeypatch):
     """The profiler times an emulated device on its controlled clock through the device's throttle:
     under the async mode its sleeps are owed, not slept, and the device's busy clock still has them."""
+    from hetrain.emulation.profiling import EmulatedPace
     from hetrain.runtime.measure.profiler import measure
 
     monkeypatch.setenv("HETRAIN_CACHE", str(tmp_path))
@@ -204,6 +237,24 @@ def test_the_profiler_reads_an_asynchronous_device_on_its_clock(tmp_path, monkey
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         return measure(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, device=CPU, label="cpu",
                        max_size=16, cpu_clock=True,
-                       throttle=Throttle(speed, sample_s=clock_b, micro_s=0.0, asynchronous=True)).per_sample_s
+                       timed_by=EmulatedPace(Throttle(speed, sample_s=clock_b, micro_s=0.0,
+                                                      asynchronous=True))).per_sample_s
 
     assert statistics.median(once() for _ in range(3)) == pytest.approx(clock_b / speed, rel=0.25)
+
+
+def test_the_emulated_clock_adds_what_its_throttle_owes_and_a_plain_clock_adds_nothing():
+    """EmulatedClock(device, t, wall=w) reads the time its throttle charged beyond the base (the
+    owed sleep on the wall base; owed and slept on the CPU base) and what the host waited; a plain
+    DeviceClock adds nothing to its base."""
+    throttle = Throttle(0.5)
+    throttle.charge(0.2)            # owed, not slept
+    throttle.owed, throttle.slept_seconds = 0.1, 0.3
+    for wall in (False, True):
+        new = EmulatedClock(CPU, throttle, wall=wall)
+        assert new.ahead_s() == pytest.approx(0.1 if wall else 0.4)
+        assert new.waited_s() == 0.3
+    plain = clocks.DeviceClock(CPU)
+    assert plain.ahead_s() == 0.0 and plain.waited_s() == 0.0
+    c0 = time.thread_time()
+    assert c0 <= plain.mark() <= time.thread_time()

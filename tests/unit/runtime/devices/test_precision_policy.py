@@ -27,7 +27,7 @@ def emulated(name):
 @pytest.mark.parametrize("gpu,expected", [("a100-80g", "bf16"), ("h100", "bf16"), ("rtx3090", "bf16"),
                                           ("rtx4090", "bf16"), ("v100", "fp16"), ("t4", "fp16")])
 def test_auto_takes_the_catalog_gpus_precision_on_emulated_devices(gpu, expected):
-    policy = PrecisionPolicy.local("auto", device=CPU, emulated=emulated(gpu))
+    policy = PrecisionPolicy.local("auto", device=CPU, given=emulated(gpu))
     assert policy.error is None
     assert policy.name == expected
     cc = parse_cluster(gpu)[0].gpu.compute_capability
@@ -55,7 +55,7 @@ def test_bf16_forced_on_a_v100_is_a_clear_error_naming_the_fixes():
     assert "v100-32g" in e.value.what and "compute capability 7.0" in e.value.what
     assert "--allow-fallback" in e.value.fix and "precision='auto'" in e.value.fix
     # kept, not raised, until the ranks agree (a lone raising rank would leave peers waiting)
-    policy = PrecisionPolicy.local("bf16", device=CPU, emulated=emulated("v100"))
+    policy = PrecisionPolicy.local("bf16", device=CPU, given=emulated("v100"))
     assert policy.error is not None and policy.choice is None
     with pytest.raises(UsageError, match="rank 0: v100-32g"):
         policy.agree(rank=0, world_size=1, device=CPU)
@@ -94,7 +94,7 @@ def test_tf32_and_cudnn_benchmark_per_device_with_reasons():
 
 def test_bf16_autocast_is_real_on_cpu_and_fp32_is_untouched():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    policy = PrecisionPolicy.local("auto", device=CPU, emulated=emulated("a100-80g"))
+    policy = PrecisionPolicy.local("auto", device=CPU, given=emulated("a100-80g"))
     policy.agree(rank=0, world_size=1, device=CPU)
     assert policy.scaler is None                         # bf16 alone: no loss scaling
     with policy.autocast("cpu"):
@@ -108,7 +108,7 @@ def test_bf16_autocast_is_real_on_cpu_and_fp32_is_untouched():
 
 def test_record_in_plan_writes_every_ranks_precision():
     plan = Plan(global_batch=4, devices=(DevicePlan(rank=0, device="a", speed=1, share=4, micro_batch=4),))
-    policy = PrecisionPolicy.local("auto", device=CPU, emulated=emulated("v100"))
+    policy = PrecisionPolicy.local("auto", device=CPU, given=emulated("v100"))
     policy.all_choices = [{"precision": "fp16"}]
     recorded = policy.record_in(plan)
     assert recorded.devices[0].precision == "fp16" and recorded.version == plan.version

@@ -30,8 +30,11 @@ def test_an_emulated_devices_peak_is_the_cpu_threads_matmul_rate_times_its_speed
     host = HostFacts(cpu="x", flags=(), torch="2", matmul_ms={"fp32": 1.0})
     assert host.matmul_flops("fp32") == pytest.approx(2 * 512 * 256 * 512 / 1e-3)
     assert host.matmul_flops("bf16") is None
+    from hetrain.emulation.profiling import EmulatedMeasuring
+
+    measuring = EmulatedMeasuring(SimpleNamespace(speed=0.5), None, torch.device("cpu"))
     job = SimpleNamespace(precision=SimpleNamespace(compute="fp32"), host=host,
-                          emulated=SimpleNamespace(spec=SimpleNamespace(speed=0.5)))
+                          hooks=SimpleNamespace(measuring=lambda: measuring))
     assert flops.local_peak(job) == pytest.approx(0.5 * 2 * 512 * 256 * 512 / 1e-3)     # × its speed
     assert flops.local_peak(SimpleNamespace(**{**vars(job), "precision": SimpleNamespace(compute="bf16")})) is None
 

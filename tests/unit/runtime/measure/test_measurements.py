@@ -12,7 +12,7 @@ from hetrain.planning.profile import DeviceProfile
 from hetrain.runtime.config import Config
 from hetrain.runtime.measure.joint import SYNC_RUNS
 from hetrain.runtime.measure.measurements import (Measurements, options_from_measurements, plan_from_measurements,
-                                                  plan_options, planning_profiles, shared_host, straggle)
+                                                  plan_options, planning_profiles, straggle)
 from hetrain import Compression, Memory
 from hetrain.emulation import Emulation
 
@@ -29,7 +29,7 @@ def test_straggle_is_the_median_run_of_how_far_the_last_rank_trails_the_mean():
 
 
 def _profile(label: str, speed: float, memory: int | None) -> DeviceProfile:
-    """A CPU measurement at the emulated speed, as profiler.emulated() leaves it: 2 MiB of model
+    """A CPU measurement at the emulated speed, as emulation/profiling.emulated() leaves it: 2 MiB of model
     state, 1 MiB of activations a sample, so the slow device's 2 MiB fit one sample only when
     activations are checkpointed."""
     sizes = (1, 2, 4, 8)
@@ -44,7 +44,7 @@ def measured(**changes) -> Measurements:
     return replace(Measurements(
         labels=labels, precisions=("fp32", "fp32"),
         profiles=(_profile("a100-80g#0", 1.0, 80 * 1024 * MIB), _profile("rtx3090#1", 0.5, 2 * MIB)),
-        cached=(False, True), grad_bytes=4 * MIB, host_cores=2, allreduce_s=(0.004, 0.005),
+        cached=(False, True), grad_bytes=4 * MIB, cpu_cores=2, allreduce_s=(0.004, 0.005),
         sync_s=((0.002,) * SYNC_RUNS, (0.003,) * SYNC_RUNS), compute_s=((0.01,) * SYNC_RUNS, (0.012,) * SYNC_RUNS),
         agree_s=(0.0004, 0.0003)), **changes)
 
@@ -95,7 +95,7 @@ def test_one_device_with_unlimited_memory_takes_the_whole_batch():
 
 
 def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
-    from hetrain.runtime.measure.measurements import contention
+    from hetrain.emulation.measuring import contention
 
     def prof(name, speed):   # 2 ms per micro-batch + 1 ms per sample of CPU, at this emulated speed
         return DeviceProfile(device=name, source="test", overhead_s=0.002 / speed, per_sample_s=0.001 / speed,
@@ -103,13 +103,13 @@ def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
 
     profiles = (prof("a", 1.0), prof("b", 0.5))
     # the probe's 8-sample micro-batch is 10 ms of CPU alone; both ranks took ~11.5 ms at once
-    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, host_cores=2,
+    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, cpu_cores=2,
                      compute_s=((0.0115, 0.0114, 0.0116), (0.0115, 0.0117, 0.0113)), probe_size=8)
     config = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5"))
     assert contention(m, profiles, config) == pytest.approx(1.15)
     # three devices on two cores: the 1.5x of sharing is the cost model's own, not contention
     m3 = Measurements(labels=("a", "b", "c"), precisions=("fp32",) * 3, profiles=profiles + (prof("c", 0.5),),
-                      host_cores=2, compute_s=((0.018,),) * 3, probe_size=8)
+                      cpu_cores=2, compute_s=((0.018,),) * 3, probe_size=8)
     config3 = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5,rtx3090:0.5"))
     assert contention(m3, m3.profiles, config3) == pytest.approx(1.2)
     assert contention(m, profiles, Config(global_batch=16,
@@ -117,11 +117,11 @@ def test_contention_is_the_probe_against_the_profiles_less_core_sharing():
 
 
 def test_a_probe_too_short_to_time_reads_as_no_contention():
-    from hetrain.runtime.measure.measurements import contention
+    from hetrain.emulation.measuring import contention
 
     tiny = DeviceProfile(device="a", source="test", overhead_s=1e-4, per_sample_s=1e-5, fixed_bytes=0,
                          activation_bytes_per_sample=0.0, cpu_share=1.0)
-    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=(tiny, tiny), host_cores=2,
+    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=(tiny, tiny), cpu_cores=2,
                      compute_s=((0.001,), (0.001,)), probe_size=4)       # 10x the profile: DDP's fixed costs
     assert contention(m, m.profiles, Config(global_batch=8, emulation=Emulation(cluster="a100-80g,a100-80g"))) == 1.0
 
@@ -167,7 +167,7 @@ def test_a_model_with_a_frozen_part_is_planned_as_fine_tuning_and_says_so():
 
 
 def test_ddp_cost_is_each_ranks_cpu_through_ddp_over_the_bare_runs_and_contention_reads_the_bare_ones():
-    from hetrain.runtime.measure.measurements import contention, ddp_cost
+    from hetrain.emulation.measuring import contention, ddp_cost, shared_host
 
     def prof(name, speed):   # 2 ms per micro-batch + 1 ms per sample of CPU, at this emulated speed
         return DeviceProfile(device=name, source="test", overhead_s=0.002 / speed, per_sample_s=0.001 / speed,
@@ -178,14 +178,14 @@ def test_ddp_cost_is_each_ranks_cpu_through_ddp_over_the_bare_runs_and_contentio
     # at once (contention 1.15); through DDP the backward's thread took 4% (rank 0) and 6% (rank 1)
     # more CPU than the bare runs beside them, run by run (one run untimed: 0)
     bare = ((0.0115, 0.0110, 0.0120), (0.0115, 0.0114, 0.0116))
-    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, host_cores=2,
+    m = Measurements(labels=("a", "b"), precisions=("fp32", "fp32"), profiles=profiles, cpu_cores=2,
                      compute_s=((0.02,) * 3, (0.02,) * 3), plain_compute_s=bare,
                      ddp_over_bare=((1.03, 1.04, 1.05), (1.06, 0.0, 1.06)), probe_size=8,
                      sync_s=((0.001,) * 3,) * 2, agree_s=(0.0003, 0.0003), allreduce_s=(0.002, 0.002))
     config = Config(global_batch=16, emulation=Emulation(cluster="a100-80g:1.0,rtx3090:0.5"))
     assert ddp_cost(m, profiles, config) == pytest.approx(1.05)        # the median of 1.04 and 1.06
     assert contention(m, profiles, config) == pytest.approx(1.15)      # the bare runs: DDP's cost not in it
-    host = shared_host(m, config, profiles)
+    host = shared_host(m, config, profiles, straggle(m.compute_s))
     assert host.ddp_cost == pytest.approx(1.05) and host.contention == pytest.approx(1.15)
     assert Measurements.from_json(m.to_json()) == m
     # not measured (older measurements, a GPU), on the controlled clock, or DDP timed cheaper: 1.0

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from hetrain.hardware.cluster import parse_cluster
-from hetrain.runtime.measure import profiler
+from hetrain.emulation import profiling
+from hetrain.emulation.profiling import EmulatedMeasuring, EmulatedPace, emulated
 from hetrain.planning.profile import DeviceProfile, fit_linear
-from hetrain.runtime.measure.profiler import emulated, measure, profile_device
+from hetrain.runtime.measure import profiler
+from hetrain.runtime.measure.profiler import measure, profile_device
 
 D_IN, D_HIDDEN, D_OUT = 32, 64, 8
 
@@ -125,7 +127,7 @@ def test_emulated_devices_convert_cpu_time_by_their_speed():
     assert dev.optimizer_s == pytest.approx(2 * raw.optimizer_s)
     assert dev.cpu_share == 0.5 and dev.memory_bytes == 1024**3 and "emulated" in dev.device
     via_cache, _ = profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
-                                  emulate=slow)
+                                  measuring=EmulatedMeasuring(slow, None, torch.device("cpu")))
     assert via_cache.cpu_share == 0.5 and via_cache.memory_bytes == 1024**3
 
 
@@ -146,11 +148,11 @@ def test_emulated_ranks_pool_their_measurements_of_the_one_cpu():
     fast, slow = parse_cluster("a100-80g:1.0,rtx3090:0.5")
     sizes = (1, 2, 4, 8, 16)
     same = cpu_profile(sizes, line(0.002, 0.001))
-    x, y = profiler.pool_emulated([emulated(same, fast), emulated(same, slow)], [fast, slow])
+    x, y = profiling.pool_emulated([emulated(same, fast), emulated(same, slow)], [fast, slow])
     assert (x.overhead_s, x.per_sample_s) == pytest.approx((0.002, 0.001))
     assert (y.overhead_s, y.per_sample_s) == pytest.approx((0.004, 0.002)) and y.cpu_share == 0.5
     noisy = cpu_profile(sizes, line(0.0024, 0.0012))            # the other rank measured 20% slower
-    a, b = profiler.pool_emulated([emulated(same, fast), emulated(noisy, slow)], [fast, slow])
+    a, b = profiling.pool_emulated([emulated(same, fast), emulated(noisy, slow)], [fast, slow])
     assert 1.05 < a.per_sample_s / 0.001 < 1.15 and 1.05 < a.overhead_s / 0.002 < 1.15   # in between
     assert b.per_sample_s == pytest.approx(2 * a.per_sample_s) and b.overhead_s == pytest.approx(2 * a.overhead_s)
     assert "pooled with the 2 fp32 ranks" in a.source
@@ -164,7 +166,7 @@ def test_a_capped_device_fits_the_pooled_points_within_its_own_sizes():
     bent = lambda m: small(m) * (1 + max(0, m - 8) / 40)          # slower per sample past 8 (caches)
     big = cpu_profile((1, 2, 4, 8, 16, 32, 64), bent)
     little = cpu_profile((1, 2, 4), small)
-    a, b = profiler.pool_emulated([emulated(big, fast), emulated(little, capped)], [fast, capped])
+    a, b = profiling.pool_emulated([emulated(big, fast), emulated(little, capped)], [fast, capped])
     assert (b.overhead_s, b.per_sample_s) == pytest.approx((2 * 0.002, 2 * 0.001), rel=1e-6)
     assert a.per_sample_s > 1.2 * 0.001          # the big device keeps its large sizes' cost
     assert "up to 4 samples" in b.source and "up to 64 samples" in a.source
@@ -178,7 +180,7 @@ def test_emulated_ranks_of_different_precisions_are_not_pooled():
     bf16 = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
     fp16 = cpu_profile(sizes, line(0.06, 0.03), precision="fp16")
     other = cpu_profile(sizes, line(0.002, 0.001), precision="bf16")
-    a, b, c = profiler.pool_emulated([emulated(bf16, fast), emulated(fp16, slow), emulated(other, third)],
+    a, b, c = profiling.pool_emulated([emulated(bf16, fast), emulated(fp16, slow), emulated(other, third)],
                                      [fast, slow, third])
     assert a.per_sample_s == pytest.approx(0.001) and c.per_sample_s == pytest.approx(2 * 0.001)
     assert b.per_sample_s == pytest.approx(2 * 0.03)                           # its own measurement
@@ -231,7 +233,7 @@ def clocked_profile(speed: float, *, micro_s: float = CLOCK_A, max_size: int = 1
         model = mlp()
         return measure(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, device=torch.device("cpu"),
                        label="cpu", max_size=max_size, cpu_clock=True,
-                       throttle=Throttle(speed, sample_s=CLOCK_B, micro_s=micro_s))
+                       timed_by=EmulatedPace(Throttle(speed, sample_s=CLOCK_B, micro_s=micro_s)))
 
     profiles = [once() for _ in range(repeats)]
     return replace(profiles[0], **{f: statistics.median(getattr(q, f) for q in profiles)
@@ -263,8 +265,9 @@ def test_a_clocked_profile_is_cached_per_clock(cache):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def profiled(micro_s):
-        return profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4, emulate=dev,
-                              throttle=Throttle(0.5, sample_s=CLOCK_B, micro_s=micro_s))
+        throttle = Throttle(0.5, sample_s=CLOCK_B, micro_s=micro_s)
+        return profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
+                              measuring=EmulatedMeasuring(dev, throttle, torch.device("cpu")))
 
     first, hit = profiled(CLOCK_A)
     assert not hit and first.device == "rtx3090#0 (emulated)" and first.memory_bytes == dev.memory_bytes
@@ -311,14 +314,15 @@ def test_an_emulated_device_on_the_cpus_clock_is_paced_and_cached_per_speed(cach
         calls.append(throttle.speed)
         return 1.234
 
-    monkeypatch.setattr(profiler, "paced_cost", measured)
+    monkeypatch.setattr(profiling, "paced_cost", measured)
     (dev,) = parse_cluster("rtx3090:0.5")
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def profiled(speed=None):
-        return profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4, emulate=dev,
-                              throttle=Throttle(speed) if speed is not None else None)
+        throttle = Throttle(speed) if speed is not None else None
+        return profile_device(model, opt, loader, device=torch.device("cpu"), label="x", max_size=4,
+                              measuring=EmulatedMeasuring(dev, throttle, torch.device("cpu")))
 
     first, hit = profiled(0.5)
     assert not hit and first.paced_cost == 1.234 and calls == [0.5]      # kept through emulated()

@@ -48,7 +48,7 @@ def test_a_gpu_asked_for_where_torch_sees_none(monkeypatch, gpus):
     with pytest.raises(UsageError) as e:
         rank_dist.check_cuda_device(0)
     assert "cuda:0" in e.value.what and "sees none" in e.value.what and torch.__version__ in e.value.what
-    assert "CUDA_VISIBLE_DEVICES is unset" in e.value.what and "--emulate" in e.value.fix
+    assert "CUDA_VISIBLE_DEVICES is unset" in e.value.what and "`hetrain run --help`" in e.value.fix
 
 
 @pytest.mark.parametrize("visible, asked", [("0", True), ("GPU-5d3e", True), ("0,1", True), ("", False),

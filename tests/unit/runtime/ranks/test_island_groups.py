@@ -85,15 +85,16 @@ def test_the_bridge_groups_are_gloo_whatever_the_islands_backends(monkeypatch):
     made = []
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **_: made.append((tuple(ranks), backend)) or object())
     layout = isl.Islands(island_of=("nv", "nv", "amd", "amd"), backends={"nv": "nccl", "amd": "nccl"})
-    groups = isl.make_groups(layout, rank=1, emulated=False)
+    groups = isl.make_groups(layout, rank=1)
     assert made == [((0, 1), "nccl"), ((2, 3), "nccl"), ((0, 2), "gloo"), ((1, 3), "gloo")]
     assert groups.native_ranks == (0, 1) and groups.bridge_ranks == (1, 3) and groups.index == 1
     made.clear()
-    isl.make_groups(layout, rank=1, emulated=True)         # emulation: every group gloo
+    on_host = isl.Islands(island_of=layout.island_of, backends={"nv": "gloo", "amd": "gloo"})
+    isl.make_groups(on_host, rank=1)                     # host tensors: every group gloo
     assert {b for _, b in made} == {"gloo"}
     uneven = isl.Islands(island_of=("nv", "nv", "amd"), backends={"nv": "nccl", "amd": "nccl"})
     made.clear()
-    assert isl.make_groups(uneven, rank=1, emulated=False).bridge is None     # not a leader: never crosses
+    assert isl.make_groups(uneven, rank=1).bridge is None     # not a leader: never crosses
     assert made[-1] == ((0, 2), "gloo") and len(made) == 3
 
 
@@ -116,46 +117,52 @@ def test_dp_x_pp_across_islands_keeps_each_stage_s_replicas_on_one_island(monkey
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **_: made.append((tuple(ranks), backend)) or object())
     grid = [[0, 1], [2, 3]]        # replica r, stage s: rank 2r + s
     apart = isl.Islands(island_of=("nv", "amd", "nv", "amd"), backends={"nv": "nccl", "amd": "hccl"})
-    isl.pipeline_groups(apart, grid, rank=0, emulated=False, timeout=None)
+    isl.pipeline_groups(apart, grid, rank=0, timeout=None)
     # pipelines cross the islands over gloo; each stage's replicas sum on their island's backend
     assert made == [((0, 1), "gloo"), ((2, 3), "gloo"), ((0, 2), "nccl"), ((1, 3), "hccl")]
     together = isl.Islands(island_of=("nv", "nv", "amd", "amd"), backends={"nv": "nccl", "amd": "hccl"})
     with pytest.raises(UsageError, match="stage 0's replicas .ranks 0, 2. are on islands amd, nv"):
-        isl.pipeline_groups(together, grid, rank=0, emulated=False, timeout=None)
+        isl.pipeline_groups(together, grid, rank=0, timeout=None)
 
 
 def test_a_job_of_one_island_makes_no_groups_and_asks_no_rank(monkeypatch):
-    """Today's path untouched: devices that name no island (a flat spec, real GPUs) decide it
-    without a collective; a job whose devices do gathers their islands once."""
+    """Today's path untouched: the islands are those every rank gathered at start (nodes.join_nodes),
+    read without a second gather, whether the devices are real or a cluster spec's."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from hetrain.hardware.cluster import parse_cluster
+    from hetrain.hardware.cluster import parse_cluster_spec
     from hetrain.runtime.ranks import islands as isl
+    from hetrain.runtime.ranks.island_facts import job_islands, rank_device
 
     asked = []
-    monkeypatch.setattr(dist, "all_gather_object", lambda table, mine: asked.append(mine) or table.__setitem__(
-        slice(None), [{"island": n, "backend": "nccl"} for n in ("nv", "nv", "amd")]))
-    device = parse_cluster("a100-80g")[0]
-    job = SimpleNamespace(world_size=3, emulated=SimpleNamespace(spec=device), config=SimpleNamespace(
-        emulation=SimpleNamespace(cluster="3xa100-80g")))
-    assert isl.for_job(job) is None and asked == []
-    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=None)) is None and asked == []
-    # Real devices: the islands found at start (nodes.join_nodes), read without a second gather.
-    from hetrain.runtime.ranks.island_facts import job_islands
-
+    monkeypatch.setattr(dist, "all_gather_object", lambda table, mine: asked.append(mine))
+    flat = parse_cluster_spec("3xa100-80g")       # a flat spec names no island: one island
+    found = job_islands([rank_device(spec_device=d) for d in flat.devices], held=["gloo"] * 3)
+    assert isl.for_job(SimpleNamespace(world_size=3, nodes=SimpleNamespace(islands=found))) is None
+    assert isl.for_job(SimpleNamespace(world_size=3, nodes=None)) is None and asked == []
+    # Real devices: the islands found at start, on their own libraries.
     one = job_islands([{"vendor": "nvidia", "device_type": "cuda", "backend": "nccl"}] * 3)
-    assert isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=SimpleNamespace(islands=one))) is None
+    assert isl.for_job(SimpleNamespace(world_size=3, nodes=SimpleNamespace(islands=one))) is None
     two = job_islands([{"vendor": v, "device_type": "cuda", "backend": "nccl"} for v in ("nvidia", "amd", "amd")],
-                      bridge="host 25GbE", bridge_gbs=2.8)
-    real = isl.for_job(SimpleNamespace(world_size=3, emulated=None, nodes=SimpleNamespace(islands=two)))
+                      bridge="host 25GbE", bridge_gbs=2.8, held=["nccl"] * 3)
+    real = isl.for_job(SimpleNamespace(world_size=3, nodes=SimpleNamespace(islands=two)))
     assert real.island_of == ("nvidia", "amd", "amd") and real.leaders == (0, 1) and asked == []
+    assert real.backends == {"nvidia": "nccl", "amd": "nccl"} and real.link is None
+    # An island spec's devices holding host tensors: the spec's islands, every group on gloo, and the
+    # spec's links with what carries a collective over them.
+    spec = parse_cluster_spec("nv=2xa100-80g/12GB/s; amd=mi300x; bridge=host:25GbE")
+    link = object()
+    held = [rank_device("cpu")["backend"]] * 3
+    islands = job_islands([rank_device(spec_device=d) for d in spec.devices], bridge="host 25GbE",
+                          bridge_gbs=spec.topology.bridge.bandwidth_gbs, links_gbs={"nv": 12.0}, held=held)
+    assert [(i.backend, i.group_backend) for i in islands.islands] == [("nccl", "gloo"), ("nccl", "gloo")]
     from dataclasses import replace
-    job.emulated.spec = replace(device, island="nv")
-    layout = isl.for_job(job)
-    assert asked == [{"island": "nv", "backend": "nccl"}]
-    assert layout.island_of == ("nv", "nv", "amd") and layout.leaders == (0, 2) and not layout.sharded
+    layout = isl.for_job(SimpleNamespace(world_size=3, nodes=SimpleNamespace(islands=replace(islands, link=link))))
+    assert asked == [] and layout.island_of == ("nv", "nv", "amd") and layout.leaders == (0, 2) and not layout.sharded
+    assert layout.backends == {"nv": "gloo", "amd": "gloo"} and layout.links_gbs == {"nv": 12.0}
+    assert layout.bridge_gbs == spec.topology.bridge.bandwidth_gbs and layout.link is link
 
 
 def test_the_emulated_links_come_from_the_spec_s_bridge_and_each_island_s_own_link():

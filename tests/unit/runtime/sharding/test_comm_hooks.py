@@ -39,7 +39,7 @@ def test_an_agreed_redo_puts_powersgds_state_back_as_the_failed_attempt_found_it
 
 def test_hooks_that_add_nothing_are_not_registered():
     assert not GradientHook("none").needed
-    assert GradientHook("fp16").needed and GradientHook("none", throttle=object()).needed
+    assert GradientHook("fp16").needed and GradientHook("none", link=object()).needed
     with pytest.raises(ValueError):
         GradientHook("zip")
 
@@ -56,7 +56,8 @@ def test_the_emulated_link_charges_the_ring_all_reduce_and_carries_one_transfer_
 
 
 def job(*, gbs=1.0, emulated=True, node_of=(0, 1)):
-    return SimpleNamespace(config=Config(global_batch=8, emulation=Emulation(link_gbs=gbs)), emulated=object() if emulated else None,
+    return SimpleNamespace(config=Config(global_batch=8, emulation=Emulation(link_gbs=gbs)),
+                           hooks=SimpleNamespace(emulated=object() if emulated else None),
                            nodes=JobNodes(names=tuple(f"n{i}" for i in sorted(set(node_of))), node_of=node_of),
                            world_size=len(node_of))
 
@@ -66,3 +67,22 @@ def test_the_link_is_emulated_only_between_nodes_of_emulated_devices():
     assert throttle_for(job(gbs=None)) is None
     assert throttle_for(job(emulated=False)) is None           # real GPUs: the link is real
     assert throttle_for(job(node_of=(0, 0))) is None           # one node
+
+
+def test_the_link_request_is_refused_on_real_devices_and_said_to_do_nothing_on_one_node():
+    """init() checks Emulation(link_gbs=...) once its nodes are known: real devices' link is real
+    (one line naming both fixes), one node has no link between nodes (a warning), and devices on two
+    nodes take it silently."""
+    from hetrain.emulation.link import check_link_request
+    from hetrain.errors import UsageError
+
+    warned = []
+    log = SimpleNamespace(warn_job=warned.append)
+    with pytest.raises(UsageError, match="runs on real devices") as refused:
+        check_link_request(SimpleNamespace(**vars(job(emulated=False)), log=log))
+    assert "--emulate SPEC" in str(refused.value.fix) and "\n" not in str(refused.value)
+    check_link_request(SimpleNamespace(**vars(job(node_of=(0, 0))), log=log))
+    assert len(warned) == 1 and "does nothing here" in warned[0]
+    check_link_request(SimpleNamespace(**vars(job()), log=log))
+    check_link_request(SimpleNamespace(**vars(job(gbs=None, emulated=False)), log=log))
+    assert len(warned) == 1

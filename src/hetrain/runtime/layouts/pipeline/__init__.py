@@ -6,6 +6,7 @@ PIPELINE_MODULES):
                                  them, what a split predicts, stages sized per device. planning/
                                  imports them, so they import nothing from runtime/.
     blocks                       where a model is cut: PipelineParts, a stage's module, the blocks' profile
+    stage_hooks                  what a stage asks of its device (the device's hooks answer)
     stage, move                  one metered stage of torch's pipelining; blocks moved between stages
     schedule                     Pipeline: this rank's stage of one replica, run by torch's schedule
     sizing                       the split the job runs: profiles agreed, memory and speeds per stage

@@ -5,10 +5,11 @@ figures, so the layout the ranking costed is the one that runs (measured twice, 
 a few percent of each other can each win once: the ranking's 2/2 against the runtime's 3/1 on
 the demo GPT, and a peak memory 25% off the ranking's).
 
-Emulated devices only: rank 0 measures every block at speed 1.0 on this CPU, which the key names
-(the model's signature with the micro-batch's shape, the precision, the CPU and its threads, and
-the cluster's speeds, which the fixed cost's median is over). Real GPUs measure every time, each
-on its own device. A cache file that cannot be read is measured again; writing one never fails a job.
+Only devices whose blocks are timed on this host's CPU (StageHooks.blocks_on_host): rank 0
+measures every block at speed 1.0 on this CPU, which the key names (the model's signature with the
+micro-batch's shape, the precision, the CPU and its threads, and the cluster's speeds, which the
+fixed cost's median is over). Devices that time their own work (GPUs) measure every time, each on
+its own device. A cache file that cannot be read is measured again; writing one never fails a job.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ....errors import HetrainError
 from ....files import cache_dir, write_json_atomic
 from .split import PipelineProfile
 
-VERSION = 5             # 4: a factor and a fixed cost per block, from two sizes; 5: contention, messages
+VERSION = 6             # 4: a factor and a fixed cost per block, from two sizes; 5: the stages' host; 6: its
+                        # figures in one field (PipelineProfile.host)
 
 
 def path_for(parts, example, job, devices) -> Path | None:

@@ -11,6 +11,8 @@ from ....planning.plan import Plan
 from ...measure.joint import check_given_plan
 from ...model import PreparedModel
 from ...replan import adopt
+from ..complete import complete
+from . import stage_hooks
 from .sizing import NOT_MEASURED, show
 from ...resilience import resume as persist
 from ..checks import check_pipeline
@@ -39,11 +41,10 @@ def show_split(job, pipe: Pipeline) -> None:
              f"of {plan.devices[0].micro_batch}")
     # the plan's reasons follow in its own table (this split was rebuilt from its blocks per stage)
     show(job, title, [pipe.split], (), measured=profile is not None and profile.source != NOT_MEASURED)
-    got = plan.predicted
-    if "stage_stretch" in got:
-        job.log.info(f"predicted {got['samples_per_s']:.1f} samples/s: the {len(plan.devices)} emulated stages share "
-                     f"{got['host_cores']:g} CPU cores, so their pieces last up to x{got['stage_stretch']:.2f} "
-                     f"longer than alone ({plan.global_batch / got['alone_step_s']:.1f} samples/s without that)")
+    said = stage_hooks.of_job(job).predicted_said(plan.predicted, stages=len(plan.devices),
+                                                  global_batch=plan.global_batch)
+    if said:                     # what the stages' shared host adds to the prediction, where it does
+        job.log.info(said)
 
 
 
@@ -80,21 +81,25 @@ class PipelineSetup:
             profile, devices = measure_blocks(job, parts)                                            # (collective)
         profile = on_clock(job, profile)
         if given_plan is not None:    # run as given: a plan for another layout is refused, never re-planned
-            adopt(job, check_given_plan(job, given_plan, layout=self.spec), "given")
+            plan = check_given_plan(job, given_plan, layout=self.spec)
         else:
             stages = None if self.spec.stages in (None, "auto") else self.spec.stages
-            adopt(job, plan_pipeline(job, self.one_pipeline, parts, profile, devices,
-                                     optimizer_kind=optimizer_kind(optimizer) or "adamw",
-                                     schedule=self.spec.schedule, stages=stages,
-                                     micro_batches=self.spec.micro_batches), "planned")
+            plan = plan_pipeline(job, self.one_pipeline, parts, profile, devices,
+                                 optimizer_kind=optimizer_kind(optimizer) or "adamw",
+                                 schedule=self.spec.schedule, stages=stages, micro_batches=self.spec.micro_batches)
+        adopt(job, self.complete(job, model, optimizer, forward, plan), "given" if given_plan is not None else "planned")
         self.parts, self.profile, self.devices = parts, profile, devices
         return None
+
+    def complete(self, job, model, optimizer, forward, plan: Plan) -> Plan:
+        """`plan` with this job's records (layouts/complete.py): the stages keep the plan's own
+        checkpointing, and sum their gradients without DDP's hook (no compression)."""
+        return complete(job, model, plan, checkpoints=False)
 
     def build(self, job, model, optimizer, forward) -> None:
         from ...memory import offload
         from ...memory.device_memory import optimizer_kind
 
-        adopt(job, job.precision.record_in(job.plan), "precision")
         job.layout, job.optimizer = build_stage(job, model, optimizer, job.plan, self.parts, self.profile,
                                                 self.devices, self.loss_fn)                          # (collective)
         job.optimizer = offload.apply(job, job.optimizer, "pipeline")   # a plan's offload: refused here (dp only)
@@ -103,8 +108,8 @@ class PipelineSetup:
         job.sync = job.guard = None                   # the pipeline syncs its own gradients; shares stay
         job.rebalancer = self.rebalancer(job, optimizer_kind(optimizer) or "adamw")
         persist.check_registered(job, optimizer)
-        if job.emulated is not None:
-            job.emulated.meter.set_fixed(pipe.module, job.optimizer)      # this stage's state, not the model's
+        if job.hooks.meter is not None:
+            job.hooks.meter.set_fixed(pipe.module, job.optimizer)         # this stage's state, not the model's
         show_split(job, pipe)
 
     def rebalancer(self, job, optimizer_kind: str):

@@ -5,43 +5,39 @@ it).
 The pipeline model (runtime/layouts/pipeline/split.py) costs a stage's micro-batch from its blocks, timed
 one by one (layouts/pipeline/blocks.profile_blocks). A stage runs more than its blocks: the pipelining
 schedule's forward_one_chunk and backward_one_chunk (argument flattening, detaching the inputs,
-stage_backward's autograd call), hetrain's metering around each piece (its autocast, the saved-bytes
-count on emulated devices, a hook per saved tensor) and, on an emulated device, the sleep after
-every piece, which leaves the next piece on cold caches. Most of that is per op, so it grows with
-the blocks a stage holds and not with the micro-batch's rows. Measured on the demo GPT (4 blocks of
-d=128, micro-batches of 4, an AMX Xeon, fp32, emulated speeds 0.5 and 0.335): the whole model as a
-one-stage pipeline took 6.62 ms a micro-batch beyond its blocks' ~14.9, its first block alone 1.76
-ms beyond its 3.46; the ranking, which had stretched the blocks by the whole model's fixed cost per
-micro-batch, predicted the 2-stage pipeline 44% too fast (bf16). So each rank times the first block
-as a one-stage pipeline (a copy: the job's model is left as it was; one block, as the model may not
-fit one device), fed what `first` makes of the example, at 1 row and at the example's µ rows, and
-fits
+stage_backward's autograd call), hetrain's metering around each piece (its autocast, and where the
+device counts its own bytes a hook per saved tensor) and whatever the device does after every
+piece (stage_hooks.StageHooks.piece_done), which may leave the next piece on cold caches. Most
+of that is per op, so it grows with the blocks a stage holds and not with the micro-batch's rows.
+Measured on the demo GPT (4 blocks of d=128, micro-batches of 4, an AMX Xeon, fp32, devices of
+speeds 0.5 and 0.335): the whole model as a one-stage pipeline took 6.62 ms a micro-batch beyond
+its blocks' ~14.9, its first block alone 1.76 ms beyond its 3.46; the ranking, which had stretched
+the blocks by the whole model's fixed cost per micro-batch, predicted the 2-stage pipeline 44% too
+fast (bf16). So each rank times the first block as a one-stage pipeline (a copy: the job's model
+is left as it was; one block, as the model may not fit one device), fed what `first` makes of the
+example, at 1 row and at the example's µ rows, and fits
 
     t(µ) = block_s + stage_factor · µ · s         (s: the block's profiled seconds a row)
 
 (the same host and model: x1.05 + 1.02 ms a block in fp32, x0.92 + 1.89 ms in bf16, whose autocast
-adds work per op). It runs on a process group of its own rank, under its device's autocast and,
-emulated, a throttle of its own device's speed (a fresh one: the job's throttle keeps its books). A
-piece's time is its wall time less its throttle sleep, as the runtime meters it
+adds work per op). It runs on a process group of its own rank, under its device's autocast, on
+the device as the probe uses it (StageHooks.for_probe: books of its own, the job's keep theirs).
+A piece's time is its wall time as measured, as the runtime meters it
 (pipeline_stage.MeteredStage.timed); on CUDA, whose pieces return before their kernels finish, the
 step's synchronised wall time. The ranks measure one at a time, as the blocks are measured (a
 whole-model version of this probe, four ranks on 2 cores, fp32, read 10.7 ms a micro-batch all at
-once and 5.4-7.5 ms in turn: contention, which the pipeline model now measures apart, below), and
-the ranks' medians are kept: the same figures on every rank. The sizes (and the first and last
-parts, below) are stepped in turn within a rank's turn, so a host whose speed drifts in phases of
-seconds slows them alike.
+once and 5.4-7.5 ms in turn: the ranks slowing each other, which the stage hooks measure apart,
+below), and the ranks' medians are kept: the same figures on every rank. The sizes (and the first
+and last parts, below) are stepped in turn within a rank's turn, so a host whose speed drifts in
+phases of seconds slows them alike.
 
 The first and last parts are timed the same way at µ rows (the last with a stand-in loss metered
 as a piece of its own, as the runtime's last stage meters the user's): what they take beyond their
 rows at the blocks' factor is their stage's fixed cost a micro-batch (first_s, last_s).
 
-Emulated, four more figures say how the stages share this host's cores, for the step that
-emulation/sharing.py plays out: the contention (a block's piece run by every rank at once
-against alone, unthrottled, less the processor sharing of more ranks than cores); a message's
-one-way time between two ranks while the others wait, and while they keep every core busy (a
-process that has just computed is woken later on a full host: 0.6-2.7 ms against 0.1-1.2 in
-the 4-rank probes on a 2-core AMD EPYC VM, gloo); and the schedule's own CPU a piece, outside the metered pieces, which no throttle
-stretches.
+Where the stages share a host, the device measures what that adds to a step (StageHooks.
+probe_host, given a block's piece to time on a plain device and the schedule's own CPU a piece,
+outside the metered pieces): the figures the profile keeps (PipelineProfile.host).
 """
 
 from __future__ import annotations
@@ -54,6 +50,7 @@ import torch.distributed as dist
 
 from ...devices import clock as clocks
 from ...ranks import agree
+from .stage_hooks import StageHooks
 
 # Timed steps, after one warm-up. 4 were too few on a shared host: four `hetrain plan` runs of the
 # dilated DP×PP 2×2 cluster (2-core AMD EPYC VM, wall clock) predicted its row 101-125 samples/s
@@ -63,15 +60,16 @@ STEPS = 8
 
 
 def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.device, micro_batches: int = 8,
-                    precision=None, speed: float | None = None, steps: int = STEPS) -> dict:
+                    precision=None, stage_hooks: StageHooks | None = None, steps: int = STEPS) -> dict:
     """How a stage runs a block, against the block's profiled time s (a collective: every rank
     calls it with the same parts): a micro-batch of µ rows takes o + f·µ·s, o seconds per block
     whatever µ (the per-op work around it) and f·s per row. Timed at µ = 1 and µ = the rows of
-    `example` (one micro-batch of inputs); `profile`: the parts' costs (profile_blocks); `speed`:
-    an emulated device's speed (None: a real device, no throttle). Returns {"factor", "block_s",
-    "ranks" (each rank's (factor, block_s)), "micro_batch", "micro_batches", "steps"}, with
-    "first_s"/"last_s" where the model has those parts and, emulated, "piece_overhead_s" and
-    (2+ ranks) "contention", "contention_at", "message_s", "busy_message_s" (module docstring)."""
+    `example` (one micro-batch of inputs); `profile`: the parts' costs (profile_blocks);
+    `stage_hooks`: the job's device as its stages ask it (None: one that times its own work).
+    Returns {"factor", "block_s", "ranks" (each rank's (factor, block_s)), "micro_batch",
+    "micro_batches", "steps"}, with "first_s"/"last_s" where the model has those parts and "host"
+    where the stages share one (module docstring)."""
+    on = stage_hooks if stage_hooks is not None else StageHooks()
     rank, world = dist.get_rank(), dist.get_world_size()
     solo = solo_group()
     x = _block_input(parts, example, device, precision)
@@ -84,9 +82,9 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
             # Interleaved, step by step: a host whose speed drifts in phases of seconds slows every
             # size alike, so the line through them keeps its slope.
             runs = {("block", mu): _one_stage(parts, x[:mu], device=device, micro_batches=micro_batches, group=solo,
-                                              precision=precision, speed=speed) for mu in sizes}
+                                              precision=precision, on=on) for mu in sizes}
             runs.update({(name, big): _one_stage(parts, inp[:big], device=device, micro_batches=micro_batches,
-                                                 group=solo, precision=precision, speed=speed, part=part)
+                                                 group=solo, precision=precision, on=on, part=part)
                          for name, (part, inp) in edge.items() if part is not None})
             got = _interleaved(runs, steps)
             times = {mu: got[("block", mu)][0] for mu in sizes}
@@ -99,25 +97,24 @@ def time_stage_cost(parts, profile, example: torch.Tensor, *, device: torch.devi
         block_s = max(times[1] - factor * s, 0.0)
     else:
         factor, block_s = (times[1] / s if s > 0 else 1.0), 0.0
-    shared = _time_sharing(parts, x, device=device, micro_batches=micro_batches, group=solo, precision=precision,
-                           steps=steps) if speed is not None and world > 1 else {}
     # The first and last parts as a stage runs them: what they take beyond their rows at the blocks'
     # factor is theirs a micro-batch (the last's includes the loss, metered as a piece of its own).
     part_s = {f"{name}_s": max(0.0, t - big * getattr(profile, name).seconds * factor) for name, t in ends.items()}
-    table = agree.exchange({"factor": factor, "block_s": block_s, "ratio": shared.get("ratio", 1.0),
-                            "between_s": between, **part_s},
+    table = agree.exchange({"factor": factor, "block_s": block_s, "between_s": between, **part_s},
                            rank=rank, world_size=world, device=device)
     ranks = list(zip(table.column("factor"), table.column("block_s")))
     out = {"factor": statistics.median(f for f, _ in ranks), "block_s": statistics.median(b for _, b in ranks),
            "ranks": ranks, "micro_batch": big, "micro_batches": micro_batches, "steps": steps,
            **{k: statistics.median(table.column(k)) for k in part_s}}
-    if speed is not None:           # emulated: what the played-out step (emulation/sharing.py) adds
-        out["piece_overhead_s"] = statistics.median(table.column("between_s"))
-    if shared:
-        cores = shared["cores"]
-        out.update(contention=min(2.0, max(1.0, statistics.median(table.column("ratio")) / max(1.0, world / cores))),
-                   contention_at=int(min(world, cores)), message_s=shared["message_s"],
-                   busy_message_s=shared["busy_message_s"])
+    plain = StageHooks()           # a block's piece as a device that adds nothing to it runs it
+
+    def time_piece() -> float:
+        return _time_block(parts, x[:max(1, big)], device=device, micro_batches=micro_batches, group=solo,
+                           precision=precision, on=plain, steps=steps)
+    host = on.probe_host(time_piece, x, device=device,                                             # (collective)
+                         overhead_s=statistics.median(table.column("between_s")))
+    if host is not None:
+        out["host"] = host
     return out
 
 
@@ -136,100 +133,12 @@ def solo_group():
     return _SOLO["solo"]
 
 
-def _time_sharing(parts, x, *, device, micro_batches: int, group, precision, steps: int) -> dict:
-    """How emulated stages share this host's cores (a collective of every rank): each rank's
-    stage piece run alone (in turn) and with every rank running it at once, unthrottled (so all
-    compute together: their ratio, less the processor sharing, is the contention the pipeline
-    model plays out, emulation/sharing.py); and a message's one-way time between two ranks
-    (a round trip of one micro-batch's activations, halved) while the others wait, and while they
-    keep every core busy: a stage blocked in a receive is woken at once on a free core, after the
-    scheduler's delay on a full one (0.6-2.7 ms against 0.1-1.2 in the 4-rank probes run on a 2-core
-    AMD EPYC, gloo)."""
-    from ....hardware.host import usable_cores
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    big = x[:max(1, int(x.shape[0]))]
-    alone = 0.0
-    for turn in range(world):
-        if turn == rank:
-            alone = _time_block(parts, big, device=device, micro_batches=micro_batches, group=group,
-                                precision=precision, speed=None, steps=steps)
-        dist.barrier()
-    together = _time_block(parts, big, device=device, micro_batches=micro_batches, group=group,
-                           precision=precision, speed=None, steps=steps)
-    dist.barrier()
-    cores = usable_cores()
-    # the pair computes a piece's worth between messages
-    gap = statistics.median(agree.exchange({"alone": alone}, rank=rank, world_size=world, device=device).column("alone"))
-    # Each figure the lesser of two medians, the sets quiet and busy in turn: a phase of the host
-    # slows every trip of a set it meets, and rarely both sets (five plans of DP×PP 2×2 on a 2-core
-    # EPYC, one set each, read the quiet message 0.15-3.0 ms, once above the busy figure, and
-    # moved the row 109-127 samples/s); a phase only adds time, so the lesser is kept.
-    quiet = busy = float("inf")
-    for _ in range(2):
-        quiet = min(quiet, _time_messages(big, busy_threads=0, gap_s=gap))
-        if world > 2:
-            busy = min(busy, _time_messages(big, busy_threads=-(-int(cores) // (world - 2)), gap_s=gap))
-    if world <= 2:          # with two ranks no third keeps the cores busy: the quiet figure stands for both
-        busy = quiet
-    return {"ratio": together / alone if alone > 0 else 1.0, "cores": cores, "message_s": quiet,
-            "busy_message_s": busy}
-
-
-def _time_messages(x: torch.Tensor, *, busy_threads: int, gap_s: float, trips: int = 24) -> float:
-    """Median one-way seconds of `x` between ranks 0 and 1 (the same on every rank), each of the
-    pair computing `gap_s` before each round trip, as a stage computes its piece before it sends
-    and then waits for the next input (the scheduler wakes a process that has just computed later
-    than one that has slept: 2.0 ms one way against 0.08 here, with every core busy); every other
-    rank runs `busy_threads` threads of matrix products meanwhile (0: it waits)."""
-    import threading
-
-    rank = dist.get_rank()
-    payload = x.detach().float().contiguous().cpu().clone()
-    times = []
-    stop = threading.Event()
-    spinners = []
-    if rank > 1 and busy_threads:
-        a = torch.randn(192, 192)
-
-        def spin():
-            while not stop.is_set():
-                a @ a
-        spinners = [threading.Thread(target=spin, daemon=True) for _ in range(busy_threads)]
-        for t in spinners:
-            t.start()
-    done = dist.barrier(async_op=True) if rank > 1 else None     # the pair joins it when done
-    if rank <= 1:
-        a = torch.randn(192, 192)
-        for _ in range(trips + 2):
-            t1 = clocks.host()
-            while clocks.host() - t1 < gap_s:
-                a @ a
-            t0 = clocks.host()
-            if rank == 0:
-                dist.send(payload, 1)
-                dist.recv(payload, 1)
-            else:
-                dist.recv(payload, 0)
-                dist.send(payload, 0)
-            times.append((clocks.host() - t0) / 2)
-        dist.barrier()
-    else:
-        done.wait()
-        stop.set()
-        for t in spinners:
-            t.join()
-    box = [statistics.median(times[2:]) if times else 0.0]
-    dist.broadcast_object_list(box, src=0)
-    return float(box[0])
-
-
-def _time_block(parts, x: torch.Tensor, *, device, micro_batches: int, group, precision, speed, steps: int,
-                part=None) -> float:
+def _time_block(parts, x: torch.Tensor, *, device, micro_batches: int, group, precision, on: StageHooks,
+                steps: int, part=None) -> float:
     """Median seconds per micro-batch of x's rows of the first block (or `part`) run as a
     one-stage pipeline."""
     run = _one_stage(parts, x, device=device, micro_batches=micro_batches, group=group, precision=precision,
-                     speed=speed, part=part)
+                     on=on, part=part)
     return _interleaved({0: run}, steps)[0][0]
 
 
@@ -246,23 +155,23 @@ def _interleaved(runs: dict, steps: int) -> dict:
     return {key: (statistics.median(a), statistics.median(b)) for key, (a, b) in got.items()}
 
 
-def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, precision, speed, part=None):
-    """The first block (or `part`) as a one-stage pipeline of micro-batches of x's rows: a function
-    of the step's index that runs one step and returns (seconds a micro-batch, the schedule's own
-    CPU seconds a piece outside the metered pieces: its bookkeeping, the loss call, which no
-    throttle stretches)."""
+def _one_stage(parts, x: torch.Tensor, *, device, micro_batches: int, group, precision, on: StageHooks,
+               part=None):
+    """The first block (or `part`) as a one-stage pipeline of micro-batches of x's rows, on the
+    device as the probe uses it (`on.for_probe()`): a function of the step's index that runs one
+    step and returns (seconds a micro-batch, the schedule's own CPU seconds a piece outside the
+    metered pieces: its bookkeeping, the loss call, which the device's piece_done never sees)."""
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from ....emulation.device import Throttle
     from .blocks import PipelineParts, StageModule, param_storage_ptrs
     from .stage import Flight, MeteredStage
 
     # One block, as a stage of its own: the model need not fit one device (why it is pipelined).
     module = copy.deepcopy(StageModule(PipelineParts(blocks=(part,) if part is not None else parts.blocks[:1]), 0, 1,
                                        is_first=True, is_last=True)).to(device)
-    throttle = Throttle(speed) if speed is not None else None
-    stage = MeteredStage(module, 0, 1, device, group=group, throttle=throttle,
-                         flight=Flight(param_storage_ptrs(module), count_bytes=speed is not None), precision=precision)
+    probing = on.for_probe()
+    stage = MeteredStage(module, 0, 1, device, group=group, stage_hooks=probing,
+                         flight=Flight(param_storage_ptrs(module), count_bytes=probing.counts_bytes), precision=precision)
     # Any scalar of the output stands in for the user's loss; timing the last part, it is a metered
     # piece of its own, as the runtime's last stage meters it (pipeline_stage.RowLoss).
     def loss(out, _t):

@@ -5,7 +5,7 @@ and how a stage runs them on its device and host (runtime/layouts/pipeline/probe
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ....errors import UsageError
 
@@ -42,14 +42,10 @@ class PipelineProfile:
     block_s: float = 0.0
     first_s: float = 0.0               # ... and what the first / last part adds a micro-batch on its stage
     last_s: float = 0.0                # (the last's with the loss, a piece of its own)
-    # Emulated stages on one host's cores (runtime/layouts/pipeline/probe.py; emulation/sharing.py
-    # plays them out): how much slower a piece computes with `contention_at` computing at once, and a
-    # message's one-way seconds to a waiting stage with a core free / with every core busy.
-    contention: float = 1.0
-    contention_at: int = 1
-    message_s: float = 0.0
-    busy_message_s: float = 0.0
-    piece_overhead_s: float = 0.0      # the schedule's own CPU a piece, outside the throttled pieces
+    # What the stages' shared host adds to a step, as the probe measured it where they share one
+    # (StageHooks.probe_host: named figures, seconds or ratios; None: each stage computes on its
+    # own device). Read by what plays the step out on that host (DeviceProfile.host's pipeline).
+    host: dict | None = field(default=None, hash=False)
     source: str = "given"              # e.g. 'measured on rank 0 (speed 1.0), 4 samples'
 
     def __post_init__(self) -> None:
@@ -65,13 +61,10 @@ class PipelineProfile:
         if not (self.first_s >= 0 and self.last_s >= 0 and math.isfinite(self.first_s + self.last_s)):
             raise UsageError(f"first_s={self.first_s!r}, last_s={self.last_s!r} must be finite numbers >= 0",
                              "measure the pipeline again, or give seconds >= 0 a micro-batch")
-        if not (1.0 <= self.contention <= 2.0) or self.contention_at < 1:
-            raise UsageError(f"contention={self.contention!r} at {self.contention_at!r} computing at once",
-                             "measure the pipeline again, or give a contention in [1, 2] at 1 or more at once")
-        if not all(0 <= v < math.inf for v in (self.message_s, self.busy_message_s, self.piece_overhead_s)):
-            raise UsageError(f"message seconds {self.message_s!r} / {self.busy_message_s!r} when busy, "
-                             f"{self.piece_overhead_s!r} a piece's schedule overhead",
-                             "measure the pipeline again, or give finite seconds >= 0")
+        if self.host is not None and not all(isinstance(v, (int, float)) and 0 <= v < math.inf
+                                             for v in self.host.values()):
+            raise UsageError(f"the stages' host figures {self.host!r}",
+                             "measure the pipeline again, or give finite numbers >= 0")
 
     def stage_seconds(self, start: int, stop: int, *, first: bool, last: bool) -> float:
         """Per sample at speed 1: blocks [start, stop), with the first/last part on the first/last stage."""
@@ -79,22 +72,21 @@ class PipelineProfile:
         return sum(p.seconds for p in parts if p is not None)
 
     def on_clock(self, sample_s: float) -> PipelineProfile:
-        """These blocks on the controlled clock (Emulation.sample_s; data parallelism's
-        profile is measured on it instead, runtime/measure/profiler.py): the whole model's forward and backward
-        last `sample_s` a sample at speed 1, shared among the parts as measured, and a stage runs
-        them in exactly that (stage_factor 1, block_s 0): an emulated stage's piece lasts its rows'
-        share of the clock (runtime/layouts/pipeline/stage.py), whatever its CPU took."""
+        """These blocks on a clock that gives a device's time (StageHooks.as_run): the whole
+        model's forward and backward last `sample_s` a sample at speed 1, shared among the parts as
+        measured, and a stage runs them in exactly that (stage_factor 1, block_s 0): a stage's
+        piece lasts its rows' share of the clock (StageHooks.micro_batch_s), whatever it took."""
         total = self.stage_seconds(0, len(self.blocks), first=True, last=True)
         if not sample_s > 0 or not total > 0:
             raise UsageError(f"the controlled clock's {sample_s!r} s a sample over blocks of {total!r} s",
                              "give a positive clock, and blocks with a measured time")
         scale = sample_s / total
 
-        def clocked(part: BlockCost | None) -> BlockCost | None:
+        def scaled(part: BlockCost | None) -> BlockCost | None:
             return None if part is None else replace(part, seconds=part.seconds * scale)
 
-        return replace(self, blocks=tuple(clocked(b) for b in self.blocks), first=clocked(self.first),
-                       last=clocked(self.last), stage_factor=1.0, block_s=0.0, first_s=0.0, last_s=0.0,
+        return replace(self, blocks=tuple(scaled(b) for b in self.blocks), first=scaled(self.first),
+                       last=scaled(self.last), stage_factor=1.0, block_s=0.0, first_s=0.0, last_s=0.0,
                        source=f"{self.source}; on the controlled clock: {sample_s * 1e3:g} ms a sample at speed 1")
 
     @classmethod

@@ -29,9 +29,10 @@ What happens, and why:
   * Out of memory (pipeline_stage.py). A stage that runs out of memory in a micro-batch's forward
     or backward keeps the schedule's sends and receives going with stand-in zeros of the agreed
     shapes, so no peer waits; the step's agreement then has every rank redo it with smaller
-    micro-batches. Emulated devices raise the same error when their counted bytes pass the cap.
-  * Emulated speed. `forward_one_chunk` and `backward_one_chunk` (one micro-batch's piece, with no
-    communication inside) are timed and followed by a sleep of c·(1/s − 1).
+    micro-batches. A device that counts its own bytes raises the same error past its memory.
+  * Device time. `forward_one_chunk` and `backward_one_chunk` (one micro-batch's piece, with no
+    communication inside) are timed on the device's clock and handed to the device after they ran
+    (stage_hooks.StageHooks: its hooks' answer).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from ...ranks import agree
 from ...loop import reduce
 from .blocks import PipelineParts, StageModule, find_parts, param_storage_ptrs, profile_blocks
 from .stage import Flight, MeteredStage, RowLoss
+from .stage_hooks import StageHooks
 
 __all__ = ["Pipeline", "PipelineParts", "find_parts", "profile_blocks"]
 
@@ -62,7 +64,7 @@ def _sync_grads(params: Sequence[nn.Parameter], group, *, divide: int = 1, befor
     their gradients before the step, None for none), in one bucket."""
     if not params:
         return
-    clocks.sync_point()          # the gradients leave once the device computed them (emulated asynchrony)
+    clocks.sync_point()          # the gradients leave once the device computed them (the host waits for it)
     device = params[0].device          # the job's: the stage's parameters live there
     grads = [p.grad if p.grad is not None else torch.zeros_like(p, device=device) for p in params]
     added = [g if b is None else g - b for g, b in zip(grads, before or [None] * len(grads))]
@@ -83,21 +85,23 @@ class Pipeline:
 
     def __init__(self, *, parts: PipelineParts, names: dict[int, str], split: PipelineSplit, stage_index: int,
                  rank_grid: Sequence[Sequence[int]], replica: int, loss_fn: Callable, device: torch.device,
-                 emulated=None, precision=None, faults=None, pp_group=None, dp_group=None, timeout_s: float = 600.0):
+                 stage_hooks: StageHooks | None = None, precision=None, faults=None, pp_group=None, dp_group=None,
+                 timeout_s: float = 600.0):
         self.split = split
         self.stage_index = stage_index
         self.num_stages = split.n_stages
         self.replica, self.replicas = replica, len(rank_grid)
         self.schedule_name = split.schedule
         self.device = device
-        self._emulated, self._precision, self._faults = emulated, precision, faults
+        self._on = stage_hooks if stage_hooks is not None else StageHooks()
+        self._precision, self._faults = precision, faults
         self._pp_group, self._dp_group = pp_group, dp_group
         self.parts, self.rank_grid = parts, rank_grid
         start, stop = split.bounds[stage_index]
         self.module = StageModule(parts, start, stop, is_first=stage_index == 0,
                                   is_last=stage_index == self.num_stages - 1).to(device)
         self._names = names
-        self._flight = Flight(param_storage_ptrs(self.module), count_bytes=emulated is not None)
+        self._flight = Flight(param_storage_ptrs(self.module), count_bytes=self._on.counts_bytes)
         self._loss_fn = loss_fn
         self._built: tuple[int, int] | None = None      # (micro-batches, µ) the stage was built for
         self.stage = self.schedule = self._loss = None
@@ -133,7 +137,7 @@ class Pipeline:
 
     @property
     def peak_activation_bytes(self) -> int:
-        """Peak activation bytes held (counted on emulated devices only)."""
+        """Peak activation bytes held (counted where the device counts its own bytes only)."""
         return self._flight.peak_bytes
 
     # -- the step -------------------------------------------------------------------------------
@@ -146,29 +150,24 @@ class Pipeline:
         if self.stage is not None:
             self.compute_s += self.stage.compute_s
             self.busy_s += self.stage.busy_s
-        meter = self._emulated.meter if self._emulated is not None else None
         self.stage = MeteredStage(self.module, self.stage_index, self.num_stages, self.device, group=self._pp_group,
-                                  throttle=self._emulated.throttle if self._emulated is not None else None,
-                                  flight=self._flight, meter=meter, precision=self._precision, faults=self._faults,
-                                  clock_s=self._clocked_micro_s(mu))
+                                  stage_hooks=self._on, flight=self._flight, precision=self._precision,
+                                  faults=self._faults, micro_s=self.given_micro_s(mu))
         self._loss = RowLoss(self._loss_fn, replicas=self.replicas, stage=self.stage, precision=self._precision)
         self.schedule = _SCHEDULE_CLASSES[self.schedule_name](self.stage, m, loss_fn=self._loss, scale_grads=False)
         self._built = (m, mu)
 
-    def _clocked_micro_s(self, mu: int) -> float | None:
-        """A micro-batch of µ rows through this stage on the controlled clock, at speed 1: its
-        parts' share of the clock (self.profile, put on the clock by the job: PipelineProfile.
-        on_clock), of the per-sample part and of the fixed part a micro-batch pays whatever its
-        size (Emulation.micro_s, as a data-parallel micro-batch pays it: a device's per-layer
-        launches do not vanish when its layers are cut into stages). None off the clock, or with
-        no profile (the pieces then keep the CPU's time)."""
-        throttle = self._emulated.throttle if self._emulated is not None else None
-        if throttle is None or throttle.sample_s is None or self.profile is None:
+    def given_micro_s(self, mu: int) -> float | None:
+        """A micro-batch of µ rows through this stage at speed 1 where the device gives its length
+        (StageHooks.micro_batch_s, from this stage's parts in self.profile, the blocks as the job
+        runs them). None where the device's time is measured, or with no profile (the pieces then
+        keep their measured time)."""
+        if self.profile is None:
             return None
         start, stop = self.split.bounds[self.stage_index]
         per_row = self.profile.stage_seconds(start, stop, first=self.is_first, last=self.is_last)
         whole = self.profile.stage_seconds(0, len(self.profile.blocks), first=True, last=True)
-        return mu * per_row + throttle.micro_s * per_row / whole
+        return self._on.micro_batch_s(mu, per_row, whole)
 
     def run(self, inputs: Sequence, targets: Sequence, units: Sequence[float], *, global_batch: int,
             step_index: int) -> tuple[float, str | None]:

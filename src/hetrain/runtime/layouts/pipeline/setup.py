@@ -15,12 +15,11 @@ from torch import nn
 from ....errors import UsageError
 from ....layout_spec import Pipeline as LayoutPipeline
 from ....layout_spec import to_spec
-from ....hardware.host import usable_cores
-from ....emulation.sharing import SharedHost, sharing, stretched_step
 from ....planning.parallelism import split_hybrid, stage_rows
 from .split import RESPLIT_NOTE, evaluate_split, micro_batch_cut
 from ....planning.plan import DevicePlan, Plan
 from .probe import time_stage_cost
+from .stage_hooks import of_job as stage_hooks
 from . import block_cache
 from .blocks import PipelineParts
 from ..checks import state_factor
@@ -33,26 +32,27 @@ if TYPE_CHECKING:     # torch.distributed.pipelining: imported when a stage is b
 
 def measure_blocks(job, parts: PipelineParts):
     """Every rank's device and the blocks' costs with how much longer a stage runs them, agreed
-    (collective); emulated, from the cache when this CPU measured this model before (`hetrain
-    plan`'s measurement is then the one the job sizes its stages from)."""
+    (collective); where the devices' blocks are timed on this host's CPU (StageHooks.
+    blocks_on_host), from the cache when this CPU measured this model before (`hetrain plan`'s
+    measurement is then the one the job sizes its stages from)."""
     devices = device_table(job)                                                                       # (collective)
     example = job.load(range(min(4, len(job.dataset))))[0]
     # A stage's micro-batch grows less than linearly in cost with its rows: the probe times the
     # pipeline's own size (the global batch in 8 micro-batches, the default), not 4 rows stretched.
     rows = min(PROBE_ROWS_MAX, max(4, math.ceil(job.config.global_batch / 8)), len(job.dataset))
     probe = job.load(range(rows))[0] if rows != int(example.shape[0]) else example
-    cache = block_cache.path_for(parts, probe, job, devices) if job.emulated is not None and job.rank == 0 else None
+    on = stage_hooks(job)
+    cache = block_cache.path_for(parts, probe, job, devices) if on.blocks_on_host and job.rank == 0 else None
     box = [block_cache.read(cache)]
     dist.broadcast_object_list(box, src=0)                                                            # (collective)
     if box[0] is not None:
         return box[0], devices
     profile, devices = agreed_profile(job, parts, example, devices)                                   # (collective)
     found = time_stage_cost(parts, profile, probe, device=job.device, precision=job.precision,      # (collective)
-                            speed=job.emulated.spec.speed if job.emulated is not None else None)
-    measured = {k: found[k] for k in ("first_s", "last_s", "contention", "contention_at", "message_s",
-                                      "busy_message_s", "piece_overhead_s") if k in found}
+                            stage_hooks=on)
+    measured = {k: found[k] for k in ("first_s", "last_s", "host") if k in found}
     profile = dataclasses.replace(profile, stage_factor=found["factor"], block_s=found["block_s"], **measured,
-                                  source=f"{profile.source}; {_stage_costs_said(found)}")
+                                  source=f"{profile.source}; {_stage_costs_said(found, on)}")
     if job.rank == 0:
         block_cache.write(cache, profile)
     return profile, devices
@@ -61,7 +61,7 @@ def measure_blocks(job, parts: PipelineParts):
 PROBE_ROWS_MAX = 16      # the stage probe's largest micro-batch (time and memory on a device that is small)
 
 
-def _stage_costs_said(found: dict) -> str:
+def _stage_costs_said(found: dict, on) -> str:
     """What time_stage_cost measured, in words (the profile's source)."""
     ranks = ", ".join(f"x{f:.2f} + {b * 1e3:.2f} ms" for f, b in found["ranks"])
     said = (f"a stage runs them x{found['factor']:.2f} + {found['block_s'] * 1e3:.2f} ms a block per micro-batch "
@@ -69,21 +69,13 @@ def _stage_costs_said(found: dict) -> str:
     if "first_s" in found or "last_s" in found:
         said += (f", the first part +{found.get('first_s', 0.0) * 1e3:.2f} ms, the last with a loss piece "
                  f"+{found.get('last_s', 0.0) * 1e3:.2f} ms")
-    if "contention" in found:
-        said += (f"; emulated stages on this host's cores: contention x{found['contention']:.2f} with "
-                 f"{found['contention_at']} at once, a message {found['message_s'] * 1e3:.2f} ms "
-                 f"({found['busy_message_s'] * 1e3:.2f} ms with every core busy), the schedule's own "
-                 f"{found.get('piece_overhead_s', 0.0) * 1e3:.2f} ms of CPU a piece")
-    return said
+    return said + on.host_said(found.get("host") or {})
 
 
 def on_clock(job, profile):
-    """The blocks as this job's stages run them: on the controlled clock when the job has one
-    (Emulation.sample_s, emulated devices: PipelineProfile.on_clock), else as measured."""
-    clock = job.config.emulation.sample_s
-    if clock is None or job.emulated is None or profile is None:
-        return profile
-    return profile.on_clock(clock)
+    """The blocks as this job's stages run them (StageHooks.as_run: on a clock where the device
+    gives its time, PipelineProfile.on_clock; else as measured)."""
+    return stage_hooks(job).as_run(profile)
 
 
 def default_micro_batches(stages: int, micro_batches: int | None, *, most: int) -> int:
@@ -145,37 +137,26 @@ def plan_pipeline(job, one: bool, parts: PipelineParts, profile, devices, *, opt
 def predict_step(job, splits, profile=None) -> dict:
     """The pipeline's own prediction from the measured blocks (the slowest replica sets the step),
     kept in the plan as data parallelism's is: the run's summary reports it beside the measured.
-
-    Emulated, the stages are processes of this one host and share its cores: the step is played
-    out on them (emulation/sharing.py, as the layout ranking costs it) with the contention and
-    message times the pipeline probe measured (runtime/layouts/pipeline/probe.py). The replicas'
-    gradient all-reduce and the optimizer are not in it (`hetrain plan`'s ranking has them). On
-    the controlled clock a piece lasts its clocked length, its waits for a core inside its sleep:
-    no sharing to pay for.
-    """
+    Where the stages share a host, what it adds (StageHooks.predicted_step, from the figures the
+    pipeline probe measured: PipelineProfile.host)."""
     step_s = max(sp.step_seconds for sp in splits)
     if not step_s > 0:
         return {}
     predicted = {"samples_per_s": job.config.global_batch / step_s, "step_s": step_s}
-    if job.emulated is not None and job.config.emulation.sample_s is None:
-        cores = usable_cores()
-        shared, stretch = stretched_step(splits, cores=cores, **sharing(profile))
-        if shared > step_s:
-            predicted.update(samples_per_s=job.config.global_batch / shared, step_s=shared, alone_step_s=step_s,
-                             host_cores=cores, stage_stretch=max(stretch))   # the plan keeps numbers only
+    predicted.update(stage_hooks(job).predicted_step(splits, profile, step_s=step_s,
+                                                      global_batch=job.config.global_batch))
     return predicted
 
 
 def _best_stages(job, profile, devices, w, cfg, schedule, factor, micro_batches) -> int:
     """The stage count of Pipeline(stages='auto'): the chooser's (planning/chooser.py) among the
-    DP×PP shapes (parallelism.stage_rows), the emulated stages' shared cores counted as the ranking
-    and predict_step count them."""
+    DP×PP shapes (parallelism.stage_rows), what the stages share (StageHooks.shared_host) counted
+    as the ranking and predict_step count it."""
     from ....planning.chooser import Request, choose
     from ....planning.options import PlanOptions
 
-    clocked = cfg.emulation.sample_s is not None
     o = PlanOptions(global_batch=cfg.global_batch, memory_margin=cfg.memory.margin)
-    host = SharedHost(cores=usable_cores()) if job.emulated is not None and not clocked else None
+    host = stage_hooks(job).shared_host()
     rows = stage_rows(profile, devices, o, schedule=schedule, state_factor=factor, host=host,
                       micro_batches=lambda p: default_micro_batches(p, micro_batches, most=cfg.global_batch // (w // p)))
     best = choose(rows, Request(families=("DP×PP",))).row
@@ -206,7 +187,7 @@ def build_stage(job, model: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     from .schedule import Pipeline
     pipe = Pipeline(parts=parts, names=param_names(model), split=stage_split(plan, parts, profile, devices, replica),
                     stage_index=stage, rank_grid=grid, replica=replica, loss_fn=loss_fn, device=job.device,
-                    emulated=job.emulated, precision=job.precision, faults=job.faults,
+                    stage_hooks=stage_hooks(job), precision=job.precision, faults=job.faults,
                     pp_group=pp_group, dp_group=dp_group, timeout_s=job.config.timeout_s)
     pipe.profile = profile
     # Each param group's parameters by whole-model name (all stages'): the checkpoint's groups are
@@ -232,7 +213,7 @@ def _groups(job, grid):
     timeout = timedelta(seconds=job.config.timeout_s)
     islands = island_layout(job)            # ranks on 2+ device islands: DP inside each, PP across
     if islands is not None:
-        return island_pipeline_groups(islands, grid, rank=job.rank, emulated=job.emulated is not None, timeout=timeout)
+        return island_pipeline_groups(islands, grid, rank=job.rank, timeout=timeout)
     mine = {}
     for r, ranks in enumerate(grid):
         group = dist.new_group(ranks, timeout=timeout)
@@ -275,8 +256,9 @@ def make_resplitter(job, devices, optimizer_kind: str):
 
     def move(split, version: int) -> str | None:      # a collective of the pipeline
         why = pipe.resplit(split, job.optimizer, version=version)
-        if why is None and job.emulated is not None:
-            job.emulated.meter.set_fixed(pipe.module, job.optimizer)   # the stage's new state counts now
+        meter = job.hooks.meter      # a device that counts its own bytes: the stage's new state counts now
+        if why is None and meter is not None:
+            meter.set_fixed(pipe.module, job.optimizer)
         return why
 
     return Resplitter(sizing=sizing, sizes=plan.stage_blocks, move=move, log=job.log,

@@ -1,6 +1,7 @@
 """One pipeline stage as a device runs it (layouts/pipeline/schedule.py builds them): each micro-batch's
-forward and backward piece under the device's autocast, throttled to the emulated speed, its
-activations counted in flight, stand-ins after an out-of-memory error; and the loss over the real
+forward and backward piece under the device's autocast, timed on the device's clock and handed to
+the device after it ran (stage_hooks.StageHooks), its activations counted in flight where the
+device counts its own bytes, stand-ins after an out-of-memory error; and the loss over the real
 rows of padded micro-batches, weighted by D·units_k/N."""
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from collections.abc import Callable
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from ....hardware.units import format_bytes
 from ...devices import clock as clocks
 from ...devices.faults import injected_oom
 from ...loop import reduce
 from ...ranks.islands import land, staged_p2p
 from ...resilience.oom import free_cached, keep_anchor, release_graph
 from .blocks import SavedBytes, stage_autocast, to_fp32
+from .stage_hooks import StageHooks
 
 
 class Flight:
@@ -47,23 +48,23 @@ class Flight:
 
 class MeteredStage(PipelineStage):
     """A PipelineStage whose per-micro-batch compute pieces run under this device's autocast, are
-    throttled and metered, and survive an out-of-memory error (see `_stand_in`)."""
+    timed on its clock and handed to it (`stage_hooks`), and survive an out-of-memory error (see
+    `_stand_in`)."""
 
-    def __init__(self, *args, throttle=None, flight: Flight, meter=None, precision=None, faults=None,
-                 clock_s: float | None = None, **kwargs):
+    def __init__(self, *args, flight: Flight, stage_hooks: StageHooks | None = None, precision=None, faults=None,
+                 micro_s: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._throttle = throttle
-        self._clock_s = clock_s              # a micro-batch's forward+backward on the controlled clock, speed 1
+        self._on = stage_hooks if stage_hooks is not None else StageHooks()
+        self._micro_s = micro_s              # a micro-batch's forward+backward where the device gives it, speed 1
         self._flight = flight
-        self._meter = meter
         self._precision = precision
         self._faults = faults
-        # Each piece's start and end on the device's clock (CUDA events; off CUDA the wall clock and
-        # what the throttle charged), read once the step has synced: `busy_s`.
-        self._clock = clocks.DeviceClock(self.device, throttle=throttle, wall=True)
+        # Each piece's start and end on the device's clock (CUDA events; off CUDA the wall clock, and
+        # what the device adds to it), read once the step has synced: `busy_s`.
+        self._clock = self._on.clock(self.device)
         self._marks: list = []
         self._busy_s = 0.0
-        self._wall_s = 0.0                   # off CUDA: the pieces' wall time, unthrottled
+        self._wall_s = 0.0                   # off CUDA: the pieces' wall time, as measured
         self.cpu_s = 0.0                     # ... their CPU time (the probe's schedule overhead is the rest of it)
         self.pieces = 0
         self.failed: str | None = None       # why this step's pieces ran out of memory, if they did
@@ -81,7 +82,7 @@ class MeteredStage(PipelineStage):
 
     @property
     def busy_s(self) -> float:
-        """The pieces' seconds as the device was busy with them (throttled). Reading it waits
+        """The pieces' seconds as the device was busy with them (its clock's). Reading it waits
         for the last piece on CUDA: read it after the step's sync."""
         for start, end in self._marks:
             self._busy_s += self._clock.seconds(start, end)
@@ -90,16 +91,15 @@ class MeteredStage(PipelineStage):
 
     @property
     def compute_s(self) -> float:
-        """The pieces' compute, unthrottled (on CUDA, their device time: the same as busy_s)."""
+        """The pieces' compute as measured (on CUDA, their device time: the same as busy_s)."""
         return self.busy_s if self._clock.cuda else self._wall_s
 
     def timed(self, run: Callable, share: float = 0.0):
         # Off CUDA, wall time, not CPU time: a piece holds no communication (the schedule waits
-        # for its inputs before and sends after), so its wall time is its compute. Scaling wall
-        # time keeps the devices' speed ratio even when a shared CPU slows every process. On the
-        # controlled clock a piece lasts its `share` of the micro-batch's clocked forward+backward
-        # (forward 1/3, backward 2/3; the loss, outside the blocks' profile, its own time),
-        # whatever it took. On CUDA a piece returns once launched: events time it on the device.
+        # for its inputs before and sends after), so its wall time is its compute. Where the device
+        # gives a micro-batch's length, a piece is its `share` of it (forward 1/3, backward 2/3;
+        # the loss, outside the blocks' profile, its own time). On CUDA a piece returns once
+        # launched: events time it on the device.
         start, t0, c0 = self._clock.mark(), clocks.host(), clocks.thread_cpu()
         try:
             return run()
@@ -108,14 +108,11 @@ class MeteredStage(PipelineStage):
             self._wall_s += spent
             self.cpu_s += cpu
             self.pieces += 1
-            if self._throttle is not None and self._clock_s is not None:
-                self._throttle.pay_clocked(self._clock_s * share, cpu, spent)
-            elif self._throttle is not None:
-                self._throttle.pay(spent)
+            self._on.piece_done(self._micro_s * share if self._micro_s is not None else None, cpu, spent)
             self._marks.append((start, self._clock.mark()))
 
-    # What a stage sends leaves once its device has computed it: where an asynchronous emulated
-    # device pays its owed time (on CUDA the send waits on the stream, the host does not).
+    # What a stage sends leaves once its device has computed it: the host waits for the device
+    # here (clock.sync_point; on CUDA the send waits on the stream, the host does not).
     # Across device islands the pipeline's group is the gloo bridge: device tensors go through
     # host copies (runtime/ranks/islands.py staged_p2p), received ones land before their piece runs.
     def get_fwd_send_ops(self, fwd_chunk_id: int):
@@ -217,18 +214,9 @@ class MeteredStage(PipelineStage):
                 raise injected_oom(fault)
 
     def _check_cap(self, chunk: int) -> None:
-        """An emulated device: the bytes held now (model state + activations in flight) count
-        toward its peak, and past its cap are the error a real device's allocator would have raised
-        during this forward."""
-        meter = self._meter
-        if meter is not None:
-            # The stage's activations are counted here, not by the meter's own forward hooks: its
-            # peak (the summary's peak_bytes) must include them, or a stage reports its state alone.
-            meter.peak = max(meter.peak, meter.fixed + self._flight.bytes)
-        if meter is not None and meter.cap is not None and meter.fixed + self._flight.bytes > meter.cap:
-            raise torch.OutOfMemoryError(
-                f"emulated {format_bytes(meter.cap)}: {format_bytes(meter.fixed)} of model state + "
-                f"{format_bytes(self._flight.bytes)} of activations for {len(self._flight.held)} micro-batch(es) in flight")
+        """The activations in flight after this forward, told to a device that counts its own
+        bytes: past its memory, the error its allocator would have raised during the forward."""
+        self._on.hold(self._flight.bytes, len(self._flight.held))
 
 
 class RowLoss:
