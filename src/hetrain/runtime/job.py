@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -123,78 +124,26 @@ class Job:
     model_signature: str | None = None       # the user's model's, before any wrapping (resilience/resume.py)
     resumed: Resumed | None = None           # a resumed checkpoint's state, for register_state() after prepare()
 
-    # -- read-only here: the context's (a new one: reconfigure) and the run state's (job.run.<name> = ...)
-    @property
-    def config(self) -> Config:
-        return self.context.config
-
-    @property
-    def ctx(self) -> DistContext:
-        return self.context.dist
-
-    @property
-    def log(self) -> RankLog:
-        return self.context.log
-
-    @property
-    def hooks(self) -> DeviceHooks:
-        return self.context.hooks
-
-    @property
-    def precision(self) -> PrecisionPolicy:
-        return self.context.precision
-
-    @property
-    def faults(self) -> FaultInjector:
-        return self.context.faults
-
-    @property
-    def host(self) -> HostFacts | None:
-        return self.context.host
-
-    @property
-    def preemption(self) -> Preemption | None:
-        return self.context.preemption
-
-    @property
-    def nodes(self) -> JobNodes | None:
-        return self.context.nodes
-
-    @property
-    def plan(self) -> Plan | None:
-        return self.run.plan
-
-    @property
-    def plan_seal(self) -> tuple | None:
-        return self.run.plan_seal
-
-    @property
-    def sampler(self) -> GlobalCursorSampler | None:
-        return self.run.sampler
-
-    @property
-    def total_steps(self) -> int:
-        return self.run.total_steps
-
-    @property
-    def steps_done(self) -> int:
-        return self.run.steps_done
-
-    @property
-    def ooms(self) -> int:
-        return self.run.ooms
-
-    @property
-    def redone_steps(self) -> int:
-        return self.run.redone_steps
-
-    @property
-    def rebalances(self) -> int:
-        return self.run.rebalances
-
-    @property
-    def met_at(self) -> float:
-        return self.run.met_at
+    # -- read-only here: the context's (a new one: reconfigure) and the run state's (job.run.<name> = ...):
+    # each reads the part that owns it; a property without a setter refuses `job.<name> = ...`.
+    config = property(attrgetter("context.config"))                   # Config
+    ctx = property(attrgetter("context.dist"))                        # DistContext
+    log = property(attrgetter("context.log"))                         # RankLog
+    hooks = property(attrgetter("context.hooks"))                     # DeviceHooks
+    precision = property(attrgetter("context.precision"))             # PrecisionPolicy
+    faults = property(attrgetter("context.faults"))                   # FaultInjector
+    host = property(attrgetter("context.host"))                       # HostFacts | None
+    preemption = property(attrgetter("context.preemption"))           # Preemption | None
+    nodes = property(attrgetter("context.nodes"))                     # JobNodes | None
+    plan = property(attrgetter("run.plan"))                           # Plan | None
+    plan_seal = property(attrgetter("run.plan_seal"))                 # tuple | None
+    sampler = property(attrgetter("run.sampler"))                     # GlobalCursorSampler | None
+    total_steps = property(attrgetter("run.total_steps"))             # int
+    steps_done = property(attrgetter("run.steps_done"))               # int
+    ooms = property(attrgetter("run.ooms"))                           # int
+    redone_steps = property(attrgetter("run.redone_steps"))           # int
+    rebalances = property(attrgetter("run.rebalances"))               # int
+    met_at = property(attrgetter("run.met_at"))                       # float
 
     def reconfigure(self, **changes) -> None:
         """A new context with these Config fields changed (checked as Config(...) checks them)."""
