@@ -33,3 +33,16 @@ def _recorded_host():
         os.environ.pop(HOST_FACTS_ENV, None)
     else:
         os.environ[HOST_FACTS_ENV] = old
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_over():
+    """A test file that joins a default process group in the pytest process (an in-process init(),
+    a world of one) and leaves it would make the next file in this worker fail to join its own:
+    whatever is left is destroyed when the file ends. torch is not imported for files that never did."""
+    yield
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
