@@ -187,9 +187,9 @@ class Engine(EngineFacts):
         self._closed = True
         self._release()
         try:
-            shutdown(self.ctx)
+            shutdown(self.ctx)      # its collection scans what the job made: the heap prepare() froze stays so
         finally:
-            gc.unfreeze()
+            gc.unfreeze()           # until the group is left (setup.freeze_heap), for a process that goes on
 
     def _at_exit(self) -> None:
         """An interpreter exit without close() (an error the script caught, say): free the DDP
@@ -201,16 +201,10 @@ class Engine(EngineFacts):
         self.job.log.flush_alone()
         self._release()
         gc.collect()
-        try:
-            leave_after_error(self.ctx)
-        finally:
-            gc.unfreeze()
+        leave_after_error(self.ctx)
+        gc.unfreeze()
 
     def _release(self) -> None:
-        # The heap prepare() froze (setup.freeze_heap) stays frozen until the group is left: the
-        # collection before that then scans what training made, not the imported libraries'
-        # ~300k objects again (~0.2 s of CPU a rank). It is unfrozen after, for a process that
-        # goes on (the next job's prepare() collects it in full).
         self.job.preemption.uninstall()
         if self.job.recorder is not None:      # metrics.jsonl and TensorBoard's files, complete
             self.job.recorder.close()
