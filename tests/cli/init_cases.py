@@ -8,16 +8,17 @@ from __future__ import annotations
 import os
 
 
-def raise_cases(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> list:
-    """`cases`: (code, cwd, environment variables) each; returns raise_case's answer for each, in order."""
+def raise_cases(rank: int, world: int, cases: list[tuple]) -> list:
+    """`cases`: (code, cwd, environment variables[, argv]) each; returns raise_case's answer for
+    each, in order."""
     import torch.distributed as dist
 
     from init_errors import raise_case
 
     answers = []
-    for code, cwd, env in cases:
+    for code, cwd, env, *argv in cases:
         os.environ.update(env)
-        answers.append(raise_case(rank, world, code, cwd))
+        answers.append(raise_case(rank, world, code, cwd, *argv))
         if dist.is_initialized():
             dist.destroy_process_group()
     return answers

@@ -67,13 +67,14 @@ def test_every_bad_job_setting_is_one_agreed_usage_error_on_every_rank(tmp_path)
     launch each): every rank raises the same UsageError, one line and its fix, with the words.
     What `hetrain run` makes of it, one line and exit 2, the launched test above checks."""
     from harness import run_ranks
-    from init_errors import raise_case
+    from init_cases import raise_cases
 
     code = WORKER_SCRIPT.replace("hetrain.init(global_batch=batch)", "hetrain.init(global_batch=batch, "
                                  "emulation=Emulation(cluster='a100-80g,rtx3090'))")     # as --emulate gives it
     code = "from hetrain.emulation import Emulation\n" + code
-    for batch, n, words in BAD_SETTINGS:
-        got = run_ranks(raise_case, 2, code, str(tmp_path), (str(batch), str(n)))
+    ranks = run_ranks(raise_cases, 2, [(code, str(tmp_path), {}, (str(batch), str(n))) for batch, n, _ in BAD_SETTINGS])
+    for i, (batch, n, words) in enumerate(BAD_SETTINGS):       # the settings one after another in one group
+        got = [answers[i] for answers in ranks]
         assert len(set(got)) == 1 and got[0] is not None and got[0][0] == "UsageError", got     # agreed
         _, what, fix = got[0]
         assert "\n" not in what + fix and all(w in f"{what} {fix}" for w in words), got
