@@ -405,12 +405,14 @@ def test_init_errors_under_hetrain_run_are_one_line_from_the_launcher(tmp_path, 
 
 def test_every_init_error_is_one_agreed_usage_error_in_the_jobs_ranks(tmp_path):
     """Each case's script in the ranks of a job of its size (tests/harness.py's forked ranks, not a
-    launch each): every rank raises a UsageError, the same on each (agreed: printed once), one line
-    and its fix, saying the case's words. What `hetrain run` and plain python make of a UsageError
-    raised there, one line and exit 2, the launched tests here check."""
+    launch each; the cases of one size one after another in one group: init_cases.py): every rank
+    raises a UsageError, the same on each (agreed: printed once), one line and its fix, saying the
+    case's words. What `hetrain run` and plain python make of a UsageError raised there, one line
+    and exit 2, the launched tests here check."""
     from harness import run_ranks
-    from init_errors import raise_case
+    from init_cases import raise_cases
 
+    cases = {}
     for case in SCRIPT_CASES:
         if case == "junk rank":      # the rank's own environment: the plain-python test below
             continue
@@ -423,14 +425,20 @@ def test_every_init_error_is_one_agreed_usage_error_in_the_jobs_ranks(tmp_path):
                                 "hetrain.init(global_batch=8, emulation=hetrain.emulation.Emulation("
                                 "cluster='a100-80g,rtx3090')")
             code = "import hetrain.emulation\n" + code
-        got = run_ranks(raise_case, 2 if case in TWO_DEVICES else 1, code, str(tmp),
-                        env={"HETRAIN_CACHE": str(tmp / "cache")})
-        assert len(set(got)) == 1, (case, got)                               # agreed
-        kind, what, fix = got[0] if got[0] else (None, "", None)
-        assert kind == "UsageError" and fix, (case, got[0])
-        assert "\n" not in what and "\n" not in fix, (case, got[0])
+        cases[case] = (code, str(tmp), {"HETRAIN_CACHE": str(tmp / "cache")})
+    got = {}
+    for world in (1, 2):
+        names = [case for case in cases if (case in TWO_DEVICES) == (world == 2)]
+        ranks = run_ranks(raise_cases, world, [cases[case] for case in names])
+        got.update({case: [answers[i] for answers in ranks] for i, case in enumerate(names)})
+    assert set(got) == set(cases)
+    for case, answers in got.items():
+        assert len(set(answers)) == 1, (case, answers)                       # agreed
+        kind, what, fix = answers[0] if answers[0] else (None, "", None)
+        assert kind == "UsageError" and fix, (case, answers[0])
+        assert "\n" not in what and "\n" not in fix, (case, answers[0])
         words = SCRIPT_CASES[case][1]
-        assert words in what or words in fix, (case, words, got[0])
+        assert words in what or words in fix, (case, words, answers[0])
 
 
 @pytest.mark.parametrize("case, env", [("checkpoint_every", {}), ("junk rank", {"RANK": "junk"})])

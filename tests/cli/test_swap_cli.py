@@ -1,7 +1,8 @@
 """`hetrain run` of stock scripts with no edit (zero-change mode, integrations/swap.py): a framework's
 Seq2SeqTrainer subclass that overrides compute_loss (as LLaMA-Factory, axolotl and ms-swift define
 theirs) trains on hetrain's loop across two emulated devices; an Accelerate script's
-dataloader_config that hetrain cannot honour is one line naming the fix, exit 2."""
+dataloader_config that hetrain cannot honour is one line naming the fix, exit 2. Both in one
+launch: the framework's training, then, in the same processes, the Accelerate script's refusal."""
 
 from __future__ import annotations
 
@@ -58,23 +59,29 @@ model, optimizer, data = accelerator.prepare(model, optimizer, data)
 '''
 
 
-def test_a_frameworks_seq2seq_trainer_subclass_trains_on_hetrains_loop_with_no_edit(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(FRAMEWORK_SCRIPT)
-    done = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), cwd=str(tmp_path), timeout=600)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    assert "RAN True True" in out                                  # hetrain's train() ran, with its compute_loss
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One `hetrain run` of the framework's script followed by the Accelerate script."""
+    tmp = tmp_path_factory.mktemp("swap")
+    script = tmp / "train.py"
+    script.write_text(FRAMEWORK_SCRIPT + DISPATCH_SCRIPT)
+    return hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), cwd=str(tmp), timeout=600)
+
+
+def test_a_frameworks_seq2seq_trainer_subclass_trains_on_hetrains_loop_with_no_edit(job):
+    out = job.stdout + job.stderr
+    # train() returned on rank 0, and the job's only error is the Accelerate script's after it (below)
+    assert "RAN True True" in out, out[-3000:]                    # hetrain's train() ran, with its compute_loss
+    errors = [line for line in job.stderr.splitlines() if line.startswith("hetrain: error")]
+    assert len(errors) == 1 and "dispatch_batches=True" in errors[0] and "Traceback" not in out, out[-3000:]
     mro = next(line for line in out.splitlines() if line.startswith("MRO"))
     assert mro.index("__main__") < mro.index("transformers.trainer_seq2seq") < mro.index("hetrain.integrations.hf")
     swapped = [line for line in out.splitlines() if "is hetrain's Trainer" in line]
     assert len(swapped) == 1 and "--no-swap" in swapped[0]        # one line, from rank 0
 
 
-def test_dispatch_batches_with_uneven_shares_is_one_line_naming_the_fix_exit_2(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(DISPATCH_SCRIPT)
-    done = hetrain("run", "--emulate", "a100-80g,rtx3090", str(script), cwd=str(tmp_path), timeout=600)
+def test_dispatch_batches_with_uneven_shares_is_one_line_naming_the_fix_exit_2(job):
+    done = job
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.splitlines()
     said = [i for i, line in enumerate(lines) if "error: DataLoaderConfiguration(dispatch_batches=True)" in line]
