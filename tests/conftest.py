@@ -19,6 +19,18 @@ def _profile_cache():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _bytecode_cached():
+    """The suite starts a few hundred Python processes (ranks, launchers, CLI runs), each importing
+    hetrain's ~150 modules: with PYTHONDONTWRITEBYTECODE set (some CI images set it) every one of
+    them compiled the source again (~0.3 s of CPU each). Processes started by the tests may write
+    bytecode under __pycache__ (ignored by git), so the first one compiles and the rest read it."""
+    old = os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    yield
+    if old is not None:
+        os.environ["PYTHONDONTWRITEBYTECODE"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _recorded_host():
     """Every test sees the same host: an AVX2-only CPU (bf16/fp16 ~40x slower than fp32), recorded.
     So under precision='auto' emulated devices compute in fp32 whatever CPU runs the tests, and no
