@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from clirun import hetrain
 from hetrain.runtime.resilience.resume import read_sample_log
 from resilient_reference import assert_samples_of_one_process, one_process
+from run_here import hetrain_run_here
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 PAIR = "a100-80g,rtx3090"
@@ -21,18 +21,13 @@ N = 40   # samples in the script's dataset
 
 
 def run(tmp: Path, name: str, steps: int, *, emulate=PAIR, faults: str | None = None, restarts=0,
-        ckpt: Path | None = None, extra=(), timeout=300):
-    env_faults = {"HETRAIN_FAULTS": faults} if faults else {}
+        ckpt: Path | None = None, extra=()):
+    """The script launched by `hetrain run` (its launcher in this process: run_here.py)."""
     out = tmp / f"{name}.pt"
     ckpt = ckpt or tmp / f"{name}-ckpt"
-    old = {k: os.environ.get(k) for k in env_faults}
-    os.environ.update(env_faults)
-    try:
-        result = hetrain("run", "--emulate", emulate, "--max-restarts", str(restarts), SCRIPT,
-                         "--steps", str(steps), "--out", str(out), "--ckpt", str(ckpt), *extra, timeout=timeout)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    result = hetrain_run_here("--emulate", emulate, "--max-restarts", str(restarts), SCRIPT, "--steps", str(steps),
+                              "--out", str(out), "--ckpt", str(ckpt), *extra,
+                              env={"HETRAIN_FAULTS": faults} if faults else None)
     return result, out, ckpt
 
 
