@@ -21,12 +21,18 @@ from clirun import SRC
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
-def hetrain_run_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _out_of_time(signum, frame):
+    raise subprocess.TimeoutExpired(["hetrain", "run"], None)
+
+
+def hetrain_run_here(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """`hetrain run ARGS`: its exit code, and stdout and stderr as a launched one's (the workers
-    inherit this process's descriptors 1 and 2, so both are redirected to files for the call)."""
+    inherit this process's descriptors 1 and 2, so both are redirected to files for the call).
+    After `timeout` seconds TimeoutExpired is raised in the launcher's loop, as clirun.hetrain's
+    subprocess.run raises it; torchrun's agent stops its workers on the way out."""
     from hetrain.cli import main
 
-    saved_env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in _SIGNALS}
+    saved_env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (*_SIGNALS, signal.SIGALRM)}
     os.environ.update({"PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                        "COLUMNS": "120", **(env or {})})
     sys.stdout.flush()
@@ -35,6 +41,8 @@ def hetrain_run_here(*args: str, env: dict | None = None) -> subprocess.Complete
     code = 0
     with tempfile.TemporaryFile("a+") as out, tempfile.TemporaryFile("a+") as err:
         try:
+            signal.signal(signal.SIGALRM, _out_of_time)
+            signal.setitimer(signal.ITIMER_REAL, timeout)
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             with open(1, "w", buffering=1, closefd=False) as o, open(2, "w", buffering=1, closefd=False) as e, \
@@ -46,6 +54,7 @@ def hetrain_run_here(*args: str, env: dict | None = None) -> subprocess.Complete
                         e.write(stop.code + "\n")
                     code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             os.dup2(kept[0], 1)
             os.dup2(kept[1], 2)
             for fd in kept:

@@ -45,7 +45,7 @@ def test_two_nodes_of_mixed_devices_train_as_one_process(tmp_path):
                    *train_args(tmp_path)], tmp_path / "b.log")
     try:    # node a's launcher in this process (run_here.py): b's waits for its endpoint
         ran = hetrain_run_here(*flags, "--node-rank", "0", "--node-name", "box-a", "--emulate", "a100-80g",
-                               *train_args(tmp_path))
+                               *train_args(tmp_path), timeout=240)
     finally:
         code_b = finish([b], 240)[0]
     a = ran.stdout + ran.stderr
@@ -116,7 +116,7 @@ def test_nodes_with_different_torch_builds_are_one_error_naming_the_odd_node(tmp
     b = Node("b", [*flags, "--node-rank", "1", "--node-name", "old-box", "--emulate", "rtx3090",
                    *train_args(tmp_path)], tmp_path / "b.log", env={"HETRAIN_MACHINE": old})
     try:    # node a's launcher in this process (run_here.py)
-        a = hetrain_run_here(*flags, "--node-rank", "0", "--emulate", "a100-80g", *train_args(tmp_path))
+        a = hetrain_run_here(*flags, "--node-rank", "0", "--emulate", "a100-80g", *train_args(tmp_path), timeout=120)
     finally:
         code_b = finish([b], 120)[0]
     one_line(a.returncode, a.stdout + a.stderr, "node 1 'old-box'", "torch")

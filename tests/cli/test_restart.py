@@ -21,13 +21,13 @@ N = 40   # samples in the script's dataset
 
 
 def run(tmp: Path, name: str, steps: int, *, emulate=PAIR, faults: str | None = None, restarts=0,
-        ckpt: Path | None = None, extra=()):
+        ckpt: Path | None = None, extra=(), timeout=300):
     """The script launched by `hetrain run` (its launcher in this process: run_here.py)."""
     out = tmp / f"{name}.pt"
     ckpt = ckpt or tmp / f"{name}-ckpt"
     result = hetrain_run_here("--emulate", emulate, "--max-restarts", str(restarts), SCRIPT, "--steps", str(steps),
                               "--out", str(out), "--ckpt", str(ckpt), *extra,
-                              env={"HETRAIN_FAULTS": faults} if faults else None)
+                              env={"HETRAIN_FAULTS": faults} if faults else None, timeout=timeout)
     return result, out, ckpt
 
 

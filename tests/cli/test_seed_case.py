@@ -36,7 +36,7 @@ def run(tmp: Path, name: str, *, faults: str | None = None, restarts: int = 0):
     result = hetrain_run_here("--verbose", "--emulate", CLUSTER, "--max-restarts", str(restarts),  # auto's choice
                               *(("--faults", faults) if faults else ()), SCRIPT,
                               "--steps", str(STEPS), "--every", str(EVERY), "--ckpt", str(ckpt), "--out", str(out),
-                              env={"HETRAIN_FAULT_LOG": str(fired)})
+                              env={"HETRAIN_FAULT_LOG": str(fired)}, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "parallel=auto chose Pipeline(stages=None, micro_batches=None, schedule='1f1b'): PP 2 stages" \
         in result.stdout, result.stdout
