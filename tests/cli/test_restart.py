@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from clirun import hetrain
 from hetrain.runtime.resilience.resume import read_sample_log
 from resilient_reference import assert_samples_of_one_process, one_process
+from run_here import hetrain_run_here
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "resilient_train.py")
 PAIR = "a100-80g,rtx3090"
@@ -22,17 +22,12 @@ N = 40   # samples in the script's dataset
 
 def run(tmp: Path, name: str, steps: int, *, emulate=PAIR, faults: str | None = None, restarts=0,
         ckpt: Path | None = None, extra=(), timeout=300):
-    env_faults = {"HETRAIN_FAULTS": faults} if faults else {}
+    """The script launched by `hetrain run` (its launcher in this process: run_here.py)."""
     out = tmp / f"{name}.pt"
     ckpt = ckpt or tmp / f"{name}-ckpt"
-    old = {k: os.environ.get(k) for k in env_faults}
-    os.environ.update(env_faults)
-    try:
-        result = hetrain("run", "--emulate", emulate, "--max-restarts", str(restarts), SCRIPT,
-                         "--steps", str(steps), "--out", str(out), "--ckpt", str(ckpt), *extra, timeout=timeout)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    result = hetrain_run_here("--emulate", emulate, "--max-restarts", str(restarts), SCRIPT, "--steps", str(steps),
+                              "--out", str(out), "--ckpt", str(ckpt), *extra,
+                              env={"HETRAIN_FAULTS": faults} if faults else None, timeout=timeout)
     return result, out, ckpt
 
 
@@ -99,26 +94,6 @@ def test_kill_minus_9_at_three_points_resumes_to_the_same_parameters(faulty, cle
     assert_close(params(out), clean)
     assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])   # the LR schedule resumed too
-    assert_each_sample_once_per_epoch(ckpt, 10)
-
-
-def test_resume_on_fewer_devices_keeps_the_cursor_and_a_truncated_checkpoint_is_passed_over(tmp_path, clean):
-    # Three devices for 4 steps (checkpoints at 2 and 4); the newest is cut; two devices go on to 10:
-    # they report it, resume from the one before and end where the uninterrupted job did.
-    ckpt = tmp_path / "shared-ckpt"
-    first, _, _ = run(tmp_path, "three", 4, emulate="a100-80g,rtx3090,t4", ckpt=ckpt)
-    assert first.returncode == 0, first.stderr[-3000:]
-    newest = ckpt / "step-00000004"
-    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    second, out, _ = run(tmp_path, "two", 10, ckpt=ckpt)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "step-00000004 is unusable" in second.stdout and "truncated" in second.stdout
-    assert "resumed from step-00000002" in second.stdout and "re-planned for 2 devices" in second.stdout
-    assert_close(params(out), clean)          # big-batch math: the world size does not change it
-    assert_samples_of_one_process(ckpt, 10)
-    # the newest three checkpoints kept (Checkpoints' default keep=3), all written by this job
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000006", "step-00000008", "step-00000010"]
     assert_each_sample_once_per_epoch(ckpt, 10)
 
 
@@ -189,7 +164,7 @@ def test_unwritable_checkpoint_dir_and_nothing_to_resume(tmp_path):
                      words=("no whole checkpoint", "resume='auto'"))
 
 
-def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int):
+def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_steps: int, emulate=PAIR):
     """Start the job, let it log `after_steps` more steps, send `signum` to the launcher or to rank
     1's worker; returns (result, seconds from the signal to the launcher's exit, steps logged)."""
     import subprocess
@@ -200,7 +175,7 @@ def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_step
     logged = lambda: len(log.read_text().splitlines()) if log.exists() else 0   # noqa: E731
     before = logged()
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[2] / 'src'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "run", "--emulate", PAIR, SCRIPT, "--steps", "10",
+    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "run", "--emulate", emulate, SCRIPT, "--steps", "10",
                              "--out", str(tmp / f"{name}.pt"), "--ckpt", str(ckpt), "--every", "100",
                              "--pause", "0.3", "--pids", str(pids)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -214,38 +189,57 @@ def preempt(tmp: Path, name: str, ckpt: Path, *, signum, target: str, after_step
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0, logged()
 
 
-def test_sigterm_and_sigint_stop_at_a_saved_step_and_the_resumed_job_equals_an_uninterrupted_one(tmp_path, clean):
+def test_preempted_resumed_on_fewer_devices_past_a_truncated_checkpoint_equals_an_uninterrupted_job(
+        tmp_path, clean):
+    """SIGTERM to the launcher of a job on three devices, SIGINT to one worker of its resumption on
+    two, the newest checkpoint cut, then the job finished on two: each stop saves the step it
+    reached, the resume on fewer devices keeps the sample cursor, the cut checkpoint is passed over,
+    and the job ends where the uninterrupted one did (big-batch math: the world size does not
+    change it)."""
     import signal as _signal
 
     ckpt = tmp_path / "ckpt"
     # SIGTERM to the launcher (what Slurm and Kubernetes send): torchrun forwards it to the workers.
     first, seconds, logged = preempt(tmp_path, "first", ckpt, signum=_signal.SIGTERM, target="launcher",
-                                     after_steps=2)
+                                     after_steps=2, emulate="a100-80g,rtx3090,t4")
     assert first.returncode == 75, first.stderr[-3000:]
     assert "Traceback" not in first.stderr
     lines = [line for line in first.stderr.splitlines() if line.startswith("hetrain:")]
-    assert len(lines) == 1 and "preempted (SIGTERM on rank 0, SIGTERM on rank 1)" in lines[0], first.stderr[-2000:]
+    assert len(lines) == 1 and "preempted (SIGTERM on rank 0, SIGTERM on rank 1, SIGTERM on rank 2)" in lines[0], \
+        first.stderr[-2000:]
     saved = sorted(p.name for p in ckpt.glob("step-*"))
     assert saved == [f"step-{logged:08d}"] and f"step-{logged:08d} saved after step {logged}" in lines[0]
     assert 2 <= logged < 10                                 # every step that finished is in it: none lost
     print(f"SIGTERM to the launcher: exit 75 after {seconds:.2f} s, saved step {logged}")
 
-    # SIGINT to one worker (rank 1) of the resumed job: the agreement stops rank 0 too.
+    # SIGINT to one worker (rank 1) of the job resumed on two of the devices: the agreement stops
+    # rank 0 too.
     second, seconds, logged2 = preempt(tmp_path, "second", ckpt, signum=_signal.SIGINT, target="worker",
                                        after_steps=2)
     assert second.returncode == 75, second.stderr[-3000:]
-    assert f"resumed from step-{logged:08d}" in second.stdout
+    assert f"resumed from step-{logged:08d}" in second.stdout and "re-planned for 2 devices" in second.stdout
     assert "preempted (SIGINT on rank 1)" in second.stderr and "Traceback" not in second.stderr
-    assert (ckpt / f"step-{logged2:08d}").is_dir() and logged2 > logged
+    assert (ckpt / f"step-{logged2:08d}").is_dir() and logged < logged2 < 10
     print(f"SIGINT to rank 1: exit 75 after {seconds:.2f} s, saved step {logged2}")
 
+    # The newest checkpoint cut: the finishing job reports it and resumes from the one before.
+    newest = ckpt / f"step-{logged2:08d}"
+    victim = max((f for f in newest.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     third, out, _ = run(tmp_path, "third", 10, ckpt=ckpt)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert f"resumed from step-{logged2:08d}" in third.stdout
+    assert f"step-{logged2:08d} is unusable" in third.stdout and "truncated" in third.stdout
+    assert f"resumed from step-{logged:08d}" in third.stdout and "re-planned for 2 devices" in third.stdout
     assert_close(params(out), clean)
     assert_samples_of_one_process(ckpt, 10)
     assert torch.load(out)["lr"] == pytest.approx([1e-2 * 0.5 ** 3])
     assert_each_sample_once_per_epoch(ckpt, 10)
+    # Retention (Checkpoints' default keep=3) counts checkpoints known whole: the one resumed from
+    # and the ones this job wrote (every 2nd step); the cut one stays only while newer than all kept.
+    written = [s for s in range(logged + 1, 11) if s % 2 == 0]
+    kept = sorted({logged, *written})[-3:]
+    cut_kept = [logged2] if logged2 not in written and logged2 > kept[0] else []
+    assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:08d}" for s in sorted(kept + cut_kept)]
 
 
 def test_a_checkpoint_dir_in_use_by_another_job_is_refused_and_left_as_it_is(tmp_path):

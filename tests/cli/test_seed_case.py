@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clirun import hetrain
 from hetrain.demo.gpt import GPT, GPTConfig
 from hetrain.demo.text import ByteWindows, pydoc_bytes, split
 from hetrain.runtime.resilience.resume import read_sample_log
+from run_here import hetrain_run_here
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "seed_case.py")
 CLUSTER = "a100-80g@40MiB,rtx3090@12MiB"     # 80 GB : 24 GB, scaled down
@@ -32,10 +32,11 @@ FAULTS = "oom:rank=1,step=1,micro=0;die:rank=1,step=3"
 
 def run(tmp: Path, name: str, *, faults: str | None = None, restarts: int = 0):
     out, ckpt, fired = tmp / f"{name}.pt", tmp / f"{name}-ckpt", tmp / f"{name}-faults.jsonl"
-    result = hetrain("run", "--verbose", "--emulate", CLUSTER, "--max-restarts", str(restarts),  # auto's choice
-                     *(("--faults", faults) if faults else ()), SCRIPT,
-                     "--steps", str(STEPS), "--every", str(EVERY), "--ckpt", str(ckpt), "--out", str(out),
-                     env={"HETRAIN_FAULT_LOG": str(fired)}, timeout=240)
+    # the launcher in this process (run_here.py), the workers launched by it
+    result = hetrain_run_here("--verbose", "--emulate", CLUSTER, "--max-restarts", str(restarts),  # auto's choice
+                              *(("--faults", faults) if faults else ()), SCRIPT,
+                              "--steps", str(STEPS), "--every", str(EVERY), "--ckpt", str(ckpt), "--out", str(out),
+                              env={"HETRAIN_FAULT_LOG": str(fired)}, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "parallel=auto chose Pipeline(stages=None, micro_batches=None, schedule='1f1b'): PP 2 stages" \
         in result.stdout, result.stdout
