@@ -175,14 +175,15 @@ def schedules(tmp_path_factory):
     run_ranks(measure_worker, 2, timeout=300, env={"HETRAIN_CACHE": str(cache)})
     parts = [(schedule, part) for schedule in ("1f1b", "gpipe") for part in ("fixed", "moving")] + [("gpipe", "capped")]
 
-    def run(schedule, part):
-        tmp = tmp_path_factory.mktemp(f"{schedule}-{part}")
-        shutil.copytree(cache, tmp / "cache")
+    def run(schedule, part, tmp):
         return run_ranks(run_worker, 2, schedule, part, str(tmp / "ckpt"), timeout=500,
                          env={"HETRAIN_CACHE": str(tmp / "cache")})
 
+    tmps = {key: tmp_path_factory.mktemp("-".join(key)) for key in parts}     # here, not in the threads
+    for tmp in tmps.values():
+        shutil.copytree(cache, tmp / "cache")
     with ThreadPoolExecutor(len(parts)) as pool:
-        done = {key: pool.submit(run, *key) for key in parts}
+        done = {key: pool.submit(run, *key, tmps[key]) for key in parts}
         results = {key: future.result() for key, future in done.items()}
     out = {schedule: [{} for _ in range(2)] for schedule in ("1f1b", "gpipe")}
     for (schedule, _), per_rank in results.items():
