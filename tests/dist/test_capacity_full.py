@@ -24,7 +24,7 @@ from hetrain.emulation import Emulation
 pytestmark = pytest.mark.dist
 
 N, D = 192, 8
-EMULATE3 = "a100-80g@64MiB,rtx3090@24MiB,rtx3090@8MiB"
+EMULATE3 = "a100-80g@64MiB,rtx3090:1.0@24MiB,rtx3090:1.0@8MiB"   # the plans are given: at speed 1 no device sleeps
 
 
 def Deep(h: int = 16, n: int = 3) -> nn.Module:
@@ -203,7 +203,7 @@ def pair_worker(rank, world, root):
     from hetrain.runtime.ranks.dist import init_distributed
 
     init_distributed(timeout_s=60, use_cuda=False)
-    ref = job(ckpt_plan(2), STEPS, emulate="a100-80g@64MiB,rtx3090@24MiB", record=False,
+    ref = job(ckpt_plan(2), STEPS, emulate="a100-80g@64MiB,rtx3090:1.0@24MiB", record=False,
               checkpoints=Checkpoints(dir=f"{root}/ck", every=CUT))
     if rank == 0:                    # as if the job had died after saving step CUT
         shutil.rmtree(f"{root}/ck/step-{STEPS:08d}")
@@ -240,7 +240,7 @@ def test_checkpoint_resumes_at_another_world_size(runs):
 
 # -- memory: more than even FSDP2, and a clear refusal when nothing fits -------------------------------
 BIG = {"h": 128, "n": 8}                          # 134k parameters: 2.1 MB of fp32 AdamW state
-PAIR = "a100-80g@8MiB,rtx3090@1MiB"
+PAIR = "a100-80g@8MiB,rtx3090:1.0@1MiB"
 
 
 def fit_job(sharding):
@@ -274,7 +274,7 @@ def refused():
     import hetrain
 
     try:
-        job(make_plan((6, 2), (6, 2)), 1, emulate="a100-80g@1MiB,rtx3090@1MiB", dtype=torch.float32,
+        job(make_plan((6, 2), (6, 2)), 1, emulate="a100-80g@1MiB,rtx3090:1.0@1MiB", dtype=torch.float32,
             record=False, net_kw=BIG)
     except hetrain.UsageError as e:
         return e.what

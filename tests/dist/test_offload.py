@@ -25,7 +25,7 @@ from hetrain.planning.plan import DevicePlan, Plan
 pytestmark = pytest.mark.dist
 
 N, D = 192, 8
-PAIR = "a100-80g@64MiB,rtx3090@24MiB"
+PAIR = "a100-80g@64MiB,rtx3090:1.0@24MiB"     # the plans are given: at speed 1 no emulated device sleeps
 STEPS = 3
 GAMMA = 0.7        # the resume's LR schedule: each step's rate differs, so a lost one shows
 
@@ -197,7 +197,7 @@ def cases_worker(rank, world, root):
     out["blocks"] = job(Plan(global_batch=64, devices=tuple(replace(d, checkpointing=True, checkpoint_blocks=k)
                                                             for d, k in zip(make_plan((False, True)).devices, (2, None)))),
                         STEPS)
-    small = "a100-80g@64MiB,rtx3090@48KiB"
+    small = "a100-80g@64MiB,rtx3090:1.0@48KiB"
     out["auto sharded"] = job(make_plan(), STEPS, sharding="auto", cluster=small)
     out["auto offloaded"] = job(make_plan((False, True)), STEPS, sharding="auto", cluster=small)
     out["kept"] = job(make_plan(), STEPS)

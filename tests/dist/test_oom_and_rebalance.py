@@ -3,6 +3,8 @@ rebalancing that follows a real change of speed but not timing noise."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,15 +100,22 @@ def oom_worker(rank, world, root):
     return out
 
 
-def all_worker(rank, world, root):
-    """The OOM cases, then the rebalancing ones, in one process group."""
-    return {"oom": oom_worker(rank, world, root), "rebalance": rebalance_cases(rank, world)}
+def rebalance_group(rank, world):
+    from pipeline_runs import join_group
+
+    join_group()
+    return rebalance_cases(rank, world)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The OOM cases in one process group, and beside it the rebalancing ones in another: they run
+    on the controlled clock, a step mostly its sleeps, whatever else the host runs."""
     root = tmp_path_factory.mktemp("oom")
-    return root, run_ranks(all_worker, 2, str(root), timeout=450)
+    with ThreadPoolExecutor(2) as pool:
+        oom = pool.submit(run_ranks, oom_worker, 2, str(root), timeout=450)
+        rebalance = pool.submit(run_ranks, rebalance_group, 2, timeout=450)
+        return root, [{"oom": o, "rebalance": r} for o, r in zip(oom.result(), rebalance.result())]
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,7 @@ Two emulated A100s run a 6-block float64 stack (its blocks' measured costs made 
 equal_blocks) as 2 stages (3/3, sized by their equal speeds) on
 the controlled clock (`emulate_sample_s`: a stage's forward and backward of a micro-batch last its
 blocks' share of the clock ÷ speed, whatever this host's CPU does). From step SLOW rank 1 computes
-2× slower (an injected `slow` fault). Jobs, one after another in one set of processes, under each
-schedule (gpipe, 1f1b):
+2× slower (an injected `slow` fault). Jobs under each schedule (gpipe, 1f1b):
 
   * fixed: the same run with Rebalancing(enabled=False): the split never moves (the math's reference: a
     split does not change what is computed, so every other run must end on its parameters and
@@ -22,10 +21,12 @@ Bad input: a device whose memory cannot hold the faster split keeps the old spli
 ranks that propose different splits all keep the old one (no rank waits on another). DP×PP keeps
 its planned split and says why.
 
-The two schedules' jobs run in two process groups side by side (a step mostly sleeps on the
-controlled clock: neither group's pieces come near their clocked lengths in CPU), each measuring
-its blocks once; the memory-capped job (1f1b) runs in the gpipe group after its runs, the shorter
-ones, sized as a 1-step 1f1b job there is.
+One job measures the blocks (every later job sizes its stages from that measurement, in a copy
+of its cache). Then five process groups side by side, each running its jobs one after another:
+per schedule the fixed split's and every split's runs in one, the moving, stopped and resumed runs
+in another; the memory-capped job (1f1b, sized as a 1-step job is) in the fifth. A step mostly
+sleeps on the controlled clock (no group's pieces come near their clocked lengths in CPU), so the
+groups run alongside each other as they would alone, and the longest sets the wall time.
 """
 
 from __future__ import annotations
@@ -135,35 +136,60 @@ def equal_blocks(rank) -> None:
     dist.barrier()
 
 
-def worker(rank, world, checkpoint_dir, schedule, capped):
+def measure_worker(rank, world):
+    """The one job that measures the blocks, then their costs made equal (equal_blocks)."""
     from pipeline_runs import join_group
 
     join_group()
     job(steps=1, faults="")
     equal_blocks(rank)
-    fixed = job(steps=STEPS, schedule=schedule, rebalance=False)
-    moving = job(steps=STEPS, schedule=schedule)
-    every = {sizes: job(steps=5, schedule=schedule, rebalance=False, blocks=sizes, faults=SLOWED) for sizes in SPLITS}
-    stopped = job(steps=STOP, schedule=schedule, checkpoint_dir=checkpoint_dir)
-    resumed = job(steps=STEPS, schedule=schedule, checkpoint_dir=checkpoint_dir)
-    out = {"fixed": fixed, "moving": moving, "every": every, "stopped": stopped, "resumed": resumed}
-    if capped:      # the blocks' cache is keyed by the devices' speeds and rows, not the schedule
-        out["capped"] = capped_job(job(steps=1, faults="")["sizing"])
-    return out
+
+
+def run_worker(rank, world, schedule, part, checkpoint_dir):
+    """One part of a schedule's runs, one job after another in a process group of its own."""
+    from pipeline_runs import join_group
+
+    join_group()
+    if part == "capped":    # the blocks' cache is keyed by the devices' speeds and rows, not the schedule
+        return {"capped": capped_job(job(steps=1, faults="")["sizing"])}
+    if part == "fixed":
+        return {"fixed": job(steps=STEPS, schedule=schedule, rebalance=False),
+                "every": {sizes: job(steps=5, schedule=schedule, rebalance=False, blocks=sizes, faults=SLOWED)
+                          for sizes in SPLITS}}
+    return {"moving": job(steps=STEPS, schedule=schedule),
+            "stopped": job(steps=STOP, schedule=schedule, checkpoint_dir=checkpoint_dir),
+            "resumed": job(steps=STEPS, schedule=schedule, checkpoint_dir=checkpoint_dir)}
 
 
 @pytest.fixture(scope="module")
 def schedules(tmp_path_factory):
-    """Each schedule's runs, in its own process group with its own cache, the two side by side;
-    the gpipe group's also the memory-capped job's."""
-    def group(schedule):
-        tmp = tmp_path_factory.mktemp(schedule)
-        return run_ranks(worker, 2, str(tmp / "ckpt"), schedule, schedule == "gpipe", timeout=500,
+    """{schedule: [rank 0's runs, rank 1's]}, each run by name; the gpipe schedule's also the
+    memory-capped job's. One job measures the blocks, into a cache each part then starts from a
+    copy of. Each schedule's runs in two parts (the fixed split's and every split's runs; the
+    moving, stopped and resumed runs), and the capped job: the five parts side by side, each in a
+    process group of its own (a step mostly sleeps on the controlled clock: no part's pieces come
+    near their clocked lengths in CPU)."""
+    import shutil
+
+    cache = tmp_path_factory.mktemp("measured") / "cache"
+    run_ranks(measure_worker, 2, timeout=300, env={"HETRAIN_CACHE": str(cache)})
+    parts = [(schedule, part) for schedule in ("1f1b", "gpipe") for part in ("fixed", "moving")] + [("gpipe", "capped")]
+
+    def run(schedule, part, tmp):
+        return run_ranks(run_worker, 2, schedule, part, str(tmp / "ckpt"), timeout=500,
                          env={"HETRAIN_CACHE": str(tmp / "cache")})
 
-    with ThreadPoolExecutor(2) as pool:
-        runs = {schedule: pool.submit(group, schedule) for schedule in ("1f1b", "gpipe")}
-        return {schedule: run.result() for schedule, run in runs.items()}
+    tmps = {key: tmp_path_factory.mktemp("-".join(key)) for key in parts}     # here, not in the threads
+    for tmp in tmps.values():
+        shutil.copytree(cache, tmp / "cache")
+    with ThreadPoolExecutor(len(parts)) as pool:
+        done = {key: pool.submit(run, *key, tmps[key]) for key in parts}
+        results = {key: future.result() for key, future in done.items()}
+    out = {schedule: [{} for _ in range(2)] for schedule in ("1f1b", "gpipe")}
+    for (schedule, _), per_rank in results.items():
+        for mine, got in zip(out[schedule], per_rank):
+            mine.update(got)
+    return out
 
 
 def rate(run) -> float:

@@ -133,7 +133,7 @@ def pair_worker(rank, world):
 
     join_group()
     out = {("plain", s): worker(rank, world, s, PLAN, 3, "sgd", torch.float32, None) for s in ("zero1", "fsdp", "capacity")}
-    out["auto"] = worker(rank, world, None, PLAN, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090@18944")
+    out["auto"] = worker(rank, world, None, PLAN, 2, "sgd", torch.float32, "a100-80g@1MiB,rtx3090:1.0@18944")
     for s in ("zero1", "capacity") + (("fsdp",) if IN_LOOP_FSDP_OOM else ()):
         out["oom", s] = worker(rank, world, s, PLAN, 3, "sgd", torch.float32, "a100-80g,rtx3090:1.0", OOM)
     return out
@@ -143,7 +143,7 @@ def world_worker(rank, world):
     """One job on this many ranks: 3 (capacity sharding by free memory, AdamW float64) or 1."""
     if world == 3:
         return worker(rank, world, "capacity", make_plan((7, 13, 12), (3, 13, 5)), 3, "adamw", torch.float64,
-                      "a100-80g@64MiB,rtx3090@24MiB,rtx3090@8MiB")
+                      "a100-80g@64MiB,rtx3090:1.0@24MiB,rtx3090:1.0@8MiB")
     return worker(rank, world, "zero1", make_plan((16,), (16,)), 1, "sgd", torch.float32, None)
 
 

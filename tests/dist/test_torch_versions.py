@@ -139,10 +139,24 @@ def pipeline_worker(rank, world):
     return {"seen": seen, "ooms": ooms}
 
 
-def test_a_stage_s_stand_in_after_an_oom_is_shaped_like_its_outputs():
+def probe_and_pipeline_worker(rank, world):
+    """The probe's job, then the pipeline's, one after the other in one process group."""
+    from pipeline_runs import join_group
+
+    join_group()
+    return {"probe": probe_worker(rank, world), "pipeline": pipeline_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def probe_and_pipeline():
+    results = run_ranks(probe_and_pipeline_worker, 2, timeout=240)
+    return {name: [r[name] for r in results] for name in ("probe", "pipeline")}
+
+
+def test_a_stage_s_stand_in_after_an_oom_is_shaped_like_its_outputs(probe_and_pipeline):
     """The last stage's stand-in was a 0-d zero: torch 2.11 checks every stage's forward output
     against the shapes agreed at the first step and raised PipeliningShapeError there."""
-    r0, r1 = run_ranks(pipeline_worker, 2, timeout=180)
+    r0, r1 = probe_and_pipeline["pipeline"]
     assert r0["ooms"] == [0, 1]
     stand_ins = {s[1:] for s in r1["seen"] if s[0]}
     real = {s[1:] for s in r1["seen"] if not s[0]}
@@ -177,10 +191,10 @@ def probe_worker(rank, world):
     return {"made": made, "factors": [f["factor"] > 0 for f in firsts]}
 
 
-def test_the_pipeline_probe_makes_its_one_rank_groups_once():
+def test_the_pipeline_probe_makes_its_one_rank_groups_once(probe_and_pipeline):
     """Each probe made every rank's one-rank group anew and never destroyed them: a communicator
     (GPU memory on NCCL) per rank per call, for the job's life."""
-    r0, r1 = run_ranks(probe_worker, 2, timeout=180)
+    r0, r1 = probe_and_pipeline["probe"]
     assert r0["made"] == r1["made"] == [[0], [1]]           # three probes, one set of groups
     assert all(r0["factors"]) and all(r1["factors"])
 
