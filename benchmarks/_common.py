@@ -83,16 +83,16 @@ def flags(args, *dests: str) -> list[str]:
 
 
 def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False, env: dict | None = None,
-             smoke: bool = False):
+             smoke: bool = False, preload: tuple[str, ...] = ()):
     """`script ARGV --out OUT` under torchrun --standalone on `nproc` ranks of one thread, its
     stdout dropped; the JSON at OUT (per_rank: each rank's at OUT.R, a list). smoke: the ranks
-    forked instead (forked_ranks)."""
+    forked instead (forked_ranks, its server importing `preload` too)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         argv = [*argv, "--out", str(out)]
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
         if smoke:
-            forked_ranks(script, nproc, argv, env=env)
+            forked_ranks(script, nproc, argv, env=env, preload=preload)
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
                    *argv]
@@ -110,11 +110,11 @@ def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False
 RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine"]
 
 
-def _fork_context():
+def _fork_context(preload: tuple[str, ...]):
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)      # used when the server starts: the first forked_ranks
+    ctx.set_forkserver_preload([*RANK_PRELOAD, *preload])    # used when the server starts: the first forked_ranks
     return ctx
 
 
@@ -137,13 +137,14 @@ def _rank_main(script: str, argv: list[str], env: dict) -> None:
 
 
 def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None = None, timeout: float = 600.0,
-                 check: bool = True) -> list[int]:
+                 check: bool = True, preload: tuple[str, ...] = ()) -> list[int]:
     """`script ARGV` on `nproc` forked ranks joined as torchrun --standalone joins them (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, ...): each rank's exit code (a rank past `timeout` is killed).
-    check: any code but 0 raises subprocess.CalledProcessError, as torchrun's failure does."""
+    check: any code but 0 raises subprocess.CalledProcessError, as torchrun's failure does.
+    preload: more modules the server imports for every rank, given at the first call."""
     import socket
 
-    ctx = _fork_context()
+    ctx = _fork_context(preload)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
