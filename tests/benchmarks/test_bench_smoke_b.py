@@ -1,4 +1,4 @@
-"""Half of the benchmarks' smokes (bench_smoke.py says what each checks; the other half: test_bench_smoke_a.py)."""
+"""A quarter of the benchmarks' smokes (bench_smoke.py says what each checks; the others: test_bench_smoke_a.py, test_bench_smoke_c.py, test_bench_smoke_d.py)."""
 
 from __future__ import annotations
 

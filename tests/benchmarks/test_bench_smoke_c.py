@@ -1,0 +1,12 @@
+"""A quarter of the benchmarks' smokes (bench_smoke.py says what each checks; the others: test_bench_smoke_a.py, test_bench_smoke_b.py, test_bench_smoke_d.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench_smoke import benchmarks, run_smoke
+
+
+@pytest.mark.parametrize("name", benchmarks(2))
+def test_the_benchmark_runs_its_smoke_and_writes_its_json(name, tmp_path):
+    run_smoke(name, tmp_path)
