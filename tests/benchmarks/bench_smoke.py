@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TIMEOUT_S = 300     # a smoke takes seconds; this bounds a hung one, not its speed
 
 
-PARTS = 4          # test_bench_smoke_a.py .. _d.py
+PARTS = 7          # test_bench_smoke_a.py .. _g.py: two smokes a file, none past ~60 s of CPU (loadfile schedules files)
 
 
 def benchmarks(part: int, parts: int = PARTS) -> list[str]:

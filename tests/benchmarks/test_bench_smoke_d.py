@@ -1,4 +1,5 @@
-"""A quarter of the benchmarks' smokes (bench_smoke.py says what each checks; the others: test_bench_smoke_a.py, test_bench_smoke_b.py, test_bench_smoke_c.py)."""
+"""Part 4 of 7 of the benchmarks' smokes (bench_smoke.py says what each checks and how
+they are split into test_bench_smoke_a.py .. _g.py)."""
 
 from __future__ import annotations
 
