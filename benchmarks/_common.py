@@ -136,13 +136,14 @@ def _rank_main(script: str, argv: list[str], env: dict) -> None:
     runpy.run_path(script, run_name="__main__")     # a SystemExit's code is the rank's exit code
 
 
-def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None = None, timeout: float = 600.0,
+def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None = None, timeout: float = 300.0,
                  check: bool = True, preload: tuple[str, ...] = ()) -> list[int]:
     """`script ARGV` on `nproc` forked ranks joined as torchrun --standalone joins them (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, ...): each rank's exit code (a rank past `timeout` is killed).
     check: any code but 0 raises subprocess.CalledProcessError, as torchrun's failure does.
     preload: more modules the server imports for every rank, given at the first call."""
     import socket
+    from multiprocessing.connection import wait as mp_wait
 
     ctx = _fork_context(preload)
     with socket.socket() as s:
@@ -157,13 +158,19 @@ def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None =
              for r in range(nproc)]
     for p in procs:
         p.start()
+    # As torchrun's agent does: once a rank fails, stop the others (they would wait in a collective
+    # for its gloo timeout), and stop every rank at the deadline.
     deadline = time.monotonic() + timeout
+    running = list(procs)
+    while running and time.monotonic() < deadline:
+        mp_wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
+        running = [p for p in running if p.exitcode is None]
+        if any(p.exitcode for p in procs if p.exitcode is not None):
+            break
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
+        if p.exitcode is None:
             p.kill()
-            p.join()
+        p.join()
     codes = [p.exitcode for p in procs]
     if check and any(codes):
         raise subprocess.CalledProcessError(next(c for c in codes if c), [sys.executable, script, *argv])
