@@ -172,8 +172,9 @@ def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None =
             p.kill()
         p.join()
     codes = [p.exitcode for p in procs]
-    if check and any(codes):
-        raise subprocess.CalledProcessError(next(c for c in codes if c), [sys.executable, script, *argv])
+    if check and any(codes):     # the code of a rank that failed itself, before one this stopped
+        failed = [c for c in codes if c]
+        raise subprocess.CalledProcessError(next((c for c in failed if c > 0), failed[0]), [sys.executable, script, *argv])
     return codes
 
 
