@@ -82,17 +82,100 @@ def flags(args, *dests: str) -> list[str]:
     return [a for d in dests if getattr(args, d) is not None for a in ("--" + d.replace("_", "-"), str(getattr(args, d)))]
 
 
-def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False, env: dict | None = None):
+def torchrun(script: str, nproc: int, argv: list[str], *, per_rank: bool = False, env: dict | None = None,
+             smoke: bool = False, preload: tuple[str, ...] = ()):
     """`script ARGV --out OUT` under torchrun --standalone on `nproc` ranks of one thread, its
-    stdout dropped; the JSON at OUT (per_rank: each rank's at OUT.R, a list)."""
+    stdout dropped; the JSON at OUT (per_rank: each rank's at OUT.R, a list). smoke: the ranks
+    forked instead (forked_ranks, its server importing `preload` too)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
-               *argv, "--out", str(out)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                       stdout=subprocess.DEVNULL)
+        argv = [*argv, "--out", str(out)]
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        if smoke:
+            forked_ranks(script, nproc, argv, env=env, preload=preload)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+                   *argv]
+            subprocess.run(cmd, check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
         return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(nproc)] if per_rank else \
             json.loads(out.read_text())
+
+
+# -- a smoke's ranks, forked ----------------------------------------------------------------------
+# A rank under torchrun is a fresh interpreter importing torch and hetrain's runtime: ~5 s of CPU
+# a rank on a 2-core CI host, most of a smoke's few steps, and torchrun's agent is one more. A
+# smoke forks its ranks instead from one server that imported them once (as tests/harness.py's
+# ranks are), each running the script's own worker (`script ARGV` as __main__) in the environment
+# torchrun gives a rank of a single-node job. A full run keeps torchrun.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetrain.runtime.engine"]
+
+
+def _fork_context(preload: tuple[str, ...]):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*RANK_PRELOAD, *preload])    # used when the server starts: the first forked_ranks
+    return ctx
+
+
+def _rank_main(script: str, argv: list[str], env: dict) -> None:
+    import multiprocessing as mp
+    import runpy
+
+    # The server's environment is the driver's when it started: make it the driver's now.
+    os.environ.clear()
+    os.environ.update(env)
+    mp.set_start_method("fork", force=True)     # a DataLoader's workers fork, as under torchrun
+    import torch
+
+    torch.set_num_threads(1)
+    null = os.open(os.devnull, os.O_WRONLY)     # torchrun's stdout is dropped (torchrun() above)
+    os.dup2(null, 1)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")     # a SystemExit's code is the rank's exit code
+
+
+def forked_ranks(script: str, nproc: int, argv: list[str], *, env: dict | None = None, timeout: float = 300.0,
+                 check: bool = True, preload: tuple[str, ...] = ()) -> list[int]:
+    """`script ARGV` on `nproc` forked ranks joined as torchrun --standalone joins them (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, ...): each rank's exit code (a rank past `timeout` is killed).
+    check: any code but 0 raises subprocess.CalledProcessError, as torchrun's failure does.
+    preload: more modules the server imports for every rank, given at the first call."""
+    import socket
+    from multiprocessing.connection import wait as mp_wait
+
+    ctx = _fork_context(preload)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+              "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "TORCHELASTIC_RUN_ID": f"smoke-{port}", **(env or {})}
+    procs = [ctx.Process(target=_rank_main, args=(script, argv, {**common, "RANK": str(r), "LOCAL_RANK": str(r),
+                                                                 "ROLE_RANK": str(r)}))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    # As torchrun's agent does: once a rank fails, stop the others (they would wait in a collective
+    # for its gloo timeout), and stop every rank at the deadline.
+    deadline = time.monotonic() + timeout
+    running = list(procs)
+    while running and time.monotonic() < deadline:
+        mp_wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
+        running = [p for p in running if p.exitcode is None]
+        if any(p.exitcode for p in procs if p.exitcode is not None):
+            break
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+        p.join()
+    codes = [p.exitcode for p in procs]
+    if check and any(codes):     # the code of a rank that failed itself, before one this stopped
+        failed = [c for c in codes if c]
+        raise subprocess.CalledProcessError(next((c for c in failed if c > 0), failed[0]), [sys.executable, script, *argv])
+    return codes
 
 
 def interleaved(names, rounds: int, *, own_cache: bool = False):

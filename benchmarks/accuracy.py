@@ -257,7 +257,7 @@ def main(argv=None) -> dict:
     add_clock_arguments(p, default="auto", micro=True)
     add_smoke(p)
     args = p.parse_args(argv)
-    apply_smoke(p, args, steps=4, rounds=1, global_batch=32, model="2,64,16", precision="fp32")
+    apply_smoke(p, args, steps=4, rounds=1, global_batch=32, model="2,64,16", precision="fp32", dilate=1.0)
     names = [n.strip() for n in (args.layouts or ("dp" if args.smoke else "all")).split(",") if n.strip()]
     chosen = list(dict.fromkeys(k for n in names for k in (ALL if n == "all" else [n])))
     unknown = [n for n in chosen if n not in LAYOUTS]

@@ -54,7 +54,7 @@ def worker(args) -> dict:
 def launch(mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as cache:          # a fresh profile cache each run
         ranks = torchrun(__file__, 2, ["--worker", "--mode", mode, *flags(args, "d_model", "seq_len")], per_rank=True,
-                         env={"HETRAIN_CACHE": cache})
+                         env={"HETRAIN_CACHE": cache}, smoke=args.smoke)
     return {"prepare_s": max(r["prepare_s"] for r in ranks), "layout": ranks[0]["layout"]}
 
 

@@ -132,7 +132,7 @@ def timed_hetrain(args, marks: list | None = None, parallel="auto", **init) -> t
 def launch(name: str, args) -> dict:
     mode, spec = CONFIGS[name]
     return torchrun(__file__, len(spec.split(",")), ["--worker", mode, "--spec", spec, *flags(
-        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "precision", "clock_ms")])
+        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "precision", "clock_ms")], smoke=args.smoke)
 
 
 def main() -> None:

@@ -259,6 +259,11 @@ def main() -> None:
     apply_smoke(p, args, reps=3, steps=2, rounds=1, island=1, global_batch=64)
     if args.smoke:
         args.mbytes, args.bridge_gbs, args.clock_ms = 4.0, 0.1, 8.0
+        import harness
+
+        # These ranks need torch and hetrain's runtime, not the integrations' libraries the tests'
+        # fork server imports besides (~9 s of CPU, once, of a smoke's ~20).
+        harness.PRELOAD = [m for m in harness.PRELOAD if not m.startswith(("transformers", "lightning"))]
     if not (args.mbytes > 0 and args.bridge_gbs > 0 and args.clock_ms > 0) or min(args.reps, args.steps, args.rounds, args.island) < 1:
         p.error("--mbytes, --bridge-gbs, --clock-ms and the sizes must be positive")
     result = {"allreduce": allreduce_figures(args), "efficiency": efficiency_figures(args), "smoke": args.smoke}

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, add_smoke, apply_smoke
+from _common import Parser, add_smoke, apply_smoke, forked_ranks
 
 SPEC = "a100-80g@80MiB,rtx3090@24MiB"
 VOCAB, HEADS = 256, 4
@@ -120,14 +120,22 @@ def worker(study: str, strategy: str, width: int, steps: int, precision: str, ou
 
 
 # -- the driver --------------------------------------------------------------------------------
+FORK = False     # --smoke: each job's ranks forked (_common.forked_ranks), not torchrun's fresh processes
+
+
 def trial(study: str, strategy: str, width: int, steps: int, precision: str) -> dict:
     """The job in 2 fresh processes: {'fits': True, rank 0's figures...} or {'fits': False,
     'oom_rank', 'error'}; anything but success or an OOM raises."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", study, strategy, str(width), str(steps), precision, tmp]
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=600)
+        argv = ["--worker", study, strategy, str(width), str(steps), precision, tmp]
+        if FORK:
+            codes = forked_ranks(__file__, 2, argv, env={"OMP_NUM_THREADS": "1"}, check=False)
+            proc = subprocess.CompletedProcess(argv, next((c for c in codes if c), 0), "",
+                                               "(the ranks' stderr: above)")
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, *argv]
+            proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                  timeout=600)
         results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     statuses = [r["status"] for r in results]
     if proc.returncode == 0 and statuses == ["ok", "ok"]:
@@ -235,6 +243,7 @@ def main() -> None:
         p.error(f"--strategies: unknown {', '.join(unknown)}; known: {', '.join(STRATEGIES['strategies'])}")
     if args.smoke:    # its throughput round is the search's own job (the same width and steps): run once
         globals()["trial"] = functools.cache(trial)
+        globals()["FORK"] = True
     t0, out = time.perf_counter(), {"cluster": SPEC, "scale": "1 GB of the real cards -> 1 MiB emulated",
                                     "smoke": args.smoke}
     if args.study in ("strategies", "all"):

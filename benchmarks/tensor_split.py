@@ -96,7 +96,8 @@ def worker(args) -> dict:
 def launch(name: str, args) -> dict:
     split, spec = CONFIGS[name]
     ranks = torchrun(__file__, 2, ["--worker", "--split", split, "--spec", spec, *flags(
-        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "heads", "clock_ms")], per_rank=True)
+        args, "steps", "warmup", "global_batch", "seq_len", "d_model", "layers", "heads", "clock_ms")], per_rank=True,
+                     smoke=args.smoke, preload=("transformers.models.gpt2.modeling_gpt2",))
     return {**ranks[0], "clock_s_per_sample": [r["clock_s_per_sample"] for r in ranks]}
 
 

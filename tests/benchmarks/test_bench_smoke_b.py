@@ -1,4 +1,5 @@
-"""Half of the benchmarks' smokes (bench_smoke.py says what each checks; the other half: test_bench_smoke_a.py)."""
+"""Part 2 of 7 of the benchmarks' smokes (bench_smoke.py says what each checks and how
+they are split into test_bench_smoke_a.py .. _g.py)."""
 
 from __future__ import annotations
 
