@@ -46,13 +46,16 @@ SERVER_MODULES = ("optuna", "optuna.storages._rdb.storage", "sqlalchemy.dialects
 SERVER_TORCH = ("torch", "torch._dynamo", "hetrain.emulation.device")
 
 
+def server_modules(targets) -> tuple[str, ...]:
+    return SERVER_MODULES if any(on_gpu(t) for t in targets) else SERVER_MODULES + SERVER_TORCH
+
+
 def worker_context(targets):
     """The multiprocessing context the workers start from: a fork server, a process of its own with
     no thread and no open storage (forking the scheduler would copy its queues' threads and its
-    SQLite connection), preloaded (SERVER_MODULES). It exits when the scheduler does."""
+    SQLite connection), preloaded (server_modules). It exits once the scheduler and the workers have."""
     ctx = mp.get_context("forkserver")
-    gpu = any(on_gpu(t) for t in targets)
-    ctx.set_forkserver_preload(list(SERVER_MODULES if gpu else SERVER_MODULES + SERVER_TORCH))
+    ctx.set_forkserver_preload(list(server_modules(targets)))
     return ctx
 
 
