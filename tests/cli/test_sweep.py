@@ -240,6 +240,9 @@ def test_a_scheduler_killed_alone_leaves_no_worker_training(tmp_path):
                       "a trial running on its worker, early", tmp_path, "sweep")
         os.kill(proc.pid, signal.SIGKILL)                      # the scheduler alone
         proc.wait(timeout=60)
+        # what the study held once the scheduler was dead: on a busy host the poll above can see
+        # a trial a step or more before the kill lands
+        at_kill = trials_in(db)
         assert group_gone(proc.pid, deadline_s=120), "workers outlived their scheduler"
     finally:
         if proc.poll() is None:
@@ -252,7 +255,8 @@ def test_a_scheduler_killed_alone_leaves_no_worker_training(tmp_path):
     for n, t in at.items():
         if t["state"] == "RUNNING" and t["reports"] >= 1:
             # its worker stopped at the step under way when the scheduler died, not at the trial's end
-            assert after[n]["reports"] <= t["reports"] + 1 < 6, (n, t, after[n])
+            assert after[n]["reports"] <= at_kill[n]["reports"] + 1 and after[n]["reports"] < 6, (n, t, at_kill[n],
+                                                                                                  after[n])
 
 
 def test_a_storage_another_sweep_holds_is_one_line(tmp_path):

@@ -148,7 +148,9 @@ class TrialContext:
     trial: object = None             # the worker's optuna.trial.Trial (report / should_prune)
     reports: int = 0
     compute_s: float = field(default=0.0)
-    parent: int | None = None        # the scheduler's pid: the trial stops once it is gone
+    parent: int | None = None        # the scheduler's pid (a group's rank): the trial stops once it is gone
+    # a worker's end of a pipe only the scheduler holds open: readable (at EOF) once it is gone
+    lifeline: object = None
     # a group trial (a data-parallel job over several devices): this rank, the members' labels, the
     # sharding the memory model chose, and how the ranks agree on a decision (rank 0's, broadcast)
     rank: int = 0
@@ -162,16 +164,17 @@ class TrialContext:
         return self.world_size > 1
 
     def _check_parent(self) -> None:
-        if self.parent is None:
+        if self.lifeline is not None:
+            if not self.lifeline.poll():
+                return
+        elif self.parent is None:
             return
-        if self.group:        # a rank's parent is torchrun: ask whether the scheduler is still there
+        else:                 # a rank's parent is torchrun: ask whether the scheduler is still there
             try:
                 os.kill(self.parent, 0)
                 return
             except ProcessLookupError:
                 pass
-        elif os.getppid() == self.parent:
-            return
         raise SystemExit("hetrain sweep: the scheduler is gone; this trial's worker stops")
 
     def report(self, value: float, step: int) -> None:

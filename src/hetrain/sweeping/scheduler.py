@@ -19,7 +19,6 @@ devices' workers, tells Optuna how each ended; a worker that dies is noticed and
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import time
 
@@ -30,6 +29,7 @@ from ..hardware.units import format_bytes
 from .asking import Asker
 from .group_job import GroupJob
 from .groups import GroupFit, best_group, fits_no_group
+from .objective import on_gpu
 from .placement import Need, Slot, assign, fits_somewhere
 from .worker import worker_main
 
@@ -37,12 +37,37 @@ RESTARTS = 2        # new workers a device gets; its worker dying once more leav
 POLL_S = 0.5        # how often a quiet scheduler looks at its workers
 
 
+# What the fork server imports once, so that each worker (and each worker that replaces a dead one)
+# starts without importing it again: Optuna and its SQLite storage, and hetrain's worker. On devices
+# that are not CUDA GPUs torch too, with torch._dynamo, which the first optimizer a trial builds
+# imports; never on GPUs, where a worker imports torch only after CUDA_VISIBLE_DEVICES names its GPU
+SERVER_MODULES = ("optuna", "optuna.storages._rdb.storage", "sqlalchemy.dialects.sqlite", "alembic.command",
+                  "alembic.migration", "hetrain.sweeping.worker", "hetrain.sweeping.trial_run")
+SERVER_TORCH = ("torch", "torch._dynamo", "hetrain.emulation.device")
+
+
+def server_modules(targets) -> tuple[str, ...]:
+    return SERVER_MODULES if any(on_gpu(t) for t in targets) else SERVER_MODULES + SERVER_TORCH
+
+
+def worker_context(targets):
+    """The multiprocessing context the workers start from: a fork server, a process of its own with
+    no thread and no open storage (forking the scheduler would copy its queues' threads and its
+    SQLite connection), preloaded (server_modules). It exits once the scheduler and the workers have."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(server_modules(targets)))
+    return ctx
+
+
 class Workers:
-    """One spawned worker process per device, each with its own task queue; one result queue."""
+    """One worker process per device, each with its own task queue; one result queue; one lifeline,
+    a pipe whose write end only this process holds (never written: the workers see EOF on its read
+    end once the scheduler is gone, killed alone included)."""
 
     def __init__(self, setup):
         self.setup = setup
-        self.mp = mp.get_context("spawn")
+        self.mp = worker_context(setup.targets)
+        self.lifeline, self.held = self.mp.Pipe(duplex=False)
         self.results = self.mp.Queue()
         self.procs: dict = {}
         self.tasks: dict = {}
@@ -51,7 +76,7 @@ class Workers:
 
     def start(self, index: int) -> None:
         tasks = self.mp.Queue()
-        proc = self.mp.Process(target=worker_main, args=(index, self.setup, tasks, self.results, os.getpid()),
+        proc = self.mp.Process(target=worker_main, args=(index, self.setup, tasks, self.results, self.lifeline),
                                daemon=True)
         proc.start()
         self.procs[index], self.tasks[index] = proc, tasks

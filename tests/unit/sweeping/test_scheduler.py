@@ -5,6 +5,9 @@ only the left-out device could hold fails with the reason."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import optuna
@@ -91,3 +94,22 @@ def test_every_worker_dying_for_good_stops_the_sweep_with_the_fix():
     with pytest.raises(HetrainError, match="every device's worker died 3 times") as e:
         sweep(20, dying={0, 1}, need_mib=lambda n: 1)
     assert "run the same command again" in e.value.fix
+
+
+def test_the_fork_server_preloads_importable_modules_and_no_torch_on_gpus():
+    import importlib.util
+
+    from hetrain.emulation.trials import TARGET
+    from hetrain.sweeping.scheduler import server_modules
+
+    emulated, gpus = server_modules((TARGET, TARGET)), server_modules(("0", "1"))
+    # the server skips a module it cannot import without a word: a misspelt one would only cost time
+    assert all(importlib.util.find_spec(name) is not None for name in emulated + gpus)
+    assert {"torch", "torch._dynamo", "optuna"} <= set(emulated)
+    # a GPU worker imports torch only after CUDA_VISIBLE_DEVICES names its GPU: none of the GPU
+    # server's modules imports it (checked in a fresh interpreter, as the server is one)
+    assert "optuna" in gpus
+    code = f"import sys\nfor m in {list(gpus)!r}:\n    __import__(m)\nprint('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip() == "False"

@@ -55,3 +55,20 @@ def test_presampled_values_are_fixed_params_and_an_unused_branch_is_not_recorded
     trial.suggest_float("b_y", 0, 1)                                           # the objective's other branch
     scheduler.tell(asked, 2.0)
     assert set(scheduler.get_trials()[1].params) == {"kind", "b_y"}           # a_x, never suggested, left out
+
+
+def test_a_trial_stops_at_its_next_compute_once_the_lifeline_closes():
+    import multiprocessing
+
+    import pytest
+
+    from hetrain.sweeping.objective import TrialContext
+
+    lifeline, held = multiprocessing.Pipe(duplex=False)
+    ctx = TrialContext(number=0, params={}, device="cpu", label="d", lifeline=lifeline)
+    with ctx.compute():
+        pass                                  # the scheduler holds its end: the trial goes on
+    held.close()                              # as the kernel closes it when the scheduler dies
+    with pytest.raises(SystemExit, match="the scheduler is gone"):
+        with ctx.compute():
+            pass
