@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 
 class EmulatedTarget:
-    """The target of a sweep slot an emulated device holds (picklable: the spawned worker gets it
+    """The target of a sweep slot an emulated device holds (picklable: the worker gets it
     with the sweep's setup)."""
 
     torch_device = "cpu"
