@@ -17,6 +17,8 @@ ALLOWED = {
     "ddp.reducer._get_zeros_like_grad_buckets": "the buckets an OOM left unsent (their layout, as meta tensors)",
     "torch._utils": "torch's flatten/unflatten of dense tensors (pipeline gradient exchange)",
     "torch.utils._python_dispatch": "TorchDispatchMode (see PRIVATE_IMPORTS)",
+    "torch._dynamo": "preloaded by the sweep's fork server (a module name): the first optimizer a trial "
+                     "builds imports it, ~2 s of CPU a worker otherwise",
 }
 ACCESS = re.compile(r"\b((?:\w+\.)*\w+)\.(_[A-Za-z]\w*)")
 

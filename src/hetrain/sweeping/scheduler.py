@@ -40,10 +40,10 @@ POLL_S = 0.5        # how often a quiet scheduler looks at its workers
 # What the fork server imports once, so that each worker (and each worker that replaces a dead one)
 # starts without importing it again: Optuna and its SQLite storage, and hetrain's worker. On devices
 # that are not CUDA GPUs torch too, with torch._dynamo, which the first optimizer a trial builds
-# imports; never on GPUs, where a worker imports torch only after CUDA_VISIBLE_DEVICES names its GPU
-SERVER_MODULES = ("optuna", "optuna.storages._rdb.storage", "sqlalchemy.dialects.sqlite", "alembic.command",
+# imports, and hetrain's runtime (the device a trial runs on); never on GPUs, where a worker imports torch only after CUDA_VISIBLE_DEVICES names its GPU
+SERVER_MODULES = ("optuna", "optuna.storages", "sqlalchemy.dialects.sqlite", "alembic.command",
                   "alembic.migration", "hetrain.sweeping.worker", "hetrain.sweeping.trial_run")
-SERVER_TORCH = ("torch", "torch._dynamo", "hetrain.emulation.device")
+SERVER_TORCH = ("torch", "torch._dynamo", "hetrain.runtime.engine")
 
 
 def server_modules(targets) -> tuple[str, ...]:
