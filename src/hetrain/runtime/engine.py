@@ -186,10 +186,7 @@ class Engine(EngineFacts):
         self.job.log.flush()
         self._closed = True
         self._release()
-        try:
-            shutdown(self.ctx)      # its collection scans what the job made: the heap prepare() froze stays so
-        finally:
-            gc.unfreeze()           # until the group is left (setup.freeze_heap), for a process that goes on
+        shutdown(self.ctx)
 
     def _at_exit(self) -> None:
         """An interpreter exit without close() (an error the script caught, say): free the DDP
@@ -202,12 +199,12 @@ class Engine(EngineFacts):
         self._release()
         gc.collect()
         leave_after_error(self.ctx)
-        gc.unfreeze()
 
     def _release(self) -> None:
         self.job.preemption.uninstall()
         if self.job.recorder is not None:      # metrics.jsonl and TensorBoard's files, complete
             self.job.recorder.close()
+        gc.unfreeze()
         if self.job.checkpointer is not None:   # checkpoint_dir's lock: another job may use it now
             self.job.checkpointer.close()
         if self.job.model is not None:
